@@ -1,0 +1,169 @@
+"""Frozen, validated configuration dataclasses.
+
+Each config validates itself in ``__post_init__`` and raises :class:`LanternError` naming the
+offending field, so a bad value fails where the user typed it and not deep inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from lantern.errors import check
+
+RelaxationMode = Literal["absolute", "relative"]
+ResidualMode = Literal["paper", "official", "official-lumina"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution p is formed from its logits.
+
+    Order (LlamaGen's): CFG on raw logits -> temperature -> top-k -> top-p -> softmax.
+    ``temperature == 0`` means greedy argmax decoding. ``top_k == 0`` and ``top_p == 1`` turn the
+    filters off. ``cfg_scale == 1`` means no guidance and no doubled batch.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    cfg_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
+        )
+        check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}",
+        )
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(
+            math.isfinite(self.cfg_scale) and self.cfg_scale >= 1.0,
+            f"cfg_scale must be >= 1 (1 disables guidance), got {self.cfg_scale}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale > 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RelaxationConfig:
+    """LANTERN's relaxed acceptance (SPEC §4).
+
+    A drafted token x is credited with the target mass of the longest proximity-ordered prefix of
+    its ``k`` nearest latent neighbours whose cumulative mass stays within a bound:
+
+    * ``mode="absolute"`` (LANTERN): neighbour mass <= ``delta``, i.e. per-test TVD <= delta.
+    * ``mode="relative"`` (LANTERN++): neighbour mass <= (``lam`` - 1) * p(x), i.e.
+      p~(x) <= lam * p(x).
+
+    ``delta = 0``, ``lam = 1`` or ``k = 0`` reduce exactly to the exact (lossless) rule.
+    ``residual`` chooses what happens after a rejection: ``paper`` continues with the residual of
+    the relaxed target (SPEC §4.4); ``official`` reproduces the released LlamaGen code and
+    ``official-lumina`` the released Lumina-mGPT code, for comparison only.
+    """
+
+    k: int = 1000
+    delta: float = 0.0
+    lam: float = 1.0
+    mode: RelaxationMode = "absolute"
+    residual: ResidualMode = "paper"
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.k, int) and self.k >= 0, f"lantern k must be an integer >= 0, got {self.k}")
+        check(
+            self.mode in ("absolute", "relative"),
+            f"relaxation mode must be 'absolute' or 'relative', got {self.mode!r}",
+        )
+        check(
+            self.residual in ("paper", "official", "official-lumina"),
+            f"residual must be 'paper', 'official' or 'official-lumina', got {self.residual!r}",
+        )
+        check(
+            math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
+            f"lantern delta must be in [0, 1], got {self.delta}",
+        )
+        check(math.isfinite(self.lam) and self.lam >= 1.0, f"lantern lambda must be >= 1, got {self.lam}")
+        if self.mode == "absolute":
+            check(self.lam == 1.0, "lantern lambda is only used with mode='relative' (LANTERN++)")
+        else:
+            check(self.delta == 0.0, "lantern delta is only used with mode='absolute' (LANTERN)")
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the relaxation moves no mass: the rule is exact speculative sampling."""
+        return self.k == 0 or (self.delta == 0.0 if self.mode == "absolute" else self.lam == 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+TreeKind = Literal["none", "chain", "static", "dynamic"]
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the draft tree.
+
+    * ``none``: no drafter (plain AR decoding, one token per target forward).
+    * ``chain``: ``depth`` drafts in a line (sampled from the drafter).
+    * ``static``: a named EAGLE-1 tree (``name``), children sampled without replacement.
+    * ``dynamic``: EAGLE-2 tree of ``total_tokens`` drafted nodes chosen by cumulative drafter
+      log-probability, expanded ``depth`` times with ``top_k`` children each (deterministic drafts).
+    """
+
+    kind: TreeKind = "none"
+    name: str = ""
+    depth: int = 4
+    top_k: int = 10
+    total_tokens: int = 58
+
+    def __post_init__(self) -> None:
+        check(self.kind in ("none", "chain", "static", "dynamic"), f"unknown tree kind {self.kind!r}")
+        check(self.depth >= 1, f"tree depth must be >= 1, got {self.depth}")
+        check(self.top_k >= 1, f"tree top_k must be >= 1, got {self.top_k}")
+        check(self.total_tokens >= 1, f"tree total_tokens must be >= 1, got {self.total_tokens}")
+        if self.kind == "static":
+            check(bool(self.name), "a static tree needs a name, e.g. 'static:naive_extend_57'")
+
+    @classmethod
+    def parse(cls, spec: str, **dynamic: int) -> TreeConfig:
+        """Parse the CLI form: ``none``, ``dynamic``, ``chain:N`` or ``static:NAME``."""
+        from lantern.errors import LanternError
+
+        spec = spec.strip()
+        if spec in ("none", "ar"):
+            return cls(kind="none")
+        if spec == "dynamic":
+            return cls(kind="dynamic", **dynamic)
+        if spec.startswith("chain:"):
+            try:
+                n = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise LanternError(f"--tree chain:N needs an integer N, got {spec!r}") from None
+            check(n >= 1, f"--tree chain:N needs N >= 1, got {spec!r}")
+            return cls(kind="chain", depth=n)
+        if spec.startswith("static:"):
+            from lantern.trees import STATIC_TREES
+
+            name = spec.split(":", 1)[1]
+            check(
+                name in STATIC_TREES,
+                f"unknown static tree {name!r}; known: {', '.join(sorted(STATIC_TREES))}",
+            )
+            return cls(kind="static", name=name)
+        raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,275 @@
+"""The one decoding loop: prefill -> propose -> verify -> accept -> commit (STYLE lesson 7).
+
+Every method is a configuration of this loop:
+
+* AR: no drafter; the "tree" is the pending root alone, so each target forward yields one token.
+* Speculative decoding (SD): an EAGLE drafter proposes a chain, static or dynamic tree; the
+  target verifies it in one forward; an acceptance rule keeps a root->node path plus one more
+  token (recovered after a rejection, or bonus after a full path).
+* LANTERN / LANTERN++: the same, with a relaxed acceptance rule (``RelaxationConfig``).
+
+Rows of a batch progress independently: each has its own committed length, its own tree depth cap
+near the end of the image, and its own ``torch.Generator`` — a row draws the same random numbers
+whether it runs alone or in a batch, so batching never changes a row's codes.
+
+State at the top of each iteration, per row: ``n`` image tokens are known, the first ``n - 1`` are
+in the target's KV cache and the last one (the *root*) is pending; the root is node 0 of the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from lantern.config import RelaxationConfig, SamplingConfig
+from lantern.errors import check
+from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
+from lantern.target import LlamaGenTarget
+from lantern.trees import TreeBuffers, tree_from_parents
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A proposal for every row: tree nodes, their structure and the drafter's distributions."""
+
+    tokens: Tensor  # [B, T] node tokens; node 0 is the pending root
+    buffers: TreeBuffers  # parents / depth / mask / children / retrieve, batched [B, ...]
+    # [B, T, V] drafter distribution at each node from which its children were drawn (in sibling
+    # order, without replacement); None for deterministic (top-k) drafts, where q is a point mass.
+    q_draft: Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What the loop needs from a drafter (EAGLE-style: it reads the target's hidden states)."""
+
+    forwards: int
+
+    def start(self, hidden: Tensor, root: Tensor) -> None:
+        """hidden [S*B, L, D]: target features of the prefilled condition; root [B]: token 0."""
+
+    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+        """Draft a tree per row rooted at the pending token. active [B] bool; max_depth [B]."""
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
+        """hidden [S*B, A, D]: target features along each row's accepted path (root first);
+        next_tokens [B, A]: the token that follows each of those positions; num_new [B]."""
+
+
+@dataclass
+class SpecStats:
+    """Counts per row; ``mean_accepted`` = tokens per target forward (1.0 for AR)."""
+
+    target_forwards: Tensor  # [B] forwards each row took part in, prefill included
+    tokens_per_step: list[Tensor] = field(default_factory=list)  # per step: [B], 0 = inactive
+    generated_tokens: int = 0  # per row
+    drafter_forwards: int = 0
+    relaxed_accepts: int = 0  # drafts accepted only thanks to the relaxation
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens_per_step)
+
+    @property
+    def mean_accepted_per_row(self) -> Tensor:
+        return self.generated_tokens / self.target_forwards.float()
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(self.mean_accepted_per_row.mean())
+
+    def accept_histogram(self) -> dict[int, int]:
+        """How many verify steps yielded 1, 2, ... tokens (over all rows)."""
+        if not self.tokens_per_step:
+            return {}
+        all_steps = torch.stack(self.tokens_per_step).flatten()
+        values, counts = torch.unique(all_steps[all_steps > 0], return_counts=True)
+        return {int(v): int(c) for v, c in zip(values, counts, strict=True)}
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "generated_tokens": self.generated_tokens,
+            "target_forwards": [int(x) for x in self.target_forwards],
+            "mean_accepted": self.mean_accepted,
+            "mean_accepted_per_image": [float(x) for x in self.mean_accepted_per_row],
+            "drafter_forwards": self.drafter_forwards,
+            "relaxed_accepts": self.relaxed_accepts,
+            "accept_histogram": self.accept_histogram(),
+        }
+
+
+@dataclass
+class GenerationOutput:
+    codes: Tensor  # [B, N] image tokens in raster order
+    stats: SpecStats
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """How drafted tokens are accepted: exact (``relaxation`` None) or LANTERN-relaxed."""
+
+    relaxation: RelaxationConfig | None = None
+    neighbours: Tensor | None = None  # [V, K_max] latent proximity table
+
+    def __post_init__(self) -> None:
+        if self.relaxation is not None and not self.relaxation.is_exact:
+            check(self.neighbours is not None, "relaxed acceptance needs a proximity table")
+
+
+def _root_only_tree(batch: int, device: torch.device) -> TreeBuffers:
+    return tree_from_parents(torch.full((batch, 1), -1, dtype=torch.long, device=device))
+
+
+@torch.no_grad()
+def generate(
+    target: LlamaGenTarget,
+    cond: Tensor,
+    *,
+    generators: list[torch.Generator] | None = None,
+    drafter: Drafter | None = None,
+    acceptance: Acceptance | None = None,
+    cond_mask: Tensor | None = None,
+    progress: bool = False,
+) -> GenerationOutput:
+    """Generate ``target.num_tokens`` image tokens for each condition row.
+
+    cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
+    sampling is greedy).
+    """
+    sampling = target.sampling
+    b, n_total, device = cond.shape[0], target.num_tokens, target.device
+    check(
+        sampling.greedy or (generators is not None and len(generators) == b),
+        f"sampling needs one torch.Generator per row ({b}), got {0 if generators is None else len(generators)}",
+    )
+    acceptance = acceptance or Acceptance()
+
+    # 1. Prefill the condition; token 0 comes from its last position.
+    logits0, hidden0 = target.start(cond, cond_mask)
+    root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
+    codes = torch.full((b, n_total), -1, dtype=torch.long, device=device)
+    codes[:, 0] = root
+    n = torch.ones(b, dtype=torch.long, device=device)
+    stats = SpecStats(target_forwards=torch.ones(b, dtype=torch.long), generated_tokens=n_total)
+    if drafter is not None:
+        drafter.start(hidden0, root)
+    ar_tree = _root_only_tree(b, device)
+
+    bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
+    bar.update(b)
+    while bool((active := n < n_total).any()):
+        # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
+        max_depth = (n_total - n - 1).clamp(min=0)
+        # 2. Propose.
+        if drafter is None:
+            tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
+        else:
+            tree = drafter.propose(generators, active, max_depth)
+        # 3. Verify: one target forward over every row's tree.
+        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
+        # 4. Accept.
+        path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, generators, acceptance)
+        num_acc = torch.where(active, num_acc, 0)
+        # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
+        new = torch.where(active, num_acc + 1, 0)
+        target.commit(path, new)
+        _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
+        if drafter is not None:
+            feats = _gather_path(hidden, path.clamp(min=0), target.streams)
+            follow = torch.cat([tree.tokens.gather(1, path[:, 1:].clamp(min=0)), next_token[:, None]], 1)
+            follow = follow.scatter(1, num_acc[:, None], next_token[:, None])
+            drafter.commit(feats, follow, new)
+        root = torch.where(active, next_token, root)
+        n = n + new
+        stats.target_forwards += active.long().cpu()
+        stats.tokens_per_step.append(new.cpu())
+        stats.relaxed_accepts += int(relaxed)
+        bar.update(int(new.sum()))
+    bar.close()
+    if drafter is not None:
+        stats.drafter_forwards = drafter.forwards
+    return GenerationOutput(codes=codes, stats=stats)
+
+
+def _sample(
+    logits: Tensor, sampling: SamplingConfig, generators: list[torch.Generator] | None, active: Tensor
+) -> Tensor:
+    """One token per row from guided logits [B, V]: argmax (greedy) or inverse-CDF sampling."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    u = _uniforms(generators, active, 1)[:, 0]
+    return sample_from_probs(probs_from_logits(logits, sampling), u)
+
+
+def _uniforms(generators: list[torch.Generator] | None, active: Tensor, n: int) -> Tensor:
+    """[B, n] uniforms; inactive rows draw nothing, so a row's stream ignores its batch-mates."""
+    assert generators is not None
+    out = torch.zeros(len(generators), n, device=active.device)
+    rows = active.nonzero().flatten().tolist()
+    if rows:
+        out[rows] = draw_uniforms([generators[i] for i in rows], n, active.device)
+    return out
+
+
+def _accept(
+    logits: Tensor,  # [B, T, V] guided
+    tree: DraftTree,
+    max_depth: Tensor,  # [B]
+    active: Tensor,  # [B]
+    sampling: SamplingConfig,
+    generators: list[torch.Generator] | None,
+    acceptance: Acceptance,
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(path [B, D+1], num_accepted [B], next_token [B], number of relaxed-only accepts)."""
+    b, t = tree.tokens.shape
+    if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
+        path = torch.zeros(b, 1, dtype=torch.long, device=logits.device)
+        zero = torch.zeros(b, dtype=torch.long, device=logits.device)
+        return path, zero, _sample(logits[:, 0], sampling, generators, active), 0
+    from lantern.acceptance import verify_tree_greedy, verify_tree_sampled
+
+    relax, nbrs = acceptance.relaxation, acceptance.neighbours
+    buffers = tree.buffers
+    if sampling.greedy:
+        res = verify_tree_greedy(logits, tree.tokens, buffers.retrieve, max_depth, neighbours=nbrs, relaxation=relax)
+    else:
+        p_target = probs_from_logits(logits, sampling)
+        u = _uniforms(generators, active, t + 1)
+        res = verify_tree_sampled(
+            p_target,
+            tree.tokens,
+            buffers.children,
+            buffers.depth,
+            max_depth,
+            u,
+            q_draft=tree.q_draft,
+            neighbours=nbrs,
+            relaxation=relax,
+        )
+    relaxed = int(res.num_relaxed[active].sum()) if getattr(res, "num_relaxed", None) is not None else 0
+    return res.path, res.num_accepted, res.next_token, relaxed
+
+
+def _write_codes(
+    codes: Tensor, n: Tensor, tokens: Tensor, path: Tensor, num_acc: Tensor, next_token: Tensor, active: Tensor
+) -> None:
+    """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token."""
+    b, n_total = codes.shape
+    width = path.shape[1]  # root + up to D drafts
+    j = torch.arange(width, device=codes.device)[None, :]  # [1, W]
+    drafts = tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, W-1]
+    vals = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, W]
+    vals = vals.scatter(1, num_acc[:, None], next_token[:, None])
+    keep = (j <= num_acc[:, None]) & active[:, None]
+    pos = (n[:, None] + j).clamp(max=n_total - 1)
+    rows = torch.arange(b, device=codes.device)[:, None].expand_as(pos)
+    codes[rows[keep], pos[keep]] = vals[keep]
+
+
+def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:
+    """hidden [S*B, T, D], path [B, W] -> [S*B, W, D] features along each row's path."""
+    idx = path.repeat(streams, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+    return hidden.gather(1, idx)

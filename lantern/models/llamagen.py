@@ -1,0 +1,610 @@
+"""LlamaGen GPT (Sun et al., 2024), checkpoint-compatible with the official and HF-port weights.
+
+Architecture per SPEC §1.2-1.5: pre-norm Llama blocks (RMSNorm in fp32, fused ``wqkv``, SwiGLU),
+interleaved 2D RoPE whose first ``cls_token_num`` rows are zeros (so condition positions get
+q = k = 0 and act only through their values — the checkpoints were trained that way), class
+(c2i) or T5-caption (t2i) conditioning. Parameter names equal the official ``gpt.py`` keys, so
+official ``.pt`` files load with ``strict=True`` after dropping the stray ``freqs_cis``.
+
+Unlike the original, inference takes explicit cache slots, rotary positions and a boolean
+attention mask (STYLE lesson 6): tree nodes at the same depth share a rotary position but need
+distinct slots, and rows of a batch sit at different lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lantern.cache import KVCache
+from lantern.errors import LanternError, check
+from lantern.io import (
+    load_model_folder,
+    load_state_dict_strict,
+    read_json,
+    save_model_folder,
+    torch_load,
+)
+
+MODEL_TYPE = "lantern-llamagen"
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - (n % k)
+
+
+@dataclass(frozen=True)
+class LlamaGenConfig:
+    dim: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None = n_head (every released LlamaGen model)
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    ffn_hidden: int | None = None  # explicit FFN width (HF ports state it); None = LlamaGen rule
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    vocab_size: int = 16384
+    model_type: Literal["c2i", "t2i"] = "c2i"
+    num_classes: int = 1000
+    caption_dim: int = 2048
+    cls_token_num: int = 1
+    block_size: int = 256  # number of image tokens N (a square grid)
+    class_dropout_prob: float = 0.1
+    token_dropout_p: float = 0.1
+    resid_dropout_p: float = 0.1
+    ffn_dropout_p: float = 0.1
+    attn_dropout_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layer", "n_head", "vocab_size", "cls_token_num", "block_size"):
+            value = getattr(self, name)
+            check(
+                isinstance(value, int) and value > 0,
+                f"LlamaGen config: {name} must be a positive integer, got {value!r}",
+            )
+        check(
+            self.model_type in ("c2i", "t2i"),
+            f"LlamaGen config: model_type must be 'c2i' or 't2i', got {self.model_type!r}",
+        )
+        check(
+            self.dim % self.n_head == 0,
+            f"LlamaGen config: dim ({self.dim}) must be divisible by n_head ({self.n_head})",
+        )
+        check(self.head_dim % 4 == 0, f"LlamaGen config: head_dim ({self.head_dim}) must be divisible by 4 for 2D RoPE")
+        check(
+            self.kv_heads > 0 and self.n_head % self.kv_heads == 0,
+            f"LlamaGen config: n_head ({self.n_head}) must be a multiple of n_kv_head ({self.kv_heads})",
+        )
+        grid = math.isqrt(self.block_size)
+        check(
+            grid * grid == self.block_size,
+            f"LlamaGen config: block_size ({self.block_size}) must be a square number of image tokens",
+        )
+        if self.model_type == "c2i":
+            check(self.num_classes > 0, f"LlamaGen config: num_classes must be > 0, got {self.num_classes}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def grid_size(self) -> int:
+        return math.isqrt(self.block_size)
+
+    @property
+    def hidden_ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return find_multiple(hidden, self.multiple_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LlamaGenConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known - {"model_type_name", "architecture"})
+        check(not unknown, f"LlamaGen config has unknown fields: {', '.join(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# Named configs (SPEC §1.2). Training-time dropout values are LlamaGen's defaults.
+GPT_CONFIGS: dict[str, dict[str, int]] = {
+    "GPT-B": dict(n_layer=12, n_head=12, dim=768),
+    "GPT-L": dict(n_layer=24, n_head=16, dim=1024),
+    "GPT-XL": dict(n_layer=36, n_head=20, dim=1280),
+    "GPT-XXL": dict(n_layer=48, n_head=24, dim=1536),
+    "GPT-XXXL": dict(n_layer=48, n_head=40, dim=2560),
+    "GPT-1B": dict(n_layer=22, n_head=32, dim=2048),
+    "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
+    "GPT-7B": dict(n_layer=32, n_head=32, dim=4096),
+}
+
+
+def llamagen_config(name: str, **overrides: Any) -> LlamaGenConfig:
+    """A named LlamaGen config (``GPT-B`` ... ``GPT-7B``) with field overrides."""
+    if name not in GPT_CONFIGS:
+        raise LanternError(f"unknown LlamaGen config {name!r}; known: {', '.join(GPT_CONFIGS)}")
+    return LlamaGenConfig(**{**GPT_CONFIGS[name], **overrides})
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+def rope_table_2d(cfg: LlamaGenConfig, extra_rows: int = 0) -> Tensor:
+    """[cls + N + extra, head_dim/2, 2] (cos, sin) table; condition and extra rows are zeros.
+
+    Cell (r, c) gets angles [r*w_0 .. r*w_{h/2-1}, c*w_0 .. c*w_{h/2-1}], w_j = base^(-2j/h),
+    h = head_dim/2 (SPEC §1.3). The zero rows reproduce LlamaGen's condition-token quirk; the extra
+    zero rows give finished rows of a batch a harmless position past the grid.
+    """
+    half = cfg.head_dim // 2
+    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+    t = torch.arange(cfg.grid_size, dtype=torch.float32)
+    f = torch.outer(t, inv)  # [g, h/2]
+    g = cfg.grid_size
+    grid = torch.cat([f[:, None, :].expand(-1, g, -1), f[None, :, :].expand(g, -1, -1)], dim=-1)
+    table = torch.stack([grid.cos(), grid.sin()], dim=-1).flatten(0, 1)  # [g*g, h, 2]
+    zeros_head = torch.zeros(cfg.cls_token_num, half, 2)
+    zeros_tail = torch.zeros(extra_rows, half, 2)
+    return torch.cat([zeros_head, table, zeros_tail])
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]). x: [N, T, H, Dh]; rope: [N, T, Dh/2, 2]."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)  # [N, T, H, Dh/2, 2]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    out = torch.stack([xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 1] * cos + xf[..., 0] * sin], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules (names match the official checkpoint keys)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class LabelEmbedder(nn.Module):
+    """Class table with one extra row (index ``num_classes``) for the null / CFG class."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, labels: Tensor) -> Tensor:
+        return self.embedding_table(labels).unsqueeze(1)  # [B, 1, D]
+
+
+class CaptionMLP(nn.Module):
+    def __init__(self, in_features: int, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, dim, bias=False)
+        self.fc2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    """T5 caption projection; ``uncond_embedding`` is a stored buffer (it is in the checkpoints)."""
+
+    def __init__(self, caption_dim: int, dim: int, token_num: int) -> None:
+        super().__init__()
+        self.cap_proj = CaptionMLP(caption_dim, dim)
+        self.register_buffer("uncond_embedding", torch.randn(token_num, caption_dim) / caption_dim**0.5)
+
+    def forward(self, captions: Tensor) -> Tensor:
+        return self.cap_proj(captions)  # [B, cls, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaGenConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        total = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, total, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.attn_dropout_p = cfg.attn_dropout_p
+        self.resid_dropout = nn.Dropout(cfg.resid_dropout_p)
+
+    def forward(
+        self,
+        x: Tensor,  # [N, T, D]
+        rope: Tensor,  # [N, T, Dh/2, 2]
+        mask: Tensor,  # [N, T, S] bool, True = attend
+        cache: KVCache | None = None,
+        layer: int = 0,
+        slots: Tensor | None = None,  # [N, T]
+        kv_len: int = 0,
+    ) -> Tensor:
+        n, t, _ = x.shape
+        kv_dim = self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rope(q.view(n, t, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(n, t, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(n, t, self.n_kv_head, self.head_dim).transpose(1, 2)  # [N, Hkv, T, Dh]
+        if cache is not None:
+            assert slots is not None
+            cache.write(layer, slots, k, v)
+            k, v = cache.read(layer, kv_len)  # [N, Hkv, S, Dh]
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.n_kv_head != self.n_head:
+            rep = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], dropout_p=self.attn_dropout_p if self.training else 0.0
+        )
+        out = out.transpose(1, 2).reshape(n, t, -1)
+        return self.resid_dropout(self.wo(out))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaGenConfig) -> None:
+        super().__init__()
+        hidden = cfg.hidden_ffn
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate (silu branch)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
+        self.ffn_dropout = nn.Dropout(cfg.ffn_dropout_p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaGenConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, **cache_args: Any) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, **cache_args)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaGen(nn.Module):
+    """The LlamaGen GPT. Inference goes through :meth:`forward_cached`; training through
+    :meth:`forward`, which is also the slow uncached oracle in tests."""
+
+    # Extra zero rows at the end of the RoPE table (positions of finished rows / tree overshoot).
+    ROPE_PAD = 64
+
+    def __init__(self, cfg: LlamaGenConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        if cfg.model_type == "c2i":
+            self.cls_embedding: nn.Module = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob)
+        else:
+            self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.cls_token_num)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", rope_table_2d(cfg, self.ROPE_PAD), persistent=False)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def init_weights(self, std: float = 0.02, zero_output: bool = True, seed: int | None = None) -> LlamaGen:
+        """LlamaGen's init: normal(0, std) linears/embeddings; output zeroed for training runs."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+        if zero_output:
+            nn.init.zeros_(self.output.weight)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    # -- conditioning ---------------------------------------------------------------------------
+
+    def null_condition(self, batch: int) -> Tensor:
+        """The unconditional input: the null class id, or the stored ``uncond_embedding``."""
+        cfg = self.config
+        if cfg.model_type == "c2i":
+            return torch.full((batch,), cfg.num_classes, dtype=torch.long, device=self.device)
+        emb = self.cls_embedding.uncond_embedding  # [cls, caption_dim]
+        return emb[None].expand(batch, -1, -1)
+
+    def embed_condition(self, cond: Tensor) -> Tensor:
+        """Labels [B] (c2i) or captions [B, cls, caption_dim] (t2i) -> [B, cls, D]."""
+        return self.cls_embedding(cond)[:, : self.config.cls_token_num]
+
+    def check_labels(self, labels: Tensor, allow_null: bool = False) -> None:
+        top = self.config.num_classes + (1 if allow_null else 0)
+        bad = labels[(labels < 0) | (labels >= top)]
+        check(
+            bad.numel() == 0,
+            f"label {int(bad[0]) if bad.numel() else 0} is out of range: this model has "
+            f"{self.config.num_classes} classes (0..{self.config.num_classes - 1})",
+        )
+
+    # -- forward passes -------------------------------------------------------------------------
+
+    def rope_at(self, positions: Tensor) -> Tensor:
+        """[N, T] rotary indices -> [N, T, Dh/2, 2]; indices past the table clamp to a zero row."""
+        return self.freqs_cis[positions.clamp(max=self.freqs_cis.shape[0] - 1)]
+
+    def forward_cached(
+        self,
+        h: Tensor,  # [N, T, D] input embeddings
+        positions: Tensor,  # [N, T] rotary indices (condition rows are cls-prefix indices)
+        slots: Tensor,  # [N, T] cache slots to write
+        mask: Tensor,  # [N, T, kv_len] bool
+        cache: KVCache,
+    ) -> Tensor:
+        """Write K/V at ``slots``, attend over the first ``kv_len`` slots; returns the final-norm
+        hidden states [N, T, D] (the features an EAGLE drafter consumes)."""
+        rope = self.rope_at(positions)
+        kv_len = mask.shape[-1]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, cache=cache, layer=i, slots=slots, kv_len=kv_len)
+        return self.norm(h)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.output(hidden).float()
+
+    def forward(
+        self,
+        cond: Tensor,
+        tokens: Tensor,  # [B, n] image tokens (teacher forcing), n <= block_size
+        cond_mask: Tensor | None = None,  # [B, cls] bool, valid caption tokens (t2i)
+    ) -> tuple[Tensor, Tensor]:
+        """Uncached causal pass over ``cond + tokens``. Returns (logits [B, n+1, V] where row i
+        predicts image token i, hidden [B, cls+n, D])."""
+        cls = self.config.cls_token_num
+        h = torch.cat([self.embed_condition(cond), self.tok_embeddings(tokens)], dim=1)
+        h = self.tok_dropout(h)
+        b, length, _ = h.shape
+        positions = torch.arange(length, device=h.device).expand(b, -1)
+        mask = causal_mask(length, device=h.device).expand(b, -1, -1)
+        if cond_mask is not None:
+            mask = mask & caption_columns(cond_mask, length)
+        rope = self.rope_at(positions)
+        for layer in self.layers:
+            h = layer(h, rope, mask)
+        hidden = self.norm(h)
+        return self.logits(hidden[:, cls - 1 :]), hidden
+
+    # -- model folders --------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | os.PathLike[str], extra_files: Mapping[str, Any] | None = None) -> Path:
+        config = {"model_type": MODEL_TYPE, **_config_json(self.config)}
+        return save_model_folder(directory, config, self.state_dict(), extra_files)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LlamaGen:
+        directory = Path(directory)
+        if (directory / "config.json").is_file():
+            raw = read_json(directory / "config.json", "model config")
+            if raw.get("architectures") == ["LlamaForCausalLM"] or "hidden_size" in raw:
+                return cls.from_hf_port(directory, dtype=dtype)
+        config, state = load_model_folder(directory)
+        if config.get("model_type") != MODEL_TYPE:
+            raise LanternError(
+                f"{directory} is not a lantern LlamaGen folder (model_type {config.get('model_type')!r}, "
+                f"expected {MODEL_TYPE!r})"
+            )
+        model = cls(_config_from_json(config))
+        load_state_dict_strict(model, state, f"weights in {directory}")
+        return model.to(dtype) if dtype is not None else model
+
+    @classmethod
+    def from_official_checkpoint(
+        cls, path: str | os.PathLike[str], config: LlamaGenConfig, dtype: torch.dtype | None = None
+    ) -> LlamaGen:
+        """Load an official LlamaGen ``.pt`` (``'model'`` / ``'module'`` / ``'state_dict'`` or raw
+        FSDP state dict), strictly, after dropping the stray ``freqs_cis``."""
+        state = official_state_dict(torch_load(path, "LlamaGen checkpoint"))
+        model = cls(config)
+        load_state_dict_strict(model, state, f"LlamaGen checkpoint {path}")
+        return model.to(dtype) if dtype is not None else model
+
+    @classmethod
+    def from_hf_port(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LlamaGen:
+        """Load LANTERN's HF port (``config.json`` + ``model.safetensors``, LlamaForCausalLM keys)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config = config_from_hf(read_json(directory / "config.json", "HF config"))
+        files = sorted(directory.glob("model*.safetensors"))
+        check(bool(files), f"{directory} has no model*.safetensors weights")
+        state: dict[str, Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        model = cls(config)
+        load_state_dict_strict(model, hf_to_official(state, config), f"HF-port weights in {directory}")
+        return model.to(dtype) if dtype is not None else model
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks
+
+
+def causal_mask(length: int, device: torch.device | str = "cpu") -> Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]  # [1, L, L]
+
+
+def caption_columns(cond_mask: Tensor, length: int) -> Tensor:
+    """[B, L, L] mask hiding padded caption columns; the diagonal stays visible (LlamaGen forces
+    it, so a padded row still attends to itself and never sees an all-masked row)."""
+    b, cls = cond_mask.shape
+    cols = torch.ones(b, length, dtype=torch.bool, device=cond_mask.device)
+    cols[:, :cls] = cond_mask
+    eye = torch.eye(length, dtype=torch.bool, device=cond_mask.device)[None]
+    return cols[:, None, :].expand(b, length, length) | eye
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint formats
+
+
+def official_state_dict(obj: Any) -> dict[str, Tensor]:
+    """Weights of an official LlamaGen checkpoint container (SPEC §1.5)."""
+    if isinstance(obj, Mapping):
+        for key in ("model", "module", "state_dict"):
+            if key in obj and isinstance(obj[key], Mapping):
+                obj = obj[key]
+                break
+    if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise LanternError("checkpoint holds no state dict under 'model', 'module' or 'state_dict'")
+    state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in obj.items()}
+    state.pop("freqs_cis", None)  # older files carry the rotary table
+    return state
+
+
+_HF_LAYER = {
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def hf_to_official(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str, Tensor]:
+    """Map HF-port keys to official names (SPEC §1.5); q/k/v are concatenated into ``wqkv``.
+
+    LANTERN keeps LlamaGen's interleaved RoPE on the HF weights, so no permutation is needed.
+    Unknown keys are kept as they are, so the strict check reports them.
+    """
+    out: dict[str, Tensor] = {}
+    qkv: dict[int, dict[str, Tensor]] = {}
+    for key, value in state.items():
+        if key.endswith("rotary_emb.inv_freq") or key == "freqs_cis":
+            continue
+        if key == "model.embed_tokens.weight":
+            out["tok_embeddings.weight"] = value
+        elif key == "model.norm.weight":
+            out["norm.weight"] = value
+        elif key == "lm_head.weight":
+            out["output.weight"] = value
+        elif key.startswith("model.cls_embedding."):
+            out[key.removeprefix("model.")] = value
+        elif key.startswith("model.layers."):
+            idx, rest = key.removeprefix("model.layers.").split(".", 1)
+            if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+                qkv.setdefault(int(idx), {})[rest[10]] = value
+            elif rest in _HF_LAYER:
+                out[f"layers.{idx}.{_HF_LAYER[rest]}"] = value
+            else:
+                out[key] = value
+        else:
+            out[key] = value
+    for idx, parts in qkv.items():
+        missing = [f"model.layers.{idx}.self_attn.{p}_proj.weight" for p in "qkv" if p not in parts]
+        if missing:
+            raise LanternError(f"HF-port checkpoint is missing {', '.join(missing)}")
+        out[f"layers.{idx}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return out
+
+
+def official_to_hf(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str, Tensor]:
+    """Inverse of :func:`hf_to_official` (used to export, and to test the mapping)."""
+    inverse = {v: k for k, v in _HF_LAYER.items()}
+    out: dict[str, Tensor] = {}
+    q_dim = cfg.n_head * cfg.head_dim
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    for key, value in state.items():
+        if key == "tok_embeddings.weight":
+            out["model.embed_tokens.weight"] = value
+        elif key == "norm.weight":
+            out["model.norm.weight"] = value
+        elif key == "output.weight":
+            out["lm_head.weight"] = value
+        elif key.startswith("cls_embedding."):
+            out["model." + key] = value
+        elif key.startswith("layers."):
+            _, idx, rest = key.split(".", 2)
+            if rest == "attention.wqkv.weight":
+                q, k, v = value.split([q_dim, kv_dim, kv_dim])
+                for name, part in zip("qkv", (q, k, v), strict=True):
+                    out[f"model.layers.{idx}.self_attn.{name}_proj.weight"] = part
+            else:
+                out[f"model.layers.{idx}.{inverse[rest]}"] = value
+    return out
+
+
+def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
+    """LlamaGenConfig from the HF-port ``config.json`` attributes (SPEC §1.5)."""
+    try:
+        dim, n_layer, n_head = raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"]
+    except KeyError as e:
+        raise LanternError(f"HF config is missing {e.args[0]!r}") from None
+    input_type = raw.get("input_type", "t2i")
+    return LlamaGenConfig(
+        dim=dim,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=raw.get("num_key_value_heads", n_head),
+        ffn_hidden=raw.get("intermediate_size"),
+        rope_base=float(raw.get("rope_base", raw.get("rope_theta", 10000.0))),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        vocab_size=raw.get("vocab_size", 16384),
+        model_type="c2i" if input_type == "c2i" else "t2i",
+        num_classes=raw.get("num_classes", 1000),
+        caption_dim=raw.get("caption_dim", 2048),
+        cls_token_num=raw.get("cls_token_num", 120),
+        block_size=raw.get("block_size", 256),
+        class_dropout_prob=raw.get("class_dropout_p", 0.1),
+        token_dropout_p=raw.get("token_dropout_p", 0.1),
+        resid_dropout_p=raw.get("resid_dropout_p", 0.1),
+    )
+
+
+def _config_json(cfg: LlamaGenConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    d["architecture"] = d.pop("model_type")  # "model_type" names the folder kind at top level
+    return d
+
+
+def _config_from_json(raw: Mapping[str, Any]) -> LlamaGenConfig:
+    d = {k: v for k, v in raw.items() if k != "model_type"}
+    d["model_type"] = d.pop("architecture", "c2i")
+    return LlamaGenConfig.from_dict(d)
+
+
+def with_block_size(cfg: LlamaGenConfig, block_size: int) -> LlamaGenConfig:
+    return replace(cfg, block_size=block_size)

@@ -1,0 +1,142 @@
+"""Target adapter: the decoding loop's view of a visual AR model.
+
+The loop works on B image rows. The adapter owns everything model-specific (STYLE lesson 8):
+classifier-free guidance as a ``[cond; uncond]`` doubling of the model batch (S = 2 streams, or
+S = 1 when ``cfg_scale == 1``), the static KV cache and its per-row lengths, rotary positions
+(prefix length + tree depth) and the attention mask ``[prefix | tree]``. Guided logits are formed
+once per tree node, before any acceptance rule sees them (SPEC §7).
+
+Hidden states are returned for both streams, ``[S*B, T, D]`` in ``[cond; uncond]`` order,
+because an EAGLE drafter runs one stream per CFG row as well.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lantern.cache import KVCache
+from lantern.config import SamplingConfig
+from lantern.errors import LanternError, check
+from lantern.models.llamagen import LlamaGen
+from lantern.sampling import apply_cfg
+
+
+class LlamaGenTarget:
+    """LlamaGen behind the loop's interface: ``start`` / ``verify`` / ``commit``."""
+
+    def __init__(self, model: LlamaGen, sampling: SamplingConfig, max_tree_nodes: int = 1) -> None:
+        self.model = model.eval()
+        self.sampling = sampling
+        self.max_tree_nodes = max_tree_nodes
+        self.streams = 2 if sampling.use_cfg else 1
+        self.cache: KVCache | None = None
+        self.cond_mask: Tensor | None = None  # [S*B, cls] valid caption columns (t2i)
+        self.forwards = 0  # model forward calls (prefill + verify), for stats
+
+    # -- properties the loop and the drafter read --------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.dim
+
+    @property
+    def num_tokens(self) -> int:
+        return self.model.config.block_size
+
+    @property
+    def cls_token_num(self) -> int:
+        return self.model.config.cls_token_num
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.output
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # -- the three calls of the loop --------------------------------------------------------------
+
+    @torch.no_grad()
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill the condition. cond: labels [B] or captions [B, cls, C]; cond_mask [B, cls].
+
+        Returns (guided logits for image token 0 [B, V], hidden [S*B, cls, D]).
+        """
+        model, cfg = self.model, self.model.config
+        b = cond.shape[0]
+        if cfg.model_type == "c2i":
+            check(cond.dim() == 1, f"c2i models take labels of shape [B], got {tuple(cond.shape)}")
+            model.check_labels(cond)
+        rows = cond
+        if self.streams == 2:
+            rows = torch.cat([cond, model.null_condition(b).to(cond.dtype)])
+        n_rows, cls = rows.shape[0], cfg.cls_token_num
+        max_len = cls + cfg.block_size + self.max_tree_nodes + 1
+        self.cache = KVCache(cfg.n_layer, n_rows, cfg.kv_heads, max_len, cfg.head_dim, model.dtype, model.device)
+        self.cond_mask = None
+        if cond_mask is not None:
+            self.cond_mask = cond_mask.bool().repeat(self.streams, 1)  # uncond reuses the mask
+        h = model.embed_condition(rows)  # [S*B, cls, D]
+        pos = torch.arange(cls, device=h.device).expand(n_rows, -1)
+        mask = torch.ones(cls, cls, dtype=torch.bool, device=h.device).tril().expand(n_rows, -1, -1)
+        if self.cond_mask is not None:
+            eye = torch.eye(cls, dtype=torch.bool, device=h.device)
+            mask = mask & self.cond_mask[:, None, :] | eye
+        hidden = model.forward_cached(h, pos, pos, mask, self.cache)
+        self.cache.lengths.fill_(cls)
+        self.forwards += 1
+        logits = apply_cfg(model.logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
+        return logits, hidden
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward over a tree per row, written after each row's committed prefix.
+
+        tokens [B, T] (node 0 = the pending root token), tree_mask [B, T, T] bool (ancestors and
+        self), depth [B, T]. Returns (guided logits [B, T, V], hidden [S*B, T, D]).
+        """
+        cache = self._cache()
+        s, t = self.streams, tokens.shape[1]
+        if t > self.max_tree_nodes:
+            raise LanternError(f"tree of {t} nodes exceeds the {self.max_tree_nodes} the cache was sized for")
+        lengths = cache.lengths  # [S*B]
+        slots = lengths[:, None] + torch.arange(t, device=tokens.device)  # [S*B, T]
+        positions = lengths[:, None] + depth.repeat(s, 1)
+        mask = self._verify_mask(tree_mask.repeat(s, 1, 1), lengths, t)
+        h = self.model.tok_embeddings(tokens.repeat(s, 1))
+        hidden = self.model.forward_cached(h, positions, slots, mask, cache)
+        self.forwards += 1
+        logits = apply_cfg(self.model.logits(hidden), self.sampling.cfg_scale, s)
+        return logits, hidden
+
+    def commit(self, path: Tensor, num_keep: Tensor) -> None:
+        """Keep tree nodes ``path[:, :num_keep]`` (node indices, root first) in the cache."""
+        self._cache().commit(path.repeat(self.streams, 1), num_keep.repeat(self.streams))
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _cache(self) -> KVCache:
+        if self.cache is None:
+            raise RuntimeError("LlamaGenTarget.start() must be called before verify/commit")
+        return self.cache
+
+    def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int) -> Tensor:
+        """[S*B, T, kv_len] bool: the committed prefix, then the row's tree mask at its slots."""
+        kv_len = int(lengths.max()) + t
+        cols = torch.arange(kv_len, device=lengths.device)  # [S]
+        rel = cols[None, :] - lengths[:, None]  # [N, S] offset from the row's prefix end
+        prefix = rel < 0
+        if self.cond_mask is not None:
+            cls = self.cond_mask.shape[1]
+            prefix = prefix.clone()
+            prefix[:, :cls] &= self.cond_mask
+        in_tree = (rel >= 0) & (rel < t)
+        idx = rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1)  # [N, T, S]
+        tree = torch.gather(tree_mask, 2, idx) & in_tree[:, None, :]
+        return prefix[:, None, :] | tree

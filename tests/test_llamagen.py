@@ -1,0 +1,243 @@
+"""LlamaGen model: checkpoint compatibility, RoPE quirk, KV-cached decoding vs full recomputation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lantern.config import SamplingConfig
+from lantern.errors import CheckpointError, LanternError
+from lantern.models.llamagen import (
+    LlamaGen,
+    LlamaGenConfig,
+    apply_rope,
+    llamagen_config,
+    official_to_hf,
+    rope_table_2d,
+)
+from lantern.sampling import apply_cfg
+from lantern.target import LlamaGenTarget
+from lantern.testing import tiny_llamagen
+
+
+def _meta_state(name: str, **kw: object) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = LlamaGen(llamagen_config(name, **kw))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "name,n_layer,dim,ffn",
+    [("GPT-B", 12, 768, 2048), ("GPT-L", 24, 1024, 2816), ("GPT-XL", 36, 1280, 3584)],
+)
+def test_official_key_set_and_shapes(name: str, n_layer: int, dim: int, ffn: int) -> None:
+    """Keys and shapes of SPEC §1.5 (c2i, 256 px); built on meta, nothing allocated."""
+    shapes = _meta_state(name)
+    expected = {
+        "cls_embedding.embedding_table.weight": (1001, dim),
+        "tok_embeddings.weight": (16384, dim),
+        "norm.weight": (dim,),
+        "output.weight": (16384, dim),
+    }
+    for i in range(n_layer):
+        expected |= {
+            f"layers.{i}.attention.wqkv.weight": (3 * dim, dim),
+            f"layers.{i}.attention.wo.weight": (dim, dim),
+            f"layers.{i}.feed_forward.w1.weight": (ffn, dim),
+            f"layers.{i}.feed_forward.w3.weight": (ffn, dim),
+            f"layers.{i}.feed_forward.w2.weight": (dim, ffn),
+            f"layers.{i}.attention_norm.weight": (dim,),
+            f"layers.{i}.ffn_norm.weight": (dim,),
+        }
+    assert shapes == expected
+
+
+def test_t2i_keys_and_large_configs() -> None:
+    shapes = _meta_state("GPT-XL", model_type="t2i", cls_token_num=120)
+    assert shapes["cls_embedding.cap_proj.fc1.weight"] == (1280, 2048)
+    assert shapes["cls_embedding.cap_proj.fc2.weight"] == (1280, 1280)
+    assert shapes["cls_embedding.uncond_embedding"] == (120, 2048)
+    assert "cls_embedding.embedding_table.weight" not in shapes
+    # GPT-3B: head_dim 100, FFN 8704 (SPEC §1.2 table).
+    s3b = _meta_state("GPT-3B")
+    assert s3b["layers.0.feed_forward.w1.weight"] == (8704, 3200)
+    assert llamagen_config("GPT-3B").head_dim == 100
+    assert _meta_state("GPT-XXL")["layers.47.feed_forward.w2.weight"] == (1536, 4096)
+
+
+def test_parameter_count_matches_published_size() -> None:
+    with torch.device("meta"):
+        model = LlamaGen(llamagen_config("GPT-XL"))
+    n = sum(p.numel() for p in model.parameters())
+    assert 770e6 < n < 780e6  # 775M in the LlamaGen paper
+
+
+def test_unknown_config_name() -> None:
+    with pytest.raises(LanternError, match="unknown LlamaGen config 'GPT-Q'.*GPT-B"):
+        llamagen_config("GPT-Q")
+
+
+def _tiny_logits(model: LlamaGen) -> torch.Tensor:
+    labels = torch.tensor([1, 4])
+    tokens = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    return model(labels, tokens)[0]
+
+
+def test_official_checkpoint_round_trip(tmp_path) -> None:
+    model = tiny_llamagen(seed=3)
+    state = dict(model.state_dict())
+    state["freqs_cis"] = torch.zeros(3)  # stray tensor in older files: must be ignored
+    for container in ("model", "module", "state_dict", None):
+        path = tmp_path / f"ckpt_{container}.pt"
+        obj = state if container is None else {container: state, "steps": 10, "args": argparse.Namespace(lr=1e-4)}
+        torch.save(obj, path)
+        loaded = LlamaGen.from_official_checkpoint(path, model.config).eval()
+        assert torch.equal(_tiny_logits(loaded), _tiny_logits(model))
+
+
+def test_hf_port_round_trip(tmp_path) -> None:
+    model = tiny_llamagen(seed=4, model_type="t2i", cls_token_num=6, caption_dim=12)
+    hf = official_to_hf(model.state_dict(), model.config)
+    assert "model.layers.1.self_attn.k_proj.weight" in hf and "lm_head.weight" in hf
+    assert "model.cls_embedding.uncond_embedding" in hf
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
+    cfg = model.config
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": cfg.dim,
+                "num_hidden_layers": cfg.n_layer,
+                "num_attention_heads": cfg.n_head,
+                "intermediate_size": cfg.hidden_ffn,
+                "vocab_size": cfg.vocab_size,
+                "input_type": "t2i",
+                "cls_token_num": cfg.cls_token_num,
+                "caption_dim": cfg.caption_dim,
+                "block_size": cfg.block_size,
+                "rms_norm_eps": cfg.norm_eps,
+                "rope_theta": 10000.0,
+            }
+        )
+    )
+    loaded = LlamaGen.from_pretrained(tmp_path).eval()
+    captions = torch.randn(2, 6, 12)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10))
+    assert torch.equal(loaded(captions, tokens)[0], model(captions, tokens)[0])
+
+
+def test_folder_round_trip(tmp_path) -> None:
+    model = tiny_llamagen(seed=5)
+    model.save_pretrained(tmp_path / "m")
+    loaded = LlamaGen.from_pretrained(tmp_path / "m").eval()
+    assert loaded.config == model.config
+    assert torch.equal(_tiny_logits(loaded), _tiny_logits(model))
+
+
+def test_checkpoint_with_missing_or_misshaped_keys(tmp_path) -> None:
+    model = tiny_llamagen()
+    state = dict(model.state_dict())
+    del state["layers.1.attention.wo.weight"]
+    state["norm.weight"] = torch.ones(7)
+    torch.save({"model": state}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError) as err:
+        LlamaGen.from_official_checkpoint(tmp_path / "bad.pt", model.config)
+    msg = str(err.value)
+    assert "missing keys: layers.1.attention.wo.weight" in msg
+    assert "norm.weight (checkpoint (7,), model (64,))" in msg
+
+
+def test_rope_table_and_condition_quirk() -> None:
+    """Condition rows of the 2D table are zeros, so condition q and k are exactly 0 (SPEC §1.3)."""
+    cfg = LlamaGenConfig(dim=64, n_layer=1, n_head=2, vocab_size=32, block_size=16, cls_token_num=3, multiple_of=32)
+    table = rope_table_2d(cfg)  # [3 + 16, 16, 2]
+    assert table.shape == (19, 16, 2)
+    assert torch.count_nonzero(table[:3]) == 0
+    # Cell (r=2, c=1) at index cls + 2*4 + 1: angles [2*w, 1*w] with w_j = 10000^(-2j/16), j < 8.
+    w = 10000.0 ** (-torch.arange(0, 16, 2)[:8].float() / 16)
+    angles = torch.cat([2 * w, 1 * w])
+    assert torch.allclose(table[3 + 9, :, 0], angles.cos()) and torch.allclose(table[3 + 9, :, 1], angles.sin())
+    x = torch.randn(1, 19, 2, 32)
+    rotated = apply_rope(x, table[None])
+    assert torch.count_nonzero(rotated[:, :3]) == 0
+    # Interleaved pairs: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin)
+    c, s = table[5, 0]
+    assert torch.allclose(
+        rotated[0, 5, 0, :2],
+        torch.stack([x[0, 5, 0, 0] * c - x[0, 5, 0, 1] * s, x[0, 5, 0, 1] * c + x[0, 5, 0, 0] * s]),
+    )
+
+
+def test_condition_positions_have_zero_query_and_key() -> None:
+    """In a real model, q and k at the condition positions are exactly 0, so every attention
+    logit against a condition key is 0 and conditions act only through their values."""
+    model = tiny_llamagen(seed=2, model_type="t2i", cls_token_num=4, caption_dim=8)
+    captions = torch.randn(1, 4, 8)
+    tokens = torch.randint(0, 256, (1, 6))
+    attn = model.layers[0].attention
+    h = model.layers[0].attention_norm(torch.cat([model.embed_condition(captions), model.tok_embeddings(tokens)], 1))
+    q, k, _ = attn.wqkv(h).split(64, dim=-1)
+    rope = model.rope_at(torch.arange(10)[None])
+    q, k = apply_rope(q.view(1, 10, 4, 16), rope), apply_rope(k.view(1, 10, 4, 16), rope)
+    assert torch.count_nonzero(k[:, :4]) == 0 and torch.count_nonzero(q[:, :4]) == 0
+    assert torch.count_nonzero(k[:, 4:]) > 0
+    # Scores of image queries against condition keys: [H, 6, 4], all exactly 0.
+    scores = q[0, 4:].transpose(0, 1) @ k[0, :4].transpose(0, 1).transpose(1, 2)
+    assert torch.count_nonzero(scores) == 0
+
+
+def _teacher_forced_cached_logits(
+    model: LlamaGen, labels: torch.Tensor, codes: torch.Tensor, sampling: SamplingConfig, chunk_sizes: torch.Tensor
+) -> torch.Tensor:
+    """Feed ``codes`` through the cached path, each row committing its own number of tokens per
+    step (so rows sit at different lengths), and collect the logits predicting every token."""
+    b, n = codes.shape
+    target = LlamaGenTarget(model, sampling, max_tree_nodes=4)
+    first, _ = target.start(labels)
+    out = torch.zeros(b, n, model.config.vocab_size)
+    out[:, 0] = first
+    done = torch.zeros(b, dtype=torch.long)  # tokens committed per row
+    step = 0
+    t = 4
+    chain = torch.ones(t, t, dtype=torch.bool).tril().expand(b, -1, -1)
+    depth = torch.arange(t).expand(b, -1)
+    while bool((done < n - 1).any()):
+        idx = (done[:, None] + torch.arange(t)).clamp(max=n - 1)
+        tokens = codes.gather(1, idx)
+        logits, _ = target.verify(tokens, chain, depth)
+        keep = torch.minimum(chunk_sizes[:, step % chunk_sizes.shape[1]], n - 1 - done).clamp(min=0)
+        for r in range(b):
+            for j in range(int(keep[r])):
+                out[r, done[r] + j + 1] = logits[r, j]
+        target.commit(torch.arange(t).expand(b, -1), keep)
+        done += keep
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_kv_cache_matches_full_recomputation(cfg_scale: float) -> None:
+    """Cached decoding, batch 3 at different per-row lengths, equals the uncached pass (<= 1e-4)."""
+    torch.manual_seed(0)
+    model = tiny_llamagen(seed=1)
+    labels = torch.tensor([0, 5, 9])
+    codes = torch.randint(0, 256, (3, 64))
+    sizes = torch.tensor([[1, 3, 2], [4, 1, 1], [2, 2, 4]])
+    cached = _teacher_forced_cached_logits(model, labels, codes, SamplingConfig(cfg_scale=cfg_scale), sizes)
+    full_c = model(labels, codes[:, :-1])[0]
+    full_u = model(model.null_condition(3), codes[:, :-1])[0]
+    full = full_c if cfg_scale == 1.0 else apply_cfg(torch.cat([full_c, full_u]), cfg_scale, 2)
+    assert (cached - full).abs().max().item() <= 1e-4
+
+
+def test_labels_out_of_range() -> None:
+    model = tiny_llamagen()
+    target = LlamaGenTarget(model, SamplingConfig())
+    with pytest.raises(LanternError, match="label 10 is out of range.*10 classes"):
+        target.start(torch.tensor([0, 10]))
+    with pytest.raises(LanternError, match="label -1 is out of range"):
+        target.start(torch.tensor([-1]))
