@@ -49,7 +49,29 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-per-label", type=int, default=1, help="images per label (default 1)")
     p.add_argument("--seed", type=int, default=0, help="base seed; image i uses its own generator (default 0)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--method", default="ar", choices=["ar"], help="decoding method (default ar)")
+    p.add_argument(
+        "--method",
+        default="ar",
+        choices=["ar", "sd", "sd-static", "lantern", "lantern++"],
+        help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
+        "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree",
+    )
+    p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="draft tree: dynamic | static:NAME (e.g. static:naive_extend_57) | chain:N (default per method)",
+    )
+    p.add_argument(
+        "--proximity", default=None, help="latent proximity table (default: proximity.safetensors in --model)"
+    )
+    p.add_argument(
+        "--lantern-k", type=int, default=None, help="neighbours per token (lantern 1000 capped at K_max; lantern++ 10)"
+    )
+    p.add_argument(
+        "--lantern-delta", type=float, default=None, help="lantern: neighbour mass bound delta in [0, 1] (0.1)"
+    )
+    p.add_argument("--lantern-lambda", type=float, default=None, help="lantern++: relative bound lambda >= 1 (5.0)")
     p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -61,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from lantern.config import SamplingConfig, TreeConfig
+    from lantern.config import SamplingConfig
     from lantern.images import image_grid, save_png
     from lantern.io import atomic_path, ensure_writable_dir, write_json
     from lantern.models.vq import to_pil
@@ -73,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale
     )
-    method = MethodConfig(method=args.method, tree=TreeConfig())
+    method = MethodConfig.resolve(args.method, args.tree, args.lantern_k, args.lantern_delta, args.lantern_lambda)
     out = ensure_writable_dir(args.out, "--out")
     stack = load_stack(args.model, args.tokenizer)
     stack.target.to(args.device)
@@ -81,7 +103,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
     stack.target.check_labels(torch.tensor(labels))
 
-    result = run_generation(stack, labels, args.seed, sampling, method, args.batch_size, progress=not args.no_progress)
+    result = run_generation(
+        stack,
+        labels,
+        args.seed,
+        sampling,
+        method,
+        args.batch_size,
+        progress=not args.no_progress,
+        drafter_dir=args.drafter,
+        proximity=args.proximity,
+    )
     with torch.no_grad():
         images = to_pil(stack.tokenizer.decode(result.codes))
     for i, (img, lab) in enumerate(zip(images, labels, strict=True)):
@@ -135,10 +167,38 @@ def cmd_make_random_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_build_proximity(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "build-proximity",
+        help="build the latent proximity table (k nearest codebook neighbours) for LANTERN",
+        description="For every codebook entry, its K_max nearest other entries in distance order.",
+    )
+    p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder or official vq_ds16_*.pt file")
+    p.add_argument("--k-max", type=int, default=1024, help="neighbours stored per entry (default 1024)")
+    p.add_argument("--out", required=True, help="output file (.safetensors)")
+    p.add_argument(
+        "--metric", choices=["l2", "cosine"], default="l2", help="distance (default l2, as the official code)"
+    )
+    p.add_argument("--normalize", action="store_true", help="use the l2-normalised codebook (what the decoder sees)")
+    p.set_defaults(func=cmd_build_proximity)
+
+
+def cmd_build_proximity(args: argparse.Namespace) -> int:
+    from lantern.proximity import build_proximity_file
+
+    table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize)
+    print(
+        f"wrote {args.out}: {table.vocab_size} entries x {table.k_max} neighbours "
+        f"({table.metric}, normalized={table.normalized}, codebook sha256 {table.codebook_sha256[:12]})"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_build_proximity(sub)
     _add_make_random_stack(sub)
     return parser
 

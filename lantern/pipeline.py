@@ -16,15 +16,17 @@ method         tree                  acceptance
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lantern.config import SamplingConfig, TreeConfig
+from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
+from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
-from lantern.generate import GenerationOutput, generate
+from lantern.generate import Acceptance, GenerationOutput, generate
+from lantern.models.drafter import EagleDrafterModel
 from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
@@ -38,13 +40,56 @@ def image_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63)
 
 
+DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
+DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
+DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+
+
 @dataclass(frozen=True)
 class MethodConfig:
+    """A decoding method: its tree and acceptance rule, resolved from a name plus overrides."""
+
     method: str = "ar"
     tree: TreeConfig = field(default_factory=TreeConfig)
+    relaxation: RelaxationConfig | None = None
+    k_explicit: bool = False  # a default k larger than the proximity table is capped, an explicit one is an error
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        check(
+            (self.tree.kind == "none") == (self.method == "ar"),
+            f"method {self.method!r} {'takes no' if self.method == 'ar' else 'needs a'} draft tree",
+        )
+
+    @classmethod
+    def resolve(
+        cls,
+        method: str,
+        tree: str | None = None,
+        k: int | None = None,
+        delta: float | None = None,
+        lam: float | None = None,
+    ) -> MethodConfig:
+        """Defaults per method (see the module table), with CLI-style overrides."""
+        check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method == "ar":
+            check(tree in (None, "none"), "--tree is only used with speculative methods")
+            check(k is None and delta is None and lam is None, "--lantern-* options need --method lantern or lantern++")
+            return cls(method="ar")
+        default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
+        tree_cfg = TreeConfig.parse(tree or default_tree)
+        relaxation = None
+        if method == "lantern":
+            check(lam is None, "--lantern-lambda belongs to lantern++ (relative bound); lantern uses --lantern-delta")
+            base = DEFAULT_LANTERN
+            relaxation = replace(base, k=base.k if k is None else k, delta=base.delta if delta is None else delta)
+        elif method == "lantern++":
+            check(delta is None, "--lantern-delta belongs to lantern (absolute bound); lantern++ uses --lantern-lambda")
+            base = DEFAULT_LANTERN_PP
+            relaxation = replace(base, k=base.k if k is None else k, lam=base.lam if lam is None else lam)
+        else:
+            check(k is None and delta is None and lam is None, "--lantern-* options need --method lantern or lantern++")
+        return cls(method=method, tree=tree_cfg, relaxation=relaxation, k_explicit=k is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +124,8 @@ def run_generation(
     method: MethodConfig,
     batch_size: int = 8,
     progress: bool = False,
+    drafter_dir: str | None = None,
+    proximity: str | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
@@ -86,16 +133,86 @@ def run_generation(
     device = stack.target.device
     label_t = torch.tensor(labels, dtype=torch.long, device=device)
     stack.target.check_labels(label_t)
+    parts = prepare_method(stack, method, sampling, drafter_dir, proximity)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, len(labels), batch_size):
         chunk = label_t[lo : lo + batch_size]
         gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], device)
-        target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=_max_tree_nodes(method.tree))
-        outputs.append(generate(target, chunk, generators=gens, progress=progress))
+        outputs.append(parts.generate(chunk, gens, progress))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall)
+
+
+@dataclass
+class PreparedMethod:
+    """Everything loaded once per run: the target, the drafter weights, the acceptance rule."""
+
+    stack: ModelStack
+    method: MethodConfig
+    sampling: SamplingConfig
+    drafter: EagleDrafterModel | None
+    acceptance: Acceptance
+
+    def generate(self, cond: Tensor, generators: list[torch.Generator], progress: bool = False) -> GenerationOutput:
+        tree = self.method.tree
+        nodes = _max_tree_nodes(tree)
+        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes)
+        drafter = None
+        if self.drafter is not None:
+            cfg = self.stack.target.config
+            fed = nodes + tree.depth * tree.top_k
+            backend = EagleBackend(
+                self.drafter,
+                target.lm_head,
+                self.sampling,
+                target.streams,
+                cfg.cls_token_num + cfg.block_size + fed + 8,
+            )
+            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size)
+        return generate(
+            target, cond, generators=generators, drafter=drafter, acceptance=self.acceptance, progress=progress
+        )
+
+
+def prepare_method(
+    stack: ModelStack,
+    method: MethodConfig,
+    sampling: SamplingConfig,
+    drafter_dir: str | None = None,
+    proximity: str | None = None,
+) -> PreparedMethod:
+    """Load the drafter and proximity table a method needs, checking they fit the target."""
+    from lantern.checks import check_drafter_matches_target, check_tree_fits
+
+    drafter = None
+    if method.tree.kind != "none":
+        check_tree_fits(method.tree, stack.target.config.block_size)
+        path = drafter_dir or stack.drafter_dir
+        check(
+            path is not None,
+            f"--method {method.method} needs a drafter: pass --drafter DIR (the model folder has none)",
+        )
+        drafter = EagleDrafterModel.from_pretrained(path).to(stack.target.device).eval()
+        check_drafter_matches_target(drafter.config, stack.target.config)
+    relaxation, neighbours = method.relaxation, None
+    if relaxation is not None and not relaxation.is_exact:
+        from lantern.proximity import ProximityTable
+
+        table_path = proximity or stack.proximity_file
+        check(
+            table_path is not None,
+            f"--method {method.method} needs a latent proximity table: pass --proximity FILE "
+            "(build one with `lantern build-proximity`)",
+        )
+        table = ProximityTable.load(table_path)
+        table.validate(stack.tokenizer.quantize.embedding.weight)
+        if relaxation.k > table.k_max and not method.k_explicit:
+            relaxation = replace(relaxation, k=table.k_max)
+        table.check_k(relaxation.k)
+        neighbours = table.neighbours_for(relaxation.k).to(stack.target.device)
+    return PreparedMethod(stack, method, sampling, drafter, Acceptance(relaxation, neighbours))
 
 
 def _max_tree_nodes(tree: TreeConfig) -> int:

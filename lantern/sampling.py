@@ -74,7 +74,7 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     probs: [B, V] (need not be normalised); u: [B] in [0, 1). Returns [B] int64.
     """
     cdf = probs.cumsum(dim=-1)  # [B, V]
-    target = (u * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
     # Float round-off can push idx past the last positive entry; clamp to it.
     last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lantern.io import write_json
+from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig
 from lantern.models.vq import VQConfig, VQModel
 
@@ -68,10 +69,17 @@ def tiny_vq(seed: int = 0, vocab: int = 256) -> VQModel:
 def make_random_stack(
     out: str | os.PathLike[str], seed: int = 0, num_classes: int = 10, grid: int = 8, vocab: int = 256
 ) -> Path:
-    """Write ``out/target`` and ``out/tokenizer`` folders of a tiny random stack."""
+    """Write a tiny random stack: target, tokenizer, (untrained) drafter and proximity table."""
     out = Path(out)
     target = tiny_llamagen(seed, num_classes=num_classes, block_size=grid * grid, vocab_size=vocab)
     target.save_pretrained(out / "target")
-    tiny_vq(seed, vocab).save_pretrained(out / "tokenizer")
+    vq = tiny_vq(seed, vocab)
+    vq.save_pretrained(out / "tokenizer")
+    torch.manual_seed(seed + 2)
+    EagleDrafterModel(DrafterConfig.for_target(target.config)).save_pretrained(out / "drafter")
+    from lantern.proximity import build_proximity
+
+    table = build_proximity(vq.quantize.embedding.weight.detach(), k_max=min(64, vocab - 1))
+    table.save(out / "proximity.safetensors")
     write_json(out / "provenance.json", {"kind": "random", "seed": seed, "note": "untrained: for smoke tests only"})
     return out

@@ -1,0 +1,61 @@
+"""Up-front compatibility checks between a target, a drafter and a draft tree.
+
+Why a module of its own: these mismatches otherwise surface as a shape error deep inside a
+matmul (a drafter built for another hidden size), as silently wrong results (a drafter over
+another vocabulary would index the wrong lm_head rows), or as wasted work (a tree deeper than
+the image can never be fully accepted). Each check raises :class:`LanternError` naming both sides.
+"""
+
+from __future__ import annotations
+
+from lantern.config import TreeConfig
+from lantern.errors import check
+from lantern.models.drafter import DrafterConfig
+from lantern.models.llamagen import LlamaGenConfig
+from lantern.trees import resolve_tree_choices, static_tree
+
+
+def check_drafter_matches_target(drafter_cfg: DrafterConfig, target_cfg: LlamaGenConfig) -> None:
+    """The drafter reads the target's features (hidden size) and shares its lm_head (vocabulary)."""
+    check(
+        drafter_cfg.hidden_size == target_cfg.dim,
+        f"drafter hidden_size ({drafter_cfg.hidden_size}) does not match the target's hidden size "
+        f"(dim {target_cfg.dim}): the drafter was trained for another target model",
+    )
+    check(
+        drafter_cfg.vocab_size == target_cfg.vocab_size,
+        f"drafter vocab_size ({drafter_cfg.vocab_size}) does not match the target's vocabulary "
+        f"({target_cfg.vocab_size} image tokens)",
+    )
+
+
+def tree_depth(tree: TreeConfig) -> int:
+    """Deepest draft a tree proposes below the root (0 for ``none``)."""
+    if tree.kind == "none":
+        return 0
+    if tree.kind == "dynamic":
+        return tree.depth + 1  # level 1 from the root, then ``depth`` expansions
+    name = tree.name if tree.kind == "static" else f"chain:{tree.depth}"
+    return static_tree(resolve_tree_choices(name)).max_depth
+
+
+def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
+    """A tree whose depth reaches the number of image tokens can never be used in full.
+
+    After the first token (sampled at prefill) only ``num_tokens - 1`` remain, so a draft of depth
+    ``>= num_tokens`` is always cut by the loop's depth cap: almost surely a wrong ``--tree`` for
+    this image size (e.g. a 2x2 test grid with a depth-5 static tree).
+    """
+    depth = tree_depth(tree)
+    check(
+        depth < num_tokens,
+        f"tree {_describe(tree)} has depth {depth}, not less than the image's {num_tokens} tokens",
+    )
+
+
+def _describe(tree: TreeConfig) -> str:
+    if tree.kind == "static":
+        return f"'static:{tree.name}'"
+    if tree.kind == "chain":
+        return f"'chain:{tree.depth}'"
+    return f"'dynamic' (depth {tree.depth}, top_k {tree.top_k}, total_tokens {tree.total_tokens})"

@@ -1,0 +1,292 @@
+"""Drafting: build a tree of proposals per row from a backend that scores tree nodes.
+
+The tree logic (chain / static EAGLE-1 / dynamic EAGLE-2, SPEC §3.3-3.4) lives in
+:class:`TreeDrafter` and is written once. What scores a node is a :class:`DraftBackend`: the EAGLE
+drafter (:class:`EagleBackend`), or, in tests, an oracle that runs the target itself.
+
+Backends see *fed* nodes: each call to ``feed`` appends E nodes per row, numbered consecutively;
+a node names its parent by feed number (-1 = the root) and its ancestors by a mask over earlier
+feed numbers. Drafter K/V written while drafting are never committed, so nothing has to be rolled
+back: the next round's context pass overwrites them.
+
+Randomness: static trees sample children without replacement by an exponential race
+(``argtop-m(q / E)``, E ~ Exp(1), equivalent to Gumbel-top-k). Every row draws the same amount
+of noise per round whatever its batch-mates do, so its stream is independent of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lantern.cache import KVCache
+from lantern.config import SamplingConfig, TreeConfig
+from lantern.errors import check
+from lantern.generate import DraftTree
+from lantern.models.drafter import EagleDrafterModel
+from lantern.sampling import apply_cfg, probs_from_logits, process_logits
+from lantern.trees import (
+    StaticTree,
+    TreeBuffers,
+    dynamic_tree_select,
+    resolve_tree_choices,
+    static_tree,
+    tree_from_parents,
+)
+
+
+class DraftBackend(Protocol):
+    forwards: int
+
+    def start(self, hidden: Tensor, root: Tensor) -> None: ...
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None: ...
+
+    def begin(self) -> Tensor:
+        """Absorb the committed context; return guided logits at the root [B, V]."""
+        ...
+
+    def feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
+        """parent [B, E] feed index (-1 = root), tokens [B, E], depth (1 = children of the root),
+        ancestors [B, E, F_prev] bool over earlier fed nodes. Returns guided logits [B, E, V]."""
+        ...
+
+
+class TreeDrafter:
+    """Implements the loop's ``Drafter`` protocol for chain, static and dynamic trees."""
+
+    def __init__(self, backend: DraftBackend, tree: TreeConfig, sampling: SamplingConfig, vocab_size: int) -> None:
+        check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
+        if tree.kind == "dynamic":
+            check(
+                tree.top_k <= vocab_size,
+                f"tree top_k ({tree.top_k}) is larger than the vocabulary ({vocab_size})",
+            )
+        self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
+        self.static: StaticTree | None = None
+        if tree.kind in ("static", "chain"):
+            name = tree.name if tree.kind == "static" else f"chain:{tree.depth}"
+            self.static = static_tree(resolve_tree_choices(name))
+        self.root: Tensor | None = None
+        self._static_buffers: TreeBuffers | None = None
+
+    @property
+    def forwards(self) -> int:
+        return self.backend.forwards
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree size including the root (what the target cache must hold per round)."""
+        if self.static is not None:
+            return self.static.num_nodes
+        return self.tree.total_tokens + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.static.max_depth if self.static is not None else self.tree.depth + 1
+
+    def start(self, hidden: Tensor, root: Tensor) -> None:
+        self.root = root
+        self.backend.start(hidden, root)
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
+        last = next_tokens.gather(1, (num_new - 1).clamp(min=0)[:, None])[:, 0]
+        assert self.root is not None
+        self.root = torch.where(num_new > 0, last, self.root)
+        self.backend.commit(hidden, next_tokens, num_new)
+
+    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+        assert self.root is not None
+        root_logits = self.backend.begin()  # [B, V]
+        if self.static is None:
+            return self._dynamic(root_logits)
+        return self._static(root_logits, generators, active)
+
+    # -- static trees (EAGLE-1 / LANTERN++), chains ------------------------------------------------
+
+    def _static(self, root_logits: Tensor, generators: list[torch.Generator] | None, active: Tensor) -> DraftTree:
+        st = self.static
+        assert st is not None and self.root is not None
+        b, t, v = root_logits.shape[0], st.num_nodes, root_logits.shape[-1]
+        device = root_logits.device
+        tokens = torch.zeros(b, t, dtype=torch.long, device=device)
+        tokens[:, 0] = self.root
+        sampled = not self.sampling.greedy
+        q_draft = torch.zeros(b, t, v, device=device) if sampled else None
+        noise = self._race_noise(generators, active, b, v, device) if sampled else None
+        feed_of = torch.full((t,), -1, dtype=torch.long)  # node -> feed index
+        fed: list[int] = []  # node ids in feed order
+        noise_row = 0
+        for d, nodes in enumerate(st.expand_levels):
+            if nodes.numel() == 0:
+                continue
+            nodes = nodes.cpu()
+            if d == 0:
+                logits = root_logits[:, None]  # [B, 1, V] the root is expanded from the context
+            else:
+                parent = feed_of[st.parents[nodes]].to(device)[None].expand(b, -1)
+                anc = st.buffers.mask[0][nodes][:, fed].to(device)[None].expand(b, -1, -1)
+                logits = self.backend.feed(parent, tokens[:, nodes.to(device)], d, anc)
+                feed_of[nodes] = torch.arange(len(fed), len(fed) + len(nodes))
+                fed.extend(nodes.tolist())
+            m = st.num_samples[d]
+            if sampled:
+                q = probs_from_logits(logits, self.sampling)  # [B, E, V]
+                assert q_draft is not None and noise is not None
+                q_draft[:, nodes] = q
+                keys = q / noise[:, noise_row : noise_row + len(nodes)]
+                noise_row += len(nodes)
+                draws = keys.topk(m, dim=-1).indices  # [B, E, m] without replacement, in draw order
+            else:
+                draws = logits.topk(m, dim=-1).indices
+            children = (st.depth == d + 1).nonzero().flatten()
+            tokens[:, children] = draws[:, st.sample_row[children], st.rank[children]]
+        return DraftTree(tokens=tokens, buffers=self._static_batch(b, device), q_draft=q_draft)
+
+    def _race_noise(
+        self, generators: list[torch.Generator] | None, active: Tensor, b: int, v: int, device: torch.device
+    ) -> Tensor:
+        """[B, n_expanded, V] Exp(1) noise; inactive rows draw nothing (their stream is untouched)."""
+        assert self.static is not None and generators is not None
+        n_exp = sum(int(n.numel()) for n in self.static.expand_levels)
+        noise = torch.ones(b, n_exp, v, device=device)
+        for i in active.nonzero().flatten().tolist():
+            noise[i].exponential_(generator=generators[i])
+        return noise
+
+    def _static_batch(self, b: int, device: torch.device) -> TreeBuffers:
+        cached = self._static_buffers
+        if cached is None or cached.parents.shape[0] != b:
+            assert self.static is not None
+            cached = tree_from_parents(self.static.parents.to(device)[None].expand(b, -1).contiguous())
+            self._static_buffers = cached
+        return cached
+
+    # -- dynamic trees (EAGLE-2 / LANTERN) --------------------------------------------------------
+
+    def _dynamic(self, root_logits: Tensor) -> DraftTree:
+        """EAGLE-2 (SPEC §3.3): expand the top_k frontier ``depth`` times by cumulative log q, then
+        keep the ``total_tokens`` best nodes. Drafts are deterministic (q = point mass)."""
+        assert self.root is not None
+        k, depth = self.tree.top_k, self.tree.depth
+        b, device = root_logits.shape[0], root_logits.device
+        score, tok = self._log_q(root_logits).topk(k, dim=-1)  # [B, K] level 1
+        all_scores, all_tokens = [score], [tok]
+        all_parents = [torch.zeros(b, k, dtype=torch.long, device=device)]  # flat parent + 1; 0 = root
+        flat = torch.arange(k, device=device).expand(b, -1)  # [B, K] flat index of the frontier
+        feed_parent = torch.full((b, k), -1, dtype=torch.long, device=device)  # -1 = root
+        ancestors = torch.zeros(b, k, 0, dtype=torch.bool, device=device)  # over fed nodes
+        for i in range(depth):
+            logits = self.backend.feed(feed_parent, tok, i + 1, ancestors)  # frontier = fed i*K..
+            child_score, child_tok = self._log_q(logits).topk(k, dim=-1)  # [B, K, K]
+            cum = (score[:, :, None] + child_score).flatten(1)  # [B, K*K] cumulative log q
+            all_scores.append(cum)
+            all_tokens.append(child_tok.flatten(1))
+            all_parents.append((flat + 1).repeat_interleave(k, dim=1))
+            if i == depth - 1:
+                break
+            # The next frontier: the K best children by cumulative score.
+            score, best = cum.topk(k, dim=-1)  # [B, K]
+            pj = best // k  # index of the parent within the current frontier
+            tok = child_tok.flatten(1).gather(1, best)
+            flat = k + i * k * k + best
+            grow = torch.nn.functional.one_hot(i * k + pj, (i + 1) * k).bool()  # the parent itself
+            inherited = ancestors.gather(1, pj[:, :, None].expand(-1, -1, ancestors.shape[2]))
+            ancestors = torch.cat([inherited, torch.zeros(b, k, k, dtype=torch.bool, device=device)], 2) | grow
+            feed_parent = i * k + pj
+        scores, tokens_flat, parent_flat = torch.cat(all_scores, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
+        total = min(self.tree.total_tokens, scores.shape[1])
+        sel, parents = dynamic_tree_select(scores, parent_flat, total)
+        tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
+        return DraftTree(tokens=tokens, buffers=tree_from_parents(parents), q_draft=None)
+
+    def _log_q(self, logits: Tensor) -> Tensor:
+        return torch.log_softmax(process_logits(logits.float(), self.sampling), dim=-1)
+
+
+class EagleBackend:
+    """Scores tree nodes with an EAGLE drafter and its own static KV cache (one stream per CFG row)."""
+
+    def __init__(
+        self, model: EagleDrafterModel, lm_head: torch.nn.Linear, sampling: SamplingConfig, streams: int, max_len: int
+    ) -> None:
+        self.model, self.lm_head, self.sampling = model.eval(), lm_head, sampling
+        self.streams, self.max_len = streams, max_len
+        self.cache: KVCache | None = None
+        self.forwards = 0
+        self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # feats, tokens, counts
+        self._fed_hidden: list[Tensor] = []  # [S*B, E, D] outputs of fed nodes, in feed order
+        self._root_hidden: Tensor | None = None
+        self._base: Tensor | None = None  # [S*B] committed length after the context pass
+
+    def _guided(self, hidden: Tensor) -> Tensor:
+        return apply_cfg(
+            self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), self.sampling.cfg_scale, self.streams
+        )
+
+    def start(self, hidden: Tensor, root: Tensor) -> None:
+        cfg = self.model.config
+        n, length, _ = hidden.shape
+        self.cache = KVCache(1, n, cfg.kv_heads, self.max_len, cfg.head_dim, self.model.dtype, self.model.device)
+        b = root.shape[0]
+        tokens = torch.zeros(b, length, dtype=torch.long, device=root.device)
+        tokens[:, -1] = root  # condition positions pair with placeholder token 0 (SPEC §3.2)
+        self._pending = (hidden, tokens, torch.full((b,), length, dtype=torch.long, device=root.device))
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
+        self._pending = (hidden, next_tokens, num_new)
+
+    @torch.no_grad()
+    def begin(self) -> Tensor:
+        """Context pass over each row's new (feature, token) pairs; returns root logits [B, V]."""
+        assert self.cache is not None and self._pending is not None
+        feats, tokens, counts = self._pending
+        s, cache = self.streams, self.cache
+        a = tokens.shape[1]
+        counts_s = counts.repeat(s)
+        lengths = cache.lengths
+        j = torch.arange(a, device=feats.device)
+        slots = lengths[:, None] + j  # [S*B, A]
+        kv_len = int(lengths.max()) + a
+        cols = torch.arange(kv_len, device=feats.device)
+        rel = cols[None, None, :] - lengths[:, None, None]  # [N, 1, S]
+        mask = (rel < 0) | ((rel >= 0) & (rel <= j[None, :, None]))  # prefix + causal among new
+        out = self.model(feats.to(self.model.dtype), tokens.repeat(s, 1), slots, mask, cache, slots)
+        self.forwards += 1
+        cache.lengths += counts_s
+        last = (counts_s - 1).clamp(min=0)
+        self._root_hidden = out[torch.arange(out.shape[0]), last][:, None]  # [S*B, 1, D]
+        self._base = cache.lengths.clone()
+        self._fed_hidden = []
+        return self._guided(self._root_hidden)[:, 0]
+
+    @torch.no_grad()
+    def feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
+        assert self.cache is not None and self._base is not None and self._root_hidden is not None
+        s, e, device = self.streams, tokens.shape[1], tokens.device
+        source = torch.cat([self._root_hidden, *self._fed_hidden], dim=1)  # [N, 1 + F_prev, D]
+        f_prev = source.shape[1] - 1
+        idx = (parent.repeat(s, 1) + 1)[:, :, None].expand(-1, -1, source.shape[-1])
+        feats = source.gather(1, idx)  # [N, E, D] the parent's predicted feature
+        base = self._base
+        slots = base[:, None] + f_prev + torch.arange(e, device=device)  # [N, E]
+        positions = (base[:, None] + depth - 1).expand(-1, e)
+        mask = self._feed_mask(ancestors.repeat(s, 1, 1), base, f_prev, e)
+        out = self.model(feats, tokens.repeat(s, 1), positions, mask, self.cache, slots)
+        self.forwards += 1
+        self._fed_hidden.append(out)
+        return self._guided(out)
+
+    @staticmethod
+    def _feed_mask(ancestors: Tensor, base: Tensor, f_prev: int, e: int) -> Tensor:
+        """[N, E, kv_len]: the committed context, the node's fed ancestors, itself."""
+        n, device = base.shape[0], base.device
+        kv_len = int(base.max()) + f_prev + e
+        rel = torch.arange(kv_len, device=device)[None, :] - base[:, None]  # [N, S]
+        eye = torch.eye(e, dtype=torch.bool, device=device).expand(n, -1, -1)
+        tree_cols = torch.cat([ancestors, eye], dim=2)  # [N, E, F_prev + E]
+        idx = rel.clamp(0, f_prev + e - 1)[:, None, :].expand(-1, e, -1)
+        tree = tree_cols.gather(2, idx) & ((rel >= 0) & (rel < f_prev + e))[:, None, :]
+        return (rel < 0)[:, None, :] | tree
