@@ -1,0 +1,110 @@
+"""End to end: LANTERN's realised distribution of the first tokens vs the AR distribution.
+
+A tiny target (V = 6, 9 image tokens) generates many rows through the full loop with a dynamic
+tree (deterministic top-k drafts, as LANTERN) and an oracle drafter whose logits are a
+temperature-perturbed copy of the target's. We compare the empirical joint distribution of the
+first two image tokens (x0 from the prefill, x1 from the first verification level) with the exact
+AR joint, computed by enumeration.
+
+Bound under test (derived in tests/test_acceptance.py for a level of deterministic siblings):
+x0 is sampled exactly; at the first verification level each sibling test j moves at most delta
+of mass, so TV(x1 | x0) <= delta * E[number of tests] <= delta * top_k, and the joint TV is at most
+the expectation of that over x0. The empirical TV of N samples over C cells exceeds the true TV
+by more than eps with probability at most 2^C exp(-2 N eps^2) (Bretagnolle-Huber-Carol); with
+C = 36, N = 6000 and eps = 0.06 that is 1.6e-8, the false-positive rate of the bound check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
+from lantern.generate import Acceptance, generate
+from lantern.models.llamagen import LlamaGen
+from lantern.oracle import make_oracle_drafter
+from lantern.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.target import LlamaGenTarget
+from lantern.testing import tiny_llamagen
+
+N_ROWS = 6000
+TOP_K = 3
+SAMPLING = SamplingConfig(temperature=1.0, cfg_scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaGen:
+    return tiny_llamagen(
+        seed=11, logit_std=0.3, vocab_size=6, block_size=9, dim=16, n_layer=1, n_head=2, multiple_of=16
+    )
+
+
+def _guided_probs(model: LlamaGen, labels: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    lc = model(labels, prefix)[0][:, -1]
+    lu = model(model.null_condition(labels.shape[0]), prefix)[0][:, -1]
+    return probs_from_logits(apply_cfg(torch.cat([lc, lu]), SAMPLING.cfg_scale, 2), SAMPLING)
+
+
+@torch.no_grad()
+def _exact_joint(model: LlamaGen) -> torch.Tensor:
+    """[V, V] exact AR probability of (x0, x1) for label 0."""
+    v = model.config.vocab_size
+    label = torch.zeros(1, dtype=torch.long)
+    p0 = _guided_probs(model, label, torch.zeros(1, 0, dtype=torch.long))[0]  # [V]
+    p1 = _guided_probs(model, label.expand(v), torch.arange(v)[:, None])  # [V, V]
+    return p0[:, None] * p1
+
+
+def _run(model: LlamaGen, relaxation: RelaxationConfig | None) -> torch.Tensor:
+    v = model.config.vocab_size
+    labels = torch.zeros(N_ROWS, dtype=torch.long)
+    tree = TreeConfig(kind="dynamic", depth=2, top_k=TOP_K, total_tokens=8)
+    drafter = make_oracle_drafter(model, labels, SAMPLING, tree, logit_scale=0.5)
+    target = LlamaGenTarget(model, SAMPLING, max_tree_nodes=drafter.num_nodes)
+    # A random codebook's neighbour table: every other token, in a fixed random order.
+    order = torch.stack([torch.randperm(v, generator=torch.Generator().manual_seed(i)) for i in range(v)])
+    neighbours = torch.stack([row[row != i] for i, row in enumerate(order)])
+    acceptance = Acceptance(relaxation, neighbours if relaxation else None)
+    out = generate(
+        target, labels, generators=make_generators(list(range(N_ROWS))), drafter=drafter, acceptance=acceptance
+    )
+    assert out.stats.mean_accepted > 1.3  # drafts are accepted: the levels under test are exercised
+    return out.codes
+
+
+def _empirical_joint(codes: torch.Tensor, v: int) -> torch.Tensor:
+    return torch.bincount(codes[:, 0] * v + codes[:, 1], minlength=v * v).reshape(v, v).double() / codes.shape[0]
+
+
+def test_exact_rule_matches_ar_distribution(model: LlamaGen) -> None:
+    """delta = 0: chi-square of the (x0, x1) joint against the exact AR joint, cells with expected
+    count < 5 merged; threshold at the 0.999 quantile (false-positive rate 1e-3, fixed seeds)."""
+    v = model.config.vocab_size
+    p = _exact_joint(model).flatten()
+    codes = _run(model, RelaxationConfig(k=3, delta=0.0))
+    counts = torch.bincount(codes[:, 0] * v + codes[:, 1], minlength=v * v).double()
+    expected = p.double() * N_ROWS
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square 0.999 quantile (z = 3.09).
+    threshold = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < threshold, (chi2, threshold)
+
+
+@pytest.mark.parametrize("delta", [0.05, 0.15])
+def test_lantern_stays_within_its_bound(model: LlamaGen, delta: float) -> None:
+    v = model.config.vocab_size
+    p = _exact_joint(model)
+    codes = _run(model, RelaxationConfig(k=3, delta=delta))
+    tv = 0.5 * float((_empirical_joint(codes, v) - p.double()).abs().sum())
+    bound = delta * TOP_K
+    assert tv <= bound + 0.06, (tv, bound)
+    # The x0 marginal comes from plain sampling and must stay exact (same BHC margin, C = 6).
+    tv0 = 0.5 * float((_empirical_joint(codes, v).sum(1) - p.sum(1).double()).abs().sum())
+    assert tv0 <= 0.03
