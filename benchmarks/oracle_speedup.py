@@ -15,13 +15,14 @@ measured wall-clock ratio falls short of it for three reasons, printed separatel
 Runs are interleaved (AR, SD, AR, SD, ...) after one warm-up of each, so machine-load drift hits
 both sides alike.
 
-    .venv/bin/python benchmarks/oracle_speedup.py --batch 4 --repeats 3
+    .venv/bin/python benchmarks/oracle_speedup.py  # ~4 min on 2 busy CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -112,6 +113,10 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, str], Timing]:
             wall, drafting, target_s, fwd, acc = run_once(
                 model, labels, samplings[s_name], tree if m_name == "SD" else None, args
             )
+            print(
+                f"  [{'warm-up' if repeat == 0 else f'repeat {repeat}'}] {s_name} {m_name}: {wall:.2f} s",
+                file=sys.stderr,
+            )
             if repeat == 0:
                 continue
             t = timings[(s_name, m_name)]
@@ -172,14 +177,14 @@ def summary(name: str, ar: Timing, sd: Timing) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--tokens-grid", type=int, default=16, help="image side in tokens (16 -> 256 tokens)")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--tree", default="static:naive_extend_57", help="chain:N, static:NAME or dynamic")
+    p.add_argument("--tree", default="static:mc_sim_7b_63", help="chain:N, static:NAME or dynamic")
     p.add_argument("--cfg-scale", type=float, default=4.0)
     p.add_argument("--top-k", type=int, default=100, help="top-k of the sampling runs")
     p.add_argument("--logit-scale", type=float, default=1.0, help="oracle logits x this (1 = q equals p)")

@@ -102,7 +102,7 @@ class OracleBackend:
         self._fed_paths = torch.zeros(b, 0, 0, dtype=torch.long, device=self.codes.device)
         self._fed_depth = []
         logits = self._score(self.codes[:, None], self.lengths[:, None])[:, 0]
-        self.seconds += time.perf_counter() - start
+        self._clock(start)
         return logits
 
     @torch.no_grad()
@@ -128,8 +128,14 @@ class OracleBackend:
         self._fed_depth.extend([depth] * e)
         seqs = self._with_paths(paths[:, :, :depth])  # [B, E, W_codes + depth]
         logits = self._score(seqs, (self.lengths + depth)[:, None].expand(-1, e))
-        self.seconds += time.perf_counter() - start
+        self._clock(start)
         return logits
+
+    def _clock(self, start: float) -> None:
+        """Add the time since ``start`` to ``seconds`` (after the GPU's queued work has run)."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.seconds += time.perf_counter() - start
 
     def _with_paths(self, paths: Tensor) -> Tensor:
         """Known codes followed by each node's path, placed at each row's own length.

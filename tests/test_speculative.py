@@ -177,26 +177,31 @@ def _chi_square_threshold(df: int) -> float:
     return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
 
 
-DIST_TREES = {
-    "ar": TreeConfig(kind="none"),
-    "chain": TreeConfig.parse("chain:4"),
-    "static": TreeConfig.parse("static:mc_sim_7b_63"),
-    "dynamic": TreeConfig(kind="dynamic", depth=3, top_k=3, total_tokens=10),
+# name -> (tree, oracle logit_scale). 0.6: q is a flatter copy of p, so drafts get rejected and
+# residuals sampled. 2.0: q is sharper than p, so after a rejected first sibling the next draw's
+# conditional q_j(x) = q(x) / (1 - q(x_1)) differs a lot from q(x) (a run that used q(x) instead
+# fails with chi2 ~ 900 against a threshold of ~109; at 0.6 that bug is invisible).
+DIST_RUNS = {
+    "ar": (TreeConfig(kind="none"), 1.0),
+    "chain": (TreeConfig.parse("chain:4"), 0.6),
+    "static-flat-q": (TreeConfig.parse("static:mc_sim_7b_63"), 0.6),
+    "static-sharp-q": (TreeConfig.parse("static:mc_sim_7b_63"), 2.0),
+    "dynamic": (TreeConfig(kind="dynamic", depth=3, top_k=3, total_tokens=10), 0.6),
 }
 
 
 @cache
-def _dist_run(tree: str) -> GenerationOutput:
+def _dist_run(name: str) -> GenerationOutput:
     model, labels = _dist_model(), torch.full((DIST_ROWS,), DIST_LABEL)
     seeds = list(range(DIST_ROWS))
-    if tree == "ar":
+    tree, logit_scale = DIST_RUNS[name]
+    if tree.kind == "none":
         return generate(LlamaGenTarget(model, DIST_SAMPLING), labels, generators=make_generators(seeds))
-    # logit_scale 0.6: q is a flatter copy of p, so drafts get rejected and residuals sampled.
-    return _run("oracle", DIST_TREES[tree], labels, DIST_SAMPLING, seeds, model=model, logit_scale=0.6)
+    return _run("oracle", tree, labels, DIST_SAMPLING, seeds, model=model, logit_scale=logit_scale)
 
 
-@pytest.mark.parametrize("tree", list(DIST_TREES))
-def test_speculative_sampling_matches_target_distribution(tree: str) -> None:
+@pytest.mark.parametrize("run", list(DIST_RUNS))
+def test_speculative_sampling_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law, at significance 0.001.
 
     False-positive rate: 0.1 % per test for a correct implementation (the seeds are fixed, so the
@@ -205,14 +210,14 @@ def test_speculative_sampling_matches_target_distribution(tree: str) -> None:
     slightly wrong target.
     """
     p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
-    out = _dist_run(tree)
+    out = _dist_run(run)
     codes = out.codes[:, :DIST_TOKENS]
     cell = (codes * 6 ** torch.arange(DIST_TOKENS - 1, -1, -1)).sum(1)
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
     stat, df = _chi_square(codes, p)
     assert df >= 30  # enough cells for a meaningful test
     assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
-    if tree != "ar":
+    if run != "ar":
         assert out.stats.mean_accepted > 1.3  # drafts were accepted: the speculative path ran
 
 
@@ -229,7 +234,7 @@ def test_speculative_sampling_matches_target_distribution(tree: str) -> None:
 def test_chi_square_has_power(wrong: SamplingConfig) -> None:
     """The speculative samples are rejected when compared with a wrong target distribution
     (measured statistics are 2.4-170x the threshold), so the test above can fail meaningfully."""
-    codes = _dist_run("static").codes[:, :DIST_TOKENS]
+    codes = _dist_run("static-flat-q").codes[:, :DIST_TOKENS]
     stat, df = _chi_square(codes, _exact_joint(_dist_model(), wrong, DIST_TOKENS))
     assert stat > _chi_square_threshold(df)
 
