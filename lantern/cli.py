@@ -131,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "device": args.device,
         "sampling": sampling.to_dict(),
-        "method": method.to_dict(),
+        "method": result.method.to_dict(),
         "stats": result.stats_dict(),
     }
     write_json(out / "run.json", run)

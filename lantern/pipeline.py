@@ -100,6 +100,7 @@ class RunResult:
     codes: Tensor  # [num_images, N]
     output_stats: list[GenerationOutput]
     wall_seconds: float
+    method: MethodConfig  # as resolved for the run (e.g. lantern k capped at the table's K_max)
 
     def stats_dict(self) -> dict[str, Any]:
         forwards = torch.cat([o.stats.target_forwards for o in self.output_stats])
@@ -142,7 +143,7 @@ def run_generation(
         outputs.append(parts.generate(chunk, gens, progress))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
-    return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall)
+    return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
 
 
 @dataclass
@@ -212,7 +213,8 @@ def prepare_method(
             relaxation = replace(relaxation, k=table.k_max)
         table.check_k(relaxation.k)
         neighbours = table.neighbours_for(relaxation.k).to(stack.target.device)
-    return PreparedMethod(stack, method, sampling, drafter, Acceptance(relaxation, neighbours))
+    resolved = replace(method, relaxation=relaxation)  # k as actually used (capped at K_max)
+    return PreparedMethod(stack, resolved, sampling, drafter, Acceptance(relaxation, neighbours))
 
 
 def _max_tree_nodes(tree: TreeConfig) -> int:

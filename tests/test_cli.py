@@ -137,3 +137,84 @@ def test_console_script_and_core_import_without_extras() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     res = subprocess.run([sys.executable, "-m", "lantern.cli", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_speculative_methods_from_the_cli(stack: Path, tmp_path: Path) -> None:
+    """Greedy: every method (the stack's own drafter and proximity table) reproduces AR's codes."""
+    base = [
+        "generate",
+        "--model",
+        str(stack),
+        "--labels",
+        "1,4",
+        "--temperature",
+        "0",
+        "--cfg-scale",
+        "2",
+        "--no-progress",
+    ]
+    assert main([*base, "--out", str(tmp_path / "ar")]) == 0
+    ar = np.load(tmp_path / "ar" / "codes.npy")
+    for method, tree in [("sd", "dynamic"), ("sd-static", "chain:3"), ("lantern", None), ("lantern++", None)]:
+        out = tmp_path / method
+        extra = ["--tree", tree] if tree else []
+        assert main([*base, "--out", str(out), "--method", method, *extra]) == 0
+        run = json.loads((out / "run.json").read_text())
+        assert run["method"]["method"] == method
+        if method.startswith("sd"):
+            assert np.array_equal(np.load(out / "codes.npy"), ar)
+            assert run["stats"]["target_forwards"] <= 2 * 64
+    lantern = json.loads((tmp_path / "lantern" / "run.json").read_text())["method"]["relaxation"]
+    assert lantern["k"] == 64 and lantern["delta"] == 0.1  # default k = 1000 capped at K_max = 64
+
+
+def test_build_proximity_cli(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.models.vq import VQModel
+    from lantern.proximity import ProximityTable
+
+    out = tmp_path / "prox.safetensors"
+    assert main(["build-proximity", "--tokenizer", str(stack / "tokenizer"), "--k-max", "16", "--out", str(out)]) == 0
+    table = ProximityTable.load(out)
+    codebook = VQModel.from_pretrained(stack / "tokenizer").quantize.embedding.weight.detach()
+    table.validate(codebook)
+    d = torch.cdist(codebook.double(), codebook.double())
+    d.fill_diagonal_(float("inf"))
+    assert torch.equal(table.neighbours_for(16)[:, 0], d.argmin(dim=1))
+    # A table for another codebook is refused with a clear message.
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(stack),
+            "--labels",
+            "0",
+            "--out",
+            str(tmp_path / "g"),
+            "--method",
+            "lantern",
+            "--proximity",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    other = tmp_path / "other"
+    make_random_stack(other, seed=9)
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(stack),
+            "--labels",
+            "0",
+            "--out",
+            str(tmp_path / "h"),
+            "--method",
+            "lantern",
+            "--proximity",
+            str(other / "proximity.safetensors"),
+            "--no-progress",
+        ]
+    )
+    assert rc == 2
+    assert "codebook" in capsys.readouterr().err
