@@ -176,12 +176,10 @@ def generate(
         # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
         new = torch.where(active, num_acc + 1, 0)
         target.commit(path, new)
-        _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
+        # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
+        follow = _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
         if drafter is not None:
-            feats = _gather_path(hidden, path.clamp(min=0), target.streams)
-            follow = torch.cat([tree.tokens.gather(1, path[:, 1:].clamp(min=0)), next_token[:, None]], 1)
-            follow = follow.scatter(1, num_acc[:, None], next_token[:, None])
-            drafter.commit(feats, follow, new)
+            drafter.commit(_gather_path(hidden, path.clamp(min=0), target.streams), follow, new)
         root = torch.where(active, next_token, root)
         n = n + new
         stats.target_forwards += active.long().cpu()
@@ -255,7 +253,7 @@ def _accept(
 
 def _write_codes(
     codes: Tensor, n: Tensor, tokens: Tensor, path: Tensor, num_acc: Tensor, next_token: Tensor, active: Tensor
-) -> None:
+) -> Tensor:
     """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token."""
     b, n_total = codes.shape
     width = path.shape[1]  # root + up to D drafts
@@ -267,6 +265,7 @@ def _write_codes(
     pos = (n[:, None] + j).clamp(max=n_total - 1)
     rows = torch.arange(b, device=codes.device)[:, None].expand_as(pos)
     codes[rows[keep], pos[keep]] = vals[keep]
+    return vals
 
 
 def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:
