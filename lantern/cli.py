@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_build_proximity(sub)
     _add_make_random_stack(sub)
+    from lantern.train.cli import add_train_commands  # argparse only; trainers import lazily
+
+    add_train_commands(sub)
     return parser
 
 

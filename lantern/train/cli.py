@@ -1,0 +1,287 @@
+"""Training sub-commands of ``lantern``: from images to model folders.
+
+    lantern train-tokenizer  --data photos --out runs/tok
+    lantern extract-codes    --tokenizer runs/tok --data photos --out runs/codes
+    lantern train-target     --codes runs/codes --out runs/target
+    lantern make-drafter-data --target runs/target --codes runs/codes --out runs/ddata
+    lantern train-drafter    --target runs/target --data runs/ddata --out runs/drafter
+
+Every trainer checkpoints into ``OUT/checkpoints`` and continues exactly with ``--resume``;
+``accelerate launch -m lantern.cli train-...`` runs the same command data-parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from lantern.errors import LanternError
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _command() -> str:
+    return "lantern " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _add_loop_args(p: argparse.ArgumentParser, steps: int, batch_size: int, lr: float, warmup: int,
+                   checkpoint_every: int, clip_mode: str = "norm", grad_clip: float = 1.0,
+                   weight_decay: float = 0.0) -> None:
+    g = p.add_argument_group("optimisation and checkpoints")
+    g.add_argument("--steps", type=int, default=steps, help=f"optimiser steps (default {steps})")
+    g.add_argument("--batch-size", type=int, default=batch_size, help=f"global batch size (default {batch_size})")
+    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr (default 0.1)")
+    g.add_argument("--warmup-steps", type=int, default=warmup, help=f"linear warm-up steps (default {warmup})")
+    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=weight_decay, help=f"AdamW decay (default {weight_decay})")
+    g.add_argument("--grad-clip", type=float, default=grad_clip, help=f"0 = off (default {grad_clip})")
+    g.add_argument("--clip-mode", choices=["norm", "value"], default=clip_mode, help=f"(default {clip_mode})")
+    g.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="bf16 autocast (default) or fp32")
+    g.add_argument("--seed", type=int, default=0, help="initial weights, data order and every random draw")
+    g.add_argument("--checkpoint-every", type=int, default=checkpoint_every,
+                   help=f"steps between checkpoints (default {checkpoint_every})")
+    g.add_argument("--keep-checkpoints", type=int, default=2)
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
+    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _loop(args: argparse.Namespace) -> Any:
+    from lantern.train.loop import LoopConfig
+
+    return LoopConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup_steps, schedule=args.schedule, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, clip_mode=args.clip_mode, precision=args.precision, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
+    )
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("images")
+    g.add_argument("--data", required=True, help="photos | digits | a folder of .png/.jpg images")
+    g.add_argument("--labels-file", default=None, help="folder data: CSV lines 'filename,label'")
+    g.add_argument("--image-size", type=int, default=None, help="square side in pixels (photos 64, digits 32)")
+    g.add_argument("--channels", type=int, choices=[1, 3], default=None, help="1 (grey) or 3 (RGB)")
+    g.add_argument("--num-samples", type=int, default=None, help="training images (photos: crops; default 20000)")
+    g.add_argument("--eval-samples", type=int, default=None, help="held-out images (photos default 2000)")
+    g.add_argument("--data-seed", type=int, default=0, help="seed of the crops (photos)")
+
+
+def _datasets(args: argparse.Namespace) -> tuple[Any, Any]:
+    from lantern.data import load_dataset
+
+    common = dict(image_size=args.image_size, seed=args.data_seed, labels_file=args.labels_file,
+                  channels=args.channels)
+    train = load_dataset(args.data, "train", num_samples=args.num_samples, **common)
+    test = load_dataset(args.data, "test", num_samples=args.eval_samples, **common)
+    return train, test
+
+
+def _report(kind: str, result: Any) -> int:
+    if not result.finished:
+        print(f"stopped after {result.steps_run} steps; continue with --resume")
+        return 0
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in result.metrics.items())
+    print(f"wrote {kind} to {result.out} | {metrics}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_train_tokenizer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-tokenizer", help="train a VQ tokenizer on images",
+                       description="Train a LlamaGen-architecture VQ tokenizer; reports held-out PSNR.")
+    _add_data_args(p)
+    p.add_argument("--out", required=True, help="output folder (VQ tokenizer folder + checkpoints)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--codebook-size", type=int, default=1024)
+    g.add_argument("--codebook-dim", type=int, default=8)
+    g.add_argument("--ch", type=int, default=64, help="base channel width (default 64)")
+    g.add_argument("--ch-mult", type=_int_tuple, default=(1, 2, 2),
+                   help="channel multipliers; len-1 halvings (default 1,2,2 -> 4x downsampling)")
+    g.add_argument("--z-channels", type=int, default=64)
+    g.add_argument("--num-res-blocks", type=int, default=1)
+    g.add_argument("--norm-groups", type=int, default=16)
+    g.add_argument("--recon-loss", choices=["l1", "l2"], default="l2")
+    g.add_argument("--restart-every", type=int, default=50, help="dead-code restart period in steps; 0 = off")
+    g.add_argument("--eval-images", type=int, default=512)
+    _add_loop_args(p, steps=2000, batch_size=32, lr=1e-3, warmup=50, checkpoint_every=200)
+    p.set_defaults(func=cmd_train_tokenizer)
+
+
+def cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from lantern.models.vq import VQConfig
+    from lantern.train.tokenizer import TokenizerRecipe, train_tokenizer
+
+    loop = _loop(args)
+    recipe = TokenizerRecipe(recon_loss=args.recon_loss, restart_every=args.restart_every,
+                             eval_images=args.eval_images)
+    train, test = _datasets(args)
+    config = VQConfig(codebook_size=args.codebook_size, codebook_embed_dim=args.codebook_dim, ch=args.ch,
+                      ch_mult=args.ch_mult, z_channels=args.z_channels, num_res_blocks=args.num_res_blocks,
+                      norm_groups=args.norm_groups, in_channels=train.channels)
+    result = train_tokenizer(config, train, test, recipe, loop, args.out, resume=args.resume,
+                             progress=not args.no_progress, stop_after=args.stop_after, command=_command())
+    return _report("tokenizer", result)
+
+
+def _add_extract_codes(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("extract-codes", help="encode a data set's images into code grids",
+                       description="Write OUT/train.safetensors and OUT/test.safetensors (codes + labels).")
+    p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder")
+    _add_data_args(p)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_extract_codes)
+
+
+def cmd_extract_codes(args: argparse.Namespace) -> int:
+    from lantern.io import write_json
+    from lantern.models.vq import VQModel
+    from lantern.train.codes import extract_code_dir
+
+    tokenizer = VQModel.from_pretrained(args.tokenizer)
+    train, test = _datasets(args)
+    sets = extract_code_dir(tokenizer, train, test, args.out, args.batch_size, progress=not args.no_progress)
+    write_json(f"{args.out}/extract_config.json", {"command": _command(), "tokenizer": str(args.tokenizer),
+                                                   "train": sets["train"].meta, "test": sets["test"].meta})
+    s = sets["train"]
+    print(f"wrote {len(s)} train / {len(sets['test'])} test code grids ({s.seq_len} tokens, vocab {s.vocab_size}, "
+          f"{s.num_classes} classes) to {args.out}")
+    return 0
+
+
+def _add_train_target(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-target", help="train a class-conditional LlamaGen target on code grids",
+                       description="Next-token training with class dropout (for CFG); reports held-out "
+                                   "bits per token against a unigram baseline.")
+    p.add_argument("--codes", required=True, help="folder written by `lantern extract-codes`")
+    p.add_argument("--out", required=True, help="output folder (LlamaGen model folder + checkpoints)")
+    g = p.add_argument_group("model")
+    g.add_argument("--dim", type=int, default=256)
+    g.add_argument("--n-layer", type=int, default=8)
+    g.add_argument("--n-head", type=int, default=8)
+    g.add_argument("--multiple-of", type=int, default=64, help="FFN width rounding (LlamaGen: 256)")
+    g.add_argument("--dropout", type=float, default=0.1, help="token/residual/FFN dropout (default 0.1)")
+    g.add_argument("--class-dropout", type=float, default=0.1, help="label -> null class rate, for CFG (0.1)")
+    g.add_argument("--init-std", type=float, default=0.02)
+    _add_loop_args(p, steps=3000, batch_size=32, lr=1e-3, warmup=100, checkpoint_every=250, weight_decay=0.05)
+    p.set_defaults(func=cmd_train_target)
+
+
+def cmd_train_target(args: argparse.Namespace) -> int:
+    from lantern.train.codes import load_code_dir
+    from lantern.train.target import TargetRecipe, target_config_for, train_target
+
+    loop = _loop(args)
+    recipe = TargetRecipe(class_dropout=args.class_dropout)
+    train, test = load_code_dir(args.codes, "train"), load_code_dir(args.codes, "test")
+    config = target_config_for(train, dim=args.dim, n_layer=args.n_layer, n_head=args.n_head,
+                               multiple_of=args.multiple_of, class_dropout_prob=args.class_dropout,
+                               token_dropout_p=args.dropout, resid_dropout_p=args.dropout, ffn_dropout_p=args.dropout)
+    result = train_target(config, train, test, recipe, loop, args.out, init_std=args.init_std, resume=args.resume,
+                          progress=not args.no_progress, stop_after=args.stop_after, command=_command())
+    return _report("target", result)
+
+
+def _add_make_drafter_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-drafter-data", help="teacher-forced target features for drafter training",
+                       description="Run the target over real code grids (the paper's recipe) and store its "
+                                   "final-norm hidden states: OUT/train and OUT/test.")
+    p.add_argument("--target", required=True, help="target model folder (or stack folder)")
+    p.add_argument("--codes", required=True, help="folder written by `lantern extract-codes`")
+    p.add_argument("--out", required=True)
+    p.add_argument("--cond-dropout", type=float, default=0.1, help="rate of rows run unconditionally (0.1)")
+    p.add_argument("--source", choices=["real", "generated"], default="real",
+                   help="real codes only, or also self-distilled sequences sampled from the target")
+    p.add_argument("--num-generated", type=int, default=0, help="with --source generated: sequences to sample")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_make_drafter_data)
+
+
+def _load_target(path: str) -> Any:
+    from pathlib import Path
+
+    from lantern.models.llamagen import LlamaGen
+
+    root = Path(path)
+    if not root.is_dir():
+        raise LanternError(f"--target: no such folder {root}")
+    return LlamaGen.from_pretrained(root / "target" if (root / "target").is_dir() else root).eval()
+
+
+def cmd_make_drafter_data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lantern.train.codes import load_code_dir
+    from lantern.train.drafter import make_drafter_data
+
+    target = _load_target(args.target)
+    out = Path(args.out)
+    for split in ("train", "test"):
+        codes = load_code_dir(args.codes, split)
+        make_drafter_data(target, codes, out / split, cond_dropout=args.cond_dropout, seed=args.seed,
+                          batch_size=args.batch_size, progress=not args.no_progress,
+                          source=args.source if split == "train" else "real",
+                          num_generated=args.num_generated if split == "train" else 0)
+    print(f"wrote drafter data to {out}/train and {out}/test")
+    return 0
+
+
+def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-drafter", help="train an EAGLE drafter for a target",
+                       description="SmoothL1(features) + w * soft-CE(logits) with input-feature noise (SPEC 3.2); "
+                                   "reports held-out top-1/top-3 agreement and the mean accepted length.")
+    p.add_argument("--target", required=True, help="target model folder (or stack folder)")
+    p.add_argument("--data", required=True, help="folder written by `lantern make-drafter-data`")
+    p.add_argument("--out", required=True)
+    g = p.add_argument_group("loss")
+    g.add_argument("--p-weight", type=float, default=0.1, help="soft cross-entropy weight (default 0.1)")
+    g.add_argument("--v-weight", type=float, default=1.0, help="feature regression weight (default 1.0)")
+    g.add_argument("--noise-width", type=float, default=0.2, help="uniform input-feature noise width (0.2)")
+    g.add_argument("--no-eval-generation", action="store_true", help="skip the short speculative generation")
+    _add_loop_args(p, steps=3000, batch_size=32, lr=1e-3, warmup=100, checkpoint_every=250, clip_mode="value",
+                   grad_clip=0.5)
+    p.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lantern.train.drafter import DrafterData, DrafterRecipe, train_drafter
+
+    loop = _loop(args)
+    recipe = DrafterRecipe(p_weight=args.p_weight, v_weight=args.v_weight, noise_width=args.noise_width)
+    target = _load_target(args.target)
+    data = Path(args.data)
+    if not data.is_dir():
+        raise LanternError(f"--data: no such folder {data} (make it with `lantern make-drafter-data`)")
+    result = train_drafter(target, DrafterData.load(data / "train"), DrafterData.load(data / "test"), recipe, loop,
+                           args.out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after,
+                           command=_command(), eval_generation=not args.no_eval_generation)
+    return _report("drafter", result)
+
+
+def add_train_commands(sub: argparse._SubParsersAction) -> None:
+    _add_train_tokenizer(sub)
+    _add_extract_codes(sub)
+    _add_train_target(sub)
+    _add_make_drafter_data(sub)
+    _add_train_drafter(sub)

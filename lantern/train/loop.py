@@ -1,0 +1,403 @@
+"""The one training loop, shared by the tokenizer, target and drafter trainers.
+
+A trainer is a :class:`TrainTask` (model, batches, loss, evaluation, final save); the loop owns
+everything else: the optimiser and schedule, bf16 autocast, progress, periodic checkpoints and
+exact resume, the resolved config and ``provenance.json``. It runs on ``accelerate`` so the same
+command runs data-parallel under ``accelerate launch``.
+
+Exact resume rests on one choice: the data order and every random draw of a step are pure
+functions of ``(seed, step)`` (see :func:`batch_indices` and :func:`step_generator`), so a
+checkpoint only needs the model, optimiser, scheduler and step counter. ``accelerate``'s
+``save_state`` stores those (and the global RNGs, for anything that still uses them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lantern.errors import LanternError, check
+from lantern.io import ensure_writable_dir, write_json
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+TRAIN_CONFIG_FILE = "train_config.json"
+PROVENANCE_FILE = "provenance.json"
+LOG_FILE = "train_log.jsonl"
+
+# Loop fields that may change between a run and its resumption without changing the result.
+_RESUMABLE_CHANGES = frozenset({"checkpoint_every", "keep_checkpoints", "log_every"})
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Optimiser, schedule and bookkeeping of one training run."""
+
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine / linear)
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    clip_mode: str = "norm"  # norm | value (EAGLE/LANTERN clip drafter gradients by value)
+    precision: str = "bf16"  # bf16 (autocast, also on CPU) | fp32
+    seed: int = 0
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 1, f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+              f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
+        check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr!r}")
+        check(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        check(self.schedule in ("cosine", "linear", "constant"),
+              f"--schedule must be cosine, linear or constant, got {self.schedule!r}")
+        check(self.clip_mode in ("norm", "value"), f"--clip-mode must be norm or value, got {self.clip_mode!r}")
+        check(self.precision in ("bf16", "fp32"), f"--precision must be bf16 or fp32, got {self.precision!r}")
+        check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip!r}")
+        check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoopConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class TrainTask(ABC):
+    """What a trainer provides to :func:`train`. ``model`` holds exactly the trained parameters."""
+
+    kind: str  # "tokenizer" | "target" | "drafter"
+    model: nn.Module
+
+    @abstractmethod
+    def num_examples(self) -> int: ...
+
+    @abstractmethod
+    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> Any:
+        """Collate the examples ``indices`` for ``step`` (any randomness from :func:`step_generator`)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[Tensor, dict[str, float]]:
+        """Scalar loss and floats to log. ``model`` is the (possibly DDP-wrapped) trained module."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out metrics of the unwrapped model (called at the end of training)."""
+
+    @abstractmethod
+    def save(self, model: nn.Module, out: Path) -> None:
+        """Write the final ``from_pretrained`` folder into ``out``."""
+
+    @abstractmethod
+    def config_dict(self) -> dict[str, Any]:
+        """Everything besides the loop config that determines the result (for resume checks)."""
+
+    @abstractmethod
+    def data_fingerprint(self) -> str: ...
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return (p for p in self.model.parameters() if p.requires_grad)
+
+    def after_step(self, model: nn.Module, batch: Any, step: int) -> dict[str, float]:
+        """Hook after the optimiser step (e.g. dead-code restarts). Returns floats to log."""
+        return {}
+
+    def extra_state(self) -> Any | None:
+        """An object with ``state_dict``/``load_state_dict`` to checkpoint beside the model (or None)."""
+        return None
+
+    def bind(self, accelerator: Any) -> None:
+        """Called once before training with the ``accelerate.Accelerator`` in use."""
+        self.accelerator = accelerator
+
+
+# ----------------------------------------------------------------------------------------------
+# Determinism helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def step_generator(seed: int, step: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator that depends only on (seed, step, stream): resuming replays the same draws."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) * 31 + stream)
+    return g
+
+
+def batch_indices(seed: int, step: int, batch_size: int, num_examples: int) -> Tensor:
+    """Global example ids for ``step``: consecutive slices of per-epoch permutations (wrapping)."""
+    start = step * batch_size
+    out: list[Tensor] = []
+    while len(out) == 0 or sum(t.numel() for t in out) < batch_size:
+        epoch, offset = divmod(start, num_examples)
+        perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        need = batch_size - sum(t.numel() for t in out)
+        piece = perm[offset : offset + need]
+        out.append(piece)
+        start += piece.numel()
+    return torch.cat(out)
+
+
+def lr_lambda(cfg: LoopConfig) -> Any:
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    root = out / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / STATE_FILE).is_file()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(out: str | os.PathLike[str]) -> Path | None:
+    found = _checkpoints(Path(out))
+    return found[-1] if found else None
+
+
+def _config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs += _config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}: checkpoint {json.dumps(a)}, now {json.dumps(b)}")
+    return diffs
+
+
+def _check_resumable(state: Mapping[str, Any], loop: LoopConfig, task: TrainTask, where: Path) -> None:
+    saved_loop = {k: v for k, v in state["loop"].items() if k not in _RESUMABLE_CHANGES}
+    now_loop = {k: v for k, v in loop.to_dict().items() if k not in _RESUMABLE_CHANGES}
+    diffs = _config_differences(saved_loop, now_loop, "loop.")
+    diffs += _config_differences(state["task"], json.loads(json.dumps(task.config_dict())), "task.")
+    if state.get("kind") != task.kind:
+        diffs.append(f"kind: checkpoint {state.get('kind')!r}, now {task.kind!r}")
+    if state.get("data_fingerprint") != task.data_fingerprint():
+        diffs.append("training data differs from the data the checkpoint was trained on (fingerprint)")
+    if diffs:
+        raise LanternError(
+            f"cannot resume from {where}: the configuration is incompatible with the checkpoint:\n  "
+            + "\n  ".join(diffs)
+            + "\nResume with the original settings, or train into a new --out folder."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance
+# ----------------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if sha.returncode != 0:
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def provenance(task: TrainTask, loop: LoopConfig, metrics: Mapping[str, Any], command: str | None,
+               wall_seconds: float, resumed_from: int | None) -> dict[str, Any]:
+    import platform
+
+    return {
+        "kind": task.kind,
+        "command": command if command is not None else " ".join(sys.argv),
+        "data_fingerprint": task.data_fingerprint(),
+        "git_commit": git_commit(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} cpus",
+        "steps": loop.steps,
+        "resumed_from_step": resumed_from,
+        "wall_seconds_this_run": round(wall_seconds, 1),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "metrics": dict(metrics),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    metrics: dict[str, float]
+    steps_run: int
+    resumed_from: int | None
+    finished: bool  # False when stopped early by ``stop_after``
+
+
+def train(
+    task: TrainTask,
+    loop: LoopConfig,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    command: str | None = None,
+) -> TrainResult:
+    """Run (or resume) ``task`` into ``out``; returns final held-out metrics.
+
+    ``stop_after`` ends this process after that many global steps (after any checkpoint due at
+    that step), as if it had been killed: a later ``resume=True`` call continues exactly.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    out = ensure_writable_dir(out)
+    existing = latest_checkpoint(out)
+    if existing is not None and not resume:
+        raise LanternError(f"--out {out} already holds training checkpoints; pass --resume to continue that run, "
+                           "or choose a new --out folder")
+    accelerator = _make_accelerator(Accelerator, loop.precision)
+    torch.manual_seed(loop.seed)
+    model = task.model
+    optimizer = torch.optim.AdamW(list(task.parameters()), lr=loop.lr, betas=(loop.beta1, loop.beta2),
+                                  weight_decay=loop.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(loop))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    if task.extra_state() is not None:
+        accelerator.register_for_checkpointing(task.extra_state())
+    task.bind(accelerator)
+
+    start_step, resumed_from = 0, None
+    if resume and existing is not None:
+        state = json.loads((existing / STATE_FILE).read_text())
+        _check_resumable(state, loop, task, existing)
+        accelerator.load_state(str(existing))
+        start_step = resumed_from = int(state["step"])
+        if start_step > loop.steps:
+            raise LanternError(f"cannot resume: checkpoint {existing} is at step {start_step}, "
+                               f"past --steps {loop.steps}")
+    if accelerator.is_main_process:
+        write_json(out / TRAIN_CONFIG_FILE, {"kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict()})
+
+    n = task.num_examples()
+    check(n >= 1, f"{task.kind} training: the training set is empty")
+    world, rank = accelerator.num_processes, accelerator.process_index
+    check(loop.batch_size % world == 0,
+          f"--batch-size {loop.batch_size} must be divisible by the number of processes ({world})")
+    model.train()
+    t0 = time.time()
+    end = loop.steps if stop_after is None else min(loop.steps, stop_after)
+    bar = tqdm(total=loop.steps, initial=start_step, desc=f"train {task.kind}", disable=not (progress and
+               accelerator.is_main_process), dynamic_ncols=True)
+    log: dict[str, float] = {}
+    for step in range(start_step, end):
+        indices = batch_indices(loop.seed, step, loop.batch_size, n)[rank::world]
+        batch = task.make_batch(indices, step, accelerator.device)
+        with accelerator.autocast():
+            loss, log = task.loss(model, batch, step)
+        check(bool(torch.isfinite(loss)), f"{task.kind} training diverged at step {step}: loss is {loss.item()}")
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        if loop.grad_clip > 0:
+            if loop.clip_mode == "norm":
+                accelerator.clip_grad_norm_(model.parameters(), loop.grad_clip)
+            else:
+                accelerator.clip_grad_value_(model.parameters(), loop.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        log = {"loss": float(loss.detach()), **log, **task.after_step(accelerator.unwrap_model(model), batch, step)}
+        done = step + 1
+        bar.update(1)
+        if done % loop.log_every == 0 or done == end:
+            bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
+            if accelerator.is_main_process:
+                with open(out / LOG_FILE, "a") as f:
+                    f.write(json.dumps({"step": done, "lr": scheduler.get_last_lr()[0], **log}) + "\n")
+        if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
+            _save_checkpoint(accelerator, out, done, loop, task)
+    bar.close()
+    if end < loop.steps:
+        return TrainResult(out, {}, end - start_step, resumed_from, finished=False)
+
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
+    metrics["final_train_loss"] = log.get("loss", float("nan"))
+    if accelerator.is_main_process:
+        prov = provenance(task, loop, metrics, command, time.time() - t0, resumed_from)
+        task.save(unwrapped, out)
+        write_json(out / PROVENANCE_FILE, prov)
+    return TrainResult(out, metrics, end - start_step, resumed_from, finished=True)
+
+
+def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
+    """An Accelerator for ``precision``. accelerate keeps process-global state; a single-process
+    run (tests, notebooks) may train twice with different precisions, so reset it there."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    mixed = "bf16" if precision == "bf16" else "no"
+    if AcceleratorState._shared_state and PartialState().distributed_type == DistributedType.NO:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return accelerator_cls(mixed_precision=mixed)
+
+
+def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, task: TrainTask) -> None:
+    """Write ``checkpoints/step-N`` atomically (temp folder, then rename); prune old ones."""
+    accelerator.wait_for_everyone()
+    root = out / CHECKPOINT_DIR
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    if accelerator.is_main_process:
+        state = {"step": step, "kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict(),
+                 "data_fingerprint": task.data_fingerprint()}
+        write_json(tmp / STATE_FILE, json.loads(json.dumps(state)))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in _checkpoints(out)[: -loop.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
