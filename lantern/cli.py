@@ -26,13 +26,24 @@ def _int_list(text: str) -> list[int]:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
+    g = p.add_argument_group("sampling (defaults: the model's generation.json, else the values shown)")
     g.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy argmax (default 1.0)"
+        "--temperature", type=float, default=None, help="sampling temperature; 0 = greedy argmax (default 1.0)"
     )
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold in (0, 1]; 1 = off (default 1.0)")
-    g.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale; 1 = off (default 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 = off (default 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus threshold in (0, 1]; 1 = off (default 1.0)")
+    g.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale; 1 = off (default 1)")
+
+
+def _sampling(args: argparse.Namespace, stack: Any) -> Any:
+    """Explicit flags, then the stack's ``generation.json``, then SamplingConfig's defaults."""
+    from lantern.config import SamplingConfig
+
+    values: dict[str, Any] = dict(stack.default_sampling())
+    for name in ("temperature", "top_k", "top_p", "cfg_scale"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return SamplingConfig(**values)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -83,7 +94,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from lantern.config import SamplingConfig
     from lantern.images import image_grid, save_png
     from lantern.io import atomic_path, ensure_writable_dir, write_json
     from lantern.models.vq import to_pil
@@ -92,12 +102,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.num_per_label < 1:
         raise LanternError(f"--num-per-label must be >= 1, got {args.num_per_label}")
-    sampling = SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale
-    )
     method = MethodConfig.resolve(args.method, args.tree, args.lantern_k, args.lantern_delta, args.lantern_lambda)
-    out = ensure_writable_dir(args.out, "--out")
     stack = load_stack(args.model, args.tokenizer)
+    sampling = _sampling(args, stack)
+    out = ensure_writable_dir(args.out, "--out")
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
@@ -194,12 +202,63 @@ def cmd_build_proximity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="AR vs LANTERN++ / LANTERN on an embedded model: speed-up table and image grid",
+        description="Decode the same labels and seeds with every method, timed side by side in this process.",
+    )
+    p.add_argument("--model", default="digits", help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--methods", default="ar,lantern++,lantern,sd",
+                   help="comma-separated methods, ar first (default ar,lantern++,lantern,sd)")
+    p.add_argument("--num-images", type=int, default=None, help="images per method (default: one per class)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=None, help="rows decoded together (default: all)")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is reported")
+    p.add_argument("--out", default="lantern-demo", help="output folder (default ./lantern-demo)")
+    p.add_argument("--no-progress", action="store_true")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from lantern.demo import run_demo, save_demo
+    from lantern.pipeline import METHODS
+    from lantern.stack import load_stack
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    for m in methods:
+        if m not in METHODS:
+            raise LanternError(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+    torch.manual_seed(0)
+    stack = load_stack(args.model)
+    sampling = _sampling(args, stack)
+    n = args.num_images or stack.target.config.num_classes
+    t0 = time.perf_counter()
+    rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size or n,
+                    repeats=args.repeats, progress=not args.no_progress)
+    meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "sampling": sampling.to_dict(),
+            "threads": torch.get_num_threads()}
+    out = save_demo(stack, rows, args.out, meta)
+    from lantern.demo import format_table
+
+    print(f"model {args.model} | {n} images per method, same labels and seeds | {sampling.to_dict()}")
+    print(format_table(rows))
+    print(f"grid: {out / 'demo_grid.png'} | numbers: {out / 'demo.json'} | total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_build_proximity(sub)
     _add_make_random_stack(sub)
+    _add_demo(sub)
     from lantern.train.cli import add_train_commands  # argparse only; trainers import lazily
 
     add_train_commands(sub)

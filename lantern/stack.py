@@ -8,7 +8,8 @@ A stack folder holds everything one image generator needs::
     DIR/proximity.safetensors   optional latent proximity table (LANTERN)
     DIR/provenance.json         optional: how it was made
 
-``--model`` also accepts a bare target folder when ``--tokenizer`` is given separately.
+``--model`` also accepts a bare target folder when ``--tokenizer`` is given separately, or the
+name of an embedded preset (``digits``, ``photos``: trained stacks shipped in ``lantern/presets``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
 
 TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
+GENERATION_FILE = "generation.json"  # a stack's default sampling settings
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS = ("digits", "photos")
 
 
 @dataclass
@@ -42,12 +46,34 @@ class ModelStack:
         f = self.root / PROXIMITY_FILE
         return f if f.is_file() else None
 
+    def default_sampling(self) -> dict[str, float]:
+        """The stack's recommended sampling settings (``generation.json``), or {}."""
+        f = self.root / GENERATION_FILE
+        if not f.is_file():
+            return {}
+        from lantern.io import read_json
+
+        raw = read_json(f, "generation settings")
+        known = ("temperature", "top_k", "top_p", "cfg_scale")
+        return {k: raw[k] for k in known if k in raw}
+
+
+def preset_dir(name: str) -> Path:
+    path = PRESETS_DIR / name
+    if not (path / TARGET_DIR).is_dir():
+        raise LanternError(f"the embedded preset {name!r} is not installed (expected {path}); "
+                           "reinstall lantern or train it with scripts/train_preset.sh")
+    return path
+
 
 def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
-    """A stack folder path (embedded presets are resolved here once they exist)."""
+    """A stack folder path, or an embedded preset name (a folder of that name in the working
+    directory is not taken for the preset: write ``./digits`` for that)."""
+    if str(model) in PRESETS:
+        return preset_dir(str(model))
     path = Path(model)
     if not path.exists():
-        raise LanternError(f"--model: no such model folder {path}")
+        raise LanternError(f"--model: no such model folder {path} (embedded presets: {', '.join(PRESETS)})")
     if not path.is_dir():
         raise LanternError(f"--model: {path} is not a folder")
     return path

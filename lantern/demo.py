@@ -1,0 +1,125 @@
+"""``lantern demo``: the same labels and seeds decoded with AR and with relaxed speculative
+decoding, timed side by side in one process, with a PNG grid to compare the images.
+
+Timing: every method first runs a small warm-up generation (excluded), then the methods run in
+turn, ``repeats`` times, and the median wall-clock per method is reported, so one slow moment of
+a shared machine does not decide a ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageDraw
+
+from lantern.config import SamplingConfig
+from lantern.errors import check
+from lantern.images import image_grid, save_png
+from lantern.io import atomic_path, ensure_writable_dir, write_json
+from lantern.models.vq import to_pil
+from lantern.pipeline import MethodConfig, RunResult, run_generation
+from lantern.stack import ModelStack
+
+DEFAULT_METHODS = ("ar", "lantern++", "lantern", "sd")
+
+
+@dataclass
+class MethodTiming:
+    method: str
+    mean_accepted: float
+    target_forwards: int
+    wall_seconds: float
+    speedup_vs_ar: float
+    result: RunResult
+
+    def row(self) -> dict[str, Any]:
+        return {"method": self.method, "mean_accepted": round(self.mean_accepted, 3),
+                "target_forwards": self.target_forwards, "wall_seconds": round(self.wall_seconds, 3),
+                "speedup_vs_ar": round(self.speedup_vs_ar, 3), "resolved": self.result.method.to_dict()}
+
+
+def demo_labels(num_classes: int, num_images: int) -> list[int]:
+    return [i % num_classes for i in range(num_images)]
+
+
+def run_demo(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    methods: tuple[str, ...] = DEFAULT_METHODS,
+    num_images: int = 8,
+    seed: int = 0,
+    batch_size: int = 8,
+    repeats: int = 1,
+    progress: bool = True,
+) -> list[MethodTiming]:
+    check("ar" in methods, "--methods must include ar (the speed-up baseline)")
+    check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
+    check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
+    labels = demo_labels(stack.target.config.num_classes, num_images)
+    configs = {m: MethodConfig.resolve(m) for m in methods}
+    from tqdm.auto import tqdm
+
+    for m in methods:  # warm-up: allocator, kernels and lazy loads; not timed
+        run_generation(stack, labels[:1], seed + 1, sampling, configs[m], batch_size=1)
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    results: dict[str, RunResult] = {}
+    with tqdm(total=len(methods) * repeats, desc="demo", disable=not progress) as bar:
+        for _ in range(repeats):
+            for m in methods:  # interleaved, so drift of the machine hits every method alike
+                bar.set_postfix_str(m)
+                r = run_generation(stack, labels, seed, sampling, configs[m], batch_size=batch_size)
+                walls[m].append(r.wall_seconds)
+                results[m] = r
+                bar.update(1)
+    ar_wall = statistics.median(walls["ar"])
+    out = []
+    for m in methods:
+        stats = results[m].stats_dict()
+        wall = statistics.median(walls[m])
+        out.append(MethodTiming(m, stats["mean_accepted"], stats["target_forwards"], wall, ar_wall / wall, results[m]))
+    return out
+
+
+def format_table(rows: list[MethodTiming]) -> str:
+    head = f"{'method':<11} {'mean accepted':>13} {'target forwards':>15} {'wall s':>8} {'speed-up':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.method:<11} {r.mean_accepted:>13.2f} {r.target_forwards:>15d} {r.wall_seconds:>8.2f} "
+                     f"{r.speedup_vs_ar:>8.2f}x")
+    return "\n".join(lines)
+
+
+def comparison_grid(stack: ModelStack, rows: list[MethodTiming], scale: int = 2) -> Image.Image:
+    """One row per method (same labels and seeds across a column), method names on the left."""
+    strips = []
+    for r in rows:
+        with torch.no_grad():
+            images = to_pil(stack.tokenizer.decode(r.result.codes.to(stack.target.device)))
+        images = [im.convert("RGB").resize((im.width * scale, im.height * scale), Image.Resampling.NEAREST)
+                  for im in images]
+        strips.append(image_grid(images, ncol=len(images)))
+    label_w = 90
+    width = label_w + max(s.width for s in strips)
+    canvas = Image.new("RGB", (width, sum(s.height for s in strips)), "white")
+    draw = ImageDraw.Draw(canvas)
+    y = 0
+    for r, strip in zip(rows, strips, strict=True):
+        canvas.paste(strip, (label_w, y))
+        draw.text((4, y + strip.height // 2 - 12), r.method, fill="black")
+        draw.text((4, y + strip.height // 2 + 2), f"{r.speedup_vs_ar:.2f}x, tau {r.mean_accepted:.2f}", fill="gray")
+        y += strip.height
+    return canvas
+
+
+def save_demo(stack: ModelStack, rows: list[MethodTiming], out: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
+    out = ensure_writable_dir(out, "--out")
+    save_png(comparison_grid(stack, rows), out / "demo_grid.png")
+    write_json(out / "demo.json", {**meta, "results": [r.row() for r in rows]})
+    with atomic_path(out / "demo.md") as tmp:
+        tmp.write_text(f"```\n{format_table(rows)}\n```\n")
+    return out
