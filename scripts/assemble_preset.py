@@ -25,6 +25,12 @@ from lantern.proximity import build_proximity
 from lantern.train.loop import git_commit
 
 K_MAX = 128  # neighbours stored per code: LANTERN's k is capped here; lantern++ uses k = 10
+# Default sampling per preset (generation.json). LlamaGen-style: CFG on, top-k keeping ~10% of the
+# codebook (LlamaGen/LANTERN keep 1000-2000 of 16384), temperature 1.
+GENERATION = {
+    "digits": {"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 3.0},
+    "photos": {"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 3.0},
+}
 
 
 def _half(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -47,9 +53,11 @@ def main(name: str, runs: Path, out: Path) -> None:
         prov = read_json(runs / part / "provenance.json", f"{part} provenance")
         write_json(tmp / part / "provenance.json", prov)
         provenance["steps"][part] = prov  # type: ignore[index]
-    codes_cfg = runs / "codes" / "extract_config.json"
-    if codes_cfg.is_file():
-        provenance["steps"]["extract-codes"] = json.loads(codes_cfg.read_text())  # type: ignore[index]
+    codes_cfg = json.loads((runs / "codes" / "extract_config.json").read_text())
+    provenance["steps"]["extract-codes"] = codes_cfg  # type: ignore[index]
+    data = {k: v for k, v in codes_cfg["train"]["data"].items() if k not in ("split", "num_samples")}
+    write_json(tmp / "data.json", data)  # lantern.evaluation.stack_dataset rebuilds the images from it
+    write_json(tmp / "generation.json", GENERATION[name])
     data_meta = runs / "drafter-data" / "train" / "meta.json"
     if data_meta.is_file():
         provenance["steps"]["make-drafter-data"] = json.loads(data_meta.read_text())  # type: ignore[index]
