@@ -61,7 +61,7 @@ def run_demo(
     check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
     labels = demo_labels(stack.target.config.num_classes, num_images)
-    configs = {m: MethodConfig.resolve(m) for m in methods}
+    configs = {m: MethodConfig.resolve(m, stack.default_tree(m)) for m in methods}
     from tqdm.auto import tqdm
 
     for m in methods:  # warm-up: allocator, kernels and lazy loads; not timed
@@ -85,12 +85,22 @@ def run_demo(
     return out
 
 
+def tree_name(method: MethodConfig) -> str:
+    t = method.tree
+    if t.kind == "none":
+        return "-"
+    if t.kind == "dynamic":
+        return f"dynamic:{t.total_tokens}/d{t.depth}"
+    return t.name if t.kind == "static" else f"chain:{t.depth}"
+
+
 def format_table(rows: list[MethodTiming]) -> str:
-    head = f"{'method':<11} {'mean accepted':>13} {'target forwards':>15} {'wall s':>8} {'speed-up':>9}"
+    head = (f"{'method':<10} {'tree':<22} {'mean accepted':>13} {'target forwards':>15} {'wall s':>8} "
+            f"{'speed-up':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.method:<11} {r.mean_accepted:>13.2f} {r.target_forwards:>15d} {r.wall_seconds:>8.2f} "
-                     f"{r.speedup_vs_ar:>8.2f}x")
+        lines.append(f"{r.method:<10} {tree_name(r.result.method):<22} {r.mean_accepted:>13.2f} "
+                     f"{r.target_forwards:>15d} {r.wall_seconds:>8.2f} {r.speedup_vs_ar:>8.2f}x")
     return "\n".join(lines)
 
 

@@ -46,6 +46,19 @@ class ModelStack:
         f = self.root / PROXIMITY_FILE
         return f if f.is_file() else None
 
+    def default_tree(self, method: str) -> str | None:
+        """The stack's recommended draft tree for ``method`` (``generation.json`` "trees"), or None.
+
+        Verify cost grows with tree size much faster on a CPU than on a GPU, so a stack meant for
+        CPUs can ship smaller trees than the paper's defaults."""
+        f = self.root / GENERATION_FILE
+        if not f.is_file():
+            return None
+        from lantern.io import read_json
+
+        trees = read_json(f, "generation settings").get("trees", {})
+        return trees.get(method)
+
     def default_sampling(self) -> dict[str, float]:
         """The stack's recommended sampling settings (``generation.json``), or {}."""
         f = self.root / GENERATION_FILE

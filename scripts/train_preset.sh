@@ -18,14 +18,16 @@ case "$NAME" in
   digits)
     DATA=(--data digits)
     TOK=(--ch 32 --z-channels 32 --norm-groups 8 --steps 1500 --batch-size 32 --checkpoint-every 100 --eval-images 500)
-    TGT=(--dim 256 --n-layer 8 --n-head 8 --multiple-of 64 --steps 2500 --batch-size 32 --lr 1e-3 --checkpoint-every 250)
+    TGT=(--dim 256 --n-layer 8 --n-head 4 --multiple-of 64 --steps 2500 --batch-size 32 --lr 1e-3 --checkpoint-every 250)
+    DDATA=()
     DRF=(--steps 1500 --batch-size 32 --lr 1e-3 --checkpoint-every 250)
     ;;
   photos)
     DATA=(--data photos --num-samples 20000 --eval-samples 2000)
     TOK=(--ch 32 --z-channels 32 --norm-groups 8 --steps 1500 --batch-size 32 --checkpoint-every 100 --eval-images 500)
-    TGT=(--dim 320 --n-layer 8 --n-head 5 --multiple-of 64 --steps 3000 --batch-size 32 --lr 1e-3 --checkpoint-every 250)
-    DRF=(--steps 1500 --batch-size 16 --lr 1e-3 --checkpoint-every 250)
+    TGT=(--dim 256 --n-layer 8 --n-head 4 --multiple-of 64 --steps 1500 --batch-size 16 --lr 1e-3 --checkpoint-every 250)
+    DDATA=(--max-sequences 8000)
+    DRF=(--steps 1000 --batch-size 16 --lr 1e-3 --checkpoint-every 250)
     ;;
   *) echo "unknown preset $NAME (digits|photos)" >&2; exit 2 ;;
 esac
@@ -44,6 +46,6 @@ step() {  # step OUT_DIR COMMAND...: run (or resume) unless OUT_DIR already hold
 step "$RUNS/tokenizer" train-tokenizer "${DATA[@]}" "${TOK[@]}"
 step "$RUNS/codes" extract-codes --tokenizer "$RUNS/tokenizer" "${DATA[@]}"
 step "$RUNS/target" train-target --codes "$RUNS/codes" "${TGT[@]}"
-step "$RUNS/drafter-data" make-drafter-data --target "$RUNS/target" --codes "$RUNS/codes"
+step "$RUNS/drafter-data" make-drafter-data --target "$RUNS/target" --codes "$RUNS/codes" "${DDATA[@]}"
 step "$RUNS/drafter" train-drafter --target "$RUNS/target" --data "$RUNS/drafter-data" "${DRF[@]}"
 .venv/bin/python scripts/assemble_preset.py "$NAME" "$RUNS" "lantern/presets/$NAME"

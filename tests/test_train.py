@@ -288,6 +288,21 @@ def test_cli_tokenizer_codes_target_chain(folder: Path, tmp_path: Path, capsys: 
     out = capsys.readouterr().out
     assert "test_bits_per_token" in out and "unigram_bits_per_token" in out
     assert LlamaGen.from_pretrained(tmp_path / "target").config.block_size == 64
+    assert main(["make-drafter-data", "--target", str(tmp_path / "target"), "--codes", str(tmp_path / "codes"),
+                 "--out", str(tmp_path / "ddata"), "--max-sequences", "6", "--no-progress"]) == 0
+    from lantern.train.drafter import DrafterData
+
+    data = DrafterData.load(tmp_path / "ddata" / "train")
+    assert len(data) == 6 and data.hidden.shape == (6, 65, 32)
+    assert main(["train-drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "ddata"), "--out",
+                 str(tmp_path / "drafter"), "--steps", "3", "--batch-size", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "top1" in out and "mean_accepted" in out
+    from lantern.models.drafter import EagleDrafterModel
+
+    assert EagleDrafterModel.from_pretrained(tmp_path / "drafter").config.hidden_size == 32
+    assert main(["make-drafter-data", "--target", str(tmp_path / "target"), "--codes", str(tmp_path / "codes"),
+                 "--out", str(tmp_path / "ddata2"), "--max-sequences", "0"]) == 2
 
 
 def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -210,6 +210,8 @@ def _add_make_drafter_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--source", choices=["real", "generated"], default="real",
                    help="real codes only, or also self-distilled sequences sampled from the target")
     p.add_argument("--num-generated", type=int, default=0, help="with --source generated: sequences to sample")
+    p.add_argument("--max-sequences", type=int, default=None, help="use at most this many training code grids")
+    p.add_argument("--max-test-sequences", type=int, default=1000, help="held-out grids kept (default 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--no-progress", action="store_true")
@@ -230,13 +232,19 @@ def _load_target(path: str) -> Any:
 def cmd_make_drafter_data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lantern.train.codes import load_code_dir
+    from lantern.train.codes import CodeSet, load_code_dir
     from lantern.train.drafter import make_drafter_data
 
     target = _load_target(args.target)
     out = Path(args.out)
+    for name, value in (("--max-sequences", args.max_sequences), ("--max-test-sequences", args.max_test_sequences)):
+        if value is not None and value < 1:
+            raise LanternError(f"{name} must be >= 1, got {value}")
     for split in ("train", "test"):
         codes = load_code_dir(args.codes, split)
+        limit = args.max_sequences if split == "train" else args.max_test_sequences
+        if limit is not None and limit < len(codes):  # the first rows: classes stay balanced (i % classes)
+            codes = CodeSet(codes.codes[:limit], codes.labels[:limit], codes.meta)
         make_drafter_data(target, codes, out / split, cond_dropout=args.cond_dropout, seed=args.seed,
                           batch_size=args.batch_size, progress=not args.no_progress,
                           source=args.source if split == "train" else "real",
