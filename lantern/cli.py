@@ -215,7 +215,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated methods, ar first (default ar,lantern++,lantern,sd)")
     p.add_argument("--num-images", type=int, default=None, help="images per method (default: one per class)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=None, help="rows decoded together (default: all)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="images decoded together (default 1: the latency setting speculative decoding targets)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is reported")
     p.add_argument("--out", default="lantern-demo", help="output folder (default ./lantern-demo)")
     p.add_argument("--no-progress", action="store_true")
@@ -241,14 +242,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     sampling = _sampling(args, stack)
     n = args.num_images or stack.target.config.num_classes
     t0 = time.perf_counter()
-    rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size or n,
+    rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                     repeats=args.repeats, progress=not args.no_progress)
-    meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "sampling": sampling.to_dict(),
-            "threads": torch.get_num_threads()}
+    meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
+            "sampling": sampling.to_dict(), "threads": torch.get_num_threads()}
     out = save_demo(stack, rows, args.out, meta)
     from lantern.demo import format_table
 
-    print(f"model {args.model} | {n} images per method, same labels and seeds | {sampling.to_dict()}")
+    print(f"model {args.model} | {n} images per method, batch {args.batch_size}, same labels and seeds | "
+          f"{sampling.to_dict()}")
     print(format_table(rows))
     print(f"grid: {out / 'demo_grid.png'} | numbers: {out / 'demo.json'} | total {time.perf_counter() - t0:.0f} s")
     return 0

@@ -57,6 +57,10 @@ STATIC_TREES: dict[str, list[list[int]]] = {
         [0, 0, 0, 1, 0], [0, 0, 0, 1, 1], [0, 0, 0, 1, 2],
     ],
     "chain": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]],
+    # Small trees for devices where verify cost grows quickly with tree size (CPUs): a main
+    # chain with second samples at the shallow levels, where acceptance is decided most often.
+    "cpu_6": [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "cpu_9": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]],
 }
 
 
