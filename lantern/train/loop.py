@@ -376,8 +376,10 @@ def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
     from accelerate.state import AcceleratorState, DistributedType, PartialState
 
     mixed = "bf16" if precision == "bf16" else "no"
-    if AcceleratorState._shared_state and PartialState().distributed_type == DistributedType.NO:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    reset = getattr(AcceleratorState, "_reset_state", None)  # private API: skip if a release drops it
+    if getattr(AcceleratorState, "_shared_state", None) and reset is not None \
+            and PartialState().distributed_type == DistributedType.NO:
+        reset(reset_partial_state=True)
     return accelerator_cls(mixed_precision=mixed)
 
 
