@@ -102,7 +102,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.num_per_label < 1:
         raise LanternError(f"--num-per-label must be >= 1, got {args.num_per_label}")
-    MethodConfig.resolve(args.method, args.tree, args.lantern_k, args.lantern_delta, args.lantern_lambda)  # fail early
     stack = load_stack(args.model, args.tokenizer)
     tree = args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda)

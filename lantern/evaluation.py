@@ -84,26 +84,14 @@ def target_statistics(target: LlamaGen, codes: Tensor, labels: Tensor, sampling:
 @torch.no_grad()
 def drafter_agreement(drafter: EagleDrafterModel, target: LlamaGen, codes: Tensor, labels: Tensor,
                       batch_size: int = 32) -> dict[str, float]:
-    """Teacher-forced next-token agreement on real codes: the target's argmax among the drafter's
-    top-1 / top-3, and the single-draft acceptance probability sum_v min(p_v, q_v) (temperature 1)."""
-    from lantern.train.drafter import teacher_forced_batch
+    """Teacher-forced next-token agreement on real codes (the trainer's held-out evaluation,
+    :func:`lantern.train.drafter.evaluate_drafter`): the target's argmax among the drafter's top-1 /
+    top-3, and the single-draft acceptance probability sum_v min(p_v, q_v) (temperature 1)."""
+    from lantern.train.drafter import DrafterData, evaluate_drafter
 
     check(codes.shape[0] > 0, "drafter_agreement needs at least one sequence")
-    drafter, target = drafter.eval(), target.eval()
-    cls = target.config.cls_token_num
-    top1 = top3 = accept = 0.0
-    count = 0
-    for lo in range(0, codes.shape[0], batch_size):
-        c, lab = codes[lo : lo + batch_size], labels[lo : lo + batch_size]
-        _, hidden = target(lab, c)  # [B, cls + n, D]
-        batch = teacher_forced_batch(hidden, c, cls)
-        pred = drafter(batch.features.to(drafter.dtype), batch.tokens, batch.positions, batch.mask)
-        m = batch.loss_mask
-        p = target.logits(batch.targets[m].to(target.dtype)).softmax(-1)
-        q = target.logits(pred[m].to(target.dtype)).softmax(-1)
-        best = p.argmax(-1, keepdim=True)
-        top1 += float((q.argmax(-1, keepdim=True) == best).sum())
-        top3 += float((q.topk(3, -1).indices == best).any(-1).sum())
-        accept += float(torch.minimum(p, q).sum(-1).sum())
-        count += int(m.sum())
-    return {"top1": top1 / count, "top3": top3 / count, "accept_prob": accept / count}
+    target = target.eval()
+    hidden = torch.cat([target(labels[lo : lo + batch_size], codes[lo : lo + batch_size])[1]
+                        for lo in range(0, codes.shape[0], batch_size)])  # [N, cls + n, D]
+    metrics = evaluate_drafter(drafter, target, DrafterData(hidden, codes, labels, {}), generation=False)
+    return {k: metrics[k] for k in ("top1", "top3", "accept_prob")}
