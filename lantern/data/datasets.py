@@ -80,6 +80,8 @@ class ImageDataset(ABC):
     channels: int
     image_size: int
     class_names: list[str]
+    seed: int
+    num_samples: int
     _fingerprint: str | None = None
 
     @abstractmethod
@@ -89,9 +91,17 @@ class ImageDataset(ABC):
     def _item(self, i: int) -> tuple[torch.Tensor, int]:
         """Item ``i`` for ``0 <= i < len(self)``."""
 
-    @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """JSON-able keyword arguments that rebuild this data set with :func:`load_dataset`."""
+        """JSON-able keyword arguments that rebuild this data set with :func:`load_dataset`
+        (built-in sources; the folder data set adds its path and labels file)."""
+        return {
+            "source": self.name,
+            "split": self.split,
+            "image_size": self.image_size,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "channels": self.channels,
+        }
 
     @abstractmethod
     def _fingerprint_params(self) -> dict[str, Any]:
@@ -303,16 +313,6 @@ class PhotoDataset(ImageDataset):
         image = image.resize((self.image_size, self.image_size), Image.Resampling.LANCZOS)
         return _to_tensor(np.asarray(image)), photo
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "source": "photos",
-            "split": self.split,
-            "image_size": self.image_size,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-            "channels": self.channels,
-        }
-
     def _fingerprint_params(self) -> dict[str, Any]:
         return {
             "image_size": self.image_size,
@@ -409,16 +409,6 @@ class DigitsDataset(ImageDataset):
         if self.channels == 3:
             image_t = image_t.expand(3, -1, -1).contiguous()
         return image_t, int(y[row])
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "source": "digits",
-            "split": self.split,
-            "image_size": self.image_size,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-            "channels": self.channels,
-        }
 
     def _fingerprint_params(self) -> dict[str, Any]:
         # seed is left out on purpose: it does not change any item.
