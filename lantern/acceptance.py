@@ -262,6 +262,8 @@ def _valid_children(
     safe = kids.clamp(min=0)  # [B, C]
     kid_tokens = tokens.gather(1, safe)  # [B, C]
     valid = (kids >= 0) & (depth.gather(1, safe) <= max_depth[:, None])  # [B, C]
+    if kids.shape[1] == 1:  # a single child (chains) cannot repeat a sibling
+        return kid_tokens, valid
     same = kid_tokens[:, :, None] == kid_tokens[:, None, :]  # [B, C, C]
     slot = torch.arange(kids.shape[1], device=kids.device)  # [C]
     earlier = slot[None, :] < slot[:, None]  # [C, C] [j, i]: slot i comes before slot j
@@ -305,8 +307,16 @@ def _test_candidate(
     accepted = testing & (u < (p_tilde / q_x).clamp(max=1.0))
     rejected = testing & ~accepted
     relaxed_only = accepted & ~(u < (r_x / q_x).clamp(max=1.0))
+    if not _any(rejected):  # most tests accept: the residual update would be thrown away
+        return _Test(accepted, rejected, relaxed_only, r)
     new_r = rejection_residual(r, x, p_tilde, m_len, q_j, neighbours, relax)  # [B, V]
     return _Test(accepted, rejected, relaxed_only, torch.where(rejected[:, None], new_r, r))
+
+
+def _any(mask: Tensor) -> bool:
+    """``mask.any()`` where reading it is free (CPU); True on accelerators, where the host sync
+    would cost more than the kernels it saves, so the caller simply does the work."""
+    return mask.device.type != "cpu" or bool(mask.any())
 
 
 @dataclass(frozen=True)
@@ -332,14 +342,16 @@ def _verify_level(
     child = torch.full_like(kids[:, 0], -1)  # [B]
     rejected = torch.zeros_like(active)
     relaxed_only = torch.zeros_like(active)
-    for j in range(kids.shape[1]):
+    num_slots = kids.shape[1]
+    for j in range(num_slots):
         x = kid_tokens[:, j].clamp(min=0)  # [B]
         testing = active & valid[:, j] & (child < 0)
-        test = _test_candidate(r, q_node, x, testing, u[:, j], neighbours, relax)
-        r, rejected = test.residual, rejected | test.rejected
-        relaxed_only = relaxed_only | test.relaxed_only
-        child = torch.where(test.accepted, kids[:, j], child)
-        if q_node is not None:  # the drafter drew this sibling: later draws exclude it
+        if _any(testing):  # else every row accepted an earlier sibling or has no usable one here
+            test = _test_candidate(r, q_node, x, testing, u[:, j], neighbours, relax)
+            r, rejected = test.residual, rejected | test.rejected
+            relaxed_only = relaxed_only | test.relaxed_only
+            child = torch.where(test.accepted, kids[:, j], child)
+        if q_node is not None and j + 1 < num_slots:  # the drafter drew this sibling: later draws exclude it
             q_node = torch.where((kids[:, j] >= 0)[:, None], q_node.scatter(1, x[:, None], 0.0), q_node)
     return _Level(child, r, rejected, relaxed_only)
 

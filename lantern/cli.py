@@ -46,6 +46,35 @@ def _sampling(args: argparse.Namespace, stack: Any) -> Any:
     return SamplingConfig(**values)
 
 
+def _check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
+    """True for ``--tree auto``; refuses it for methods without a drafter tree, and --profile without it."""
+    if tree != "auto":
+        if profile is not None:
+            raise LanternError("--profile is only used with --tree auto")
+        return False
+    from lantern.autotree import SPECULATIVE_METHODS
+
+    if not any(m in SPECULATIVE_METHODS for m in methods):
+        raise LanternError(
+            f"--tree auto needs a speculative --method ({', '.join(SPECULATIVE_METHODS)}), got {', '.join(methods)}"
+        )
+    return True
+
+
+def _auto_tree(
+    stack: Any, method: Any, sampling: Any, batch_size: int, profile: Any, seed: int,
+    drafter: str | None = None, proximity: str | None = None, progress: bool = True,
+) -> Any:
+    """``--tree auto``: choose_tree for one method, with its explanation printed."""
+    from lantern.autotree import choose_tree
+
+    choice = choose_tree(stack, method, sampling, profile=profile, seed=seed, batch_size=batch_size,
+                         drafter_dir=drafter, proximity=proximity, progress=progress)
+    print(f"--tree auto [{choice.method}]: {choice.explanation} (profile {choice.profile_seconds:.1f} s, "
+          f"calibration {choice.calibration_seconds:.1f} s)")
+    return choice
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
@@ -63,15 +92,21 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--method",
         default="ar",
-        choices=["ar", "sd", "sd-static", "lantern", "lantern++"],
+        choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++"],
         help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
-        "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree",
+        "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
+        "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
+        "lantern's / lantern++'s relaxed acceptance",
     )
     p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
     p.add_argument(
         "--tree",
         default=None,
-        help="draft tree: dynamic | static:NAME (e.g. static:naive_extend_57) | chain:N (default per method)",
+        help="draft tree: dynamic | static:NAME (e.g. static:naive_extend_57) | chain:N | auto (default per method); "
+        "auto measures this device and the drafter's acceptance, then picks the fastest static tree",
+    )
+    p.add_argument(
+        "--profile", default=None, help="with --tree auto: a profile.json from `lantern profile` (default: measure now)"
     )
     p.add_argument(
         "--proximity", default=None, help="latent proximity table (default: proximity.safetensors in --model)"
@@ -80,11 +115,26 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--lantern-k", type=int, default=None, help="neighbours per token (lantern 1000 capped at K_max; lantern++ 10)"
     )
     p.add_argument(
-        "--lantern-delta", type=float, default=None, help="lantern: neighbour mass bound delta in [0, 1] (0.1)"
+        "--lantern-delta",
+        type=float,
+        default=None,
+        help="lantern, sjd-lantern: neighbour mass bound delta in [0, 1] (0.1)",
     )
-    p.add_argument("--lantern-lambda", type=float, default=None, help="lantern++: relative bound lambda >= 1 (5.0)")
+    p.add_argument(
+        "--lantern-lambda", type=float, default=None, help="lantern++, sjd-lantern++: relative bound lambda >= 1 (5.0)"
+    )
+    p.add_argument("--sjd-window", type=int, default=None, help="sjd*: Jacobi window length L >= 1 (16)")
+    p.add_argument(
+        "--sjd-init",
+        default=None,
+        choices=["random", "repeat_horizon"],
+        help="sjd*: new guesses are uniform random tokens, or repeat the token to their left (default random)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32",
+                   help="target/drafter precision: float32 (default; bit-reproducible), bfloat16, or auto "
+                        "(bf16 where the hardware computes it natively: faster at batch 1)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
@@ -98,19 +148,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.io import atomic_path, ensure_writable_dir, write_json
     from lantern.models.vq import to_pil
     from lantern.pipeline import MethodConfig, image_seed, run_generation
-    from lantern.stack import load_stack
+    from lantern.stack import inference_dtype, load_stack
 
     if args.num_per_label < 1:
         raise LanternError(f"--num-per-label must be >= 1, got {args.num_per_label}")
-    stack = load_stack(args.model, args.tokenizer)
-    tree = args.tree if args.tree is not None else stack.default_tree(args.method)
-    method = MethodConfig.resolve(args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda)
+    auto = _check_auto_tree(args.tree, [args.method], args.profile)
+    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
+    tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
+    method = MethodConfig.resolve(
+        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init
+    )
     sampling = _sampling(args, stack)
     out = ensure_writable_dir(args.out, "--out")
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
     stack.target.check_labels(torch.tensor(labels))
+    auto_choice = None
+    if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
+        auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                                 args.drafter, args.proximity, not args.no_progress)
+        method = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k, args.lantern_delta,
+                                      args.lantern_lambda, args.sjd_window, args.sjd_init)
 
     result = run_generation(
         stack,
@@ -143,6 +202,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "method": result.method.to_dict(),
         "stats": result.stats_dict(),
     }
+    if auto_choice is not None:
+        run["auto_tree"] = auto_choice.to_dict()
     write_json(out / "run.json", run)
     stats = run["stats"]
     print(
@@ -218,6 +279,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="images decoded together (default 1: the latency setting speculative decoding targets)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is reported")
     p.add_argument("--out", default="lantern-demo", help="output folder (default ./lantern-demo)")
+    p.add_argument("--dtype", default="auto",
+                   help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
+    p.add_argument("--tree", default=None,
+                   help="tree for every speculative method: auto (chosen per method for this device) or a "
+                        "--tree spec of `lantern generate` (default: the model's generation.json)")
+    p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
     p.add_argument("--no-progress", action="store_true")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
@@ -230,21 +297,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from lantern.demo import run_demo, save_demo
     from lantern.pipeline import METHODS
-    from lantern.stack import load_stack
+    from lantern.stack import inference_dtype, load_stack
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for m in methods:
         if m not in METHODS:
             raise LanternError(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+    auto = _check_auto_tree(args.tree, methods, args.profile)
     torch.manual_seed(0)
-    stack = load_stack(args.model)
+    stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
     sampling = _sampling(args, stack)
     n = args.num_images or stack.target.config.num_classes
     t0 = time.perf_counter()
+    auto_trees: dict[str, Any] = {}
+    if args.tree is not None:
+        from lantern.autotree import choose_trees, with_trees
+
+        if auto:
+            auto_trees = choose_trees(stack, methods, sampling, profile=args.profile, seed=args.seed,
+                                      batch_size=args.batch_size, progress=not args.no_progress)
+            for choice in auto_trees.values():
+                print(f"--tree auto [{choice.method}]: {choice.explanation}")
+            trees = {m: c.tree_spec for m, c in auto_trees.items()}
+        else:
+            trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
+        stack = with_trees(stack, trees)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                     repeats=args.repeats, progress=not args.no_progress)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads()}
+    if auto_trees:
+        meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
     out = save_demo(stack, rows, args.out, meta)
     from lantern.demo import format_table
 
@@ -255,6 +338,97 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="speed and quality of every method side by side (tables, JSON, grids and plots)",
+        description=(
+            "Decode the same labels and seeds with every method: wall-clock speed-up vs AR (interleaved, "
+            "warm-up excluded) and FID / KID / precision / recall / class accuracy in the feature space of a "
+            "network trained by lantern on the preset's images (not Inception FIDs)."
+        ),
+    )
+    p.add_argument("--model", default="photos", help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
+                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree "
+                        "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
+    p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",
+                   help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
+                        "METHOD=auto picks it from this device's verify-cost curve (default: the stack's trees)")
+    p.add_argument("--num-images", type=int, default=200, help="images per method for quality metrics (default 200)")
+    p.add_argument("--speed-images", type=int, default=8, help="images per method timed (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")
+    p.add_argument("--speed-batch-size", type=int, default=1, help="batch for the timed images (default 1)")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is kept")
+    p.add_argument("--num-real", type=int, default=1000,
+                   help="held-out real images to compare with (default 1000, capped by the test split)")
+    p.add_argument("--feature-net", default=None,
+                   help="feature extractor: a lantern feature-net folder (default: the stack's features/), "
+                        "torchscript:FILE (e.g. clean-fid's Inception) or clip:DIR (a local CLIP vision model)")
+    p.add_argument("--curve-images", type=int, default=16,
+                   help="images per point of the tau-vs-delta/lambda curves (0 = skip; default 16)")
+    p.add_argument("--no-ar-spread", action="store_true", help="skip the second AR seed (metric spread)")
+    p.add_argument("--no-quality", action="store_true",
+                   help="speed only: no quality images or metrics (rows describe the timed images)")
+    p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")
+    p.add_argument("--sweep-images", type=int, default=100, help="quality images per sweep point (default 100)")
+    p.add_argument("--profile", default=None, help="with auto trees: a profile.json from `lantern profile`")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto: bf16 where native)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
+    p.add_argument("--no-progress", action="store_true")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from lantern.bench import cmd_bench as run
+
+    return run(args)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure this device's verify / drafter / loop costs (for --tree auto)",
+        description="Time the target's verify forward over 1..N tree tokens, the drafter's context pass and "
+        "feeds, and the decoding loop's per-round overhead, with the model's sampling settings. Writes "
+        "OUT/profile.json (pass it to --profile) and OUT/verify_cost.png.",
+    )
+    p.add_argument("--model", required=True, help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--batch-size", type=int, default=1, help="rows decoded together (default 1)")
+    p.add_argument("--max-tokens", type=int, default=64, help="largest tree verified, root included (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per point; the median is kept (default 5)")
+    p.add_argument("--quick", action="store_true", help="fewer tree sizes and drafter points (what --tree auto runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--out", default="lantern-profile", help="output folder (default ./lantern-profile)")
+    p.add_argument("--dtype", default="auto",
+                   help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
+    p.add_argument("--no-progress", action="store_true")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
+    from lantern.io import ensure_writable_dir
+    from lantern.stack import inference_dtype, load_stack
+
+    settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
+                               quick=args.quick, seed=args.seed)
+    out = ensure_writable_dir(args.out, "--out")
+    stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
+    stack.target.to(args.device)
+    sampling = _sampling(args, stack)
+    profile = measure_profile(stack, sampling, settings, model_name=str(args.model), progress=not args.no_progress)
+    json_path, png_path = save_profile(profile, out)
+    print(format_profile(profile))
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path is not None else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -262,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build_proximity(sub)
     _add_make_random_stack(sub)
     _add_demo(sub)
+    _add_profile(sub)
+    _add_bench(sub)
     from lantern.train.cli import add_train_commands  # argparse only; trainers import lazily
 
     add_train_commands(sub)
@@ -271,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
         return int(func(args) or 0)

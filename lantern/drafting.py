@@ -16,6 +16,7 @@ of noise per round whatever its batch-mates do, so its stream is independent of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -54,6 +55,19 @@ class DraftBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _LevelPlan:
+    """What the drafter does at one level of a static tree (see :meth:`TreeDrafter._level_plans`)."""
+
+    nodes: Tensor  # [E] nodes expanded at this level (depth d)
+    parent_feed: Tensor  # [E] feed index of each node's parent (-1 = root); empty at level 0
+    ancestors: Tensor  # [E, F_prev] bool: which earlier fed nodes are each node's ancestors
+    children: Tensor  # [C] nodes at depth d + 1
+    child_rows: Tensor  # [C] row of each child's parent within ``nodes``
+    child_ranks: Tensor  # [C] sibling rank of each child = column of its draw
+    num_samples: int  # draws per expanded node
+
+
 class TreeDrafter:
     """Implements the loop's ``Drafter`` protocol for chain, static and dynamic trees."""
 
@@ -71,6 +85,7 @@ class TreeDrafter:
             self.static = static_tree(resolve_tree_choices(name))
         self.root: Tensor | None = None
         self._static_buffers: TreeBuffers | None = None
+        self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None
 
     @property
     def forwards(self) -> int:
@@ -116,34 +131,65 @@ class TreeDrafter:
         sampled = not self.sampling.greedy
         q_draft = torch.zeros(b, t, v, device=device) if sampled else None
         noise = self._race_noise(generators, active, b, v, device) if sampled else None
-        feed_of = torch.full((t,), -1, dtype=torch.long)  # node -> feed index
-        fed: list[int] = []  # node ids in feed order
         noise_row = 0
-        for d, nodes in enumerate(st.expand_levels):
-            if nodes.numel() == 0:
+        for d, plan in enumerate(self._level_plans(device)):
+            if plan is None:
                 continue
-            nodes = nodes.cpu()
             if d == 0:
                 logits = root_logits[:, None]  # [B, 1, V] the root is expanded from the context
             else:
-                parent = feed_of[st.parents[nodes]].to(device)[None].expand(b, -1)
-                anc = st.buffers.mask[0][nodes][:, fed].to(device)[None].expand(b, -1, -1)
-                logits = self.backend.feed(parent, tokens[:, nodes.to(device)], d, anc)
-                feed_of[nodes] = torch.arange(len(fed), len(fed) + len(nodes))
-                fed.extend(nodes.tolist())
-            m = st.num_samples[d]
+                parent = plan.parent_feed[None].expand(b, -1)
+                anc = plan.ancestors[None].expand(b, -1, -1)
+                logits = self.backend.feed(parent, tokens[:, plan.nodes], d, anc)
+            e = plan.nodes.shape[0]
             if sampled:
                 q = probs_from_logits(logits, self.sampling)  # [B, E, V]
                 assert q_draft is not None and noise is not None
-                q_draft[:, nodes] = q
-                keys = q / noise[:, noise_row : noise_row + len(nodes)]
-                noise_row += len(nodes)
-                draws = keys.topk(m, dim=-1).indices  # [B, E, m] without replacement, in draw order
+                q_draft[:, plan.nodes] = q
+                keys = q / noise[:, noise_row : noise_row + e]
+                noise_row += e
+                draws = keys.topk(plan.num_samples, dim=-1).indices  # [B, E, m] without replacement, in draw order
             else:
-                draws = logits.topk(m, dim=-1).indices
-            children = (st.depth == d + 1).nonzero().flatten()
-            tokens[:, children] = draws[:, st.sample_row[children], st.rank[children]]
+                draws = logits.topk(plan.num_samples, dim=-1).indices
+            tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
         return DraftTree(tokens=tokens, buffers=self._static_batch(b, device), q_draft=q_draft)
+
+    def _level_plans(self, device: torch.device) -> list[_LevelPlan | None]:
+        """The static tree's drafting schedule, level by level; the same every round, so built once
+        (per device) instead of re-deriving feed indices and ancestor masks in the hot loop."""
+        if self._plans is not None and self._plans[0] == device:
+            return self._plans[1]
+        st = self.static
+        assert st is not None
+        feed_of = torch.full((st.num_nodes,), -1, dtype=torch.long)  # node -> feed index
+        fed: list[int] = []  # node ids in feed order
+        plans: list[_LevelPlan | None] = []
+        for d, nodes in enumerate(st.expand_levels):
+            nodes = nodes.cpu()
+            if nodes.numel() == 0:
+                plans.append(None)
+                continue
+            parent_feed = torch.zeros(0, dtype=torch.long)
+            ancestors = torch.zeros(len(nodes), 0, dtype=torch.bool)
+            if d > 0:
+                parent_feed = feed_of[st.parents[nodes].cpu()]
+                ancestors = st.buffers.mask[0].cpu()[nodes][:, fed]
+                feed_of[nodes] = torch.arange(len(fed), len(fed) + len(nodes))
+                fed.extend(nodes.tolist())
+            children = (st.depth.cpu() == d + 1).nonzero().flatten()
+            plans.append(
+                _LevelPlan(
+                    nodes=nodes.to(device),
+                    parent_feed=parent_feed.to(device),
+                    ancestors=ancestors.to(device),
+                    children=children.to(device),
+                    child_rows=st.sample_row.cpu()[children].to(device),
+                    child_ranks=st.rank.cpu()[children].to(device),
+                    num_samples=st.num_samples[d],
+                )
+            )
+        self._plans = (device, plans)
+        return plans
 
     def _race_noise(
         self, generators: list[torch.Generator] | None, active: Tensor, b: int, v: int, device: torch.device

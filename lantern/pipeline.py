@@ -2,15 +2,21 @@
 
 A *method* is a configuration of the one loop (``lantern.generate``):
 
-=============  ====================  ======================================
-method         tree                  acceptance
-=============  ====================  ======================================
-``ar``         none                  plain sampling
-``sd``         dynamic (EAGLE-2)     exact
-``sd-static``  naive_extend_57       exact
-``lantern``    dynamic (EAGLE-2)     relaxed, absolute delta (LANTERN)
-``lantern++``  naive_extend_57       relaxed, relative lambda (LANTERN++)
-=============  ====================  ======================================
+=================  ====================  ==========================================
+method             tree                  acceptance
+=================  ====================  ==========================================
+``ar``             none                  plain sampling
+``sd``             dynamic (EAGLE-2)     exact
+``sd-static``      naive_extend_57       exact
+``lantern``        dynamic (EAGLE-2)     relaxed, absolute delta (LANTERN)
+``lantern++``      naive_extend_57       relaxed, relative lambda (LANTERN++)
+``sjd``            chain of the window   exact (SJD: the target drafts for itself)
+``sjd-lantern``    chain of the window   relaxed, absolute delta
+``sjd-lantern++``  chain of the window   relaxed, relative lambda
+=================  ====================  ==========================================
+
+The SJD methods (``lantern.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
+length and initialisation, and the relaxed ones read the proximity table like LANTERN.
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ from torch import Tensor
 from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
-from lantern.generate import Acceptance, GenerationOutput, generate
+from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
+from lantern.jacobi import JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
 from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
 
-METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++")
+SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++")
+METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS)
+# Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda).
+RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++"}
 
 
 def image_seed(seed: int, index: int) -> int:
@@ -43,6 +53,7 @@ def image_seed(seed: int, index: int) -> int:
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class MethodConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     relaxation: RelaxationConfig | None = None
     k_explicit: bool = False  # a default k larger than the proximity table is capped, an explicit one is an error
+    jacobi: JacobiConfig | None = None  # SJD methods only: window length and initialisation
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -60,6 +72,14 @@ class MethodConfig:
             (self.tree.kind == "none") == (self.method == "ar"),
             f"method {self.method!r} {'takes no' if self.method == 'ar' else 'needs a'} draft tree",
         )
+        sjd = self.method in SJD_METHODS
+        check(
+            (self.jacobi is not None) == sjd,
+            f"method {self.method!r} {'needs' if sjd else 'takes no'} Jacobi settings (window, init)",
+        )
+        if self.jacobi is not None:  # SJD verifies its window as a chain, so the tree follows from it
+            chain = TreeConfig(kind="chain", depth=self.jacobi.window)
+            check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
 
     @classmethod
     def resolve(
@@ -69,30 +89,49 @@ class MethodConfig:
         k: int | None = None,
         delta: float | None = None,
         lam: float | None = None,
+        window: int | None = None,
+        init: str | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with CLI-style overrides."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+        relaxation = _resolve_relaxation(method, k, delta, lam)
+        if method in SJD_METHODS:
+            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
+            jacobi = JacobiConfig(
+                window=DEFAULT_JACOBI.window if window is None else window,
+                init=DEFAULT_JACOBI.init if init is None else init,
+            )
+            chain = TreeConfig(kind="chain", depth=jacobi.window)
+            return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
+        check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
         if method == "ar":
             check(tree in (None, "none"), "--tree is only used with speculative methods")
-            check(k is None and delta is None and lam is None, "--lantern-* options need --method lantern or lantern++")
             return cls(method="ar")
         default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
         tree_cfg = TreeConfig.parse(tree or default_tree)
-        relaxation = None
-        if method == "lantern":
-            check(lam is None, "--lantern-lambda belongs to lantern++ (relative bound); lantern uses --lantern-delta")
-            base = DEFAULT_LANTERN
-            relaxation = replace(base, k=base.k if k is None else k, delta=base.delta if delta is None else delta)
-        elif method == "lantern++":
-            check(delta is None, "--lantern-delta belongs to lantern (absolute bound); lantern++ uses --lantern-lambda")
-            base = DEFAULT_LANTERN_PP
-            relaxation = replace(base, k=base.k if k is None else k, lam=base.lam if lam is None else lam)
-        else:
-            check(k is None and delta is None and lam is None, "--lantern-* options need --method lantern or lantern++")
         return cls(method=method, tree=tree_cfg, relaxation=relaxation, k_explicit=k is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _resolve_relaxation(method: str, k: int | None, delta: float | None, lam: float | None) -> RelaxationConfig | None:
+    """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
+    rule = RELAXED_RULE.get(method)
+    if rule is None:
+        check(
+            k is None and delta is None and lam is None,
+            f"--lantern-* options need a relaxed method ({', '.join(RELAXED_RULE)})",
+        )
+        return None
+    if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
+        check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
+        base = DEFAULT_LANTERN
+        return replace(base, k=base.k if k is None else k, delta=base.delta if delta is None else delta)
+    twin = method.removesuffix("++")
+    check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda")
+    base = DEFAULT_LANTERN_PP
+    return replace(base, k=base.k if k is None else k, lam=base.lam if lam is None else lam)
 
 
 @dataclass
@@ -160,8 +199,11 @@ class PreparedMethod:
         tree = self.method.tree
         nodes = _max_tree_nodes(tree)
         target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes)
-        drafter = None
-        if self.drafter is not None:
+        drafter: Drafter | None = None
+        if self.method.jacobi is not None:
+            cfg = self.stack.target.config
+            drafter = JacobiDrafter(self.method.jacobi, self.sampling, cfg.vocab_size, cfg.block_size)
+        elif self.drafter is not None:
             cfg = self.stack.target.config
             fed = nodes + tree.depth * tree.top_k
             backend = EagleBackend(
@@ -188,14 +230,18 @@ def prepare_method(
     from lantern.checks import check_drafter_matches_target, check_tree_fits
 
     drafter = None
-    if method.tree.kind != "none":
+    if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
+        check_window_fits(method.jacobi, stack.target.config.block_size)
+    elif method.tree.kind != "none":
         check_tree_fits(method.tree, stack.target.config.block_size)
         path = drafter_dir or stack.drafter_dir
         check(
             path is not None,
             f"--method {method.method} needs a drafter: pass --drafter DIR (the model folder has none)",
         )
-        drafter = EagleDrafterModel.from_pretrained(path).to(stack.target.device).eval()
+        # The drafter runs in the target's precision: its features come from the target and its
+        # logits from the target's lm_head, and mixed dtypes would cast on every call.
+        drafter = EagleDrafterModel.from_pretrained(path).to(stack.target.device, stack.target.dtype).eval()
         check_drafter_matches_target(drafter.config, stack.target.config)
     relaxation, neighbours = method.relaxation, None
     if relaxation is not None and not relaxation.is_exact:

@@ -112,3 +112,31 @@ def load_stack(
             f"vocabulary ({target.config.vocab_size})"
         )
     return ModelStack(root=root, target=target.eval(), tokenizer=vq.eval())
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def inference_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The target/drafter precision for ``--dtype``: a name, or ``auto``.
+
+    ``auto`` is bfloat16 where the hardware computes it natively (CUDA with bf16 support, CPUs
+    with AVX-512 BF16 / AMX, as oneDNN reports) and float32 elsewhere: emulated bf16 matmuls are
+    slower than float32 ones. At batch 1 the weights are read once per token, so halving them is
+    the cheapest speed-up there is; the embedded presets are stored in bfloat16 anyway.
+    """
+    if name != "auto":
+        if name not in DTYPES:
+            raise LanternError(f"--dtype must be auto, {', '.join(sorted(DTYPES))}; got {name!r}")
+        return DTYPES[name]
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if kind == "cpu":
+        try:
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            native = False
+        return torch.bfloat16 if native else torch.float32
+    return torch.float32

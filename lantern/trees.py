@@ -95,6 +95,79 @@ def resolve_tree_choices(name: str) -> list[list[int]]:
     return [list(choice) for choice in STATIC_TREES[name]]
 
 
+# Names of the trees above, fixed at import: trees registered later (:func:`register_tree`) are
+# run-time additions and are not offered as named candidates by the tree search.
+BUILTIN_TREES: frozenset[str] = frozenset(STATIC_TREES)
+
+
+def probe_choices(widths: Sequence[int]) -> list[list[int]]:
+    """A "caterpillar" probe tree: the rank-0 chain, and ``widths[d - 1]`` siblings at depth d.
+
+    Every sibling but rank 0 is a leaf, so the tree stays small (``sum(widths)`` drafts) while
+    every (depth, rank) pair up to the widths is tested whenever the chain reaches that depth;
+    calibration (:mod:`lantern.autotree`) estimates per-(depth, rank) acceptance from it.
+    """
+    check(
+        isinstance(widths, Sequence) and len(widths) >= 1
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths),
+        f"probe widths must be a non-empty list of integers >= 1, got {widths!r}",
+    )
+    return [[0] * d + [r] for d, width in enumerate(widths) for r in range(width)]
+
+
+def canonical_choices(choices: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Validated choices as sorted tuples (by depth, then lexicographic): one spelling per tree."""
+    return tuple(_sorted_choices(choices))
+
+
+def level_widths(choices: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(nodes per depth 1..D, nodes *with children* per depth 0..D-1) of a choices list.
+
+    The second list is what a static drafter expands per level: level 0 is the root (scored by
+    the drafter's context pass), level d >= 1 costs one drafter ``feed`` over that many nodes.
+    """
+    nodes = canonical_choices(choices)
+    depth = max(len(c) for c in nodes)
+    per_depth = [0] * depth
+    parents: set[tuple[int, ...]] = set()
+    for c in nodes:
+        per_depth[len(c) - 1] += 1
+        parents.add(c[:-1])
+    expanded = [0] * depth
+    for p in parents:
+        expanded[len(p)] += 1
+    return per_depth, expanded
+
+
+def tree_hash(choices: Sequence[Sequence[int]]) -> str:
+    """8 hex digits identifying a tree shape (independent of how the choices are ordered)."""
+    import hashlib
+
+    text = ";".join(",".join(map(str, c)) for c in canonical_choices(choices))
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def register_tree(choices: Sequence[Sequence[int]], prefix: str = "auto") -> str:
+    """Add a custom static tree to :data:`STATIC_TREES` as ``PREFIX_<hash>`` and return the name.
+
+    After this, ``static:NAME`` works wherever a tree spec is accepted (``TreeConfig.parse``,
+    the drafter, the cache sizing) in *this process*; record the choices next to any output that
+    names the tree. Registering the same shape twice returns the same name.
+    """
+    check(
+        isinstance(prefix, str) and prefix.isidentifier(),
+        f"tree name prefix must be an identifier, got {prefix!r}",
+    )
+    nodes = canonical_choices(choices)
+    name = f"{prefix}_{tree_hash(nodes)}"
+    existing = STATIC_TREES.get(name)
+    if existing is not None:
+        check(canonical_choices(existing) == nodes, f"tree name {name!r} is already taken by another tree")
+        return name
+    STATIC_TREES[name] = [list(c) for c in nodes]
+    return name
+
+
 # --------------------------------------------------------------------------------------------
 # Tree buffers from a parent array
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,672 @@
+"""``lantern bench``: speed and quality of every method, side by side, in one process.
+
+Every method decodes the same labels with the same per-image seeds (``image_seed``), so rows of
+the table differ only by the decoding method:
+
+* **Speed** is measured at ``speed_batch_size`` (default 1, the latency setting speculative
+  decoding is for) on the first ``speed_images`` images. Each method gets an untimed warm-up,
+  then the methods run interleaved (``ar, sd, ..., ar, sd, ...``), ``repeats`` times, and the
+  median wall-clock is kept, so drift of a shared machine hits every method alike.
+* **Quality** is measured on ``num_images`` images per method, generated in batches (images do
+  not depend on the batch size: one ``torch.Generator`` per image). FID/KID/precision/recall and
+  class accuracy are computed in the feature space of a network lantern trained on the preset's
+  own images (``lantern.metrics``); they are comparable between rows of one run, **not** with
+  published Inception FIDs. The run-to-run spread of AR itself (a second AR seed) is reported next
+  to them, so a method's loss can be read against the noise of the metric.
+* ``mean_accepted`` (tokens per target forward, tau) comes from the quality run (all images).
+
+Plots: an image grid per method, mean accepted length against LANTERN's delta and LANTERN++'s
+lambda, and quality against speed-up (plus the (k, delta) / (k, lambda) grid with ``--sweep``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lantern.config import SamplingConfig
+from lantern.errors import check
+from lantern.pipeline import METHODS, MethodConfig, RunResult, run_generation
+from lantern.stack import ModelStack
+
+DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
+DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
+CURVE_DELTAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+CURVE_LAMBDAS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+SWEEP_LANTERN = {"k": (10, 50, 128), "delta": (0.05, 0.1, 0.2, 0.4)}
+SWEEP_LANTERN_PP = {"k": (5, 10, 50), "lam": (2.0, 3.0, 5.0, 10.0)}
+QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row of the benchmark: a method name, its tree and relaxation overrides."""
+
+    method: str
+    tree: str | None = None  # None = the stack's default tree for the method
+    k: int | None = None
+    delta: float | None = None
+    lam: float | None = None
+    label: str = ""  # row name; defaults to the method
+
+    @property
+    def name(self) -> str:
+        return self.label or self.method
+
+    def resolve(self, stack: ModelStack) -> MethodConfig:
+        tree = self.tree if self.tree is not None else stack.default_tree(self.method)
+        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    methods: tuple[MethodSpec, ...] = tuple(MethodSpec(m) for m in DEFAULT_METHODS)
+    num_images: int = 200  # per method, for the quality metrics
+    speed_images: int = 8  # per method, timed
+    seed: int = 0
+    batch_size: int = 25  # quality generation
+    speed_batch_size: int = 1
+    repeats: int = 1
+    num_real: int = 1000  # held-out real images the generated sets are compared with (capped by the split)
+    curve_images: int = 16  # images per point of the tau-vs-delta / tau-vs-lambda curves (0 = no curves)
+    ar_spread: bool = True  # second AR seed: the metrics' run-to-run spread
+    sweep: bool = False
+    sweep_images: int = 100
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.methods]
+        check(len(names) > 0, "--methods needs at least one method")
+        check("ar" in names, "--methods must include ar (the speed-up baseline)")
+        check(len(set(names)) == len(names), f"--methods lists a method twice: {names}")
+        for m in self.methods:
+            check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
+        for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real"):
+            check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        check(self.num_images >= 2, f"--num-images must be >= 2 for FID, got {self.num_images}")
+        check(
+            self.speed_images <= self.num_images,
+            f"--speed-images ({self.speed_images}) must be <= --num-images ({self.num_images})",
+        )
+        check(self.curve_images >= 0, f"--curve-images must be >= 0, got {self.curve_images}")
+        check(self.sweep_images >= 2, f"--sweep-images must be >= 2, got {self.sweep_images}")
+
+
+@dataclass
+class BenchRow:
+    """One method's result; ``to_dict`` is an entry of ``bench.json``."""
+
+    method: str
+    base_method: str
+    tree: str
+    relaxation: dict[str, Any] | None
+    mean_accepted: float
+    target_forwards: float  # per image (prefill included)
+    wall_seconds: float  # median over repeats, for ``speed_images`` images
+    seconds_per_image: float
+    speedup_vs_ar: float
+    quality: dict[str, Any] = field(default_factory=dict)
+    num_images: int = 0
+    speed_images: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "quality"}
+        d.update({k: self.quality.get(k) for k in QUALITY_KEYS})
+        d.update({k: v for k, v in self.quality.items() if k not in QUALITY_KEYS})
+        return d
+
+
+@dataclass
+class BenchResult:
+    rows: list[BenchRow]
+    meta: dict[str, Any]
+    ar_spread: dict[str, float] | None  # |metric(AR seed s) - metric(AR seed s+1)|
+    curves: dict[str, list[dict[str, float]]]  # "delta" / "lambda" -> [{value, mean_accepted}]
+    sweep: list[BenchRow]
+    codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
+    labels: list[int]
+
+
+def bench_labels(num_classes: int, n: int) -> list[int]:
+    """Labels cycle through the classes, so every class is equally represented."""
+    return [i % num_classes for i in range(n)]
+
+
+def tree_label(method: MethodConfig) -> str:
+    t = method.tree
+    if method.jacobi is not None:
+        return f"jacobi:{method.jacobi.window}/{method.jacobi.init}"
+    if t.kind == "none":
+        return "-"
+    if t.kind == "dynamic":
+        return f"dynamic:{t.total_tokens}/d{t.depth}/k{t.top_k}"
+    return f"static:{t.name}" if t.kind == "static" else f"chain:{t.depth}"
+
+
+QualityFn = Callable[[Tensor, list[int]], dict[str, Any]]  # (codes, labels) -> metrics
+
+
+def run_bench(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    quality: QualityFn | None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> BenchResult:
+    """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
+    skips the quality images (speed only: the rows then describe the timed images)."""
+    from tqdm.auto import tqdm
+
+    num_classes = stack.target.config.num_classes
+    labels = bench_labels(num_classes, config.num_images)
+    resolved = {m.name: m.resolve(stack) for m in config.methods}
+
+    # 1. Speed: warm-up, then interleaved timed passes at the latency batch size.
+    speed_labels = labels[: config.speed_images]
+    for cfg in resolved.values():  # warm-up: allocator, kernels, lazy loads; not timed
+        run_generation(stack, speed_labels[:1], config.seed + 7, sampling, cfg, batch_size=1)
+    walls: dict[str, list[float]] = {name: [] for name in resolved}
+    speed_runs: dict[str, RunResult] = {}
+    with tqdm(total=len(resolved) * config.repeats, desc="speed", disable=not progress) as bar:
+        for _ in range(config.repeats):
+            for name, cfg in resolved.items():
+                bar.set_postfix_str(name)
+                r = run_generation(stack, speed_labels, config.seed, sampling, cfg, config.speed_batch_size)
+                walls[name].append(r.wall_seconds)
+                speed_runs[name] = r
+                bar.update(1)
+    ar_wall = statistics.median(walls["ar"])
+
+    # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
+    # (speed-only runs), the rows describe the timed images.
+    rows: list[BenchRow] = []
+    codes: dict[str, Tensor] = {}
+    for name, cfg in tqdm(resolved.items(), desc="quality", disable=not progress or quality is None):
+        if quality is None:
+            r, scores = speed_runs[name], {}
+        else:
+            r = run_generation(stack, labels, config.seed, sampling, cfg, config.batch_size)
+            scores = quality(r.codes, labels)
+        codes[name] = r.codes.cpu()
+        rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
+        log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
+            + (f", {_fmt_quality(scores)}" if scores else ""))
+
+    ar_spread = None
+    if config.ar_spread and quality is not None:
+        r2 = run_generation(stack, labels, config.seed + 1, sampling, resolved["ar"], config.batch_size)
+        q2 = quality(r2.codes, labels)
+        q1 = rows[[r.method for r in rows].index("ar")].quality
+        ar_spread = {k: abs(float(q1[k]) - float(q2[k])) for k in QUALITY_KEYS if q1.get(k) is not None}
+        ar_spread["seed"] = float(config.seed + 1)
+
+    curves = _curves(stack, sampling, config, resolved, labels, progress)
+    sweep = []
+    if config.sweep:
+        check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
+        assert quality is not None
+        sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
+    meta = _meta(stack, sampling, config, resolved)
+    return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels)
+
+
+def _row(
+    name: str, r: RunResult, wall: float, ar_wall: float, config: BenchConfig, quality: dict[str, Any]
+) -> BenchRow:
+    stats = r.stats_dict()
+    relax = r.method.relaxation
+    return BenchRow(
+        method=name,
+        base_method=r.method.method,
+        tree=tree_label(r.method),
+        relaxation=None if relax is None else relax.to_dict(),
+        mean_accepted=float(stats["mean_accepted"]),
+        target_forwards=stats["target_forwards"] / stats["num_images"],
+        wall_seconds=wall,
+        seconds_per_image=wall / config.speed_images,
+        speedup_vs_ar=ar_wall / wall,
+        quality=quality,
+        num_images=int(stats["num_images"]),
+        speed_images=config.speed_images,
+    )
+
+
+def _curves(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: list[int],
+    progress: bool,
+) -> dict[str, list[dict[str, float]]]:
+    """tau against LANTERN's delta and LANTERN++'s lambda, with each method's tree (cheap: no
+    quality metrics, batched). delta = 0 and lambda = 1 are exact speculative decoding."""
+    from tqdm.auto import tqdm
+
+    if config.curve_images == 0:
+        return {}
+    curve_labels = labels[: config.curve_images]
+    jobs: list[tuple[str, float, MethodConfig]] = []
+    by_base = {cfg.method: cfg for cfg in resolved.values()}
+    if "lantern" in by_base:
+        base = by_base["lantern"]
+        tree = _tree_spec(base)
+        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d)) for d in CURVE_DELTAS]
+    if "lantern++" in by_base:
+        base = by_base["lantern++"]
+        tree = _tree_spec(base)
+        jobs += [("lambda", lam, MethodConfig.resolve("lantern++", tree, lam=lam)) for lam in CURVE_LAMBDAS]
+    out: dict[str, list[dict[str, float]]] = {}
+    for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
+        r = run_generation(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
+        out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
+    return out
+
+
+def _tree_spec(method: MethodConfig) -> str:
+    t = method.tree
+    if t.kind == "dynamic":
+        return "dynamic"
+    return f"static:{t.name}" if t.kind == "static" else f"chain:{t.depth}"
+
+
+def _sweep(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    quality: QualityFn,
+    resolved: Mapping[str, MethodConfig],
+    ar_wall: float,
+    progress: bool,
+) -> list[BenchRow]:
+    """The (k, delta) and (k, lambda) grids: quality on ``sweep_images`` images, speed on the
+    speed images (timed right after an AR pass, whose wall is the reference)."""
+    from tqdm.auto import tqdm
+
+    by_base = {cfg.method: cfg for cfg in resolved.values()}
+    specs: list[MethodSpec] = []
+    lantern_tree = _tree_spec(by_base["lantern"]) if "lantern" in by_base else stack.default_tree("lantern")
+    pp_tree = _tree_spec(by_base["lantern++"]) if "lantern++" in by_base else stack.default_tree("lantern++")
+    for k in SWEEP_LANTERN["k"]:
+        for d in SWEEP_LANTERN["delta"]:
+            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}"))
+    for k in SWEEP_LANTERN_PP["k"]:
+        for lam in SWEEP_LANTERN_PP["lam"]:
+            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}"))
+    labels = bench_labels(stack.target.config.num_classes, config.sweep_images)
+    speed_labels = labels[: config.speed_images]
+    ar = resolved["ar"]
+    rows = []
+    sweep_config = replace(config, num_images=config.sweep_images)
+    for spec in tqdm(specs, desc="sweep", disable=not progress):
+        cfg = spec.resolve(stack)
+        ar_ref = run_generation(stack, speed_labels, config.seed, sampling, ar, config.speed_batch_size).wall_seconds
+        fast = run_generation(stack, speed_labels, config.seed, sampling, cfg, config.speed_batch_size).wall_seconds
+        r = run_generation(stack, labels, config.seed, sampling, cfg, config.batch_size)
+        rows.append(_row(spec.name, r, fast, ar_ref, sweep_config, quality(r.codes, labels)))
+    return rows
+
+
+def _meta(
+    stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, resolved: Mapping[str, MethodConfig]
+) -> dict[str, Any]:
+    return {
+        "model": str(stack.root),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(stack.target.device),
+        "dtype": str(stack.target.dtype).replace("torch.", ""),
+        "sampling": sampling.to_dict(),
+        "config": {k: v for k, v in asdict(config).items() if k != "methods"},
+        "methods": {name: cfg.to_dict() for name, cfg in resolved.items()},
+    }
+
+
+def machine_description() -> str:
+    """CPU model (or GPU name) and core count: enough to tell two benchmark machines apart."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()}"
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def _fmt_quality(q: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {_fmt(q.get(k))}" for k in QUALITY_KEYS)
+
+
+def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
+    head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", "FID", "KID", "prec", "recall", "class acc"]
+    body = [
+        [
+            r.method,
+            r.tree,
+            f"{r.mean_accepted:.2f}",
+            f"{r.target_forwards:.1f}",
+            f"{r.seconds_per_image:.3f}",
+            f"{r.speedup_vs_ar:.2f}x",
+            _fmt(r.quality.get("fid"), 2),
+            _fmt(r.quality.get("kid"), 4),
+            _fmt(r.quality.get("precision")),
+            _fmt(r.quality.get("recall")),
+            _fmt(r.quality.get("class_accuracy")),
+        ]
+        for r in rows
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*head), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    return "\n".join(lines + [fmt.format(*row) for row in body])
+
+
+def markdown_report(result: BenchResult, command: str) -> str:
+    m = result.meta
+    cfg = m["config"]
+    lines = [
+        f"# lantern bench: {m['model']}",
+        "",
+        f"- command: `{command}`",
+        f"- date: {m['date']}; machine: {m['machine']}; torch {m['torch']}, {m['threads']} threads, "
+        f"device {m['device']}, {m['dtype']}",
+        f"- sampling: {m['sampling']}",
+        f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
+        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded",
+        *(
+            [
+                f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "
+                f"seeds, against {m.get('num_real', '?')} real images of the training distribution",
+                f"- feature network: {m['feature_net']} (**not** Inception: numbers compare rows of this run only)",
+            ]
+            if "feature_net" in m
+            else ["- quality: not measured (`--no-quality`); tau and forwards describe the timed images"]
+        ),
+        "",
+        format_table(result.rows, markdown=True),
+        "",
+    ]
+    if result.ar_spread is not None:
+        spread = ", ".join(f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
+        lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
+    for kind, points in result.curves.items():
+        pts = ", ".join(f"{p['value']:g}: {p['mean_accepted']:.2f}" for p in points)
+        lines += [f"tau vs {kind}: {pts}", ""]
+    if result.sweep:
+        lines += ["## Sweep", "", format_table(result.sweep, markdown=True), ""]
+    return "\n".join(lines)
+
+
+def save_bench(
+    stack: ModelStack, result: BenchResult, out: str | os.PathLike[str], command: str
+) -> Path:
+    """bench.json (a list, one object per method), run.json (settings), bench.md and PNGs."""
+    from lantern.io import atomic_path, ensure_writable_dir, write_json
+
+    out = ensure_writable_dir(out, "--out")
+    write_json(out / "bench.json", [r.to_dict() for r in result.rows])
+    write_json(
+        out / "run.json",
+        {
+            "command": command,
+            **result.meta,
+            "ar_spread": result.ar_spread,
+            "curves": result.curves,
+            "sweep": [r.to_dict() for r in result.sweep],
+        },
+    )
+    with atomic_path(out / "bench.md") as tmp:
+        tmp.write_text(markdown_report(result, command))
+    _save_grids(stack, result, out)
+    _save_plots(result, out)
+    return out
+
+
+def _save_grids(stack: ModelStack, result: BenchResult, out: Path, per_class: int = 4) -> None:
+    """grid_<method>.png: ``per_class`` rows, one column per class (same seeds in every grid)."""
+    from lantern.images import image_grid, save_png
+    from lantern.models.vq import to_pil
+
+    num_classes = stack.target.config.num_classes
+    n = min(per_class * num_classes, len(result.labels))
+    for name, codes in result.codes.items():
+        with torch.no_grad():
+            images = to_pil(stack.tokenizer.decode(codes[:n].to(stack.target.device)))
+        save_png(image_grid(images, ncol=num_classes), out / f"grid_{_slug(name)}.png")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("++", "pp"))
+
+
+def _save_plots(result: BenchResult, out: Path) -> None:
+    os.environ.setdefault("MPLCONFIGDIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "lantern-mpl"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lantern.io import atomic_path
+
+    for kind, symbol in (("delta", "δ (LANTERN, absolute bound)"), ("lambda", "λ (LANTERN++, relative bound)")):
+        points = result.curves.get(kind)
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(4.5, 3.2), dpi=120)
+        ax.plot([p["value"] for p in points], [p["mean_accepted"] for p in points], "o-")
+        ax.set_xlabel(symbol)
+        ax.set_ylabel("mean accepted tokens / target forward")
+        ax.set_title(f"tau vs {kind} ({result.meta['model'].rsplit('/', 1)[-1]})", fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        with atomic_path(out / f"accept_vs_{kind}.png") as tmp:
+            fig.savefig(tmp, format="png")
+        plt.close(fig)
+
+    if not any(r.quality.get("fid") is not None for r in result.rows):
+        return  # speed-only run: no frontier to draw
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    for r in result.sweep:
+        if r.quality.get("fid") is not None:
+            colour = "tab:blue" if r.base_method == "lantern" else "tab:orange"
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
+    for r in result.rows:
+        if r.quality.get("fid") is not None:
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="black")
+            ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
+    if result.ar_spread is not None and "fid" in result.ar_spread:
+        ar = next(r for r in result.rows if r.method == "ar")
+        ax.axhspan(ar.quality["fid"] - result.ar_spread["fid"], ar.quality["fid"] + result.ar_spread["fid"],
+                   color="gray", alpha=0.15, label="AR seed-to-seed spread")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("wall-clock speed-up vs AR")
+    ax.set_ylabel(f"FID ({result.meta.get('feature_net_short', 'lantern feature net')})")
+    ax.set_title("quality vs speed (lower FID is better)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(out / "frontier.png") as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def parse_methods(spec: str, trees: Mapping[str, str] | None = None) -> tuple[MethodSpec, ...]:
+    """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
+    ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
+    run can compare trees for the same method."""
+    trees = trees or {}
+    entries = [m.strip() for m in spec.split(",") if m.strip()]
+    check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
+    out = []
+    for entry in entries:
+        name, _, tree = entry.partition("@")
+        check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
+        if tree:
+            check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
+            out.append(MethodSpec(name, tree=tree, label=entry))
+        else:
+            out.append(MethodSpec(name, tree=trees.get(name)))
+    return tuple(out)
+
+
+class QualityScorer:
+    """Decodes generated codes and scores them against a fixed real set (features extracted once)."""
+
+    def __init__(self, stack: ModelStack, extractor: Any, real: Any, num_real: int, spec: str) -> None:
+        self.stack, self.extractor, self.real, self.num_real, self.spec = stack, extractor, real, num_real, spec
+
+    @classmethod
+    def build(
+        cls, stack: ModelStack, spec: str | None, num_real: int, progress: bool = False
+    ) -> QualityScorer:
+        from lantern.metrics import extract_features, load_feature_extractor, reference_images
+
+        spec = spec or str(stack.root)
+        extractor = load_feature_extractor(spec, device=stack.target.device)
+        images, _ = reference_images(stack)
+        images = images[:num_real]  # the split's first items keep classes balanced
+        real = extract_features(extractor, images, progress=progress, arg="real images")
+        return cls(stack, extractor, real, int(images.shape[0]), spec)
+
+    @property
+    def description(self) -> str:
+        return str(self.extractor.name)
+
+    @torch.no_grad()
+    def images(self, codes: Tensor, batch_size: int = 100) -> Tensor:
+        tok = self.stack.tokenizer
+        parts = [tok.decode(codes[lo : lo + batch_size].to(self.stack.target.device)).float().cpu()
+                 for lo in range(0, codes.shape[0], batch_size)]
+        return torch.cat(parts)
+
+    def __call__(self, codes: Tensor, labels: list[int]) -> dict[str, Any]:
+        from lantern.metrics import quality_metrics
+
+        q = quality_metrics(self.real, self.images(codes), torch.tensor(labels), self.extractor)
+        return {"fid": q.fid, "kid": q.kid_mean, "kid_std": q.kid_std, "precision": q.precision,
+                "recall": q.recall, "class_accuracy": q.class_accuracy, "feature_net": q.feature_net}
+
+    def meta(self) -> dict[str, Any]:
+        return {"feature_net": self.description, "feature_net_spec": self.spec, "num_real": self.num_real,
+                "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description}
+
+
+def resolve_auto_trees(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    profile: str | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[BenchConfig, dict[str, Any]]:
+    """Replace ``tree="auto"`` by the tree :mod:`lantern.autotree` picks for this device (one
+    device profile shared by every method). Returns the new config and, per method, the choice
+    (``to_dict``: choices list, predictions, explanation) for the run record."""
+    auto = [m for m in config.methods if m.tree == "auto"]
+    if not auto:
+        return config, {}
+    from lantern.autotree import choose_trees
+
+    names = list(dict.fromkeys(m.method for m in auto))
+    chosen = choose_trees(stack, names, sampling, profile=profile, seed=config.seed,
+                          batch_size=config.speed_batch_size)
+    for name, choice in chosen.items():
+        log(f"--tree auto for {name}: {choice.explanation}")
+    methods = tuple(replace(m, tree=chosen[m.method].register()) if m.tree == "auto" else m for m in config.methods)
+    return replace(config, methods=methods), {name: c.to_dict() for name, c in chosen.items()}
+
+
+def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
+    trees: dict[str, str] = {}
+    for v in values:
+        if v.strip() == "auto":  # every speculative method
+            trees.update({m: "auto" for m in DRAFTER_METHODS})
+            continue
+        check("=" in v, f"--tree takes METHOD=TREE (e.g. lantern++=chain:5), got {v!r}")
+        method, tree = (x.strip() for x in v.split("=", 1))
+        check(method in DRAFTER_METHODS, f"--tree {v!r}: {method!r} does not draft a tree "
+                                          f"(methods with a drafter: {', '.join(DRAFTER_METHODS)})")
+        trees[method] = tree
+    return trees
+
+
+def cmd_bench(args: Any) -> int:
+    import shlex
+    import sys
+
+    from lantern.cli import _sampling
+    from lantern.stack import inference_dtype, load_stack
+
+    t0 = time.perf_counter()
+    trees = parse_tree_options(args.tree)
+    config = BenchConfig(
+        methods=parse_methods(args.methods, trees),
+        num_images=args.num_images,
+        speed_images=args.speed_images,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        speed_batch_size=args.speed_batch_size,
+        repeats=args.repeats,
+        num_real=args.num_real,
+        curve_images=args.curve_images,
+        ar_spread=not args.no_ar_spread,
+        sweep=args.sweep,
+        sweep_images=args.sweep_images,
+    )
+    torch.manual_seed(0)
+    stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
+    stack.target.to(args.device)
+    stack.tokenizer.to(args.device)
+    sampling = _sampling(args, stack)
+    config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
+    scorer = None
+    if not args.no_quality:
+        scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress)
+    print(f"bench {args.model} | {len(config.methods)} methods | quality on {config.num_images} images, "
+          f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
+          f"{str(stack.target.dtype).replace('torch.', '')} on {args.device}")
+    if scorer is not None:
+        print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
+    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress)
+    if scorer is not None:
+        result.meta.update(scorer.meta())
+    result.meta["auto_trees"] = auto_trees
+    command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    out = save_bench(stack, result, args.out or f"bench-{Path(str(args.model)).name}", command)
+    print(format_table(result.rows))
+    if result.ar_spread is not None:
+        print("AR seed-to-seed spread: " + ", ".join(
+            f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
+    print(f"wrote {out}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
+    return 0

@@ -1,0 +1,174 @@
+"""``lantern bench``: the JSON schema, the numbers behind it, and bad input.
+
+One small run on the embedded ``digits`` preset (8x8 tokens) is shared by the schema tests; it
+uses the real feature net, so the quality numbers are real (if noisy at this size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from lantern.bench import (
+    BenchConfig,
+    MethodSpec,
+    bench_labels,
+    format_table,
+    parse_methods,
+    parse_tree_options,
+)
+from lantern.cli import main
+from lantern.errors import LanternError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REQUIRED = {
+    "method": str,
+    "mean_accepted": float,
+    "target_forwards": float,
+    "wall_seconds": float,
+    "speedup_vs_ar": float,
+    "fid": float,
+    "kid": float,
+    "precision": float,
+    "recall": float,
+    "class_accuracy": float,
+}
+METHODS = ["ar", "sd", "lantern", "lantern++"]
+NUM_IMAGES = 20
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    os.environ.setdefault("MPLCONFIGDIR", str(tmp_path_factory.mktemp("mpl")))
+    out = tmp_path_factory.mktemp("bench") / "out"
+    argv = ["bench", "--model", "digits", "--methods", ",".join(METHODS), "--num-images", str(NUM_IMAGES),
+            "--speed-images", "2", "--batch-size", "10", "--num-real", "100", "--curve-images", "2",
+            "--dtype", "float32", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(bench_dir: Path) -> list[dict]:
+    return json.loads((bench_dir / "bench.json").read_text())
+
+
+def test_bench_json_is_a_list_with_one_object_per_method(rows: list[dict]) -> None:
+    assert isinstance(rows, list)
+    assert [r["method"] for r in rows] == METHODS
+    for r in rows:
+        for key, kind in REQUIRED.items():
+            assert key in r, f"{r['method']} lacks {key}"
+            assert isinstance(r[key], kind), f"{r['method']}.{key} = {r[key]!r} is not {kind.__name__}"
+            if kind is float:
+                assert math.isfinite(r[key]), f"{r['method']}.{key} is not finite"
+        assert 0.0 <= r["precision"] <= 1.0 and 0.0 <= r["recall"] <= 1.0
+        assert 0.0 <= r["class_accuracy"] <= 1.0
+        assert r["fid"] >= 0.0 and r["wall_seconds"] > 0.0
+        assert r["num_images"] == NUM_IMAGES and r["speed_images"] == 2
+        assert "lantern feature net" in r["feature_net"]
+
+
+def test_ar_row_is_the_baseline(rows: list[dict]) -> None:
+    ar = rows[0]
+    # digits: 8x8 = 64 tokens; AR takes one target forward per token (the prefill yields token 0).
+    assert ar["mean_accepted"] == 1.0
+    assert ar["target_forwards"] == 64.0
+    assert ar["speedup_vs_ar"] == 1.0
+    assert ar["tree"] == "-" and ar["relaxation"] is None
+
+
+def test_speculative_rows_accept_more_than_one_token(rows: list[dict]) -> None:
+    for r in rows[1:]:
+        assert r["mean_accepted"] > 1.0, r
+        assert r["target_forwards"] < 64.0, r
+        # tokens per forward, averaged per image, is close to 64 / forwards per image
+        assert r["mean_accepted"] == pytest.approx(64.0 / r["target_forwards"], rel=0.15)
+        assert r["speedup_vs_ar"] == pytest.approx(rows[0]["wall_seconds"] / r["wall_seconds"], rel=1e-6)
+    relax = {r["method"]: r["relaxation"] for r in rows}
+    assert relax["sd"] is None
+    assert relax["lantern"]["mode"] == "absolute" and relax["lantern"]["delta"] == 0.1
+    assert relax["lantern++"]["mode"] == "relative" and relax["lantern++"]["lam"] == 5.0
+
+
+def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
+    run = json.loads((bench_dir / "run.json").read_text())
+    assert run["command"].startswith("lantern bench")
+    assert run["sampling"]["cfg_scale"] == 3.0 and run["dtype"] == "float32"
+    assert run["num_real"] == 100 and run["feature_net"].startswith("lantern feature net")
+    assert set(run["ar_spread"]) >= {"fid", "kid", "precision", "recall", "class_accuracy"}
+    # tau curves: delta 0 and lambda 1 are the exact rule, so they agree with each other only if the
+    # trees agree; both must at least be >= 1 and non-trivially increase at the loosest setting.
+    for kind in ("delta", "lambda"):
+        points = run["curves"][kind]
+        assert len(points) >= 5 and all(p["mean_accepted"] >= 1.0 for p in points)
+    delta = {p["value"]: p["mean_accepted"] for p in run["curves"]["delta"]}
+    assert delta[0.5] > delta[0.0]
+    md = (bench_dir / "bench.md").read_text()
+    for r in rows:
+        assert f"| {r['method']} |" in md
+        assert f"{r['mean_accepted']:.2f}" in md
+    assert "not** Inception" in md
+    names = ["grid_ar.png", "grid_sd.png", "grid_lantern.png", "grid_lanternpp.png", "accept_vs_delta.png",
+             "accept_vs_lambda.png", "frontier.png"]
+    for name in names:
+        with Image.open(bench_dir / name) as im:
+            im.verify()
+    with Image.open(bench_dir / "grid_ar.png") as im:  # 10 classes as columns, 2 rows of 32-px digits
+        assert im.width > 10 * 32 and im.height > 2 * 32
+
+
+def test_format_table_lists_every_row(rows: list[dict]) -> None:
+    assert bench_labels(3, 7) == [0, 1, 2, 0, 1, 2, 0]
+    from lantern.bench import BenchRow
+
+    objs = [BenchRow(r["method"], r["base_method"], r["tree"], r["relaxation"], r["mean_accepted"],
+                     r["target_forwards"], r["wall_seconds"], r["seconds_per_image"], r["speedup_vs_ar"],
+                     {k: r[k] for k in ("fid", "kid", "precision", "recall", "class_accuracy")}) for r in rows]
+    table = format_table(objs)
+    assert len(table.splitlines()) == 2 + len(rows)
+    assert f"{rows[1]['speedup_vs_ar']:.2f}x" in table
+
+
+def test_config_and_option_errors() -> None:
+    with pytest.raises(LanternError, match="must include ar"):
+        BenchConfig(methods=(MethodSpec("sd"),))
+    with pytest.raises(LanternError, match="speed-images"):
+        BenchConfig(num_images=4, speed_images=8)
+    with pytest.raises(LanternError, match="twice"):
+        BenchConfig(methods=(MethodSpec("ar"), MethodSpec("ar")))
+    with pytest.raises(LanternError, match="unknown method 'foo'"):
+        parse_methods("ar,foo")
+    with pytest.raises(LanternError, match="METHOD=TREE"):
+        parse_tree_options(["chain:3"])
+    with pytest.raises(LanternError, match="does not draft a tree"):
+        parse_tree_options(["ar=chain:3"])
+    assert parse_tree_options(["lantern++=chain:5"]) == {"lantern++": "chain:5"}
+    assert set(parse_tree_options(["auto"])) == {"sd", "sd-static", "lantern", "lantern++"}
+    specs = parse_methods("ar,lantern++", {"lantern++": "chain:5"})
+    assert specs[1].tree == "chain:5" and specs[0].tree is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "sd"], "must include ar"),
+        (["--num-images", "1"], "num-images"),
+        (["--tree", "lantern++"], "METHOD=TREE"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--feature-net", "/nonexistent/feature-net"], "no such file"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_message(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["bench", "--model", "digits", "--out", str(tmp_path / "o"), "--no-progress", *argv])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "bench.json").exists()
