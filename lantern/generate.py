@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from lantern.acceptance import VerifyResult, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import check
 from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
@@ -243,7 +244,6 @@ def _accept(
         path = torch.zeros(b, 1, dtype=torch.long, device=logits.device)
         zero = torch.zeros(b, dtype=torch.long, device=logits.device)
         return path, zero, _sample(logits[:, 0], sampling, generators, active), 0
-    from lantern.acceptance import verify_tree_greedy, verify_tree_sampled
 
     relax, nbrs = acceptance.relaxation, acceptance.neighbours
     buffers = tree.buffers
@@ -252,6 +252,10 @@ def _accept(
     else:
         p_target = probs_from_logits(logits, sampling)
         u = _uniforms(generators, active, t + 1)
+        if buffers.children.shape[-1] == 1:  # a chain (every node has at most one child)
+            return _result(
+                verify_chain_sampled(p_target, tree.tokens, max_depth, u, tree.q_draft, nbrs, relax), active
+            )
         res = verify_tree_sampled(
             p_target,
             tree.tokens,
@@ -263,7 +267,11 @@ def _accept(
             neighbours=nbrs,
             relaxation=relax,
         )
-    relaxed = int(res.num_relaxed[active].sum()) if getattr(res, "num_relaxed", None) is not None else 0
+    return _result(res, active)
+
+
+def _result(res: VerifyResult, active: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    relaxed = int(res.num_relaxed[active].sum())
     return res.path, res.num_accepted, res.next_token, relaxed
 
 

@@ -31,6 +31,7 @@ from lantern.acceptance import (
     rejection_residual,
     relaxed_mass,
     sample_from_probs,
+    verify_chain_sampled,
     verify_tree_greedy,
     verify_tree_sampled,
 )
@@ -621,6 +622,35 @@ def test_verify_tree_sampled_matches_scalar_oracle(cfg, sampled: bool) -> None:
         outcome = (got, int(res.next_token[i]), int(res.num_relaxed[i]), bool(res.is_bonus[i]))
         assert outcome == (path, token, relaxed, bonus)
         assert int(res.num_accepted[i]) == len(path) - 1
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_verify_chain_sampled_equals_the_tree_walk(cfg, sampled: bool) -> None:
+    """The all-depths-at-once chain verifier gives exactly the general walk's path, token,
+    relaxed count and bonus flag for the same uniforms: random chains of 1-8 drafts, depth caps
+    from 0 to past the end, a vocabulary of 5 so drafts repeat, and drafts q could not draw."""
+    g = torch.Generator().manual_seed(5)
+    b, v = 64, 5
+    nbr = rand_neighbours(g, v)
+    checked = 0
+    for t in range(2, 10):
+        tree = batch_trees([tree_arrays([-1, *range(t - 1)])] * b)
+        tokens = torch.randint(0, v, (b, t), generator=g)
+        p_t = rand_dist(g, b, t, v, sharpness=3.0)
+        q = rand_dist(g, b, t, v, sharpness=2.0) if sampled else None
+        if q is not None:  # some drafts the drafter could never have drawn (q = 0 at the draft)
+            zero = torch.rand(b, t - 1, generator=g) < 0.15
+            q[:, :-1].scatter_(2, tokens[:, 1:, None], torch.where(zero[:, :, None], 0.0, q[:, :-1].gather(
+                2, tokens[:, 1:, None])))
+        u = torch.rand(b, num_uniforms(t), generator=g, dtype=F64)
+        max_depth = torch.randint(0, t + 1, (b,), generator=g)
+        ref = verify_tree_sampled(p_t, tokens, tree["children"], tree["depth"], max_depth, u, q, nbr, cfg)
+        got = verify_chain_sampled(p_t, tokens, max_depth, u, q, nbr, cfg)
+        for name in ("path", "num_accepted", "next_token", "num_relaxed", "is_bonus"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (t, name)
+        checked += int((ref.num_accepted > 0).sum()) + int((~ref.is_bonus).sum())
+    assert checked > 200  # both accepts and rejections were exercised
 
 
 def test_verify_tree_sampled_edge_cases() -> None:
