@@ -118,6 +118,7 @@ class BenchRow:
     quality: dict[str, Any] = field(default_factory=dict)
     num_images: int = 0
     speed_images: int = 0
+    wall_seconds_repeats: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "quality"}
@@ -172,20 +173,9 @@ def run_bench(
     labels = bench_labels(num_classes, config.num_images)
     resolved = {m.name: m.resolve(stack) for m in config.methods}
 
-    # 1. Speed: warm-up, then interleaved timed passes at the latency batch size.
+    # 1. Speed at the latency batch size (see _time_methods).
     speed_labels = labels[: config.speed_images]
-    for cfg in resolved.values():  # warm-up: allocator, kernels, lazy loads; not timed
-        run_generation(stack, speed_labels[:1], config.seed + 7, sampling, cfg, batch_size=1)
-    walls: dict[str, list[float]] = {name: [] for name in resolved}
-    speed_runs: dict[str, RunResult] = {}
-    with tqdm(total=len(resolved) * config.repeats, desc="speed", disable=not progress) as bar:
-        for _ in range(config.repeats):
-            for name, cfg in resolved.items():
-                bar.set_postfix_str(name)
-                r = run_generation(stack, speed_labels, config.seed, sampling, cfg, config.speed_batch_size)
-                walls[name].append(r.wall_seconds)
-                speed_runs[name] = r
-                bar.update(1)
+    speed_runs, walls = _time_methods(stack, sampling, resolved, speed_labels, config, progress)
     ar_wall = statistics.median(walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
@@ -200,6 +190,7 @@ def run_bench(
             scores = quality(r.codes, labels)
         codes[name] = r.codes.cpu()
         rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
+        rows[-1].wall_seconds_repeats = [round(w, 4) for w in walls[name]]
         log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
             + (f", {_fmt_quality(scores)}" if scores else ""))
 
@@ -219,6 +210,59 @@ def run_bench(
         sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
     meta = _meta(stack, sampling, config, resolved)
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels)
+
+
+def _time_methods(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: list[int],
+    config: BenchConfig,
+    progress: bool,
+) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
+    """Wall-clock of every method on the same images: (last run per method, total per repeat).
+
+    A shared machine's speed drifts over minutes (other tenants, frequency), so timing method A for
+    a minute and then method B compares two machines. Instead the methods take turns image by
+    image (a chunk of ``speed_batch_size`` images), in an order that rotates every chunk, so drift
+    and any effect of running right after a particular method hit every method alike. Every
+    method first decodes one untimed image (allocator, kernels, lazy loads).
+    """
+    from tqdm.auto import tqdm
+
+    from lantern.pipeline import image_seed, prepare_method
+    from lantern.sampling import make_generators
+
+    device = stack.target.device
+    prepared = {name: prepare_method(stack, cfg, sampling) for name, cfg in resolved.items()}
+    label_t = torch.tensor(labels, dtype=torch.long, device=device)
+    for parts in prepared.values():
+        parts.generate(label_t[:1], make_generators([image_seed(config.seed + 7, 0)], device))
+    names = list(prepared)
+    bs = config.speed_batch_size
+    chunks = [(lo, min(lo + bs, len(labels))) for lo in range(0, len(labels), bs)]
+    walls = {name: [0.0] * config.repeats for name in names}
+    outputs: dict[str, list[Any]] = {name: [None] * len(chunks) for name in names}
+    with tqdm(total=config.repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
+        for rep in range(config.repeats):
+            for ci, (lo, hi) in enumerate(chunks):
+                shift = (rep * len(chunks) + ci) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    gens = make_generators([image_seed(config.seed, i) for i in range(lo, hi)], device)
+                    t0 = time.perf_counter()
+                    outputs[name][ci] = prepared[name].generate(label_t[lo:hi], gens)
+                    walls[name][rep] += time.perf_counter() - t0
+                    bar.update(1)
+    runs = {
+        name: RunResult(
+            codes=torch.cat([o.codes for o in outputs[name]]),
+            output_stats=outputs[name],
+            wall_seconds=statistics.median(walls[name]),
+            method=prepared[name].method,
+        )
+        for name in names
+    }
+    return runs, walls
 
 
 def _row(

@@ -27,13 +27,17 @@ from lantern.train.loop import git_commit
 K_MAX = 128  # neighbours stored per code: LANTERN's k is capped here; lantern++ uses k = 10
 # Default sampling per preset (generation.json). LlamaGen-style: CFG on, top-k keeping ~10% of the
 # codebook (LlamaGen/LANTERN keep 1000-2000 of 16384), temperature 1.
-# Trees: measured on the 2-core CPU at batch 1 (scripts in benchmarks/): the paper's 58-node
-# dynamic and 57-node static trees cost several target steps to verify here, a 3-draft chain
-# about 1.2 steps; `--tree` overrides.
-CPU_TREES = {"sd": "chain:3", "sd-static": "static:cpu_6", "lantern": "chain:3", "lantern++": "chain:3"}
+# Trees: measured on the 2-core CPU at batch 1 with bf16 targets (benchmarks/RESULTS.md, "Trees";
+# `lantern bench --methods METHOD@TREE,...` reproduces it): the paper's 58-node dynamic and 57-node
+# static trees cost several target steps to verify here, a chain of n drafts ~1 + 0.05 n steps.
+# sd-static uses LANTERN++'s tree, as its definition says. `--tree` / `--tree auto` override.
+TREES = {
+    "digits": {"sd": "chain:3", "sd-static": "chain:3", "lantern": "chain:3", "lantern++": "chain:3"},
+    "photos": {"sd": "chain:3", "sd-static": "chain:6", "lantern": "chain:8", "lantern++": "chain:6"},
+}
 GENERATION = {
-    "digits": {"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 3.0, "trees": CPU_TREES},
-    "photos": {"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 3.0, "trees": CPU_TREES},
+    name: {"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 3.0, "trees": TREES[name]}
+    for name in ("digits", "photos")
 }
 
 
