@@ -175,7 +175,8 @@ def run_bench(
 
     # 1. Speed at the latency batch size (see _time_methods).
     speed_labels = labels[: config.speed_images]
-    speed_runs, walls = _time_methods(stack, sampling, resolved, speed_labels, config, progress)
+    speed_runs, walls = time_methods(stack, sampling, resolved, speed_labels, config.seed, config.speed_batch_size,
+                                     config.repeats, progress)
     ar_wall = statistics.median(walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
@@ -212,19 +213,21 @@ def run_bench(
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels)
 
 
-def _time_methods(
+def time_methods(
     stack: ModelStack,
     sampling: SamplingConfig,
     resolved: Mapping[str, MethodConfig],
     labels: list[int],
-    config: BenchConfig,
-    progress: bool,
+    seed: int,
+    batch_size: int = 1,
+    repeats: int = 1,
+    progress: bool = False,
 ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
     """Wall-clock of every method on the same images: (last run per method, total per repeat).
 
     A shared machine's speed drifts over minutes (other tenants, frequency), so timing method A for
     a minute and then method B compares two machines. Instead the methods take turns image by
-    image (a chunk of ``speed_batch_size`` images), in an order that rotates every chunk, so drift
+    image (a chunk of ``batch_size`` images), in an order that rotates every chunk, so drift
     and any effect of running right after a particular method hit every method alike. Every
     method first decodes one untimed image (allocator, kernels, lazy loads).
     """
@@ -237,18 +240,18 @@ def _time_methods(
     prepared = {name: prepare_method(stack, cfg, sampling) for name, cfg in resolved.items()}
     label_t = torch.tensor(labels, dtype=torch.long, device=device)
     for parts in prepared.values():
-        parts.generate(label_t[:1], make_generators([image_seed(config.seed + 7, 0)], device))
+        parts.generate(label_t[:1], make_generators([image_seed(seed + 7, 0)], device))
     names = list(prepared)
-    bs = config.speed_batch_size
+    bs = batch_size
     chunks = [(lo, min(lo + bs, len(labels))) for lo in range(0, len(labels), bs)]
-    walls = {name: [0.0] * config.repeats for name in names}
+    walls = {name: [0.0] * repeats for name in names}
     outputs: dict[str, list[Any]] = {name: [None] * len(chunks) for name in names}
-    with tqdm(total=config.repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
-        for rep in range(config.repeats):
+    with tqdm(total=repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
+        for rep in range(repeats):
             for ci, (lo, hi) in enumerate(chunks):
                 shift = (rep * len(chunks) + ci) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    gens = make_generators([image_seed(config.seed, i) for i in range(lo, hi)], device)
+                    gens = make_generators([image_seed(seed, i) for i in range(lo, hi)], device)
                     t0 = time.perf_counter()
                     outputs[name][ci] = prepared[name].generate(label_t[lo:hi], gens)
                     walls[name][rep] += time.perf_counter() - t0

@@ -1,9 +1,9 @@
 """``lantern demo``: the same labels and seeds decoded with AR and with relaxed speculative
 decoding, timed side by side in one process, with a PNG grid to compare the images.
 
-Timing: every method first runs a small warm-up generation (excluded), then the methods run in
-turn, ``repeats`` times, and the median wall-clock per method is reported, so one slow moment of
-a shared machine does not decide a ratio.
+Timing (shared with ``lantern bench``): every method first decodes one untimed image, then the
+methods take turns image by image in a rotating order, ``repeats`` times, and the median
+wall-clock per method is reported, so the drift of a shared machine hits every method alike.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, write_json
 from lantern.models.vq import to_pil
-from lantern.pipeline import MethodConfig, RunResult, run_generation
+from lantern.pipeline import MethodConfig, RunResult
 from lantern.stack import ModelStack
 
 DEFAULT_METHODS = ("ar", "lantern++", "lantern", "sd")
@@ -62,20 +62,10 @@ def run_demo(
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
     labels = demo_labels(stack.target.config.num_classes, num_images)
     configs = {m: MethodConfig.resolve(m, stack.default_tree(m)) for m in methods}
-    from tqdm.auto import tqdm
 
-    for m in methods:  # warm-up: allocator, kernels and lazy loads; not timed
-        run_generation(stack, labels[:1], seed + 1, sampling, configs[m], batch_size=1)
-    walls: dict[str, list[float]] = {m: [] for m in methods}
-    results: dict[str, RunResult] = {}
-    with tqdm(total=len(methods) * repeats, desc="demo", disable=not progress) as bar:
-        for _ in range(repeats):
-            for m in methods:  # interleaved, so drift of the machine hits every method alike
-                bar.set_postfix_str(m)
-                r = run_generation(stack, labels, seed, sampling, configs[m], batch_size=batch_size)
-                walls[m].append(r.wall_seconds)
-                results[m] = r
-                bar.update(1)
+    from lantern.bench import time_methods  # methods take turns image by image (drift-proof)
+
+    results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress)
     ar_wall = statistics.median(walls["ar"])
     out = []
     for m in methods:
