@@ -172,3 +172,34 @@ def test_cli_bad_input_exits_2_with_a_message(
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o" / "bench.json").exists()
+
+
+def test_method_at_tree_rows() -> None:
+    specs = parse_methods("ar,lantern++@chain:5,lantern++@auto,lantern++")
+    assert [s.name for s in specs] == ["ar", "lantern++@chain:5", "lantern++@auto", "lantern++"]
+    assert [s.tree for s in specs] == [None, "chain:5", "auto", None]
+    with pytest.raises(LanternError, match="does not draft a tree"):
+        parse_methods("ar,sjd@chain:3")
+
+
+def test_timed_images_are_the_quality_images() -> None:
+    """The speed pass decodes image i with image i's seed, one image at a time and in a rotating
+    method order; the codes must equal a plain batched run's (batching and turn-taking change
+    nothing), so the timed images are a subset of the images the quality metrics score."""
+    import torch
+
+    from lantern.bench import time_methods
+    from lantern.config import SamplingConfig
+    from lantern.pipeline import MethodConfig, run_generation
+    from lantern.stack import load_stack
+
+    stack = load_stack("digits")
+    sampling = SamplingConfig(**stack.default_sampling())
+    resolved = {"ar": MethodConfig.resolve("ar"), "lantern++": MethodConfig.resolve("lantern++", "chain:3")}
+    labels = [0, 1, 2]
+    runs, walls = time_methods(stack, sampling, resolved, labels, seed=3, batch_size=1, repeats=2)
+    for name, cfg in resolved.items():
+        batched = run_generation(stack, labels, 3, sampling, cfg, batch_size=3)
+        assert torch.equal(runs[name].codes, batched.codes), name
+        assert len(walls[name]) == 2 and all(w > 0 for w in walls[name])
+    assert runs["lantern++"].stats_dict()["mean_accepted"] > 1.0
