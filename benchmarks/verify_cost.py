@@ -78,8 +78,8 @@ def main() -> None:
     for name in args.configs.split(","):
         r = curve(name.strip(), device, dtype, args.batch_size, args.repeats)
         results.append(r)
-        print(f"{r['config']} ({r['params_m']}M): " + "  ".join(
-            f"{n}:{ratio:.2f}x" for n, ratio in zip(r["tokens"], r["ratio"], strict=True)) + f"  (1 token {r['ms'][0]:.1f} ms)")
+        points = "  ".join(f"{n}:{ratio:.2f}x" for n, ratio in zip(r["tokens"], r["ratio"], strict=True))
+        print(f"{r['config']} ({r['params_m']}M): {points}  (1 token {r['ms'][0]:.1f} ms)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": dt.date.today().isoformat(), "machine": machine_description(), "device": str(device),

@@ -78,15 +78,33 @@ def _auto_tree(
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="generate images from class labels",
+        help="generate images from class labels or text prompts",
         description="Generate images with AR or speculative decoding.",
     )
     p.add_argument(
         "--model", required=True, help="model stack folder (target/, tokenizer/, optional drafter/ and proximity table)"
     )
     p.add_argument("--tokenizer", default=None, help="VQ tokenizer folder, if not inside --model")
-    p.add_argument("--labels", type=_int_list, required=True, help="comma-separated class ids, e.g. 0,3,7")
-    p.add_argument("--num-per-label", type=int, default=1, help="images per label (default 1)")
+    cond = p.add_mutually_exclusive_group()
+    cond.add_argument(
+        "--labels", type=_int_list, default=None, help="class-conditional models: comma-separated class ids, e.g. 0,3,7"
+    )
+    cond.add_argument(
+        "--prompt", action="append", default=None, metavar="TEXT",
+        help='text-to-image models: a prompt (repeat for several: --prompt "a red car" --prompt "a cat")',
+    )
+    cond.add_argument(
+        "--prompts", default=None, metavar="FILE",
+        help="text-to-image models: a UTF-8 text file, one prompt per line (blank lines are skipped)",
+    )
+    p.add_argument(
+        "--t5", default=None, metavar="DIR",
+        help="text-to-image models: local T5 encoder folder (google/flan-t5-xl; default: t5/ inside --model)",
+    )
+    p.add_argument(
+        "--num-per-label", "--num-per-prompt", dest="num_per_label", type=int, default=1,
+        help="images per label or prompt (default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed; image i uses its own generator (default 0)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
@@ -140,6 +158,58 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def _read_prompt_args(args: argparse.Namespace) -> list[str] | None:
+    """The prompts of --prompt / --prompts (checked before anything is loaded), or None for --labels."""
+    from lantern.text import check_prompts, read_prompts
+
+    if args.prompt is not None:
+        return check_prompts(args.prompt, "--prompt")
+    if args.prompts is not None:
+        return read_prompts(args.prompts)
+    if args.labels is None:
+        raise LanternError(
+            "generate needs --labels (class-conditional models) or --prompt / --prompts (text-to-image models)"
+        )
+    if args.t5 is not None:
+        raise LanternError("--t5 is only used with --prompt / --prompts (text-to-image models)")
+    return None
+
+
+def _check_condition_kind(stack: Any, model: str, text: bool) -> None:
+    """Labels need a class-conditional target, prompts a text-to-image one."""
+    kind = stack.target.config.model_type
+    if text and kind != "t2i":
+        raise LanternError(f"--prompt/--prompts: {model} is a class-conditional model; pass --labels")
+    if not text and kind == "t2i":
+        raise LanternError(f"--labels: {model} is a text-to-image model; pass --prompt TEXT or --prompts FILE")
+
+
+def _t5_dir(args: argparse.Namespace, stack: Any) -> Path:
+    """--t5, else the stack's t5/ folder; checked (config, tokenizer, weights, width) without loading it."""
+    from lantern.text import check_t5_folder, require_transformers
+
+    path = Path(args.t5) if args.t5 is not None else stack.t5_dir
+    if path is None:
+        raise LanternError(
+            f"--t5: {stack.root} has no t5/ folder; pass --t5 DIR (a local copy of google/flan-t5-xl)"
+        )
+    check_t5_folder(path, caption_dim=stack.target.config.caption_dim)
+    require_transformers()
+    return path
+
+
+def _encode_prompts(prompts: list[str], t5_dir: Path, stack: Any, args: argparse.Namespace) -> Any:
+    """Left-padded T5 captions for every image (each prompt ``--num-per-prompt`` times). The
+    encoder is dropped before decoding starts: flan-t5-xl's encoder is larger than GPT-XL."""
+    from lantern.text import load_t5
+
+    cfg = stack.target.config
+    encoder = load_t5(t5_dir, cfg.cls_token_num, args.device, stack.target.dtype, cfg.caption_dim)
+    captions = encoder.encode(prompts, batch_size=args.batch_size)
+    del encoder
+    return captions.repeat_interleave(args.num_per_label)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -147,45 +217,55 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.images import image_grid, save_png
     from lantern.io import atomic_path, ensure_writable_dir, write_json
     from lantern.models.vq import to_pil
-    from lantern.pipeline import MethodConfig, image_seed, run_generation
+    from lantern.pipeline import MethodConfig, image_seed, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
 
     if args.num_per_label < 1:
-        raise LanternError(f"--num-per-label must be >= 1, got {args.num_per_label}")
+        raise LanternError(f"--num-per-label / --num-per-prompt must be >= 1, got {args.num_per_label}")
+    prompts = _read_prompt_args(args)
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
     stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
+    _check_condition_kind(stack, args.model, prompts is not None)
+    if auto and prompts is not None:
+        raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
     tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init
     )
     sampling = _sampling(args, stack)
+    t5_dir = _t5_dir(args, stack) if prompts is not None else None
     out = ensure_writable_dir(args.out, "--out")
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
-    labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-    stack.target.check_labels(torch.tensor(labels))
-    auto_choice = None
-    if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
-        auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
-                                 args.drafter, args.proximity, not args.no_progress)
-        method = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k, args.lantern_delta,
-                                      args.lantern_lambda, args.sjd_window, args.sjd_init)
-
-    result = run_generation(
-        stack,
-        labels,
-        args.seed,
-        sampling,
-        method,
-        args.batch_size,
-        progress=not args.no_progress,
-        drafter_dir=args.drafter,
-        proximity=args.proximity,
+    run_kw: dict[str, Any] = dict(
+        seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
+        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity,
     )
+    auto_choice = None
+    if prompts is not None:
+        assert t5_dir is not None
+        captions = _encode_prompts(prompts, t5_dir, stack, args)
+        index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
+        names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
+        conditions: dict[str, Any] = {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
+                                      "t5_max_length": stack.target.config.cls_token_num}
+        result = run_generation_t2i(stack, captions, **run_kw)
+    else:
+        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
+        stack.target.check_labels(torch.tensor(labels))
+        if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
+            auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                                     args.drafter, args.proximity, not args.no_progress)
+            run_kw["method"] = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k,
+                                                    args.lantern_delta, args.lantern_lambda, args.sjd_window,
+                                                    args.sjd_init)
+        names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
+        conditions = {"labels": labels}
+        result = run_generation(stack, labels, **run_kw)
     with torch.no_grad():
         images = to_pil(stack.tokenizer.decode(result.codes))
-    for i, (img, lab) in enumerate(zip(images, labels, strict=True)):
-        save_png(img, out / f"{i:04d}_label{lab}.png")
+    for img, name in zip(images, names, strict=True):
+        save_png(img, out / name)
     save_png(image_grid(images, ncol=args.num_per_label), out / "grid.png")
     with atomic_path(out / "codes.npy") as tmp:
         with open(tmp, "wb") as f:
@@ -193,8 +273,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run = {
         "command": "generate",
         "model": str(args.model),
-        "labels": labels,
-        "seeds": [image_seed(args.seed, i) for i in range(len(labels))],
+        **conditions,
+        "seeds": [image_seed(args.seed, i) for i in range(len(names))],
         "seed": args.seed,
         "batch_size": args.batch_size,
         "device": args.device,

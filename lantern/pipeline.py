@@ -35,9 +35,11 @@ from lantern.errors import check
 from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
 from lantern.jacobi import JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
+from lantern.models.llamagen import LlamaGenConfig
 from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
+from lantern.text import Captions
 
 SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++")
 METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS)
@@ -169,18 +171,60 @@ def run_generation(
     proximity: str | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
+    label_t = torch.tensor(labels, dtype=torch.long, device=stack.target.device)
+    stack.target.check_labels(label_t)
+    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
+
+
+def run_generation_t2i(
+    stack: ModelStack,
+    captions: Captions,
+    seed: int,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    batch_size: int = 8,
+    progress: bool = False,
+    drafter_dir: str | None = None,
+    proximity: str | None = None,
+) -> RunResult:
+    """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
+    at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
+    cfg = stack.target.config
+    check(cfg.model_type == "t2i", "this target is class-conditional: generate it from labels, not captions")
+    expected = (cfg.cls_token_num, cfg.caption_dim)
+    check(
+        tuple(captions.embeddings.shape[1:]) == expected,
+        f"captions are {tuple(captions.embeddings.shape)}, the target expects [N, {expected[0]}, {expected[1]}] "
+        f"(T5 max_length = the target's cls_token_num, T5 d_model = its caption_dim)",
+    )
+    device, dtype = stack.target.device, stack.target.dtype
+    cond = captions.embeddings.to(device=device, dtype=dtype)
+    mask = captions.mask.to(device=device, dtype=torch.bool)
+    return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
+
+
+def _run_batches(
+    stack: ModelStack,
+    cond: Tensor,  # [num_images] labels or [num_images, cls, C] captions
+    cond_mask: Tensor | None,  # [num_images, cls] caption mask (t2i)
+    seed: int,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    batch_size: int,
+    progress: bool,
+    drafter_dir: str | None,
+    proximity: str | None,
+) -> RunResult:
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    device = stack.target.device
-    label_t = torch.tensor(labels, dtype=torch.long, device=device)
-    stack.target.check_labels(label_t)
     parts = prepare_method(stack, method, sampling, drafter_dir, proximity)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
-    for lo in range(0, len(labels), batch_size):
-        chunk = label_t[lo : lo + batch_size]
-        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], device)
-        outputs.append(parts.generate(chunk, gens, progress))
+    for lo in range(0, cond.shape[0], batch_size):
+        chunk = cond[lo : lo + batch_size]
+        mask = None if cond_mask is None else cond_mask[lo : lo + batch_size]
+        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], stack.target.device)
+        outputs.append(parts.generate(chunk, gens, progress, cond_mask=mask))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
@@ -206,7 +250,14 @@ class PreparedMethod:
             self._head_copy = copy.deepcopy(lm_head).to(self.drafter.dtype)
         return self._head_copy
 
-    def generate(self, cond: Tensor, generators: list[torch.Generator], progress: bool = False) -> GenerationOutput:
+    def generate(
+        self,
+        cond: Tensor,
+        generators: list[torch.Generator],
+        progress: bool = False,
+        cond_mask: Tensor | None = None,
+    ) -> GenerationOutput:
+        """cond: labels [B] or captions [B, cls, C]; cond_mask: the captions' mask [B, cls] (t2i)."""
         tree = self.method.tree
         nodes = _max_tree_nodes(tree)
         target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes)
@@ -226,7 +277,13 @@ class PreparedMethod:
             )
             drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size)
         return generate(
-            target, cond, generators=generators, drafter=drafter, acceptance=self.acceptance, progress=progress
+            target,
+            cond,
+            generators=generators,
+            drafter=drafter,
+            acceptance=self.acceptance,
+            cond_mask=cond_mask,
+            progress=progress,
         )
 
 
@@ -253,6 +310,7 @@ def prepare_method(
         dtype = drafter_dtype(stack.target.dtype, stack.target.device)
         drafter = EagleDrafterModel.from_pretrained(path).to(stack.target.device, dtype).eval()
         check_drafter_matches_target(drafter.config, stack.target.config)
+        check_t2i_drafter_layout(drafter, stack.target.config, path)
     relaxation, neighbours = method.relaxation, None
     if relaxation is not None and not relaxation.is_exact:
         from lantern.proximity import ProximityTable
@@ -271,6 +329,21 @@ def prepare_method(
         neighbours = table.neighbours_for(relaxation.k).to(stack.target.device)
     resolved = replace(method, relaxation=relaxation)  # k as actually used (capped at K_max)
     return PreparedMethod(stack, resolved, sampling, drafter, Acceptance(relaxation, neighbours))
+
+
+def check_t2i_drafter_layout(drafter: EagleDrafterModel, cfg: LlamaGenConfig, path: object) -> None:
+    """A T2I drafter's RoPE table is laid out for one caption length and one image grid (LANTERN's
+    ``t2i`` = Stage I, 256 tokens; ``t2i2`` = Stage II, 1024): with the other stage's target its
+    positions would silently land on the wrong grid cells."""
+    if cfg.model_type != "t2i":
+        return
+    d = drafter.config
+    check(
+        (d.target_cls_token_num, d.block_size) == (cfg.cls_token_num, cfg.block_size),
+        f"drafter {path} was made for a target with {d.target_cls_token_num} caption tokens and {d.block_size} "
+        f"image tokens, this target has {cfg.cls_token_num} and {cfg.block_size}: use the drafter of the same "
+        "stage (LANTERN's llamagen_drafter for Stage I / 256 tokens, llamagen2_drafter for Stage II / 1024)",
+    )
 
 
 def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -6,6 +6,7 @@ A stack folder holds everything one image generator needs::
     DIR/tokenizer/     VQ tokenizer folder
     DIR/drafter/       optional EAGLE drafter folder
     DIR/proximity.safetensors   optional latent proximity table (LANTERN)
+    DIR/t5/            text-to-image targets: the T5 encoder folder (google/flan-t5-xl), or --t5 DIR
     DIR/provenance.json         optional: how it was made
 
 ``--model`` also accepts a bare target folder when ``--tokenizer`` is given separately, or the
@@ -25,6 +26,7 @@ from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
 
 TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
+T5_DIR = "t5"  # text-to-image stacks: a local copy of the T5 encoder (google/flan-t5-xl)
 GENERATION_FILE = "generation.json"  # a stack's default sampling settings
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("digits", "photos")
@@ -45,6 +47,12 @@ class ModelStack:
     def proximity_file(self) -> Path | None:
         f = self.root / PROXIMITY_FILE
         return f if f.is_file() else None
+
+    @property
+    def t5_dir(self) -> Path | None:
+        """The stack's T5 encoder folder (text-to-image stacks), or None."""
+        d = self.root / T5_DIR
+        return d if d.is_dir() else None
 
     def default_tree(self, method: str) -> str | None:
         """The stack's recommended draft tree for ``method`` (``generation.json`` "trees"), or None.
@@ -92,6 +100,39 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     return path
 
 
+HF_LLAMAGEN_ARCHITECTURES = (["LlamaForCausalLM"],)  # LANTERN's HF ports of LlamaGen (SPEC §1.5)
+HF_LLAMAGEN_MODEL_TYPES = (None, "llama")
+
+
+def check_target_architecture(target_dir: Path) -> None:
+    """Refuse a target folder of another model family before trying to load its weights.
+
+    Without this, any HF ``config.json`` with a ``hidden_size`` would be read as a LlamaGen HF port
+    and fail later with a list of unexpected checkpoint keys, which does not say what is wrong.
+    """
+    from lantern.io import read_json
+    from lantern.models.llamagen import MODEL_TYPE
+
+    config_file = target_dir / "config.json"
+    if not config_file.is_file():
+        raise LanternError(f"--model: {target_dir} has no config.json: not a model folder")
+    raw = read_json(config_file, "model config")
+    if not isinstance(raw, dict):
+        raise LanternError(f"--model: {config_file} must hold a JSON object")
+    model_type, arch = raw.get("model_type"), raw.get("architectures")
+    if model_type == MODEL_TYPE:
+        return
+    if arch in HF_LLAMAGEN_ARCHITECTURES or (arch is None and model_type in HF_LLAMAGEN_MODEL_TYPES
+                                             and "hidden_size" in raw):
+        return
+    found = f"model_type {model_type!r}" + (f", architectures {arch}" if arch is not None else "")
+    raise LanternError(
+        f"--model: unsupported architecture in {config_file} ({found}): lantern runs LlamaGen targets, "
+        f"a lantern LlamaGen folder (model_type {MODEL_TYPE!r}) or LANTERN's HF port "
+        "(architectures ['LlamaForCausalLM'])"
+    )
+
+
 def load_stack(
     model: str | os.PathLike[str],
     tokenizer: str | os.PathLike[str] | None = None,
@@ -104,6 +145,7 @@ def load_stack(
         raise LanternError(
             f"--model {root} has no {TOKENIZER_DIR}/ folder; pass --tokenizer DIR (a VQ tokenizer folder)"
         )
+    check_target_architecture(target_dir)
     target = LlamaGen.from_pretrained(target_dir, dtype=dtype)
     vq = VQModel.from_pretrained(tok_dir)
     if vq.config.codebook_size != target.config.vocab_size:

@@ -297,8 +297,9 @@ def test_calibration_refuses_methods_without_a_tree(random_stack: Path) -> None:
 @pytest.fixture(scope="module")
 def random_profile(random_stack: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("profile")
+    # float32: `generate`'s default precision (profile's default is auto, bf16 where native)
     rc = main(["profile", "--model", str(random_stack), "--quick", "--max-tokens", "12", "--repeats", "2",
-               "--cfg-scale", "2", "--top-k", "8", "--out", str(out), "--no-progress"])
+               "--cfg-scale", "2", "--top-k", "8", "--dtype", "float32", "--out", str(out), "--no-progress"])
     assert rc == 0
     return out
 
@@ -343,6 +344,18 @@ def test_generate_tree_auto_with_saved_profile(random_stack: Path, random_profil
     canonical_choices(auto["choices"])  # raises unless a valid tree
     assert "--tree auto [lantern]" in capsys.readouterr().out
     assert len(list(out.glob("0*.png"))) == 2
+
+
+def test_profile_of_another_precision_is_refused(random_stack: Path, random_profile: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """bf16 and float32 forwards have different cost curves: a float32 profile must not pick a
+    tree for a bf16 run."""
+    rc = main(["generate", "--model", str(random_stack), "--labels", "0", "--method", "lantern", "--tree", "auto",
+               "--profile", str(random_profile / "profile.json"), "--cfg-scale", "2", "--top-k", "8",
+               "--dtype", "bfloat16", "--out", str(tmp_path / "g"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--profile was measured for a model of shape" in err and "'dtype': 'bfloat16'" in err
 
 
 def test_generate_tree_auto_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

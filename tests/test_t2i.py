@@ -1,0 +1,546 @@
+"""LlamaGen text-to-image: T5 front end (left padding, SPEC §1.4), decoding from captions, the CLI's
+--prompt/--prompts, bad input, and checkpoint layouts of the real GPT-XL T2I sizes (on ``meta``).
+
+Everything runs offline on tiny random models built here: a one-layer T5 encoder with a word-level
+tokenizer (transformers cannot download one), and a 2-layer LlamaGen T2I target whose
+``cls_token_num`` is the tokenizer's ``max_length`` and whose ``caption_dim`` is T5's ``d_model``.
+
+Sampling exactness: the t2i path runs the same loop, acceptance and drafters as c2i, whose
+chi-square tests (tests/test_speculative.py, tests/test_lantern_e2e.py) do not depend on the kind
+of condition. What is t2i-specific is the caption prefill and the caption mask in every verify
+forward; those are covered here by cached-vs-uncached logits (the p every method samples from),
+greedy speculative == greedy AR (oracle and EAGLE drafters), invisibility of padded caption slots,
+and batch independence of sampled runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lantern.cli import main
+from lantern.config import SamplingConfig, TreeConfig
+from lantern.errors import LanternError
+from lantern.generate import generate
+from lantern.io import check_state_dict, write_json
+from lantern.models.drafter import DrafterConfig, EagleDrafterModel
+from lantern.models.llamagen import (
+    LlamaGen,
+    config_from_hf,
+    hf_to_official,
+    llamagen_config,
+    official_to_hf,
+)
+from lantern.oracle import make_oracle_drafter
+from lantern.pipeline import MethodConfig, check_t2i_drafter_layout, run_generation_t2i
+from lantern.proximity import build_proximity
+from lantern.sampling import apply_cfg
+from lantern.stack import check_target_architecture, load_stack
+from lantern.target import LlamaGenTarget
+from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq
+from lantern.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
+
+MAXLEN = 12  # caption slots: T5 max_length = the target's cls_token_num (120 in LlamaGen T2I)
+D_T5 = 32  # T5 d_model = the target's caption_dim (2048 for flan-t5-xl)
+WORDS = "a photo of cat dog red car on the beach with blue sky and mountains house in snow painting".split()
+PROMPTS = [
+    "A photo of a  CAT",  # 6 tokens with </s>: 6 padded slots
+    "a red car on the beach with blue sky and mountains and a house in the snow",  # truncated to 12
+    "dog",  # 2 tokens
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread_offline() -> Iterator[None]:
+    """One intra-op thread (tiny models; a busy shared CPU), and no hub look-ups: every model here
+    is a local folder."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+    torch.set_num_threads(before)
+
+
+# ---- tiny T5 folder and T2I stack ------------------------------------------------------------
+
+
+def _write_tiny_t5(path: Path) -> Path:
+    """A random one-layer T5 encoder and a word-level tokenizer (pad 0, </s> 1, unk 2) saved as a
+    transformers folder, like a local copy of google/flan-t5-xl."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(path))
+    cfg = transformers.T5Config(
+        vocab_size=len(vocab), d_model=D_T5, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.T5EncoderModel(cfg).eval().save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_tiny_t5(tmp_path_factory.mktemp("t5") / "flan-t5-tiny")
+
+
+def _t2i_target(seed: int = 3) -> LlamaGen:
+    return tiny_llamagen(seed, model_type="t2i", cls_token_num=MAXLEN, caption_dim=D_T5, block_size=64)
+
+
+@pytest.fixture(scope="module")
+def t2i_stack(tmp_path_factory: pytest.TempPathFactory, t5_dir: Path) -> Path:
+    """target/ (t2i), tokenizer/, drafter/ (random EAGLE), proximity table and t5/."""
+    root = tmp_path_factory.mktemp("t2i") / "stack"
+    target = _t2i_target()
+    target.save_pretrained(root / "target")
+    vq = tiny_vq(0, 256)
+    vq.save_pretrained(root / "tokenizer")
+    torch.manual_seed(5)
+    EagleDrafterModel(DrafterConfig.for_target(target.config)).save_pretrained(root / "drafter")
+    build_proximity(vq.quantize.embedding.weight.detach(), k_max=64).save(root / "proximity.safetensors")
+    shutil.copytree(t5_dir, root / "t5")
+    return root
+
+
+@pytest.fixture(scope="module")
+def captions(t2i_stack: Path) -> Captions:
+    return load_t5(t2i_stack / "t5", MAXLEN).encode(PROMPTS)
+
+
+# ---- the T5 front end: left padding (SPEC §1.4) ---------------------------------------------
+
+
+def test_left_padding_follows_llamagen(t5_dir: Path, captions: Captions) -> None:
+    """Valid rows rotated to the end, padded rows exactly 0, mask flipped: LlamaGen's
+    ``cat(emb[v:], emb[:v]) * flip(mask)`` on the right-padded encoder output."""
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    tok = AutoTokenizer.from_pretrained(str(t5_dir))
+    enc = T5EncoderModel.from_pretrained(str(t5_dir)).eval()
+    batch = tok([normalize_prompt(p) for p in PROMPTS], max_length=MAXLEN, padding="max_length", truncation=True,
+                add_special_tokens=True, return_tensors="pt")
+    mask = batch["attention_mask"]
+    assert mask.sum(1).tolist() == [6, MAXLEN, 2]  # right-padded, the long prompt truncated
+    assert batch["input_ids"][0, 5] == 1 and batch["input_ids"][2].tolist()[:3] == [WORDS.index("dog") + 3, 1, 0]
+    with torch.no_grad():
+        emb = enc(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
+    flipped = torch.flip(mask, dims=[-1])
+    for r in range(len(PROMPTS)):
+        v = int(mask[r].sum())
+        expect = torch.cat([emb[r, v:], emb[r, :v]]) * flipped[r, :, None]
+        assert torch.allclose(captions.embeddings[r], expect, atol=1e-6)
+        assert torch.equal(captions.mask[r], flipped[r].bool())
+        assert torch.count_nonzero(captions.embeddings[r, : MAXLEN - v]) == 0  # padded slots exactly 0
+
+
+def test_left_pad_handles_either_padding_side() -> None:
+    emb = torch.arange(2 * 5 * 2, dtype=torch.float32).reshape(2, 5, 2) + 1
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    a = left_pad(emb, right)
+    assert torch.equal(a.embeddings[0], torch.cat([torch.zeros(2, 2), emb[0, :3]]))
+    assert torch.equal(a.embeddings[1], emb[1]) and a.mask.tolist()[0] == [False, False, True, True, True]
+    b = left_pad(emb, left)  # already left-padded input stays as it is (rows zeroed)
+    assert torch.equal(b.embeddings[0], torch.cat([torch.zeros(2, 2), emb[0, 2:]]))
+
+
+def test_encoding_is_independent_of_batch_and_case(t2i_stack: Path, captions: Captions) -> None:
+    enc = load_t5(t2i_stack / "t5", MAXLEN)
+    alone = enc.encode(["dog"])
+    assert torch.allclose(alone.embeddings[0], captions.embeddings[2], atol=1e-5)
+    assert torch.equal(alone.mask[0], captions.mask[2])
+    assert normalize_prompt("  A photo\tof a  CAT ") == "a photo of a cat"
+    same = enc.encode(["a photo of a cat"], batch_size=1)
+    assert torch.allclose(same.embeddings[0], captions.embeddings[0], atol=1e-5)
+    with pytest.raises(LanternError, match="prompt 1 is empty"):
+        enc.encode(["dog", "  "])
+
+
+def test_read_prompts(tmp_path: Path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("a cat\n\n  a dog on the beach  \n\n")
+    assert read_prompts(f) == ["a cat", "a dog on the beach"]
+    with pytest.raises(LanternError, match="--prompts: no such file"):
+        read_prompts(tmp_path / "missing.txt")
+    (tmp_path / "blank.txt").write_text("\n   \n")
+    with pytest.raises(LanternError, match="holds no prompts"):
+        read_prompts(tmp_path / "blank.txt")
+    with pytest.raises(LanternError, match="is not a file"):
+        read_prompts(tmp_path)
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00a")
+    with pytest.raises(LanternError, match="not UTF-8"):
+        read_prompts(tmp_path / "bin.txt")
+
+
+def test_t5_folder_checks(tmp_path: Path, t5_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert check_t5_folder(t5_dir, caption_dim=D_T5)["model_type"] == "t5"
+    with pytest.raises(LanternError, match=r"d_model 32, but the target's caption projection expects 2048"):
+        check_t5_folder(t5_dir, caption_dim=2048)
+    with pytest.raises(LanternError, match="--t5: no such folder"):
+        check_t5_folder(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LanternError, match="has no config.json"):
+        check_t5_folder(tmp_path / "empty")
+    bert = tmp_path / "bert"
+    shutil.copytree(t5_dir, bert)
+    write_json(bert / "config.json", {"model_type": "bert", "hidden_size": 32})
+    with pytest.raises(LanternError, match="holds a 'bert' model, not a T5 encoder"):
+        check_t5_folder(bert)
+    import lantern.text
+
+    monkeypatch.setattr(lantern.text.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(LanternError, match=r"need the transformers package.*lantern\[t2i\]"):
+        lantern.text.load_t5(t5_dir, MAXLEN)
+
+
+# ---- decoding from captions -----------------------------------------------------------------
+
+
+def test_cached_logits_match_uncached_forward_with_caption_mask(captions: Captions) -> None:
+    """The p every method samples from: prefill + chunked verify/commit with the caption mask equals
+    the uncached causal pass that hides padded caption columns (CFG with the stored uncond rows)."""
+    model = _t2i_target()
+    sampling = SamplingConfig(cfg_scale=3.0)
+    cond, mask = captions.embeddings, captions.mask
+    codes = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
+    t = 5
+    fed = torch.cat([codes, torch.zeros(3, t, dtype=torch.long)], dim=1)  # the last chunk runs past the image
+    target = LlamaGenTarget(model, sampling, max_tree_nodes=t)
+    first, _ = target.start(cond, mask)
+    got = [first[:, None]]
+    chain, depth = torch.ones(t, t, dtype=torch.bool).tril().expand(3, -1, -1), torch.arange(t).expand(3, -1)
+    for lo in range(0, 63, t):
+        logits, _ = target.verify(fed[:, lo : lo + t], chain, depth)
+        got.append(logits)
+        target.commit(torch.arange(t).expand(3, -1), torch.full((3,), t))
+    cached = torch.cat(got, dim=1)[:, :64]
+    full_c = model(cond, codes[:, :-1], mask)[0]
+    full_u = model(model.null_condition(3), codes[:, :-1], mask)[0]
+    full = apply_cfg(torch.cat([full_c, full_u]), 3.0, 2)
+    assert (cached - full).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
+    """Greedy SD with the stack's (random) EAGLE drafter on chain, static and dynamic trees, and
+    greedy LANTERN++ with lambda = 1 (the exact rule), equal greedy AR token for token."""
+    stack = load_stack(t2i_stack)
+    caps = Captions(captions.embeddings[:batch], captions.mask[:batch])
+    s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
+    ar = run_generation_t2i(stack, caps, 0, s, MethodConfig.resolve("ar")).codes
+    assert ar.shape == (batch, 64)
+    for method, tree, lam in [("sd", "chain:4", None), ("sd-static", None, None), ("sd", None, None),
+                              ("lantern++", "chain:3", 1.0)]:
+        spec = run_generation_t2i(stack, caps, 0, s, MethodConfig.resolve(method, tree, lam=lam), batch_size=2)
+        assert torch.equal(spec.codes, ar), (method, tree)
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "static:naive_extend_57"])
+def test_greedy_oracle_accepts_many_and_reproduces_ar(captions: Captions, tree: str) -> None:
+    """A drafter that is the target itself (uncached, masked forward) gets long paths accepted:
+    multi-token commits under the caption mask still give AR's codes."""
+    model = _t2i_target()
+    s = SamplingConfig(temperature=0, cfg_scale=3.0)
+    cond, mask = captions.embeddings, captions.mask
+    ar = generate(LlamaGenTarget(model, s), cond, cond_mask=mask).codes
+    drafter = make_oracle_drafter(model, cond, s, TreeConfig.parse(tree), cond_mask=mask)
+    out = generate(LlamaGenTarget(model, s, max_tree_nodes=drafter.num_nodes), cond, drafter=drafter, cond_mask=mask)
+    assert torch.equal(out.codes, ar)
+    assert out.stats.mean_accepted > 3.0
+
+
+def test_padded_caption_slots_are_invisible(t2i_stack: Path, captions: Captions) -> None:
+    stack = load_stack(t2i_stack)
+    s = SamplingConfig(temperature=0, cfg_scale=2.0)
+    noisy = captions.embeddings + torch.randn_like(captions.embeddings) * (~captions.mask)[..., None]
+    a = run_generation_t2i(stack, captions, 0, s, MethodConfig.resolve("ar")).codes
+    b = run_generation_t2i(stack, Captions(noisy, captions.mask), 0, s, MethodConfig.resolve("ar")).codes
+    assert torch.equal(a, b)
+    c = run_generation_t2i(stack, Captions(captions.embeddings, torch.ones_like(captions.mask)), 0, s,
+                           MethodConfig.resolve("ar")).codes
+    assert not torch.equal(a[0], c[0])  # the mask is used: unmasking the zero slots changes row 0
+
+
+def test_sampled_runs_do_not_depend_on_batch_size(t2i_stack: Path, captions: Captions) -> None:
+    stack = load_stack(t2i_stack)
+    s = SamplingConfig(top_k=40, cfg_scale=3.0)
+    m = MethodConfig.resolve("lantern++", "chain:3")
+    one = run_generation_t2i(stack, captions, 7, s, m, batch_size=1).codes
+    three = run_generation_t2i(stack, captions, 7, s, m, batch_size=3).codes
+    assert torch.equal(one, three)
+    other = run_generation_t2i(stack, captions, 8, s, m, batch_size=3).codes
+    assert not torch.equal(one, other)
+
+
+def test_captions_must_fit_the_target(t2i_stack: Path, captions: Captions) -> None:
+    stack = load_stack(t2i_stack)
+    short = Captions(captions.embeddings[:, 2:], captions.mask[:, 2:])
+    with pytest.raises(LanternError, match=r"the target expects \[N, 12, 32\]"):
+        run_generation_t2i(stack, short, 0, SamplingConfig(), MethodConfig.resolve("ar"))
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def test_cli_prompts_write_images_and_run_json(t2i_stack: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["generate", "--model", str(t2i_stack), "--seed", "3", "--top-k", "40", "--cfg-scale", "2",
+            "--num-per-prompt", "2", "--batch-size", "3", "--no-progress"]
+    rc = main([*args, "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--method", "sd-static", "--out", str(out)])
+    assert rc == 0
+    names = sorted(p.name for p in out.glob("0*.png"))
+    assert names == ["0000_prompt0.png", "0001_prompt0.png", "0002_prompt1.png", "0003_prompt1.png"]
+    assert Image.open(out / "0000_prompt0.png").size == (32, 32)
+    run = json.loads((out / "run.json").read_text())
+    assert run["prompts"] == [PROMPTS[0].strip(), PROMPTS[2]] and run["prompt_index"] == [0, 0, 1, 1]
+    assert run["t5"] == str(t2i_stack / "t5") and run["t5_max_length"] == MAXLEN
+    assert "labels" not in run and run["method"]["method"] == "sd-static"
+    codes = np.load(out / "codes.npy")
+    # The same codes as the library call with the same captions and per-image seeds.
+    stack = load_stack(t2i_stack)
+    caps = load_t5(t2i_stack / "t5", MAXLEN).encode([PROMPTS[0], PROMPTS[2]], batch_size=3).repeat_interleave(2)
+    expect = run_generation_t2i(stack, caps, 3, SamplingConfig(top_k=40, cfg_scale=2.0),
+                                MethodConfig.resolve("sd-static")).codes
+    assert np.array_equal(codes, expect.numpy())
+
+    # --prompts FILE, an explicit --t5 on a stack without t5/, a relaxed method.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for part in ("target", "tokenizer", "drafter", "proximity.safetensors"):
+        (bare / part).symlink_to(t2i_stack / part)
+    (tmp_path / "prompts.txt").write_text(f"{PROMPTS[0]}\n\n{PROMPTS[2]}\n")
+    rc = main([*args, "--model", str(bare), "--prompts", str(tmp_path / "prompts.txt"), "--t5",
+               str(t2i_stack / "t5"), "--method", "lantern++", "--tree", "chain:3", "--out", str(tmp_path / "o2")])
+    assert rc == 0
+    run2 = json.loads((tmp_path / "o2" / "run.json").read_text())
+    assert run2["prompts"] == run["prompts"] and run2["stats"]["generated_tokens"] == 4 * 64
+
+
+def _bad_t5(tmp_path: Path, t2i_stack: Path) -> Path:
+    bad = tmp_path / "bert"
+    shutil.copytree(t2i_stack / "t5", bad)
+    write_json(bad / "config.json", {"model_type": "bert", "hidden_size": D_T5})
+    return bad
+
+
+def _chameleon(tmp_path: Path, t2i_stack: Path) -> Path:
+    root = tmp_path / "chameleon"
+    shutil.copytree(t2i_stack, root, symlinks=True)
+    write_json(root / "target" / "config.json", {"model_type": "chameleon", "hidden_size": 64,
+                                                 "architectures": ["ChameleonForConditionalGeneration"]})
+    return root
+
+
+def _stage_drafter(tmp_path: Path, t2i_stack: Path) -> Path:
+    cfg = LlamaGen.from_pretrained(t2i_stack / "target").config
+    EagleDrafterModel(DrafterConfig.for_target(cfg, block_size=16)).save_pretrained(tmp_path / "d16")
+    return tmp_path / "d16"
+
+
+BAD_INPUT = {
+    "prompts-missing": (lambda tmp, st: ["--prompts", str(tmp / "nope.txt")], "--prompts: no such file"),
+    "prompts-empty": (lambda tmp, st: ["--prompts", str(_write(tmp / "e.txt", "\n \n"))], "holds no prompts"),
+    "prompt-blank": (lambda tmp, st: ["--prompt", "  "], "--prompt: prompt 0 is empty"),
+    "t5-missing": (lambda tmp, st: ["--prompt", "a cat", "--t5", str(tmp / "no-t5")], "--t5: no such folder"),
+    "t5-not-t5": (lambda tmp, st: ["--prompt", "a cat", "--t5", str(_bad_t5(tmp, st))], "not a T5 encoder"),
+    "t5-file": (lambda tmp, st: ["--prompt", "a cat", "--t5", str(_write(tmp / "f", "x"))], "is not a folder"),
+    "labels-on-t2i": (lambda tmp, st: ["--labels", "0"], "is a text-to-image model; pass --prompt"),
+    "no-condition": (lambda tmp, st: [], "generate needs --labels .* or --prompt / --prompts"),
+    "t5-with-labels": (lambda tmp, st: ["--labels", "0", "--t5", str(st / "t5")], "--t5 is only used with"),
+    "tree-auto": (lambda tmp, st: ["--prompt", "a cat", "--method", "sd", "--tree", "auto"], "pass a --tree"),
+    "other-stage-drafter": (
+        lambda tmp, st: ["--prompt", "a cat", "--method", "sd", "--drafter", str(_stage_drafter(tmp, st))],
+        "use the drafter of the same stage",
+    ),
+}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_reported_without_partial_output(
+    t2i_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    make_args, message = BAD_INPUT[case]
+    out = tmp_path / "out"
+    args = make_args(tmp_path, t2i_stack)
+    rc = main(["generate", "--model", str(t2i_stack), "--out", str(out), "--no-progress", *args])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lantern: error: ") and re.search(message, err), err
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_no_t5_folder_and_wrong_model_kinds(
+    t2i_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for part in ("target", "tokenizer"):
+        (bare / part).symlink_to(t2i_stack / part)
+    base = ["generate", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main([*base, "--model", str(bare), "--prompt", "a cat"]) == 2
+    assert "has no t5/ folder; pass --t5 DIR" in capsys.readouterr().err
+    c2i = make_random_stack(tmp_path / "c2i", seed=1)
+    assert main([*base, "--model", str(c2i), "--prompt", "a cat"]) == 2
+    assert "is a class-conditional model; pass --labels" in capsys.readouterr().err
+    labels_out = tmp_path / "labels-out"  # the class-label path is unchanged
+    assert main(["generate", "--model", str(c2i), "--labels", "1,2", "--out", str(labels_out), "--no-progress"]) == 0
+    assert sorted(p.name for p in labels_out.glob("0*.png")) == ["0000_label1.png", "0001_label2.png"]
+    assert json.loads((labels_out / "run.json").read_text())["labels"] == [1, 2]
+    assert main([*base, "--model", str(_chameleon(tmp_path, t2i_stack)), "--prompt", "a cat"]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported architecture" in err and "ChameleonForConditionalGeneration" in err
+    with pytest.raises(SystemExit) as exc:  # argparse: --labels and --prompt exclude each other
+        main([*base, "--model", str(t2i_stack), "--labels", "0", "--prompt", "a cat"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+# ---- checkpoint layouts of the real sizes (meta device: nothing allocated) -------------------
+
+XL = dict(n_layer=36, dim=1280, ffn=3584, caption_dim=2048, cls=120, vocab=16384)
+
+
+def _official_t2i_keys() -> dict[str, tuple[int, ...]]:
+    """SPEC §1.5: the 'model' keys of t2i_XL_stage1_256.pt / t2i_XL_stage2_512.pt."""
+    d, f, v = XL["dim"], XL["ffn"], XL["vocab"]
+    keys = {
+        "cls_embedding.cap_proj.fc1.weight": (d, XL["caption_dim"]),
+        "cls_embedding.cap_proj.fc2.weight": (d, d),
+        "cls_embedding.uncond_embedding": (XL["cls"], XL["caption_dim"]),
+        "tok_embeddings.weight": (v, d),
+        "norm.weight": (d,),
+        "output.weight": (v, d),
+    }
+    for i in range(XL["n_layer"]):
+        keys |= {
+            f"layers.{i}.attention.wqkv.weight": (3 * d, d),
+            f"layers.{i}.attention.wo.weight": (d, d),
+            f"layers.{i}.feed_forward.w1.weight": (f, d),
+            f"layers.{i}.feed_forward.w3.weight": (f, d),
+            f"layers.{i}.feed_forward.w2.weight": (d, f),
+            f"layers.{i}.attention_norm.weight": (d,),
+            f"layers.{i}.ffn_norm.weight": (d,),
+        }
+    return keys
+
+
+def _hf_port_keys() -> dict[str, tuple[int, ...]]:
+    """SPEC §1.5: LANTERN's HF port (jadohu/LlamaGen-T2I, LlamaGen-T2I-2), LlamaForCausalLM names."""
+    d, f, v = XL["dim"], XL["ffn"], XL["vocab"]
+    keys = {
+        "model.cls_embedding.cap_proj.fc1.weight": (d, XL["caption_dim"]),
+        "model.cls_embedding.cap_proj.fc2.weight": (d, d),
+        "model.cls_embedding.uncond_embedding": (XL["cls"], XL["caption_dim"]),
+        "model.embed_tokens.weight": (v, d),
+        "model.norm.weight": (d,),
+        "lm_head.weight": (v, d),
+    }
+    for i in range(XL["n_layer"]):
+        p = f"model.layers.{i}."
+        keys |= {p + f"self_attn.{x}_proj.weight": (d, d) for x in "qkvo"}
+        keys |= {
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+    return keys
+
+
+def _hf_config(block_size: int) -> dict[str, object]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1280,
+            "num_hidden_layers": 36, "num_attention_heads": 20, "num_key_value_heads": 20,
+            "intermediate_size": 3584, "vocab_size": 16384, "input_type": "t2i", "cls_token_num": 120,
+            "caption_dim": 2048, "block_size": block_size, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 2048, "class_dropout_p": 0.1}
+
+
+def _meta(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("block_size", [256, 1024], ids=["stage1-256px", "stage2-512px"])
+def test_gpt_xl_t2i_checkpoint_layouts(block_size: int, tmp_path: Path) -> None:
+    """GPT-XL T2I Stage I (256 tokens) and Stage II (1024 tokens): the model built from the named
+    config has exactly the official checkpoint's keys and shapes, maps onto exactly the HF port's,
+    and the HF port's config.json yields the same model config."""
+    cfg = llamagen_config("GPT-XL", model_type="t2i", cls_token_num=120, block_size=block_size)
+    with torch.device("meta"):
+        model = LlamaGen(cfg)
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert ours == _official_t2i_keys()
+    check_state_dict(model, _meta(_official_t2i_keys()), "official t2i checkpoint")  # what strict loading checks
+    hf = official_to_hf(model.state_dict(), cfg)
+    assert {k: tuple(v.shape) for k, v in hf.items()} == _hf_port_keys()
+    back = hf_to_official(_meta(_hf_port_keys()), cfg)
+    check_state_dict(model, back, "HF port")
+    assert model.freqs_cis.shape[0] == 120 + block_size + LlamaGen.ROPE_PAD  # 120 zero rows, then the grid
+
+    from_hf = config_from_hf(_hf_config(block_size))
+    for field in ("dim", "n_layer", "n_head", "kv_heads", "hidden_ffn", "vocab_size", "model_type",
+                  "cls_token_num", "caption_dim", "block_size", "norm_eps", "rope_base", "grid_size"):
+        assert getattr(from_hf, field) == getattr(cfg, field), field
+    write_json(tmp_path / "config.json", _hf_config(block_size))
+    check_target_architecture(tmp_path)  # an HF port is a supported target folder
+
+
+@pytest.mark.parametrize("input_type,block_size", [("t2i", 256), ("t2i2", 1024)])
+def test_official_t2i_drafters_fit_their_stage(input_type: str, block_size: int) -> None:
+    """LANTERN's llamagen_drafter (t2i) / llamagen2_drafter (t2i2) folders: SPEC §3.1 keys, and they
+    are accepted for the target of their own stage only."""
+    raw = {"hidden_size": 1280, "intermediate_size": 3584, "num_attention_heads": 20, "num_key_value_heads": 20,
+           "num_hidden_layers": 1, "vocab_size": 16384, "rms_norm_eps": 1e-6, "input_type": input_type}
+    with torch.device("meta"):
+        drafter = EagleDrafterModel(DrafterConfig.from_official(raw))
+    shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    assert shapes == {
+        "embed_tokens.weight": (16384, 1280), "fc.weight": (1280, 2560), "fc.bias": (1280,),
+        **{f"layers.0.self_attn.{p}_proj.weight": (1280, 1280) for p in "qkvo"},
+        "layers.0.mlp.gate_proj.weight": (3584, 1280), "layers.0.mlp.up_proj.weight": (3584, 1280),
+        "layers.0.mlp.down_proj.weight": (1280, 3584), "layers.0.post_attention_layernorm.weight": (1280,),
+    }
+    own = llamagen_config("GPT-XL", model_type="t2i", cls_token_num=120, block_size=block_size)
+    other_stage = 1024 if block_size == 256 else 256
+    other = llamagen_config("GPT-XL", model_type="t2i", cls_token_num=120, block_size=other_stage)
+    check_t2i_drafter_layout(drafter, own, "drafter")
+    with pytest.raises(LanternError, match="use the drafter of the same stage"):
+        check_t2i_drafter_layout(drafter, other, "drafter")
+
+
+def test_unsupported_target_architectures(tmp_path: Path) -> None:
+    write_json(tmp_path / "config.json", {"model_type": "chameleon", "architectures": ["ChameleonForCausalLM"],
+                                          "hidden_size": 4096})
+    with pytest.raises(LanternError, match=r"unsupported architecture .*'chameleon'.*ChameleonForCausalLM"):
+        check_target_architecture(tmp_path)
+    write_json(tmp_path / "config.json", {"model_type": "t5", "d_model": 2048})
+    with pytest.raises(LanternError, match="unsupported architecture"):
+        check_target_architecture(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(LanternError, match="has no config.json"):
+        check_target_architecture(tmp_path)
