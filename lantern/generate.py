@@ -136,9 +136,6 @@ def _root_only_tree(batch: int, device: torch.device) -> TreeBuffers:
     return tree_from_parents(torch.full((batch, 1), -1, dtype=torch.long, device=device))
 
 
-# inference_mode rather than no_grad: no version counters or view tracking on the many small ops of
-# a decode step (~7% of a CPU verify forward at batch 1).
-@torch.inference_mode()
 def generate(
     target: LlamaGenTarget,
     cond: Tensor,
@@ -154,6 +151,23 @@ def generate(
     cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
     sampling is greedy).
     """
+    # inference_mode rather than no_grad: no version counters or view tracking on the many small
+    # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
+    # it, so callers get ordinary tensors they may use in autograd (e.g. as training data).
+    with torch.inference_mode():
+        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress)
+    return GenerationOutput(codes=out.codes.clone(), stats=out.stats)
+
+
+def _generate(
+    target: LlamaGenTarget,
+    cond: Tensor,
+    generators: list[torch.Generator] | None,
+    drafter: Drafter | None,
+    acceptance: Acceptance | None,
+    cond_mask: Tensor | None,
+    progress: bool,
+) -> GenerationOutput:
     sampling = target.sampling
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
     check(

@@ -98,3 +98,13 @@ def test_first_token_distribution_matches_model() -> None:
     observed = torch.cat([counts, rest.reshape(1)])
     chi2 = ((observed - expected) ** 2 / expected).sum().item()
     assert chi2 < 26.12
+
+
+def test_codes_are_ordinary_tensors(model: LlamaGen) -> None:
+    """The loop runs under inference_mode for speed; its codes must still work as autograd inputs
+    (e.g. as training data), which inference tensors do not."""
+    codes = _run(model, [0, 1], [0, 1])
+    assert not codes.is_inference()
+    emb = torch.nn.Embedding(model.config.vocab_size, 3)
+    emb(codes).sum().backward()
+    assert emb.weight.grad is not None and float(emb.weight.grad.abs().sum()) > 0
