@@ -100,6 +100,10 @@ class BenchConfig:
         )
         check(self.curve_images >= 0, f"--curve-images must be >= 0, got {self.curve_images}")
         check(self.sweep_images >= 2, f"--sweep-images must be >= 2, got {self.sweep_images}")
+        check(
+            not self.sweep or self.speed_images <= self.sweep_images,
+            f"--speed-images ({self.speed_images}) must be <= --sweep-images ({self.sweep_images})",
+        )
 
 
 @dataclass
@@ -173,7 +177,7 @@ def run_bench(
     labels = bench_labels(num_classes, config.num_images)
     resolved = {m.name: m.resolve(stack) for m in config.methods}
 
-    # 1. Speed at the latency batch size (see _time_methods).
+    # 1. Speed at the latency batch size (see time_methods).
     speed_labels = labels[: config.speed_images]
     speed_runs, walls = time_methods(stack, sampling, resolved, speed_labels, config.seed, config.speed_batch_size,
                                      config.repeats, progress)
@@ -234,16 +238,19 @@ def time_methods(
     from tqdm.auto import tqdm
 
     from lantern.pipeline import image_seed, prepare_method
-    from lantern.sampling import make_generators
+    from lantern.sampling import make_generators, validate_sampling_for_vocab
 
+    check(len(labels) >= 1 and batch_size >= 1 and repeats >= 1,
+          f"time_methods needs labels, batch_size >= 1 and repeats >= 1 (got {len(labels)}, {batch_size}, {repeats})")
+    validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     device = stack.target.device
-    prepared = {name: prepare_method(stack, cfg, sampling) for name, cfg in resolved.items()}
     label_t = torch.tensor(labels, dtype=torch.long, device=device)
+    stack.target.check_labels(label_t)
+    prepared = {name: prepare_method(stack, cfg, sampling) for name, cfg in resolved.items()}
     for parts in prepared.values():
         parts.generate(label_t[:1], make_generators([image_seed(seed + 7, 0)], device))
     names = list(prepared)
-    bs = batch_size
-    chunks = [(lo, min(lo + bs, len(labels))) for lo in range(0, len(labels), bs)]
+    chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
     walls = {name: [0.0] * repeats for name in names}
     outputs: dict[str, list[Any]] = {name: [None] * len(chunks) for name in names}
     with tqdm(total=repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
@@ -338,7 +345,7 @@ def _sweep(
     progress: bool,
 ) -> list[BenchRow]:
     """The (k, delta) and (k, lambda) grids: quality on ``sweep_images`` images, speed on the
-    speed images (timed right after an AR pass, whose wall is the reference)."""
+    speed images (each point timed against its own AR pass, image by image)."""
     from tqdm.auto import tqdm
 
     by_base = {cfg.method: cfg for cfg in resolved.values()}
@@ -358,8 +365,10 @@ def _sweep(
     sweep_config = replace(config, num_images=config.sweep_images)
     for spec in tqdm(specs, desc="sweep", disable=not progress):
         cfg = spec.resolve(stack)
-        ar_ref = run_generation(stack, speed_labels, config.seed, sampling, ar, config.speed_batch_size).wall_seconds
-        fast = run_generation(stack, speed_labels, config.seed, sampling, cfg, config.speed_batch_size).wall_seconds
+        # Each point is timed against its own AR pass, the two taking turns image by image.
+        _, walls = time_methods(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed,
+                                config.speed_batch_size)
+        ar_ref, fast = walls["ar"][0], walls[spec.name][0]
         r = run_generation(stack, labels, config.seed, sampling, cfg, config.batch_size)
         rows.append(_row(spec.name, r, fast, ar_ref, sweep_config, quality(r.codes, labels)))
     return rows
@@ -691,6 +700,7 @@ def cmd_bench(args: Any) -> int:
         sweep=args.sweep,
         sweep_images=args.sweep_images,
     )
+    check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)

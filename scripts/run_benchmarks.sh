@@ -34,6 +34,8 @@ if [[ $what == all || $what == bench ]]; then
 fi
 
 if [[ $what == all || $what == sweep ]]; then
-  "$LANTERN" bench --model photos --sweep --num-images 100 --speed-images 4 --methods ar,lantern,lantern++ \
-    --no-ar-spread --out "$OUT/sweep-photos" --no-progress
+  "$LANTERN" bench --model digits --sweep --num-images 100 --speed-images 4 --methods ar,lantern,lantern++ \
+    --no-ar-spread --out "$OUT/sweep-digits" --no-progress
+  "$LANTERN" bench --model photos --sweep --num-images 60 --sweep-images 60 --speed-images 4 \
+    --methods ar,lantern,lantern++ --no-ar-spread --curve-images 0 --out "$OUT/sweep-photos" --no-progress
 fi

@@ -163,6 +163,8 @@ def test_config_and_option_errors() -> None:
         (["--tree", "lantern++"], "METHOD=TREE"),
         (["--dtype", "int8"], "--dtype"),
         (["--feature-net", "/nonexistent/feature-net"], "no such file"),
+        (["--sweep", "--no-quality"], "--sweep needs quality metrics"),
+        (["--sweep", "--speed-images", "8", "--sweep-images", "4"], "--sweep-images"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(
@@ -203,3 +205,31 @@ def test_timed_images_are_the_quality_images() -> None:
         assert torch.equal(runs[name].codes, batched.codes), name
         assert len(walls[name]) == 2 and all(w > 0 for w in walls[name])
     assert runs["lantern++"].stats_dict()["mean_accepted"] > 1.0
+
+
+def test_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--sweep: one row per (k, delta) and (k, lambda) point, each with its relaxation, its own
+    timing against AR and the quality function's numbers (a small grid here)."""
+    import lantern.bench as bench
+    from lantern.config import SamplingConfig
+    from lantern.stack import load_stack
+
+    monkeypatch.setattr(bench, "SWEEP_LANTERN", {"k": (10,), "delta": (0.05, 0.4)})
+    monkeypatch.setattr(bench, "SWEEP_LANTERN_PP", {"k": (10,), "lam": (2.0,)})
+    stack = load_stack("digits")
+    sampling = SamplingConfig(**stack.default_sampling())
+    seen: list[int] = []
+
+    def quality(codes, labels):  # records how many images each call scores
+        seen.append(codes.shape[0])
+        return {"fid": float(codes.shape[0])}
+
+    config = BenchConfig(methods=parse_methods("ar,lantern,lantern++"), num_images=4, speed_images=1,
+                         batch_size=4, curve_images=0, ar_spread=False, sweep=True, sweep_images=3)
+    result = bench.run_bench(stack, sampling, config, quality, progress=False, log=lambda _: None)
+    assert [r.method for r in result.sweep] == ["lantern k=10 delta=0.05", "lantern k=10 delta=0.4",
+                                                "lantern++ k=10 lambda=2.0"]
+    assert [r.relaxation["delta"] for r in result.sweep[:2]] == [0.05, 0.4]
+    assert result.sweep[2].relaxation["lam"] == 2.0 and result.sweep[2].relaxation["k"] == 10
+    assert all(r.num_images == 3 and r.speedup_vs_ar > 0 and r.mean_accepted >= 1.0 for r in result.sweep)
+    assert seen == [4, 4, 4, 3, 3, 3]  # three methods on 4 images, then three sweep points on 3
