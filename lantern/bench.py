@@ -155,7 +155,7 @@ def tree_label(method: MethodConfig) -> str:
         return "-"
     if t.kind == "dynamic":
         return f"dynamic:{t.total_tokens}/d{t.depth}/k{t.top_k}"
-    return f"static:{t.name}" if t.kind == "static" else f"chain:{t.depth}"
+    return t.spec
 
 
 QualityFn = Callable[[Tensor, list[int]], dict[str, Any]]  # (codes, labels) -> metrics
@@ -315,24 +315,17 @@ def _curves(
     by_base = {cfg.method: cfg for cfg in resolved.values()}
     if "lantern" in by_base:
         base = by_base["lantern"]
-        tree = _tree_spec(base)
+        tree = base.tree.spec
         jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d)) for d in CURVE_DELTAS]
     if "lantern++" in by_base:
         base = by_base["lantern++"]
-        tree = _tree_spec(base)
+        tree = base.tree.spec
         jobs += [("lambda", lam, MethodConfig.resolve("lantern++", tree, lam=lam)) for lam in CURVE_LAMBDAS]
     out: dict[str, list[dict[str, float]]] = {}
     for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
         r = run_generation(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
         out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
     return out
-
-
-def _tree_spec(method: MethodConfig) -> str:
-    t = method.tree
-    if t.kind == "dynamic":
-        return "dynamic"
-    return f"static:{t.name}" if t.kind == "static" else f"chain:{t.depth}"
 
 
 def _sweep(
@@ -350,8 +343,8 @@ def _sweep(
 
     by_base = {cfg.method: cfg for cfg in resolved.values()}
     specs: list[MethodSpec] = []
-    lantern_tree = _tree_spec(by_base["lantern"]) if "lantern" in by_base else stack.default_tree("lantern")
-    pp_tree = _tree_spec(by_base["lantern++"]) if "lantern++" in by_base else stack.default_tree("lantern++")
+    lantern_tree = by_base["lantern"].tree.spec if "lantern" in by_base else stack.default_tree("lantern")
+    pp_tree = by_base["lantern++"].tree.spec if "lantern++" in by_base else stack.default_tree("lantern++")
     for k in SWEEP_LANTERN["k"]:
         for d in SWEEP_LANTERN["delta"]:
             specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}"))

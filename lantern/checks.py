@@ -35,8 +35,7 @@ def tree_depth(tree: TreeConfig) -> int:
         return 0
     if tree.kind == "dynamic":
         return tree.depth + 1  # level 1 from the root, then ``depth`` expansions
-    name = tree.name if tree.kind == "static" else f"chain:{tree.depth}"
-    return static_tree(resolve_tree_choices(name)).max_depth
+    return static_tree(resolve_tree_choices(tree.choices_name)).max_depth
 
 
 def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:

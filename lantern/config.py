@@ -165,5 +165,19 @@ class TreeConfig:
             return cls(kind="static", name=name)
         raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}")
 
+    @property
+    def spec(self) -> str:
+        """The ``--tree`` form that :meth:`parse` reads back: ``none``, ``dynamic``, ``chain:N``,
+        ``static:NAME`` (dynamic's size settings are not part of it)."""
+        if self.kind in ("none", "dynamic"):
+            return self.kind
+        return f"static:{self.name}" if self.kind == "static" else f"chain:{self.depth}"
+
+    @property
+    def choices_name(self) -> str:
+        """What :func:`lantern.trees.resolve_tree_choices` takes for a chain or static tree."""
+        check(self.kind in ("chain", "static"), f"a {self.kind} tree has no fixed choices")
+        return self.name if self.kind == "static" else f"chain:{self.depth}"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

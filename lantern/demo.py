@@ -75,21 +75,14 @@ def run_demo(
     return out
 
 
-def tree_name(method: MethodConfig) -> str:
-    t = method.tree
-    if t.kind == "none":
-        return "-"
-    if t.kind == "dynamic":
-        return f"dynamic:{t.total_tokens}/d{t.depth}"
-    return t.name if t.kind == "static" else f"chain:{t.depth}"
-
-
 def format_table(rows: list[MethodTiming]) -> str:
+    from lantern.bench import tree_label
+
     head = (f"{'method':<10} {'tree':<22} {'mean accepted':>13} {'target forwards':>15} {'wall s':>8} "
             f"{'speed-up':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.method:<10} {tree_name(r.result.method):<22} {r.mean_accepted:>13.2f} "
+        lines.append(f"{r.method:<10} {tree_label(r.result.method):<22} {r.mean_accepted:>13.2f} "
                      f"{r.target_forwards:>15d} {r.wall_seconds:>8.2f} {r.speedup_vs_ar:>8.2f}x")
     return "\n".join(lines)
 

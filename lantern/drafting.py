@@ -81,8 +81,7 @@ class TreeDrafter:
         self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
         self.static: StaticTree | None = None
         if tree.kind in ("static", "chain"):
-            name = tree.name if tree.kind == "static" else f"chain:{tree.depth}"
-            self.static = static_tree(resolve_tree_choices(name))
+            self.static = static_tree(resolve_tree_choices(tree.choices_name))
         self.root: Tensor | None = None
         self._static_buffers: TreeBuffers | None = None
         self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None

@@ -216,5 +216,5 @@ def _tree_sizes(tree: TreeConfig) -> tuple[int, int]:
     check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
     if tree.kind == "dynamic":
         return tree.total_tokens + 1, tree.depth * tree.top_k
-    nodes = static_tree(resolve_tree_choices(tree.name if tree.kind == "static" else f"chain:{tree.depth}")).num_nodes
+    nodes = static_tree(resolve_tree_choices(tree.choices_name)).num_nodes
     return nodes, nodes

@@ -365,5 +365,4 @@ def _max_tree_nodes(tree: TreeConfig) -> int:
         return tree.total_tokens + 1
     from lantern.trees import resolve_tree_choices
 
-    name = tree.name if tree.kind == "static" else f"chain:{tree.depth}"
-    return len(resolve_tree_choices(name)) + 1
+    return len(resolve_tree_choices(tree.choices_name)) + 1

@@ -430,3 +430,15 @@ def test_dynamic_select_bad_input() -> None:
         dynamic_tree_select(scores, torch.tensor([[0, 4, 0, 0]]), 2)
     with pytest.raises(LanternError, match=r"\[B, F\]"):
         dynamic_tree_select(torch.zeros(4), torch.zeros(4, dtype=torch.long), 2)
+
+
+def test_tree_config_spec_round_trips() -> None:
+    from lantern.config import TreeConfig
+
+    for spec in ("none", "chain:5", "static:naive_extend_57", "static:cpu_6", "dynamic"):
+        cfg = TreeConfig.parse(spec)
+        assert cfg.spec == spec and TreeConfig.parse(cfg.spec) == cfg
+    assert TreeConfig.parse("chain:4").choices_name == "chain:4"
+    assert TreeConfig.parse("static:cpu_9").choices_name == "cpu_9"
+    with pytest.raises(LanternError, match="no fixed choices"):
+        _ = TreeConfig.parse("dynamic").choices_name
