@@ -31,7 +31,7 @@ from lantern.acceptance import VerifyResult, verify_chain_sampled, verify_tree_g
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import check
 from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
-from lantern.target import LlamaGenTarget
+from lantern.target import Target
 from lantern.trees import TreeBuffers, tree_from_parents
 
 
@@ -137,7 +137,7 @@ def _root_only_tree(batch: int, device: torch.device) -> TreeBuffers:
 
 
 def generate(
-    target: LlamaGenTarget,
+    target: Target,
     cond: Tensor,
     *,
     generators: list[torch.Generator] | None = None,
@@ -160,7 +160,7 @@ def generate(
 
 
 def _generate(
-    target: LlamaGenTarget,
+    target: Target,
     cond: Tensor,
     generators: list[torch.Generator] | None,
     drafter: Drafter | None,

@@ -259,7 +259,7 @@ class PreparedMethod:
     ) -> GenerationOutput:
         """cond: labels [B] or captions [B, cls, C]; cond_mask: the captions' mask [B, cls] (t2i)."""
         tree = self.method.tree
-        nodes = _max_tree_nodes(tree)
+        nodes = max_tree_nodes(tree)
         target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes)
         drafter: Drafter | None = None
         if self.method.jacobi is not None:
@@ -358,7 +358,8 @@ def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtyp
     return torch.float32 if device.type == "cpu" else target_dtype
 
 
-def _max_tree_nodes(tree: TreeConfig) -> int:
+def max_tree_nodes(tree: TreeConfig) -> int:
+    """Nodes per verify forward (root included): what a target's cache must leave room for."""
     if tree.kind == "none":
         return 1
     if tree.kind == "dynamic":

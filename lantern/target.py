@@ -12,6 +12,8 @@ because an EAGLE drafter runs one stream per CFG row as well.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
@@ -20,6 +22,36 @@ from lantern.config import SamplingConfig
 from lantern.errors import LanternError, check
 from lantern.models.llamagen import LlamaGen
 from lantern.sampling import apply_cfg
+
+
+class Target(Protocol):
+    """What the loop needs from a target adapter (``LlamaGenTarget``, ``lantern.chameleon.ChameleonTarget``).
+
+    The loop works in *code* space: ``vocab_size`` is the number of VQ codes, ``lm_head`` maps a
+    hidden state to code logits (the drafter shares it), ``num_tokens`` is the image's code count.
+    """
+
+    sampling: SamplingConfig
+    streams: int  # 2 with classifier-free guidance ([cond; uncond] rows), else 1
+    forwards: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def lm_head(self) -> torch.nn.Linear: ...
+
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
 
 
 class LlamaGenTarget:

@@ -83,3 +83,48 @@ def make_random_stack(
     table.save(out / "proximity.safetensors")
     write_json(out / "provenance.json", {"kind": "random", "seed": seed, "note": "untrained: for smoke tests only"})
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Chameleon family (tests only; needs transformers)
+
+TINY_CHAMELEON_VOCAB = 8832  # covers the real special ids (8197, 8710, 8803, 8804 + n), so real layouts apply
+TINY_TEXT_IDS = range(100, 200)  # token ids tiny prompts are made of
+
+
+def tiny_chameleon(seed: int = 0, num_codes: int = 16, logit_std: float = 0.3, **overrides: Any) -> Any:
+    """A small random transformers ``ChameleonForConditionalGeneration`` (eval mode).
+
+    Its ``vocabulary_map`` puts code ``c`` at BPE id ``4 + perm[c]`` for a seeded permutation, so a
+    code/BPE mix-up shows; GQA (2 key/value heads for 4 query heads) and biased q/k LayerNorms are
+    on so every Chameleon-specific piece of the layer is exercised.
+    """
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_codes, generator=gen).tolist()
+    letters = {str(i): chr(ord("A") + i) for i in range(10)}
+    vocab_map = {"IMGIMG" + "".join(letters[d] for d in str(c)) + "Z": 4 + perm[c] for c in range(num_codes)}
+    vocab_map["<image>"] = 8711
+    base: dict[str, Any] = dict(
+        vocab_size=TINY_CHAMELEON_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        vocabulary_map=vocab_map,
+        vq_config=dict(num_embeddings=num_codes, embed_dim=8, latent_channels=8, base_channels=32,
+                       channel_multiplier=[1, 1], resolution=16, num_res_blocks=1),
+    )
+    base.update(overrides)
+    torch.manual_seed(seed)
+    model = ChameleonForConditionalGeneration(ChameleonConfig(**base))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # move LayerNorm / RMSNorm params off their defaults
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen) * logit_std)
+    return model.eval()

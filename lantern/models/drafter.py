@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lantern.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import load_model_folder, load_state_dict_strict, read_json, save_model_folder
-from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, rope_table_2d
+from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, rope_table_1d, rope_table_2d
 
 MODEL_TYPE = "lantern-eagle-drafter"
 
@@ -47,6 +47,9 @@ class DrafterConfig:
     target_cls_token_num: int = 120
     block_size: int = 256
     rope_base: float = 10000.0
+    # "2d": LlamaGen's 2D table (target_cls_token_num - 1 zero rows, then the image grid);
+    # "1d": plain positions 0, 1, 2, ... (Chameleon targets, whose own RoPE is 1D).
+    rope: str = "2d"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "block_size"):
@@ -57,7 +60,9 @@ class DrafterConfig:
             self.hidden_size % self.num_attention_heads == 0,
             "drafter config: hidden_size must be divisible by num_attention_heads",
         )
-        check(math.isqrt(self.block_size) ** 2 == self.block_size, "drafter config: block_size must be square")
+        check(self.rope in ("2d", "1d"), f"drafter config: rope must be '2d' or '1d', got {self.rope!r}")
+        if self.rope == "2d":
+            check(math.isqrt(self.block_size) ** 2 == self.block_size, "drafter config: block_size must be square")
 
     @property
     def head_dim(self) -> int:
@@ -183,19 +188,22 @@ class EagleDrafterModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
         self.layers = nn.ModuleList([DrafterLayer(cfg)])
-        # The target's 2D table with one condition row fewer (drafter index = target index - 1).
-        rope_cfg = LlamaGenConfig(
-            dim=cfg.hidden_size,
-            n_layer=1,
-            n_head=cfg.num_attention_heads,
-            vocab_size=cfg.vocab_size,
-            block_size=cfg.block_size,
-            cls_token_num=max(cfg.target_cls_token_num - 1, 1),
-            rope_base=cfg.rope_base,
-        )
-        table = rope_table_2d(rope_cfg, self.ROPE_PAD)
-        if cfg.target_cls_token_num == 1:  # no zero prefix row at all for c2i
-            table = table[1:]
+        if cfg.rope == "1d":  # drafter position p = target position p (its own cache slots)
+            table = rope_table_1d(cfg.head_dim, cfg.target_cls_token_num + 2 * cfg.block_size + self.ROPE_PAD,
+                                  cfg.rope_base)
+        else:  # the target's 2D table with one condition row fewer (drafter index = target index - 1)
+            rope_cfg = LlamaGenConfig(
+                dim=cfg.hidden_size,
+                n_layer=1,
+                n_head=cfg.num_attention_heads,
+                vocab_size=cfg.vocab_size,
+                block_size=cfg.block_size,
+                cls_token_num=max(cfg.target_cls_token_num - 1, 1),
+                rope_base=cfg.rope_base,
+            )
+            table = rope_table_2d(rope_cfg, self.ROPE_PAD)
+            if cfg.target_cls_token_num == 1:  # no zero prefix row at all for c2i
+                table = table[1:]
         self.register_buffer("freqs_cis", table, persistent=False)
 
     @property

@@ -167,6 +167,13 @@ def rope_table_2d(cfg: LlamaGenConfig, extra_rows: int = 0) -> Tensor:
     return torch.cat([zeros_head, table, zeros_tail])
 
 
+def rope_table_1d(head_dim: int, length: int, base: float = 10000.0) -> Tensor:
+    """[length, head_dim/2, 2] (cos, sin) table of plain 1D positions, in ``apply_rope``'s layout."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]). x: [N, T, H, Dh]; rope: [N, T, Dh/2, 2]."""
     xf = x.float().reshape(*x.shape[:-1], -1, 2)  # [N, T, H, Dh/2, 2]

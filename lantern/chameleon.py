@@ -1,0 +1,498 @@
+"""Chameleon-family target adapter (Anole, Lumina-mGPT) for the one decoding loop.
+
+The loop sees what it sees for LlamaGen: B rows of image *codes*, a vocabulary of VQGAN codes,
+guided logits per tree node, hidden states ``[S*B, T, D]`` for an EAGLE drafter. Everything that
+is Chameleon-specific stays here:
+
+* **Prompts and guidance.** Conditional rows are ``head + prompt + tail + prefix`` (left-padded to
+  a common length, positions counted from each row's first real token); unconditional rows are the
+  layout's guidance context. Both are prefilled in one forward.
+* **Restricted vocabulary.** Logits come from the image rows of ``lm_head`` only
+  (``ChameleonLM.image_head``), so text and special tokens can never be sampled and top-k / top-p /
+  LANTERN's neighbour sets all live in code space.
+* **End-of-row tokens** (Lumina-mGPT). The model's sequence has a fixed new-line token after each
+  row of codes; the loop's does not. ``verify`` therefore expands the loop's tree: every node that
+  ends an image row gets a *shadow* child carrying the new-line token, the node's real children
+  hang under the shadow, positions count the inserted tokens, and the logits / hidden state that
+  predict the node's children are read at the shadow. ``commit`` keeps each accepted node's
+  shadow with it. The drafter and the acceptance rules never see a new-line token.
+* **Drafter context.** ``start`` hands the drafter the features of the image prefix only (the
+  same positions in conditional and unconditional rows, no padding); the prompt reaches the
+  drafter through the target's features there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lantern.cache import KVCache
+from lantern.checks import check_tree_fits
+from lantern.config import SamplingConfig
+from lantern.drafting import EagleBackend, TreeDrafter
+from lantern.errors import LanternError, check
+from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
+from lantern.io import read_json
+from lantern.jacobi import JacobiDrafter, check_window_fits
+from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.drafter import DrafterConfig, EagleDrafterModel
+from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, max_tree_nodes
+from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
+
+
+def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
+    """Conditional contexts for text token lists: (ids [B, L] left-padded, mask [B, L] True = real)."""
+    check(len(token_lists) > 0, "no prompts to generate from")
+    rows = [[*layout.head, *map(int, t), *layout.tail, *layout.prefix] for t in token_lists]
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, length - len(r) :] = torch.tensor(r)
+        mask[i, length - len(r) :] = True
+    return ids, mask
+
+
+class ChameleonTarget:
+    """A Chameleon LM behind the loop's interface: ``start`` / ``verify`` / ``commit``."""
+
+    def __init__(self, model: ChameleonLM, layout: ImageLayout, sampling: SamplingConfig,
+                 max_tree_nodes: int = 1) -> None:
+        self.model = model
+        self.layout = layout
+        self.sampling = sampling
+        self.max_tree_nodes = max_tree_nodes
+        self.streams = 2 if sampling.use_cfg else 1
+        self.cache: KVCache | None = None
+        self.forwards = 0
+        self.key_mask: Tensor | None = None  # [S*B, L] real prompt columns
+        self.pos_offset: Tensor | None = None  # [S*B] left padding of each row (position = slot - offset)
+        self.root_index: Tensor | None = None  # [B] code index of the pending root token
+        self._shadows: tuple[Tensor, Tensor] | None = None  # (row_end [B, T], shadow slot [B, T]) of the last verify
+
+    # -- properties the loop and the drafter read --------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.num_codes
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    @property
+    def prefix_len(self) -> int:
+        """Positions ``start`` hands the drafter (the image prefix)."""
+        return len(self.layout.prefix)
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.image_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # -- the three calls of the loop --------------------------------------------------------------
+
+    @torch.no_grad()
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill. cond: prompt contexts [B, L] (``encode_prompts``); cond_mask [B, L] (True = real).
+
+        Returns (guided logits for code 0 [B, V], hidden of the image prefix [S*B, P, D]).
+        """
+        check(cond.dim() == 2, f"Chameleon targets take token ids [B, L], got shape {tuple(cond.shape)}")
+        b, length = cond.shape
+        mask = torch.ones_like(cond, dtype=torch.bool) if cond_mask is None else cond_mask.bool()
+        prefix = torch.tensor(self.layout.prefix, device=cond.device)
+        p = len(self.layout.prefix)
+        check(
+            length >= p and bool((cond[:, -p:] == prefix).all()) and bool(mask[:, -p:].all()),
+            "every prompt context must end with the layout's image prefix (build them with encode_prompts)",
+        )
+        ids, mask = cond, mask
+        if self.streams == 2:
+            uncond = torch.tensor(self.layout.uncond, device=cond.device)
+            check(len(uncond) <= length, "prompt contexts are shorter than the guidance context")
+            u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
+            u_ids[:, length - len(uncond) :] = uncond
+            u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
+            u_mask[:, length - len(uncond) :] = True
+            ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
+        n_rows = ids.shape[0]
+        cfg = self.model.config
+        max_len = length + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
+        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, max_len, self.model.head_dim,
+                             self.model.dtype, self.model.device)
+        self.key_mask = mask
+        self.pos_offset = (~mask).sum(1)
+        self.root_index = torch.zeros(b, dtype=torch.long, device=cond.device)
+        cols = torch.arange(length, device=cond.device)
+        positions = (cols[None, :] - self.pos_offset[:, None]).clamp(min=0)
+        causal = torch.ones(length, length, dtype=torch.bool, device=cond.device).tril()
+        attn = (causal[None] & mask[:, None, :]) | torch.eye(length, dtype=torch.bool, device=cond.device)
+        slots = cols.expand(n_rows, -1)
+        hidden = self.model.forward_cached(ids, positions, slots, attn, self.cache)
+        self.cache.lengths.fill_(length)
+        self.forwards += 1
+        logits = apply_cfg(self.model.image_logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
+        return logits, hidden[:, length - p :]
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward over each row's tree of codes (node 0 = the pending root), with end-of-row
+        tokens inserted as shadow nodes. Returns (guided logits [B, T, V], hidden [S*B, T, D])."""
+        cache = self._cache()
+        assert self.root_index is not None and self.pos_offset is not None
+        s, (b, t) = self.streams, tokens.shape
+        if t > self.max_tree_nodes:
+            raise LanternError(f"tree of {t} nodes exceeds the {self.max_tree_nodes} the cache was sized for")
+        ids = self.model.code_to_bpe(tokens)
+        mask, model_depth = tree_mask, depth
+        row_end = torch.zeros(b, t, dtype=torch.bool, device=tokens.device)
+        if self.layout.eol is not None:
+            row_end = (self.root_index[:, None] + depth + 1) % self.layout.width == 0
+        e = int(row_end.sum(1).max())
+        read_at = torch.arange(t, device=tokens.device).expand(b, -1)
+        shadow_slot = torch.full((b, t), -1, dtype=torch.long, device=tokens.device)
+        if e > 0:
+            ids, mask, model_depth, shadow_slot = _expand_row_ends(ids, tree_mask, depth, row_end, e, self.layout.eol)
+            read_at = torch.where(row_end, shadow_slot, read_at)
+        self._shadows = (row_end, shadow_slot)
+        n = ids.shape[1]
+        lengths = cache.lengths  # [S*B]
+        slots = lengths[:, None] + torch.arange(n, device=tokens.device)
+        positions = lengths[:, None] - self.pos_offset[:, None] + model_depth.repeat(s, 1)
+        attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n)
+        hidden = self.model.forward_cached(ids.repeat(s, 1), positions, slots, attn, cache)
+        self.forwards += 1
+        idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+        hidden = hidden.gather(1, idx)  # [S*B, T, D]: the state that predicts each node's children
+        logits = apply_cfg(self.model.image_logits(hidden), self.sampling.cfg_scale, s)
+        return logits, hidden
+
+    def commit(self, path: Tensor, num_keep: Tensor) -> None:
+        """Keep tree nodes ``path[:, :num_keep]`` (root first), each with its end-of-row shadow."""
+        cache = self._cache()
+        assert self.root_index is not None and self._shadows is not None
+        row_end, shadow_slot = self._shadows
+        keep, count = path, num_keep
+        if bool(row_end.any()):
+            keep, count = _with_shadows(path, num_keep, row_end, shadow_slot)
+        cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
+        self.root_index = self.root_index + num_keep
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _max_model_tokens(self) -> int:
+        extra = self.layout.height if self.layout.eol is not None else 0
+        return self.layout.num_tokens + extra
+
+    def _cache(self) -> KVCache:
+        if self.cache is None:
+            raise RuntimeError("ChameleonTarget.start() must be called before verify/commit")
+        return self.cache
+
+    def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int) -> Tensor:
+        """[S*B, T, kv_len] bool: the row's real prefix columns, then its tree mask at its slots."""
+        assert self.key_mask is not None
+        kv_len = int(lengths.max()) + t
+        cols = torch.arange(kv_len, device=lengths.device)
+        rel = cols[None, :] - lengths[:, None]
+        prefix = rel < 0
+        prompt = self.key_mask.shape[1]
+        prefix[:, :prompt] &= self.key_mask  # left padding is never attended
+        in_tree = (rel >= 0) & (rel < t)
+        idx = rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1)
+        tree = torch.gather(tree_mask, 2, idx) & in_tree[:, None, :]
+        return prefix[:, None, :] | tree
+
+
+def _expand_row_ends(
+    ids: Tensor,  # [B, T] BPE ids of the nodes
+    tree_mask: Tensor,  # [B, T, T] ancestors and self
+    depth: Tensor,  # [B, T]
+    row_end: Tensor,  # [B, T] nodes whose code ends an image row
+    e: int,  # shadow slots per row (max number of row-end nodes)
+    eol: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Append a new-line shadow after every row-end node: (ids, mask, depth) over T + e model nodes,
+    and each node's shadow index (-1 for none). Rows with fewer row-end nodes get padding shadows
+    that attend only to themselves and are never kept."""
+    b, t = ids.shape
+    device = ids.device
+    # owner[b, j]: the node whose shadow sits at T + j (row-end nodes in node order), valid[b, j].
+    owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]
+    valid = torch.arange(e, device=device)[None, :] < row_end.sum(1, keepdim=True)
+    rank = row_end.long().cumsum(1) - 1
+    shadow_slot = torch.where(row_end, t + rank, torch.full_like(rank, -1))
+
+    eye_t = torch.eye(t, dtype=torch.bool, device=device)
+    owner_cols = owner[:, None, :].expand(-1, t, -1)  # [B, T, E]
+    # node i sees shadow j when owner(j) is a strict ancestor of i
+    node_to_shadow = tree_mask.gather(2, owner_cols) & ~eye_t[owner].transpose(1, 2) & valid[:, None, :]
+    shadow_rows = tree_mask.gather(1, owner[:, :, None].expand(-1, -1, t))  # [B, E, T] owner's ancestors + owner
+    shadow_to_node = shadow_rows & valid[:, :, None]
+    both_valid = valid[:, :, None] & valid[:, None, :]
+    shadow_to_shadow = shadow_rows.gather(2, owner[:, None, :].expand(-1, e, -1)) & both_valid
+    shadow_to_shadow |= torch.eye(e, dtype=torch.bool, device=device)  # padding shadows attend to themselves
+    mask = torch.cat(
+        [torch.cat([tree_mask, node_to_shadow], dim=2), torch.cat([shadow_to_node, shadow_to_shadow], dim=2)], dim=1
+    )
+    # a node's model depth counts the new-line tokens on its path (shadows of strict ancestors)
+    inserted = (tree_mask & ~eye_t & row_end[:, None, :]).sum(-1)
+    node_depth = depth + inserted
+    shadow_depth = torch.where(valid, node_depth.gather(1, owner) + 1, 0)
+    out_ids = torch.cat([ids, torch.full((b, e), eol, dtype=ids.dtype, device=device)], dim=1)
+    return out_ids, mask, torch.cat([node_depth, shadow_depth], dim=1), shadow_slot
+
+
+def _with_shadows(path: Tensor, num_keep: Tensor, row_end: Tensor, shadow_slot: Tensor) -> tuple[Tensor, Tensor]:
+    """Model-node offsets to keep: each kept path node followed by its shadow when it has one."""
+    b, w = path.shape
+    j = torch.arange(w, device=path.device)[None, :]
+    kept = (j < num_keep[:, None]) & (path >= 0)
+    node = path.clamp(min=0)
+    has_shadow = row_end.gather(1, node) & kept
+    pairs = torch.stack([torch.where(kept, node, -1), torch.where(has_shadow, shadow_slot.gather(1, node), -1)], dim=2)
+    flat = pairs.reshape(b, 2 * w)
+    order = torch.argsort((flat < 0).to(torch.int8), dim=1, stable=True)  # valid entries first, in order
+    keep = flat.gather(1, order)
+    return keep, num_keep + has_shadow.sum(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stacks and runs: a Chameleon model folder + the VQGAN + optional drafter / proximity table
+
+
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2000, "top_p": 1.0, "cfg_scale": 3.0}  # Lumina / LANTERN defaults
+VQ_NAMES = ("vqgan.ckpt", "tokenizer/vqgan.ckpt")  # where a model folder may hold the VQGAN
+
+
+@dataclass
+class ChameleonStack:
+    """What ``lantern generate --model DIR`` loads for a Chameleon-family target."""
+
+    root: Path
+    model: ChameleonLM
+    layout: ImageLayout
+    vq: Any  # lantern.models.chameleon_vq.ChameleonVQGAN, or None when only codes are wanted
+    tokenizer: Any  # a transformers tokenizer for the prompts
+
+    @property
+    def drafter_dir(self) -> Path | None:
+        d = self.root / "drafter"
+        return d if d.is_dir() else None
+
+    @property
+    def proximity_file(self) -> Path | None:
+        f = self.root / "proximity.safetensors"
+        return f if f.is_file() else None
+
+    def _generation(self) -> dict[str, Any]:
+        f = self.root / "generation.json"
+        if not f.is_file():
+            return {}
+        raw = read_json(f, "generation settings")
+        return raw if isinstance(raw, dict) else {}
+
+    def default_sampling(self) -> dict[str, float]:
+        raw = self._generation()
+        return {k: raw.get(k, v) for k, v in DEFAULT_SAMPLING.items()}
+
+    def default_tree(self, method: str) -> str | None:
+        return self._generation().get("trees", {}).get(method)
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
+        return [list(self.tokenizer(self.layout.format_prompt(p), add_special_tokens=False)["input_ids"])
+                for p in prompts]
+
+
+def find_vq(root: Path, vq: str | os.PathLike[str] | None) -> Path:
+    if vq is not None:
+        path = Path(vq)
+        check(path.is_file(), f"--vq: no such file {path} (the Chameleon VQGAN checkpoint, vqgan.ckpt)")
+        return path
+    for name in VQ_NAMES:
+        if (root / name).is_file():
+            return root / name
+    raise LanternError(
+        f"--model {root} holds no {' or '.join(VQ_NAMES)}: pass --vq PATH (vqgan.ckpt from the Chameleon release, "
+        "with vqgan.yaml beside it)"
+    )
+
+
+def load_chameleon_stack(
+    model: str | os.PathLike[str],
+    layout: ImageLayout,
+    vq: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> ChameleonStack:
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon_vq import ChameleonVQGAN
+
+    root = Path(model)
+    vq_path = find_vq(root, vq)  # checked before the (large) target is read
+    tokenizer = load_prompt_tokenizer(root)
+    lm = load_chameleon(root, dtype=dtype, device=device)
+    vq_model = ChameleonVQGAN.from_checkpoint(vq_path).to(device).eval()
+    codes = vq_model.codebook().shape[0]
+    check(codes == lm.num_codes, f"--vq {vq_path} has {codes} codes, the target's image vocabulary {lm.num_codes}")
+    return ChameleonStack(root=root, model=lm, layout=layout, vq=vq_model, tokenizer=tokenizer)
+
+
+def load_prompt_tokenizer(root: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover
+        raise LanternError("Chameleon targets need transformers: pip install 'lantern[t2i]'") from e
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except (OSError, ValueError) as e:
+        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: {e}") from None
+
+
+def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
+    """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
+    cfg = model.config
+    base: dict[str, Any] = dict(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        vocab_size=model.num_codes,
+        rms_norm_eps=cfg.rms_norm_eps,
+        target_cls_token_num=len(layout.prefix),
+        block_size=layout.num_tokens,
+        rope_base=float(cfg.rope_parameters["rope_theta"]),
+        rope="1d",
+    )
+    base.update(overrides)
+    return DrafterConfig(**base)
+
+
+def init_chameleon_drafter(model: ChameleonLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:
+    """A fresh drafter whose token embedding is the target's embedding of each code (EAGLE's start)."""
+    torch.manual_seed(seed)
+    drafter = EagleDrafterModel(chameleon_drafter_config(model, layout))
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(model.hf.model.embed_tokens.weight[model.image_ids].float())
+    return drafter
+
+
+def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: ImageLayout, path: object) -> None:
+    want = chameleon_drafter_config(model, layout)
+    problems = [
+        f"{name} {getattr(drafter, name)} (target needs {getattr(want, name)})"
+        for name in ("hidden_size", "vocab_size", "rope", "target_cls_token_num")
+        if getattr(drafter, name) != getattr(want, name)
+    ]
+    check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
+
+
+def run_chameleon(
+    stack: ChameleonStack,
+    prompts: Sequence[str],
+    seed: int,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    batch_size: int = 8,
+    progress: bool = False,
+    drafter_dir: str | os.PathLike[str] | None = None,
+    proximity: str | os.PathLike[str] | None = None,
+    drafter: EagleDrafterModel | None = None,
+) -> RunResult:
+    """One image per prompt, ``batch_size`` at a time; image ``i`` uses ``image_seed(seed, i)``."""
+    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
+    validate_sampling_for_vocab(sampling, stack.model.num_codes)
+    lm, layout = stack.model, stack.layout
+    if method.jacobi is not None:
+        check_window_fits(method.jacobi, layout.num_tokens)
+    elif method.tree.kind != "none" and drafter is None:
+        check_tree_fits(method.tree, layout.num_tokens)
+        path = drafter_dir or stack.drafter_dir
+        check(path is not None, f"--method {method.method} needs a drafter: pass --drafter DIR")
+        drafter = EagleDrafterModel.from_pretrained(path)
+        check_chameleon_drafter(drafter.config, lm, layout, path)
+    if drafter is not None:
+        drafter = drafter.to(lm.device, drafter_dtype(lm.dtype, lm.device)).eval()
+    acceptance, resolved = _acceptance(stack, method, proximity)
+    token_lists = stack.tokenize(prompts)
+    ids, mask = encode_prompts(token_lists, layout)
+    ids, mask = ids.to(lm.device), mask.to(lm.device)
+    head = lm.image_head if drafter is None or drafter.dtype == lm.dtype else _head_copy(lm.image_head, drafter.dtype)
+    outputs: list[GenerationOutput] = []
+    start = time.perf_counter()
+    for lo in range(0, len(prompts), batch_size):
+        hi = min(lo + batch_size, len(prompts))
+        target, draft = _parts(lm, layout, sampling, resolved, drafter, head)
+        gens = make_generators([image_seed(seed, i) for i in range(lo, hi)], lm.device)
+        outputs.append(generate(target, ids[lo:hi], generators=gens, drafter=draft, acceptance=acceptance,
+                                cond_mask=mask[lo:hi], progress=progress))
+    wall = time.perf_counter() - start
+    return RunResult(codes=torch.cat([o.codes for o in outputs]), output_stats=outputs, wall_seconds=wall,
+                     method=resolved)
+
+
+def _head_copy(head: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Linear:
+    import copy
+
+    return copy.deepcopy(head).to(dtype)
+
+
+def _parts(
+    lm: ChameleonLM,
+    layout: ImageLayout,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    drafter: EagleDrafterModel | None,
+    head: torch.nn.Linear,
+) -> tuple[ChameleonTarget, Drafter | None]:
+    """A fresh target adapter and drafter for one batch (they hold per-batch caches)."""
+    tree = method.tree
+    nodes = max_tree_nodes(tree)
+    target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=nodes)
+    if method.jacobi is not None:
+        return target, JacobiDrafter(method.jacobi, sampling, lm.num_codes, layout.num_tokens)
+    if drafter is None:
+        return target, None
+    fed = nodes + tree.depth * tree.top_k
+    backend = EagleBackend(drafter, head, sampling, target.streams, len(layout.prefix) + layout.num_tokens + fed + 8)
+    return target, TreeDrafter(backend, tree, sampling, lm.num_codes)
+
+
+def _acceptance(
+    stack: ChameleonStack, method: MethodConfig, proximity: str | os.PathLike[str] | None
+) -> tuple[Acceptance, MethodConfig]:
+    relaxation = method.relaxation
+    if relaxation is None or relaxation.is_exact:
+        return Acceptance(relaxation), method
+    from lantern.proximity import ProximityTable
+
+    path = proximity or stack.proximity_file
+    check(
+        path is not None,
+        f"--method {method.method} needs a latent proximity table: pass --proximity FILE "
+        "(build one with `lantern build-proximity --tokenizer vqgan.ckpt`)",
+    )
+    table = ProximityTable.load(path)
+    if stack.vq is not None:
+        table.validate(stack.vq.codebook())
+    if relaxation.k > table.k_max and not method.k_explicit:
+        relaxation = replace(relaxation, k=table.k_max)
+    table.check_k(relaxation.k)
+    resolved = replace(method, relaxation=relaxation)
+    return Acceptance(relaxation, table.neighbours_for(relaxation.k).to(stack.model.device)), resolved

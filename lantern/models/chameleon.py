@@ -1,0 +1,318 @@
+"""Chameleon-family targets (Anole, Lumina-mGPT) run from transformers' weights with lantern's cache.
+
+transformers' ``ChameleonForConditionalGeneration`` holds the weights and the layer modules; its
+own ``forward`` is not used for decoding because (a) it masks every image token out of the logits
+(it is a text generator), and (b) its caches have one length for the whole batch, while rows of a
+speculative batch accept different numbers of tokens per step. :class:`ChameleonLM` therefore runs
+the same modules (projections, per-head q/k LayerNorms, rotary tables, MLPs, norms) over lantern's
+static :class:`~lantern.cache.KVCache` with explicit per-row slots, positions and tree masks, the
+way :class:`~lantern.models.llamagen.LlamaGen` does. ``tests/test_chameleon.py`` checks it against
+transformers' own forward.
+
+The image vocabulary: Chameleon's BPE vocabulary (65,536) holds the 8,192 VQGAN codes as tokens
+named ``IMGIMG<digits as letters A-J>Z`` (``config.vocabulary_map``). Lantern's loop, acceptance
+rules and proximity tables work in *code* space (0..8191, the VQGAN codebook index), so the model
+exposes an ``image_head`` whose row ``c`` is the ``lm_head`` row of code ``c``'s BPE token:
+restricting logits to it is exactly "sampling restricted to image tokens". Without a
+``vocabulary_map`` (LANTERN's Anole config has none) codes map to BPE ids ``4 + c``, as LANTERN's
+Anole and Lumina code assume (``image_token_offset = 4``; image tokens 4..8195).
+
+Image layouts (:class:`ImageLayout`), from the public inference code:
+
+* Anole (LANTERN ``models/ea_model_anole.py``): ``[BOS] prompt <reserved08706> <racm3:break>`` then
+  32 x 32 codes; the guidance context is ``[BOS] <racm3:break>``.
+* Lumina-mGPT (``lumina_mgpt/data/item_processor.py``, ``inference_solver.py``): the prompt "Generate
+  an image of WxH according to the following prompt:\\n..." and the separator, then
+  ``<racm3:break> <reserved{8800+h/32}> <reserved{8800+w/32}>``, then rows of ``w/16`` codes each
+  followed by the new-line token ``<reserved08799>``, then ``<eoss>``. Guidance uses the context
+  from ``<racm3:break>`` on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lantern.cache import KVCache
+from lantern.errors import LanternError, check
+
+if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
+    from transformers import ChameleonForConditionalGeneration
+
+# Token ids of the Chameleon vocabulary (facebook/chameleon-7b tokenizer, as used by Anole/Lumina).
+BOS_ID = 0
+IMAGE_START_ID = 8197  # <racm3:break>
+IMAGE_END_ID = 8196  # <eoss>
+SEPARATOR_ID = 8710  # <reserved08706>: ends a conversation turn (Lumina's template, LANTERN's Anole prompt)
+NEW_LINE_ID = 8803  # <reserved08799>: Lumina-mGPT's end-of-row token
+GRID_TOKEN_BASE = 8804  # <reserved{8800 + n}> = id 8804 + n: Lumina-mGPT's size tokens (n in 32-px units)
+IMAGE_TOKEN_OFFSET = 4  # image tokens are BPE ids 4..8195 when the config has no vocabulary_map
+LUMINA_PATCH = 32  # pixels per Lumina size-token unit
+VQ_DOWNSAMPLE = 16  # pixels per code of the Chameleon VQGAN
+LUMINA_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
+LAYOUTS = ("anole", "lumina-mgpt")
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How one image sits in a Chameleon token sequence (all ids are BPE ids).
+
+    cond = ``head + text + tail + prefix``; uncond (guidance context) = ``uncond``; then
+    ``height`` rows of ``width`` codes, each row followed by ``eol`` when it is set.
+    """
+
+    name: str
+    height: int  # code rows
+    width: int  # codes per row
+    head: tuple[int, ...] = (BOS_ID,)
+    tail: tuple[int, ...] = (SEPARATOR_ID,)
+    prefix: tuple[int, ...] = (IMAGE_START_ID,)
+    uncond: tuple[int, ...] = (BOS_ID, IMAGE_START_ID)
+    eol: int | None = None
+    template: str = "{prompt}"
+    pixel_size: tuple[int, int] = field(default=(512, 512))  # (height, width) in pixels
+
+    def __post_init__(self) -> None:
+        check(self.height >= 1 and self.width >= 1,
+              f"image layout: grid must be positive, got {self.height}x{self.width}")
+        check(len(self.prefix) >= 1, "image layout: prefix must hold at least the image-start token")
+        check(
+            tuple(self.uncond[-len(self.prefix) :]) == tuple(self.prefix),
+            "image layout: the guidance context must end with the image prefix (the drafter reads those positions)",
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.height * self.width
+
+    def format_prompt(self, prompt: str) -> str:
+        h, w = self.pixel_size
+        return self.template.format(prompt=prompt, width=w, height=h)
+
+    def sequence(self, text_ids: Sequence[int], codes_bpe: Sequence[int]) -> list[int]:
+        """The full token sequence for a prompt and (a prefix of) an image's codes, as BPE ids."""
+        out = [*self.head, *text_ids, *self.tail, *self.prefix]
+        for i, c in enumerate(codes_bpe):
+            out.append(int(c))
+            if self.eol is not None and (i + 1) % self.width == 0:
+                out.append(self.eol)
+        return out
+
+
+def anole_layout() -> ImageLayout:
+    """Anole-7b: 512 x 512 images, 32 x 32 codes, no row tokens."""
+    return ImageLayout(name="anole", height=32, width=32)
+
+
+def lumina_layout(size: int = 768, width: int | None = None) -> ImageLayout:
+    """Lumina-mGPT at ``size`` x ``width`` pixels (multiples of 32; 768 for Lumina-mGPT-7B-768)."""
+    w_px = size if width is None else width
+    for name, v in (("--image-size", size), ("--image-width", w_px)):
+        check(v >= LUMINA_PATCH and v % LUMINA_PATCH == 0, f"{name} must be a positive multiple of 32, got {v}")
+    prefix = (IMAGE_START_ID, GRID_TOKEN_BASE + size // LUMINA_PATCH, GRID_TOKEN_BASE + w_px // LUMINA_PATCH)
+    return ImageLayout(
+        name="lumina-mgpt",
+        height=size // VQ_DOWNSAMPLE,
+        width=w_px // VQ_DOWNSAMPLE,
+        prefix=prefix,
+        uncond=prefix,
+        eol=NEW_LINE_ID,
+        template=LUMINA_TEMPLATE,
+        pixel_size=(size, w_px),
+    )
+
+
+def layout_by_name(name: str, size: int | None = None) -> ImageLayout:
+    if name == "anole":
+        check(size in (None, 512), f"Anole generates 512 x 512 images; --image-size {size} is not supported")
+        return anole_layout()
+    if name == "lumina-mgpt":
+        return lumina_layout(768 if size is None else size)
+    raise LanternError(f"--layout must be one of {', '.join(LAYOUTS)}, got {name!r}")
+
+
+def image_token_ids(config: Any, num_codes: int) -> Tensor:
+    """[num_codes] BPE id of each VQGAN code, from ``config.vocabulary_map`` (or offset 4)."""
+    vocab_map = getattr(config, "vocabulary_map", None)
+    if not vocab_map:
+        ids = torch.arange(num_codes) + IMAGE_TOKEN_OFFSET
+    else:
+        digits = {chr(ord("A") + i): str(i) for i in range(10)}
+        found: dict[int, int] = {}
+        for name, bpe in vocab_map.items():
+            if name.startswith("IMGIMG") and name.endswith("Z"):
+                found[int("".join(digits.get(c, c) for c in name[len("IMGIMG") : -1]))] = int(bpe)
+        missing = [c for c in range(num_codes) if c not in found]
+        check(not missing, f"config.vocabulary_map has no image token for codes {missing[:5]} (of {num_codes})")
+        ids = torch.tensor([found[c] for c in range(num_codes)])
+    check(
+        int(ids.max()) < config.vocab_size,
+        f"image token ids reach {int(ids.max())}, past the vocabulary ({config.vocab_size})",
+    )
+    return ids
+
+
+def code_token_name(code: int) -> str:
+    """Chameleon's name for the BPE token of VQGAN code ``code`` (digits written as letters A-J)."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+def default_vocabulary_map(num_codes: int) -> dict[str, int]:
+    """The image part of a vocabulary map under the offset-4 convention (code c = BPE id 4 + c)."""
+    return {code_token_name(c): IMAGE_TOKEN_OFFSET + c for c in range(num_codes)} | {"<image>": 8711}
+
+
+class ChameleonLM(nn.Module):
+    """A transformers Chameleon decoder run over lantern's static KV cache, in code space."""
+
+    def __init__(self, hf_model: ChameleonForConditionalGeneration, num_codes: int | None = None) -> None:
+        super().__init__()
+        cfg = hf_model.config
+        self.hf = hf_model.eval()
+        self.config = cfg
+        n_codes = num_codes if num_codes is not None else cfg.vq_config.num_embeddings
+        self.num_codes = int(n_codes)
+        self.register_buffer("image_ids", image_token_ids(cfg, self.num_codes), persistent=False)
+        self.n_head = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.swin_norm = bool(cfg.swin_norm)
+        # Code-space head: a Linear (the drafter needs one) sharing the image rows of lm_head.
+        weight = self.hf.lm_head.weight
+        self.image_head = nn.Linear(cfg.hidden_size, self.num_codes, bias=False, device=weight.device,
+                                    dtype=weight.dtype)
+        with torch.no_grad():
+            self.image_head.weight.copy_(weight[self.image_ids.to(weight.device)])
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.lm_head.weight.dtype
+
+    @property
+    def n_layer(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def code_to_bpe(self, codes: Tensor) -> Tensor:
+        return self.image_ids[codes]
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.hf.model.embed_tokens(ids)
+
+    def image_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., D] (after the final norm) -> logits over the image codes [..., V_img], float32."""
+        return self.image_head(hidden).float()
+
+    def _attention(self, layer_idx: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
+                   slots: Tensor) -> Tensor:
+        from transformers.models.chameleon.modeling_chameleon import apply_rotary_pos_emb
+
+        attn = self.hf.model.layers[layer_idx].self_attn
+        n, t, _ = x.shape
+        # Chameleon's q/k LayerNorms normalise each head separately with per-head gamma/beta.
+        q = attn.q_norm(attn.q_proj(x).reshape(-1, self.n_head, self.head_dim))
+        k = attn.k_norm(attn.k_proj(x).reshape(-1, self.kv_heads, self.head_dim))
+        q = q.reshape(n, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.reshape(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache.write(layer_idx, slots, k, v)
+        k, v = cache.read(layer_idx, mask.shape[-1])
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.kv_heads != self.n_head:
+            rep = self.n_head // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+
+    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
+        """ids / positions / slots [N, T], mask [N, T, kv_len] bool -> final-norm hidden [N, T, D]."""
+        x = self.embed(ids)
+        cos, sin = self.hf.model.rotary_emb(x, positions)
+        for i, layer in enumerate(self.hf.model.layers):
+            if self.swin_norm:  # Chameleon-30B: norms after attention / MLP instead of before
+                x = x + layer.input_layernorm(self._attention(i, x, cos, sin, mask, cache, slots))
+                x = x + layer.post_attention_layernorm(layer.mlp(x))
+            else:
+                x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.hf.model.norm(x)
+
+    @torch.no_grad()
+    def reference_hidden(self, ids: Tensor) -> Tensor:
+        """transformers' own uncached forward over full sequences [N, L] -> hidden [N, L, D] (tests)."""
+        return self.hf.model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+CHAMELEON_MODEL_TYPE = "chameleon"
+
+
+def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                   device: str | torch.device = "cpu") -> ChameleonLM:
+    """An HF-format Chameleon folder (Anole-7b-hf, Lumina-mGPT-7B-*: ``config.json`` with
+    ``model_type: chameleon`` + safetensors) through transformers, wrapped for lantern."""
+    directory = Path(directory)
+    check_chameleon_folder(directory)
+    try:
+        from transformers import ChameleonForConditionalGeneration
+    except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
+        raise LanternError("Chameleon targets need transformers: pip install 'lantern[t2i]'") from e
+    from transformers import ChameleonConfig
+
+    config = ChameleonConfig.from_pretrained(str(directory))
+    if not config.vocabulary_map:  # e.g. LANTERN's anole_config.json: transformers needs one to build the model
+        config.vocabulary_map = default_vocabulary_map(config.vq_config.num_embeddings)
+    try:
+        model = ChameleonForConditionalGeneration.from_pretrained(
+            str(directory), config=config, dtype=dtype or torch.bfloat16
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise LanternError(f"--model {directory}: transformers could not load the Chameleon weights: {e}") from None
+    return ChameleonLM(model.to(device))
+
+
+def check_chameleon_folder(directory: Path) -> None:
+    from lantern.io import read_json
+
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise LanternError(f"--model: {directory} has no config.json: not a model folder")
+    raw = read_json(config_file, "model config")
+    check(
+        isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE,
+        f"--model: {config_file} is not a Chameleon config (model_type {CHAMELEON_MODEL_TYPE!r} expected)",
+    )
+    weights = list(directory.glob("*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
+    check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (*.safetensors)")
+
+
+def is_chameleon_folder(directory: str | os.PathLike[str]) -> bool:
+    """True when ``directory/config.json`` declares ``model_type: chameleon``."""
+    import json
+
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE
