@@ -377,11 +377,16 @@ def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **override
         rms_norm_eps=cfg.rms_norm_eps,
         target_cls_token_num=len(layout.prefix),
         block_size=layout.num_tokens,
-        rope_base=float(cfg.rope_parameters["rope_theta"]),
+        rope_base=float(_rope_theta(cfg)),
         rope="1d",
     )
     base.update(overrides)
     return DrafterConfig(**base)
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4.x keeps rope_theta on the config
+    return float(params["rope_theta"]) if isinstance(params, dict) and "rope_theta" in params else float(cfg.rope_theta)
 
 
 def init_chameleon_drafter(model: ChameleonLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:
@@ -400,6 +405,8 @@ def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: 
         for name in ("hidden_size", "vocab_size", "rope", "target_cls_token_num")
         if getattr(drafter, name) != getattr(want, name)
     ]
+    if drafter.block_size < layout.num_tokens:  # its RoPE table would run out before the image ends
+        problems.append(f"block_size {drafter.block_size} (the layout has {layout.num_tokens} image tokens)")
     check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
 
 

@@ -101,6 +101,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--t5", default=None, metavar="DIR",
         help="text-to-image models: local T5 encoder folder (google/flan-t5-xl; default: t5/ inside --model)",
     )
+    g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
+    g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
+                   help="the model's image layout (default: \"layout\" in the folder's generation.json)")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
+    g.add_argument("--vq", default=None, metavar="CKPT",
+                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
+                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
     p.add_argument(
         "--num-per-label", "--num-per-prompt", dest="num_per_label", type=int, default=1,
         help="images per label or prompt (default 1)",
@@ -216,6 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from lantern.images import image_grid, save_png
     from lantern.io import atomic_path, ensure_writable_dir, write_json
+    from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.vq import to_pil
     from lantern.pipeline import MethodConfig, image_seed, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
@@ -223,6 +232,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.num_per_label < 1:
         raise LanternError(f"--num-per-label / --num-per-prompt must be >= 1, got {args.num_per_label}")
     prompts = _read_prompt_args(args)
+    if is_chameleon_folder(args.model):
+        return _generate_chameleon(args, prompts)
+    for name in ("layout", "image_size", "vq"):
+        if getattr(args, name) is not None:
+            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
+                               "Lumina-mGPT)")
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
     stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
     _check_condition_kind(stack, args.model, prompts is not None)
@@ -284,6 +299,93 @@ def cmd_generate(args: argparse.Namespace) -> int:
     }
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
+    write_json(out / "run.json", run)
+    stats = run["stats"]
+    print(
+        f"wrote {len(images)} images to {out} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+    )
+    return 0
+
+
+def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
+    from lantern.io import read_json
+    from lantern.models.chameleon import LAYOUTS, layout_by_name
+
+    name = args.layout
+    if name is None and (root / "generation.json").is_file():
+        raw = read_json(root / "generation.json", "generation settings")
+        name = raw.get("layout") if isinstance(raw, dict) else None
+    if name is None:
+        raise LanternError(
+            f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "
+            "(how its images are laid out: Anole 32 x 32 codes; Lumina-mGPT rows with new-line tokens)"
+        )
+    return layout_by_name(name, args.image_size)
+
+
+def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> int:
+    """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
+    import numpy as np
+    import torch
+
+    from lantern.chameleon import load_chameleon_stack, run_chameleon
+    from lantern.config import SamplingConfig
+    from lantern.images import image_grid, save_png
+    from lantern.io import atomic_path, ensure_writable_dir, write_json
+    from lantern.models.chameleon_vq import to_pil
+    from lantern.pipeline import MethodConfig, image_seed
+    from lantern.stack import inference_dtype
+
+    root = Path(args.model)
+    if prompts is None:
+        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
+    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
+                               "tokenizer, and decode with --vq)")
+    if args.tree == "auto":
+        raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
+    layout = _chameleon_layout(args, root)
+    out = ensure_writable_dir(args.out, "--out")
+    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+    tree = args.tree if args.tree is not None else stack.default_tree(args.method)
+    method = MethodConfig.resolve(
+        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init
+    )
+    values: dict[str, Any] = dict(stack.default_sampling())
+    for name in ("temperature", "top_k", "top_p", "cfg_scale"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    sampling = SamplingConfig(**values)
+    all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
+    result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
+                           not args.no_progress, args.drafter, args.proximity)
+    with torch.no_grad():
+        images = to_pil(stack.vq.decode_grid(result.codes, layout.height, layout.width))
+    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
+    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
+    for img, name in zip(images, names, strict=True):
+        save_png(img, out / name)
+    save_png(image_grid(images, ncol=args.num_per_label), out / "grid.png")
+    with atomic_path(out / "codes.npy") as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, result.codes.cpu().numpy().astype(np.int64))
+    run = {
+        "command": "generate",
+        "model": str(args.model),
+        "layout": {"name": layout.name, "height": layout.height, "width": layout.width,
+                   "pixel_size": list(layout.pixel_size)},
+        "prompts": prompts,
+        "prompt_index": index,
+        "seeds": [image_seed(args.seed, i) for i in range(len(names))],
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "sampling": sampling.to_dict(),
+        "method": result.method.to_dict(),
+        "stats": result.stats_dict(),
+    }
     write_json(out / "run.json", run)
     stats = run["stats"]
     print(

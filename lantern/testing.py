@@ -128,3 +128,46 @@ def tiny_chameleon(seed: int = 0, num_codes: int = 16, logit_std: float = 0.3, *
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
         model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen) * logit_std)
     return model.eval()
+
+
+TINY_WORDS = ("a", "cat", "dog", "red", "car", "on", "the", "grass", "Generate", "an", "image", "of")
+
+
+def make_tiny_chameleon_folder(out: str | os.PathLike[str], layout_name: str = "lumina-mgpt", image_size: int = 64,
+                               seed: int = 0) -> Path:
+    """A tiny random Chameleon folder laid out like a real download, for CLI tests: HF weights,
+    a word-level tokenizer, ``vqgan.ckpt`` + ``vqgan.yaml`` in the release's format, a drafter
+    (``drafter/``), a proximity table and ``generation.json`` naming the layout."""
+    import yaml
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from lantern.chameleon import init_chameleon_drafter
+    from lantern.models.chameleon import ChameleonLM, layout_by_name
+    from lantern.models.chameleon_vq import ChameleonVQConfig, ChameleonVQGAN
+    from lantern.proximity import build_proximity
+
+    out = Path(out)
+    hf = tiny_chameleon(seed=seed)
+    hf.save_pretrained(out)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3} | {w: 100 + i for i, w in enumerate(TINY_WORDS)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(out)
+    vq_cfg = ChameleonVQConfig(embed_dim=8, n_embed=16, z_channels=16, resolution=16, ch=32, ch_mult=(1, 2),
+                               num_res_blocks=1)
+    torch.manual_seed(seed + 1)
+    vq = ChameleonVQGAN(vq_cfg)
+    torch.save({"state_dict": vq.state_dict(), "global_step": 0}, out / "vqgan.ckpt")
+    dd = {k: v for k, v in vq_cfg.to_dict().items() if k not in ("embed_dim", "n_embed")}
+    params = {"embed_dim": vq_cfg.embed_dim, "n_embed": vq_cfg.n_embed, "ddconfig": dd}
+    (out / "vqgan.yaml").write_text(yaml.safe_dump({"model": {"target": "taming.models.vqgan.VQModel",
+                                                               "params": params}}))
+    layout = layout_by_name(layout_name, image_size)
+    init_chameleon_drafter(ChameleonLM(hf), layout, seed=seed + 2).save_pretrained(out / "drafter")
+    build_proximity(vq.codebook().detach(), k_max=15).save(out / "proximity.safetensors")
+    write_json(out / "generation.json", {"layout": layout_name, "temperature": 1.0, "top_k": 8, "cfg_scale": 3.0})
+    return out

@@ -1,0 +1,114 @@
+"""``lantern generate`` on a Chameleon-family folder (tiny random model laid out like a download)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lantern.cli import main
+from lantern.testing import make_tiny_chameleon_folder
+
+pytest.importorskip("transformers")
+pytest.importorskip("yaml")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return make_tiny_chameleon_folder(tmp_path_factory.mktemp("chameleon") / "model")
+    finally:
+        torch.set_num_threads(n)
+
+
+def _generate(folder: Path, out: Path, *extra: str) -> int:
+    return main(["generate", "--model", str(folder), "--prompt", "a red car", "--prompt", "a cat", "--out", str(out),
+                 "--no-progress", "--image-size", "64", *extra])
+
+
+def test_greedy_methods_agree_and_write_outputs(folder: Path, tmp_path: Path) -> None:
+    """Greedy AR and greedy exact speculative decoding give the same codes through the CLI; the
+    images have the VQGAN's size (4 x 4 codes x 2 px per code here) and run.json says what ran."""
+    codes = {}
+    for method, extra in (("ar", []), ("sd", ["--tree", "chain:3"]), ("sd-static", ["--tree", "static:mc_sim_7b_63"])):
+        out = tmp_path / method
+        assert _generate(folder, out, "--method", method, "--temperature", "0", *extra) == 0
+        codes[method] = np.load(out / "codes.npy")
+    assert codes["ar"].shape == (2, 16)
+    assert (codes["sd"] == codes["ar"]).all() and (codes["sd-static"] == codes["ar"]).all()
+    run = json.loads((tmp_path / "sd" / "run.json").read_text())
+    assert run["layout"] == {"name": "lumina-mgpt", "height": 4, "width": 4, "pixel_size": [64, 64]}
+    assert run["sampling"]["cfg_scale"] == 3.0  # from the folder's generation.json
+    assert run["stats"]["drafter_forwards"] > 0
+    assert Image.open(tmp_path / "sd" / "0001_prompt1.png").size == (8, 8)
+
+
+def test_lantern_sampled_run(folder: Path, tmp_path: Path) -> None:
+    """LANTERN++ with sampling: codes in range, and a second run with the same seed is identical."""
+    args = ("--method", "lantern++", "--tree", "chain:3", "--lantern-k", "4", "--lantern-lambda", "3", "--seed", "7")
+    assert _generate(folder, tmp_path / "a", *args) == 0
+    assert _generate(folder, tmp_path / "b", *args) == 0
+    a, b = np.load(tmp_path / "a" / "codes.npy"), np.load(tmp_path / "b" / "codes.npy")
+    assert (a == b).all() and a.min() >= 0 and a.max() < 16
+    run = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert run["method"]["relaxation"]["k"] == 4 and run["method"]["relaxation"]["lam"] == 3.0
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--image-size", "100"], "multiple of 32"),
+        (["--layout", "anole", "--image-size", "768"], "Anole generates 512 x 512"),
+        (["--vq", "/nonexistent/vqgan.ckpt"], "--vq: no such file"),
+        (["--t5", "/tmp"], "--t5 is not used"),
+        (["--method", "sd", "--drafter", "/nonexistent"], "drafter folder not found"),
+    ],
+)
+def test_bad_input(folder: Path, tmp_path: Path, extra: list[str], message: str,
+                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _generate(folder, out, *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (out / "codes.npy").exists()
+
+
+def test_labels_and_missing_layout(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(folder), "--labels", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "pass --prompt" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "generation.json":
+            (bare / f.name).symlink_to(f)
+    assert main(["generate", "--model", str(bare), "--prompt", "a cat", "--out", str(tmp_path / "o2")]) == 2
+    assert "pass --layout" in capsys.readouterr().err
+
+
+def test_layout_flags_refused_for_llamagen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.testing import make_random_stack
+
+    stack = make_random_stack(tmp_path / "stack", grid=2)
+    assert main(["generate", "--model", str(stack), "--labels", "1", "--layout", "anole",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "only used with Chameleon-family models" in capsys.readouterr().err
+
+
+def test_build_proximity_from_vqgan_checkpoint(folder: Path, tmp_path: Path) -> None:
+    """``build-proximity --tokenizer vqgan.ckpt`` reads the release's Lightning checkpoint."""
+    from lantern.models.chameleon_vq import ChameleonVQGAN
+    from lantern.proximity import ProximityTable
+
+    out = tmp_path / "prox.safetensors"
+    assert main(["build-proximity", "--tokenizer", str(folder / "vqgan.ckpt"), "--k-max", "5", "--out", str(out)]) == 0
+    table = ProximityTable.load(out)
+    codebook = ChameleonVQGAN.from_checkpoint(folder / "vqgan.ckpt").codebook()
+    table.validate(codebook)
+    d = torch.cdist(codebook, codebook)
+    d.fill_diagonal_(float("inf"))
+    assert table.neighbours[:, 0].long().tolist() == d.argmin(1).tolist()
