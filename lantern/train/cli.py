@@ -288,6 +288,69 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return _report("drafter", result)
 
 
+def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train-chameleon-drafter", help="train an EAGLE drafter for an Anole / Lumina-mGPT model",
+        description="The target generates images for the prompts (AR, the sampling settings below), its "
+                    "teacher-forced features (conditional and unconditional streams) train the drafter with "
+                    "the same loss as train-drafter; the last --eval-prompts prompts are held out.")
+    p.add_argument("--model", required=True, help="Chameleon-family model folder (as for generate)")
+    p.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
+                   help="image layout (default: \"layout\" in the folder's generation.json)")
+    p.add_argument("--image-size", type=int, default=None, help="lumina-mgpt: image side in pixels (768)")
+    p.add_argument("--vq", default=None, metavar="CKPT", help="vqgan.ckpt, if not inside --model")
+    p.add_argument("--prompts", required=True, metavar="FILE", help="UTF-8 text file, one prompt per line")
+    p.add_argument("--num-per-prompt", type=int, default=1, help="images generated per prompt (default 1)")
+    p.add_argument("--eval-prompts", type=int, default=1, help="prompts held out for evaluation (default 1)")
+    p.add_argument("--gen-batch-size", type=int, default=8, help="images generated / encoded together (8)")
+    p.add_argument("--out", required=True, help="output drafter folder (+ checkpoints)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where native)")
+    g = p.add_argument_group("sampling of the training images (default: the model's generation.json, Lumina's)")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--cfg-scale", type=float, default=None)
+    g = p.add_argument_group("loss")
+    g.add_argument("--p-weight", type=float, default=0.1, help="soft cross-entropy weight (default 0.1)")
+    g.add_argument("--v-weight", type=float, default=1.0, help="feature regression weight (default 1.0)")
+    g.add_argument("--noise-width", type=float, default=0.2, help="uniform input-feature noise width (0.2)")
+    _add_loop_args(p, steps=3000, batch_size=8, lr=1e-4, warmup=100, checkpoint_every=250, clip_mode="value",
+                   grad_clip=0.5)
+    p.set_defaults(func=cmd_train_chameleon_drafter)
+
+
+def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lantern.chameleon import load_chameleon_stack
+    from lantern.cli import _chameleon_layout
+    from lantern.config import SamplingConfig
+    from lantern.io import ensure_writable_dir
+    from lantern.stack import inference_dtype
+    from lantern.text import read_prompts
+    from lantern.train.chameleon_drafter import train_chameleon_drafter
+    from lantern.train.drafter import DrafterRecipe
+
+    loop = _loop(args)
+    recipe = DrafterRecipe(p_weight=args.p_weight, v_weight=args.v_weight, noise_width=args.noise_width)
+    prompts = read_prompts(args.prompts)
+    root = Path(args.model)
+    layout = _chameleon_layout(args, root)
+    ensure_writable_dir(args.out, "--out")
+    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+    values = dict(stack.default_sampling())
+    for name in ("temperature", "top_k", "top_p", "cfg_scale"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    result = train_chameleon_drafter(
+        stack, prompts, args.out, loop, sampling=SamplingConfig(**values), num_per_prompt=args.num_per_prompt,
+        eval_prompts=args.eval_prompts, recipe=recipe, batch_size=args.gen_batch_size, resume=args.resume,
+        progress=not args.no_progress, stop_after=args.stop_after, command=_command(),
+    )
+    return _report("drafter", result)
+
+
 def _add_train_features(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-features", help="train the feature network used by lantern.metrics",
                        description="Train a small CNN classifier on a data set's real images; its embedding is the "
@@ -340,4 +403,5 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     _add_train_target(sub)
     _add_make_drafter_data(sub)
     _add_train_drafter(sub)
+    _add_train_chameleon_drafter(sub)
     _add_train_features(sub)

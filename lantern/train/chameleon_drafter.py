@@ -1,0 +1,211 @@
+"""EAGLE drafters for Chameleon-family targets (Anole, Lumina-mGPT), trained on self-distilled images.
+
+LANTERN trains its Lumina-mGPT / Anole drafters on sequences the target generated itself, plus an
+unconditional copy (SPEC §3.2). Here:
+
+1. the target samples ``num_per_prompt`` images per prompt (plain AR, the run's sampling settings);
+2. one teacher-forced pass per batch through :class:`lantern.chameleon.ChameleonTarget` (the chain
+   of all codes verified as one tree) gives, for the conditional *and* the unconditional stream,
+   exactly the features the drafter reads at inference: the image prefix's features, then per code
+   the state that predicts the next code (at Lumina-mGPT's new-line token after a row's last code);
+3. the drafter is trained on them with the LlamaGen drafter's loss and layout
+   (:func:`lantern.train.drafter.teacher_forced_batch`, ``cls`` = the image prefix length), using
+   the shared loop (accelerate, checkpoints, exact resume).
+
+The features are held in memory (bfloat16): 2 x (prefix + codes) x hidden per image, about 38 MB
+per Lumina-mGPT-768 image at 7B size, so a run over thousands of prompts needs a machine sized
+for it, or several runs started from each other's drafter (``initial``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lantern.chameleon import (
+    ChameleonStack,
+    ChameleonTarget,
+    check_chameleon_drafter,
+    encode_prompts,
+    init_chameleon_drafter,
+    run_chameleon,
+)
+from lantern.config import SamplingConfig
+from lantern.errors import check
+from lantern.models.drafter import EagleDrafterModel
+from lantern.pipeline import MethodConfig
+from lantern.train.drafter import (
+    NOISE_STREAM,
+    TRAINING_INFO_FILE,
+    DrafterBatch,
+    DrafterRecipe,
+    _FrozenHead,
+    drafter_losses,
+    state_fingerprint,
+    teacher_forced_batch,
+)
+from lantern.train.loop import LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.trees import tree_from_parents
+
+
+@torch.no_grad()
+def teacher_forced_features(stack: ChameleonStack, token_lists: Sequence[Sequence[int]], codes: Tensor,
+                            cfg_scale: float = 3.0) -> Tensor:
+    """[2B, P + N, D] drafter features for prompts and their codes [B, N]: conditional rows, then
+    unconditional ones (the guidance context), as the target hands them to the drafter."""
+    layout, lm = stack.layout, stack.model
+    b, n = codes.shape
+    check(n == layout.num_tokens, f"codes have {n} tokens per image, the layout {layout.num_tokens}")
+    sampling = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=max(cfg_scale, 1.0 + 1e-3))  # 2 streams
+    target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=n)
+    ids, mask = encode_prompts(token_lists, layout)
+    _, prefix = target.start(ids.to(lm.device), mask.to(lm.device))  # [2B, P, D]
+    chain = tree_from_parents(torch.arange(-1, n - 1, device=lm.device).expand(b, -1).contiguous())
+    _, hidden = target.verify(codes.to(lm.device), chain.mask, chain.depth)  # [2B, N, D]
+    return torch.cat([prefix, hidden], dim=1)
+
+
+def head_fingerprint(stack: ChameleonStack) -> str:
+    """sha256 of the image head the drafter shares: a different target changes it."""
+    return hashlib.sha256(stack.model.image_head.weight.detach().float().cpu().numpy().tobytes()).hexdigest()
+
+
+class ChameleonDrafterTask(TrainTask):
+    """Drafter training on in-memory teacher-forced features (run by :func:`lantern.train.loop.train`)."""
+
+    kind = "drafter"
+
+    def __init__(self, stack: ChameleonStack, hidden: Tensor, codes: Tensor, test_hidden: Tensor,
+                 test_codes: Tensor, recipe: DrafterRecipe, seed: int, initial: EagleDrafterModel | None,
+                 data_id: str) -> None:
+        check(hidden.shape[0] >= 1, "drafter training: no training examples")
+        self.stack, self.recipe, self.seed, self.data_id = stack, recipe, seed, data_id
+        self.hidden, self.codes, self.test_hidden, self.test_codes = hidden, codes, test_hidden, test_codes
+        self.cls = len(stack.layout.prefix)
+        if initial is not None:
+            check_chameleon_drafter(initial.config, stack.model, stack.layout, "--initial")
+            self.model: EagleDrafterModel = copy.deepcopy(initial).float()
+        else:
+            self.model = init_chameleon_drafter(stack.model, stack.layout, seed).float()
+        self.model.embed_tokens.weight.requires_grad_(not recipe.freeze_embeddings)
+        self.initial_fingerprint = state_fingerprint(self.model)
+        self.lm_head = _FrozenHead(stack.model.image_head)
+        self.rank = 0
+
+    def bind(self, accelerator: Any) -> None:
+        super().bind(accelerator)
+        self.lm_head.to(accelerator.device)
+        self.rank = accelerator.process_index
+
+    def num_examples(self) -> int:
+        return int(self.hidden.shape[0])
+
+    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> DrafterBatch:
+        batch = teacher_forced_batch(self.hidden[indices].float(), self.codes[indices], self.cls)
+        if self.recipe.noise_width > 0:  # a pure function of (seed, step, rank): resume draws the same noise
+            g = step_generator(self.seed, step, NOISE_STREAM + self.rank)
+            batch.features = batch.features + (torch.rand(batch.features.shape, generator=g) - 0.5) \
+                * self.recipe.noise_width
+        return batch.to(device)
+
+    def loss(self, model: nn.Module, batch: DrafterBatch, step: int) -> tuple[Tensor, dict[str, float]]:
+        pred = model(batch.features, batch.tokens, batch.positions, batch.mask)
+        out = drafter_losses(pred, batch, self.lm_head, self.recipe)
+        return out.total, {"loss_v": float(out.loss_v.detach()), "loss_p": float(out.loss_p.detach()),
+                           "top1": float(out.top1)}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        assert isinstance(model, EagleDrafterModel)
+        return teacher_forced_metrics(model, self.lm_head, self.test_hidden, self.test_codes, self.cls)
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        assert isinstance(model, EagleDrafterModel)
+        info = {"target_head_fingerprint": head_fingerprint(self.stack), "layout": self.stack.layout.name,
+                "recipe": self.recipe.to_dict(), "data": self.data_id}
+        model.save_pretrained(out, extra_files={TRAINING_INFO_FILE: info})
+
+    def config_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe.to_dict(), "drafter": self.model.config.to_dict(),
+                "initial_weights": self.initial_fingerprint, "data": self.data_id}
+
+    def data_fingerprint(self) -> str:
+        return self.data_id
+
+
+@torch.no_grad()
+def teacher_forced_metrics(drafter: EagleDrafterModel, head: nn.Module, hidden: Tensor, codes: Tensor, cls: int,
+                           batch_size: int = 16) -> dict[str, float]:
+    """Held-out ``top1`` (drafter argmax = target argmax) and ``accept_prob`` (mean Σ min(p, q),
+    the single-draft exact acceptance probability at temperature 1)."""
+    was_training = drafter.training
+    drafter.eval()
+    top1 = accept = 0.0
+    count = 0
+    for lo in range(0, hidden.shape[0], batch_size):
+        batch = teacher_forced_batch(hidden[lo : lo + batch_size].float(), codes[lo : lo + batch_size], cls)
+        batch = batch.to(drafter.device)
+        pred = drafter(batch.features, batch.tokens, batch.positions, batch.mask)
+        m = batch.loss_mask
+        p, q = head(batch.targets[m]).softmax(-1), head(pred[m]).softmax(-1)
+        top1 += float((p.argmax(-1) == q.argmax(-1)).sum())
+        accept += float(torch.minimum(p, q).sum(-1).sum())
+        count += int(m.sum())
+    drafter.train(was_training)
+    return {"top1": top1 / max(count, 1), "accept_prob": accept / max(count, 1)}
+
+
+def train_chameleon_drafter(
+    stack: ChameleonStack,
+    prompts: Sequence[str],
+    out: str | os.PathLike[str],
+    loop: LoopConfig,
+    *,
+    sampling: SamplingConfig,
+    num_per_prompt: int = 1,
+    eval_prompts: int = 1,
+    recipe: DrafterRecipe | None = None,
+    initial: EagleDrafterModel | None = None,
+    batch_size: int = 8,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    command: str | None = None,
+) -> TrainResult:
+    """Self-distil images for ``prompts`` (the last ``eval_prompts`` held out), extract features,
+    train; the result in ``out`` loads with ``EagleDrafterModel.from_pretrained``."""
+    check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
+    check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
+    all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
+    result = run_chameleon(stack, all_prompts, loop.seed, sampling, MethodConfig.resolve("ar"),
+                           batch_size=batch_size, progress=progress)
+    token_lists = stack.tokenize(all_prompts)
+    feats: list[tuple[Tensor, Tensor]] = []
+    for lo in range(0, len(all_prompts), batch_size):
+        hi = min(lo + batch_size, len(all_prompts))
+        h = teacher_forced_features(stack, token_lists[lo:hi], result.codes[lo:hi], sampling.cfg_scale)
+        feats.append((h.to("cpu", torch.bfloat16), result.codes[lo:hi].cpu()))
+    cond = torch.cat([h[: h.shape[0] // 2] for h, _ in feats])  # [I, P+N, D] per image, prompt order
+    uncond = torch.cat([h[h.shape[0] // 2 :] for h, _ in feats])
+    codes = result.codes.cpu()
+    split = len(all_prompts) - eval_prompts * num_per_prompt  # the last prompts' images are held out
+    hidden, test_hidden = torch.cat([cond[:split], uncond[:split]]), torch.cat([cond[split:], uncond[split:]])
+    train_codes, test_codes = torch.cat([codes[:split], codes[:split]]), torch.cat([codes[split:], codes[split:]])
+    data_id = hashlib.sha256(codes.numpy().tobytes() + repr(list(prompts)).encode()).hexdigest()
+    task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe or DrafterRecipe(),
+                                loop.seed, initial, data_id)
+    return train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+
+
+def default_loop(**overrides: Any) -> LoopConfig:
+    """LANTERN's drafter optimiser settings (SPEC §3.2: AdamW lr 1e-4, betas (0.9, 0.95), grad clip
+    by value 0.5), with lantern's loop defaults elsewhere."""
+    return replace(LoopConfig(lr=1e-4, beta1=0.9, beta2=0.95, grad_clip=0.5, clip_mode="value"), **overrides)
