@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +38,12 @@ from lantern.checks import check_tree_fits
 from lantern.config import SamplingConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import LanternError, check
-from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
+from lantern.generate import Drafter, GenerationOutput, generate
 from lantern.io import read_json
 from lantern.jacobi import JacobiDrafter, check_window_fits
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
-from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, max_tree_nodes
+from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance, max_tree_nodes
 from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
 
 
@@ -436,7 +436,8 @@ def run_chameleon(
         check_chameleon_drafter(drafter.config, lm, layout, path)
     if drafter is not None:
         drafter = drafter.to(lm.device, drafter_dtype(lm.dtype, lm.device)).eval()
-    acceptance, resolved = _acceptance(stack, method, proximity)
+    codebook = None if stack.vq is None else stack.vq.codebook()
+    acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file, codebook, lm.device)
     token_lists = stack.tokenize(prompts)
     ids, mask = encode_prompts(token_lists, layout)
     ids, mask = ids.to(lm.device), mask.to(lm.device)
@@ -479,27 +480,3 @@ def _parts(
     fed = nodes + tree.depth * tree.top_k
     backend = EagleBackend(drafter, head, sampling, target.streams, len(layout.prefix) + layout.num_tokens + fed + 8)
     return target, TreeDrafter(backend, tree, sampling, lm.num_codes)
-
-
-def _acceptance(
-    stack: ChameleonStack, method: MethodConfig, proximity: str | os.PathLike[str] | None
-) -> tuple[Acceptance, MethodConfig]:
-    relaxation = method.relaxation
-    if relaxation is None or relaxation.is_exact:
-        return Acceptance(relaxation), method
-    from lantern.proximity import ProximityTable
-
-    path = proximity or stack.proximity_file
-    check(
-        path is not None,
-        f"--method {method.method} needs a latent proximity table: pass --proximity FILE "
-        "(build one with `lantern build-proximity --tokenizer vqgan.ckpt`)",
-    )
-    table = ProximityTable.load(path)
-    if stack.vq is not None:
-        table.validate(stack.vq.codebook())
-    if relaxation.k > table.k_max and not method.k_explicit:
-        relaxation = replace(relaxation, k=table.k_max)
-    table.check_k(relaxation.k)
-    resolved = replace(method, relaxation=relaxation)
-    return Acceptance(relaxation, table.neighbours_for(relaxation.k).to(stack.model.device)), resolved

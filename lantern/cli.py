@@ -219,11 +219,9 @@ def _encode_prompts(prompts: list[str], t5_dir: Path, stack: Any, args: argparse
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import numpy as np
     import torch
 
-    from lantern.images import image_grid, save_png
-    from lantern.io import atomic_path, ensure_writable_dir, write_json
+    from lantern.io import ensure_writable_dir
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.vq import to_pil
     from lantern.pipeline import MethodConfig, image_seed, run_generation, run_generation_t2i
@@ -279,12 +277,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = run_generation(stack, labels, **run_kw)
     with torch.no_grad():
         images = to_pil(stack.tokenizer.decode(result.codes))
-    for img, name in zip(images, names, strict=True):
-        save_png(img, out / name)
-    save_png(image_grid(images, ncol=args.num_per_label), out / "grid.png")
-    with atomic_path(out / "codes.npy") as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, result.codes.cpu().numpy().astype(np.int64))
+    _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
     run = {
         "command": "generate",
         "model": str(args.model),
@@ -299,13 +292,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     }
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
-    write_json(out / "run.json", run)
-    stats = run["stats"]
-    print(
-        f"wrote {len(images)} images to {out} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
-        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
-    )
-    return 0
+    return _finish_run(out, run, len(images))
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
@@ -326,13 +313,11 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
 
 def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> int:
     """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
-    import numpy as np
     import torch
 
     from lantern.chameleon import load_chameleon_stack, run_chameleon
     from lantern.config import SamplingConfig
-    from lantern.images import image_grid, save_png
-    from lantern.io import atomic_path, ensure_writable_dir, write_json
+    from lantern.io import ensure_writable_dir
     from lantern.models.chameleon_vq import to_pil
     from lantern.pipeline import MethodConfig, image_seed
     from lantern.stack import inference_dtype
@@ -365,12 +350,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
         images = to_pil(stack.vq.decode_grid(result.codes, layout.height, layout.width))
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    for img, name in zip(images, names, strict=True):
-        save_png(img, out / name)
-    save_png(image_grid(images, ncol=args.num_per_label), out / "grid.png")
-    with atomic_path(out / "codes.npy") as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, result.codes.cpu().numpy().astype(np.int64))
+    _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
     run = {
         "command": "generate",
         "model": str(args.model),
@@ -386,10 +366,31 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
         "method": result.method.to_dict(),
         "stats": result.stats_dict(),
     }
+    return _finish_run(out, run, len(images))
+
+
+def _write_images_and_codes(out: Path, images: list[Any], names: list[str], ncol: int, codes: Any) -> None:
+    """One PNG per image, ``grid.png`` and ``codes.npy``, each written atomically."""
+    import numpy as np
+
+    from lantern.images import image_grid, save_png
+    from lantern.io import atomic_path
+
+    for img, name in zip(images, names, strict=True):
+        save_png(img, out / name)
+    save_png(image_grid(images, ncol=ncol), out / "grid.png")
+    with atomic_path(out / "codes.npy") as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, codes.cpu().numpy().astype(np.int64))
+
+
+def _finish_run(out: Path, run: dict[str, Any], num_images: int) -> int:
+    from lantern.io import write_json
+
     write_json(out / "run.json", run)
     stats = run["stats"]
     print(
-        f"wrote {len(images)} images to {out} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"wrote {num_images} images to {out} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
         f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
     )
     return 0

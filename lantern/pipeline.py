@@ -311,24 +311,35 @@ def prepare_method(
         drafter = EagleDrafterModel.from_pretrained(path).to(stack.target.device, dtype).eval()
         check_drafter_matches_target(drafter.config, stack.target.config)
         check_t2i_drafter_layout(drafter, stack.target.config, path)
-    relaxation, neighbours = method.relaxation, None
-    if relaxation is not None and not relaxation.is_exact:
-        from lantern.proximity import ProximityTable
+    acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file,
+                                           stack.tokenizer.quantize.embedding.weight, stack.target.device)
+    return PreparedMethod(stack, resolved, sampling, drafter, acceptance)
 
-        table_path = proximity or stack.proximity_file
-        check(
-            table_path is not None,
-            f"--method {method.method} needs a latent proximity table: pass --proximity FILE "
-            "(build one with `lantern build-proximity`)",
-        )
-        table = ProximityTable.load(table_path)
-        table.validate(stack.tokenizer.quantize.embedding.weight)
-        if relaxation.k > table.k_max and not method.k_explicit:
-            relaxation = replace(relaxation, k=table.k_max)
-        table.check_k(relaxation.k)
-        neighbours = table.neighbours_for(relaxation.k).to(stack.target.device)
-    resolved = replace(method, relaxation=relaxation)  # k as actually used (capped at K_max)
-    return PreparedMethod(stack, resolved, sampling, drafter, Acceptance(relaxation, neighbours))
+
+def load_acceptance(
+    method: MethodConfig, table_path: object, codebook: Tensor | None, device: torch.device
+) -> tuple[Acceptance, MethodConfig]:
+    """The method's acceptance rule, with the proximity table a relaxed rule needs (validated
+    against ``codebook`` when given), and the method with k as actually used: a default k larger
+    than the table's K_max is capped, an explicit one is an error."""
+    relaxation = method.relaxation
+    if relaxation is None or relaxation.is_exact:
+        return Acceptance(relaxation), method
+    from lantern.proximity import ProximityTable
+
+    check(
+        table_path is not None,
+        f"--method {method.method} needs a latent proximity table: pass --proximity FILE "
+        "(build one with `lantern build-proximity`)",
+    )
+    table = ProximityTable.load(str(table_path))
+    if codebook is not None:
+        table.validate(codebook)
+    if relaxation.k > table.k_max and not method.k_explicit:
+        relaxation = replace(relaxation, k=table.k_max)
+    table.check_k(relaxation.k)
+    neighbours = table.neighbours_for(relaxation.k).to(device)
+    return Acceptance(relaxation, neighbours), replace(method, relaxation=relaxation)
 
 
 def check_t2i_drafter_layout(drafter: EagleDrafterModel, cfg: LlamaGenConfig, path: object) -> None:

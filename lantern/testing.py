@@ -7,6 +7,7 @@ LlamaGen's zero init so next-token distributions are not uniform.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,35 @@ def tiny_llamagen(seed: int = 0, logit_std: float = 0.5, **overrides: Any) -> Ll
         gen = torch.Generator().manual_seed(seed + 1)
         model.output.weight.copy_(torch.randn(model.output.weight.shape, generator=gen) * logit_std)
     return model.eval()
+
+
+Z_999 = 3.090232306167813  # standard normal 0.999 quantile
+
+
+def chi_square_pooled(codes: torch.Tensor, p: torch.Tensor, vocab: int) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of token rows ``codes [R, k]`` against the joint cell
+    probabilities ``p [vocab^k]`` (row-major in x_0..x_{k-1}).
+
+    Cells with expected count < 5 are pooled (and the pool merged with the smallest other cell
+    while its expectation is still < 5), the textbook condition for the chi-square approximation.
+    """
+    k = codes.shape[1]
+    cell = (codes * vocab ** torch.arange(k - 1, -1, -1)).sum(1)
+    observed = torch.bincount(cell, minlength=vocab**k).double()
+    expected = p * codes.shape[0]
+    order = expected.argsort()
+    obs, exp = observed[order].tolist(), expected[order].tolist()
+    pool_o = pool_e = 0.0
+    while obs and (exp[0] < 5 or pool_e < 5):
+        pool_o, pool_e = pool_o + obs.pop(0), pool_e + exp.pop(0)
+    cells = list(zip(obs, exp, strict=True)) + ([(pool_o, pool_e)] if pool_e > 0 else [])
+    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+
+
+def chi_square_threshold(df: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square 0.999 quantile."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
 
 
 def tiny_vq_config(vocab: int = 256) -> VQConfig:

@@ -15,7 +15,6 @@ as the public inference code does:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -39,7 +38,7 @@ from lantern.models.chameleon import (
 )
 from lantern.pipeline import MethodConfig
 from lantern.sampling import apply_cfg, make_generators, probs_from_logits
-from lantern.testing import tiny_chameleon
+from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_chameleon
 from lantern.trees import tree_from_parents
 
 pytest.importorskip("transformers")  # part of the dev extra; CI installs it
@@ -259,7 +258,6 @@ DIST_LAYOUT = ImageLayout(name="lumina-mgpt", height=2, width=2, prefix=(8197, 8
                           uncond=(8197, 8805, 8805), eol=8803)
 DIST_SAMPLING = SamplingConfig(temperature=1.0, top_k=4, cfg_scale=2.0)
 DIST_PROMPT = [101, 102]
-Z_999 = 3.090232306167813
 
 
 @cache
@@ -284,24 +282,7 @@ def _exact_joint(sampling: SamplingConfig) -> Tensor:
 
 
 def _chi_square(codes: Tensor, p: Tensor) -> tuple[float, int]:
-    """Statistic and degrees of freedom; cells with expectation < 5 are pooled."""
-    v, k = 6, codes.shape[1]
-    cell = (codes * v ** torch.arange(k - 1, -1, -1)).sum(1)
-    observed = torch.bincount(cell, minlength=v**k).double()
-    expected = p * codes.shape[0]
-    order = expected.argsort()
-    obs, exp = observed[order].tolist(), expected[order].tolist()
-    pool_o = pool_e = 0.0
-    while obs and (exp[0] < 5 or pool_e < 5):
-        pool_o, pool_e = pool_o + obs.pop(0), pool_e + exp.pop(0)
-    cells = list(zip(obs, exp, strict=True)) + ([(pool_o, pool_e)] if pool_e > 0 else [])
-    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
-
-
-def _threshold(df: int) -> float:
-    """Wilson-Hilferty approximation of the chi-square 0.999 quantile."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
+    return chi_square_pooled(codes, p, 6)
 
 
 @cache
@@ -330,7 +311,7 @@ def test_exact_sampling_matches_target_distribution(method: str) -> None:
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
     stat, df = _chi_square(codes, p)
     assert df >= 30
-    assert stat < _threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     if method != "ar":
         assert out.stats.mean_accepted > 1.2  # drafts were accepted: the speculative path ran
 
@@ -341,7 +322,7 @@ def test_chi_square_has_power() -> None:
     codes = _dist_run("sd").codes[:, :DIST_TOKENS]
     wrong = SamplingConfig(temperature=1.0, top_k=4, cfg_scale=2.5)
     stat, df = _chi_square(codes, _exact_joint(wrong))
-    assert stat > _threshold(df)
+    assert stat > chi_square_threshold(df)
 
 
 # -- real sizes on the meta device -----------------------------------------------------------------

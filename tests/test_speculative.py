@@ -11,7 +11,6 @@ All models are tiny and random, on CPU.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from functools import cache
 
@@ -29,7 +28,7 @@ from lantern.models.llamagen import LlamaGen
 from lantern.oracle import OracleBackend, make_eagle_drafter, make_oracle_drafter
 from lantern.sampling import apply_cfg, make_generators, probs_from_logits
 from lantern.target import LlamaGenTarget
-from lantern.testing import tiny_llamagen
+from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_llamagen
 from lantern.trees import static_tree, tree_from_parents
 
 TREES = {
@@ -123,7 +122,6 @@ DIST_ROWS = 6000  # samples per run, one generator per row (seeded by row index)
 DIST_TOKENS = 4  # the joint law of the first 4 image tokens is compared (of a 3x3 image)
 DIST_SAMPLING = SamplingConfig(temperature=1.0, top_k=4, cfg_scale=2.0)
 DIST_LABEL = 3
-Z_999 = 3.090232306167813  # standard normal 0.999 quantile
 
 
 @cache
@@ -152,29 +150,10 @@ def _exact_joint(model: LlamaGen, sampling: SamplingConfig, k: int) -> Tensor:
 
 
 def _chi_square(codes: Tensor, p: Tensor) -> tuple[float, int]:
-    """(statistic, degrees of freedom) of ``codes [R, k]`` against cell probabilities ``p [V^k]``.
-
-    Cells with expected count < 5 are pooled (and the pool merged with the smallest other cell
-    while its expectation is still < 5), the textbook condition for the chi-square approximation.
-    """
-    v, k = _dist_model().config.vocab_size, codes.shape[1]
-    cell = (codes * v ** torch.arange(k - 1, -1, -1)).sum(1)
-    observed = torch.bincount(cell, minlength=v**k).double()
-    expected = p * codes.shape[0]
-    order = expected.argsort()
-    obs, exp = observed[order].tolist(), expected[order].tolist()
-    pool_o = pool_e = 0.0
-    while obs and (exp[0] < 5 or pool_e < 5):
-        pool_o, pool_e = pool_o + obs.pop(0), pool_e + exp.pop(0)
-    cells = [(o, e) for o, e in zip(obs, exp, strict=True)] + ([(pool_o, pool_e)] if pool_e > 0 else [])
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    return stat, len(cells) - 1
+    return chi_square_pooled(codes, p, _dist_model().config.vocab_size)
 
 
-def _chi_square_threshold(df: int) -> float:
-    """Wilson–Hilferty approximation of the chi-square 0.999 quantile."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
+_chi_square_threshold = chi_square_threshold
 
 
 # name -> (tree, oracle logit_scale). 0.6: q is a flatter copy of p, so drafts get rejected and

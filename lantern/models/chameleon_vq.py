@@ -78,6 +78,8 @@ from torch import Tensor, nn
 
 from lantern.errors import CheckpointError, LanternError, check
 from lantern.io import load_state_dict_strict
+from lantern.models import vq as vq_blocks
+from lantern.models.vq import Downsample, Upsample, _conv1, _conv3
 
 if TYPE_CHECKING:
     from transformers import ChameleonVQVAEConfig
@@ -234,80 +236,20 @@ def _check_taming_options(ddconfig: Mapping[str, Any], known: set[str], source: 
 # --------------------------------------------------------------------------------------------
 
 
+# The taming building blocks (same parameter names, GroupNorm eps 1e-6) are LlamaGen's VQ's; the
+# Chameleon VQGAN always uses 32 norm groups.
+
+
 def _norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(NORM_GROUPS, channels, eps=NORM_EPS, affine=True)
+    return vq_blocks._norm(channels, NORM_GROUPS)
 
 
-def _conv3(c_in: int, c_out: int, stride: int = 1, padding: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(c_in, c_out, kernel_size=3, stride=stride, padding=padding)
+def _resnet(c_in: int, c_out: int, dropout: float) -> vq_blocks.ResnetBlock:
+    return vq_blocks.ResnetBlock(c_in, c_out, NORM_GROUPS, dropout)
 
 
-def _conv1(c_in: int, c_out: int) -> nn.Conv2d:
-    return nn.Conv2d(c_in, c_out, kernel_size=1)
-
-
-class ResnetBlock(nn.Module):
-    """Pre-activation residual block; the 1x1 ``nin_shortcut`` exists only when channels change."""
-
-    def __init__(self, c_in: int, c_out: int, dropout: float) -> None:
-        super().__init__()
-        self.norm1 = _norm(c_in)
-        self.conv1 = _conv3(c_in, c_out)
-        self.norm2 = _norm(c_out)
-        self.dropout = nn.Dropout(dropout)
-        self.conv2 = _conv3(c_out, c_out)
-        self.nin_shortcut = _conv1(c_in, c_out) if c_in != c_out else None
-
-    def forward(self, x: Tensor) -> Tensor:  # [B, c_in, H, W] -> [B, c_out, H, W]
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
-        skip = x if self.nin_shortcut is None else self.nin_shortcut(x)
-        return skip + h
-
-
-class AttnBlock(nn.Module):
-    """Single-head self-attention over all positions with 1x1-conv projections."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.norm = _norm(channels)
-        self.q = _conv1(channels, channels)
-        self.k = _conv1(channels, channels)
-        self.v = _conv1(channels, channels)
-        self.proj_out = _conv1(channels, channels)
-
-    def forward(self, x: Tensor) -> Tensor:  # [B, C, H, W] -> [B, C, H, W]
-        b, c, h, w = x.shape
-        hn = self.norm(x)
-
-        def tokens(t: Tensor) -> Tensor:  # [B, C, H, W] -> [B, 1, H*W, C]
-            return t.reshape(b, 1, c, h * w).transpose(2, 3)
-
-        # softmax(q k^T / sqrt(C)) v: the original's bmm formulation, via the fused kernel.
-        out = F.scaled_dot_product_attention(tokens(self.q(hn)), tokens(self.k(hn)), tokens(self.v(hn)))
-        return x + self.proj_out(out.transpose(2, 3).reshape(b, c, h, w))
-
-
-class Downsample(nn.Module):
-    """Halve H and W: zero-pad right/bottom by one, then a 3x3 stride-2 conv without padding."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = _conv3(channels, channels, stride=2, padding=0)
-
-    def forward(self, x: Tensor) -> Tensor:  # [B, C, H, W] -> [B, C, H/2, W/2]
-        return self.conv(F.pad(x, (0, 1, 0, 1), mode="constant", value=0.0))
-
-
-class Upsample(nn.Module):
-    """Double H and W: nearest-neighbour x2, then a 3x3 conv."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = _conv3(channels, channels)
-
-    def forward(self, x: Tensor) -> Tensor:  # [B, C, H, W] -> [B, C, 2H, 2W]
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+def _attn(channels: int) -> vq_blocks.AttnBlock:
+    return vq_blocks.AttnBlock(channels, NORM_GROUPS)
 
 
 class _Level(nn.Module):
@@ -317,8 +259,8 @@ class _Level(nn.Module):
                  dropout: float) -> None:
         super().__init__()
         chans = [c_in] + [c_out] * n_blocks
-        self.block = nn.ModuleList(ResnetBlock(chans[i], chans[i + 1], dropout) for i in range(n_blocks))
-        self.attn = nn.ModuleList(AttnBlock(c_out) for _ in range(n_blocks if with_attn else 0))
+        self.block = nn.ModuleList(_resnet(chans[i], chans[i + 1], dropout) for i in range(n_blocks))
+        self.attn = nn.ModuleList(_attn(c_out) for _ in range(n_blocks if with_attn else 0))
         if resample == "down":
             self.downsample = Downsample(c_out)
         elif resample == "up":
@@ -341,9 +283,9 @@ class _Mid(nn.Module):
 
     def __init__(self, channels: int, dropout: float) -> None:
         super().__init__()
-        self.block_1 = ResnetBlock(channels, channels, dropout)
-        self.attn_1 = AttnBlock(channels)
-        self.block_2 = ResnetBlock(channels, channels, dropout)
+        self.block_1 = _resnet(channels, channels, dropout)
+        self.attn_1 = _attn(channels)
+        self.block_2 = _resnet(channels, channels, dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.block_2(self.attn_1(self.block_1(x)))
