@@ -316,7 +316,6 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     import torch
 
     from lantern.chameleon import load_chameleon_stack, run_chameleon
-    from lantern.config import SamplingConfig
     from lantern.io import ensure_writable_dir
     from lantern.models.chameleon_vq import to_pil
     from lantern.pipeline import MethodConfig, image_seed
@@ -338,11 +337,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init
     )
-    values: dict[str, Any] = dict(stack.default_sampling())
-    for name in ("temperature", "top_k", "top_p", "cfg_scale"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    sampling = SamplingConfig(**values)
+    sampling = _sampling(args, stack)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
     result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
                            not args.no_progress, args.drafter, args.proximity)

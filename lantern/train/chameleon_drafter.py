@@ -43,16 +43,16 @@ from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
 from lantern.pipeline import MethodConfig
 from lantern.train.drafter import (
-    NOISE_STREAM,
     TRAINING_INFO_FILE,
     DrafterBatch,
     DrafterRecipe,
     _FrozenHead,
-    drafter_losses,
+    add_feature_noise,
+    drafter_step_loss,
     state_fingerprint,
     teacher_forced_batch,
 )
-from lantern.train.loop import LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import LoopConfig, TrainResult, TrainTask, train
 from lantern.trees import tree_from_parents
 
 
@@ -110,17 +110,10 @@ class ChameleonDrafterTask(TrainTask):
 
     def make_batch(self, indices: Tensor, step: int, device: torch.device) -> DrafterBatch:
         batch = teacher_forced_batch(self.hidden[indices].float(), self.codes[indices], self.cls)
-        if self.recipe.noise_width > 0:  # a pure function of (seed, step, rank): resume draws the same noise
-            g = step_generator(self.seed, step, NOISE_STREAM + self.rank)
-            batch.features = batch.features + (torch.rand(batch.features.shape, generator=g) - 0.5) \
-                * self.recipe.noise_width
-        return batch.to(device)
+        return add_feature_noise(batch, self.recipe, self.seed, step, self.rank).to(device)
 
     def loss(self, model: nn.Module, batch: DrafterBatch, step: int) -> tuple[Tensor, dict[str, float]]:
-        pred = model(batch.features, batch.tokens, batch.positions, batch.mask)
-        out = drafter_losses(pred, batch, self.lm_head, self.recipe)
-        return out.total, {"loss_v": float(out.loss_v.detach()), "loss_p": float(out.loss_p.detach()),
-                           "top1": float(out.top1)}
+        return drafter_step_loss(model, batch, self.lm_head, self.recipe)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:

@@ -324,8 +324,7 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lantern.chameleon import load_chameleon_stack
-    from lantern.cli import _chameleon_layout
-    from lantern.config import SamplingConfig
+    from lantern.cli import _chameleon_layout, _sampling
     from lantern.io import ensure_writable_dir
     from lantern.stack import inference_dtype
     from lantern.text import read_prompts
@@ -339,12 +338,8 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     layout = _chameleon_layout(args, root)
     ensure_writable_dir(args.out, "--out")
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
-    values = dict(stack.default_sampling())
-    for name in ("temperature", "top_k", "top_p", "cfg_scale"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
     result = train_chameleon_drafter(
-        stack, prompts, args.out, loop, sampling=SamplingConfig(**values), num_per_prompt=args.num_per_prompt,
+        stack, prompts, args.out, loop, sampling=_sampling(args, stack), num_per_prompt=args.num_per_prompt,
         eval_prompts=args.eval_prompts, recipe=recipe, batch_size=args.gen_batch_size, resume=args.resume,
         progress=not args.no_progress, stop_after=args.stop_after, command=_command(),
     )

@@ -379,6 +379,24 @@ def drafter_losses(pred: Tensor, batch: DrafterBatch, logits_fn: Callable[[Tenso
     return DrafterLosses(total, loss_v, loss_p, top1.detach())
 
 
+def add_feature_noise(batch: DrafterBatch, recipe: DrafterRecipe, seed: int, step: int, rank: int) -> DrafterBatch:
+    """Uniform noise on the input features, a pure function of (seed, step, rank): a resumed run
+    draws the same noise."""
+    if recipe.noise_width > 0:
+        g = step_generator(seed, step, NOISE_STREAM + rank)
+        batch.features = batch.features + (torch.rand(batch.features.shape, generator=g) - 0.5) * recipe.noise_width
+    return batch
+
+
+def drafter_step_loss(model: nn.Module, batch: DrafterBatch, head: Callable[[Tensor], Tensor],
+                      recipe: DrafterRecipe) -> tuple[Tensor, dict[str, float]]:
+    """A training step's loss and the floats to log."""
+    pred = model(batch.features, batch.tokens, batch.positions, batch.mask)
+    out = drafter_losses(pred, batch, head, recipe)
+    return out.total, {"loss_v": float(out.loss_v.detach()), "loss_p": float(out.loss_p.detach()),
+                       "top1": float(out.top1)}
+
+
 # ----------------------------------------------------------------------------------------------
 # The task
 # ----------------------------------------------------------------------------------------------
@@ -537,18 +555,10 @@ class DrafterTask(TrainTask):
     def make_batch(self, indices: Tensor, step: int, device: torch.device) -> DrafterBatch:
         d = self.train_data
         batch = teacher_forced_batch(d.hidden[indices], d.tokens[indices], d.cls_token_num)
-        if self.recipe.noise_width > 0:
-            # A pure function of (seed, step, rank): a resumed run draws the same noise.
-            g = step_generator(self.seed, step, NOISE_STREAM + self.rank)
-            noise = (torch.rand(batch.features.shape, generator=g) - 0.5) * self.recipe.noise_width
-            batch.features = batch.features + noise
-        return batch.to(device)
+        return add_feature_noise(batch, self.recipe, self.seed, step, self.rank).to(device)
 
     def loss(self, model: nn.Module, batch: DrafterBatch, step: int) -> tuple[Tensor, dict[str, float]]:
-        pred = model(batch.features, batch.tokens, batch.positions, batch.mask)
-        out = drafter_losses(pred, batch, self.lm_head, self.recipe)
-        return out.total, {"loss_v": float(out.loss_v.detach()), "loss_p": float(out.loss_p.detach()),
-                           "top1": float(out.top1)}
+        return drafter_step_loss(model, batch, self.lm_head, self.recipe)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         assert isinstance(model, EagleDrafterModel)
