@@ -138,7 +138,14 @@ def load_stack(
     tokenizer: str | os.PathLike[str] | None = None,
     dtype: torch.dtype | None = None,
 ) -> ModelStack:
+    from lantern.models.chameleon import is_chameleon_folder
+
     root = resolve_model_dir(model)
+    if is_chameleon_folder(root):
+        raise LanternError(
+            f"--model {root} is a Chameleon-family model (Anole, Lumina-mGPT): `lantern generate` and "
+            "`lantern train-chameleon-drafter` run it; demo, bench and profile take LlamaGen stacks only for now"
+        )
     target_dir = root / TARGET_DIR if (root / TARGET_DIR).is_dir() else root
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
     if not tok_dir.exists():

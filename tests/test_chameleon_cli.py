@@ -176,3 +176,10 @@ def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
         assert runs["sd"]["mean_accepted"] > 1.5
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "profile"])
+def test_llamagen_only_commands_name_the_limitation(folder: Path, tmp_path: Path, command: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--model", str(folder), "--out", str(tmp_path / "o")]) == 2
+    assert "Chameleon-family model" in capsys.readouterr().err
