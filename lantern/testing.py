@@ -163,8 +163,8 @@ def tiny_chameleon(seed: int = 0, num_codes: int = 16, logit_std: float = 0.3, *
 TINY_WORDS = ("a", "cat", "dog", "red", "car", "on", "the", "grass", "Generate", "an", "image", "of")
 
 
-def make_tiny_chameleon_folder(out: str | os.PathLike[str], layout_name: str = "lumina-mgpt", image_size: int = 64,
-                               seed: int = 0) -> Path:
+def make_tiny_chameleon_folder(out: str | os.PathLike[str], layout_name: str = "lumina-mgpt",
+                               image_size: int | None = 64, seed: int = 0) -> Path:
     """A tiny random Chameleon folder laid out like a real download, for CLI tests: HF weights,
     a word-level tokenizer, ``vqgan.ckpt`` + ``vqgan.yaml`` in the release's format, a drafter
     (``drafter/``), a proximity table and ``generation.json`` naming the layout."""
