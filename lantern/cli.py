@@ -224,7 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.io import ensure_writable_dir
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.vq import to_pil
-    from lantern.pipeline import MethodConfig, image_seed, run_generation, run_generation_t2i
+    from lantern.pipeline import MethodConfig, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
 
     if args.num_per_label < 1:
@@ -278,18 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with torch.no_grad():
         images = to_pil(stack.tokenizer.decode(result.codes))
     _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
-    run = {
-        "command": "generate",
-        "model": str(args.model),
-        **conditions,
-        "seeds": [image_seed(args.seed, i) for i in range(len(names))],
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "device": args.device,
-        "sampling": sampling.to_dict(),
-        "method": result.method.to_dict(),
-        "stats": result.stats_dict(),
-    }
+    run = _run_record(args, len(names), sampling, result, conditions)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
     return _finish_run(out, run, len(images))
@@ -318,7 +307,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     from lantern.chameleon import load_chameleon_stack, run_chameleon
     from lantern.io import ensure_writable_dir
     from lantern.models.chameleon_vq import to_pil
-    from lantern.pipeline import MethodConfig, image_seed
+    from lantern.pipeline import MethodConfig
     from lantern.stack import inference_dtype
 
     root = Path(args.model)
@@ -346,22 +335,10 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
     _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
-    run = {
-        "command": "generate",
-        "model": str(args.model),
-        "layout": {"name": layout.name, "height": layout.height, "width": layout.width,
-                   "pixel_size": list(layout.pixel_size)},
-        "prompts": prompts,
-        "prompt_index": index,
-        "seeds": [image_seed(args.seed, i) for i in range(len(names))],
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "device": args.device,
-        "sampling": sampling.to_dict(),
-        "method": result.method.to_dict(),
-        "stats": result.stats_dict(),
-    }
-    return _finish_run(out, run, len(images))
+    layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
+                   "pixel_size": list(layout.pixel_size)}
+    conditions = {"layout": layout_info, "prompts": prompts, "prompt_index": index}
+    return _finish_run(out, _run_record(args, len(names), sampling, result, conditions), len(images))
 
 
 def _write_images_and_codes(out: Path, images: list[Any], names: list[str], ncol: int, codes: Any) -> None:
@@ -377,6 +354,25 @@ def _write_images_and_codes(out: Path, images: list[Any], names: list[str], ncol
     with atomic_path(out / "codes.npy") as tmp:
         with open(tmp, "wb") as f:
             np.save(f, codes.cpu().numpy().astype(np.int64))
+
+
+def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result: Any,
+                conditions: dict[str, Any]) -> dict[str, Any]:
+    """What ``run.json`` records of a generate run: the conditions, seeds, settings and statistics."""
+    from lantern.pipeline import image_seed
+
+    return {
+        "command": "generate",
+        "model": str(args.model),
+        **conditions,
+        "seeds": [image_seed(args.seed, i) for i in range(num_images)],
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "sampling": sampling.to_dict(),
+        "method": result.method.to_dict(),
+        "stats": result.stats_dict(),
+    }
 
 
 def _finish_run(out: Path, run: dict[str, Any], num_images: int) -> int:

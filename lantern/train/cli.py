@@ -254,6 +254,19 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_drafter_loss_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("loss")
+    g.add_argument("--p-weight", type=float, default=0.1, help="soft cross-entropy weight (default 0.1)")
+    g.add_argument("--v-weight", type=float, default=1.0, help="feature regression weight (default 1.0)")
+    g.add_argument("--noise-width", type=float, default=0.2, help="uniform input-feature noise width (0.2)")
+
+
+def _recipe(args: argparse.Namespace) -> Any:
+    from lantern.train.drafter import DrafterRecipe
+
+    return DrafterRecipe(p_weight=args.p_weight, v_weight=args.v_weight, noise_width=args.noise_width)
+
+
 def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-drafter", help="train an EAGLE drafter for a target",
                        description="SmoothL1(features) + w * soft-CE(logits) with input-feature noise (SPEC 3.2); "
@@ -261,11 +274,8 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="target model folder (or stack folder)")
     p.add_argument("--data", required=True, help="folder written by `lantern make-drafter-data`")
     p.add_argument("--out", required=True)
-    g = p.add_argument_group("loss")
-    g.add_argument("--p-weight", type=float, default=0.1, help="soft cross-entropy weight (default 0.1)")
-    g.add_argument("--v-weight", type=float, default=1.0, help="feature regression weight (default 1.0)")
-    g.add_argument("--noise-width", type=float, default=0.2, help="uniform input-feature noise width (0.2)")
-    g.add_argument("--no-eval-generation", action="store_true", help="skip the short speculative generation")
+    _add_drafter_loss_args(p)
+    p.add_argument("--no-eval-generation", action="store_true", help="skip the short speculative generation")
     _add_loop_args(p, steps=3000, batch_size=32, lr=1e-3, warmup=100, checkpoint_every=250, clip_mode="value",
                    grad_clip=0.5)
     p.set_defaults(func=cmd_train_drafter)
@@ -274,10 +284,10 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lantern.train.drafter import DrafterData, DrafterRecipe, train_drafter
+    from lantern.train.drafter import DrafterData, train_drafter
 
     loop = _loop(args)
-    recipe = DrafterRecipe(p_weight=args.p_weight, v_weight=args.v_weight, noise_width=args.noise_width)
+    recipe = _recipe(args)
     target = _load_target(args.target)
     data = Path(args.data)
     if not data.is_dir():
@@ -306,15 +316,10 @@ def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output drafter folder (+ checkpoints)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where native)")
-    g = p.add_argument_group("sampling of the training images (default: the model's generation.json, Lumina's)")
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--cfg-scale", type=float, default=None)
-    g = p.add_argument_group("loss")
-    g.add_argument("--p-weight", type=float, default=0.1, help="soft cross-entropy weight (default 0.1)")
-    g.add_argument("--v-weight", type=float, default=1.0, help="feature regression weight (default 1.0)")
-    g.add_argument("--noise-width", type=float, default=0.2, help="uniform input-feature noise width (0.2)")
+    from lantern.cli import _add_sampling_args
+
+    _add_sampling_args(p)  # of the training images (default: the model's generation.json, Lumina's)
+    _add_drafter_loss_args(p)
     _add_loop_args(p, steps=3000, batch_size=8, lr=1e-4, warmup=100, checkpoint_every=250, clip_mode="value",
                    grad_clip=0.5)
     p.set_defaults(func=cmd_train_chameleon_drafter)
@@ -329,10 +334,9 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     from lantern.stack import inference_dtype
     from lantern.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
-    from lantern.train.drafter import DrafterRecipe
 
     loop = _loop(args)
-    recipe = DrafterRecipe(p_weight=args.p_weight, v_weight=args.v_weight, noise_width=args.noise_width)
+    recipe = _recipe(args)
     prompts = read_prompts(args.prompts)
     root = Path(args.model)
     layout = _chameleon_layout(args, root)
