@@ -35,8 +35,9 @@ from lantern.io import (
     WEIGHTS_NAME,
     atomic_path,
     ensure_writable_dir,
-    read_json,
-    torch_load,
+    load_checkpoint,
+    read_json_object,
+    read_safetensors,
 )
 
 Metric = Literal["l2", "cosine"]
@@ -119,7 +120,8 @@ class ProximityTable:
         """Read a file written by :meth:`save`; LanternError if missing or not a proximity table."""
         path = Path(path)
         check(path.is_file(), f"proximity table not found: {path}")
-        meta, tensor = _read_safetensors(path)
+        tensors, meta = read_safetensors(path, "proximity table", [TENSOR_NAME])
+        tensor = tensors.get(TENSOR_NAME)
         check(
             meta.get("format") == FORMAT and tensor is not None,
             f"{path} is not a lantern proximity table (build one with `lantern build-proximity`)",
@@ -127,19 +129,6 @@ class ProximityTable:
         assert tensor is not None
         check(tensor.dim() == 2, f"proximity table {path} holds a {tuple(tensor.shape)} tensor, expected [V, K]")
         return cls(tensor, meta.get("codebook_sha256", ""), meta.get("metric", "l2"), meta.get("normalized") == "true")
-
-
-def _read_safetensors(path: Path) -> tuple[dict[str, str], Tensor | None]:
-    """(header metadata, the neighbour tensor or None); LanternError if not safetensors."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensor = f.get_tensor(TENSOR_NAME) if TENSOR_NAME in f.keys() else None
-    except Exception as e:  # safetensors raises its own error types for foreign files
-        raise LanternError(f"{path} is not a lantern proximity table: {e}") from None
-    return meta, tensor
 
 
 # ---- building ---------------------------------------------------------------------------------
@@ -214,20 +203,18 @@ def build_proximity(
 
 
 def _codebook_from_folder(folder: Path) -> Tensor:
-    from safetensors import safe_open
-
-    config = read_json(folder / CONFIG_NAME, "tokenizer config")
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    config = read_json_object(folder / CONFIG_NAME, "tokenizer config")
+    model_type = config.get("model_type")
     check(model_type == VQ_MODEL_TYPE, f"{folder} holds model_type {model_type!r}, not a {VQ_MODEL_TYPE!r} tokenizer")
     weights = folder / WEIGHTS_NAME
     check(weights.is_file(), f"tokenizer folder {folder} has no {WEIGHTS_NAME}")
-    with safe_open(str(weights), framework="pt") as f:
-        check(CODEBOOK_KEY in f.keys(), f"{weights} has no {CODEBOOK_KEY!r}")
-        return f.get_tensor(CODEBOOK_KEY)
+    tensors, _ = read_safetensors(weights, "tokenizer weights", [CODEBOOK_KEY])
+    check(CODEBOOK_KEY in tensors, f"{weights} has no {CODEBOOK_KEY!r}")
+    return tensors[CODEBOOK_KEY]
 
 
-def _codebook_from_checkpoint(path: Path) -> Tensor:
-    obj = torch_load(path, "VQ checkpoint")
+def _codebook_from_checkpoint(path: Path, trust_checkpoint: bool | None = None) -> Tensor:
+    obj = load_checkpoint(path, "VQ checkpoint", trust=trust_checkpoint)
     check(isinstance(obj, dict), f"VQ checkpoint {path} is a {type(obj).__name__}, expected a dict")
     for name in ("model", "state_dict"):
         if isinstance(obj.get(name), dict):
@@ -238,14 +225,15 @@ def _codebook_from_checkpoint(path: Path) -> Tensor:
     return weight
 
 
-def codebook_from_tokenizer(path: str | os.PathLike[str]) -> Tensor:
+def codebook_from_tokenizer(path: str | os.PathLike[str], *, trust_checkpoint: bool | None = None) -> Tensor:
     """The raw codebook [V, C] of a tokenizer: a model folder (``model_type`` lantern-vq) or an
-    official LlamaGen ``.pt`` (weights under ``'model'``, ``'state_dict'`` or at the top level)."""
+    official LlamaGen ``.pt`` (weights under ``'model'``, ``'state_dict'`` or at the top level),
+    read by :func:`lantern.io.load_checkpoint` (``trust_checkpoint``: see there)."""
     path = Path(path)
     if path.is_dir():
         codebook = _codebook_from_folder(path)
     elif path.is_file():
-        codebook = _codebook_from_checkpoint(path)
+        codebook = _codebook_from_checkpoint(path, trust_checkpoint)
     else:
         raise LanternError(f"tokenizer not found: {path} (expected a model folder or a .pt checkpoint)")
     check(codebook.dim() == 2, f"{path}: {CODEBOOK_KEY} must be [V, C], got {tuple(codebook.shape)}")
