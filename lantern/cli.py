@@ -301,13 +301,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
-    from lantern.io import read_json
     from lantern.models.chameleon import LAYOUTS, layout_by_name
+    from lantern.stack import read_generation_settings
 
     name = args.layout
-    if name is None and (root / "generation.json").is_file():
-        raw = read_json(root / "generation.json", "generation settings")
-        name = raw.get("layout") if isinstance(raw, dict) else None
+    if name is None:
+        name = read_generation_settings(root).get("layout")
     if name is None:
         raise LanternError(
             f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "

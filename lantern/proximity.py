@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +46,7 @@ FORMAT_VERSION = "1"
 TENSOR_NAME = "neighbours"
 CODEBOOK_KEY = "quantize.embedding.weight"
 VQ_MODEL_TYPE = "lantern-vq"
+SAMPLE_ROWS = 64  # rows whose distance order is checked against the codebook when a table is used
 
 
 def codebook_sha256(codebook: Tensor) -> str:
@@ -62,6 +63,7 @@ class ProximityTable:
     codebook_sha256: str
     metric: str
     normalized: bool
+    source: str = field(default="proximity table", compare=False)  # for messages: "proximity table FILE"
 
     @property
     def k_max(self) -> int:
@@ -81,18 +83,48 @@ class ProximityTable:
         return self.neighbours[:, :k].long()
 
     def validate(self, codebook: Tensor) -> None:
-        """LanternError unless the table was built from exactly this raw codebook [V, C]."""
+        """LanternError unless the table was built from exactly this raw codebook [V, C]: the hash
+        recorded in its header, and (as the header can be copied onto a tampered table) the
+        neighbours themselves on a fixed sample of rows (:meth:`check_distance_order`)."""
         v = int(codebook.shape[0])
         check(
             v == self.vocab_size,
-            f"proximity table has {self.vocab_size} tokens, but the tokenizer's codebook has {v}",
+            f"{self.source} has {self.vocab_size} tokens, but the tokenizer's codebook has {v}",
         )
         actual = codebook_sha256(codebook)
         check(
             actual == self.codebook_sha256,
-            f"proximity table was built for codebook sha256 {self.codebook_sha256}, but the "
+            f"{self.source} was built for codebook sha256 {self.codebook_sha256}, but the "
             f"tokenizer's codebook has {actual}; rebuild it with `lantern build-proximity`",
         )
+        self.check_distance_order(codebook)
+
+    def check_indices(self) -> None:
+        """LanternError unless every entry is another token's index (in [0, V), never the row's own)."""
+        v, nbr = self.vocab_size, self.neighbours
+        check(not nbr.is_floating_point() and not nbr.is_complex(),
+              f"{self.source} holds {nbr.dtype} values, expected integer token indices")
+        lo, hi = int(nbr.min()), int(nbr.max())
+        check(0 <= lo and hi < v, f"{self.source} holds token indices in [{lo}, {hi}], expected [0, {v - 1}]")
+        own = (nbr == torch.arange(v, dtype=nbr.dtype)[:, None]).any(dim=1)  # [V]
+        if bool(own.any()):
+            raise LanternError(f"{self.source} lists token {int(own.nonzero()[0, 0])} as its own neighbour (a token "
+                               "is never its own neighbour); rebuild it with `lantern build-proximity`")
+
+    def check_distance_order(self, codebook: Tensor, rows: int = SAMPLE_ROWS) -> None:
+        """LanternError unless, on ``rows`` evenly spaced rows, the listed neighbours are the K_max
+        nearest other codebook entries in distance order (compared by distance, so ties may list
+        either of two equally near tokens). Costs ``rows`` x V distances, not V x V."""
+        sample = torch.linspace(0, self.vocab_size - 1, min(rows, self.vocab_size)).round().long().unique()
+        e = _prepare(codebook, self.metric, self.normalized)  # type: ignore[arg-type]
+        d = torch.cdist(e[sample], e, compute_mode="donot_use_mm_for_euclid_dist")  # [S, V]
+        d[torch.arange(len(sample)), sample] = float("inf")
+        listed = d.gather(1, self.neighbours[sample].long())  # [S, K]
+        nearest = d.topk(self.k_max, dim=1, largest=False).values  # [S, K] ascending
+        ok = torch.isclose(listed, nearest, rtol=1e-6, atol=1e-9).all(dim=1)  # [S]
+        if not bool(ok.all()):
+            raise LanternError(f"{self.source}: token {int(sample[~ok][0])}'s neighbours are not its nearest codebook "
+                               f"entries in distance order ({self.metric}); rebuild it with `lantern build-proximity`")
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -127,8 +159,14 @@ class ProximityTable:
             f"{path} is not a lantern proximity table (build one with `lantern build-proximity`)",
         )
         assert tensor is not None
-        check(tensor.dim() == 2, f"proximity table {path} holds a {tuple(tensor.shape)} tensor, expected [V, K]")
-        return cls(tensor, meta.get("codebook_sha256", ""), meta.get("metric", "l2"), meta.get("normalized") == "true")
+        check(tensor.dim() == 2 and tensor.numel() > 0,
+              f"proximity table {path} holds a {tuple(tensor.shape)} tensor, expected [V, K] with V, K >= 1")
+        metric = meta.get("metric", "l2")
+        check(metric in ("l2", "cosine"), f"proximity table {path}: metric must be l2 or cosine, got {metric!r}")
+        table = cls(tensor, meta.get("codebook_sha256", ""), metric, meta.get("normalized") == "true",
+                    source=f"proximity table {path}")
+        table.check_indices()
+        return table
 
 
 # ---- building ---------------------------------------------------------------------------------
