@@ -305,8 +305,9 @@ def load_checkpoint(path: str | os.PathLike[str], what: str = "checkpoint", *, t
     except pickle.UnpicklingError as e:
         refused = _REFUSED_GLOBAL.search(str(e))
         if refused is not None:
+            name = refused.group(1) if "." in refused.group(1) else f"builtins.{refused.group(1)}"  # torch drops it
             raise LanternError(
-                f"{what} {path} contains a pickled {refused.group(1)}, which lantern does not load because "
+                f"{what} {path} contains a pickled {name}, which lantern does not load because "
                 f"unpickling it could run code; if you trust this file, pass {TRUST_FLAG} "
                 "(trust_checkpoint=True in Python)"
             ) from None
