@@ -448,7 +448,8 @@ class LlamaGen(nn.Module):
 
         Read by :func:`lantern.io.load_checkpoint` (the training ``args`` Namespace is allowed);
         ``trust_checkpoint=True`` also allows other classes (None: ``--trust-checkpoint``'s setting)."""
-        state = official_state_dict(load_checkpoint(path, "LlamaGen checkpoint", trust=trust_checkpoint))
+        source = f"LlamaGen checkpoint {path}"
+        state = official_state_dict(load_checkpoint(path, "LlamaGen checkpoint", trust=trust_checkpoint), source)
         model = cls(config)
         load_state_dict_strict(model, state, f"LlamaGen checkpoint {path}")
         return model.to(dtype) if dtype is not None else model
@@ -490,15 +491,15 @@ def caption_columns(cond_mask: Tensor, length: int) -> Tensor:
 # Checkpoint formats
 
 
-def official_state_dict(obj: Any) -> dict[str, Tensor]:
-    """Weights of an official LlamaGen checkpoint container (SPEC §1.5)."""
+def official_state_dict(obj: Any, source: str = "checkpoint") -> dict[str, Tensor]:
+    """Weights of an official LlamaGen checkpoint container (SPEC §1.5); ``source`` names it in errors."""
     if isinstance(obj, Mapping):
         for key in ("model", "module", "state_dict"):
             if key in obj and isinstance(obj[key], Mapping):
                 obj = obj[key]
                 break
     if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise LanternError("checkpoint holds no state dict under 'model', 'module' or 'state_dict'")
+        raise LanternError(f"{source} holds no state dict under 'model', 'module' or 'state_dict'")
     state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in obj.items()}
     state.pop("freqs_cis", None)  # older files carry the rotary table
     return state

@@ -510,7 +510,11 @@ class VQModel(nn.Module):
         classes besides tensors and the allow-listed ones (None: ``--trust-checkpoint``'s setting).
         """
         cfg = vq_config(config) if isinstance(config, str) else config
-        state_dict = extract_state_dict(load_checkpoint(path, "VQ checkpoint", trust=trust_checkpoint), key)
+        obj = load_checkpoint(path, "VQ checkpoint", trust=trust_checkpoint)
+        try:
+            state_dict = extract_state_dict(obj, key)
+        except CheckpointError as e:  # name the file: the message only describes its contents
+            raise CheckpointError(f"VQ checkpoint {path}: {e}") from None
         model = cls._empty(cfg)
         load_state_dict_strict(model, state_dict, f"VQ checkpoint {path}")
         return model.eval()
