@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_chameleon_vq import _fake_class, _save_with_fake_modules
 from test_drafter import OFFICIAL_CONFIG, _official_state
 from test_train import _image_folder
 
@@ -105,6 +106,29 @@ def test_official_layouts_with_a_namespace_load_without_a_flag(tmp_path: Path) -
     assert torch.equal(VQModel.from_official_checkpoint(vq_file, tiny_vq_config()).quantize.embedding.weight,
                        vq.quantize.embedding.weight)
     assert load_checkpoint(gpt)["args"] == args  # rebuilt as the real Namespace, attributes intact
+
+
+def test_lightning_checkpoint_layout_loads_without_a_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A full Lightning training checkpoint (as taming-transformers VQGANs are saved) feeds
+    ``build-proximity`` without Lightning installed and without --trust-checkpoint."""
+    vq = tiny_vq()
+    callback = _fake_class("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint")
+    hparams = type("AttributeDict", (dict,), {"__module__": "pytorch_lightning.utilities.parsing"})
+    ckpt = {"epoch": 12, "global_step": 40000, "pytorch-lightning_version": "1.4.2", "state_dict": vq.state_dict(),
+            "callbacks": {callback: {"best_model_score": torch.tensor(0.1), "best_model_path": "/x/last.ckpt"}},
+            "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"lr": 4.5e-6}]}],
+            "lr_schedulers": [], "loops": {"fit_loop": {"epoch_progress": {"current": {"ready": 12}}}},
+            "native_amp_scaling_state": {"scale": 65536.0}, "hparams_name": "kwargs",
+            "hyper_parameters": hparams(embed_dim=8, n_embed=256)}
+    path = tmp_path / "vqgan.ckpt"
+    _save_with_fake_modules([callback, hparams], lambda: torch.save(ckpt, path), monkeypatch)
+    loaded = load_checkpoint(path)
+    assert loaded["hyper_parameters"] == {"embed_dim": 8, "n_embed": 256} and loaded["epoch"] == 12
+    out = tmp_path / "prox.safetensors"
+    assert main(["build-proximity", "--tokenizer", str(path), "--k-max", "4", "--out", str(out)]) == 0
+    ProximityTable.load(out).validate(vq.quantize.embedding.weight)
+    assert "warning" not in capsys.readouterr().err.lower()
 
 
 def test_trust_checkpoint_loads_other_classes_with_a_warning(tmp_path: Path) -> None:
@@ -250,6 +274,19 @@ def test_resume_continues_from_lanterns_own_files(stopped_run: tuple[Path, Path]
 
 
 # ---- corrupt files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("damage", "needle"), [("truncated", "failed reading zip archive"),
+                                                 ("empty", "the file ends early (empty or truncated)"),
+                                                 ("garbage", "could not be read as a torch checkpoint")])
+def test_corrupt_pickled_checkpoint(tmp_path: Path, damage: str, needle: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "vq.pt"
+    torch.save({"model": tiny_vq().state_dict()}, path)
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\x80\x02garbage" * 64}[damage])
+    assert main(["build-proximity", "--tokenizer", str(path), "--k-max", "4", "--out", str(tmp_path / "p")]) == 2
+    _one_line_error(capsys, f"VQ checkpoint {path}", needle)
 
 
 def _generate(model: Path, tmp_path: Path, method: str = "ar") -> int:
