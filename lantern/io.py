@@ -196,8 +196,9 @@ def load_state_dict_strict(
 #
 # * ``argparse.Namespace``: LlamaGen's training scripts save ``{"model", "optimizer", "steps",
 #   "args": Namespace(...)}``. Rebuilding one only sets attributes.
-# * PyTorch-Lightning checkpoints (taming-transformers-style VQGANs such as Chameleon's
-#   ``vqgan.ckpt``) hold ``state_dict``, ``epoch``, ``global_step``, ``pytorch-lightning_version``,
+# * PyTorch-Lightning checkpoints (taming-transformers-style VQGANs; Chameleon's ``vqgan.ckpt``
+#   needs none of this list: transformers' conversion script reads it with weights_only=True)
+#   hold ``state_dict``, ``epoch``, ``global_step``, ``pytorch-lightning_version``,
 #   ``optimizer_states``, ``lr_schedulers`` and ``loops`` (plain dicts and tensors), plus
 #   ``callbacks``, keyed (Lightning < 1.5) or valued by ``ModelCheckpoint`` / ``EarlyStopping``, and
 #   ``hyper_parameters``, an ``AttributeDict``. Those classes are replaced by the inert stand-ins
