@@ -366,7 +366,7 @@ def test_folder_non_utf8_labels_file(tmp_path: Path) -> None:
     solid_folder(tmp_path / "imgs", 2)
     labels = tmp_path / "labels.csv"
     labels.write_bytes(b"img000.png,0\nimg\xff.png,1\n")
-    with pytest.raises(LanternError, match=r"labels file .*labels\.csv is not UTF-8 text \(byte 16: invalid start byte"):
+    with pytest.raises(LanternError, match=r"labels file .*labels\.csv is not UTF-8 text \(byte 16: invalid start"):
         load_dataset(str(tmp_path / "imgs"), labels_file=str(labels))
 
 
