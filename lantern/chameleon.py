@@ -39,12 +39,12 @@ from lantern.config import SamplingConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import LanternError, check
 from lantern.generate import Drafter, GenerationOutput, generate
-from lantern.io import read_json
 from lantern.jacobi import JacobiDrafter, check_window_fits
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance, max_tree_nodes
 from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
+from lantern.stack import read_generation_settings
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -301,11 +301,7 @@ class ChameleonStack:
         return f if f.is_file() else None
 
     def _generation(self) -> dict[str, Any]:
-        f = self.root / "generation.json"
-        if not f.is_file():
-            return {}
-        raw = read_json(f, "generation settings")
-        return raw if isinstance(raw, dict) else {}
+        return read_generation_settings(self.root)
 
     def default_sampling(self) -> dict[str, float]:
         raw = self._generation()

@@ -25,6 +25,15 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def add_trust_checkpoint_arg(p: argparse._ActionsContainer) -> None:
+    """``--trust-checkpoint``, on every command that may read a pickled checkpoint (.pt/.bin/.ckpt)."""
+    p.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="fully unpickle .pt/.bin/.ckpt files that hold classes besides tensors and the allowed ones: "
+             "this can run code from the file, so only for files you trust (see README: Loading checkpoints safely)",
+    )
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults: the model's generation.json, else the values shown)")
     g.add_argument(
@@ -149,6 +158,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lantern-lambda", type=float, default=None, help="lantern++, sjd-lantern++: relative bound lambda >= 1 (5.0)"
     )
+    p.add_argument(
+        "--lantern-residual", default=None, choices=["paper", "official", "official-lumina"],
+        help="relaxed methods, after a rejection: the paper's residual (default), or the released LlamaGen "
+             "(official) / Lumina-mGPT (official-lumina) code's, for comparisons",
+    )
     p.add_argument("--sjd-window", type=int, default=None, help="sjd*: Jacobi window length L >= 1 (16)")
     p.add_argument(
         "--sjd-init",
@@ -162,6 +176,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="target/drafter precision: float32 (default; bit-reproducible), bfloat16, or auto "
                         "(bf16 where the hardware computes it natively: faster at batch 1)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_trust_checkpoint_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -243,7 +258,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
     tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
-        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init
+        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
+        args.lantern_residual,
     )
     sampling = _sampling(args, stack)
     t5_dir = _t5_dir(args, stack) if prompts is not None else None
@@ -271,7 +287,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      args.drafter, args.proximity, not args.no_progress)
             run_kw["method"] = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k,
                                                     args.lantern_delta, args.lantern_lambda, args.sjd_window,
-                                                    args.sjd_init)
+                                                    args.sjd_init, args.lantern_residual)
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
@@ -285,13 +301,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
-    from lantern.io import read_json
     from lantern.models.chameleon import LAYOUTS, layout_by_name
+    from lantern.stack import read_generation_settings
 
     name = args.layout
-    if name is None and (root / "generation.json").is_file():
-        raw = read_json(root / "generation.json", "generation settings")
-        name = raw.get("layout") if isinstance(raw, dict) else None
+    if name is None:
+        name = read_generation_settings(root).get("layout")
     if name is None:
         raise LanternError(
             f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "
@@ -324,7 +339,8 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     tree = args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
-        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init
+        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
+        args.lantern_residual,
     )
     sampling = _sampling(args, stack)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
@@ -424,6 +440,7 @@ def _add_build_proximity(sub: argparse._SubParsersAction) -> None:
         "--metric", choices=["l2", "cosine"], default="l2", help="distance (default l2, as the official code)"
     )
     p.add_argument("--normalize", action="store_true", help="use the l2-normalised codebook (what the decoder sees)")
+    add_trust_checkpoint_arg(p)
     p.set_defaults(func=cmd_build_proximity)
 
 
@@ -460,6 +477,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "--tree spec of `lantern generate` (default: the model's generation.json)")
     p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
     p.add_argument("--no-progress", action="store_true")
+    add_trust_checkpoint_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -552,6 +570,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
     p.add_argument("--no-progress", action="store_true")
+    add_trust_checkpoint_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -581,6 +600,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
     p.add_argument("--no-progress", action="store_true")
+    add_trust_checkpoint_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
 
@@ -623,8 +643,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
     func: Callable[[argparse.Namespace], Any] = args.func
+    from lantern.io import trusted_checkpoints
+
     try:
-        return int(func(args) or 0)
+        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)):
+            return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)
         return 2

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from lantern.errors import check
 
 RelaxationMode = Literal["absolute", "relative"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
+RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,7 @@ class RelaxationConfig:
             self.mode in ("absolute", "relative"),
             f"relaxation mode must be 'absolute' or 'relative', got {self.mode!r}",
         )
-        check(
-            self.residual in ("paper", "official", "official-lumina"),
-            f"residual must be 'paper', 'official' or 'official-lumina', got {self.residual!r}",
-        )
+        check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
             f"lantern delta must be in [0, 1], got {self.delta}",

@@ -26,9 +26,9 @@ DATA_FILE = "data.json"  # how to rebuild the stack's training images: load_data
 
 def stack_dataset(stack: ModelStack, split: str, num_samples: int | None = None) -> Any:
     from lantern.data import load_dataset
-    from lantern.io import read_json
+    from lantern.io import read_json_object
 
-    spec = dict(read_json(stack.root / DATA_FILE, "stack data description"))
+    spec = read_json_object(stack.root / DATA_FILE, "stack data description")
     spec.update(split=split)
     if num_samples is not None:
         spec["num_samples"] = num_samples

@@ -2,15 +2,26 @@
 
 Outputs are written to a temporary name in the same directory and renamed into place, so an
 interrupted or failed run never leaves a half-written file behind.
+
+Every file lantern reads goes through a helper here that turns a corrupt, truncated or foreign
+file into a one-line :class:`LanternError` naming it: :func:`read_json`, :func:`load_safetensors`
+and :func:`load_checkpoint`. The last is the only place a pickle (``.pt``, ``.bin``, ``.ckpt``) is
+read, and it never runs code from the file unless the user vouches for it (see its docstring).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import pickle
+import re
 import tempfile
-from collections.abc import Iterator, Mapping
+import types
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +67,42 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
     if not path.is_file():
         raise LanternError(f"{what} not found: {path}")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise LanternError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise LanternError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def read_json_object(path: str | os.PathLike[str], what: str = "file") -> dict[str, Any]:
+    """:func:`read_json` for files that must hold a JSON object (``{...}``)."""
+    raw = read_json(path, what)
+    if not isinstance(raw, dict):
+        raise LanternError(f"{what} {path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_safetensors(
+    path: str | os.PathLike[str], what: str = "weights", names: Sequence[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors ``names`` (all when None; absent names are left out) and the header metadata of
+    a safetensors file; LanternError naming the file if it is missing, truncated or foreign."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise LanternError(f"{what} not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys()) if names is None else [n for n in names if n in f.keys()]
+            return {k: f.get_tensor(k) for k in keys}, dict(f.metadata() or {})
+    except SafetensorError as e:  # truncated, empty or not a safetensors file at all
+        raise LanternError(f"{what} {path} is not a readable safetensors file ({e})") from None
+
+
+def load_safetensors(path: str | os.PathLike[str], what: str = "weights") -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (see :func:`read_safetensors`)."""
+    return read_safetensors(path, what)[0]
 
 
 def ensure_writable_dir(path: str | os.PathLike[str], what: str = "--out") -> Path:
@@ -96,16 +140,14 @@ def save_model_folder(
 
 def load_model_folder(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a model folder written by :func:`save_model_folder`."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if not directory.is_dir():
         raise LanternError(f"model folder not found: {directory}")
-    config = read_json(directory / CONFIG_NAME, "model config")
+    config = read_json_object(directory / CONFIG_NAME, "model config")
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         raise LanternError(f"model folder {directory} has no {WEIGHTS_NAME}")
-    return config, load_file(str(weights))
+    return config, load_safetensors(weights, "model weights")
 
 
 def _preview(keys: list[str], n: int = 5) -> str:
@@ -146,16 +188,142 @@ def load_state_dict_strict(
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
 
 
-def torch_load(path: str | os.PathLike[str], what: str = "checkpoint") -> Any:
-    """``torch.load`` on CPU for official training checkpoints (which pickle argparse Namespaces).
+# ---- pickled checkpoints -------------------------------------------------------------------------
+#
+# torch.load(weights_only=True) rebuilds only tensors, plain containers and numbers; any other
+# class in the pickle is refused before it is created, so nothing in the file can run. Official
+# checkpoints hold a few harmless objects besides their tensors, allowed below by name:
+#
+# * ``argparse.Namespace``: LlamaGen's training scripts save ``{"model", "optimizer", "steps",
+#   "args": Namespace(...)}``. Rebuilding one only sets attributes.
+# * PyTorch-Lightning checkpoints (taming-transformers-style VQGANs; Chameleon's ``vqgan.ckpt``
+#   needs none of this list: transformers' conversion script reads it with weights_only=True)
+#   hold ``state_dict``, ``epoch``, ``global_step``, ``pytorch-lightning_version``,
+#   ``optimizer_states``, ``lr_schedulers`` and ``loops`` (plain dicts and tensors), plus
+#   ``callbacks``, keyed (Lightning < 1.5) or valued by ``ModelCheckpoint`` / ``EarlyStopping``, and
+#   ``hyper_parameters``, an ``AttributeDict``. Those classes are replaced by the inert stand-ins
+#   below (Lightning is not imported, and not needed): a stand-in only stores the pickled state.
+#   An OmegaConf ``DictConfig`` in ``hyper_parameters`` needs a dozen omegaconf internals, whose
+#   names change between releases; it is not allowed, so such a file needs --trust-checkpoint.
+# Anything else is refused with the class's name, unless the user vouches for the file.
 
-    ``weights_only=False`` is needed because LlamaGen's training files store ``args`` as an
-    ``argparse.Namespace``; only load files you trust.
+TRUST_FLAG = "--trust-checkpoint"
+_trust_checkpoints: ContextVar[bool] = ContextVar("lantern_trust_checkpoints", default=False)
+
+
+class LanternWarning(UserWarning):
+    """Something the user asked for that weakens a safety check (e.g. --trust-checkpoint)."""
+
+
+class _PickledObjectStub:
+    """Inert stand-in for a pickled class lantern does not import: it only keeps the pickled state."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _PickledObjectStub:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__["_state"] = state
+
+
+class _LightningCallback(_PickledObjectStub):
+    """Stand-in for a Lightning callback (``ModelCheckpoint``, ``EarlyStopping``)."""
+
+
+class _AttributeDict:
+    """Stand-in for Lightning's ``AttributeDict`` (a dict subclass): rebuilt as a plain dict (the
+    weights-only unpickler fills only exact dicts, and nothing reads these attributes)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[misc]
+        return {}
+
+
+_LIGHTNING_CALLBACKS = ("model_checkpoint.ModelCheckpoint", "early_stopping.EarlyStopping")
+_LIGHTNING_ATTRIBUTE_DICTS = ("pytorch_lightning.utilities.parsing.AttributeDict",
+                              "lightning.fabric.utilities.data.AttributeDict",
+                              "lightning_fabric.utilities.data.AttributeDict")
+SAFE_GLOBALS: list[Any] = [
+    argparse.Namespace,
+    *[(_LightningCallback, f"{package}.callbacks.{name}")
+      for package in ("pytorch_lightning", "lightning.pytorch") for name in _LIGHTNING_CALLBACKS],
+    *[(_AttributeDict, name) for name in _LIGHTNING_ATTRIBUTE_DICTS],
+]
+
+
+@contextlib.contextmanager
+def trusted_checkpoints(trust: bool = True) -> Iterator[None]:
+    """Within the block, :func:`load_checkpoint` fully unpickles files (``--trust-checkpoint``)."""
+    token = _trust_checkpoints.set(trust)
+    try:
+        yield
+    finally:
+        _trust_checkpoints.reset(token)
+
+
+class _TolerantUnpickler(pickle.Unpickler):
+    """Full unpickler for trusted files whose classes cannot be imported here (e.g. Lightning's)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_PickledObjectStub,), {"__module__": module})
+
+
+# torch.load takes a pickle *module*; this one only differs in how unknown classes are found.
+_tolerant_pickle = types.ModuleType("lantern_tolerant_pickle")
+_tolerant_pickle.Unpickler = _TolerantUnpickler  # type: ignore[attr-defined]
+_tolerant_pickle.load = pickle.load  # type: ignore[attr-defined]
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _reason(error: BaseException) -> str:
+    """One line of a torch/pickle error: the weights-only unpickler's own reason where it gives one,
+    else the first sentence (torch appends paragraphs of advice that do not apply here)."""
+    if isinstance(error, EOFError):
+        return "the file ends early (empty or truncated)"
+    text = str(error).split("WeightsUnpickler error:", 1)[-1]
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
+    return line.split(". ", 1)[0]
+
+
+def load_checkpoint(path: str | os.PathLike[str], what: str = "checkpoint", *, trust: bool | None = None) -> Any:
+    """``torch.load`` a pickled checkpoint on CPU without letting it run code.
+
+    Only tensors, containers, numbers and the allowed classes above are rebuilt; a file naming any
+    other class is refused with a LanternError naming the file and the class. ``trust=True`` (or
+    ``--trust-checkpoint``, through :func:`trusted_checkpoints`) loads it with the full unpickler
+    after a warning: only for files you would also run as a program.
     """
     path = Path(path)
     if not path.is_file():
         raise LanternError(f"{what} not found: {path}")
+    if _trust_checkpoints.get() if trust is None else trust:
+        return _load_trusted(path, what)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=False)
-    except Exception as e:  # a torch pickle error is not something a user can act on
-        raise LanternError(f"{what} {path} could not be read as a torch checkpoint: {e}") from None
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+    except pickle.UnpicklingError as e:
+        refused = _REFUSED_GLOBAL.search(str(e))
+        if refused is not None:
+            name = refused.group(1) if "." in refused.group(1) else f"builtins.{refused.group(1)}"  # torch drops it
+            raise LanternError(
+                f"{what} {path} contains a pickled {name}, which lantern does not load because "
+                f"unpickling it could run code; if you trust this file, pass {TRUST_FLAG} "
+                "(trust_checkpoint=True in Python)"
+            ) from None
+        raise LanternError(f"{what} {path} could not be read as a torch checkpoint: {_reason(e)}") from None
+    except Exception as e:  # the restricted unpickler runs no code: anything it raises is about the file
+        raise LanternError(f"{what} {path} could not be read as a torch checkpoint: {_reason(e)}") from None
+
+
+def _load_trusted(path: Path, what: str) -> Any:
+    warnings.warn(f"{what} {path}: loading with the full unpickler ({TRUST_FLAG}): this runs any code "
+                  "the file contains", LanternWarning, stacklevel=3)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=False, pickle_module=_tolerant_pickle)
+    except Exception as e:  # a trusted file may raise anything while unpickling
+        raise LanternError(f"{what} {path} could not be read as a torch checkpoint: {_reason(e)}") from None

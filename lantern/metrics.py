@@ -127,13 +127,13 @@ class LanternFeatureExtractor(FeatureExtractor):
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str], label: str | None = None) -> LanternFeatureExtractor:
         """Load a folder written by ``lantern train-features`` (its provenance.json gives the accuracy)."""
-        from lantern.io import read_json
+        from lantern.io import read_json_object
         from lantern.train.features import FeatureNet
 
         folder = Path(folder)
         metrics = None
         if (folder / "provenance.json").is_file():
-            metrics = read_json(folder / "provenance.json", "feature net provenance").get("metrics")
+            metrics = read_json_object(folder / "provenance.json", "feature net provenance").get("metrics")
         return cls(FeatureNet.from_pretrained(folder), label or str(folder), metrics)
 
     def _extract(self, images: Tensor) -> Tensor:
@@ -212,7 +212,7 @@ class ClipFeatureExtractor(FeatureExtractor):
         except ImportError as e:
             raise LanternError("clip: feature extraction needs the 'transformers' package: pip install transformers") \
                 from e
-        from lantern.io import read_json
+        from lantern.io import read_json_object
 
         folder = Path(folder)
         check(folder.is_dir(), f"clip: no such CLIP folder {folder}")
@@ -222,7 +222,7 @@ class ClipFeatureExtractor(FeatureExtractor):
             raise LanternError(f"clip:{folder} is not a CLIP vision model folder: {e}") from None
         mean, std = CLIP_MEAN, CLIP_STD
         if (folder / "preprocessor_config.json").is_file():
-            pre = read_json(folder / "preprocessor_config.json", "CLIP preprocessor config")
+            pre = read_json_object(folder / "preprocessor_config.json", "CLIP preprocessor config")
             mean, std = tuple(pre.get("image_mean", mean)), tuple(pre.get("image_std", std))
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
@@ -268,7 +268,7 @@ def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.
 
 
 def _load_lantern_extractor(text: str) -> FeatureExtractor:
-    from lantern.io import read_json
+    from lantern.io import read_json_object
     from lantern.stack import PRESETS
     from lantern.train.features import MODEL_TYPE
 
@@ -281,7 +281,7 @@ def _load_lantern_extractor(text: str) -> FeatureExtractor:
     if path.is_dir() and (path / FEATURES_DIR).is_dir():
         return LanternFeatureExtractor.from_folder(path / FEATURES_DIR, str(path))
     if path.is_dir() and (path / "config.json").is_file():
-        model_type = read_json(path / "config.json", "model config").get("model_type")
+        model_type = read_json_object(path / "config.json", "model config").get("model_type")
         if model_type == MODEL_TYPE:
             return LanternFeatureExtractor.from_folder(path)
         raise LanternError(f"feature extractor {text!r} holds model_type {model_type!r}, not a lantern feature net; "
@@ -612,11 +612,11 @@ def reference_images(model: Any, num_samples: int | None = None, *, split: str |
     """
     from lantern.data import batch_images, load_dataset
     from lantern.evaluation import DATA_FILE
-    from lantern.io import read_json
+    from lantern.io import read_json_object
     from lantern.stack import resolve_model_dir
 
     root = model.root if hasattr(model, "root") else resolve_model_dir(model)
-    spec = dict(read_json(Path(root) / DATA_FILE, "stack data description"))
+    spec = read_json_object(Path(root) / DATA_FILE, "stack data description")
     if split is None:
         fresh_crops = spec.get("source") == "photos"
         split = "train" if fresh_crops else "test"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
+from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
 from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
@@ -94,10 +94,12 @@ class MethodConfig:
         lam: float | None = None,
         window: int | None = None,
         init: str | None = None,
+        residual: str | None = None,
     ) -> MethodConfig:
-        """Defaults per method (see the module table), with CLI-style overrides."""
+        """Defaults per method (see the module table), with CLI-style overrides. ``residual``
+        (``--lantern-residual``): what a relaxed method continues with after a rejection."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        relaxation = _resolve_relaxation(method, k, delta, lam)
+        relaxation = _resolve_relaxation(method, k, delta, lam, residual)
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -118,23 +120,27 @@ class MethodConfig:
         return asdict(self)
 
 
-def _resolve_relaxation(method: str, k: int | None, delta: float | None, lam: float | None) -> RelaxationConfig | None:
+def _resolve_relaxation(
+    method: str, k: int | None, delta: float | None, lam: float | None, residual: str | None = None
+) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
     rule = RELAXED_RULE.get(method)
     if rule is None:
         check(
-            k is None and delta is None and lam is None,
+            k is None and delta is None and lam is None and residual is None,
             f"--lantern-* options need a relaxed method ({', '.join(RELAXED_RULE)})",
         )
         return None
     if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
         check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
-        base = DEFAULT_LANTERN
-        return replace(base, k=base.k if k is None else k, delta=base.delta if delta is None else delta)
-    twin = method.removesuffix("++")
-    check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda")
-    base = DEFAULT_LANTERN_PP
-    return replace(base, k=base.k if k is None else k, lam=base.lam if lam is None else lam)
+        base = replace(DEFAULT_LANTERN, delta=DEFAULT_LANTERN.delta if delta is None else delta)
+    else:
+        twin = method.removesuffix("++")
+        check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda")
+        base = replace(DEFAULT_LANTERN_PP, lam=DEFAULT_LANTERN_PP.lam if lam is None else lam)
+    check(residual is None or residual in RESIDUALS,
+          f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}")
+    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual)
 
 
 @dataclass
@@ -321,7 +327,9 @@ def load_acceptance(
 ) -> tuple[Acceptance, MethodConfig]:
     """The method's acceptance rule, with the proximity table a relaxed rule needs (validated
     against ``codebook`` when given), and the method with k as actually used: a default k larger
-    than the table's K_max is capped, an explicit one is an error."""
+    than the table's K_max is capped, an explicit one is an error. The released code's residuals
+    (``residual`` official / official-lumina) also remove the (k+1)-th neighbour, so they take
+    k+1 columns of the table (and a default k is capped at K_max - 1)."""
     relaxation = method.relaxation
     if relaxation is None or relaxation.is_exact:
         return Acceptance(relaxation), method
@@ -335,10 +343,14 @@ def load_acceptance(
     table = ProximityTable.load(str(table_path))
     if codebook is not None:
         table.validate(codebook)
-    if relaxation.k > table.k_max and not method.k_explicit:
-        relaxation = replace(relaxation, k=table.k_max)
+    extra = 0 if relaxation.residual == "paper" else 1
+    if relaxation.k + extra > table.k_max and not method.k_explicit:
+        relaxation = replace(relaxation, k=table.k_max - extra)
     table.check_k(relaxation.k)
-    neighbours = table.neighbours_for(relaxation.k).to(device)
+    check(relaxation.k + extra <= table.k_max,
+          f"--lantern-residual {relaxation.residual} removes k+1 = {relaxation.k + 1} neighbours per rejection, "
+          f"but the proximity table {table_path} holds K_max = {table.k_max}")
+    neighbours = table.neighbours_for(relaxation.k + extra).to(device)
     return Acceptance(relaxation, neighbours), replace(method, relaxation=relaxation)
 
 

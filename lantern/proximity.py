@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -35,8 +35,9 @@ from lantern.io import (
     WEIGHTS_NAME,
     atomic_path,
     ensure_writable_dir,
-    read_json,
-    torch_load,
+    load_checkpoint,
+    read_json_object,
+    read_safetensors,
 )
 
 Metric = Literal["l2", "cosine"]
@@ -45,6 +46,7 @@ FORMAT_VERSION = "1"
 TENSOR_NAME = "neighbours"
 CODEBOOK_KEY = "quantize.embedding.weight"
 VQ_MODEL_TYPE = "lantern-vq"
+SAMPLE_ROWS = 64  # rows whose distance order is checked against the codebook when a table is used
 
 
 def codebook_sha256(codebook: Tensor) -> str:
@@ -61,6 +63,7 @@ class ProximityTable:
     codebook_sha256: str
     metric: str
     normalized: bool
+    source: str = field(default="proximity table", compare=False)  # for messages: "proximity table FILE"
 
     @property
     def k_max(self) -> int:
@@ -80,18 +83,48 @@ class ProximityTable:
         return self.neighbours[:, :k].long()
 
     def validate(self, codebook: Tensor) -> None:
-        """LanternError unless the table was built from exactly this raw codebook [V, C]."""
+        """LanternError unless the table was built from exactly this raw codebook [V, C]: the hash
+        recorded in its header, and (as the header can be copied onto a tampered table) the
+        neighbours themselves on a fixed sample of rows (:meth:`check_distance_order`)."""
         v = int(codebook.shape[0])
         check(
             v == self.vocab_size,
-            f"proximity table has {self.vocab_size} tokens, but the tokenizer's codebook has {v}",
+            f"{self.source} has {self.vocab_size} tokens, but the tokenizer's codebook has {v}",
         )
         actual = codebook_sha256(codebook)
         check(
             actual == self.codebook_sha256,
-            f"proximity table was built for codebook sha256 {self.codebook_sha256}, but the "
+            f"{self.source} was built for codebook sha256 {self.codebook_sha256}, but the "
             f"tokenizer's codebook has {actual}; rebuild it with `lantern build-proximity`",
         )
+        self.check_distance_order(codebook)
+
+    def check_indices(self) -> None:
+        """LanternError unless every entry is another token's index (in [0, V), never the row's own)."""
+        v, nbr = self.vocab_size, self.neighbours
+        check(not nbr.is_floating_point() and not nbr.is_complex(),
+              f"{self.source} holds {nbr.dtype} values, expected integer token indices")
+        lo, hi = int(nbr.min()), int(nbr.max())
+        check(0 <= lo and hi < v, f"{self.source} holds token indices in [{lo}, {hi}], expected [0, {v - 1}]")
+        own = (nbr == torch.arange(v, dtype=nbr.dtype)[:, None]).any(dim=1)  # [V]
+        if bool(own.any()):
+            raise LanternError(f"{self.source} lists token {int(own.nonzero()[0, 0])} as its own neighbour (a token "
+                               "is never its own neighbour); rebuild it with `lantern build-proximity`")
+
+    def check_distance_order(self, codebook: Tensor, rows: int = SAMPLE_ROWS) -> None:
+        """LanternError unless, on ``rows`` evenly spaced rows, the listed neighbours are the K_max
+        nearest other codebook entries in distance order (compared by distance, so ties may list
+        either of two equally near tokens). Costs ``rows`` x V distances, not V x V."""
+        sample = torch.linspace(0, self.vocab_size - 1, min(rows, self.vocab_size)).round().long().unique()
+        e = _prepare(codebook, self.metric, self.normalized)  # type: ignore[arg-type]
+        d = torch.cdist(e[sample], e, compute_mode="donot_use_mm_for_euclid_dist")  # [S, V]
+        d[torch.arange(len(sample)), sample] = float("inf")
+        listed = d.gather(1, self.neighbours[sample].long())  # [S, K]
+        nearest = d.topk(self.k_max, dim=1, largest=False).values  # [S, K] ascending
+        ok = torch.isclose(listed, nearest, rtol=1e-6, atol=1e-9).all(dim=1)  # [S]
+        if not bool(ok.all()):
+            raise LanternError(f"{self.source}: token {int(sample[~ok][0])}'s neighbours are not its nearest codebook "
+                               f"entries in distance order ({self.metric}); rebuild it with `lantern build-proximity`")
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -119,27 +152,21 @@ class ProximityTable:
         """Read a file written by :meth:`save`; LanternError if missing or not a proximity table."""
         path = Path(path)
         check(path.is_file(), f"proximity table not found: {path}")
-        meta, tensor = _read_safetensors(path)
+        tensors, meta = read_safetensors(path, "proximity table", [TENSOR_NAME])
+        tensor = tensors.get(TENSOR_NAME)
         check(
             meta.get("format") == FORMAT and tensor is not None,
             f"{path} is not a lantern proximity table (build one with `lantern build-proximity`)",
         )
         assert tensor is not None
-        check(tensor.dim() == 2, f"proximity table {path} holds a {tuple(tensor.shape)} tensor, expected [V, K]")
-        return cls(tensor, meta.get("codebook_sha256", ""), meta.get("metric", "l2"), meta.get("normalized") == "true")
-
-
-def _read_safetensors(path: Path) -> tuple[dict[str, str], Tensor | None]:
-    """(header metadata, the neighbour tensor or None); LanternError if not safetensors."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensor = f.get_tensor(TENSOR_NAME) if TENSOR_NAME in f.keys() else None
-    except Exception as e:  # safetensors raises its own error types for foreign files
-        raise LanternError(f"{path} is not a lantern proximity table: {e}") from None
-    return meta, tensor
+        check(tensor.dim() == 2 and tensor.numel() > 0,
+              f"proximity table {path} holds a {tuple(tensor.shape)} tensor, expected [V, K] with V, K >= 1")
+        metric = meta.get("metric", "l2")
+        check(metric in ("l2", "cosine"), f"proximity table {path}: metric must be l2 or cosine, got {metric!r}")
+        table = cls(tensor, meta.get("codebook_sha256", ""), metric, meta.get("normalized") == "true",
+                    source=f"proximity table {path}")
+        table.check_indices()
+        return table
 
 
 # ---- building ---------------------------------------------------------------------------------
@@ -214,20 +241,18 @@ def build_proximity(
 
 
 def _codebook_from_folder(folder: Path) -> Tensor:
-    from safetensors import safe_open
-
-    config = read_json(folder / CONFIG_NAME, "tokenizer config")
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    config = read_json_object(folder / CONFIG_NAME, "tokenizer config")
+    model_type = config.get("model_type")
     check(model_type == VQ_MODEL_TYPE, f"{folder} holds model_type {model_type!r}, not a {VQ_MODEL_TYPE!r} tokenizer")
     weights = folder / WEIGHTS_NAME
     check(weights.is_file(), f"tokenizer folder {folder} has no {WEIGHTS_NAME}")
-    with safe_open(str(weights), framework="pt") as f:
-        check(CODEBOOK_KEY in f.keys(), f"{weights} has no {CODEBOOK_KEY!r}")
-        return f.get_tensor(CODEBOOK_KEY)
+    tensors, _ = read_safetensors(weights, "tokenizer weights", [CODEBOOK_KEY])
+    check(CODEBOOK_KEY in tensors, f"{weights} has no {CODEBOOK_KEY!r}")
+    return tensors[CODEBOOK_KEY]
 
 
-def _codebook_from_checkpoint(path: Path) -> Tensor:
-    obj = torch_load(path, "VQ checkpoint")
+def _codebook_from_checkpoint(path: Path, trust_checkpoint: bool | None = None) -> Tensor:
+    obj = load_checkpoint(path, "VQ checkpoint", trust=trust_checkpoint)
     check(isinstance(obj, dict), f"VQ checkpoint {path} is a {type(obj).__name__}, expected a dict")
     for name in ("model", "state_dict"):
         if isinstance(obj.get(name), dict):
@@ -238,14 +263,15 @@ def _codebook_from_checkpoint(path: Path) -> Tensor:
     return weight
 
 
-def codebook_from_tokenizer(path: str | os.PathLike[str]) -> Tensor:
+def codebook_from_tokenizer(path: str | os.PathLike[str], *, trust_checkpoint: bool | None = None) -> Tensor:
     """The raw codebook [V, C] of a tokenizer: a model folder (``model_type`` lantern-vq) or an
-    official LlamaGen ``.pt`` (weights under ``'model'``, ``'state_dict'`` or at the top level)."""
+    official LlamaGen ``.pt`` (weights under ``'model'``, ``'state_dict'`` or at the top level),
+    read by :func:`lantern.io.load_checkpoint` (``trust_checkpoint``: see there)."""
     path = Path(path)
     if path.is_dir():
         codebook = _codebook_from_folder(path)
     elif path.is_file():
-        codebook = _codebook_from_checkpoint(path)
+        codebook = _codebook_from_checkpoint(path, trust_checkpoint)
     else:
         raise LanternError(f"tokenizer not found: {path} (expected a model folder or a .pt checkpoint)")
     check(codebook.dim() == 2, f"{path}: {CODEBOOK_KEY} must be [V, C], got {tuple(codebook.shape)}")

@@ -16,8 +16,10 @@ name of an embedded preset (``digits``, ``photos``: trained stacks shipped in ``
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,24 +61,52 @@ class ModelStack:
 
         Verify cost grows with tree size much faster on a CPU than on a GPU, so a stack meant for
         CPUs can ship smaller trees than the paper's defaults."""
-        f = self.root / GENERATION_FILE
-        if not f.is_file():
-            return None
-        from lantern.io import read_json
-
-        trees = read_json(f, "generation settings").get("trees", {})
-        return trees.get(method)
+        return read_generation_settings(self.root).get("trees", {}).get(method)
 
     def default_sampling(self) -> dict[str, float]:
         """The stack's recommended sampling settings (``generation.json``), or {}."""
-        f = self.root / GENERATION_FILE
-        if not f.is_file():
-            return {}
-        from lantern.io import read_json
+        raw = read_generation_settings(self.root)
+        return {k: raw[k] for k in SAMPLING_KEYS if k in raw}
 
-        raw = read_json(f, "generation settings")
-        known = ("temperature", "top_k", "top_p", "cfg_scale")
-        return {k: raw[k] for k in known if k in raw}
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "cfg_scale")
+
+
+def read_generation_settings(root: Path) -> dict[str, Any]:
+    """``root/generation.json`` ({} when absent), checked field by field: errors name the file and
+    the field (``generation.json: trees.lantern++: ...``), not the command-line flag it stands in for."""
+    from lantern.config import SamplingConfig, TreeConfig
+    from lantern.io import read_json_object
+
+    path = root / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    raw = read_json_object(path, "generation settings")
+    sampling = {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+    for key, value in sampling.items():
+        kind = int if key == "top_k" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise LanternError(f"{path}: {key}: expected {'an integer' if key == 'top_k' else 'a number'}, "
+                               f"got {value!r}")
+    _with_source(path, "", lambda: SamplingConfig(**sampling))
+    trees = raw.get("trees", {})
+    if not isinstance(trees, dict):
+        raise LanternError(f"{path}: trees: expected an object mapping methods to --tree specs, got {trees!r}")
+    for method, spec in trees.items():
+        if not isinstance(spec, str):
+            raise LanternError(f"{path}: trees.{method}: expected a --tree spec string, got {spec!r}")
+        _with_source(path, f"trees.{method}: ", lambda spec=spec: TreeConfig.parse(spec))
+    if "layout" in raw and not isinstance(raw["layout"], str):
+        raise LanternError(f"{path}: layout: expected a layout name string, got {raw['layout']!r}")
+    return raw
+
+
+def _with_source(path: Path, field: str, build: Callable[[], object]) -> None:
+    """Run ``build``; a LanternError it raises is re-raised naming the file (and field) first."""
+    try:
+        build()
+    except LanternError as e:
+        raise LanternError(f"{path}: {field}{e}") from None
 
 
 def preset_dir(name: str) -> Path:

@@ -362,6 +362,14 @@ def test_folder_label_errors(tmp_path: Path, content: str, pattern: str) -> None
         load_dataset(str(folder), labels_file=str(labels))
 
 
+def test_folder_non_utf8_labels_file(tmp_path: Path) -> None:
+    solid_folder(tmp_path / "imgs", 2)
+    labels = tmp_path / "labels.csv"
+    labels.write_bytes(b"img000.png,0\nimg\xff.png,1\n")
+    with pytest.raises(LanternError, match=r"labels file .*labels\.csv is not UTF-8 text \(byte 16: invalid start"):
+        load_dataset(str(tmp_path / "imgs"), labels_file=str(labels))
+
+
 def test_folder_missing_labels_file(tmp_path: Path) -> None:
     solid_folder(tmp_path, 2)
     with pytest.raises(LanternError, match="labels file not found"):

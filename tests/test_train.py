@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lantern.cli import main
 from lantern.errors import LanternError
@@ -256,8 +256,11 @@ def test_codeset_round_trip_and_unigram(tmp_path: Path) -> None:
                       {"vocab_size": 32})
     assert uniform.unigram_bits(uniform) == pytest.approx(5.0, abs=1e-9)  # 32 equiprobable tokens
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(LanternError, match="is not a lantern code set"):
+    with pytest.raises(LanternError, match=r"code set .*junk\.safetensors is not a readable safetensors file"):
         CodeSet.load(tmp_path / "junk.safetensors")
+    save_file({"codes": s.codes.to(torch.int32)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(LanternError, match=r"other\.safetensors is not a lantern code set"):
+        CodeSet.load(tmp_path / "other.safetensors")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -510,7 +510,11 @@ def read_labels_file(path: Path, names: Sequence[str], folder: Path) -> list[int
     known = set(names)
     labels: dict[str, int] = {}
     seen_on: dict[str, int] = {}
-    for lineno, raw in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise LanternError(f"labels file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue

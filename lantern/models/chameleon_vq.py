@@ -64,8 +64,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import types
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -77,7 +75,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from lantern.errors import CheckpointError, LanternError, check
-from lantern.io import load_state_dict_strict
+from lantern.io import load_checkpoint, load_state_dict_strict
 from lantern.models import vq as vq_blocks
 from lantern.models.vq import Downsample, Upsample, _conv1, _conv3
 
@@ -481,11 +479,13 @@ class ChameleonVQGAN(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt_path: str | os.PathLike[str], config_path: str | os.PathLike[str] | None = None,
                         dtype: torch.dtype | None = None,
-                        ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES) -> ChameleonVQGAN:
+                        ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES, *,
+                        trust_checkpoint: bool | None = None) -> ChameleonVQGAN:
         """Load Meta's ``vqgan.ckpt`` with its ``vqgan.yaml`` (default: ``vqgan.yaml`` beside the ckpt).
 
         Keys starting with ``ignore_prefixes`` (training losses) are dropped; every other key must
         match the model exactly in name and shape (:class:`~lantern.errors.CheckpointError`).
+        ``trust_checkpoint``: see :func:`read_checkpoint`.
         """
         ckpt_path = Path(ckpt_path)
         check(ckpt_path.is_file(),
@@ -496,7 +496,7 @@ class ChameleonVQGAN(nn.Module):
                                          f"beside {ckpt_path.name}; pass config_path=...)")
         cfg = ChameleonVQConfig.from_yaml(config_path)
         source = f"VQGAN checkpoint {ckpt_path}"
-        state = extract_model_state(read_checkpoint(ckpt_path), ignore_prefixes, source)
+        state = extract_model_state(read_checkpoint(ckpt_path, trust_checkpoint), ignore_prefixes, source)
         model = cls._empty(cfg)
         load_state_dict_strict(model, state, source)
         if dtype is not None:
@@ -516,51 +516,10 @@ class ChameleonVQGAN(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class _MissingClass:
-    """Inert stand-in for a pickled class that cannot be imported here (e.g. Lightning callbacks)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _MissingClass:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self.__dict__["_state"] = state
-
-
-class _TolerantUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_MissingClass,), {"__module__": module})
-
-
-# torch.load takes a pickle *module*; this one only differs in how unknown classes are found.
-_tolerant_pickle = types.ModuleType("lantern_tolerant_pickle")
-_tolerant_pickle.Unpickler = _TolerantUnpickler  # type: ignore[attr-defined]
-_tolerant_pickle.load = pickle.load  # type: ignore[attr-defined]
-
-
-def read_checkpoint(path: str | os.PathLike[str]) -> Any:
-    """``torch.load`` a (Lightning) checkpoint on CPU: safe loader first, full unpickler if needed."""
-    path = Path(path)
-    check(path.is_file(), f"VQGAN checkpoint not found: {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        pass  # not plain tensors and containers: see below
-    except Exception as e:  # a torch read error is not something a user can act on
-        raise LanternError(f"VQGAN checkpoint {path} could not be read as a torch checkpoint: {e}") from None
-    # The safe loader refuses a Lightning checkpoint's training state (callbacks, loop and
-    # hyper-parameter objects are pickled classes), so the full unpickler is used: only load
-    # files you trust. Only "state_dict" is used; classes that cannot be imported here
-    # (pytorch_lightning is not a lantern dependency) become inert stubs instead of failing.
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_tolerant_pickle)
-    except Exception as e:
-        raise LanternError(f"VQGAN checkpoint {path} could not be read as a torch checkpoint: {e}") from None
+def read_checkpoint(path: str | os.PathLike[str], trust_checkpoint: bool | None = None) -> Any:
+    """A (Lightning) VQGAN checkpoint on CPU, read by :func:`lantern.io.load_checkpoint`: tensors and
+    Lightning's bookkeeping only, unless the user trusts the file (``--trust-checkpoint``)."""
+    return load_checkpoint(path, "VQGAN checkpoint", trust=trust_checkpoint)
 
 
 def extract_model_state(obj: Any, ignore_prefixes: tuple[str, ...] = IGNORED_PREFIXES,

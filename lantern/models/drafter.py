@@ -26,7 +26,14 @@ from torch import Tensor, nn
 
 from lantern.cache import KVCache
 from lantern.errors import LanternError, check
-from lantern.io import load_model_folder, load_state_dict_strict, read_json, save_model_folder
+from lantern.io import (
+    load_checkpoint,
+    load_model_folder,
+    load_safetensors,
+    load_state_dict_strict,
+    read_json_object,
+    save_model_folder,
+)
 from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, rope_table_1d, rope_table_2d
 
 MODEL_TYPE = "lantern-eagle-drafter"
@@ -244,7 +251,7 @@ class EagleDrafterModel(nn.Module):
         directory = Path(directory)
         if not directory.is_dir():
             raise LanternError(f"drafter folder not found: {directory}")
-        raw = read_json(directory / "config.json", "drafter config")
+        raw = read_json_object(directory / "config.json", "drafter config")
         if raw.get("model_type") == MODEL_TYPE:
             config, state = load_model_folder(directory)
             model = cls(DrafterConfig.from_dict({k: v for k, v in config.items() if k != "model_type"}))
@@ -254,14 +261,16 @@ class EagleDrafterModel(nn.Module):
 
     @classmethod
     def from_official(cls, directory: str | os.PathLike[str]) -> EagleDrafterModel:
+        """An official EAGLE/LANTERN drafter folder; a ``pytorch_model.bin`` is read by
+        :func:`lantern.io.load_checkpoint` (tensors only, unless ``--trust-checkpoint``)."""
         directory = Path(directory)
-        config = DrafterConfig.from_official(read_json(directory / "config.json", "drafter config"))
+        config = DrafterConfig.from_official(read_json_object(directory / "config.json", "drafter config"))
         if (directory / "model.safetensors").is_file():
-            from safetensors.torch import load_file
-
-            state = load_file(str(directory / "model.safetensors"))
+            state = load_safetensors(directory / "model.safetensors", "drafter weights")
         elif (directory / "pytorch_model.bin").is_file():
-            state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+            state = load_checkpoint(directory / "pytorch_model.bin", "drafter weights")
+            check(isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()),
+                  f"drafter weights {directory / 'pytorch_model.bin'} must hold a dict of tensors")
         else:
             raise LanternError(f"drafter folder {directory} has neither model.safetensors nor pytorch_model.bin")
         model = cls(config)

@@ -27,11 +27,12 @@ from torch import Tensor, nn
 from lantern.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
+    load_checkpoint,
     load_model_folder,
+    load_safetensors,
     load_state_dict_strict,
-    read_json,
+    read_json_object,
     save_model_folder,
-    torch_load,
 )
 
 MODEL_TYPE = "lantern-llamagen"
@@ -424,7 +425,7 @@ class LlamaGen(nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LlamaGen:
         directory = Path(directory)
         if (directory / "config.json").is_file():
-            raw = read_json(directory / "config.json", "model config")
+            raw = read_json_object(directory / "config.json", "model config")
             if raw.get("architectures") == ["LlamaForCausalLM"] or "hidden_size" in raw:
                 return cls.from_hf_port(directory, dtype=dtype)
         config, state = load_model_folder(directory)
@@ -439,11 +440,16 @@ class LlamaGen(nn.Module):
 
     @classmethod
     def from_official_checkpoint(
-        cls, path: str | os.PathLike[str], config: LlamaGenConfig, dtype: torch.dtype | None = None
+        cls, path: str | os.PathLike[str], config: LlamaGenConfig, dtype: torch.dtype | None = None,
+        *, trust_checkpoint: bool | None = None,
     ) -> LlamaGen:
         """Load an official LlamaGen ``.pt`` (``'model'`` / ``'module'`` / ``'state_dict'`` or raw
-        FSDP state dict), strictly, after dropping the stray ``freqs_cis``."""
-        state = official_state_dict(torch_load(path, "LlamaGen checkpoint"))
+        FSDP state dict), strictly, after dropping the stray ``freqs_cis``.
+
+        Read by :func:`lantern.io.load_checkpoint` (the training ``args`` Namespace is allowed);
+        ``trust_checkpoint=True`` also allows other classes (None: ``--trust-checkpoint``'s setting)."""
+        source = f"LlamaGen checkpoint {path}"
+        state = official_state_dict(load_checkpoint(path, "LlamaGen checkpoint", trust=trust_checkpoint), source)
         model = cls(config)
         load_state_dict_strict(model, state, f"LlamaGen checkpoint {path}")
         return model.to(dtype) if dtype is not None else model
@@ -451,15 +457,13 @@ class LlamaGen(nn.Module):
     @classmethod
     def from_hf_port(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> LlamaGen:
         """Load LANTERN's HF port (``config.json`` + ``model.safetensors``, LlamaForCausalLM keys)."""
-        from safetensors.torch import load_file
-
         directory = Path(directory)
-        config = config_from_hf(read_json(directory / "config.json", "HF config"))
+        config = config_from_hf(read_json_object(directory / "config.json", "HF config"))
         files = sorted(directory.glob("model*.safetensors"))
         check(bool(files), f"{directory} has no model*.safetensors weights")
         state: dict[str, Tensor] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            state.update(load_safetensors(f, "HF-port weights"))
         model = cls(config)
         load_state_dict_strict(model, hf_to_official(state, config), f"HF-port weights in {directory}")
         return model.to(dtype) if dtype is not None else model
@@ -487,15 +491,15 @@ def caption_columns(cond_mask: Tensor, length: int) -> Tensor:
 # Checkpoint formats
 
 
-def official_state_dict(obj: Any) -> dict[str, Tensor]:
-    """Weights of an official LlamaGen checkpoint container (SPEC §1.5)."""
+def official_state_dict(obj: Any, source: str = "checkpoint") -> dict[str, Tensor]:
+    """Weights of an official LlamaGen checkpoint container (SPEC §1.5); ``source`` names it in errors."""
     if isinstance(obj, Mapping):
         for key in ("model", "module", "state_dict"):
             if key in obj and isinstance(obj[key], Mapping):
                 obj = obj[key]
                 break
     if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise LanternError("checkpoint holds no state dict under 'model', 'module' or 'state_dict'")
+        raise LanternError(f"{source} holds no state dict under 'model', 'module' or 'state_dict'")
     state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in obj.items()}
     state.pop("freqs_cis", None)  # older files carry the rotary table
     return state

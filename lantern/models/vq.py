@@ -28,7 +28,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from lantern.errors import CheckpointError, LanternError, check
-from lantern.io import load_model_folder, load_state_dict_strict, save_model_folder, torch_load
+from lantern.io import load_checkpoint, load_model_folder, load_state_dict_strict, save_model_folder
 
 MODEL_TYPE = "lantern-vq"
 # Length of the official ``quantize.codebook_used`` buffer (a rolling window of recent codes).
@@ -502,13 +502,19 @@ class VQModel(nn.Module):
     @classmethod
     def from_official_checkpoint(cls, path: str | os.PathLike[str],
                                  config: VQConfig | str = "VQ-16",
-                                 key: str | None = None) -> VQModel:
+                                 key: str | None = None, *, trust_checkpoint: bool | None = None) -> VQModel:
         """Load LlamaGen's ``vq_ds16_*.pt`` (weights under ``'model'``; other entries ignored).
 
         ``key`` picks a container entry explicitly (e.g. ``'ema'``); see :func:`extract_state_dict`.
+        The file is read by :func:`lantern.io.load_checkpoint`: ``trust_checkpoint=True`` allows
+        classes besides tensors and the allow-listed ones (None: ``--trust-checkpoint``'s setting).
         """
         cfg = vq_config(config) if isinstance(config, str) else config
-        state_dict = extract_state_dict(torch_load(path, "VQ checkpoint"), key)
+        obj = load_checkpoint(path, "VQ checkpoint", trust=trust_checkpoint)
+        try:
+            state_dict = extract_state_dict(obj, key)
+        except CheckpointError as e:  # name the file: the message only describes its contents
+            raise CheckpointError(f"VQ checkpoint {path}: {e}") from None
         model = cls._empty(cfg)
         load_state_dict_strict(model, state_dict, f"VQ checkpoint {path}")
         return model.eval()

@@ -57,6 +57,9 @@ def _add_loop_args(p: argparse.ArgumentParser, steps: int, batch_size: int, lr: 
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     g.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    from lantern.cli import add_trust_checkpoint_arg
+
+    add_trust_checkpoint_arg(g)
 
 
 def _loop(args: argparse.Namespace) -> Any:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lantern.errors import LanternError, check
-from lantern.io import atomic_path, ensure_writable_dir
+from lantern.io import atomic_path, ensure_writable_dir, read_safetensors
 from lantern.models.vq import VQModel
 
 SPLIT_FILES = {"train": "train.safetensors", "test": "test.safetensors"}
@@ -73,18 +73,17 @@ class CodeSet:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CodeSet:
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise LanternError(f"code set not found: {path} (make one with `lantern extract-codes`)")
+        tensors, header = read_safetensors(path, "code set", ["codes", "labels"])
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {}).get("lantern", "null"))
-                codes, labels = f.get_tensor("codes").long(), f.get_tensor("labels").long()
-        except Exception as e:  # safetensors raises several exception types for bad files
-            raise LanternError(f"{path} is not a lantern code set: {e}") from None
-        check(isinstance(meta, dict), f"{path} is not a lantern code set (no 'lantern' metadata)")
+            meta = json.loads(header.get("lantern", "null"))
+        except json.JSONDecodeError:
+            meta = None
+        check(isinstance(meta, dict) and len(tensors) == 2,
+              f"{path} is not a lantern code set (no 'lantern' metadata, or no codes/labels tensors)")
+        codes, labels = tensors["codes"].long(), tensors["labels"].long()
         check(codes.ndim == 2 and labels.shape == (codes.shape[0],), f"{path}: codes/labels shapes do not match")
         return cls(codes, labels, meta)
 

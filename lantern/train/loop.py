@@ -7,8 +7,11 @@ command runs data-parallel under ``accelerate launch``.
 
 Exact resume rests on one choice: the data order and every random draw of a step are pure
 functions of ``(seed, step)`` (see :func:`batch_indices` and :func:`step_generator`), so a
-checkpoint only needs the model, optimiser, scheduler and step counter. ``accelerate``'s
-``save_state`` stores those (and the global RNGs, for anything that still uses them).
+checkpoint only needs the model, optimiser, scheduler and step counter. Those (and the global
+RNGs, for anything that still uses them) are written by :func:`_save_training_state` as
+safetensors and tensor-only torch files, read back through :func:`lantern.io.load_checkpoint`:
+``accelerate``'s own ``load_state`` fully unpickles parts of a checkpoint folder, so a tampered
+folder passed to ``--resume`` could run code.
 """
 
 from __future__ import annotations
@@ -30,13 +33,24 @@ import torch
 from torch import Tensor, nn
 
 from lantern.errors import LanternError, check
-from lantern.io import ensure_writable_dir, write_json
+from lantern.io import (
+    ensure_writable_dir,
+    load_checkpoint,
+    load_safetensors,
+    load_state_dict_strict,
+    read_json_object,
+    write_json,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 TRAIN_CONFIG_FILE = "train_config.json"
 PROVENANCE_FILE = "provenance.json"
 LOG_FILE = "train_log.jsonl"
+# Files of one checkpoint folder besides STATE_FILE (RNG_FILE once per process).
+MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, EXTRA_FILE = ("model.safetensors", "optimizer.pt", "scheduler.pt",
+                                                          "extra_state.pt")
+RNG_FILE = "rng_state_{rank}.pt"
 
 # Loop fields that may change between a run and its resumption without changing the result.
 _RESUMABLE_CHANGES = frozenset({"checkpoint_every", "keep_checkpoints", "log_every"})
@@ -301,16 +315,17 @@ def train(
                                   weight_decay=loop.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(loop))
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    if task.extra_state() is not None:
-        accelerator.register_for_checkpointing(task.extra_state())
     task.bind(accelerator)
+    parts = _TrainingState(model, optimizer, scheduler, task.extra_state())
 
     start_step, resumed_from = 0, None
     if resume and existing is not None:
-        state = json.loads((existing / STATE_FILE).read_text())
+        state = read_json_object(existing / STATE_FILE, "checkpoint state")
+        check(isinstance(state.get("loop"), dict) and isinstance(state.get("task"), dict)
+              and isinstance(state.get("step"), int),
+              f"checkpoint state {existing / STATE_FILE} lacks its step, loop or task settings")
         _check_resumable(state, loop, task, existing)
-        accelerator.load_state(str(existing))
+        _load_training_state(accelerator, existing, parts)
         start_step = resumed_from = int(state["step"])
         if start_step > loop.steps:
             raise LanternError(f"cannot resume: checkpoint {existing} is at step {start_step}, "
@@ -353,7 +368,7 @@ def train(
                 with open(out / LOG_FILE, "a") as f:
                     f.write(json.dumps({"step": done, "lr": scheduler.get_last_lr()[0], **log}) + "\n")
         if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
-            _save_checkpoint(accelerator, out, done, loop, task)
+            _save_checkpoint(accelerator, out, done, loop, task, parts)
     bar.close()
     if end < loop.steps:
         return TrainResult(out, {}, end - start_step, resumed_from, finished=False)
@@ -383,7 +398,8 @@ def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
     return accelerator_cls(mixed_precision=mixed)
 
 
-def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, task: TrainTask) -> None:
+def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, task: TrainTask,
+                     parts: _TrainingState) -> None:
     """Write ``checkpoints/step-N`` atomically (temp folder, then rename); prune old ones."""
     accelerator.wait_for_everyone()
     root = out / CHECKPOINT_DIR
@@ -392,8 +408,10 @@ def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, t
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    _save_training_state(accelerator, tmp, parts)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state = {"step": step, "kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict(),
                  "data_fingerprint": task.data_fingerprint()}
@@ -403,3 +421,91 @@ def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, t
         for old in _checkpoints(out)[: -loop.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint contents
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _TrainingState:
+    """What a checkpoint restores besides the step: the (prepared) model, optimiser, schedule and
+    the task's extra state (an object with ``state_dict``/``load_state_dict``, or None)."""
+
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any
+    extra: Any | None
+
+
+def _save_training_state(accelerator: Any, directory: Path, parts: _TrainingState) -> None:
+    """Weights as safetensors; optimiser, schedule, extra state and RNGs as tensor-only torch files."""
+    from safetensors.torch import save_file
+
+    if accelerator.is_main_process:
+        weights = accelerator.unwrap_model(parts.model).state_dict()
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(directory / MODEL_FILE))
+        torch.save(parts.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        torch.save(parts.scheduler.state_dict(), directory / SCHEDULER_FILE)
+        if parts.extra is not None:
+            torch.save(parts.extra.state_dict(), directory / EXTRA_FILE)
+    torch.save(_rng_state(), directory / RNG_FILE.format(rank=accelerator.process_index))
+
+
+def _load_training_state(accelerator: Any, directory: Path, parts: _TrainingState) -> None:
+    """Restore what :func:`_save_training_state` wrote; every file is read without unpickling code."""
+    if not (directory / OPTIMIZER_FILE).is_file() and (directory / "optimizer.bin").is_file():
+        raise LanternError(f"cannot resume from {directory}: it was written by an older lantern (accelerate's "
+                           "pickled state, which lantern no longer reads); train into a new --out folder")
+    weights = load_safetensors(directory / MODEL_FILE, "checkpoint weights")
+    load_state_dict_strict(accelerator.unwrap_model(parts.model), weights, f"checkpoint weights in {directory}")
+    _restore(parts.optimizer, directory / OPTIMIZER_FILE, "optimizer state")
+    _restore(parts.scheduler, directory / SCHEDULER_FILE, "scheduler state")
+    if parts.extra is not None:
+        _restore(parts.extra, directory / EXTRA_FILE, "training state")
+    rng = load_checkpoint(directory / RNG_FILE.format(rank=accelerator.process_index), "random state")
+    _set_rng_state(rng, directory)
+
+
+def _restore(obj: Any, path: Path, what: str) -> None:
+    state = load_checkpoint(path, what)
+    try:
+        obj.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+        raise LanternError(f"{what} {path} does not fit this run: {e}") from None
+
+
+def _rng_state() -> dict[str, Any]:
+    """The global RNGs (torch, CUDA, Python, NumPy) as tensors and numbers only."""
+    import random
+
+    import numpy as np
+
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
+        "numpy": (torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Any, directory: Path) -> None:
+    import random
+
+    import numpy as np
+
+    try:
+        torch.set_rng_state(state["torch"])
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+        keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise LanternError(f"random state in {directory} is malformed: {e}") from None
