@@ -198,6 +198,29 @@ def rejection_residual(
     return _official_residual(r, x, m_len, q_j, neighbours, cfg)
 
 
+def maximal_coupling(
+    p: Tensor,  # [M, V] distribution to sample from
+    q: Tensor,  # [M, V] distribution x was drawn from (all zero: no x to keep)
+    x: Tensor,  # [M] the earlier sample
+    u: Tensor,  # [M] one uniform in [0, 1) per row
+) -> Tensor:
+    """y ~ p coupled with x ~ q so that y = x as often as possible: Pr[y = x] = 1 - TV(p, q).
+
+    The modified rejection step turned into a sampler (SCD's maximal coupling): keep x with
+    probability a = min(1, p(x)/q(x)), else draw from ``norm(max(p - q, 0))``, which is exactly
+    :func:`rejection_residual`'s exact update. One uniform decides both: u < a keeps x, and given
+    u >= a, (u - a) / (1 - a) is again uniform and samples the residual, so a row draws the same
+    number of random numbers whatever happens. Marginally y ~ p whenever x ~ q given the past.
+    """
+    p_x = p.gather(-1, x[:, None]).squeeze(-1)  # [M]
+    q_x = q.gather(-1, x[:, None]).squeeze(-1)
+    a = torch.where(q_x > 0, p_x / q_x.clamp(min=torch.finfo(q.dtype).tiny), 0.0).clamp(max=1.0)  # [M]
+    residual = rejection_residual(p, x, p_x, torch.zeros_like(x), q, None, None)  # [M, V]
+    u = u.to(a.dtype)
+    rest = ((u - a) / (1.0 - a).clamp(min=torch.finfo(a.dtype).eps)).clamp(0.0, 1.0 - torch.finfo(a.dtype).eps)
+    return torch.where(u < a, x, sample_from_probs(residual, rest))
+
+
 # ---- sampled verification (SPEC §2.2 (a)/(b), §4.3, §4.4) -----------------------------------
 
 

@@ -150,7 +150,8 @@ def bench_labels(num_classes: int, n: int) -> list[int]:
 def tree_label(method: MethodConfig) -> str:
     t = method.tree
     if method.jacobi is not None:
-        return f"jacobi:{method.jacobi.window}/{method.jacobi.init}"
+        j = method.jacobi
+        return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
     if t.kind == "none":
         return "-"
     if t.kind == "dynamic":

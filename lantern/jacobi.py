@@ -14,19 +14,33 @@ probabilistic Jacobi acceptance when ``q_draft`` holds the distribution each gue
   that is the Jacobi fixed-point iteration), and p_j becomes their q for the next round. New
   positions at the end of the window are initialised (``random`` or ``repeat_horizon``).
 
-Why this is exact (without relaxation): every guess x_j is drawn from its q_j given everything
-decided before the round and independently of the guesses before it in the window (carried
-samples come from one forward; initial guesses are uniform, or a deterministic copy of an earlier
-guess, for which a one-hot q *is* the conditional law). That is all the standard chain argument
-(SPEC §2.1) needs, so the output follows the target's distribution. LANTERN's relaxation applies
-unchanged through the loop's ``Acceptance`` (methods ``sjd-lantern`` / ``sjd-lantern++``).
+Coupled redraws (SCD, So et al. 2025, arXiv 2510.24211; ``JacobiConfig.coupling``): SJD redraws
+every open guess independently, so on flat image distributions nearly every guess changes from
+one iteration to the next and rarely matches what the target later wants. ``maximal`` couples the
+new draw y_j ~ p_j with the guess x_j ~ q_j it replaces (keep x_j with probability
+min(1, p_j(x_j)/q_j(x_j)), else draw from norm(max(p_j - q_j, 0))); ``gumbel`` draws
+y_j = argmax(log p_j + g_j) with Gumbel noise g_j fixed per position. Either way y_j is still
+distributed as p_j given everything decided at earlier positions, so its q stays p_j and decoding
+stays lossless (methods ``sjd-coupled``, and with LANTERN's relaxation ``sjd-coupled-lantern`` /
+``sjd-coupled-lantern++``). NOTE: the SCD reference code keeps the old q for a guess its coupling
+kept; the guess's law is p_j, not q_j, so we test it with q = p_j (with the old q, a random
+guess x that the next forward predicts unchanged would be emitted with probability p(x)^2).
+
+Why this is exact (without relaxation): a guess is tested once, at the round its position is
+decided; until then it is only redrawn. When tested, x_j follows its q_j given everything decided
+at earlier positions (carried samples are functions of p_j, which depends only on earlier
+positions, and of randomness no earlier test used; initial guesses are uniform, or a
+deterministic copy of an earlier guess, for which a one-hot q *is* the conditional law). That is
+all the standard chain argument (SPEC §2.1) needs, so the output follows the target's
+distribution. LANTERN's relaxation applies unchanged through the loop's ``Acceptance`` (methods
+``sjd-lantern`` / ``sjd-lantern++``).
 
 Greedy (temperature 0): guesses are argmax tokens and the loop's greedy verification keeps only
 guesses equal to the target's argmax, so SJD reproduces greedy AR token for token.
 
 Randomness: every active row draws a fixed number of uniforms per round from its own
-``torch.Generator`` (L for the carried samples, L for ``random`` initialisation), whatever its
-batch-mates do, so a row's codes do not depend on the batch (as in ``lantern.drafting``).
+``torch.Generator`` (L for the carried samples, or L * V for ``gumbel`` noise; L for ``random``
+initialisation), whatever its batch-mates do, so a row's codes do not depend on the batch (as in ``lantern.drafting``).
 Greedy decoding without generators uses private generators with a fixed seed: the output is
 greedy AR whatever the guesses, only the speed depends on them.
 
@@ -43,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lantern.acceptance import maximal_coupling
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
@@ -50,6 +65,9 @@ from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
 from lantern.trees import TreeBuffers, tree_from_parents
 
 JACOBI_INITS = ("random", "repeat_horizon")
+# How a carried guess is redrawn from one iteration to the next: independently (SJD), or coupled
+# with the guess it replaces (SCD: ``maximal`` coupling or shared ``gumbel`` noise).
+COUPLINGS = ("independent", "maximal", "gumbel")
 DEFAULT_WINDOW = 16  # SJD's max_num_new_tokens (SPEC §6)
 GREEDY_INIT_SEED = 0  # seed of the private generators for random guesses when decoding greedily
 
@@ -64,10 +82,22 @@ class JacobiConfig:
       LlamaGen). At the start of an image row there is no left cell; we copy the token one row up
       instead (always a known token or an earlier guess), since image tokens correlate vertically
       as well as horizontally and the copy costs no randomness.
+
+    ``coupling`` redraws a carried guess (the next iteration's draft at a position that is still
+    open) from the new forward's p, either independently (``independent``: SJD) or coupled with the
+    guess it replaces (SCD, So et al., arXiv 2510.24211), which keeps every draft's law p and so
+    stays lossless but changes far fewer drafts between iterations:
+
+    * ``maximal``: keep the old guess x (drawn from q) with probability min(1, p(x)/q(x)), else
+      draw from norm(max(p - q, 0)) (:func:`lantern.acceptance.maximal_coupling`): the coupling
+      that keeps x most often, Pr = 1 - TV(p, q).
+    * ``gumbel``: y = argmax(log p + g) with the same Gumbel noise g at a position in every
+      iteration (until it is decided), so y only changes where p moved enough to change the argmax.
     """
 
     window: int = DEFAULT_WINDOW
     init: str = "random"
+    coupling: str = "independent"
 
     def __post_init__(self) -> None:
         check(
@@ -75,6 +105,10 @@ class JacobiConfig:
             f"--sjd-window must be an integer >= 1, got {self.window!r}",
         )
         check(self.init in JACOBI_INITS, f"--sjd-init must be one of {', '.join(JACOBI_INITS)}, got {self.init!r}")
+        check(
+            self.coupling in COUPLINGS,
+            f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +145,14 @@ class JacobiDrafter:
         self._num_new: Tensor | None = None  # [B] tokens the last round added (0: none yet / inactive)
         self._own_generators: list[torch.Generator] = []
         self._buffers: TreeBuffers | None = None
+        self._first_new: Tensor | None = None  # [B] first freshly initialised slot of the current window
+        # gumbel coupling: Exp(1) noise per open position, in a ring of L + 1 slots (position mod L+1)
+        self._noise: Tensor | None = None  # [B, L+1, V]
+        self._noise_pos: Tensor | None = None  # [B, L+1] position each slot's noise belongs to (-1: none)
+        # Draft stability (device counters, no sync): carried guesses redrawn, and how many came out
+        # the same token as before (what coupling raises).
+        self.redrawn = torch.zeros((), dtype=torch.long)
+        self.kept = torch.zeros((), dtype=torch.long)
 
     @property
     def window(self) -> int:
@@ -132,6 +174,12 @@ class JacobiDrafter:
         self.q, self._logits = None, None
         self._num_new = torch.zeros(b, dtype=torch.long, device=device)
         self._own_generators = [torch.Generator(device=device).manual_seed(GREEDY_INIT_SEED) for _ in range(b)]
+        self._first_new = None
+        self.redrawn = torch.zeros((), dtype=torch.long, device=device)
+        self.kept = torch.zeros((), dtype=torch.long, device=device)
+        if self.config.coupling == "gumbel" and not self.sampling.greedy:
+            self._noise = torch.zeros(b, self.window + 1, self.vocab_size, device=device)
+            self._noise_pos = torch.full((b, self.window + 1), -1, dtype=torch.long, device=device)
 
     def observe_verify(self, logits: Tensor) -> None:
         """Guided logits [B, L+1, V] of the verify forward: the predictions carried over."""
@@ -159,6 +207,7 @@ class JacobiDrafter:
             first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
             carried = self._carry_over(gens, rows)
         self._initialise(first_new, gens, rows)
+        self._first_new = first_new
         slots = self.n[:, None] + torch.arange(self.window, device=self.n.device)  # [B, L] positions
         guesses = self.canvas.gather(1, slots)
         root = self.canvas.gather(1, (self.n - 1)[:, None])
@@ -172,31 +221,77 @@ class JacobiDrafter:
     # -- Jacobi carry-over and initialisation ------------------------------------------------------
 
     def _carry_over(self, gens: list[torch.Generator], rows: list[int]) -> Tensor | None:
-        """Sample y_j ~ p_j at every window node and write them over the guesses after each row's
-        new tokens. Returns p at nodes 1..L [B, L, V] (the carried guesses' new q), None if greedy.
+        """Redraw y_j ~ p_j at every window node and write them over the guesses after each row's
+        new tokens (per ``config.coupling``). Returns p at nodes 1..L [B, L, V] (the carried
+        guesses' new q: each y_j is distributed as p_j whatever the coupling), None if greedy.
 
         Node j of the last round (j = 1..L: the guess at position n_old + j - 1) predicted position n_old + j.
         """
         assert self.canvas is not None and self.n is not None and self._logits is not None
         assert self._num_new is not None
         logits = self._logits[:, 1:]  # [B, L, V] predictions for positions n_old+1 .. n_old+L
-        b, length, v = logits.shape
+        b, length, _ = logits.shape
+        n_old = self.n - self._num_new
+        pos = n_old[:, None] + torch.arange(1, length + 1, device=logits.device)  # [B, L]
+        # Positions below n are now known (accepted or recovered); only later guesses move.
+        keep = (pos >= self.n[:, None]) & (self._num_new > 0)[:, None]
+        pos = pos.clamp(max=self.canvas.shape[1] - 1)
+        old = self.canvas.gather(1, pos)  # [B, L] the guesses being replaced (-1: none yet)
         if self.sampling.greedy:
             p, y = None, logits.argmax(dim=-1)
         else:
             p = probs_from_logits(logits, self.sampling)  # [B, L, V]
-            u = torch.zeros(b, length, device=logits.device)
-            if rows:  # a fixed L uniforms per active row, so batch-mates never shift a row's stream
-                u[rows] = draw_uniforms([gens[i] for i in rows], length, logits.device)
-            y = sample_from_probs(p.reshape(b * length, v), u.reshape(-1)).view(b, length)
-        n_old = self.n - self._num_new
-        pos = n_old[:, None] + torch.arange(1, length + 1, device=y.device)  # [B, L]
-        # Positions below n are now known (accepted or recovered); only later guesses move.
-        keep = (pos >= self.n[:, None]) & (self._num_new > 0)[:, None]
-        pos = pos.clamp(max=self.canvas.shape[1] - 1)
-        self.canvas.scatter_(1, pos, torch.where(keep, y, self.canvas.gather(1, pos)))
+            y = self._redraw(p, old, pos, gens, rows)
+        self._count_stability(old, y, keep)
+        self.canvas.scatter_(1, pos, torch.where(keep, y, old))
         self._logits = None
         return p
+
+    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator], rows: list[int]) -> Tensor:
+        """New guesses [B, L] for positions ``pos`` [B, L] from p [B, L, V], replacing ``old``."""
+        b, length, v = p.shape
+        if self.config.coupling == "gumbel":
+            return (p / self._shared_noise(pos, gens, rows)).argmax(dim=-1)  # Gumbel-max as an exponential race
+        u = _row_uniforms(gens, rows, b, length, p.device)  # a fixed L per row and round
+        if self.config.coupling == "independent":
+            return sample_from_probs(p.reshape(b * length, v), u.reshape(-1)).view(b, length)
+        assert self.q is not None
+        # Node i predicts the position of the old window's slot i + 1 (drawn from self.q[:, i + 1]);
+        # the last node's position had no guess yet: q = 0 there, so it is drawn from p alone.
+        q_old = torch.cat([self.q[:, 1:], torch.zeros_like(self.q[:, :1])], dim=1).to(p.dtype)
+        y = maximal_coupling(p.reshape(b * length, v), q_old.reshape(b * length, v), old.clamp(min=0).reshape(-1),
+                             u.reshape(-1))
+        return y.view(b, length)
+
+    def _shared_noise(self, pos: Tensor, gens: list[torch.Generator], rows: list[int]) -> Tensor:
+        """Exp(1) noise [B, L, V] for positions ``pos``: the same at a position in every round until
+        it is decided, so ``argmax p / noise`` (Gumbel-max) only moves where p moved.
+
+        A row's open positions always lie within L + 1 consecutive ones, so a ring of L + 1 slots
+        (position mod L + 1) holds the noise. Every round draws L * V fresh uniforms per row (a
+        fixed count, used or not) and a slot takes them when its position changed.
+        """
+        assert self._noise is not None and self._noise_pos is not None
+        b, length = pos.shape
+        v = self._noise.shape[-1]
+        fresh = -torch.log(_row_uniforms(gens, rows, b, length * v, pos.device)).view(b, length, v)
+        slot = pos % (length + 1)  # [B, L], distinct within a row
+        stale = self._noise_pos.gather(1, slot) != pos  # [B, L]
+        index = slot[:, :, None].expand(-1, -1, v)
+        noise = torch.where(stale[:, :, None], fresh, self._noise.gather(1, index))
+        self._noise.scatter_(1, index, noise)
+        self._noise_pos.scatter_(1, slot, pos)
+        return noise
+
+    def _count_stability(self, old: Tensor, y: Tensor, keep: Tensor) -> None:
+        """Count the carried guesses (drawn from a forward, not initialised) redrawn this round and
+        those that came out unchanged."""
+        if self._first_new is None:
+            return
+        node = torch.arange(1, old.shape[1] + 1, device=old.device)[None, :]  # old window slot of each node
+        carried = keep & (node < self._first_new[:, None])
+        self.redrawn = self.redrawn + carried.sum()
+        self.kept = self.kept + (carried & (y == old)).sum()
 
     def _initialise(self, first_new: Tensor, gens: list[torch.Generator], rows: list[int]) -> None:
         """New guesses in window slots >= first_new [B] (positions not predicted by any forward)."""
@@ -209,9 +304,7 @@ class JacobiDrafter:
     def _initialise_random(self, first_new: Tensor, gens: list[torch.Generator], rows: list[int]) -> None:
         assert self.canvas is not None and self.n is not None
         b, length, device = self.n.shape[0], self.window, self.n.device
-        u = torch.zeros(b, length, device=device)
-        if rows:  # L uniforms per active row and round, used or not (batch independence)
-            u[rows] = draw_uniforms([gens[i] for i in rows], length, device)
+        u = _row_uniforms(gens, rows, b, length, device)  # L per active row and round, used or not
         tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)  # uniform over the vocabulary
         slot = torch.arange(length, device=device)[None, :]
         pos = self.n[:, None] + slot
@@ -252,3 +345,12 @@ class JacobiDrafter:
             cached = tree_from_parents(parents[None].expand(b, -1).contiguous())
             self._buffers = cached
         return cached
+
+
+def _row_uniforms(gens: list[torch.Generator], rows: list[int], b: int, n: int, device: torch.device) -> Tensor:
+    """[B, n] uniforms: n from each active row's own generator (``rows``), zeros for the others, so
+    a row's stream never depends on its batch-mates."""
+    u = torch.zeros(b, n, device=device)
+    if rows:
+        u[rows] = draw_uniforms([gens[i] for i in rows], n, device)
+    return u

@@ -13,10 +13,13 @@ method             tree                  acceptance
 ``sjd``            chain of the window   exact (SJD: the target drafts for itself)
 ``sjd-lantern``    chain of the window   relaxed, absolute delta
 ``sjd-lantern++``  chain of the window   relaxed, relative lambda
+``sjd-coupled``    chain of the window   exact (SJD with coupled redraws: SCD)
+``sjd-coupled-*``  chain of the window   relaxed (``-lantern``: delta, ``-lantern++``: lambda)
 =================  ====================  ==========================================
 
 The SJD methods (``lantern.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
-length and initialisation, and the relaxed ones read the proximity table like LANTERN.
+length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
+``sjd-coupled*``), and the relaxed ones read the proximity table like LANTERN.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConf
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
 from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
-from lantern.jacobi import JacobiConfig, JacobiDrafter, check_window_fits
+from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
 from lantern.sampling import make_generators, validate_sampling_for_vocab
@@ -41,10 +44,12 @@ from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
 from lantern.text import Captions
 
-SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++")
+COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
+SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS)
 METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS)
 # Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda).
-RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++"}
+RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++",
+                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++"}
 
 
 def image_seed(seed: int, index: int) -> int:
@@ -57,6 +62,7 @@ DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaG
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
+DEFAULT_COUPLING = "maximal"  # sjd-coupled*: the coupling with the higher tau on the presets (DESIGN.md)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,12 @@ class MethodConfig:
             f"method {self.method!r} {'needs' if sjd else 'takes no'} Jacobi settings (window, init)",
         )
         if self.jacobi is not None:  # SJD verifies its window as a chain, so the tree follows from it
+            coupled = self.method in COUPLED_METHODS
+            check(
+                (self.jacobi.coupling != "independent") == coupled,
+                f"method {self.method!r} needs coupling {'maximal or gumbel' if coupled else 'independent'}, "
+                f"got {self.jacobi.coupling!r}",
+            )
             chain = TreeConfig(kind="chain", depth=self.jacobi.window)
             check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
 
@@ -95,9 +107,11 @@ class MethodConfig:
         window: int | None = None,
         init: str | None = None,
         residual: str | None = None,
+        coupling: str | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with CLI-style overrides. ``residual``
-        (``--lantern-residual``): what a relaxed method continues with after a rejection."""
+        (``--lantern-residual``): what a relaxed method continues with after a rejection;
+        ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
         relaxation = _resolve_relaxation(method, k, delta, lam, residual)
         if method in SJD_METHODS:
@@ -105,10 +119,12 @@ class MethodConfig:
             jacobi = JacobiConfig(
                 window=DEFAULT_JACOBI.window if window is None else window,
                 init=DEFAULT_JACOBI.init if init is None else init,
+                coupling=_resolve_coupling(method, coupling),
             )
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
+        check(coupling is None, f"--sjd-coupling needs --method {' or '.join(COUPLED_METHODS)}")
         if method == "ar":
             check(tree in (None, "none"), "--tree is only used with speculative methods")
             return cls(method="ar")
@@ -118,6 +134,19 @@ class MethodConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _resolve_coupling(method: str, coupling: str | None) -> str:
+    """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); the
+    other SJD methods redraw independently and take no coupling."""
+    if method not in COUPLED_METHODS:
+        check(coupling is None, f"--sjd-coupling needs --method {' or '.join(COUPLED_METHODS)}; {method} redraws "
+                                "its guesses independently")
+        return "independent"
+    choices = [c for c in COUPLINGS if c != "independent"]
+    check(coupling is None or coupling in choices,
+          f"--sjd-coupling must be one of {', '.join(choices)}, got {coupling!r}")
+    return DEFAULT_COUPLING if coupling is None else coupling
 
 
 def _resolve_relaxation(

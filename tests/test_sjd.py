@@ -361,7 +361,7 @@ def test_cli_generate_sjd(tmp_path: Path) -> None:
                "--sjd-init", "repeat_horizon", "--out", str(out), "--no-progress"])
     assert rc == 0
     run = json.loads((out / "run.json").read_text())
-    assert run["method"]["jacobi"] == {"window": 8, "init": "repeat_horizon"}
+    assert run["method"]["jacobi"] == {"window": 8, "init": "repeat_horizon", "coupling": "independent"}
     assert run["method"]["tree"]["kind"] == "chain" and run["method"]["relaxation"] is None
     assert run["stats"]["mean_accepted"] > 1.0
     assert (out / "0000_label3.png").is_file()

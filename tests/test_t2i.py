@@ -255,6 +255,20 @@ def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, b
         assert torch.equal(spec.codes, ar), (method, tree)
 
 
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
+    """Greedy SJD and coupled SJD (both couplings) on captions equal greedy AR token for token."""
+    stack = load_stack(t2i_stack)
+    caps = Captions(captions.embeddings[:batch], captions.mask[:batch])
+    s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
+    ar = run_generation_t2i(stack, caps, 0, s, MethodConfig.resolve("ar")).codes
+    for method, coupling in [("sjd", None), ("sjd-coupled", "maximal"), ("sjd-coupled", "gumbel")]:
+        resolved = MethodConfig.resolve(method, window=4, coupling=coupling)
+        spec = run_generation_t2i(stack, caps, 0, s, resolved, batch_size=2)
+        assert torch.equal(spec.codes, ar), (method, coupling)
+
+
 @pytest.mark.parametrize("tree", ["chain:4", "static:naive_extend_57"])
 def test_greedy_oracle_accepts_many_and_reproduces_ar(captions: Captions, tree: str) -> None:
     """A drafter that is the target itself (uncached, masked forward) gets long paths accepted:
