@@ -80,22 +80,56 @@ def _neighbour_rows(neighbours: Tensor, x: Tensor, width: int) -> Tensor:
     return neighbours[x, :width].long()
 
 
+GSD_PROB_GAP = 0.15  # GSD's released code: group members' probability lies within this of p(x)
+
+
+def group_mask(r: Tensor, x: Tensor, width: int) -> Tensor:
+    """GSD's dynamic group G(x) as a [B, V] bool mask: x, plus the tokens ranked within ``width``
+    places of x in r (so of similar probability) that r can produce and whose probability differs
+    from r(x) by less than ``GSD_PROB_GAP`` (the released code's filter). A token r cannot produce
+    (outside top-k / top-p) has the group {x}: it is never accepted.
+
+    NOTE: the released code also drops members whose input embedding lies far from x's; we keep
+    the table-free rule (the paper's point is that static, embedding-based groups do not help).
+    """
+    v = r.shape[-1]
+    order = r.argsort(dim=-1, descending=True)  # [B, V]
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(v, device=r.device).expand_as(order))
+    rank_x, r_x = rank.gather(-1, x[:, None]), r.gather(-1, x[:, None])  # [B, 1] each
+    member = ((rank - rank_x).abs() <= width) & (r > 0) & ((r - r_x).abs() < GSD_PROB_GAP) & (r_x > 0)
+    return member.scatter(-1, x[:, None], True)
+
+
+def draft_mass(q_j: Tensor | None, r: Tensor, x: Tensor, cfg: RelaxationConfig | None) -> Tensor:
+    """[B] what a candidate's test divides by: q_j(x), or q_j(G(x)) for the group rule (GSD
+    compares group masses); 1 for deterministic drafts (``q_j`` None: a point mass at x)."""
+    if q_j is None:
+        return torch.ones_like(x, dtype=r.dtype)
+    if cfg is not None and not cfg.is_exact and cfg.mode == "group":
+        return (q_j * group_mask(r, x, cfg.k)).sum(-1)
+    return q_j.gather(-1, x[:, None]).squeeze(-1)
+
+
 def relaxed_mass(
     r: Tensor,  # [B, V] distribution the candidate is tested against
     x: Tensor,  # [B] candidate tokens
     neighbours: Tensor | None,  # [V, K] proximity table, nearest first, self excluded
     cfg: RelaxationConfig | None,
 ) -> tuple[Tensor, Tensor]:
-    """LANTERN's aggregation (SPEC §4.2): ``(p̃(x) [B], m_len [B])``.
+    """LANTERN's aggregation (SPEC §4.2): ``(p̃(x) [B], m_len [B])`` (GSD's: see below).
 
     ``m_len`` is the length of the longest prefix of ``neighbours[x, :k]`` whose cumulative mass
     ``c_t`` stays <= the bound (0..k), and ``p̃(x) = r(x) + c_{m_len-1}`` (``r(x)`` if m_len = 0).
     Neighbours with zero mass still occupy prefix slots. ``cfg`` None or exact: no relaxation.
+    The group rule (``cfg.mode == "group"``) credits x with r(G(x)) (:func:`group_mask`).
     """
     r_x = r.gather(-1, x[:, None]).squeeze(-1)  # [B]
     no_prefix = torch.zeros_like(x)
     if cfg is None or cfg.is_exact:
         return r_x, no_prefix
+    if cfg.mode == "group":  # GSD: the group's mass; m_len counts the members besides x
+        member = group_mask(r, x, cfg.k)
+        return (r * member).sum(-1), member.sum(-1) - 1
     check(neighbours is not None, "relaxed acceptance needs a proximity table (neighbours)")
     check_k(cfg.k, neighbours.shape[1])
     c = r.gather(-1, _neighbour_rows(neighbours, x, cfg.k)).cumsum(-1)  # [B, k]
@@ -189,7 +223,7 @@ def rejection_residual(
     Exact rule (``cfg`` None or exact): ``norm(r with x zeroed)`` for deterministic drafts,
     ``norm(max(r - q_j, 0))`` for sampled ones.
     """
-    if cfg is None or cfg.is_exact:
+    if cfg is None or cfg.is_exact or cfg.mode == "group":  # GSD continues exactly, as its released code
         return _paper_residual(r, x, p_tilde, None, q_j)
     assert neighbours is not None  # relaxed_mass already required it
     if cfg.residual == "paper":
@@ -230,6 +264,8 @@ def _active_relaxation(
     """The relaxation to apply (None when it moves no mass), validated against the table."""
     if relaxation is None or relaxation.is_exact:
         return None
+    if not relaxation.uses_table:
+        return relaxation
     check(neighbours is not None, "relaxed acceptance needs a proximity table (neighbours)")
     assert neighbours is not None
     check(
@@ -322,12 +358,14 @@ def _test_candidate(
     p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B], [B]
     r_x = r.gather(-1, x[:, None]).squeeze(-1)  # [B]
     q_j, q_x = None, torch.ones_like(p_tilde)
+    q_test = q_x  # what p_tilde is divided by: q_j(x), or q_j(G(x)) for the group rule
     if q_rest is not None:
         q_j, q_x = _conditional_draft(q_rest, x)
         testing = testing & (q_x > 0)  # never drawable: skipped without a residual update
+        q_test = torch.where(q_x > 0, draft_mass(q_j, r, x, relax), 1.0)
         q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
     u = u.to(p_tilde.dtype)
-    accepted = testing & (u < (p_tilde / q_x).clamp(max=1.0))
+    accepted = testing & (u < (p_tilde / q_test).clamp(max=1.0))
     rejected = testing & ~accepted
     relaxed_only = accepted & ~(u < (r_x / q_x).clamp(max=1.0))
     if not _any(rejected):  # most tests accept: the residual update would be thrown away
@@ -479,9 +517,10 @@ def verify_chain_sampled(
         q_j, q_x = _conditional_draft(q_draft[:, :-1].to(dtype).reshape(b * d, v), x)
     depth = torch.arange(1, t, device=p_target.device)  # [D]
     usable = (depth[None, :] <= max_depth[:, None]).reshape(b * d) & (q_x > 0)  # tested at all
+    q_test = torch.where(q_x > 0, draft_mass(q_j, r, x, relax), 1.0)  # q_j(x), or q_j(G(x)) (group rule)
     q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
     u = uniforms[:, 1:t].to(dtype).reshape(b * d)
-    accepted = usable & (u < (p_tilde / q_x).clamp(max=1.0))
+    accepted = usable & (u < (p_tilde / q_test).clamp(max=1.0))
     exact = u < (r_x / q_x).clamp(max=1.0)
     prefix = accepted.view(b, d).long().cumprod(-1)  # [B, D] 1 while every test so far passed
     num_accepted = prefix.sum(-1)  # [B]

@@ -128,12 +128,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--method",
         default="ar",
         choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++",
-                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++"],
+                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd"],
         help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
         "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
         "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
         "lantern's / lantern++'s relaxed acceptance; sjd-coupled: SJD with coupled redraws (SCD), exact; "
-        "sjd-coupled-lantern / sjd-coupled-lantern++: the same, relaxed",
+        "sjd-coupled-lantern / sjd-coupled-lantern++: the same, relaxed; gsd: SJD with grouped speculative "
+        "decoding's relaxed acceptance (no table)",
     )
     p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
     p.add_argument(
@@ -178,6 +179,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         choices=["maximal", "gumbel"],
         help="sjd-coupled*: redraw each open guess coupled with the one it replaces: maximal coupling, or the "
         "same Gumbel noise per position (default maximal)",
+    )
+    p.add_argument(
+        "--gsd-group", type=int, default=None,
+        help="gsd: a draft is credited with the tokens ranked within G places of it in the target's distribution "
+        "(and close in probability); G >= 1 (default 7)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -268,7 +274,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual, args.sjd_coupling,
+        args.lantern_residual, args.sjd_coupling, args.gsd_group,
     )
     sampling = _sampling(args, stack)
     t5_dir = _t5_dir(args, stack) if prompts is not None else None
@@ -296,7 +302,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      args.drafter, args.proximity, not args.no_progress)
             run_kw["method"] = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k,
                                                     args.lantern_delta, args.lantern_lambda, args.sjd_window,
-                                                    args.sjd_init, args.lantern_residual, args.sjd_coupling)
+                                                    args.sjd_init, args.lantern_residual, args.sjd_coupling,
+                                                    args.gsd_group)
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
@@ -349,7 +356,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     tree = args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual, args.sjd_coupling,
+        args.lantern_residual, args.sjd_coupling, args.gsd_group,
     )
     sampling = _sampling(args, stack)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]

@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from lantern.errors import check
 
-RelaxationMode = Literal["absolute", "relative"]
+RelaxationMode = Literal["absolute", "relative", "group"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
 RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
 
@@ -68,6 +68,10 @@ class RelaxationConfig:
     * ``mode="absolute"`` (LANTERN): neighbour mass <= ``delta``, i.e. per-test TVD <= delta.
     * ``mode="relative"`` (LANTERN++): neighbour mass <= (``lam`` - 1) * p(x), i.e.
       p~(x) <= lam * p(x).
+    * ``mode="group"`` (GSD, So et al. 2025, arXiv 2508.07747): no proximity table; x is credited
+      with its dynamic group, the tokens ranked within ``k`` places of x in the target's
+      distribution whose probability is close to p(x) (``lantern.acceptance.group_mask``), and
+      the test compares group masses, p(G) / q(G).
 
     ``delta = 0``, ``lam = 1`` or ``k = 0`` reduce exactly to the exact (lossless) rule.
     ``residual`` chooses what happens after a rejection: ``paper`` continues with the residual of
@@ -84,8 +88,8 @@ class RelaxationConfig:
     def __post_init__(self) -> None:
         check(isinstance(self.k, int) and self.k >= 0, f"lantern k must be an integer >= 0, got {self.k}")
         check(
-            self.mode in ("absolute", "relative"),
-            f"relaxation mode must be 'absolute' or 'relative', got {self.mode!r}",
+            self.mode in ("absolute", "relative", "group"),
+            f"relaxation mode must be 'absolute', 'relative' or 'group', got {self.mode!r}",
         )
         check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
         check(
@@ -93,15 +97,24 @@ class RelaxationConfig:
             f"lantern delta must be in [0, 1], got {self.delta}",
         )
         check(math.isfinite(self.lam) and self.lam >= 1.0, f"lantern lambda must be >= 1, got {self.lam}")
-        if self.mode == "absolute":
+        if self.mode != "relative":
             check(self.lam == 1.0, "lantern lambda is only used with mode='relative' (LANTERN++)")
-        else:
+        if self.mode != "absolute":
             check(self.delta == 0.0, "lantern delta is only used with mode='absolute' (LANTERN)")
+        if self.mode == "group":  # GSD continues with the exact residual, as its released code
+            check(self.residual == "paper", f"the group rule (GSD) has no {self.residual!r} residual")
 
     @property
     def is_exact(self) -> bool:
         """True when the relaxation moves no mass: the rule is exact speculative sampling."""
+        if self.mode == "group":
+            return self.k == 0
         return self.k == 0 or (self.delta == 0.0 if self.mode == "absolute" else self.lam == 1.0)
+
+    @property
+    def uses_table(self) -> bool:
+        """LANTERN's rules read a latent proximity table; the group rule (GSD) needs none."""
+        return self.mode != "group"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

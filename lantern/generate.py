@@ -128,7 +128,7 @@ class Acceptance:
     neighbours: Tensor | None = None  # [V, K_max] latent proximity table
 
     def __post_init__(self) -> None:
-        if self.relaxation is not None and not self.relaxation.is_exact:
+        if self.relaxation is not None and not self.relaxation.is_exact and self.relaxation.uses_table:
             check(self.neighbours is not None, "relaxed acceptance needs a proximity table")
 
 

@@ -15,6 +15,7 @@ method             tree                  acceptance
 ``sjd-lantern++``  chain of the window   relaxed, relative lambda
 ``sjd-coupled``    chain of the window   exact (SJD with coupled redraws: SCD)
 ``sjd-coupled-*``  chain of the window   relaxed (``-lantern``: delta, ``-lantern++``: lambda)
+``gsd``            chain of the window   grouped (GSD: dynamic groups, no table)
 =================  ====================  ==========================================
 
 The SJD methods (``lantern.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
@@ -45,11 +46,13 @@ from lantern.target import LlamaGenTarget
 from lantern.text import Captions
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
-SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS)
+SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
 METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS)
-# Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda).
+# Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda), or
+# GSD's grouped acceptance.
 RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++",
-                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++"}
+                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++", "gsd": "gsd"}
+LANTERN_METHODS = tuple(m for m, rule in RELAXED_RULE.items() if rule != "gsd")  # the ones --lantern-* tunes
 
 
 def image_seed(seed: int, index: int) -> int:
@@ -63,6 +66,7 @@ DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC �
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
 DEFAULT_COUPLING = "maximal"  # sjd-coupled*: the coupling with the higher tau on the presets (DESIGN.md)
+DEFAULT_GSD_GROUP = 7  # GSD's released code: the tokens ranked within 7 places of the draft
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,14 @@ class MethodConfig:
         init: str | None = None,
         residual: str | None = None,
         coupling: str | None = None,
+        group: int | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with CLI-style overrides. ``residual``
         (``--lantern-residual``): what a relaxed method continues with after a rejection;
-        ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses."""
+        ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses; ``group``
+        (``--gsd-group``): GSD's group width."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        relaxation = _resolve_relaxation(method, k, delta, lam, residual)
+        relaxation = _resolve_relaxation(method, k, delta, lam, residual, group)
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -150,16 +156,28 @@ def _resolve_coupling(method: str, coupling: str | None) -> str:
 
 
 def _resolve_relaxation(
-    method: str, k: int | None, delta: float | None, lam: float | None, residual: str | None = None
+    method: str,
+    k: int | None,
+    delta: float | None,
+    lam: float | None,
+    residual: str | None = None,
+    group: int | None = None,
 ) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
     rule = RELAXED_RULE.get(method)
-    if rule is None:
+    if rule != "gsd":
+        check(group is None, f"--gsd-group needs --method gsd, got --method {method}")
+    if rule in (None, "gsd"):
         check(
             k is None and delta is None and lam is None and residual is None,
-            f"--lantern-* options need a relaxed method ({', '.join(RELAXED_RULE)})",
+            f"--lantern-* options need a relaxed method ({', '.join(LANTERN_METHODS)})",
         )
+    if rule is None:
         return None
+    if rule == "gsd":
+        check(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
+              f"--gsd-group must be an integer >= 1, got {group!r}")
+        return RelaxationConfig(k=DEFAULT_GSD_GROUP if group is None else group, mode="group")
     if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
         check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
         base = replace(DEFAULT_LANTERN, delta=DEFAULT_LANTERN.delta if delta is None else delta)
@@ -360,7 +378,7 @@ def load_acceptance(
     (``residual`` official / official-lumina) also remove the (k+1)-th neighbour, so they take
     k+1 columns of the table (and a default k is capped at K_max - 1)."""
     relaxation = method.relaxation
-    if relaxation is None or relaxation.is_exact:
+    if relaxation is None or relaxation.is_exact or not relaxation.uses_table:
         return Acceptance(relaxation), method
     from lantern.proximity import ProximityTable
 

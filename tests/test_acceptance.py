@@ -624,12 +624,16 @@ def test_verify_tree_sampled_matches_scalar_oracle(cfg, sampled: bool) -> None:
         assert int(res.num_accepted[i]) == len(path) - 1
 
 
-@pytest.mark.parametrize("cfg", CONFIGS)
+GROUP_CONFIGS = [RelaxationConfig(k=1, mode="group"), RelaxationConfig(k=3, mode="group")]  # GSD
+
+
+@pytest.mark.parametrize("cfg", [*CONFIGS, *GROUP_CONFIGS])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_verify_chain_sampled_equals_the_tree_walk(cfg, sampled: bool) -> None:
     """The all-depths-at-once chain verifier gives exactly the general walk's path, token,
     relaxed count and bonus flag for the same uniforms: random chains of 1-8 drafts, depth caps
-    from 0 to past the end, a vocabulary of 5 so drafts repeat, and drafts q could not draw."""
+    from 0 to past the end, a vocabulary of 5 so drafts repeat, and drafts q could not draw
+    (LANTERN's rules and GSD's group rule)."""
     g = torch.Generator().manual_seed(5)
     b, v = 64, 5
     nbr = rand_neighbours(g, v)
