@@ -171,7 +171,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--sjd-init",
         default=None,
         choices=["random", "repeat_horizon"],
-        help="sjd*: new guesses are uniform random tokens, or repeat the token to their left (default random)",
+        help="sjd*, gsd: new guesses are uniform random tokens, or repeat the token to their left (default random; "
+        "sjd-coupled*: repeat_horizon)",
     )
     p.add_argument(
         "--sjd-coupling",

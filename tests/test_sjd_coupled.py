@@ -235,14 +235,15 @@ def test_cli_generate_coupled_sjd(tmp_path: Path, coupling: str) -> None:
                "--sjd-coupling", coupling, "--out", str(out), "--no-progress"])
     assert rc == 0
     run = json.loads((out / "run.json").read_text())
-    assert run["method"]["jacobi"] == {"window": 8, "init": "random", "coupling": coupling}
+    assert run["method"]["jacobi"] == {"window": 8, "init": "repeat_horizon", "coupling": coupling}
     assert run["method"]["relaxation"] is None
     assert run["stats"]["mean_accepted"] > 1.0
 
 
 def test_relaxed_coupled_methods_resolve() -> None:
     m = MethodConfig.resolve("sjd-coupled-lantern++", lam=3.0, coupling="gumbel")
-    assert m.jacobi == JacobiConfig(coupling="gumbel")
+    assert m.jacobi == JacobiConfig(init="repeat_horizon", coupling="gumbel")  # the defaults measured best
+    assert MethodConfig.resolve("sjd-coupled", init="random").jacobi == JacobiConfig(coupling="maximal")
     assert m.relaxation is not None and m.relaxation.mode == "relative" and m.relaxation.lam == 3.0
     m = MethodConfig.resolve("sjd-coupled-lantern")
     assert m.jacobi is not None and m.jacobi.coupling == "maximal"
