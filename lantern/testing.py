@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,18 @@ from lantern.io import write_json
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig
 from lantern.models.vq import VQConfig, VQModel
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread for the block: tiny models only pay for thread synchronisation, and on
+    a busy shared CPU a thread barrier can stall every small op."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_llamagen_config(**overrides: Any) -> LlamaGenConfig:

@@ -22,17 +22,15 @@ from lantern.cache import KVCache
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
 from lantern.pjd import PJDConfig, active_rows, check_pjd_fits, commit_cells, grid_positions, grid_verify_mask
-from lantern.testing import tiny_llamagen
+from lantern.testing import single_thread, tiny_llamagen
 
 WIDTH = 4  # a 4 x 4 image (block_size 16)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_thread():
+        yield
 
 
 def _model() -> LlamaGen:

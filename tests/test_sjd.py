@@ -327,13 +327,22 @@ def test_rows_independent_of_batch(init: str, relaxed: bool) -> None:
     if relaxed:
         nbr = torch.stack([torch.roll(torch.arange(256), -i)[1:65] for i in range(256)])
         acceptance = Acceptance(RelaxationConfig(k=8, delta=0.2), nbr)
-    labels, seeds, config = [4, 5, 6], [1, 2, 3], JacobiConfig(8, init)
+    assert_rows_independent(model, s, JacobiConfig(8, init), acceptance)
+
+
+def assert_rows_independent(
+    model: LlamaGen, s: SamplingConfig, config: JacobiConfig, acceptance: Acceptance | None
+) -> GenerationOutput:
+    """Each of 3 rows gives the same codes, in the same number of forwards, alone and in the
+    batch, and the rows did drift apart. Returns the batched run."""
+    labels, seeds = [4, 5, 6], [1, 2, 3]
     batch = _generate(model, torch.tensor(labels), s, config, seeds, acceptance=acceptance)
     for i in range(3):
         alone = _generate(model, torch.tensor(labels[i : i + 1]), s, config, seeds[i : i + 1], acceptance=acceptance)
         assert torch.equal(batch.codes[i], alone.codes[0]), i
         assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
     assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
+    return batch
 
 
 def test_digits_mean_accepted_and_stats() -> None:
@@ -384,13 +393,29 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "sjd", "--tree", "chain:3"], r"--tree is not used by sjd"),
         (["--method", "sjd", "--lantern-delta", "0.1"], r"--lantern-\* options need a relaxed method"),
         (["--method", "sjd-lantern", "--lantern-lambda", "3"], r"--lantern-lambda belongs to sjd-lantern\+\+"),
+        # coupled SJD (test_sjd_coupled.py) and GSD (test_gsd.py)
+        (["--method", "sjd", "--sjd-coupling", "gumbel"], r"--sjd-coupling needs --method sjd-coupled or "),
+        (["--method", "sd", "--sjd-coupling", "maximal"], r"--sjd-coupling needs --method sjd-coupled"),
+        (["--method", "sjd-coupled", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method"),
+        (["--method", "gsd", "--gsd-group", "0"], r"--gsd-group must be an integer >= 1, got 0"),
+        (["--method", "sjd", "--gsd-group", "3"], r"--gsd-group needs --method gsd, got --method sjd"),
+        (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method \(lantern, "),
+        (["--method", "gsd", "--sjd-coupling", "maximal"], r"--sjd-coupling needs --method sjd-coupled"),
     ],
 )
 def test_cli_bad_sjd_options(
     random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
+    assert_cli_error(str(random_stack), tmp_path, capsys, extra, message)
+
+
+def assert_cli_error(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """`lantern generate` with ``extra`` options exits 2 with one line matching ``message`` and
+    writes no codes."""
     out = tmp_path / "o"
-    rc = main(["generate", "--model", str(random_stack), "--labels", "0", "--out", str(out), "--no-progress", *extra])
+    rc = main(["generate", "--model", model, "--labels", "0", "--out", str(out), "--no-progress", *extra])
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("lantern: error: ")

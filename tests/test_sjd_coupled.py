@@ -15,14 +15,13 @@ test_t2i.py and test_chameleon.py):
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from test_sjd import _generate, _stack
+from test_sjd import _generate, _stack, assert_rows_independent
 from test_speculative import (
     DIST_LABEL,
     DIST_ROWS,
@@ -41,18 +40,15 @@ from lantern.errors import LanternError
 from lantern.generate import Acceptance, GenerationOutput
 from lantern.jacobi import JacobiConfig, JacobiDrafter
 from lantern.pipeline import MethodConfig, run_generation
-from lantern.testing import make_random_stack, tiny_llamagen
+from lantern.testing import make_random_stack, single_thread, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    """Tiny models: intra-op threads only add synchronisation on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -216,13 +212,7 @@ def test_rows_independent_of_batch(coupling: str, relaxed: bool) -> None:
     if relaxed:
         nbr = torch.stack([torch.roll(torch.arange(256), -i)[1:65] for i in range(256)])
         acceptance = Acceptance(RelaxationConfig(k=8, lam=3.0, mode="relative"), nbr)
-    labels, seeds, config = [4, 5, 6], [1, 2, 3], JacobiConfig(8, "random", coupling)
-    batch = _generate(model, torch.tensor(labels), s, config, seeds, acceptance=acceptance)
-    for i in range(3):
-        alone = _generate(model, torch.tensor(labels[i : i + 1]), s, config, seeds[i : i + 1], acceptance=acceptance)
-        assert torch.equal(batch.codes[i], alone.codes[0]), i
-        assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
-    assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
+    assert_rows_independent(model, s, JacobiConfig(8, "random", coupling), acceptance)
 
 
 # ---- CLI and bad options --------------------------------------------------------------------
@@ -249,28 +239,6 @@ def test_relaxed_coupled_methods_resolve() -> None:
     assert m.jacobi is not None and m.jacobi.coupling == "maximal"
     assert m.relaxation is not None and m.relaxation.mode == "absolute" and m.relaxation.delta == 0.1
     assert MethodConfig.resolve("sjd").jacobi == JacobiConfig(coupling="independent")
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--method", "sjd", "--sjd-coupling", "gumbel"], r"--sjd-coupling needs --method sjd-coupled or "),
-        (["--method", "sd", "--sjd-coupling", "maximal"], r"--sjd-coupling needs --method sjd-coupled"),
-        (["--method", "sjd-coupled", "--sjd-window", "0"], r"--sjd-window must be an integer >= 1, got 0"),
-        (["--method", "sjd-coupled", "--sjd-window", "64"], r"--sjd-window \(64\) must be less than the image's 64"),
-        (["--method", "sjd-coupled", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method"),
-    ],
-)
-def test_cli_bad_coupled_options(
-    random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
-) -> None:
-    out = tmp_path / "o"
-    rc = main(["generate", "--model", str(random_stack), "--labels", "0", "--out", str(out), "--no-progress", *extra])
-    assert rc == 2
-    err = capsys.readouterr().err
-    assert err.startswith("lantern: error: ")
-    assert re.search(message, err), err
-    assert not (out / "codes.npy").exists()
 
 
 def test_bad_coupling_values() -> None:
