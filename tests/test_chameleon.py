@@ -9,7 +9,8 @@ as the public inference code does:
   commit then decode = sequential decoding;
 * greedy speculative decoding (EAGLE drafter, oracle drafter, SJD) = greedy AR, token for token,
   for both layouts, batch 1 and 3, with and without guidance;
-* exact speculative sampling reproduces the target's joint law of the first tokens (chi-square);
+* exact speculative sampling (EAGLE drafters, coupled SJD) reproduces the target's joint law of
+  the first tokens (chi-square);
 * real-size (7B) key names and shapes on the meta device; bad input errors.
 """
 
@@ -322,6 +323,11 @@ def _dist_run(method: str) -> GenerationOutput:
     gens = make_generators(list(range(DIST_ROWS)))
     if method == "ar":
         return generate(ChameleonTarget(lm, DIST_LAYOUT, DIST_SAMPLING), ids, generators=gens, cond_mask=mask)
+    if method.startswith("sjd-coupled"):  # coupled SJD: its redraws cross the row end (a shadow node)
+        coupling = method.split(":")[1]
+        resolved = MethodConfig.resolve("sjd-coupled", window=3, init="random", coupling=coupling)
+        target, draft = _parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, None, lm.image_head)
+        return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask)
     tree = {"sd": "chain:3", "sd-static": "static:mc_sim_7b_63"}[method]
     resolved = MethodConfig.resolve("sd", tree)
     drafter = init_chameleon_drafter(lm, DIST_LAYOUT, seed=1).eval()
@@ -329,7 +335,7 @@ def _dist_run(method: str) -> GenerationOutput:
     return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask)
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "sd-static"])
+@pytest.mark.parametrize("method", ["ar", "sd", "sd-static", "sjd-coupled:maximal", "sjd-coupled:gumbel"])
 def test_exact_sampling_matches_target_distribution(method: str) -> None:
     """Chi-square goodness of fit of codes 0..2 (216 cells, 4^3 = 64 under top-k 4) against the
     exact joint from transformers' forward, at significance 0.001: a false-positive rate of 0.1 %
