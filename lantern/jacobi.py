@@ -40,7 +40,8 @@ guesses equal to the target's argmax, so SJD reproduces greedy AR token for toke
 
 Randomness: every active row draws a fixed number of uniforms per round from its own
 ``torch.Generator`` (L for the carried samples, or L * V for ``gumbel`` noise; L for ``random``
-initialisation), whatever its batch-mates do, so a row's codes do not depend on the batch (as in ``lantern.drafting``).
+initialisation), whatever its batch-mates do, so a row's codes do not depend on the batch (as in
+``lantern.drafting``).
 Greedy decoding without generators uses private generators with a fixed seed: the output is
 greedy AR whatever the guesses, only the speed depends on them.
 
