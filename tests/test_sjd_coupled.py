@@ -40,6 +40,7 @@ from lantern.errors import LanternError
 from lantern.generate import Acceptance, GenerationOutput
 from lantern.jacobi import JacobiConfig, JacobiDrafter
 from lantern.pipeline import MethodConfig, run_generation
+from lantern.sampling import make_generators
 from lantern.testing import make_random_stack, single_thread, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]
@@ -197,6 +198,28 @@ def test_coupling_keeps_drafts_between_iterations() -> None:
     independent = _dist_run("independent")[1]
     assert _dist_run("maximal")[1] > independent + 0.25
     assert _dist_run("gumbel")[1] > independent + 0.25
+
+
+@pytest.mark.parametrize("coupling", ["independent", "maximal", "gumbel"])
+def test_unchanged_prediction_keeps_the_draft(coupling: str) -> None:
+    """Drive the drafter by hand for three rounds in which every forward predicts the same p at
+    every position and each round decides one token. A position redrawn in two consecutive rounds
+    keeps its guess under both couplings (maximal: p(x)/q(x) = 1; gumbel: same noise, same p) and
+    changes under independent redraws."""
+    s = SamplingConfig(temperature=1.0)
+    drafter = JacobiDrafter(JacobiConfig(6, "random", coupling), s, 8, 16)
+    gens = make_generators([5, 6])
+    drafter.start(torch.zeros(2, 1, 4), torch.tensor([1, 2]))
+    logits = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(0)).expand(2, 7, 8).contiguous()
+    windows = []
+    for _ in range(3):
+        tree = drafter.propose(gens, torch.ones(2, dtype=torch.bool), torch.full((2,), 14))
+        windows.append(tree.tokens[:, 1:])  # guesses for positions n .. n + 5
+        drafter.observe_verify(logits)
+        drafter.commit(torch.zeros(2, 1, 4), tree.tokens[:, 1:2], torch.ones(2, dtype=torch.long))
+    # Round 3's guesses at slots 0..3 were redrawn from round 2's slots 1..4, themselves redrawn in round 2.
+    same = torch.equal(windows[2][:, :4], windows[1][:, 1:5])
+    assert same == (coupling != "independent")
 
 
 # ---- batching -------------------------------------------------------------------------------
