@@ -41,6 +41,7 @@ from lantern.generate import Acceptance, GenerationOutput
 from lantern.jacobi import JacobiConfig, JacobiDrafter
 from lantern.pipeline import MethodConfig, run_generation
 from lantern.sampling import make_generators
+from lantern.stack import load_stack
 from lantern.testing import make_random_stack, single_thread, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]
@@ -251,6 +252,19 @@ def test_cli_generate_coupled_sjd(tmp_path: Path, coupling: str) -> None:
     assert run["method"]["jacobi"] == {"window": 8, "init": "repeat_horizon", "coupling": coupling}
     assert run["method"]["relaxation"] is None
     assert run["stats"]["mean_accepted"] > 1.0
+
+
+def test_relaxation_applies_to_coupled_sjd() -> None:
+    """The relaxed forms accept drafts the exact rule rejects and decide more tokens per forward
+    (measured on digits, 2 images: 2.61 exact, 3.11 sjd-coupled-lantern, 3.05 -lantern++)."""
+    stack = load_stack("digits")
+    s = SamplingConfig(**stack.default_sampling())
+    runs = {m: run_generation(stack, [0, 1], 0, s, MethodConfig.resolve(m), 2)
+            for m in ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")}
+    assert sum(o.stats.relaxed_accepts for o in runs["sjd-coupled"].output_stats) == 0
+    for m in ("sjd-coupled-lantern", "sjd-coupled-lantern++"):
+        assert sum(o.stats.relaxed_accepts for o in runs[m].output_stats) > 0, m
+        assert runs[m].stats_dict()["mean_accepted"] > runs["sjd-coupled"].stats_dict()["mean_accepted"] + 0.2, m
 
 
 def test_relaxed_coupled_methods_resolve() -> None:
