@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lantern.config import SamplingConfig
 from lantern.errors import check
-from lantern.pipeline import METHODS, MethodConfig, RunResult, run_generation
+from lantern.pipeline import COUPLED_METHODS, METHODS, MethodConfig, RunResult, run_generation
 from lantern.stack import ModelStack
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
@@ -59,6 +59,7 @@ class MethodSpec:
     delta: float | None = None
     lam: float | None = None
     label: str = ""  # row name; defaults to the method
+    coupling: str | None = None  # sjd-coupled*: --sjd-coupling (None = the default)
 
     @property
     def name(self) -> str:
@@ -66,7 +67,7 @@ class MethodSpec:
 
     def resolve(self, stack: ModelStack) -> MethodConfig:
         tree = self.tree if self.tree is not None else stack.default_tree(self.method)
-        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam)
+        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, coupling=self.coupling)
 
 
 @dataclass(frozen=True)
@@ -575,7 +576,8 @@ def _save_plots(result: BenchResult, out: Path) -> None:
 def parse_methods(spec: str, trees: Mapping[str, str] | None = None) -> tuple[MethodSpec, ...]:
     """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
-    run can compare trees for the same method."""
+    run can compare trees for the same method; for coupled SJD ``METHOD@COUPLING`` (e.g.
+    ``sjd-coupled@gumbel``) compares couplings the same way."""
     trees = trees or {}
     entries = [m.strip() for m in spec.split(",") if m.strip()]
     check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
@@ -583,7 +585,9 @@ def parse_methods(spec: str, trees: Mapping[str, str] | None = None) -> tuple[Me
     for entry in entries:
         name, _, tree = entry.partition("@")
         check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
-        if tree:
+        if tree and name in COUPLED_METHODS:
+            out.append(MethodSpec(name, coupling=tree, label=entry))
+        elif tree:
             check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
             out.append(MethodSpec(name, tree=tree, label=entry))
         else:

@@ -559,7 +559,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="photos", help="embedded preset (digits | photos) or a stack folder")
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
-                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree "
+                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, "
+                        "sjd-coupled@gumbel one with that coupling "
                         "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "

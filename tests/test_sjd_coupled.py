@@ -34,6 +34,7 @@ from test_speculative import (
 from torch import Tensor
 
 from lantern.acceptance import maximal_coupling
+from lantern.bench import parse_methods, tree_label
 from lantern.cli import main
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import LanternError
@@ -265,6 +266,20 @@ def test_relaxation_applies_to_coupled_sjd() -> None:
     for m in ("sjd-coupled-lantern", "sjd-coupled-lantern++"):
         assert sum(o.stats.relaxed_accepts for o in runs[m].output_stats) > 0, m
         assert runs[m].stats_dict()["mean_accepted"] > runs["sjd-coupled"].stats_dict()["mean_accepted"] + 0.2, m
+
+
+def test_bench_rows_per_coupling() -> None:
+    """`lantern bench --methods ar,sjd-coupled,sjd-coupled@gumbel` compares both couplings."""
+    specs = parse_methods("ar,sjd-coupled,sjd-coupled@gumbel,sjd-coupled-lantern++@maximal")
+    assert [s.name for s in specs] == ["ar", "sjd-coupled", "sjd-coupled@gumbel", "sjd-coupled-lantern++@maximal"]
+    stack = _stack("digits")
+    labels = [tree_label(s.resolve(stack)) for s in specs]
+    assert labels == ["-", "jacobi:16/repeat_horizon/maximal", "jacobi:16/repeat_horizon/gumbel",
+                      "jacobi:16/repeat_horizon/maximal"]
+    with pytest.raises(LanternError, match=r"--sjd-coupling must be one of maximal, gumbel, got 'fast'"):
+        parse_methods("ar,sjd-coupled@fast")[1].resolve(stack)
+    with pytest.raises(LanternError, match=r"'sjd' does not draft a tree"):
+        parse_methods("ar,sjd@gumbel")
 
 
 def test_relaxed_coupled_methods_resolve() -> None:
