@@ -49,6 +49,24 @@ def test_greedy_methods_agree_and_write_outputs(folder: Path, tmp_path: Path) ->
     assert Image.open(tmp_path / "sd" / "0001_prompt1.png").size == (8, 8)
 
 
+def test_training_free_methods_through_the_cli(folder: Path, tmp_path: Path) -> None:
+    """Coupled SJD (greedy: AR's codes) and GSD / relaxed coupled SJD (sampled) on a Lumina folder,
+    whose row ends fall inside the Jacobi windows; run.json records the settings."""
+    assert _generate(folder, tmp_path / "ar", "--method", "ar", "--temperature", "0") == 0
+    ar = np.load(tmp_path / "ar" / "codes.npy")
+    for coupling in ("maximal", "gumbel"):
+        out = tmp_path / coupling
+        assert _generate(folder, out, "--method", "sjd-coupled", "--sjd-window", "6", "--sjd-coupling", coupling,
+                         "--temperature", "0") == 0
+        assert (np.load(out / "codes.npy") == ar).all(), coupling
+    for method, mode in (("gsd", "group"), ("sjd-coupled-lantern++", "relative")):
+        out = tmp_path / method
+        assert _generate(folder, out, "--method", method, "--sjd-window", "4", "--seed", "3") == 0
+        run = json.loads((out / "run.json").read_text())
+        assert run["method"]["relaxation"]["mode"] == mode and run["method"]["jacobi"]["window"] == 4
+        assert np.load(out / "codes.npy").shape == (2, 16)
+
+
 def test_lantern_sampled_run(folder: Path, tmp_path: Path) -> None:
     """LANTERN++ with sampling: codes in range, and a second run with the same seed is identical."""
     args = ("--method", "lantern++", "--tree", "chain:3", "--lantern-k", "4", "--lantern-lambda", "3", "--seed", "7")
