@@ -15,6 +15,15 @@ from typing import Any
 from lantern.errors import LanternError
 
 
+def _window_arg(text: str) -> int | str:
+    """``--sjd-window``: a window length, or ``auto`` (measured on this device). Anything else is
+    passed on as text, for ``JacobiConfig`` to refuse in one line."""
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip()
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip() != ""]
@@ -81,6 +90,29 @@ def _auto_tree(
                          drafter_dir=drafter, proximity=proximity, progress=progress)
     print(f"--tree auto [{choice.method}]: {choice.explanation} (profile {choice.profile_seconds:.1f} s, "
           f"calibration {choice.calibration_seconds:.1f} s)")
+    return choice
+
+
+def _check_auto_window(window: int | str | None, method: str, unsupported: str | None) -> bool:
+    """True for ``--sjd-window auto``; refuses it for methods without a Jacobi window, and for
+    models it cannot calibrate (``unsupported``: what kind of model this is)."""
+    if window != "auto":
+        return False
+    from lantern.pipeline import SJD_METHODS
+
+    if method not in SJD_METHODS:
+        raise LanternError(f"--sjd-window auto needs a Jacobi --method ({', '.join(SJD_METHODS)}), got {method}")
+    if unsupported is not None:
+        raise LanternError(f"--sjd-window auto calibrates on class labels; pass a number for {unsupported} models")
+    return True
+
+
+def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace) -> Any:
+    """``--sjd-window auto``: choose_window, with its explanation printed."""
+    from lantern.autowindow import choose_window
+
+    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size)
+    print(f"--sjd-window auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice
 
 
@@ -166,7 +198,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="relaxed methods, after a rejection: the paper's residual (default), or the released LlamaGen "
              "(official) / Lumina-mGPT (official-lumina) code's, for comparisons",
     )
-    p.add_argument("--sjd-window", type=int, default=None, help="sjd*: Jacobi window length L >= 1 (16)")
+    p.add_argument("--sjd-window", type=_window_arg, default=None,
+                   help="sjd*, gsd: Jacobi window length L >= 1 (16), or auto: the fastest of 4-32 on this device, "
+                        "measured on a few calibration images")
     p.add_argument(
         "--sjd-init",
         default=None,
@@ -252,6 +286,7 @@ def _encode_prompts(prompts: list[str], t5_dir: Path, stack: Any, args: argparse
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from lantern.autowindow import with_window
     from lantern.io import ensure_writable_dir
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.vq import to_pil
@@ -268,14 +303,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
                                "Lumina-mGPT)")
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
+    auto_window = _check_auto_window(args.sjd_window, args.method, "text-to-image" if prompts is not None else None)
     stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
     _check_condition_kind(stack, args.model, prompts is not None)
     if auto and prompts is not None:
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
     tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
-        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual, args.sjd_coupling, args.gsd_group,
+        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda,
+        None if auto_window else args.sjd_window, args.sjd_init, args.lantern_residual, args.sjd_coupling,
+        args.gsd_group,
     )
     sampling = _sampling(args, stack)
     t5_dir = _t5_dir(args, stack) if prompts is not None else None
@@ -286,7 +323,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
         progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity,
     )
-    auto_choice = None
+    auto_choice = window_choice = None
     if prompts is not None:
         assert t5_dir is not None
         captions = _encode_prompts(prompts, t5_dir, stack, args)
@@ -305,6 +342,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                     args.lantern_delta, args.lantern_lambda, args.sjd_window,
                                                     args.sjd_init, args.lantern_residual, args.sjd_coupling,
                                                     args.gsd_group)
+        if auto_window:  # time the candidate windows, then run with the fastest
+            window_choice = _auto_window(stack, method, sampling, args)
+            run_kw["method"] = with_window(method, window_choice.window)
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
@@ -314,6 +354,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run = _run_record(args, len(names), sampling, result, conditions)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
+    if window_choice is not None:
+        run["auto_window"] = window_choice.to_dict()
     return _finish_run(out, run, len(images))
 
 
@@ -351,6 +393,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
                                "tokenizer, and decode with --vq)")
     if args.tree == "auto":
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
+    _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
     layout = _chameleon_layout(args, root)
     out = ensure_writable_dir(args.out, "--out")
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)

@@ -86,6 +86,8 @@ def test_lantern_sampled_run(folder: Path, tmp_path: Path) -> None:
         (["--vq", "/nonexistent/vqgan.ckpt"], "--vq: no such file"),
         (["--t5", "/tmp"], "--t5 is not used"),
         (["--method", "sd", "--drafter", "/nonexistent"], "drafter folder not found"),
+        (["--method", "sjd-coupled", "--sjd-window", "auto"],
+         "--sjd-window auto calibrates on class labels; pass a number for Chameleon-family models"),
     ],
 )
 def test_bad_input(folder: Path, tmp_path: Path, extra: list[str], message: str,

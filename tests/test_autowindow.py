@@ -1,0 +1,75 @@
+"""``--sjd-window auto`` (``lantern.autowindow``): the window is chosen by timing, explained, recorded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_sjd import assert_cli_error
+
+from lantern.autowindow import AutoWindowChoice, WindowTrial, choose_window, with_window
+from lantern.cli import main
+from lantern.config import SamplingConfig, TreeConfig
+from lantern.errors import LanternError
+from lantern.pipeline import MethodConfig
+from lantern.stack import load_stack
+from lantern.testing import make_random_stack, single_thread
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_stack(tmp_path_factory.mktemp("autowindow") / "random", seed=3)
+
+
+def test_the_fastest_window_wins_and_is_explained() -> None:
+    trials = (WindowTrial(4, 1.8, 3.0), WindowTrial(8, 2.4, 2.5), WindowTrial(16, 2.9, 2.5), WindowTrial(32, 3.1, 4.0))
+    choice = AutoWindowChoice("sjd-coupled", trials, 12.0)
+    assert choice.window == 8  # 2.5 ms per token, tied with 16: the smaller window
+    assert choice.explanation.startswith("window 8: 2.40 tokens per forward, 2.50 ms per token")
+    assert "runner-ups: 16 (2.50 ms, 2.90/fwd), 4 (3.00 ms, 1.80/fwd), 32 (4.00 ms, 3.10/fwd)" in choice.explanation
+    assert choice.to_dict()["window"] == 8 and len(choice.to_dict()["trials"]) == 4
+
+
+def test_choose_window_measures_every_candidate(random_stack: Path) -> None:
+    stack = load_stack(random_stack)
+    method = MethodConfig.resolve("sjd-coupled")
+    choice = choose_window(stack, method, SamplingConfig(top_k=20), images=1, windows=(2, 4, 64, 100), passes=1)
+    assert [t.window for t in choice.trials] == [2, 4]  # windows as long as the 64-token image are skipped
+    assert all(t.tokens_per_forward >= 1.0 and t.ms_per_token > 0 for t in choice.trials)
+    assert choice.window in (2, 4) and choice.seconds > 0
+    chosen = with_window(method, choice.window)
+    assert chosen.jacobi is not None and chosen.jacobi.window == choice.window
+    assert chosen.tree == TreeConfig(kind="chain", depth=choice.window) and chosen.jacobi.coupling == "maximal"
+    with pytest.raises(LanternError, match=r"--sjd-window auto needs a Jacobi --method"):
+        choose_window(stack, MethodConfig.resolve("ar"), SamplingConfig())
+
+
+def test_cli_auto_window_is_recorded(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    rc = main(["generate", "--model", str(random_stack), "--labels", "1", "--method", "gsd", "--sjd-window", "auto",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "--sjd-window auto [gsd]: window " in capsys.readouterr().out
+    run = json.loads((out / "run.json").read_text())
+    assert run["method"]["jacobi"]["window"] == run["auto_window"]["window"] in (4, 8, 16, 32)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a Jacobi --method \(sjd, "),
+        (["--method", "sjd", "--sjd-window", "wide"], r"--sjd-window must be an integer >= 1, got 'wide'"),
+    ],
+)
+def test_cli_bad_auto_window(
+    random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert_cli_error(str(random_stack), tmp_path, capsys, extra, message)
