@@ -211,9 +211,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sjd-coupling",
         default=None,
-        choices=["maximal", "gumbel"],
+        choices=["independent", "maximal", "gumbel"],
         help="sjd-coupled*: redraw each open guess coupled with the one it replaces: maximal coupling, or the "
-        "same Gumbel noise per position (default maximal)",
+        "same Gumbel noise per position (default maximal); gsd: also independent (its default)",
     )
     p.add_argument(
         "--gsd-group", type=int, default=None,

@@ -97,7 +97,7 @@ class MethodConfig:
         if self.jacobi is not None:  # SJD verifies its window as a chain, so the tree follows from it
             coupled = self.method in COUPLED_METHODS
             check(
-                (self.jacobi.coupling != "independent") == coupled,
+                self.method == "gsd" or (self.jacobi.coupling != "independent") == coupled,
                 f"method {self.method!r} needs coupling {'maximal or gumbel' if coupled else 'independent'}, "
                 f"got {self.jacobi.coupling!r}",
             )
@@ -134,7 +134,7 @@ class MethodConfig:
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
-        check(coupling is None, f"--sjd-coupling needs --method {' or '.join(COUPLED_METHODS)}")
+        check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}")
         if method == "ar":
             check(tree in (None, "none"), "--tree is only used with speculative methods")
             return cls(method="ar")
@@ -151,11 +151,16 @@ def _default_init(method: str) -> str:
 
 
 def _resolve_coupling(method: str, coupling: str | None) -> str:
-    """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); the
-    other SJD methods redraw independently and take no coupling."""
+    """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); ``gsd``:
+    any coupling, independent by default (GSD's own SJD); the other SJD methods redraw
+    independently and take no coupling."""
+    if method == "gsd":
+        check(coupling is None or coupling in COUPLINGS,
+              f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+        return "independent" if coupling is None else coupling
     if method not in COUPLED_METHODS:
-        check(coupling is None, f"--sjd-coupling needs --method {' or '.join(COUPLED_METHODS)}; {method} redraws "
-                                "its guesses independently")
+        check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}; {method} "
+                                "redraws its guesses independently")
         return "independent"
     choices = [c for c in COUPLINGS if c != "independent"]
     check(coupling is None or coupling in choices,

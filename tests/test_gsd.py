@@ -149,6 +149,15 @@ def test_cli_generate_gsd(tmp_path: Path) -> None:
     assert run["method"]["jacobi"]["coupling"] == "independent"
 
 
+def test_gsd_takes_a_coupling() -> None:
+    """GSD's own SJD redraws independently; coupled redraws (SCD) combine with its grouped rule."""
+    assert MethodConfig.resolve("gsd").jacobi == JacobiConfig(coupling="independent")
+    gumbel = MethodConfig.resolve("gsd", coupling="gumbel", group=3)
+    assert gumbel.jacobi == JacobiConfig(coupling="gumbel") and gumbel.relaxation == RelaxationConfig(k=3, mode="group")
+    with pytest.raises(LanternError, match=r"--sjd-coupling must be one of independent, maximal, gumbel, got 'max'"):
+        MethodConfig.resolve("gsd", coupling="max")
+
+
 def test_bad_group_configs() -> None:
     with pytest.raises(LanternError, match=r"lantern delta is only used with mode='absolute'"):
         RelaxationConfig(k=3, delta=0.1, mode="group")

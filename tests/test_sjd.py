@@ -400,7 +400,7 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "gsd", "--gsd-group", "0"], r"--gsd-group must be an integer >= 1, got 0"),
         (["--method", "sjd", "--gsd-group", "3"], r"--gsd-group needs --method gsd, got --method sjd"),
         (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method \(lantern, "),
-        (["--method", "gsd", "--sjd-coupling", "maximal"], r"--sjd-coupling needs --method sjd-coupled"),
+        (["--method", "sjd-coupled", "--sjd-coupling", "independent"], r"--sjd-coupling must be one of maximal, "),
     ],
 )
 def test_cli_bad_sjd_options(
