@@ -100,6 +100,9 @@ class DrafterConfig:
     @classmethod
     def from_official(cls, raw: Mapping[str, Any]) -> DrafterConfig:
         """From LANTERN's EConfig ``config.json`` (``input_type`` picks the RoPE layout)."""
+        if raw.get("model_type") == "chameleon":  # lantern.models.chameleon_drafter reads those
+            raise LanternError("this drafter is one of LANTERN's released Chameleon-family drafters (Anole / "
+                               "Lumina-mGPT): use it with a Chameleon --model, not a LlamaGen one")
         input_type = raw.get("input_type", "t2i")
         if input_type not in _OFFICIAL_INPUT_TYPES:
             raise LanternError(f"official drafter config has unknown input_type {input_type!r}")
