@@ -41,6 +41,7 @@ from lantern.models.chameleon_drafter import (
 )
 from lantern.pipeline import MethodConfig
 from lantern.released_drafter import ReleasedDrafterBackend, load_chameleon_drafter
+from lantern.sampling import apply_cfg
 from lantern.testing import tiny_chameleon, tiny_released_drafter
 
 pytest.importorskip("transformers")
@@ -208,12 +209,91 @@ def test_drafter_sequence_equals_official_layout(layout: str, tree: str) -> None
         assert done >= len(ref_tok) - 5  # it followed the image to (almost) its end
 
 
+def _uncached_chain(drafter: ReleasedChameleonDrafter, layout: ImageLayout, entries: tuple[Tensor, ...],
+                    root_index: int, chain: list[int]) -> list[Tensor]:
+    """Reference drafting along a chain, by full recomputation: the committed entries, then per
+    drafted code an entry (previous output, code) at the next position, and after a code that
+    ends a row an entry (its output, new-line) first, as the official drafter drafts the forced
+    new-line. Returns the output that predicts each chain position's successor (root first)."""
+    tok, feat, pos = (t.clone() for t in entries)
+
+    def last_output() -> Tensor:
+        causal = torch.ones(len(tok), len(tok), dtype=torch.bool).tril()[None]
+        return drafter(feat[None], tok[None], pos[None], causal)[0, -1]
+
+    def step(x: int) -> Tensor:
+        nonlocal tok, feat, pos
+        last = last_output()
+        tok, feat = torch.cat([tok, torch.tensor([x])]), torch.cat([feat, last[None]])
+        pos = torch.cat([pos, pos[-1:] + 1])
+        return last
+
+    bpe = _lm().code_to_bpe(torch.tensor(chain)).tolist()
+    outs = []
+    for i in range(len(chain) + 1):
+        if layout.eol is not None and (root_index + i + 1) % layout.width == 0:
+            step(layout.eol)
+        if i < len(chain):
+            outs.append(step(bpe[i]))
+    return [*outs, last_output()]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@torch.no_grad()
+def test_draft_entries_equal_recomputation(layout: str) -> None:
+    """Every round's drafted chain (positions, new-line steps across row ends, cache masks) gives
+    the logits that full recomputation over the reference sequence plus the chain gives."""
+    lay, cfg = LAYOUTS[layout], 3.0
+    ids, mask = encode_prompts(PROMPTS, lay)
+    sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
+    drafter = _trained_drafter(layout)
+    target, draft = _parts(_lm(), lay, sampling, MethodConfig.resolve("sd", "chain:3"), drafter, _lm().image_head)
+    backend = draft.backend  # type: ignore[union-attr]
+    rounds = _record_context(backend)
+    drafted: list[list[Tensor]] = []  # per round: root logits, then each depth's logits [B, V]
+    chains: list[list[Tensor]] = []
+    begin, feed = backend.begin, backend.feed
+
+    def spy_begin() -> Tensor:
+        drafted.append([begin()])
+        chains.append([])
+        assert backend.codes_done is not None
+        chains[-1].append(backend.codes_done.clone())
+        return drafted[-1][0]
+
+    def spy_feed(parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
+        out = feed(parent, tokens, depth, ancestors)
+        drafted[-1].append(out[:, 0])
+        chains[-1].append(tokens[:, 0].clone())
+        return out
+
+    backend.begin, backend.feed = spy_begin, spy_feed  # type: ignore[method-assign]
+    out = generate(target, ids, drafter=draft, cond_mask=mask)
+    b = len(PROMPTS)
+    refs = [_reference_entries(lay, PROMPTS[n % b], out.codes[n % b].tolist(), n // b) for n in range(2 * b)]
+    done = [0] * (2 * b)
+    checked = 0
+    for r, rows in enumerate(rounds):
+        for row in range(b):
+            heads = []
+            for n in (row, row + b):
+                done[n] += len(rows[n][0])
+                entries = tuple(t[: done[n]] for t in refs[n])
+                chain = [int(c[row]) for c in chains[r][1:]]
+                heads.append(_uncached_chain(drafter, lay, entries, int(chains[r][0][row]), chain))
+            for depth, logits in enumerate(drafted[r]):
+                ref = apply_cfg(_lm().image_head(torch.stack([heads[0][depth], heads[1][depth]])), cfg, 2)[0]
+                torch.testing.assert_close(logits[row], ref, atol=2e-4, rtol=1e-4)
+                checked += 1
+    assert checked >= 3 * len(rounds)
+
+
 # -- a drafter trained on the reference layout drafts well ----------------------------------------
 
 TRAIN_PROMPTS = [*PROMPTS, [104, 151], [105], [106, 152, 107, 108]]  # left padding of 0..3 columns
 
 
-def _train_entries(layout: ImageLayout, cfg: float) -> list[tuple[Tensor, Tensor, Tensor, Tensor, int]]:
+def _train_entries(layout: ImageLayout, cfg: float) -> list[tuple[Tensor, ...]]:
     """(tokens, features, positions, next features, first image entry) of both streams of every
     training prompt, in the reference layout, from the target's own greedy images."""
     out, _ = _run(layout, None, TRAIN_PROMPTS, cfg)
@@ -222,7 +302,7 @@ def _train_entries(layout: ImageLayout, cfg: float) -> list[tuple[Tensor, Tensor
         for stream in (0, 1):
             tok, feat, pos = _reference_entries(layout, text, out.codes[i].tolist(), stream)
             first = len(tok) - (layout.num_tokens + (layout.height if layout.eol else 0))
-            data.append((tok, feat, pos, torch.cat([feat[1:], feat[-1:]]), first - 1))
+            data.append((tok, feat, pos, torch.cat([feat[1:], feat[-1:]]), torch.tensor(first - 1)))
     return data
 
 
@@ -235,21 +315,27 @@ def _trained_drafter(layout_key: str, steps: int = 150) -> ReleasedChameleonDraf
     torch.manual_seed(0)
     model = tiny_released_drafter(_lm(), lay.name, seed=1).train()
     model.embed_tokens.weight.requires_grad_(False)
-    head = _lm().image_head
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    with torch.enable_grad():  # callers may run under no_grad
+        _fit(model, opt, data, steps)
+    return model.eval()
+
+
+def _fit(model: ReleasedChameleonDrafter, opt: torch.optim.Optimizer, data: list[tuple[Tensor, ...]],
+         steps: int) -> None:
+    head = _lm().image_head
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.zeros(())
         for tok, feat, pos, nxt, first in data:
             t = tok.shape[0]
             causal = torch.ones(t, t, dtype=torch.bool).tril()[None]
-            pred = model(feat[None], tok[None], pos[None], causal)[0, first:-1]
-            target = nxt[first:-1]
+            pred = model(feat[None], tok[None], pos[None], causal)[0, int(first) : -1]
+            target = nxt[int(first) : -1]
             ce = -(head(target).softmax(-1) * head(pred).log_softmax(-1)).sum(-1).mean()
             loss = loss + F.smooth_l1_loss(pred, target) + 0.1 * ce
         loss.backward()
         opt.step()
-    return model.eval()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
