@@ -41,7 +41,7 @@ from lantern.models.chameleon_drafter import (
 )
 from lantern.pipeline import MethodConfig
 from lantern.released_drafter import ReleasedDrafterBackend, load_chameleon_drafter
-from lantern.sampling import apply_cfg
+from lantern.sampling import apply_cfg, make_generators
 from lantern.testing import tiny_chameleon, tiny_released_drafter
 
 pytest.importorskip("transformers")
@@ -140,6 +140,24 @@ def test_greedy_with_released_drafter_reproduces_ar(layout: str, cfg: float, bat
     ar, _ = _run(lay, None, PROMPTS[:batch], cfg)
     assert torch.equal(out.codes, ar.codes)
     assert backend is not None and backend.forwards > 0
+
+
+def test_sampled_rows_do_not_depend_on_batch_mates() -> None:
+    """LANTERN++ sampling with a released-layout drafter: a row's codes are the same alone and in a
+    batch with other (differently padded) prompts, and a repeated run is identical."""
+    sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
+    method = MethodConfig.resolve("sd-static", "static:mc_sim_7b_63")
+    drafter = tiny_released_drafter(_lm(), LUMINA.name)
+
+    def run(prompts: list[list[int]], seeds: list[int]) -> Tensor:
+        ids, mask = encode_prompts(prompts, LUMINA)
+        target, draft = _parts(_lm(), LUMINA, sampling, method, drafter, _lm().image_head)
+        return generate(target, ids, drafter=draft, cond_mask=mask, generators=make_generators(seeds, "cpu")).codes
+
+    batch = run(PROMPTS, [5, 6, 7])
+    assert torch.equal(batch, run(PROMPTS, [5, 6, 7]))
+    for i in range(len(PROMPTS)):
+        assert torch.equal(run([PROMPTS[i]], [5 + i])[0], batch[i])
 
 
 # -- the drafter's input sequence ------------------------------------------------------------------
