@@ -17,7 +17,6 @@ tiny random configs of the same layout for running). What is checked:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from test_chameleon import ANOLE, LAYOUTS, LUMINA, PROMPTS, _lm, _one_thread  # noqa: F401 (autouse fixture)
 from torch import Tensor
 
 from lantern.chameleon import ChameleonTarget, _parts, encode_prompts
 from lantern.config import SamplingConfig
 from lantern.errors import CheckpointError, LanternError
 from lantern.generate import generate
-from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.chameleon import ImageLayout
 from lantern.models.chameleon_drafter import (
     ReleasedChameleonDrafter,
     ReleasedDrafterConfig,
@@ -42,28 +42,9 @@ from lantern.models.chameleon_drafter import (
 from lantern.pipeline import MethodConfig
 from lantern.released_drafter import ReleasedDrafterBackend, load_chameleon_drafter
 from lantern.sampling import apply_cfg, make_generators
-from lantern.testing import tiny_chameleon, tiny_released_drafter
+from lantern.testing import tiny_released_drafter
 
 pytest.importorskip("transformers")
-
-LUMINA = ImageLayout(name="lumina-mgpt", height=3, width=3, prefix=(8197, 8805, 8805), uncond=(8197, 8805, 8805),
-                     eol=8803)
-ANOLE = ImageLayout(name="anole", height=3, width=3)
-LAYOUTS = {"lumina": LUMINA, "anole": ANOLE}
-PROMPTS = [[101, 102, 103], [150], [120, 121]]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@cache
-def _lm() -> ChameleonLM:
-    return ChameleonLM(tiny_chameleon(seed=0))
 
 
 def _run(layout: ImageLayout, drafter: ReleasedChameleonDrafter | None, prompts: list[list[int]], cfg: float,

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lantern.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import load_state_dict_strict, read_json
+from lantern.models.drafter import DrafterMLP, cached_attention
 from lantern.models.llamagen import RMSNorm
 
 RELEASED_MODEL_TYPE = "chameleon"
@@ -157,27 +158,7 @@ class ReleasedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(n, t, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(n, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
-        if cache is not None:
-            assert slots is not None
-            cache.write(self.layer, slots, k, v)
-            k, v = cache.read(self.layer, mask.shape[-1])
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))
-
-
-class ReleasedMLP(nn.Module):
-    def __init__(self, cfg: ReleasedDrafterConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(cached_attention(q, k, v, mask, cache, slots, self.layer))
 
 
 class ReleasedLayer(nn.Module):
@@ -186,7 +167,7 @@ class ReleasedLayer(nn.Module):
     def __init__(self, cfg: ReleasedDrafterConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = ReleasedAttention(cfg, layer)
-        self.mlp = ReleasedMLP(cfg)
+        self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
