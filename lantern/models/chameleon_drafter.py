@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from lantern.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import load_state_dict_strict, read_json
-from lantern.models.drafter import DrafterMLP, cached_attention
+from lantern.models.drafter import DrafterMLP, EagleModule, cached_attention
 from lantern.models.llamagen import RMSNorm
 
 RELEASED_MODEL_TYPE = "chameleon"
@@ -177,7 +177,7 @@ class ReleasedLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class ReleasedChameleonDrafter(nn.Module):
+class ReleasedChameleonDrafter(EagleModule):
     """The released drafters' ``Model``: tokens are BPE ids of the full Chameleon vocabulary."""
 
     def __init__(self, cfg: ReleasedDrafterConfig) -> None:
@@ -188,14 +188,6 @@ class ReleasedChameleonDrafter(nn.Module):
         self.layers = nn.ModuleList([ReleasedLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) [N, 1, T, head_dim] at absolute positions [N, T], computed in float32."""

@@ -194,7 +194,21 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class EagleDrafterModel(nn.Module):
+class EagleModule(nn.Module):
+    """What the loop reads from any EAGLE drafter module: where and in which precision it runs."""
+
+    fc: nn.Linear
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+
+class EagleDrafterModel(EagleModule):
     ROPE_PAD = 64
 
     def __init__(self, cfg: DrafterConfig) -> None:
@@ -220,14 +234,6 @@ class EagleDrafterModel(nn.Module):
             if cfg.target_cls_token_num == 1:  # no zero prefix row at all for c2i
                 table = table[1:]
         self.register_buffer("freqs_cis", table, persistent=False)
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
 
     def rope_at(self, positions: Tensor) -> Tensor:
         return self.freqs_cis[positions.clamp(max=self.freqs_cis.shape[0] - 1)]
