@@ -207,7 +207,7 @@ class ReleasedDrafterBackend:
         out = self._draft(self._out[:, k0 : k0 + e], eol, positions, cover, first)
         self._out[:, k0 : k0 + e] = torch.where(keep, out, self._out[:, k0 : k0 + e])
         self._last_pos[:, k0 : k0 + e] = torch.where(valid[:, None], positions, self._last_pos[:, k0 : k0 + e])
-        self._cover[:, k0 : k0 + e, first:] |= self._eye(e)[:, :, :] & keep
+        self._cover[:, k0 : k0 + e, first:] |= self._eye(e) & keep  # a row-end node's path holds its new-line
 
     def _draft(self, feats: Tensor, tokens: Tensor, positions: Tensor, cover: Tensor, first: int) -> Tensor:
         """A drafter forward over new draft entries ``first ..`` that see the committed context and
