@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from lantern.cache import KVCache
 from lantern.errors import LanternError, check
-from lantern.io import load_state_dict_strict, read_json
+from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict, read_json
 from lantern.models.drafter import DrafterMLP, EagleModule, cached_attention
 from lantern.models.llamagen import RMSNorm
 
@@ -229,28 +229,16 @@ def is_released_drafter_folder(directory: str | os.PathLike[str]) -> bool:
 
 
 def read_weights(directory: Path) -> dict[str, Tensor]:
-    """The folder's state dict: ``model.safetensors``, else ``pytorch_model.bin`` (tensors only)."""
+    """The folder's state dict: ``model.safetensors``, else ``pytorch_model.bin``, both through
+    lantern's readers (one-line errors naming the file; the pickle through the safe loader)."""
     safetensors = directory / WEIGHT_FILES[0]
     if safetensors.is_file():
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(safetensors))
-        except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-            raise LanternError(f"drafter {safetensors} is not a readable safetensors file: {e}") from None
+        return load_safetensors(safetensors, "drafter weights")
     if (directory / WEIGHT_FILES[1]).is_file():
-        return load_tensor_pickle(directory / WEIGHT_FILES[1])
+        state = load_checkpoint(directory / WEIGHT_FILES[1], "drafter weights")
+        check(isinstance(state, dict), f"drafter {directory / WEIGHT_FILES[1]} does not hold a state dict")
+        return state
     raise LanternError(f"drafter folder {directory} has neither {' nor '.join(WEIGHT_FILES)}")
-
-
-def load_tensor_pickle(path: Path) -> dict[str, Tensor]:
-    """A ``pytorch_model.bin`` read with ``weights_only=True`` (no code runs from the file)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle / zip errors, or objects weights_only refuses
-        raise LanternError(f"drafter {path} is not a tensors-only PyTorch checkpoint: {e}") from None
-    check(isinstance(state, dict), f"drafter {path} does not hold a state dict")
-    return state
 
 
 def detect_layout(raw: Mapping[str, Any], state: Mapping[str, Tensor], where: object) -> str | None:
