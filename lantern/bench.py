@@ -675,7 +675,9 @@ def cmd_bench(args: Any) -> int:
     import sys
 
     from lantern.cli import _sampling
+    from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_device
 
     t0 = time.perf_counter()
     trees = parse_tree_options(args.tree)
@@ -694,6 +696,8 @@ def cmd_bench(args: Any) -> int:
         sweep_images=args.sweep_images,
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    check_device(args.device)
+    out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
@@ -713,10 +717,11 @@ def cmd_bench(args: Any) -> int:
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
-    out = save_bench(stack, result, args.out or f"bench-{Path(str(args.model)).name}", command)
+    with out.write() as folder:
+        save_bench(stack, result, folder, command)
     print(format_table(result.rows))
     if result.ar_spread is not None:
         print("AR seed-to-seed spread: " + ", ".join(
             f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
-    print(f"wrote {out}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
+    print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0

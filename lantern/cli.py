@@ -114,7 +114,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="images per label or prompt (default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="base seed; image i uses its own generator (default 0)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (written all-or-nothing: it appears complete or "
+                                                "not at all)")
+    _add_overwrite_arg(p)
     p.add_argument(
         "--method",
         default="ar",
@@ -218,20 +220,33 @@ def _encode_prompts(prompts: list[str], t5_dir: Path, stack: Any, args: argparse
     return captions.repeat_interleave(args.num_per_label)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+def _add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing non-empty --out {what} (default: refuse to touch it)")
 
-    from lantern.io import ensure_writable_dir
+
+def _check_run_args(args: argparse.Namespace) -> Any:
+    """generate's counts and device, checked before anything is loaded; the --out folder to write."""
+    from lantern.outputs import OutputFolder
+    from lantern.validate import check_count, check_device
+
+    check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
+    check_count(args.batch_size, "--batch-size")
+    check_device(args.device)
+    return OutputFolder.check(args.out, "--out", args.overwrite)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.vq import to_pil
     from lantern.pipeline import MethodConfig, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_label_values
 
-    if args.num_per_label < 1:
-        raise LanternError(f"--num-per-label / --num-per-prompt must be >= 1, got {args.num_per_label}")
+    out = _check_run_args(args)
     prompts = _read_prompt_args(args)
     if is_chameleon_folder(args.model):
-        return _generate_chameleon(args, prompts)
+        return _generate_chameleon(args, prompts, out)
     for name in ("layout", "image_size", "vq"):
         if getattr(args, name) is not None:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
@@ -247,7 +262,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     sampling = _sampling(args, stack)
     t5_dir = _t5_dir(args, stack) if prompts is not None else None
-    out = ensure_writable_dir(args.out, "--out")
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     run_kw: dict[str, Any] = dict(
@@ -265,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = run_generation_t2i(stack, captions, **run_kw)
     else:
         labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        stack.target.check_labels(torch.tensor(labels))
+        check_label_values(labels, stack.target.config.num_classes)
         if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
             auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
                                      args.drafter, args.proximity, not args.no_progress)
@@ -275,19 +289,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
-    with torch.no_grad():
-        images = to_pil(stack.tokenizer.decode(result.codes))
-    _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
+    images = _decode(stack.tokenizer.decode, result.codes, to_pil)
     run = _run_record(args, len(names), sampling, result, conditions)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
-    return _finish_run(out, run, len(images))
+    return _write_run(out, images, names, args.num_per_label, result.codes, run)
+
+
+def _decode(decode: Callable[[Any], Any], codes: Any, to_pil: Callable[[Any], list[Any]]) -> list[Any]:
+    import torch
+
+    with torch.no_grad():
+        return to_pil(decode(codes))
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     from lantern.io import read_json
     from lantern.models.chameleon import LAYOUTS, layout_by_name
 
+    if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
+        raise LanternError(f"--model: no such folder {root}")
     name = args.layout
     if name is None and (root / "generation.json").is_file():
         raw = read_json(root / "generation.json", "generation settings")
@@ -300,12 +321,9 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     return layout_by_name(name, args.image_size)
 
 
-def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> int:
+def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: Any) -> int:
     """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
-    import torch
-
     from lantern.chameleon import load_chameleon_stack, run_chameleon
-    from lantern.io import ensure_writable_dir
     from lantern.models.chameleon_vq import to_pil
     from lantern.pipeline import MethodConfig
     from lantern.stack import inference_dtype
@@ -320,7 +338,6 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     if args.tree == "auto":
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
     layout = _chameleon_layout(args, root)
-    out = ensure_writable_dir(args.out, "--out")
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     tree = args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
@@ -330,30 +347,39 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
     result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
                            not args.no_progress, args.drafter, args.proximity)
-    with torch.no_grad():
-        images = to_pil(stack.vq.decode_grid(result.codes, layout.height, layout.width))
+    images = _decode(lambda c: stack.vq.decode_grid(c, layout.height, layout.width), result.codes, to_pil)
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
     layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
                    "pixel_size": list(layout.pixel_size)}
     conditions = {"layout": layout_info, "prompts": prompts, "prompt_index": index}
-    return _finish_run(out, _run_record(args, len(names), sampling, result, conditions), len(images))
+    run = _run_record(args, len(names), sampling, result, conditions)
+    return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
-def _write_images_and_codes(out: Path, images: list[Any], names: list[str], ncol: int, codes: Any) -> None:
-    """One PNG per image, ``grid.png`` and ``codes.npy``, each written atomically."""
+def _write_run(out: Any, images: list[Any], names: list[str], ncol: int, codes: Any, run: dict[str, Any]) -> int:
+    """One PNG per image, ``grid.png``, ``codes.npy`` and ``run.json``, all-or-nothing: written
+    into a staging folder that becomes ``--out`` only when complete (:mod:`lantern.outputs`)."""
     import numpy as np
 
     from lantern.images import image_grid, save_png
-    from lantern.io import atomic_path
+    from lantern.io import write_json
+    from lantern.outputs import pause_for_tests
 
-    for img, name in zip(images, names, strict=True):
-        save_png(img, out / name)
-    save_png(image_grid(images, ncol=ncol), out / "grid.png")
-    with atomic_path(out / "codes.npy") as tmp:
-        with open(tmp, "wb") as f:
+    with out.write() as folder:
+        for img, name in zip(images, names, strict=True):
+            save_png(img, folder / name)
+        pause_for_tests()  # the interruption tests kill the run here: PNGs written, codes not yet
+        save_png(image_grid(images, ncol=ncol), folder / "grid.png")
+        with open(folder / "codes.npy", "wb") as f:
             np.save(f, codes.cpu().numpy().astype(np.int64))
+        write_json(folder / "run.json", run)
+    stats = run["stats"]
+    print(
+        f"wrote {len(images)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+    )
+    return 0
 
 
 def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result: Any,
@@ -375,18 +401,6 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result
     }
 
 
-def _finish_run(out: Path, run: dict[str, Any], num_images: int) -> int:
-    from lantern.io import write_json
-
-    write_json(out / "run.json", run)
-    stats = run["stats"]
-    print(
-        f"wrote {num_images} images to {out} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
-        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
-    )
-    return 0
-
-
 def _add_make_random_stack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-random-stack",
@@ -394,6 +408,7 @@ def _add_make_random_stack(sub: argparse._SubParsersAction) -> None:
         description="Build a small random LlamaGen target + VQ tokenizer stack; no training involved.",
     )
     p.add_argument("--out", required=True, help="output stack folder")
+    _add_overwrite_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--grid", type=int, default=8, help="image tokens per side (default 8 -> 64 tokens)")
@@ -402,12 +417,13 @@ def _add_make_random_stack(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_make_random_stack(args: argparse.Namespace) -> int:
+    from lantern.outputs import OutputFolder
     from lantern.testing import make_random_stack
 
-    path = make_random_stack(
-        Path(args.out), seed=args.seed, num_classes=args.num_classes, grid=args.grid, vocab=args.vocab
-    )
-    print(f"wrote random stack to {path}")
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    with out.write() as folder:
+        make_random_stack(folder, seed=args.seed, num_classes=args.num_classes, grid=args.grid, vocab=args.vocab)
+    print(f"wrote random stack to {out.path}")
     return 0
 
 
@@ -420,6 +436,7 @@ def _add_build_proximity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder or official vq_ds16_*.pt file")
     p.add_argument("--k-max", type=int, default=1024, help="neighbours stored per entry (default 1024)")
     p.add_argument("--out", required=True, help="output file (.safetensors)")
+    _add_overwrite_arg(p, "file")
     p.add_argument(
         "--metric", choices=["l2", "cosine"], default="l2", help="distance (default l2, as the official code)"
     )
@@ -430,7 +447,8 @@ def _add_build_proximity(sub: argparse._SubParsersAction) -> None:
 def cmd_build_proximity(args: argparse.Namespace) -> int:
     from lantern.proximity import build_proximity_file
 
-    table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize)
+    table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize,
+                                 overwrite=args.overwrite)
     print(
         f"wrote {args.out}: {table.vocab_size} entries x {table.k_max} neighbours "
         f"({table.metric}, normalized={table.normalized}, codebook sha256 {table.codebook_sha256[:12]})"
@@ -453,6 +471,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="images decoded together (default 1: the latency setting speculative decoding targets)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is reported")
     p.add_argument("--out", default="lantern-demo", help="output folder (default ./lantern-demo)")
+    _add_overwrite_arg(p)
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
     p.add_argument("--tree", default=None,
@@ -470,18 +489,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from lantern.demo import run_demo, save_demo
+    from lantern.outputs import OutputFolder
     from lantern.pipeline import METHODS
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_count
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for m in methods:
         if m not in METHODS:
             raise LanternError(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
     auto = _check_auto_tree(args.tree, methods, args.profile)
+    for name in ("num_images", "batch_size", "repeats"):
+        if getattr(args, name) is not None:
+            check_count(getattr(args, name), f"--{name.replace('_', '-')}")
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
     sampling = _sampling(args, stack)
-    n = args.num_images or stack.target.config.num_classes
+    n = stack.target.config.num_classes if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
     if args.tree is not None:
@@ -502,13 +527,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads()}
     if auto_trees:
         meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
-    out = save_demo(stack, rows, args.out, meta)
+    with out.write() as folder:
+        save_demo(stack, rows, folder, meta)
     from lantern.demo import format_table
 
     print(f"model {args.model} | {n} images per method, batch {args.batch_size}, same labels and seeds | "
           f"{sampling.to_dict()}")
     print(format_table(rows))
-    print(f"grid: {out / 'demo_grid.png'} | numbers: {out / 'demo.json'} | total {time.perf_counter() - t0:.0f} s")
+    print(f"grid: {out.path / 'demo_grid.png'} | numbers: {out.path / 'demo.json'} | "
+          f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
 
@@ -551,6 +578,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto: bf16 where native)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
+    _add_overwrite_arg(p)
     p.add_argument("--no-progress", action="store_true")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
@@ -578,6 +606,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--out", default="lantern-profile", help="output folder (default ./lantern-profile)")
+    _add_overwrite_arg(p)
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
     p.add_argument("--no-progress", action="store_true")
@@ -587,19 +616,22 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
-    from lantern.io import ensure_writable_dir
+    from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_device
 
     settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
                                quick=args.quick, seed=args.seed)
-    out = ensure_writable_dir(args.out, "--out")
+    check_device(args.device)
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
     sampling = _sampling(args, stack)
     profile = measure_profile(stack, sampling, settings, model_name=str(args.model), progress=not args.no_progress)
-    json_path, png_path = save_profile(profile, out)
+    with out.write() as folder:
+        json_path, png_path = save_profile(profile, folder)
     print(format_profile(profile))
-    print(f"wrote {json_path}" + (f" and {png_path}" if png_path is not None else ""))
+    print(f"wrote {out.path / json_path.name}" + (f" and {out.path / png_path.name}" if png_path is not None else ""))
     return 0
 
 
@@ -618,19 +650,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks (staging folders) run."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _one_line(e: BaseException) -> str:
+    """A user-facing failure that is not a :class:`LanternError` (a path the OS refused, memory), in one line."""
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror or e}{where}"
+    return ("out of memory; use a smaller --batch-size or fewer images" if isinstance(e, MemoryError)
+            else str(e).splitlines()[0])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
+    running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
+    exit 130 / 143 once ``finally`` blocks removed partial outputs; anything else is a bug and
+    keeps its traceback."""
+    import signal
+    import threading
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
     func: Callable[[argparse.Namespace], Any] = args.func
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, MemoryError) as e:
+        print(f"lantern: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("lantern: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("lantern: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
