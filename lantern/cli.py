@@ -305,10 +305,13 @@ def _decode(decode: Callable[[Any], Any], codes: Any, to_pil: Callable[[Any], li
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     from lantern.io import read_json
-    from lantern.models.chameleon import LAYOUTS, layout_by_name
+    from lantern.models.chameleon import LAYOUTS, is_chameleon_folder, layout_by_name
 
     if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
         raise LanternError(f"--model: no such folder {root}")
+    if not is_chameleon_folder(root):
+        raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
+                           "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
     name = args.layout
     if name is None and (root / "generation.json").is_file():
         raw = read_json(root / "generation.json", "generation settings")

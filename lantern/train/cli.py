@@ -156,12 +156,16 @@ def _add_extract_codes(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_extract_codes(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from lantern.io import write_json
     from lantern.models.vq import VQModel
     from lantern.outputs import OutputFolder
     from lantern.train.codes import extract_code_dir
 
     out = OutputFolder.check(args.out, "--out", args.overwrite)
+    if not Path(args.tokenizer).is_dir():
+        raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
     tokenizer = VQModel.from_pretrained(args.tokenizer)
     train, test = _datasets(args)
     with out.write() as folder:
