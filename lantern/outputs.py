@@ -139,12 +139,30 @@ def check_training_out(path: str | os.PathLike[str], what: str = "--out") -> Pat
 
 
 @dataclass(frozen=True)
-class OutputFolder:
-    """An output folder written all-or-nothing. Make one with :meth:`check`, write with :meth:`write`."""
-
+class _Output:
     path: Path
     what: str = "--out"
     overwrite: bool = False
+
+    @contextlib.contextmanager
+    def _undo_on_failure(self) -> Iterator[None]:
+        """Create the missing parents of ``path`` for the body; if it fails, remove them again,
+        and report a failed write (full disk, quota, read-only filesystem) in one line."""
+        created = _make_parents(self.path.parent, self.what)
+        done = False
+        try:
+            yield
+            done = True
+        except OSError as e:
+            raise write_error(self.what, self.path, e) from None
+        finally:
+            if not done:
+                _remove_empty(created)
+
+
+@dataclass(frozen=True)
+class OutputFolder(_Output):
+    """An output folder written all-or-nothing. Make one with :meth:`check`, write with :meth:`write`."""
 
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFolder:
@@ -167,22 +185,16 @@ class OutputFolder:
         """Yield a staging folder to write everything into; it becomes ``path`` when the body
         succeeds. On any failure or interruption nothing is left (but the empty ``path`` the user
         may have made beforehand); a failed write becomes a one-line :class:`LanternError`."""
-        created = _make_parents(self.path.parent, self.what)
-        remove_stale_staging(self.path)
-        staging = self.path.parent / staging_name(self.path.name)
-        done = False
-        try:
-            _remove(staging)
-            staging.mkdir()
-            yield staging
-            self._commit(staging)
-            done = True
-        except OSError as e:
-            raise write_error(self.what, self.path, e) from None
-        finally:
-            if not done:
+        with self._undo_on_failure():
+            remove_stale_staging(self.path)
+            staging = self.path.parent / staging_name(self.path.name)
+            try:
                 _remove(staging)
-                _remove_empty(created)
+                staging.mkdir()
+                yield staging
+                self._commit(staging)
+            finally:
+                _remove(staging)  # gone already after a commit
 
     def _commit(self, staging: Path) -> None:
         """Rename ``staging`` onto ``path``. An absent or empty ``path`` is replaced by one
@@ -209,13 +221,9 @@ class OutputFolder:
 
 
 @dataclass(frozen=True)
-class OutputFile:
+class OutputFile(_Output):
     """A single output file (``build-proximity --out``): refused if it exists, unless ``overwrite``;
     written to a temporary name beside it and renamed into place."""
-
-    path: Path
-    what: str = "--out"
-    overwrite: bool = False
 
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFile:
@@ -232,14 +240,5 @@ class OutputFile:
         """Yield a temporary path beside ``path``; renamed onto it when the body succeeds."""
         from lantern.io import atomic_path
 
-        created = _make_parents(self.path.parent, self.what)
-        done = False
-        try:
-            with atomic_path(self.path) as tmp:
-                yield tmp
-            done = True
-        except OSError as e:
-            raise write_error(self.what, self.path, e) from None
-        finally:
-            if not done:
-                _remove_empty(created)
+        with self._undo_on_failure(), atomic_path(self.path) as tmp:
+            yield tmp

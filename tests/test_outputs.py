@@ -36,23 +36,33 @@ def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
 
 
-def test_second_run_is_refused_and_overwrite_replaces_the_folder_whole(
-    stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+@pytest.fixture
+def used_out(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, dict[str, bytes]]:
+    """``tmp_path/out`` holding a finished run of labels 0, 1, 2, and its files' contents."""
     out = tmp_path / "out"
     assert generate(stack, out, "0,1,2") == 0
-    first = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
+    return out, snapshot(out)
+
+
+def test_second_run_is_refused_and_overwrite_replaces_the_folder_whole(
+    stack: Path, tmp_path: Path, used_out: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, first = used_out
     assert generate(stack, out, "5") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists and is not empty; pass --overwrite" in err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == first  # untouched
+    assert snapshot(out) == first  # untouched
     assert generate(stack, out, "5", "--overwrite") == 0
     # Only the second run's files: no PNG of the first run mixed with the second run's run.json.
     assert listing(out) == ["0000_label5.png", "codes.npy", "grid.png", "run.json"]
@@ -199,13 +209,11 @@ def test_sigint_and_sigterm_during_the_write_phase_leave_nothing(
 
 
 def test_sigkill_during_an_overwrite_keeps_the_old_run_intact_and_the_next_run_cleans_up(
-    stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    stack: Path, tmp_path: Path, used_out: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "out"
-    assert generate(stack, out, "7") == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    out, before = used_out
     assert _killed_generate(stack, out, signal.SIGKILL, "--overwrite") == -signal.SIGKILL
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old run, whole and alone
+    assert snapshot(out) == before  # the old run, whole and alone
     staged = [p.name for p in tmp_path.iterdir() if p.name != "out"]
     assert len(staged) == 1 and staged[0].startswith(".out.tmp-")  # recognisably incomplete
     capsys.readouterr()
