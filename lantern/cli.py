@@ -35,6 +35,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale; 1 = off (default 1)")
 
 
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "cfg_scale": "--cfg-scale"}
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """Each sampling flag given, checked on its own before anything is loaded; the error names the flag."""
+    from lantern.config import SamplingConfig
+
+    for name, flag in _SAMPLING_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        try:
+            SamplingConfig(**{name: value})
+        except LanternError as e:
+            raise LanternError(f"{flag}: {e}") from None
+
+
 def _sampling(args: argparse.Namespace, stack: Any) -> Any:
     """Explicit flags, then the stack's ``generation.json``, then SamplingConfig's defaults."""
     from lantern.config import SamplingConfig
@@ -241,10 +259,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.models.vq import to_pil
     from lantern.pipeline import MethodConfig, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
-    from lantern.validate import check_label_values
+    from lantern.validate import check_image_total, check_label_values
 
     out = _check_run_args(args)
     prompts = _read_prompt_args(args)
+    check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
+                      "--num-per-label / --num-per-prompt")
     if is_chameleon_folder(args.model):
         return _generate_chameleon(args, prompts, out)
     for name in ("layout", "image_size", "vq"):
@@ -495,7 +515,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.outputs import OutputFolder
     from lantern.pipeline import METHODS
     from lantern.stack import inference_dtype, load_stack
-    from lantern.validate import check_count
+    from lantern.validate import MAX_IMAGES, check_count
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for m in methods:
@@ -504,7 +524,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     auto = _check_auto_tree(args.tree, methods, args.profile)
     for name in ("num_images", "batch_size", "repeats"):
         if getattr(args, name) is not None:
-            check_count(getattr(args, name), f"--{name.replace('_', '-')}")
+            check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
@@ -685,6 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
+        _check_sampling_flags(args)
         return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)

@@ -223,7 +223,7 @@ class OutputFolder(_Output):
 @dataclass(frozen=True)
 class OutputFile(_Output):
     """A single output file (``build-proximity --out``): refused if it exists, unless ``overwrite``;
-    written to a temporary name beside it and renamed into place."""
+    written under a staging name beside it and renamed into place."""
 
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFile:
@@ -237,8 +237,14 @@ class OutputFile(_Output):
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Path]:
-        """Yield a temporary path beside ``path``; renamed onto it when the body succeeds."""
-        from lantern.io import atomic_path
-
-        with self._undo_on_failure(), atomic_path(self.path) as tmp:
-            yield tmp
+        """Yield a temporary path beside ``path`` (``.NAME.tmp-PID``, removed by a later run if
+        this one is killed); renamed onto ``path`` when the body succeeds."""
+        with self._undo_on_failure():
+            remove_stale_staging(self.path)
+            tmp = self.path.parent / staging_name(self.path.name)
+            try:
+                _remove(tmp)
+                yield tmp
+                os.replace(tmp, self.path)
+            finally:
+                _remove(tmp)  # gone already after the rename

@@ -15,10 +15,23 @@ import torch
 
 from lantern.errors import LanternError, check
 
+# Images one run may ask for: far more than any evaluation needs (FID-50k), and small enough that
+# the per-image labels, seeds and codes of a run stay in memory. A typo such as
+# ``--num-per-label 1000000000000`` would otherwise build a label list until memory runs out.
+MAX_IMAGES = 1_000_000
 
-def check_count(value: int, arg: str, minimum: int = 1) -> None:
-    """An image / item count: an integer >= ``minimum``."""
+
+def check_count(value: int, arg: str, minimum: int = 1, maximum: int | None = None) -> None:
+    """An image / item count: an integer >= ``minimum`` (and <= ``maximum`` when given)."""
     check(isinstance(value, int) and value >= minimum, f"{arg} must be an integer >= {minimum}, got {value!r}")
+    check(maximum is None or value <= maximum, f"{arg} must be at most {maximum} (one run), got {value}")
+
+
+def check_image_total(conditions: int, per_condition: int, arg: str) -> None:
+    """``conditions`` labels or prompts times ``per_condition`` images each: at most :data:`MAX_IMAGES`."""
+    total = conditions * per_condition
+    check(total <= MAX_IMAGES, f"{arg}: {conditions} x {per_condition} = {total} images in one run; at most "
+                               f"{MAX_IMAGES} (split it into several runs with different --seed)")
 
 
 def check_label_values(labels: Sequence[int], num_classes: int, arg: str = "--labels") -> None:

@@ -121,6 +121,8 @@ def test_build_proximity_refuses_to_overwrite_and_survives_a_full_disk(
         assert main([*argv, "--overwrite"]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert out.read_bytes() == b"keep me" and listing(tmp_path) == ["table.safetensors"]
+    stale = tmp_path / staging_name(out.name, "tmp", dead_pid())  # a build-proximity killed mid-write
+    stale.write_bytes(b"half")
     assert main([*argv, "--overwrite"]) == 0
     assert out.read_bytes()[:8] != b"keep me" and listing(tmp_path) == ["table.safetensors"]
 

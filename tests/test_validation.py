@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import lantern.stack
 import lantern.train.loop
 import lantern.validate
 from lantern.checks import check_tree_fits
@@ -39,9 +40,11 @@ def fails_with(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize("extra,message", [
     (["--labels", "99999999999999999999"], "--labels: label 99999999999999999999 is out of range"),
     (["--labels", "0,-1"], "--labels: label -1 is out of range"),
-    (["--labels", "0", "--cfg-scale", "1e39"], "cfg_scale must be in [1, 100]"),
-    (["--labels", "0", "--cfg-scale", "nan"], "cfg_scale must be in [1, 100]"),
-    (["--labels", "0", "--temperature", "inf"], "temperature must be >= 0"),
+    (["--labels", "0", "--cfg-scale", "1e39"], "--cfg-scale: cfg_scale must be in [1, 100]"),
+    (["--labels", "0", "--cfg-scale", "nan"], "--cfg-scale: cfg_scale must be in [1, 100]"),
+    (["--labels", "0", "--temperature", "inf"], "--temperature: temperature must be >= 0"),
+    (["--labels", "0,1", "--num-per-label", "1000000000000"],
+     "--num-per-label / --num-per-prompt: 2 x 1000000000000 = 2000000000000 images in one run; at most 1000000"),
     (["--labels", "0", "--num-per-label", "0"], "--num-per-label / --num-per-prompt must be an integer >= 1"),
     (["--labels", "0", "--num-per-label", "-3"], "--num-per-label / --num-per-prompt must be an integer >= 1"),
     (["--labels", "0", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
@@ -127,15 +130,22 @@ def test_a_long_chain_tree_is_rejected_without_being_built() -> None:
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--num-images", "0"], "--num-images must be an integer >= 1, got 0"),
     (["demo", "--num-images", "-2"], "--num-images must be an integer >= 1, got -2"),
+    (["demo", "--num-images", "99999999999999999999"], "--num-images must be at most 1000000"),
     (["demo", "--repeats", "0"], "--repeats must be an integer >= 1"),
     (["demo", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
-    (["demo", "--cfg-scale", "1e39"], "cfg_scale must be in [1, 100]"),
+    (["demo", "--cfg-scale", "1e39"], "--cfg-scale: cfg_scale must be in [1, 100]"),
+    (["bench", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+    (["profile", "--temperature", "-1"], "--temperature: temperature must be >= 0"),
     (["bench", "--num-images", "0"], "--num-images must be >= 1"),
     (["profile", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
 ])
-def test_demo_bench_profile_counts(
-    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_demo_bench_profile_counts_and_flags_fail_before_loading(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def load_stack(*args: object, **kwargs: object) -> None:
+        raise AssertionError("loaded before the arguments were checked")
+
+    monkeypatch.setattr(lantern.stack, "load_stack", load_stack)
     fails_with([argv[0], "--model", "digits", *argv[1:], "--out", str(tmp_path / "o"), "--no-progress"], message,
                capsys)
     assert not (tmp_path / "o").exists()
