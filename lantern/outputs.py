@@ -71,6 +71,13 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def _resolved(path: str | os.PathLike[str]) -> Path:
+    """``path``, or what it links to: the staging folder must be renamed onto the real folder,
+    not onto the link."""
+    p = Path(path)
+    return p.resolve() if p.is_symlink() else p
+
+
 def _nearest_existing(path: Path) -> Path:
     for candidate in (path, *path.parents):
         if candidate.exists():
@@ -109,6 +116,22 @@ def _remove_empty(folders: list[Path]) -> None:
     for folder in folders:  # deepest first: each is empty once its child is gone
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT / SIGTERM until the block is done (where the platform allows it)."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_error(what: str, target: Path, e: OSError) -> LanternError:
@@ -167,7 +190,7 @@ class OutputFolder(_Output):
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFolder:
         """Validate the location now (before any model is loaded); creates nothing."""
-        out = cls(Path(path), what, overwrite)
+        out = cls(_resolved(path), what, overwrite)
         if out.path.exists() or out.path.is_symlink():
             if not out.path.is_dir():
                 raise LanternError(f"{what}: {out.path} exists and is not a directory")
@@ -211,12 +234,13 @@ class OutputFolder(_Output):
             raise LanternError(f"{self.what}: {self.path} was filled by another run meanwhile; nothing was "
                                "written (pass --overwrite to replace it)")
         aside = self.path.parent / staging_name(self.path.name, "old")
-        os.replace(self.path, aside)
-        try:
-            os.replace(staging, self.path)
-        except OSError:
-            os.replace(aside, self.path)  # put the old folder back
-            raise
+        with _signals_deferred():  # Ctrl-C between the two renames would lose the old and the new folder
+            os.replace(self.path, aside)
+            try:
+                os.replace(staging, self.path)
+            except OSError:
+                os.replace(aside, self.path)  # put the old folder back
+                raise
         _remove(aside)
 
 
@@ -227,7 +251,7 @@ class OutputFile(_Output):
 
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFile:
-        out = cls(Path(path), what, overwrite)
+        out = cls(_resolved(path), what, overwrite)
         if out.path.is_dir():
             raise LanternError(f"{what}: {out.path} is a directory; expected a file name")
         if out.path.exists() and not overwrite:

@@ -78,6 +78,15 @@ def test_an_existing_empty_folder_is_filled(stack: Path, tmp_path: Path) -> None
     assert listing(out) == ["0000_label1.png", "codes.npy", "grid.png", "run.json"]
 
 
+def test_a_symlinked_out_fills_the_folder_it_points_to(stack: Path, tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    assert generate(stack, tmp_path / "link", "1") == 0
+    assert (tmp_path / "link").is_symlink() and listing(real) == ["0000_label1.png", "codes.npy", "grid.png",
+                                                                 "run.json"]
+
+
 @pytest.mark.parametrize("extra", [["--labels", "0,99"], ["--labels", "0", "--top-k", "9999"],
                                    ["--labels", "0", "--tree", "chain:3"], ["--prompt", "a cat"]])
 def test_failing_commands_leave_no_folder(stack: Path, tmp_path: Path, extra: list[str]) -> None:
