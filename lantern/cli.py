@@ -686,8 +686,13 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError):
         where = f": {e.filename}" if e.filename else ""
         return f"{e.strerror or e}{where}"
-    return ("out of memory; use a smaller --batch-size or fewer images" if isinstance(e, MemoryError)
-            else str(e).splitlines()[0])
+    return "out of memory; use a smaller --batch-size or fewer images" if _out_of_memory(e) else str(e)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """MemoryError, or torch.cuda.OutOfMemoryError (a RuntimeError; matched by name so that the
+    top level imports no torch)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -710,7 +715,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)
         return 2
-    except (OSError, MemoryError) as e:
+    except (OSError, MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not _out_of_memory(e):
+            raise  # any other RuntimeError is a bug: keep its traceback
         print(f"lantern: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

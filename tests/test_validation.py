@@ -217,9 +217,27 @@ def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], "out of memory; use a smaller --batch-size",
                capsys)
 
+    class OutOfMemoryError(RuntimeError):  # torch.cuda.OutOfMemoryError's name and base
+        pass
+
+    def cuda_out_of_memory(args: object) -> int:
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
+
+    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", cuda_out_of_memory)
+    fails_with(["make-random-stack", "--out", str(tmp_path / "s")], "out of memory; use a smaller --batch-size",
+               capsys)
+
     def bug(args: object) -> int:
         raise ZeroDivisionError("a bug in lantern")
 
     monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", bug)
     with pytest.raises(ZeroDivisionError):  # a bug is not dressed up as a user error
         main(["make-random-stack", "--out", str(tmp_path / "s")])
+
+    def runtime_bug(args: object) -> int:
+        raise RuntimeError("shape mismatch in lantern")
+
+    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", runtime_bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["make-random-stack", "--out", str(tmp_path / "s")])
+    assert not (tmp_path / "s").exists()
