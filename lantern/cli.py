@@ -10,9 +10,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lantern.errors import LanternError
+
+if TYPE_CHECKING:
+    from lantern.outputs import OutputFolder
 
 
 def _int_list(text: str) -> list[int]:
@@ -243,7 +246,7 @@ def _add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None
                    help=f"replace an existing non-empty --out {what} (default: refuse to touch it)")
 
 
-def _check_run_args(args: argparse.Namespace) -> Any:
+def _check_run_args(args: argparse.Namespace) -> OutputFolder:
     """generate's counts and device, checked before anything is loaded; the --out folder to write."""
     from lantern.outputs import OutputFolder
     from lantern.validate import check_count, check_device
@@ -344,7 +347,7 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     return layout_by_name(name, args.image_size)
 
 
-def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: Any) -> int:
+def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder) -> int:
     """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
     from lantern.chameleon import load_chameleon_stack, run_chameleon
     from lantern.models.chameleon_vq import to_pil
@@ -380,7 +383,8 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
     return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
-def _write_run(out: Any, images: list[Any], names: list[str], ncol: int, codes: Any, run: dict[str, Any]) -> int:
+def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int, codes: Any,
+               run: dict[str, Any]) -> int:
     """One PNG per image, ``grid.png``, ``codes.npy`` and ``run.json``, all-or-nothing: written
     into a staging folder that becomes ``--out`` only when complete (:mod:`lantern.outputs`)."""
     import numpy as np
