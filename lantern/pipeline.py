@@ -236,11 +236,8 @@ def _run_batches(
 def _check_batch_fits(stack: ModelStack, tree: TreeConfig, sampling: SamplingConfig, batch: int) -> None:
     """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
     must fit in the device's free memory; checked before it is allocated."""
-    cfg, model = stack.target.config, stack.target
-    rows = batch * (2 if sampling.use_cfg else 1)
-    max_len = cfg.cls_token_num + cfg.block_size + max_tree_nodes(tree) + 1
-    per_row = 2 * cfg.n_layer * cfg.kv_heads * max_len * cfg.head_dim * model.dtype.itemsize
-    check_batch_memory(per_row * rows, batch, model.device)
+    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=max_tree_nodes(tree))
+    check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
 
 
 @dataclass

@@ -83,8 +83,11 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
 
 
 def check_batch_memory(needed: int, rows: int, device: torch.device, arg: str = "--batch-size") -> None:
@@ -95,6 +98,6 @@ def check_batch_memory(needed: int, rows: int, device: torch.device, arg: str = 
     if free is None or needed <= free:
         return
     raise LanternError(
-        f"{arg}: decoding {rows} images together needs about {_gib(needed)} for the key/value cache alone, more "
-        f"than the {_gib(free)} free on {device}; use a smaller {arg}"
+        f"{arg}: decoding {rows} images together needs about {_size(needed)} for the key/value cache alone, more "
+        f"than the {_size(free)} free on {device}; use a smaller {arg}"
     )
