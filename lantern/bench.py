@@ -39,6 +39,7 @@ from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.pipeline import METHODS, MethodConfig, RunResult, run_generation
 from lantern.stack import ModelStack
+from lantern.validate import MAX_IMAGES
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
 DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
@@ -93,6 +94,9 @@ class BenchConfig:
             check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
         for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_images", "speed_images", "repeats", "curve_images", "sweep_images"):  # memory bombs
+            check(getattr(self, name) <= MAX_IMAGES,
+                  f"--{name.replace('_', '-')} must be at most {MAX_IMAGES} (one run), got {getattr(self, name)}")
         check(self.num_images >= 2, f"--num-images must be >= 2 for FID, got {self.num_images}")
         check(
             self.speed_images <= self.num_images,

@@ -137,6 +137,8 @@ def test_a_long_chain_tree_is_rejected_without_being_built() -> None:
     (["bench", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
     (["profile", "--temperature", "-1"], "--temperature: temperature must be >= 0"),
     (["bench", "--num-images", "0"], "--num-images must be >= 1"),
+    (["bench", "--num-images", "99999999999999999999"], "--num-images must be at most 1000000"),
+    (["bench", "--repeats", "10000000"], "--repeats must be at most 1000000"),
     (["profile", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
 ])
 def test_demo_bench_profile_counts_and_flags_fail_before_loading(
