@@ -173,7 +173,7 @@ def test_training_out_is_checked_first_and_not_left_empty(tmp_path: Path, capsys
     fails_with(["train-tokenizer", "--data", str(tmp_path / "nope"), "--out", str(blocker)],
                "--out: " + str(blocker) + " exists and is not a directory", capsys)  # before the data is read
     fails_with(["train-tokenizer", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
-               "image folder not found", capsys)
+               "--data: image folder not found", capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
