@@ -39,6 +39,7 @@ from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.pipeline import METHODS, MethodConfig, RunResult, run_generation
 from lantern.stack import ModelStack
+from lantern.validate import MAX_IMAGES
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
 DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
@@ -93,6 +94,9 @@ class BenchConfig:
             check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
         for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_images", "speed_images", "repeats", "curve_images", "sweep_images"):  # memory bombs
+            check(getattr(self, name) <= MAX_IMAGES,
+                  f"--{name.replace('_', '-')} must be at most {MAX_IMAGES} (one run), got {getattr(self, name)}")
         check(self.num_images >= 2, f"--num-images must be >= 2 for FID, got {self.num_images}")
         check(
             self.speed_images <= self.num_images,
@@ -675,7 +679,9 @@ def cmd_bench(args: Any) -> int:
     import sys
 
     from lantern.cli import _sampling
+    from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_device
 
     t0 = time.perf_counter()
     trees = parse_tree_options(args.tree)
@@ -694,6 +700,8 @@ def cmd_bench(args: Any) -> int:
         sweep_images=args.sweep_images,
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    check_device(args.device)
+    out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
@@ -713,10 +721,11 @@ def cmd_bench(args: Any) -> int:
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
-    out = save_bench(stack, result, args.out or f"bench-{Path(str(args.model)).name}", command)
+    with out.write() as folder:
+        save_bench(stack, result, folder, command)
     print(format_table(result.rows))
     if result.ar_spread is not None:
         print("AR seed-to-seed spread: " + ", ".join(
             f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
-    print(f"wrote {out}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
+    print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0

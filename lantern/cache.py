@@ -34,6 +34,11 @@ class KVCache:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # [N]
         self.max_len = max_len
 
+    @staticmethod
+    def nbytes(n_layer: int, rows: int, n_head: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of ``k`` and ``v`` for these sizes: what the constructor allocates (checked first)."""
+        return 2 * n_layer * rows * n_head * max_len * head_dim * dtype.itemsize
+
     @property
     def rows(self) -> int:
         return self.k.shape[1]

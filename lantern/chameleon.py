@@ -46,6 +46,7 @@ from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance, max_tree_nodes
 from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
 from lantern.stack import read_generation_settings
+from lantern.validate import check_batch_memory
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -140,9 +141,8 @@ class ChameleonTarget:
             ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
         n_rows = ids.shape[0]
         cfg = self.model.config
-        max_len = length + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
-        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, max_len, self.model.head_dim,
-                             self.model.dtype, self.model.device)
+        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, self._cache_len(length),
+                             self.model.head_dim, self.model.dtype, self.model.device)
         self.key_mask = mask
         self.pos_offset = (~mask).sum(1)
         self.root_index = torch.zeros(b, dtype=torch.long, device=cond.device)
@@ -205,6 +205,15 @@ class ChameleonTarget:
         self.last_path = path
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _cache_len(self, context: int) -> int:
+        return context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
+
+    def cache_bytes(self, batch: int, context: int) -> int:
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts of ``context`` tokens."""
+        m = self.model
+        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads, self._cache_len(context),
+                              m.head_dim, m.dtype)
 
     def _max_model_tokens(self) -> int:
         extra = self.layout.height if self.layout.eol is not None else 0
@@ -449,6 +458,9 @@ def run_chameleon(
     token_lists = stack.tokenize(prompts)
     ids, mask = encode_prompts(token_lists, layout)
     ids, mask = ids.to(lm.device), mask.to(lm.device)
+    batch = min(batch_size, len(prompts))
+    probe = ChameleonTarget(lm, layout, sampling, max_tree_nodes=max_tree_nodes(resolved.tree))
+    check_batch_memory(probe.cache_bytes(batch, ids.shape[1]), batch, lm.device)
     head = lm.image_head if drafter is None or drafter.dtype == lm.dtype else _head_copy(lm.image_head, drafter.dtype)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()

@@ -12,6 +12,10 @@ from typing import Any, Literal, get_args
 
 from lantern.errors import check
 
+# Guidance scales in use are 1.5-10 (LlamaGen 1.75-4, Lumina-mGPT 3-4); far beyond, the guided
+# logits overflow (``--cfg-scale 1e39`` gave all-zero codes), so the range is bounded.
+MAX_CFG_SCALE = 100.0
+
 RelaxationMode = Literal["absolute", "relative"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
 RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
@@ -42,8 +46,9 @@ class SamplingConfig:
         )
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(
-            math.isfinite(self.cfg_scale) and self.cfg_scale >= 1.0,
-            f"cfg_scale must be >= 1 (1 disables guidance), got {self.cfg_scale}",
+            math.isfinite(self.cfg_scale) and 1.0 <= self.cfg_scale <= MAX_CFG_SCALE,
+            f"cfg_scale must be in [1, {MAX_CFG_SCALE:g}] (1 disables guidance; usual values 1.5-10), "
+            f"got {self.cfg_scale}",
         )
 
     @property

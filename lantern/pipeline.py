@@ -40,6 +40,7 @@ from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
 from lantern.text import Captions
+from lantern.validate import check_batch_memory, check_label_values
 
 SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++")
 METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS)
@@ -177,6 +178,7 @@ def run_generation(
     proximity: str | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
+    check_label_values(labels, stack.target.config.num_classes)
     label_t = torch.tensor(labels, dtype=torch.long, device=stack.target.device)
     stack.target.check_labels(label_t)
     return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
@@ -224,6 +226,7 @@ def _run_batches(
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
     parts = prepare_method(stack, method, sampling, drafter_dir, proximity)
+    _check_batch_fits(stack, parts.method.tree, sampling, min(batch_size, cond.shape[0]))
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, cond.shape[0], batch_size):
@@ -234,6 +237,13 @@ def _run_batches(
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
+
+
+def _check_batch_fits(stack: ModelStack, tree: TreeConfig, sampling: SamplingConfig, batch: int) -> None:
+    """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
+    must fit in the device's free memory; checked before it is allocated."""
+    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=max_tree_nodes(tree))
+    check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
 
 
 @dataclass
@@ -387,6 +397,8 @@ def max_tree_nodes(tree: TreeConfig) -> int:
         return 1
     if tree.kind == "dynamic":
         return tree.total_tokens + 1
+    if tree.kind == "chain":  # counted, not built: a chain's choices grow as depth squared
+        return tree.depth + 1
     from lantern.trees import resolve_tree_choices
 
     return len(resolve_tree_choices(tree.choices_name)) + 1

@@ -94,6 +94,16 @@ class LlamaGenTarget:
 
     # -- the three calls of the loop --------------------------------------------------------------
 
+    def _cache_len(self) -> int:
+        cfg = self.model.config
+        return cfg.cls_token_num + cfg.block_size + self.max_tree_nodes + 1
+
+    def cache_bytes(self, batch: int) -> int:
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` images."""
+        cfg = self.model.config
+        return KVCache.nbytes(cfg.n_layer, batch * self.streams, cfg.kv_heads, self._cache_len(), cfg.head_dim,
+                              self.model.dtype)
+
     @torch.no_grad()
     def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Prefill the condition. cond: labels [B] or captions [B, cls, C]; cond_mask [B, cls].
@@ -109,8 +119,8 @@ class LlamaGenTarget:
         if self.streams == 2:
             rows = torch.cat([cond, model.null_condition(b).to(cond.dtype)])
         n_rows, cls = rows.shape[0], cfg.cls_token_num
-        max_len = cls + cfg.block_size + self.max_tree_nodes + 1
-        self.cache = KVCache(cfg.n_layer, n_rows, cfg.kv_heads, max_len, cfg.head_dim, model.dtype, model.device)
+        self.cache = KVCache(cfg.n_layer, n_rows, cfg.kv_heads, self._cache_len(), cfg.head_dim, model.dtype,
+                             model.device)
         self.cond_mask = None
         if cond_mask is not None:
             self.cond_mask = cond_mask.bool().repeat(self.streams, 1)  # uncond reuses the mask

@@ -208,3 +208,17 @@ def test_llamagen_only_commands_name_the_limitation(folder: Path, tmp_path: Path
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "--model", str(folder), "--out", str(tmp_path / "o")]) == 2
     assert "Chameleon-family model" in capsys.readouterr().err
+
+
+def test_a_batch_whose_cache_cannot_fit_is_refused_before_decoding(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lantern.validate
+
+    capsys.readouterr()
+    monkeypatch.setattr(lantern.validate, "available_memory", lambda device: 1000)
+    assert _generate(folder, tmp_path / "o", "--batch-size", "8") == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # (transformers' loading bar comes first)
+    assert last.startswith("lantern: error: --batch-size: decoding 2 images together needs about")  # 2 prompts
+    assert last.endswith("more than the 1000 bytes free on cpu; use a smaller --batch-size")
+    assert not (tmp_path / "o").exists()
