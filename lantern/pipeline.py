@@ -56,6 +56,10 @@ def image_seed(seed: int, index: int) -> int:
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+# What the bound limits: each acceptance test (the paper's) or each emitted token
+# (docs/relaxation_budget.md). The default was chosen from tau measurements on the photos preset.
+BUDGETS = ("test", "token")
+DEFAULT_BUDGET = "test"
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
 
 
@@ -94,10 +98,11 @@ class MethodConfig:
         lam: float | None = None,
         window: int | None = None,
         init: str | None = None,
+        budget: str | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with CLI-style overrides."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        relaxation = _resolve_relaxation(method, k, delta, lam)
+        relaxation = _resolve_relaxation(method, k, delta, lam, budget)
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -118,23 +123,28 @@ class MethodConfig:
         return asdict(self)
 
 
-def _resolve_relaxation(method: str, k: int | None, delta: float | None, lam: float | None) -> RelaxationConfig | None:
+def _resolve_relaxation(
+    method: str, k: int | None, delta: float | None, lam: float | None, budget: str | None = None
+) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
     rule = RELAXED_RULE.get(method)
     if rule is None:
         check(
-            k is None and delta is None and lam is None,
+            k is None and delta is None and lam is None and budget is None,
             f"--lantern-* options need a relaxed method ({', '.join(RELAXED_RULE)})",
         )
         return None
+    check(budget in (None, *BUDGETS), f"--lantern-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    budget = DEFAULT_BUDGET if budget is None else budget
     if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
         check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
         base = DEFAULT_LANTERN
-        return replace(base, k=base.k if k is None else k, delta=base.delta if delta is None else delta)
+        delta = base.delta if delta is None else delta
+        return replace(base, k=base.k if k is None else k, delta=delta, budget=budget)  # type: ignore[arg-type]
     twin = method.removesuffix("++")
     check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda")
     base = DEFAULT_LANTERN_PP
-    return replace(base, k=base.k if k is None else k, lam=base.lam if lam is None else lam)
+    return replace(base, k=base.k if k is None else k, lam=base.lam if lam is None else lam, budget=budget)  # type: ignore[arg-type]
 
 
 @dataclass
