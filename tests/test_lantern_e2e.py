@@ -123,7 +123,7 @@ def _joint_tv(model: LlamaGen, codes: torch.Tensor) -> float:
 TOKEN_ROWS = 3000
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run_once(model: LlamaGen, relaxation: RelaxationConfig, tree: TreeConfig) -> torch.Tensor:
     """The token-budget tests share their runs (TOKEN_ROWS rows each)."""
     return _run(model, relaxation, tree, TOKEN_ROWS)
