@@ -26,6 +26,7 @@ from lantern.errors import LanternError
 from tests.test_acceptance import (
     deterministic_orders,
     measure_first_token,
+    o_residual,
     rand_dist,
     rand_neighbours,
     sampled_orders,
@@ -60,20 +61,18 @@ def config(mode: str, k: int, bound: float, budget: str) -> RelaxationConfig:
 def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: list[list[int]], cfg) -> list[float]:
     """Emitted-token distribution of one level for the sibling order ``xs``: relaxed tests with
     the neighbour-mass cap left·q_j(x)/reach, exact residuals, recovered token from the last r."""
-    v_size = len(p)
-    r, out, reach, spent, seen = list(p), [0.0] * v_size, 1.0, 0.0, set()
+    r, out, reach, spent, seen = list(p), [0.0] * len(p), 1.0, 0.0, set()
     q_rest = None if q is None else list(q)
     for x in xs:
         if x in seen or reach == 0:  # reach 0: an earlier sibling is accepted for sure
             continue
         seen.add(x)
-        q_j, q_x = None, 1.0
+        q_j = None if q_rest is None else [w / sum(q_rest) for w in q_rest]  # x's conditional draw law
+        q_x = 1.0 if q_j is None else q_j[x]
         if q_rest is not None:
-            s = sum(q_rest)
-            q_j = [w / s for w in q_rest]
-            q_rest[x], q_x = 0.0, q_j[x]
-            if q_x <= 0:
-                continue
+            q_rest[x] = 0.0
+        if q_x <= 0:
+            continue
         left = cfg.delta - spent if cfg.mode == "absolute" else (cfg.lam - 1.0) * p[x]
         cap, c = max(left, 0.0) * q_x / reach, 0.0
         for t in nbr[x][: cfg.k]:
@@ -83,10 +82,7 @@ def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: lis
         a_exact, a_relaxed = min(1.0, r[x] / q_x), min(1.0, (r[x] + c) / q_x)
         out[x] += reach * a_relaxed
         spent, reach = spent + reach * (a_relaxed - a_exact), reach * (1.0 - a_relaxed)
-        v = [0.0 if i == x else r[i] for i in range(v_size)] if q_j is None else [
-            max(r[i] - q_j[i], 0.0) for i in range(v_size)]
-        total = sum(v)
-        r = [w / total for w in v] if total > 0 else r
+        r = o_residual(r, x, r[x], [], q_j, nbr, None)  # the exact residual
     return [o + reach * ri for o, ri in zip(out, r, strict=True)]
 
 
