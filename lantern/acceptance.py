@@ -302,8 +302,9 @@ def _test_candidate(
 ) -> _Test:
     """One candidate test: accept with min(1, p̃(x)/q_j(x)), else update the residual.
 
-    Under the token budget p̃(x) is capped by what the level has left (:mod:`lantern.budget`)
-    and a rejection takes the exact residual, so the walk stays coupled to the lossless one.
+    Under the token budget p̃(x) is capped by what the level has left (:mod:`lantern.budget`);
+    a rejected sampled draft takes the exact residual, so the walk stays coupled to the lossless
+    one (deterministic drafts keep the paper's residual: the moved mass comes from A(x)).
     """
     r_x = r.gather(-1, x[:, None]).squeeze(-1)  # [B]
     q_j, q_x = None, torch.ones_like(r_x)
@@ -318,7 +319,8 @@ def _test_candidate(
     rejected = testing & ~accepted
     relaxed_only = accepted & ~(u < (r_x / q_x).clamp(max=1.0))
     if budget is not None:
-        budget, relax = budget.after_test(r_x, p_tilde, q_x, testing), None
+        budget = budget.after_test(r_x, p_tilde, q_x, testing)
+        relax = relax if q_rest is None else None
     if not _any(rejected):  # most tests accept: the residual update would be thrown away
         return _Test(accepted, rejected, relaxed_only, r, budget)
     new_r = rejection_residual(r, x, p_tilde, m_len, q_j, neighbours, relax)  # [B, V]
@@ -472,8 +474,8 @@ def verify_chain_sampled(
     # Each chain node has one child, so a token budget is a fresh one per test (docs/relaxation_budget.md).
     cap = TokenBudget.start(r).cap(relax, x, q_x) if relax is not None and uses_token_budget(relax) else None
     p_tilde, m_len = relaxed_mass(r, x, neighbours, relax, cap)  # [B*D]
-    if cap is not None:
-        relax = None  # rejections take the exact residual
+    if cap is not None and q_draft is not None:
+        relax = None  # rejected sampled drafts take the exact residual
     u = uniforms[:, 1:t].to(dtype).reshape(b * d)
     accepted = usable & (u < (p_tilde / q_x).clamp(max=1.0))
     exact = u < (r_x / q_x).clamp(max=1.0)

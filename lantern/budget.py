@@ -7,15 +7,19 @@ and whether they are deterministic or drawn without replacement:
 * absolute mode (LANTERN, δ): ``TV(emitted, p) <= δ``;
 * relative mode (LANTERN++, λ): ``emitted(y) <= λ·p(y)`` for every token y.
 
-where p is the target's distribution at the node. docs/relaxation_budget.md has the proof; in
-short, the relaxed walk is coupled with the exact (lossless) walk on the same draws and uniforms.
-They differ only in acceptance thresholds, ``a_relaxed >= a_exact`` (rejections use the *exact*
-residual), so they can part only when a reached test's uniform falls in ``[a_exact, a_relaxed)``.
-Given the draws, test j is reached with probability ``reach_j = Π_{i<j} (1 - a_relaxed_i)``, so
-``P(part) = Σ_j reach_j·(a_relaxed_j - a_exact_j)``: this sum is what the budget limits, in units
-of the emitted token's probability. A test of x with conditional draft probability ``q_j(x)``
-(1 for deterministic drafts) gains at most ``c/q_j(x)`` acceptance from neighbour mass c, hence
-the neighbour-mass cap ``left·q_j(x)/reach_j`` of :meth:`TokenBudget.cap`.
+where p is the target's distribution at the node. docs/relaxation_budget.md has the proof. Test j
+of token x_j, with conditional draft probability ``q_j(x_j)`` (1 for deterministic drafts), is
+reached with probability ``reach_j = Π_{i<j} (1 - a_i)`` and raises the acceptance probability
+from the exact rule's ``a_exact_j`` to ``a_j``. The budget limits ``Σ_j reach_j·(a_j - a_exact_j)``,
+in units of the emitted token's probability:
+
+* sampled drafts: rejections take the *exact* residual, so the walk is coupled with the lossless
+  one and can part from it only in those acceptance gaps (P(part) = the sum above);
+* deterministic drafts: rejections keep the paper's residual (A(x) zeroed, the moved mass comes
+  from x's neighbours), and the sum above bounds the level's TV by induction over the tests.
+
+A test gains at most ``c/q_j(x)`` acceptance from neighbour mass c, hence the neighbour-mass cap
+``left·q_j(x)/reach_j`` of :meth:`TokenBudget.cap`.
 
 Pure functions of tensors, like :mod:`lantern.acceptance`, which calls them.
 """

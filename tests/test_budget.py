@@ -60,7 +60,8 @@ def config(mode: str, k: int, bound: float, budget: str) -> RelaxationConfig:
 
 def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: list[list[int]], cfg) -> list[float]:
     """Emitted-token distribution of one level for the sibling order ``xs``: relaxed tests with
-    the neighbour-mass cap left·q_j(x)/reach, exact residuals, recovered token from the last r."""
+    the neighbour-mass cap left·q_j(x)/reach; after a rejection the paper's residual (A(x)
+    zeroed) for deterministic drafts, the exact one for sampled drafts; recovered from the last r."""
     r, out, reach, spent, seen = list(p), [0.0] * len(p), 1.0, 0.0, set()
     q_rest = None if q is None else list(q)
     for x in xs:
@@ -74,15 +75,19 @@ def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: lis
         if q_x <= 0:
             continue
         left = cfg.delta - spent if cfg.mode == "absolute" else (cfg.lam - 1.0) * p[x]
-        cap, c = max(left, 0.0) * q_x / reach, 0.0
+        cap, c, agg = max(left, 0.0) * q_x / reach, 0.0, []
         for t in nbr[x][: cfg.k]:
             if c + r[t] > cap:
                 break
             c += r[t]
+            agg.append(t)
         a_exact, a_relaxed = min(1.0, r[x] / q_x), min(1.0, (r[x] + c) / q_x)
         out[x] += reach * a_relaxed
         spent, reach = spent + reach * (a_relaxed - a_exact), reach * (1.0 - a_relaxed)
-        r = o_residual(r, x, r[x], [], q_j, nbr, None)  # the exact residual
+        if q_j is None:
+            r = o_residual(r, x, r[x] + c, agg, None, nbr, cfg)
+        else:
+            r = o_residual(r, x, r[x], [], q_j, nbr, None)
     return [o + reach * ri for o, ri in zip(out, r, strict=True)]
 
 
@@ -169,13 +174,14 @@ def test_token_budget_fixes_the_documented_counterexample() -> None:
 
 def test_token_budget_is_spent_in_sibling_order() -> None:
     """p = [.1, .1, .3, .5], siblings [0, 3], δ = 0.1: the first test takes neighbour 1's mass
-    (0.1, the whole budget), so sibling 3 is tested exactly and the level moves exactly δ."""
+    (0.1, the whole budget) and removes it from the residual, so sibling 3 is tested exactly
+    against p without {0, 1} and the level moves exactly δ."""
     p = torch.tensor([0.1, 0.1, 0.3, 0.5], dtype=F64)
     nbr = torch.tensor([[1, 2, 3], [0, 2, 3], [0, 1, 3], [2, 1, 0]])
     cfg = RelaxationConfig(k=3, delta=0.1, budget="token")
     dist = measure_first_token(p, *deterministic_orders([0, 3]), None, nbr, cfg)
     assert float(dist[0]) == pytest.approx(0.2, abs=1e-12)  # min(1, p(0) + 0.1)
-    assert float(dist[3]) == pytest.approx(0.8 * 0.5 / 0.9, abs=1e-12)  # reached w.p. 0.8, then exact
+    assert float(dist[3]) == pytest.approx(0.8 * 0.5 / 0.8, abs=1e-12)  # reached w.p. 0.8, then exact
     assert tv(dist, p) == pytest.approx(0.1, abs=1e-12)
 
 
