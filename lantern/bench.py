@@ -564,7 +564,8 @@ def _save_plots(result: BenchResult, out: Path) -> None:
             ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
     for r in result.rows:
         if r.quality.get("fid") is not None:
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="black")
+            token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
             ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
                         textcoords="offset points")
     if result.ar_spread is not None and "fid" in result.ar_spread:
