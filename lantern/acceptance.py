@@ -39,6 +39,7 @@ batch-mates, so one ``torch.Generator`` per row gives batch-invariant results (S
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -312,8 +313,10 @@ def _test_candidate(
         q_j, q_x = _conditional_draft(q_rest, x)
         testing = testing & (q_x > 0)  # never drawable: skipped without a residual update
         q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
-    cap = None if budget is None or relax is None else budget.cap(relax, x, q_x)
-    p_tilde, m_len = relaxed_mass(r, x, neighbours, relax, cap)  # [B], [B]
+    if budget is None or relax is None:
+        p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B], [B]
+    else:
+        p_tilde, m_len = _budgeted_mass(r, x, neighbours, relax, budget.cap(relax, x, q_x), q_rest is not None)
     u = u.to(p_tilde.dtype)
     accepted = testing & (u < (p_tilde / q_x).clamp(max=1.0))
     rejected = testing & ~accepted
@@ -325,6 +328,28 @@ def _test_candidate(
         return _Test(accepted, rejected, relaxed_only, r, budget)
     new_r = rejection_residual(r, x, p_tilde, m_len, q_j, neighbours, relax)  # [B, V]
     return _Test(accepted, rejected, relaxed_only, torch.where(rejected[:, None], new_r, r), budget)
+
+
+def _budgeted_mass(
+    r: Tensor,  # [B, V]
+    x: Tensor,  # [B]
+    neighbours: Tensor | None,
+    relax: RelaxationConfig,
+    cap: Tensor,  # [B] the token budget's neighbour-mass cap
+    sampled: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(p̃(x), m_len)`` under the token budget (docs/relaxation_budget.md).
+
+    Deterministic drafts: the longest neighbour prefix within the cap, whose mass the paper's
+    residual then takes from A(x). Sampled drafts are followed by the exact residual, so the credit
+    need not be whole tokens: x gets ``min(cap, mass of its k nearest neighbours)`` (m_len 0).
+    Whole tokens would waste most of a cap of δ·q(x), which is often below one neighbour's mass.
+    """
+    if not sampled:
+        return relaxed_mass(r, x, neighbours, relax, cap)
+    everything, _ = relaxed_mass(r, x, neighbours, relax, torch.full_like(cap, math.inf))
+    r_x = r.gather(-1, x[:, None]).squeeze(-1)
+    return r_x + torch.minimum(cap, everything - r_x), torch.zeros_like(x)
 
 
 def _any(mask: Tensor) -> bool:
@@ -472,10 +497,12 @@ def verify_chain_sampled(
     usable = (depth[None, :] <= max_depth[:, None]).reshape(b * d) & (q_x > 0)  # tested at all
     q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
     # Each chain node has one child, so a token budget is a fresh one per test (docs/relaxation_budget.md).
-    cap = TokenBudget.start(r).cap(relax, x, q_x) if relax is not None and uses_token_budget(relax) else None
-    p_tilde, m_len = relaxed_mass(r, x, neighbours, relax, cap)  # [B*D]
-    if cap is not None and q_draft is not None:
-        relax = None  # rejected sampled drafts take the exact residual
+    if relax is not None and uses_token_budget(relax):
+        cap = TokenBudget.start(r).cap(relax, x, q_x)
+        p_tilde, m_len = _budgeted_mass(r, x, neighbours, relax, cap, q_draft is not None)  # [B*D]
+        relax = relax if q_draft is None else None  # rejected sampled drafts take the exact residual
+    else:
+        p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B*D]
     u = uniforms[:, 1:t].to(dtype).reshape(b * d)
     accepted = usable & (u < (p_tilde / q_x).clamp(max=1.0))
     exact = u < (r_x / q_x).clamp(max=1.0)

@@ -60,8 +60,8 @@ def config(mode: str, k: int, bound: float, budget: str) -> RelaxationConfig:
 
 def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: list[list[int]], cfg) -> list[float]:
     """Emitted-token distribution of one level for the sibling order ``xs``: relaxed tests with
-    the neighbour-mass cap left·q_j(x)/reach; after a rejection the paper's residual (A(x)
-    zeroed) for deterministic drafts, the exact one for sampled drafts; recovered from the last r."""
+    the neighbour-mass cap left·q_j(x)/reach (sampled drafts: filled in part); after a rejection the
+    paper's residual (A(x) zeroed) for deterministic drafts, the exact one for sampled drafts."""
     r, out, reach, spent, seen = list(p), [0.0] * len(p), 1.0, 0.0, set()
     q_rest = None if q is None else list(q)
     for x in xs:
@@ -81,6 +81,8 @@ def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: lis
                 break
             c += r[t]
             agg.append(t)
+        if q_j is not None:  # sampled: the cap is filled from all k neighbours, the last one in part
+            c = min(cap, sum(r[t] for t in nbr[x][: cfg.k]))
         a_exact, a_relaxed = min(1.0, r[x] / q_x), min(1.0, (r[x] + c) / q_x)
         out[x] += reach * a_relaxed
         spent, reach = spent + reach * (a_relaxed - a_exact), reach * (1.0 - a_relaxed)
@@ -219,9 +221,10 @@ def test_chain_verifier_equals_the_tree_walk_under_token_budget(cfg, sampled: bo
 
 def test_chain_guess_outside_support_gets_credit_only_within_budget() -> None:
     """An SJD guess x with p(x) = 0 (outside top-k) drawn from q(x) = 0.5. Per-test LANTERN
-    credits its neighbour's 0.3 <= δ and accepts with probability 0.3/0.5 = 0.6 > δ. Under the
-    token budget the cap is δ·q(x) = 0.175 < 0.3: no credit, never accepted. One-hot guesses
-    (q(x) = 1) get the credit, which moves 0.3 <= δ; under λ nothing (cap (λ-1)·p(x) = 0)."""
+    credits its neighbour's 0.3 <= δ and accepts with probability 0.3/0.5 = 0.6 > δ = 0.35. Under
+    the token budget the credit is capped at δ·q(x), so the guess is accepted with probability
+    exactly δ (the whole budget: its neighbours hold more than the cap), also when q is one-hot;
+    under λ never (the cap is (λ-1)·p(x) = 0)."""
     p = torch.tensor([0.0, 0.3, 0.7], dtype=F64).expand(1, 2, 3)
     nbr = torch.tensor([[1, 2], [0, 2], [0, 1]])
     tokens = torch.tensor([[2, 0]])
@@ -233,8 +236,8 @@ def test_chain_guess_outside_support_gets_credit_only_within_budget() -> None:
 
     per_test, token = RelaxationConfig(k=2, delta=0.35), RelaxationConfig(k=2, delta=0.35, budget="token")
     assert accepted(per_test, 0.59, 0.5) and not accepted(per_test, 0.61, 0.5)
-    assert not accepted(token, 0.0, 0.5)
-    assert accepted(token, 0.29, 1.0) and not accepted(token, 0.31, 1.0)
+    for q_x in (0.5, 1.0):
+        assert accepted(token, 0.34, q_x) and not accepted(token, 0.36, q_x)
     assert not accepted(RelaxationConfig(k=2, lam=5.0, mode="relative", budget="token"), 0.0, 1.0)
 
 
