@@ -79,8 +79,8 @@ class RelaxationConfig:
     * ``test`` (the paper's): each acceptance test on its own; a level that tests several
       siblings, or draws them at random, can move its emitted token further than ``delta``.
     * ``token``: the emitted token at every tree level, whatever the siblings:
-      TV(emitted, p) <= ``delta``, or emitted(x) <= ``lam`` * p(x) for every x. Rejections
-      then use the exact residual, so only ``residual="paper"`` applies.
+      TV(emitted, p) <= ``delta``, or emitted(x) <= ``lam`` * p(x) for every x. Each level
+      shares one budget among its tests; only ``residual="paper"`` applies.
     """
 
     k: int = 1000
@@ -106,7 +106,7 @@ class RelaxationConfig:
         )
         check(
             self.budget == "test" or self.residual == "paper",
-            f"the token budget uses exact residuals; residual={self.residual!r} needs budget='test'",
+            f"the token budget needs residual='paper'; residual={self.residual!r} needs budget='test'",
         )
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,

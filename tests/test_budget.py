@@ -259,5 +259,5 @@ def test_greedy_is_the_same_under_both_budgets() -> None:
 def test_bad_budget_values() -> None:
     with pytest.raises(LanternError, match="budget must be 'test' or 'token'"):
         RelaxationConfig(k=3, delta=0.1, budget="tokens")  # type: ignore[arg-type]
-    with pytest.raises(LanternError, match="token budget uses exact residuals; residual='official'"):
+    with pytest.raises(LanternError, match="token budget needs residual='paper'; residual='official'"):
         RelaxationConfig(k=3, delta=0.1, residual="official", budget="token")
