@@ -14,12 +14,13 @@ the paper's per-test budget must break the bound (so these tests can fail).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from torch import Tensor
 
-from lantern.acceptance import verify_chain_sampled, verify_tree_greedy
+from lantern.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
 from lantern.budget import TokenBudget
 from lantern.config import RelaxationConfig
 from lantern.errors import LanternError
@@ -27,8 +28,10 @@ from tests.test_acceptance import (
     deterministic_orders,
     measure_first_token,
     o_residual,
+    o_sample,
     rand_dist,
     rand_neighbours,
+    random_batch,
     sampled_orders,
     tv,
 )
@@ -58,39 +61,80 @@ def config(mode: str, k: int, bound: float, budget: str) -> RelaxationConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: list[list[int]], cfg) -> list[float]:
-    """Emitted-token distribution of one level for the sibling order ``xs``: relaxed tests with
-    the neighbour-mass cap left·q_j(x)/reach (sampled drafts: filled in part); after a rejection the
-    paper's residual (A(x) zeroed) for deterministic drafts, the exact one for sampled drafts."""
-    r, out, reach, spent, seen = list(p), [0.0] * len(p), 1.0, 0.0, set()
-    q_rest = None if q is None else list(q)
-    for x in xs:
-        if x in seen or reach == 0:  # reach 0: an earlier sibling is accepted for sure
-            continue
-        seen.add(x)
-        q_j = None if q_rest is None else [w / sum(q_rest) for w in q_rest]  # x's conditional draw law
-        q_x = 1.0 if q_j is None else q_j[x]
+@dataclass
+class OLevel:
+    """One level's state in the scalar oracle: residual, reach, spent budget, draws left."""
+
+    p: list[float]  # target at the node
+    r: list[float]
+    q_rest: list[float] | None
+    reach: float = 1.0
+    spent: float = 0.0
+    seen: set = field(default_factory=set)
+
+    def test(self, x: int, nbr: list[list[int]], cfg) -> tuple[float, float] | None:
+        """(a_relaxed, a_exact) of testing x, or None when x is skipped (duplicate, undrawable, or
+        unreachable). Call ``reject`` if it is rejected."""
+        if x in self.seen or self.reach == 0:  # reach 0: an earlier sibling is accepted for sure
+            return None
+        self.seen.add(x)
+        r, q_rest = self.r, self.q_rest
+        self.q_j = None if q_rest is None else [w / sum(q_rest) for w in q_rest]  # x's conditional law
+        q_x = 1.0 if self.q_j is None else self.q_j[x]
         if q_rest is not None:
             q_rest[x] = 0.0
         if q_x <= 0:
-            continue
-        left = cfg.delta - spent if cfg.mode == "absolute" else (cfg.lam - 1.0) * p[x]
-        cap, c, agg = max(left, 0.0) * q_x / reach, 0.0, []
+            return None
+        left = cfg.delta - self.spent if cfg.mode == "absolute" else (cfg.lam - 1.0) * self.p[x]
+        cap, c, self.agg = max(left, 0.0) * q_x / self.reach, 0.0, []
         for t in nbr[x][: cfg.k]:
             if c + r[t] > cap:
                 break
             c += r[t]
-            agg.append(t)
-        if q_j is not None:  # sampled: the cap is filled from all k neighbours, the last one in part
+            self.agg.append(t)
+        if self.q_j is not None:  # sampled: the cap is filled from all k neighbours, the last one in part
             c = min(cap, sum(r[t] for t in nbr[x][: cfg.k]))
-        a_exact, a_relaxed = min(1.0, r[x] / q_x), min(1.0, (r[x] + c) / q_x)
-        out[x] += reach * a_relaxed
-        spent, reach = spent + reach * (a_relaxed - a_exact), reach * (1.0 - a_relaxed)
-        if q_j is None:
-            r = o_residual(r, x, r[x] + c, agg, None, nbr, cfg)
+        self.c, a_exact, a_relaxed = c, min(1.0, r[x] / q_x), min(1.0, (r[x] + c) / q_x)
+        self.spent, self.reach = self.spent + self.reach * (a_relaxed - a_exact), self.reach * (1.0 - a_relaxed)
+        return a_relaxed, a_exact
+
+    def reject(self, x: int, nbr: list[list[int]], cfg) -> None:
+        """Paper residual (A(x) zeroed) for deterministic drafts, exact residual for sampled ones."""
+        if self.q_j is None:
+            self.r = o_residual(self.r, x, self.r[x] + self.c, self.agg, None, nbr, cfg)
         else:
-            r = o_residual(r, x, r[x], [], q_j, nbr, None)
-    return [o + reach * ri for o, ri in zip(out, r, strict=True)]
+            self.r = o_residual(self.r, x, self.r[x], [], self.q_j, nbr, None)
+
+
+def o_token_level(p: list[float], xs: list[int], q: list[float] | None, nbr: list[list[int]], cfg) -> list[float]:
+    """Emitted-token distribution of one level for the sibling order ``xs``: relaxed tests with
+    the neighbour-mass cap left·q_j(x)/reach, the recovered token from the last residual."""
+    level, out = OLevel(p, list(p), None if q is None else list(q)), [0.0] * len(p)
+    for x in xs:
+        reach = level.reach
+        if (test := level.test(x, nbr, cfg)) is not None:
+            out[x] += reach * test[0]
+            level.reject(x, nbr, cfg)  # the walk goes on only if x is rejected
+    return [o + level.reach * ri for o, ri in zip(out, level.r, strict=True)]
+
+
+def o_token_row(p, tokens, children, depth, max_depth, u, q, nbr, cfg) -> tuple[list[int], int, bool]:
+    """Scalar verify_tree_sampled under the token budget for one row: (path, next_token, is_bonus)."""
+    cur, path = 0, [0]
+    while True:
+        level, chosen, rejected = OLevel(p[cur], list(p[cur]), None if q is None else list(q[cur])), None, False
+        for kid in children[cur]:
+            if depth[kid] > max_depth or (test := level.test(tokens[kid], nbr, cfg)) is None:
+                continue
+            if u[kid] < test[0]:
+                chosen = kid
+                break
+            rejected = True
+            level.reject(tokens[kid], nbr, cfg)
+        if chosen is None:
+            return path, o_sample(level.r, u[-1]), not rejected
+        path.append(chosen)
+        cur = chosen
 
 
 def o_token_first(p: Tensor, orders: Tensor, weights: Tensor, q: Tensor | None, nbr: Tensor, cfg) -> Tensor:
@@ -217,6 +261,27 @@ def test_budget_cap_and_spending() -> None:
 def test_chain_verifier_equals_the_tree_walk_under_token_budget(cfg, sampled: bool) -> None:
     """The all-depths-at-once chain verifier (SJD's) gives exactly the general walk's result."""
     chain_equals_tree_walk(cfg, sampled)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("mode", ["absolute", "relative"])
+def test_tree_walk_matches_scalar_oracle_under_token_budget(mode: str, sampled: bool) -> None:
+    """Random multi-level trees with depth caps and duplicate siblings, same uniforms: the library
+    takes the same path and emits the same token as the scalar oracle (a fresh budget per level)."""
+    d = random_batch(17, b=200)
+    cfg = config(mode, 3, BOUNDS[mode], "token")
+    q = d["q"] if sampled else None
+    res = verify_tree_sampled(d["p"], d["tokens"], d["children"], d["depth"], d["max_depth"], d["u"], q, d["nbr"],
+                              cfg)
+    deeper = 0
+    for i, tree in enumerate(d["trees"]):
+        path, token, bonus = o_token_row(
+            d["p"][i].tolist(), d["tokens"][i].tolist(), tree["children"], tree["depth"], int(d["max_depth"][i]),
+            d["u"][i].tolist(), None if q is None else q[i].tolist(), d["nbr"].tolist(), cfg)
+        assert ([n for n in res.path[i].tolist() if n >= 0], int(res.next_token[i]), bool(res.is_bonus[i])) == (
+            path, token, bonus)
+        deeper += len(path) > 2
+    assert deeper > 20  # walks that passed two levels: the budget is per level, not per row
 
 
 def test_chain_guess_outside_support_gets_credit_only_within_budget() -> None:
