@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from lantern.config import SamplingConfig
-from lantern.errors import check
-from lantern.pipeline import METHODS, MethodConfig, RunResult, run_generation
+from lantern.errors import LanternError, check
+from lantern.pipeline import METHODS, RELAXED_RULE, MethodConfig, RunResult, run_generation
 from lantern.stack import ModelStack
 from lantern.validate import MAX_IMAGES
 
@@ -60,6 +60,7 @@ class MethodSpec:
     delta: float | None = None
     lam: float | None = None
     label: str = ""  # row name; defaults to the method
+    budget: str | None = None  # relaxed methods: "test" | "token" (None: the default)
 
     @property
     def name(self) -> str:
@@ -67,7 +68,7 @@ class MethodSpec:
 
     def resolve(self, stack: ModelStack) -> MethodConfig:
         tree = self.tree if self.tree is not None else stack.default_tree(self.method)
-        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam)
+        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget)
 
 
 @dataclass(frozen=True)
@@ -320,16 +321,23 @@ def _curves(
     if "lantern" in by_base:
         base = by_base["lantern"]
         tree = base.tree.spec
-        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d)) for d in CURVE_DELTAS]
+        budget = _budget_of(base)
+        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d, budget=budget)) for d in CURVE_DELTAS]
     if "lantern++" in by_base:
         base = by_base["lantern++"]
         tree = base.tree.spec
-        jobs += [("lambda", lam, MethodConfig.resolve("lantern++", tree, lam=lam)) for lam in CURVE_LAMBDAS]
+        budget = _budget_of(base)
+        jobs += [("lambda", x, MethodConfig.resolve("lantern++", tree, lam=x, budget=budget)) for x in CURVE_LAMBDAS]
     out: dict[str, list[dict[str, float]]] = {}
     for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
         r = run_generation(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
         out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
     return out
+
+
+def _budget_of(cfg: MethodConfig | None) -> str | None:
+    """The budget of a resolved relaxed method, for the curve and sweep points derived from it."""
+    return None if cfg is None or cfg.relaxation is None else cfg.relaxation.budget
 
 
 def _sweep(
@@ -349,12 +357,15 @@ def _sweep(
     specs: list[MethodSpec] = []
     lantern_tree = by_base["lantern"].tree.spec if "lantern" in by_base else stack.default_tree("lantern")
     pp_tree = by_base["lantern++"].tree.spec if "lantern++" in by_base else stack.default_tree("lantern++")
+    budget, pp_budget = _budget_of(by_base.get("lantern")), _budget_of(by_base.get("lantern++"))
     for k in SWEEP_LANTERN["k"]:
         for d in SWEEP_LANTERN["delta"]:
-            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}"))
+            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}",
+                                    budget=budget))
     for k in SWEEP_LANTERN_PP["k"]:
         for lam in SWEEP_LANTERN_PP["lam"]:
-            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}"))
+            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}",
+                                    budget=pp_budget))
     labels = bench_labels(stack.target.config.num_classes, config.sweep_images)
     speed_labels = labels[: config.speed_images]
     ar = resolved["ar"]
@@ -557,7 +568,8 @@ def _save_plots(result: BenchResult, out: Path) -> None:
             ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
     for r in result.rows:
         if r.quality.get("fid") is not None:
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="black")
+            token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
             ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
                         textcoords="offset points")
     if result.ar_spread is not None and "fid" in result.ar_spread:
@@ -575,23 +587,45 @@ def _save_plots(result: BenchResult, out: Path) -> None:
     plt.close(fig)
 
 
-def parse_methods(spec: str, trees: Mapping[str, str] | None = None) -> tuple[MethodSpec, ...]:
+def parse_methods(
+    spec: str, trees: Mapping[str, str] | None = None, budget: str | None = None
+) -> tuple[MethodSpec, ...]:
     """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
-    run can compare trees for the same method."""
+    run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
+    (``lantern/delta=0.2/budget=token``); ``budget`` (``--lantern-budget``) is the relaxed rows'
+    default budget."""
     trees = trees or {}
     entries = [m.strip() for m in spec.split(",") if m.strip()]
     check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
     out = []
     for entry in entries:
-        name, _, tree = entry.partition("@")
+        head, *options = entry.split("/")
+        name, _, tree = head.partition("@")
         check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
+        settings = _row_settings(entry, name, options, budget)
         if tree:
             check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
-            out.append(MethodSpec(name, tree=tree, label=entry))
-        else:
-            out.append(MethodSpec(name, tree=trees.get(name)))
+        label = entry if tree or options else ""
+        if settings["budget"] is not None and "budget=" not in entry:  # rows say which budget they ran
+            label = f"{entry}/budget={settings['budget']}"
+        out.append(MethodSpec(name, tree=tree or trees.get(name), label=label, **settings))
     return tuple(out)
+
+
+def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
+    """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
+    kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str}
+    out: dict[str, Any] = {"budget": budget if name in RELAXED_RULE else None}
+    for option in options:
+        key, eq, value = option.partition("=")
+        check(eq == "=" and key in kinds, f"--methods {entry!r}: expected /KEY=VALUE with KEY one of "
+                                          f"{', '.join(kinds)}, got {option!r}")
+        try:
+            out["lam" if key == "lambda" else key] = kinds[key](value)
+        except ValueError:
+            raise LanternError(f"--methods {entry!r}: {key} must be a number, got {value!r}") from None
+    return out
 
 
 class QualityScorer:
@@ -686,7 +720,7 @@ def cmd_bench(args: Any) -> int:
     t0 = time.perf_counter()
     trees = parse_tree_options(args.tree)
     config = BenchConfig(
-        methods=parse_methods(args.methods, trees),
+        methods=parse_methods(args.methods, trees, args.lantern_budget),
         num_images=args.num_images,
         speed_images=args.speed_images,
         seed=args.seed,

@@ -105,6 +105,16 @@ def _auto_tree(
     return choice
 
 
+def _add_budget_arg(p: argparse.ArgumentParser) -> None:
+    from lantern.pipeline import BUDGETS, DEFAULT_BUDGET
+
+    p.add_argument(
+        "--lantern-budget", default=None, choices=BUDGETS,
+        help="what delta / lambda bound: each acceptance test (test, the paper's) or every emitted token "
+        f"(token: TV(token, p) <= delta, or token(x) <= lambda p(x), at every tree level) (default {DEFAULT_BUDGET})",
+    )
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
@@ -186,6 +196,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="relaxed methods, after a rejection: the paper's residual (default), or the released LlamaGen "
              "(official) / Lumina-mGPT (official-lumina) code's, for comparisons",
     )
+    _add_budget_arg(p)
     p.add_argument("--sjd-window", type=int, default=None, help="sjd*: Jacobi window length L >= 1 (16)")
     p.add_argument(
         "--sjd-init",
@@ -297,7 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual,
+        args.lantern_residual, args.lantern_budget,
     )
     sampling = _sampling(args, stack)
     t5_dir = _t5_dir(args, stack) if prompts is not None else None
@@ -324,7 +335,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      args.drafter, args.proximity, not args.no_progress)
             run_kw["method"] = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k,
                                                     args.lantern_delta, args.lantern_lambda, args.sjd_window,
-                                                    args.sjd_init, args.lantern_residual)
+                                                    args.sjd_init, args.lantern_residual, args.lantern_budget)
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
@@ -383,7 +394,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
     tree = args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual,
+        args.lantern_residual, args.lantern_budget,
     )
     sampling = _sampling(args, stack)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
@@ -522,6 +533,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="tree for every speculative method: auto (chosen per method for this device) or a "
                         "--tree spec of `lantern generate` (default: the model's generation.json)")
     p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
+    _add_budget_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_sampling_args(p)
@@ -567,9 +579,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
         stack = with_trees(stack, trees)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
-                    repeats=args.repeats, progress=not args.no_progress)
+                    repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
-            "sampling": sampling.to_dict(), "threads": torch.get_num_threads()}
+            "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
     if auto_trees:
         meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
     with out.write() as folder:
@@ -596,7 +608,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="photos", help="embedded preset (digits | photos) or a stack folder")
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
-                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree "
+                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
+                        "METHOD/KEY=VALUE... a row with those relaxation settings (keys k, delta, lambda, budget), "
+                        "e.g. lantern/delta=0.2/budget=token "
                         "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
@@ -620,6 +634,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")
     p.add_argument("--sweep-images", type=int, default=100, help="quality images per sweep point (default 100)")
     p.add_argument("--profile", default=None, help="with auto trees: a profile.json from `lantern profile`")
+    _add_budget_arg(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto: bf16 where native)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default bench-<model>)")

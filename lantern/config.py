@@ -19,6 +19,7 @@ MAX_CFG_SCALE = 100.0
 RelaxationMode = Literal["absolute", "relative"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
 RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
+RelaxationBudget = Literal["test", "token"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,14 @@ class RelaxationConfig:
     ``residual`` chooses what happens after a rejection: ``paper`` continues with the residual of
     the relaxed target (SPEC §4.4); ``official`` reproduces the released LlamaGen code and
     ``official-lumina`` the released Lumina-mGPT code, for comparison only.
+
+    ``budget`` says what the bound limits (docs/relaxation_budget.md):
+
+    * ``test`` (the paper's): each acceptance test on its own; a level that tests several
+      siblings, or draws them at random, can move its emitted token further than ``delta``.
+    * ``token``: the emitted token at every tree level, whatever the siblings:
+      TV(emitted, p) <= ``delta``, or emitted(x) <= ``lam`` * p(x) for every x. Each level
+      shares one budget among its tests; only ``residual="paper"`` applies.
     """
 
     k: int = 1000
@@ -85,6 +94,7 @@ class RelaxationConfig:
     lam: float = 1.0
     mode: RelaxationMode = "absolute"
     residual: ResidualMode = "paper"
+    budget: RelaxationBudget = "test"
 
     def __post_init__(self) -> None:
         check(isinstance(self.k, int) and self.k >= 0, f"lantern k must be an integer >= 0, got {self.k}")
@@ -93,6 +103,14 @@ class RelaxationConfig:
             f"relaxation mode must be 'absolute' or 'relative', got {self.mode!r}",
         )
         check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+        check(
+            self.budget in ("test", "token"),
+            f"lantern budget must be 'test' or 'token', got {self.budget!r}",
+        )
+        check(
+            self.budget == "test" or self.residual == "paper",
+            f"the token budget needs residual='paper'; residual={self.residual!r} needs budget='test'",
+        )
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
             f"lantern delta must be in [0, 1], got {self.delta}",

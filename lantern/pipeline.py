@@ -57,6 +57,10 @@ def image_seed(seed: int, index: int) -> int:
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+# What the bound limits: each acceptance test (the paper's) or each emitted token
+# (docs/relaxation_budget.md). The default was chosen from tau measurements on the photos preset.
+BUDGETS = ("test", "token")
+DEFAULT_BUDGET = "test"
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
 
 
@@ -96,11 +100,12 @@ class MethodConfig:
         window: int | None = None,
         init: str | None = None,
         residual: str | None = None,
+        budget: str | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with CLI-style overrides. ``residual``
         (``--lantern-residual``): what a relaxed method continues with after a rejection."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        relaxation = _resolve_relaxation(method, k, delta, lam, residual)
+        relaxation = _resolve_relaxation(method, k, delta, lam, residual, budget)
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -122,16 +127,19 @@ class MethodConfig:
 
 
 def _resolve_relaxation(
-    method: str, k: int | None, delta: float | None, lam: float | None, residual: str | None = None
+    method: str, k: int | None, delta: float | None, lam: float | None, residual: str | None = None,
+    budget: str | None = None,
 ) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
     rule = RELAXED_RULE.get(method)
     if rule is None:
         check(
-            k is None and delta is None and lam is None and residual is None,
+            k is None and delta is None and lam is None and residual is None and budget is None,
             f"--lantern-* options need a relaxed method ({', '.join(RELAXED_RULE)})",
         )
         return None
+    check(budget in (None, *BUDGETS), f"--lantern-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    budget = DEFAULT_BUDGET if budget is None else budget
     if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
         check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
         base = replace(DEFAULT_LANTERN, delta=DEFAULT_LANTERN.delta if delta is None else delta)
@@ -141,7 +149,8 @@ def _resolve_relaxation(
         base = replace(DEFAULT_LANTERN_PP, lam=DEFAULT_LANTERN_PP.lam if lam is None else lam)
     check(residual is None or residual in RESIDUALS,
           f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}")
-    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual)
+    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
+                   budget=budget)  # type: ignore[arg-type]
 
 
 @dataclass
