@@ -580,6 +580,11 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="lantern-profile", help="output folder (default ./lantern-profile)")
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
+    p.add_argument("--trace", default=None, metavar="METHODS",
+                   help="instead of the cost profile: trace the decode round of these methods (ar included, "
+                        "e.g. ar,sd,lantern,lantern++,sjd): time, dispatched ops and host syncs per round by "
+                        "phase; writes OUT/trace.json and OUT/trace.md")
+    p.add_argument("--trace-images", type=int, default=2, help="images per method for --trace (default 2)")
     p.add_argument("--no-progress", action="store_true")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
@@ -596,6 +601,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
     sampling = _sampling(args, stack)
+    if args.trace is not None:
+        from lantern.roundtrace import cmd_trace
+
+        return cmd_trace(args, stack, sampling, out)
     profile = measure_profile(stack, sampling, settings, model_name=str(args.model), progress=not args.no_progress)
     json_path, png_path = save_profile(profile, out)
     print(format_profile(profile))

@@ -27,6 +27,7 @@ from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
 from lantern.models.drafter import EagleDrafterModel
+from lantern.phases import phase
 from lantern.sampling import apply_cfg, probs_from_logits, process_logits
 from lantern.trees import (
     StaticTree,
@@ -129,7 +130,8 @@ class TreeDrafter:
         tokens[:, 0] = self.root
         sampled = not self.sampling.greedy
         q_draft = torch.zeros(b, t, v, device=device) if sampled else None
-        noise = self._race_noise(generators, active, b, v, device) if sampled else None
+        with phase("draft_sampling"):
+            noise = self._race_noise(generators, active, b, v, device) if sampled else None
         noise_row = 0
         for d, plan in enumerate(self._level_plans(device)):
             if plan is None:
@@ -141,17 +143,20 @@ class TreeDrafter:
                 anc = plan.ancestors[None].expand(b, -1, -1)
                 logits = self.backend.feed(parent, tokens[:, plan.nodes], d, anc)
             e = plan.nodes.shape[0]
-            if sampled:
-                q = probs_from_logits(logits, self.sampling)  # [B, E, V]
-                assert q_draft is not None and noise is not None
-                q_draft[:, plan.nodes] = q
-                keys = q / noise[:, noise_row : noise_row + e]
-                noise_row += e
-                draws = keys.topk(plan.num_samples, dim=-1).indices  # [B, E, m] without replacement, in draw order
-            else:
-                draws = logits.topk(plan.num_samples, dim=-1).indices
-            tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
-        return DraftTree(tokens=tokens, buffers=self._static_batch(b, device), q_draft=q_draft)
+            with phase("draft_sampling"):
+                if sampled:
+                    q = probs_from_logits(logits, self.sampling)  # [B, E, V]
+                    assert q_draft is not None and noise is not None
+                    q_draft[:, plan.nodes] = q
+                    keys = q / noise[:, noise_row : noise_row + e]
+                    noise_row += e
+                    draws = keys.topk(plan.num_samples, dim=-1).indices  # [B, E, m] without replacement, in draw order
+                else:
+                    draws = logits.topk(plan.num_samples, dim=-1).indices
+                tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
+        with phase("tree"):
+            buffers = self._static_batch(b, device)
+        return DraftTree(tokens=tokens, buffers=buffers, q_draft=q_draft)
 
     def _level_plans(self, device: torch.device) -> list[_LevelPlan | None]:
         """The static tree's drafting schedule, level by level; the same every round, so built once
@@ -243,9 +248,11 @@ class TreeDrafter:
             feed_parent = i * k + pj
         scores, tokens_flat, parent_flat = torch.cat(all_scores, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
         total = min(self.tree.total_tokens, scores.shape[1])
-        sel, parents = dynamic_tree_select(scores, parent_flat, total)
-        tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
-        return DraftTree(tokens=tokens, buffers=tree_from_parents(parents), q_draft=None)
+        with phase("tree"):
+            sel, parents = dynamic_tree_select(scores, parent_flat, total)
+            tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
+            buffers = tree_from_parents(parents)
+        return DraftTree(tokens=tokens, buffers=buffers, q_draft=None)
 
     def _log_q(self, logits: Tensor) -> Tensor:
         return torch.log_softmax(process_logits(logits.float(), self.sampling), dim=-1)
@@ -286,6 +293,10 @@ class EagleBackend:
     @torch.no_grad()
     def begin(self) -> Tensor:
         """Context pass over each row's new (feature, token) pairs; returns root logits [B, V]."""
+        with phase("drafter"):
+            return self._begin()
+
+    def _begin(self) -> Tensor:
         assert self.cache is not None and self._pending is not None
         feats, tokens, counts = self._pending
         s, cache = self.streams, self.cache
@@ -309,6 +320,10 @@ class EagleBackend:
 
     @torch.no_grad()
     def feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
+        with phase("drafter"):
+            return self._feed(parent, tokens, depth, ancestors)
+
+    def _feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
         assert self.cache is not None and self._base is not None and self._root_hidden is not None
         s, e, device = self.streams, tokens.shape[1], tokens.device
         source = torch.cat([self._root_hidden, *self._fed_hidden], dim=1)  # [N, 1 + F_prev, D]

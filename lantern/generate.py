@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from lantern.acceptance import VerifyResult, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import check
+from lantern.phases import phase
 from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
 from lantern.target import Target
 from lantern.trees import TreeBuffers, tree_from_parents
@@ -177,8 +178,9 @@ def _generate(
     acceptance = acceptance or Acceptance()
 
     # 1. Prefill the condition; token 0 comes from its last position.
-    logits0, hidden0 = target.start(cond, cond_mask)
-    root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
+    with phase("prefill"):
+        logits0, hidden0 = target.start(cond, cond_mask)
+        root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
     codes = torch.full((b, n_total), -1, dtype=torch.long, device=device)
     codes[:, 0] = root
     n = torch.ones(b, dtype=torch.long, device=device)
@@ -193,24 +195,30 @@ def _generate(
         # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
         max_depth = (n_total - n - 1).clamp(min=0)
         # 2. Propose.
-        if drafter is None:
-            tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
-        else:
-            tree = drafter.propose(generators, active, max_depth)
+        with phase("propose"):
+            if drafter is None:
+                tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
+            else:
+                tree = drafter.propose(generators, active, max_depth)
         # 3. Verify: one target forward over every row's tree.
-        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
+        with phase("verify"):
+            logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
         # 4. Accept.
-        path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, generators, acceptance)
-        num_acc = torch.where(active, num_acc, 0)
+        with phase("accept"):
+            path, num_acc, next_token, relaxed = _accept(
+                logits, tree, max_depth, active, sampling, generators, acceptance
+            )
+            num_acc = torch.where(active, num_acc, 0)
         # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
-        new = torch.where(active, num_acc + 1, 0)
-        target.commit(path, new)
-        # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
-        follow = _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
-        if drafter is not None:
-            if isinstance(drafter, VerifyObserver):
-                drafter.observe_verify(logits)
-            drafter.commit(_gather_path(hidden, path.clamp(min=0), target.streams), follow, new)
+        with phase("commit"):
+            new = torch.where(active, num_acc + 1, 0)
+            target.commit(path, new)
+            # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
+            follow = _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
+            if drafter is not None:
+                if isinstance(drafter, VerifyObserver):
+                    drafter.observe_verify(logits)
+                drafter.commit(_gather_path(hidden, path.clamp(min=0), target.streams), follow, new)
         root = torch.where(active, next_token, root)
         n = n + new
         stats.target_forwards += active.long().cpu()
@@ -227,10 +235,11 @@ def _sample(
     logits: Tensor, sampling: SamplingConfig, generators: list[torch.Generator] | None, active: Tensor
 ) -> Tensor:
     """One token per row from guided logits [B, V]: argmax (greedy) or inverse-CDF sampling."""
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
-    u = _uniforms(generators, active, 1)[:, 0]
-    return sample_from_probs(probs_from_logits(logits, sampling), u)
+    with phase("sampling"):
+        if sampling.greedy:
+            return logits.argmax(dim=-1)
+        u = _uniforms(generators, active, 1)[:, 0]
+        return sample_from_probs(probs_from_logits(logits, sampling), u)
 
 
 def _uniforms(generators: list[torch.Generator] | None, active: Tensor, n: int) -> Tensor:
@@ -264,8 +273,9 @@ def _accept(
     if sampling.greedy:
         res = verify_tree_greedy(logits, tree.tokens, buffers.retrieve, max_depth, neighbours=nbrs, relaxation=relax)
     else:
-        p_target = probs_from_logits(logits, sampling)
-        u = _uniforms(generators, active, t + 1)
+        with phase("sampling"):
+            p_target = probs_from_logits(logits, sampling)
+            u = _uniforms(generators, active, t + 1)
         if buffers.children.shape[-1] == 1:  # a chain (every node has at most one child)
             return _result(
                 verify_chain_sampled(p_target, tree.tokens, max_depth, u, tree.q_draft, nbrs, relax), active

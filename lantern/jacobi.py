@@ -46,6 +46,7 @@ from torch import Tensor
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
+from lantern.phases import phase
 from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
 from lantern.trees import TreeBuffers, tree_from_parents
 
@@ -155,10 +156,11 @@ class JacobiDrafter:
         rows = active.nonzero().flatten().tolist()
         first_new = torch.zeros_like(self.n)  # [B] first window slot that needs a new guess
         carried = None
-        if self._logits is not None:
-            first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
-            carried = self._carry_over(gens, rows)
-        self._initialise(first_new, gens, rows)
+        with phase("draft_sampling"):
+            if self._logits is not None:
+                first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
+                carried = self._carry_over(gens, rows)
+            self._initialise(first_new, gens, rows)
         slots = self.n[:, None] + torch.arange(self.window, device=self.n.device)  # [B, L] positions
         guesses = self.canvas.gather(1, slots)
         root = self.canvas.gather(1, (self.n - 1)[:, None])
