@@ -198,12 +198,13 @@ class TreeDrafter:
     def _race_noise(
         self, generators: list[torch.Generator] | None, active: Tensor, b: int, v: int, device: torch.device
     ) -> Tensor:
-        """[B, n_expanded, V] Exp(1) noise; inactive rows draw nothing (their stream is untouched)."""
+        """[B, n_expanded, V] Exp(1) noise, row b from its own generator. Finished rows draw too
+        (their codes are complete), which keeps the round free of a sync to find the active ones."""
         assert self.static is not None and generators is not None
         n_exp = sum(int(n.numel()) for n in self.static.expand_levels)
-        noise = torch.ones(b, n_exp, v, device=device)
-        for i in active.nonzero().flatten().tolist():
-            noise[i].exponential_(generator=generators[i])
+        noise = torch.empty(b, n_exp, v, device=device)
+        for i, g in enumerate(generators):
+            noise[i].exponential_(generator=g)
         return noise
 
     def _static_batch(self, b: int, device: torch.device) -> TreeBuffers:
@@ -305,8 +306,7 @@ class EagleBackend:
         lengths = cache.lengths
         j = torch.arange(a, device=feats.device)
         slots = lengths[:, None] + j  # [S*B, A]
-        kv_len = int(lengths.max()) + a
-        cols = torch.arange(kv_len, device=feats.device)
+        cols = torch.arange(cache.max_len, device=feats.device)  # static: the whole cache (no sync)
         rel = cols[None, None, :] - lengths[:, None, None]  # [N, 1, S]
         mask = (rel < 0) | ((rel >= 0) & (rel <= j[None, :, None]))  # prefix + causal among new
         out = self.model(feats.to(self.model.dtype), tokens.repeat(s, 1), slots, mask, cache, slots)
@@ -333,17 +333,17 @@ class EagleBackend:
         base = self._base
         slots = base[:, None] + f_prev + torch.arange(e, device=device)  # [N, E]
         positions = (base[:, None] + depth - 1).expand(-1, e)
-        mask = self._feed_mask(ancestors.repeat(s, 1, 1), base, f_prev, e)
+        mask = self._feed_mask(ancestors.repeat(s, 1, 1), base, f_prev, e, self.cache.max_len)
         out = self.model(feats, tokens.repeat(s, 1), positions, mask, self.cache, slots)
         self.forwards += 1
         self._fed_hidden.append(out)
         return self._guided(out)
 
     @staticmethod
-    def _feed_mask(ancestors: Tensor, base: Tensor, f_prev: int, e: int) -> Tensor:
-        """[N, E, kv_len]: the committed context, the node's fed ancestors, itself."""
+    def _feed_mask(ancestors: Tensor, base: Tensor, f_prev: int, e: int, kv_len: int) -> Tensor:
+        """[N, E, kv_len]: the committed context, the node's fed ancestors, itself (kv_len: the
+        whole cache, a static shape)."""
         n, device = base.shape[0], base.device
-        kv_len = int(base.max()) + f_prev + e
         rel = torch.arange(kv_len, device=device)[None, :] - base[:, None]  # [N, S]
         eye = torch.eye(e, dtype=torch.bool, device=device).expand(n, -1, -1)
         tree_cols = torch.cat([ancestors, eye], dim=2)  # [N, E, F_prev + E]

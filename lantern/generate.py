@@ -181,16 +181,23 @@ def _generate(
     with phase("prefill"):
         logits0, hidden0 = target.start(cond, cond_mask)
         root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
-    codes = torch.full((b, n_total), -1, dtype=torch.long, device=device)
+    # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
+    # padding tail as long as the image (no tree is deeper): static shapes, no boolean-mask
+    # indexing; the tail is sliced off at the end.
+    codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
     codes[:, 0] = root
     n = torch.ones(b, dtype=torch.long, device=device)
-    stats = SpecStats(target_forwards=torch.ones(b, dtype=torch.long), generated_tokens=n_total)
+    # Per-round counters stay on the device; one host copy at the end, not one sync per round.
+    forwards = torch.ones(b, dtype=torch.long, device=device)
+    per_step: list[Tensor] = []
+    relaxed_total = torch.zeros((), dtype=torch.long, device=device)
     if drafter is not None:
         drafter.start(hidden0, root)
     ar_tree = _root_only_tree(b, device)
 
     bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
     bar.update(b)
+    # The one host sync of a round: whether any row still needs tokens.
     while bool((active := n < n_total).any()):
         # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
         max_depth = (n_total - n - 1).clamp(min=0)
@@ -221,14 +228,18 @@ def _generate(
                 drafter.commit(_gather_path(hidden, path.clamp(min=0), target.streams), follow, new)
         root = torch.where(active, next_token, root)
         n = n + new
-        stats.target_forwards += active.long().cpu()
-        stats.tokens_per_step.append(new.cpu())
-        stats.relaxed_accepts += int(relaxed)
-        bar.update(int(new.sum()))
+        forwards += active
+        per_step.append(new)
+        relaxed_total += relaxed
+        if progress:
+            bar.update(int(new.sum()))
     bar.close()
+    stats = SpecStats(target_forwards=forwards.cpu(), generated_tokens=n_total, relaxed_accepts=int(relaxed_total))
+    if per_step:
+        stats.tokens_per_step = list(torch.stack(per_step).cpu().unbind(0))
     if drafter is not None:
         stats.drafter_forwards = drafter.forwards
-    return GenerationOutput(codes=codes, stats=stats)
+    return GenerationOutput(codes=codes[:, :n_total], stats=stats)
 
 
 def _sample(
@@ -243,13 +254,13 @@ def _sample(
 
 
 def _uniforms(generators: list[torch.Generator] | None, active: Tensor, n: int) -> Tensor:
-    """[B, n] uniforms; inactive rows draw nothing, so a row's stream ignores its batch-mates."""
+    """[B, n] uniforms, row b from its own generator, so a row's stream ignores its batch-mates.
+
+    Finished rows draw too: their codes are complete, so what they draw changes nothing, and
+    drawing for every row keeps the round free of a host sync to find the active ones.
+    """
     assert generators is not None
-    out = torch.zeros(len(generators), n, device=active.device)
-    rows = active.nonzero().flatten().tolist()
-    if rows:
-        out[rows] = draw_uniforms([generators[i] for i in rows], n, active.device)
-    return out
+    return draw_uniforms(generators, n, active.device)
 
 
 def _accept(
@@ -260,13 +271,13 @@ def _accept(
     sampling: SamplingConfig,
     generators: list[torch.Generator] | None,
     acceptance: Acceptance,
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """(path [B, D+1], num_accepted [B], next_token [B], number of relaxed-only accepts)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows [])."""
     b, t = tree.tokens.shape
     if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
         path = torch.zeros(b, 1, dtype=torch.long, device=logits.device)
         zero = torch.zeros(b, dtype=torch.long, device=logits.device)
-        return path, zero, _sample(logits[:, 0], sampling, generators, active), 0
+        return path, zero, _sample(logits[:, 0], sampling, generators, active), zero.sum()
 
     relax, nbrs = acceptance.relaxation, acceptance.neighbours
     buffers = tree.buffers
@@ -290,29 +301,33 @@ def _accept(
             q_draft=tree.q_draft,
             neighbours=nbrs,
             relaxation=relax,
+            levels=buffers.max_depth,
         )
     return _result(res, active)
 
 
-def _result(res: VerifyResult, active: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    relaxed = int(res.num_relaxed[active].sum())
+def _result(res: VerifyResult, active: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    relaxed = torch.where(active, res.num_relaxed, 0).sum()  # a device scalar: no sync
     return res.path, res.num_accepted, res.next_token, relaxed
 
 
 def _write_codes(
     codes: Tensor, n: Tensor, tokens: Tensor, path: Tensor, num_acc: Tensor, next_token: Tensor, active: Tensor
 ) -> Tensor:
-    """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token."""
-    b, n_total = codes.shape
+    """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token.
+
+    Every row writes all W slots from n_b on (rejected ones keep their old value), so the write
+    is one gather + scatter of fixed shape; ``codes`` has a tail of padding for the slots that
+    run past the image. n_b + j never exceeds n_total - 1 + W: finished rows have n_b = n_total.
+    """
     width = path.shape[1]  # root + up to D drafts
     j = torch.arange(width, device=codes.device)[None, :]  # [1, W]
     drafts = tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, W-1]
     vals = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, W]
     vals = vals.scatter(1, num_acc[:, None], next_token[:, None])
     keep = (j <= num_acc[:, None]) & active[:, None]
-    pos = (n[:, None] + j).clamp(max=n_total - 1)
-    rows = torch.arange(b, device=codes.device)[:, None].expand_as(pos)
-    codes[rows[keep], pos[keep]] = vals[keep]
+    pos = n[:, None] + j  # [B, W], distinct per row
+    codes.scatter_(1, pos, torch.where(keep, vals, codes.gather(1, pos)))
     return vals
 
 

@@ -159,8 +159,12 @@ class LlamaGenTarget:
         return self.cache
 
     def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int) -> Tensor:
-        """[S*B, T, kv_len] bool: the committed prefix, then the row's tree mask at its slots."""
-        kv_len = int(lengths.max()) + t
+        """[S*B, T, kv_len] bool: the committed prefix, then the row's tree mask at its slots.
+
+        kv_len is the whole cache, not the longest row: a static shape (one compiled graph, no
+        host sync to read the lengths) for the price of attending over masked-out slots.
+        """
+        kv_len = self._cache().max_len
         cols = torch.arange(kv_len, device=lengths.device)  # [S]
         rel = cols[None, :] - lengths[:, None]  # [N, S] offset from the row's prefix end
         prefix = rel < 0
