@@ -72,3 +72,53 @@ class KVCache:
 
     def reset(self) -> None:
         self.lengths.zero_()
+
+
+class CachePool:
+    """KV caches kept across images, one per (owner, shape): the same buffers every image, as
+    gpt-fast's idempotent ``setup_caches`` (CUDA graphs replay on fixed addresses; no allocation
+    per image). A reused cache is reset (lengths 0); its stale slots are masked like any others."""
+
+    def __init__(self) -> None:
+        self._caches: dict[tuple[object, ...], KVCache] = {}
+        self._buffers: dict[tuple[object, ...], Tensor] = {}
+
+    def buffer(
+        self, owner: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, static: bool = False
+    ) -> Tensor:
+        """A zeroed work buffer of this shape, the same tensor every time it is asked for."""
+        key = (owner, shape, dtype, str(device))
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.zeros(shape, dtype=dtype, device=device)
+            if static:
+                from lantern.compiling import mark_static
+
+                mark_static(buf)
+            self._buffers[key] = buf
+        return buf.zero_()
+
+    def get(
+        self,
+        owner: str,
+        n_layer: int,
+        rows: int,
+        n_head: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        static: bool = False,
+    ) -> KVCache:
+        """A reset cache of this shape; ``static``: mark its buffers' addresses static for dynamo."""
+        key = (owner, n_layer, rows, n_head, max_len, head_dim, dtype, str(device))
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = KVCache(n_layer, rows, n_head, max_len, head_dim, dtype, device)
+            if static:
+                from lantern.compiling import mark_static
+
+                mark_static(cache.k, cache.v, cache.lengths)
+            self._caches[key] = cache
+        cache.reset()
+        return cache

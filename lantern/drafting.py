@@ -22,7 +22,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lantern.cache import KVCache
+from lantern.cache import CachePool, KVCache
+from lantern.compiling import resolve_compile, step_fn
 from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
@@ -260,29 +261,42 @@ class TreeDrafter:
 
 
 class EagleBackend:
-    """Scores tree nodes with an EAGLE drafter and its own static KV cache (one stream per CFG row)."""
+    """Scores tree nodes with an EAGLE drafter and its own static KV cache (one stream per CFG row).
+
+    Static shapes throughout, so the two steps compile to one graph each (per fed-node count):
+    attention spans the whole cache, and the fed nodes' predicted features live in a
+    preallocated buffer ``[S*B, max_len, D]`` (column 0 = the root, column 1 + f = fed node f).
+    """
 
     def __init__(
-        self, model: EagleDrafterModel, lm_head: torch.nn.Linear, sampling: SamplingConfig, streams: int, max_len: int
+        self,
+        model: EagleDrafterModel,
+        lm_head: torch.nn.Linear,
+        sampling: SamplingConfig,
+        streams: int,
+        max_len: int,
+        compile: str | None = None,
+        cache_pool: CachePool | None = None,
     ) -> None:
         self.model, self.lm_head, self.sampling = model.eval(), lm_head, sampling
         self.streams, self.max_len = streams, max_len
+        self.compile = resolve_compile(compile, model.device)
+        self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.cache: KVCache | None = None
         self.forwards = 0
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # feats, tokens, counts
-        self._fed_hidden: list[Tensor] = []  # [S*B, E, D] outputs of fed nodes, in feed order
-        self._root_hidden: Tensor | None = None
+        self._hidden: Tensor | None = None  # [S*B, max_len, D] root + fed nodes' outputs
+        self._fed = 0  # nodes fed since the context pass
         self._base: Tensor | None = None  # [S*B] committed length after the context pass
-
-    def _guided(self, hidden: Tensor) -> Tensor:
-        return apply_cfg(
-            self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), self.sampling.cfg_scale, self.streams
-        )
 
     def start(self, hidden: Tensor, root: Tensor) -> None:
         cfg = self.model.config
         n, length, _ = hidden.shape
-        self.cache = KVCache(1, n, cfg.kv_heads, self.max_len, cfg.head_dim, self.model.dtype, self.model.device)
+        static = self.compile is not None
+        self.cache = self.cache_pool.get("drafter", 1, n, cfg.kv_heads, self.max_len, cfg.head_dim,
+                                         self.model.dtype, self.model.device, static=static)
+        self._hidden = self.cache_pool.buffer("drafter_hidden", (n, self.max_len, cfg.hidden_size), self.model.dtype,
+                                              self.model.device, static=static)
         b = root.shape[0]
         tokens = torch.zeros(b, length, dtype=torch.long, device=root.device)
         tokens[:, -1] = root  # condition positions pair with placeholder token 0 (SPEC §3.2)
@@ -294,59 +308,97 @@ class EagleBackend:
     @torch.no_grad()
     def begin(self) -> Tensor:
         """Context pass over each row's new (feature, token) pairs; returns root logits [B, V]."""
-        with phase("drafter"):
-            return self._begin()
-
-    def _begin(self) -> Tensor:
-        assert self.cache is not None and self._pending is not None
+        assert self.cache is not None and self._pending is not None and self._hidden is not None
         feats, tokens, counts = self._pending
-        s, cache = self.streams, self.cache
-        a = tokens.shape[1]
-        counts_s = counts.repeat(s)
-        lengths = cache.lengths
-        j = torch.arange(a, device=feats.device)
-        slots = lengths[:, None] + j  # [S*B, A]
-        cols = torch.arange(cache.max_len, device=feats.device)  # static: the whole cache (no sync)
-        rel = cols[None, None, :] - lengths[:, None, None]  # [N, 1, S]
-        mask = (rel < 0) | ((rel >= 0) & (rel <= j[None, :, None]))  # prefix + causal among new
-        out = self.model(feats.to(self.model.dtype), tokens.repeat(s, 1), slots, mask, cache, slots)
+        with phase("drafter"):
+            step = step_fn(_context_step, self.compile, self.model.device)
+            logits = step(self.model, self.lm_head, self.cache, self._hidden, feats.to(self.model.dtype), tokens,
+                          counts, self.streams, self.sampling.cfg_scale)[0]
         self.forwards += 1
-        cache.lengths += counts_s
-        last = (counts_s - 1).clamp(min=0)
-        self._root_hidden = out[torch.arange(out.shape[0]), last][:, None]  # [S*B, 1, D]
-        self._base = cache.lengths.clone()
-        self._fed_hidden = []
-        return self._guided(self._root_hidden)[:, 0]
+        self._base = self.cache.lengths.clone()
+        self._fed = 0
+        return logits
 
     @torch.no_grad()
     def feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
+        assert self.cache is not None and self._base is not None and self._hidden is not None
         with phase("drafter"):
-            return self._feed(parent, tokens, depth, ancestors)
-
-    def _feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
-        assert self.cache is not None and self._base is not None and self._root_hidden is not None
-        s, e, device = self.streams, tokens.shape[1], tokens.device
-        source = torch.cat([self._root_hidden, *self._fed_hidden], dim=1)  # [N, 1 + F_prev, D]
-        f_prev = source.shape[1] - 1
-        idx = (parent.repeat(s, 1) + 1)[:, :, None].expand(-1, -1, source.shape[-1])
-        feats = source.gather(1, idx)  # [N, E, D] the parent's predicted feature
-        base = self._base
-        slots = base[:, None] + f_prev + torch.arange(e, device=device)  # [N, E]
-        positions = (base[:, None] + depth - 1).expand(-1, e)
-        mask = self._feed_mask(ancestors.repeat(s, 1, 1), base, f_prev, e, self.cache.max_len)
-        out = self.model(feats, tokens.repeat(s, 1), positions, mask, self.cache, slots)
+            s, e, base, f_prev = self.streams, tokens.shape[1], self._base, self._fed
+            slots = base[:, None] + (f_prev + torch.arange(e, device=tokens.device))  # [N, E]
+            positions = (base[:, None] + (depth - 1)).expand(-1, e)
+            tree_cols = _fed_columns(ancestors.repeat(s, 1, 1), f_prev, self.max_len)
+            step = step_fn(_feed_step, self.compile, self.model.device)
+            logits = step(self.model, self.lm_head, self.cache, self._hidden, parent.repeat(s, 1), tokens.repeat(s, 1),
+                          base, slots, positions, tree_cols, s, self.sampling.cfg_scale)[0]
         self.forwards += 1
-        self._fed_hidden.append(out)
-        return self._guided(out)
+        self._fed += e
+        return logits
 
-    @staticmethod
-    def _feed_mask(ancestors: Tensor, base: Tensor, f_prev: int, e: int, kv_len: int) -> Tensor:
-        """[N, E, kv_len]: the committed context, the node's fed ancestors, itself (kv_len: the
-        whole cache, a static shape)."""
-        n, device = base.shape[0], base.device
-        rel = torch.arange(kv_len, device=device)[None, :] - base[:, None]  # [N, S]
-        eye = torch.eye(e, dtype=torch.bool, device=device).expand(n, -1, -1)
-        tree_cols = torch.cat([ancestors, eye], dim=2)  # [N, E, F_prev + E]
-        idx = rel.clamp(0, f_prev + e - 1)[:, None, :].expand(-1, e, -1)
-        tree = tree_cols.gather(2, idx) & ((rel >= 0) & (rel < f_prev + e))[:, None, :]
-        return (rel < 0)[:, None, :] | tree
+
+def _guided(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
+    return apply_cfg(lm_head(hidden.to(lm_head.weight.dtype)).float(), cfg_scale, streams)
+
+
+def _context_step(
+    model: EagleDrafterModel,
+    lm_head: torch.nn.Linear,
+    cache: KVCache,
+    hidden_buf: Tensor,  # [N, W, D]; column 0 receives the root's predicted feature
+    feats: Tensor,  # [N, A, D] target features of each row's new tokens
+    tokens: Tensor,  # [B, A] the token after each feature
+    counts: Tensor,  # [B] new tokens per row (<= A)
+    streams: int,
+    cfg_scale: float,
+) -> tuple[Tensor]:
+    """The drafter's context pass (a compiled region): absorb the new pairs into the cache,
+    advance its lengths, and score the root. Returns (guided root logits [B, V],)."""
+    a = tokens.shape[1]
+    counts_s = counts.repeat(streams)
+    lengths = cache.lengths
+    j = torch.arange(a, device=feats.device)
+    slots = lengths[:, None] + j  # [N, A]
+    rel = torch.arange(cache.max_len, device=feats.device)[None, None, :] - lengths[:, None, None]  # [N, 1, S]
+    mask = (rel < 0) | ((rel >= 0) & (rel <= j[None, :, None]))  # prefix + causal among new
+    out = model(feats, tokens.repeat(streams, 1), slots, mask, cache, slots)
+    cache.lengths += counts_s
+    last = (counts_s - 1).clamp(min=0)
+    root = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))  # [N, 1, D]
+    hidden_buf[:, :1] = root
+    return (_guided(lm_head, root, cfg_scale, streams)[:, 0],)
+
+
+def _feed_step(
+    model: EagleDrafterModel,
+    lm_head: torch.nn.Linear,
+    cache: KVCache,
+    hidden_buf: Tensor,  # [N, W, D] root + fed outputs; this step's outputs are written into it
+    parent: Tensor,  # [N, E] feed index of each node's parent (-1 = root)
+    tokens: Tensor,  # [N, E]
+    base: Tensor,  # [N] committed length after the context pass
+    slots: Tensor,  # [N, E] cache slots of the new nodes (base + their feed index)
+    positions: Tensor,  # [N, E] rotary indices
+    tree_cols: Tensor,  # [N, E, W] bool over fed indices: ancestors and self (see _fed_columns)
+    streams: int,
+    cfg_scale: float,
+) -> tuple[Tensor]:
+    """One drafter forward over E tree nodes (a compiled region). Returns (guided logits [B, E, V],)."""
+    e, width = tokens.shape[1], tree_cols.shape[2]
+    idx = (parent + 1)[:, :, None].expand(-1, -1, hidden_buf.shape[-1])
+    feats = hidden_buf.gather(1, idx)  # [N, E, D] each node's parent's predicted feature
+    rel = torch.arange(cache.max_len, device=base.device)[None, :] - base[:, None]  # [N, S] feed index
+    cols = rel.clamp(0, width - 1)[:, None, :].expand(-1, e, -1)
+    mask = (rel < 0)[:, None, :] | (tree_cols.gather(2, cols) & (rel >= 0)[:, None, :])  # [N, E, S]
+    out = model(feats, tokens, positions, mask, cache, slots)
+    hidden_buf.index_copy_(1, slots[0] - base[0] + 1, out)  # feed indices are the same in every row
+    return (_guided(lm_head, out, cfg_scale, streams),)
+
+
+def _fed_columns(ancestors: Tensor, f_prev: int, width: int) -> Tensor:
+    """[N, E, W] bool over feed indices: each node's fed ancestors (< f_prev) and itself (f_prev + i),
+    padded to a fixed width W so that every feed of E nodes has the same shape."""
+    n, e, _ = ancestors.shape
+    cols = torch.zeros(n, e, width, dtype=torch.bool, device=ancestors.device)
+    cols[:, :, :f_prev] = ancestors
+    i = torch.arange(e, device=ancestors.device)
+    cols[:, i, f_prev + i] = True
+    return cols
