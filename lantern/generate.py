@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lantern.acceptance import VerifyResult, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.compiling import resolve_compile, step_fn
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import check
 from lantern.phases import phase
@@ -146,17 +147,20 @@ def generate(
     acceptance: Acceptance | None = None,
     cond_mask: Tensor | None = None,
     progress: bool = False,
+    compile: str | None = None,
 ) -> GenerationOutput:
     """Generate ``target.num_tokens`` image tokens for each condition row.
 
     cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
-    sampling is greedy).
+    sampling is greedy). compile: compile the fused acceptance (``lantern.compiling``; the target
+    and drafter compile their own steps, see their ``compile`` arguments).
     """
     # inference_mode rather than no_grad: no version counters or view tracking on the many small
     # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
     # it, so callers get ordinary tensors they may use in autograd (e.g. as training data).
     with torch.inference_mode():
-        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress)
+        mode = resolve_compile(compile, target.device)
+        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode)
     return GenerationOutput(codes=out.codes.clone(), stats=out.stats)
 
 
@@ -168,6 +172,7 @@ def _generate(
     acceptance: Acceptance | None,
     cond_mask: Tensor | None,
     progress: bool,
+    compile: str | None,
 ) -> GenerationOutput:
     sampling = target.sampling
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
@@ -213,7 +218,7 @@ def _generate(
         # 4. Accept.
         with phase("accept"):
             path, num_acc, next_token, relaxed = _accept(
-                logits, tree, max_depth, active, sampling, generators, acceptance
+                logits, tree, max_depth, active, sampling, generators, acceptance, compile
             )
             num_acc = torch.where(active, num_acc, 0)
         # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
@@ -271,44 +276,58 @@ def _accept(
     sampling: SamplingConfig,
     generators: list[torch.Generator] | None,
     acceptance: Acceptance,
+    compile: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows [])."""
+    """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows []).
+
+    The random numbers are drawn here, eagerly, from each row's generator; everything else is
+    :func:`_accept_core`, the fused (optionally compiled) acceptance.
+    """
     b, t = tree.tokens.shape
-    if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
-        path = torch.zeros(b, 1, dtype=torch.long, device=logits.device)
-        zero = torch.zeros(b, dtype=torch.long, device=logits.device)
-        return path, zero, _sample(logits[:, 0], sampling, generators, active), zero.sum()
-
-    relax, nbrs = acceptance.relaxation, acceptance.neighbours
+    u = None
+    if not sampling.greedy:
+        with phase("sampling"):  # AR draws one uniform per row, a tree T + 1 (see num_uniforms)
+            u = _uniforms(generators, active, 1 if t == 1 else t + 1)
     buffers = tree.buffers
-    if sampling.greedy:
-        res = verify_tree_greedy(logits, tree.tokens, buffers.retrieve, max_depth, neighbours=nbrs, relaxation=relax)
+    core = step_fn(_accept_core, compile, logits.device)
+    path, num_acc, next_token, num_relaxed = core(
+        logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
+        acceptance.neighbours, acceptance.relaxation, sampling,
+    )
+    relaxed = torch.where(active, num_relaxed, 0).sum()  # a device scalar: no sync
+    return path, num_acc, next_token, relaxed
+
+
+def _accept_core(
+    logits: Tensor,  # [B, T, V] guided
+    tokens: Tensor,  # [B, T]
+    children: Tensor,  # [B, T, C]
+    depth: Tensor,  # [B, T]
+    retrieve: Tensor,  # [B, P, D+1]
+    max_depth: Tensor,  # [B]
+    u: Tensor | None,  # [B, U] uniforms (None: greedy)
+    q_draft: Tensor | None,  # [B, T, V]
+    neighbours: Tensor | None,
+    relaxation: RelaxationConfig | None,
+    sampling: SamplingConfig,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
+    b, t, _ = logits.shape
+    if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
+        zero = torch.zeros(b, dtype=torch.long, device=logits.device)
+        if u is None:
+            return zero[:, None], zero, logits[:, 0].argmax(dim=-1), zero
+        return zero[:, None], zero, sample_from_probs(probs_from_logits(logits[:, 0], sampling), u[:, -1]), zero
+    if u is None:
+        res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation)
+    elif children.shape[-1] == 1:  # a chain (every node has at most one child): all depths at once
+        p_target = probs_from_logits(logits, sampling)
+        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation)
     else:
-        with phase("sampling"):
-            p_target = probs_from_logits(logits, sampling)
-            u = _uniforms(generators, active, t + 1)
-        if buffers.children.shape[-1] == 1:  # a chain (every node has at most one child)
-            return _result(
-                verify_chain_sampled(p_target, tree.tokens, max_depth, u, tree.q_draft, nbrs, relax), active
-            )
-        res = verify_tree_sampled(
-            p_target,
-            tree.tokens,
-            buffers.children,
-            buffers.depth,
-            max_depth,
-            u,
-            q_draft=tree.q_draft,
-            neighbours=nbrs,
-            relaxation=relax,
-            levels=buffers.max_depth,
-        )
-    return _result(res, active)
-
-
-def _result(res: VerifyResult, active: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    relaxed = torch.where(active, res.num_relaxed, 0).sum()  # a device scalar: no sync
-    return res.path, res.num_accepted, res.next_token, relaxed
+        p_target = probs_from_logits(logits, sampling)
+        res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,
+                                  neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1)
+    return res.path, res.num_accepted, res.next_token, res.num_relaxed
 
 
 def _write_codes(
