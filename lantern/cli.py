@@ -162,8 +162,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="target/drafter precision: float32 (default; bit-reproducible), bfloat16, or auto "
                         "(bf16 where the hardware computes it natively: faster at batch 1)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="auto", default="off", metavar="MODE",
+                   help="compile the decode step (target, drafter, acceptance; AR too) with torch.compile: "
+                        "--compile alone = auto (CUDA graphs on a GPU, inductor kernels on a CPU), or a mode: "
+                        "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
 
 
 def _read_prompt_args(args: argparse.Namespace) -> list[str] | None:
@@ -231,6 +239,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise LanternError(f"--num-per-label / --num-per-prompt must be >= 1, got {args.num_per_label}")
     prompts = _read_prompt_args(args)
     if is_chameleon_folder(args.model):
+        if args.compile != "off":
+            raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
         return _generate_chameleon(args, prompts)
     for name in ("layout", "image_size", "vq"):
         if getattr(args, name) is not None:
@@ -252,7 +262,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stack.tokenizer.to(args.device)
     run_kw: dict[str, Any] = dict(
         seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
-        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity,
+        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity, compile=args.compile,
     )
     auto_choice = None
     if prompts is not None:
@@ -460,6 +470,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "--tree spec of `lantern generate` (default: the model's generation.json)")
     p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
     p.add_argument("--no-progress", action="store_true")
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -497,7 +508,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
         stack = with_trees(stack, trees)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
-                    repeats=args.repeats, progress=not args.no_progress)
+                    repeats=args.repeats, progress=not args.no_progress, compile=args.compile)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads()}
     if auto_trees:
@@ -533,7 +544,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-images", type=int, default=8, help="images per method timed (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")
-    p.add_argument("--speed-batch-size", type=int, default=1, help="batch for the timed images (default 1)")
+    p.add_argument("--speed-batch-size", default="1",
+                   help="batch for the timed images (default 1); a list like 1,4,16 adds a throughput table "
+                        "(images/s of every method at each further batch size)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is kept")
     p.add_argument("--num-real", type=int, default=1000,
                    help="held-out real images to compare with (default 1000, capped by the test split)")
@@ -552,6 +565,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
     p.add_argument("--no-progress", action="store_true")
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -586,6 +600,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                         "phase; writes OUT/trace.json and OUT/trace.md")
     p.add_argument("--trace-images", type=int, default=2, help="images per method for --trace (default 2)")
     p.add_argument("--no-progress", action="store_true")
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lantern.compiling import resolve_compile
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import GenerationOutput
@@ -86,16 +87,22 @@ def trace_methods(
     *,
     seed: int = 0,
     batch_size: int = 1,
+    compile: str | None = None,
 ) -> list[RoundTrace]:
-    """Trace every method on the same ``labels`` (one batch of ``batch_size`` rows at a time)."""
+    """Trace every method on the same ``labels`` (one batch of ``batch_size`` rows at a time).
+
+    With ``compile``, each compiled region shows as one ``Torch-Compiled Region`` op plus the
+    library kernels it calls (matmuls); its fused kernels are not counted."""
     check("ar" in methods, "--trace needs ar among the methods: its round is the unit (an AR step)")
     check(len(labels) >= 1, "--trace-images must be >= 1")
     label_t = torch.tensor(list(labels), dtype=torch.long, device=stack.target.device)
     stack.target.check_labels(label_t)
     out = []
     for name, cfg in methods.items():
-        prepared = prepare_method(stack, cfg, sampling)
-        prepared.generate(label_t[:1], make_generators([image_seed(seed + 7, 0)], label_t.device))  # warm-up
+        prepared = prepare_method(stack, cfg, sampling, compile=compile)
+        size = min(batch_size, len(labels))  # warm-up (and compilation) at the traced batch shape
+        prepared.generate(label_t[:size], make_generators([image_seed(seed + 7, i) for i in range(size)],
+                                                          label_t.device))
         out.append(_trace_one(name, prepared, label_t, seed, batch_size))
     return out
 
@@ -172,7 +179,8 @@ def count_ops(
     ops = dict.fromkeys(ROUND_PHASES, 0.0)
     syncs = dict.fromkeys(ROUND_PHASES, 0.0)
     for event in prof.events():
-        is_op, is_sync = event.name.startswith("aten::"), event.name in SYNC_OPS
+        is_op = event.name.startswith(("aten::", "Torch-Compiled Region"))
+        is_sync = event.name in SYNC_OPS
         if not (is_op or is_sync):
             continue
         where, nested_op, nested_sync = _ancestry(event)
@@ -249,9 +257,11 @@ def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: Path)
     check(args.trace_images >= 1, f"--trace-images must be >= 1, got {args.trace_images}")
     methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace)}
     labels = bench_labels(stack.target.config.num_classes, args.trace_images)
-    traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size)
+    traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size,
+                           compile=args.compile)
     table = trace_markdown(traces)
     meta = trace_meta(stack, sampling, labels, args.batch_size, str(args.model))
+    meta["compile"] = resolve_compile(args.compile, stack.target.device)
     write_json(out / "trace.json", trace_dict(traces, meta))
     with atomic_path(out / "trace.md") as tmp:
         tmp.write_text(table + "\n")
