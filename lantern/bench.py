@@ -176,9 +176,12 @@ def run_bench(
     quality: QualityFn | None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    throughput_methods: Mapping[int, Mapping[str, MethodConfig]] | None = None,
 ) -> BenchResult:
     """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
-    skips the quality images (speed only: the rows then describe the timed images)."""
+    skips the quality images (speed only: the rows then describe the timed images).
+    ``throughput_methods``: per throughput batch size, the methods to time there (``--tree auto``
+    picks trees per batch size); default: the latency rows' methods."""
     from tqdm.auto import tqdm
 
     num_classes = stack.target.config.num_classes
@@ -223,8 +226,10 @@ def run_bench(
         check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
         assert quality is not None
         sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
+    per_batch = throughput_methods or {}
     throughput = [point for batch in config.throughput_batch_sizes
-                  for point in measure_throughput(stack, sampling, resolved, labels, config, batch, progress)]
+                  for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), labels, config,
+                                                  batch, progress)]
     meta = _meta(stack, sampling, config, resolved)
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
 
@@ -780,7 +785,13 @@ def cmd_bench(args: Any) -> int:
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     sampling = _sampling(args, stack)
+    given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
+    throughput_methods = {}
+    for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
+        at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
+        throughput_methods[batch] = {m.name: m.resolve(stack) for m in at_batch.methods}
+        auto_trees[f"batch {batch}"] = chosen
     scorer = None
     if not args.no_quality:
         scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress)
@@ -789,7 +800,8 @@ def cmd_bench(args: Any) -> int:
           f"{str(stack.target.dtype).replace('torch.', '')} on {args.device}")
     if scorer is not None:
         print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
-    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress)
+    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress,
+                       throughput_methods=throughput_methods)
     if scorer is not None:
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees

@@ -59,6 +59,9 @@ DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaG
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
+# The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
+# to turn it off): a drafter method with this tree decodes as plain AR.
+AR_FALLBACK_TREE = "ar"
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,9 @@ class MethodConfig:
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
-        if method == "ar":
-            check(tree in (None, "none"), "--tree is only used with speculative methods")
+        if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
+            check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
+                  "--tree is only used with speculative methods")
             return cls(method="ar")
         default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
         tree_cfg = TreeConfig.parse(tree or default_tree)
