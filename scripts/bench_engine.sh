@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 DEVICE=${1:-cpu}
 WHAT=${2:-all}
 PY=${PY:-.venv/bin/python}
+case $PY in /*) ;; *) PY=$PWD/$PY ;; esac  # absolute: the "before" run changes directory
 OUT=benchmarks/results/engine-$DEVICE
 METHODS=ar,sd,lantern,lantern++,sjd
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ lantern() { PYTHONPATH=$PWD "$PY" -m lantern.cli "$@"; }
 if [[ $WHAT == all || $WHAT == before ]]; then
   BEFORE=$(mktemp -d)/before
   git worktree add --detach "$BEFORE" 239c21e >/dev/null
-  (cd "$BEFORE" && PYTHONPATH=$PWD "$OLDPWD/$PY" -m lantern.cli profile --model photos --device "$DEVICE" \
+  (cd "$BEFORE" && PYTHONPATH=$PWD "$PY" -m lantern.cli profile --model photos --device "$DEVICE" \
      --trace "$METHODS" --trace-images 4 --out "$OLDPWD/$OUT/trace-before" --no-progress)
   git worktree remove --force "$BEFORE"
 fi
