@@ -226,13 +226,13 @@ def _generate(
             new = torch.where(active, num_acc + 1, 0)
             target.commit(path, new)
             # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
-            follow = _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
+            follow, path_hidden, root, n = step_fn(_advance, compile, device)(
+                codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams
+            )
             if drafter is not None:
                 if isinstance(drafter, VerifyObserver):
                     drafter.observe_verify(logits)
-                drafter.commit(_gather_path(hidden, path.clamp(min=0), target.streams), follow, new)
-        root = torch.where(active, next_token, root)
-        n = n + new
+                drafter.commit(path_hidden, follow, new)
         forwards += active
         per_step.append(new)
         relaxed_total += relaxed
@@ -348,6 +348,27 @@ def _write_codes(
     pos = n[:, None] + j  # [B, W], distinct per row
     codes.scatter_(1, pos, torch.where(keep, vals, codes.gather(1, pos)))
     return vals
+
+
+def _advance(
+    codes: Tensor,  # [B, 2N] written in place
+    n: Tensor,  # [B]
+    root: Tensor,  # [B]
+    tokens: Tensor,  # [B, T]
+    path: Tensor,  # [B, W]
+    num_acc: Tensor,  # [B], 0 for inactive rows
+    next_token: Tensor,  # [B]
+    active: Tensor,  # [B]
+    hidden: Tensor,  # [S*B, T, D]
+    streams: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The round's bookkeeping (a compiled region): write the codes, gather the accepted path's
+    features for the drafter, move the root and the counts. Returns (follow [B, W], path hidden
+    [S*B, W, D], root [B], n [B])."""
+    follow = _write_codes(codes, n, tokens, path, num_acc, next_token, active)
+    path_hidden = _gather_path(hidden, path.clamp(min=0), streams)
+    new = torch.where(active, num_acc + 1, 0)
+    return follow, path_hidden, torch.where(active, next_token, root), n + new
 
 
 def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:

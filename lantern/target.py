@@ -160,7 +160,7 @@ class LlamaGenTarget:
 
     def commit(self, path: Tensor, num_keep: Tensor) -> None:
         """Keep tree nodes ``path[:, :num_keep]`` (node indices, root first) in the cache."""
-        self._cache().commit(path.repeat(self.streams, 1), num_keep.repeat(self.streams))
+        step_fn(_commit_step, self.compile, self.device)(self._cache(), path, num_keep, self.streams)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -190,6 +190,12 @@ def _verify_step(
     h = model.tok_embeddings(tokens.repeat(streams, 1))
     hidden = model.forward_cached(h, positions, slots, mask, cache)
     return apply_cfg(model.logits(hidden), cfg_scale, streams), hidden
+
+
+def _commit_step(cache: KVCache, path: Tensor, num_keep: Tensor, streams: int) -> tuple[()]:
+    """The cache commit of every CFG stream (a compiled region: one fused gather + scatter)."""
+    cache.commit(path.repeat(streams, 1), num_keep.repeat(streams))
+    return ()
 
 
 def _verify_mask(tree_mask: Tensor, lengths: Tensor, t: int, kv_len: int, cond_mask: Tensor | None) -> Tensor:
