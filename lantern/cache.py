@@ -33,6 +33,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # [N]
         self.max_len = max_len
+        self._layer_ids = torch.arange(n_layer, device=device)  # [L] advanced index of each layer
 
     @property
     def rows(self) -> int:
@@ -41,9 +42,12 @@ class KVCache:
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k/v [N, H, T, Dh] at per-row slots [N, T]."""
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [N, 1]
-        # Advanced indices around a slice put the indexed dims first: target view is [N, T, H, Dh].
-        self.k[layer][rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
+        # One index_put_ on the whole buffer, the layer an advanced index too (not ``self.k[layer]``):
+        # a compiled graph then writes in place instead of copying the cache back after a view write.
+        # Advanced indices around a slice put the indexed dims first: the target is [N, T, H, Dh].
+        index = (self._layer_ids[layer : layer + 1], rows, slice(None), slots)
+        self.k[index] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[index] = v.transpose(1, 2).to(self.v.dtype)
 
     def read(self, layer: int, kv_len: int) -> tuple[Tensor, Tensor]:
         """Keys and values of the first ``kv_len`` slots: [N, H, kv_len, Dh] each."""

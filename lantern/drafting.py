@@ -363,7 +363,7 @@ def _context_step(
     cache.lengths += counts_s
     last = (counts_s - 1).clamp(min=0)
     root = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))  # [N, 1, D]
-    hidden_buf[:, :1] = root
+    hidden_buf.index_copy_(1, torch.zeros(1, dtype=torch.long, device=root.device), root)  # in place, no view
     return (_guided(lm_head, root, cfg_scale, streams)[:, 0],)
 
 
