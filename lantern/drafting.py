@@ -16,6 +16,7 @@ of noise per round whatever its batch-mates do, so its stream is independent of 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +71,18 @@ class _LevelPlan:
     num_samples: int  # draws per expanded node
 
 
+# Static trees' schedules and buffers depend only on the tree (and batch size / device): built once
+# per process, not per image (building them costs host syncs: sizes, nonzero). Tree names are
+# unique per shape (registered trees are named by their hash), so the name is the key.
+_SHARED_PLANS: dict[tuple[str, str], list[_LevelPlan | None]] = {}
+_SHARED_BUFFERS: dict[tuple[str, int, str], TreeBuffers] = {}
+
+
+@functools.cache
+def _named_static_tree(name: str) -> StaticTree:
+    return static_tree(resolve_tree_choices(name))
+
+
 class TreeDrafter:
     """Implements the loop's ``Drafter`` protocol for chain, static and dynamic trees."""
 
@@ -83,7 +96,7 @@ class TreeDrafter:
         self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
         self.static: StaticTree | None = None
         if tree.kind in ("static", "chain"):
-            self.static = static_tree(resolve_tree_choices(tree.choices_name))
+            self.static = _named_static_tree(tree.choices_name)
         self.root: Tensor | None = None
         self._static_buffers: TreeBuffers | None = None
         self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None
@@ -164,6 +177,10 @@ class TreeDrafter:
         (per device) instead of re-deriving feed indices and ancestor masks in the hot loop."""
         if self._plans is not None and self._plans[0] == device:
             return self._plans[1]
+        key = (self.tree.choices_name, str(device))
+        if key in _SHARED_PLANS:  # built by an earlier image's drafter: no per-image syncs
+            self._plans = (device, _SHARED_PLANS[key])
+            return self._plans[1]
         st = self.static
         assert st is not None
         feed_of = torch.full((st.num_nodes,), -1, dtype=torch.long)  # node -> feed index
@@ -194,6 +211,7 @@ class TreeDrafter:
                 )
             )
         self._plans = (device, plans)
+        _SHARED_PLANS[key] = plans
         return plans
 
     def _race_noise(
@@ -212,8 +230,11 @@ class TreeDrafter:
         cached = self._static_buffers
         if cached is None or cached.parents.shape[0] != b:
             assert self.static is not None
-            cached = tree_from_parents(self.static.parents.to(device)[None].expand(b, -1).contiguous())
-            self._static_buffers = cached
+            key = (self.tree.choices_name, b, str(device))
+            if key not in _SHARED_BUFFERS:
+                parents = self.static.parents.to(device)[None].expand(b, -1).contiguous()
+                _SHARED_BUFFERS[key] = tree_from_parents(parents)
+            cached = self._static_buffers = _SHARED_BUFFERS[key]
         return cached
 
     # -- dynamic trees (EAGLE-2 / LANTERN) --------------------------------------------------------
