@@ -86,7 +86,14 @@ def _named_static_tree(name: str) -> StaticTree:
 class TreeDrafter:
     """Implements the loop's ``Drafter`` protocol for chain, static and dynamic trees."""
 
-    def __init__(self, backend: DraftBackend, tree: TreeConfig, sampling: SamplingConfig, vocab_size: int) -> None:
+    def __init__(
+        self,
+        backend: DraftBackend,
+        tree: TreeConfig,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        compile: str | None = None,
+    ) -> None:
         check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
         if tree.kind == "dynamic":
             check(
@@ -94,6 +101,7 @@ class TreeDrafter:
                 f"tree top_k ({tree.top_k}) is larger than the vocabulary ({vocab_size})",
             )
         self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
+        self.compile = compile  # a resolved lantern.compiling mode for the per-level draws
         self.static: StaticTree | None = None
         if tree.kind in ("static", "chain"):
             self.static = _named_static_tree(tree.choices_name)
@@ -158,15 +166,12 @@ class TreeDrafter:
                 logits = self.backend.feed(parent, tokens[:, plan.nodes], d, anc)
             e = plan.nodes.shape[0]
             with phase("draft_sampling"):
-                if sampled:
-                    q = probs_from_logits(logits, self.sampling)  # [B, E, V]
-                    assert q_draft is not None and noise is not None
+                level_noise = None if noise is None else noise[:, noise_row : noise_row + e]
+                noise_row += e
+                q, draws = step_fn(_draw_level, self.compile, device)(logits, level_noise, self.sampling,
+                                                                     plan.num_samples)
+                if q_draft is not None:
                     q_draft[:, plan.nodes] = q
-                    keys = q / noise[:, noise_row : noise_row + e]
-                    noise_row += e
-                    draws = keys.topk(plan.num_samples, dim=-1).indices  # [B, E, m] without replacement, in draw order
-                else:
-                    draws = logits.topk(plan.num_samples, dim=-1).indices
                 tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
         with phase("tree"):
             buffers = self._static_batch(b, device)
@@ -279,6 +284,18 @@ class TreeDrafter:
 
     def _log_q(self, logits: Tensor) -> Tensor:
         return torch.log_softmax(process_logits(logits.float(), self.sampling), dim=-1)
+
+
+def _draw_level(
+    logits: Tensor, noise: Tensor | None, sampling: SamplingConfig, num_samples: int
+) -> tuple[Tensor | None, Tensor]:
+    """One level's draws (a compiled region): q [B, E, V] (None for greedy) and the children's
+    tokens [B, E, m], sampled without replacement by the exponential race ``argtop-m(q / E)``, in
+    draw order; greedy drafts are the top-m logits."""
+    if noise is None:
+        return None, logits.topk(num_samples, dim=-1).indices
+    q = probs_from_logits(logits, sampling)
+    return q, (q / noise).topk(num_samples, dim=-1).indices
 
 
 class EagleBackend:

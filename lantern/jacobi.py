@@ -47,7 +47,7 @@ from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
 from lantern.phases import phase
-from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
+from lantern.sampling import draw_uniforms, one_hot, probs_from_logits, sample_from_probs
 from lantern.trees import TreeBuffers, tree_from_parents
 
 JACOBI_INITS = ("random", "repeat_horizon")
@@ -235,13 +235,13 @@ class JacobiDrafter:
         Slot i (position n + i) was predicted by last round's node num_new + i, i.e. carried[:, num_new + i - 1].
         """
         assert self._num_new is not None
-        one_hot = torch.nn.functional.one_hot(guesses, self.vocab_size).float()
+        point = one_hot(guesses, self.vocab_size)  # q of a fresh guess: a point mass
         if carried is None:
-            return one_hot
+            return point
         slot = torch.arange(self.window, device=guesses.device)[None, :]
         node = (self._num_new[:, None] + slot - 1).clamp(0, self.window - 1)  # [B, L]
         q_carried = carried.gather(1, node[:, :, None].expand(-1, -1, carried.shape[-1]))
-        return torch.where((slot < first_new[:, None])[:, :, None], q_carried.to(one_hot.dtype), one_hot)
+        return torch.where((slot < first_new[:, None])[:, :, None], q_carried.to(point.dtype), point)
 
     def _chain(self, b: int) -> TreeBuffers:
         cached = self._buffers

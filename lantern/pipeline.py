@@ -292,7 +292,7 @@ class PreparedMethod:
                 compile=self.compile,
                 cache_pool=self._caches,
             )
-            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size)
+            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size, compile=self.compile)
         return generate(
             target,
             cond,
