@@ -18,7 +18,9 @@ METHODS=ar,sd,lantern,lantern++,sjd
 mkdir -p "$OUT"
 lantern() { PYTHONPATH=$PWD "$PY" -m lantern.cli "$@"; }
 
-if [[ $WHAT == all || $WHAT == before ]]; then
+if [[ $WHAT == all || $WHAT == before ]] && ! git cat-file -e 239c21e^{commit} 2>/dev/null; then
+  echo "skipping 'before': no git history here (run it in a clone that has commit 239c21e)"
+elif [[ $WHAT == all || $WHAT == before ]]; then
   BEFORE=$(mktemp -d)/before
   git worktree add --detach "$BEFORE" 239c21e >/dev/null
   (cd "$BEFORE" && PYTHONPATH=$PWD "$PY" -m lantern.cli profile --model photos --device "$DEVICE" \
