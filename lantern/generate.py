@@ -187,8 +187,7 @@ def _generate(
         logits0, hidden0 = target.start(cond, cond_mask)
         root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
     # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
-    # padding tail as long as the image (no tree is deeper): static shapes, no boolean-mask
-    # indexing; the tail is sliced off at the end.
+    # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.
     codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
     codes[:, 0] = root
     n = torch.ones(b, dtype=torch.long, device=device)
@@ -336,8 +335,9 @@ def _write_codes(
     """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token.
 
     Every row writes all W slots from n_b on (rejected ones keep their old value), so the write
-    is one gather + scatter of fixed shape; ``codes`` has a tail of padding for the slots that
-    run past the image. n_b + j never exceeds n_total - 1 + W: finished rows have n_b = n_total.
+    is one gather + scatter of fixed shape. Kept slots always lie inside the image (the depth
+    cap); slots that run past it land in ``codes``' padding tail, clamped to its last column,
+    where every duplicate writes back that column's own value (so the scatter stays deterministic).
     """
     width = path.shape[1]  # root + up to D drafts
     j = torch.arange(width, device=codes.device)[None, :]  # [1, W]
@@ -345,7 +345,7 @@ def _write_codes(
     vals = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, W]
     vals = vals.scatter(1, num_acc[:, None], next_token[:, None])
     keep = (j <= num_acc[:, None]) & active[:, None]
-    pos = n[:, None] + j  # [B, W], distinct per row
+    pos = (n[:, None] + j).clamp(max=codes.shape[1] - 1)  # [B, W]
     codes.scatter_(1, pos, torch.where(keep, vals, codes.gather(1, pos)))
     return vals
 
