@@ -174,6 +174,13 @@ def _add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
 
 
+def _check_compile(args: argparse.Namespace) -> None:
+    """Refuse a bad --compile before anything is loaded or written."""
+    from lantern.compiling import resolve_compile
+
+    resolve_compile(args.compile, getattr(args, "device", "cpu"))
+
+
 def _read_prompt_args(args: argparse.Namespace) -> list[str] | None:
     """The prompts of --prompt / --prompts (checked before anything is loaded), or None for --labels."""
     from lantern.text import check_prompts, read_prompts
@@ -235,6 +242,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.pipeline import MethodConfig, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
 
+    _check_compile(args)
     if args.num_per_label < 1:
         raise LanternError(f"--num-per-label / --num-per-prompt must be >= 1, got {args.num_per_label}")
     prompts = _read_prompt_args(args)
@@ -482,6 +490,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from lantern.demo import run_demo, save_demo
     from lantern.pipeline import METHODS
+
+    _check_compile(args)
     from lantern.stack import inference_dtype, load_stack
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -610,6 +620,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.io import ensure_writable_dir
     from lantern.stack import inference_dtype, load_stack
 
+    _check_compile(args)
     settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
                                quick=args.quick, seed=args.seed)
     out = ensure_writable_dir(args.out, "--out")

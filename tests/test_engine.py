@@ -164,3 +164,15 @@ def test_bf16_keeps_float32_statistics_and_float32_argmax() -> None:
     agree = l32.argmax(-1) == l16.argmax(-1)
     assert agree.float().mean() >= 0.95
     assert agree[margin > 0.5].all()
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "profile"])
+def test_cli_bad_compile_mode_exits_2_before_writing(command: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.cli import main
+
+    out = tmp_path / "out"
+    extra = ["--labels", "0"] if command == "generate" else []
+    assert main([command, "--model", "digits", *extra, "--compile", "fast", "--out", str(out), "--no-progress"]) == 2
+    assert "--compile must be off, auto or one of" in capsys.readouterr().err
+    assert not out.exists()
