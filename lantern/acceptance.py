@@ -353,9 +353,10 @@ def _budgeted_mass(
 
 
 def _any(mask: Tensor) -> bool:
-    """``mask.any()`` where reading it is free (CPU); True on accelerators, where the host sync
-    would cost more than the kernels it saves, so the caller simply does the work."""
-    return mask.device.type != "cpu" or bool(mask.any())
+    """``mask.any()`` where reading it is free (eager CPU); True on accelerators, where the host
+    sync would cost more than the kernels it saves, and inside a compiled region, where a
+    data-dependent branch would break the graph: the caller then simply does the work."""
+    return mask.device.type != "cpu" or torch.compiler.is_compiling() or bool(mask.any())
 
 
 @dataclass(frozen=True)
@@ -410,6 +411,7 @@ def verify_tree_sampled(
     q_draft: Tensor | None = None,  # [B, T, V] drafter distribution each node's children came from
     neighbours: Tensor | None = None,  # [V, K] proximity table (int32 or int64)
     relaxation: RelaxationConfig | None = None,
+    levels: int | None = None,  # the trees' depth if known (TreeBuffers.max_depth): saves a host sync
 ) -> VerifyResult:
     """Verify a draft tree per row by (relaxed) speculative sampling (SPEC §2.2, §4.3, §4.4).
 
@@ -429,7 +431,7 @@ def verify_tree_sampled(
     q_draft = None if q_draft is None else q_draft.to(dtype)
     tokens, children, depth = tokens.long(), children.long(), depth.long()
     rows = torch.arange(b, device=p_target.device)
-    d_max = int(depth.max())
+    d_max = int(depth.max()) if levels is None else levels
     cur = torch.zeros(b, dtype=torch.long, device=p_target.device)  # [B] current node
     path = torch.full((b, d_max + 1), -1, dtype=torch.long, device=p_target.device)
     path[:, 0] = 0
@@ -438,7 +440,7 @@ def verify_tree_sampled(
     is_bonus = torch.ones(b, dtype=torch.bool, device=p_target.device)
     active = torch.ones_like(is_bonus)
     for level in range(d_max):
-        if not bool(active.any()):
+        if not _any(active):  # every row stopped (free to check on a CPU only)
             break
         kids = children[rows, cur]  # [B, C]
         kid_tokens, valid = _valid_children(kids, tokens, depth, max_depth)
@@ -539,7 +541,8 @@ def _check_greedy_inputs(logits: Tensor, tokens: Tensor, retrieve: Tensor, max_d
         f"retrieve must be [B={b}, P, D+1], got {tuple(retrieve.shape)}",
     )
     check(tuple(max_depth.shape) == (b,), f"max_depth must be [B={b}], got {tuple(max_depth.shape)}")
-    check(int(retrieve.max()) < t, f"retrieve indexes node {int(retrieve.max())} of a {t}-node tree")
+    if not torch.compiler.is_compiling():  # a value check (a host sync): the loop's trees are valid by construction
+        check(int(retrieve.max()) < t, f"retrieve indexes node {int(retrieve.max())} of a {t}-node tree")
 
 
 def _parents_from_paths(retrieve: Tensor, num_nodes: int) -> Tensor:

@@ -85,6 +85,10 @@ class BenchConfig:
     ar_spread: bool = True  # second AR seed: the metrics' run-to-run spread
     sweep: bool = False
     sweep_images: int = 100
+    # Extra batch sizes timed for throughput (images/s per method), e.g. (4, 16); each is timed on
+    # max(speed_images, batch) images so that at least one full batch runs.
+    throughput_batch_sizes: tuple[int, ...] = ()
+    compile: str | None = None  # lantern.compiling mode for every method (AR included); None = eager
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.methods]
@@ -104,6 +108,8 @@ class BenchConfig:
             f"--speed-images ({self.speed_images}) must be <= --num-images ({self.num_images})",
         )
         check(self.curve_images >= 0, f"--curve-images must be >= 0, got {self.curve_images}")
+        check(all(isinstance(b, int) and b >= 1 for b in self.throughput_batch_sizes),
+              f"--speed-batch-size values must be integers >= 1, got {self.throughput_batch_sizes}")
         check(self.sweep_images >= 2, f"--sweep-images must be >= 2, got {self.sweep_images}")
         check(
             not self.sweep or self.speed_images <= self.sweep_images,
@@ -128,6 +134,7 @@ class BenchRow:
     num_images: int = 0
     speed_images: int = 0
     wall_seconds_repeats: list[float] = field(default_factory=list)
+    startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "quality"}
@@ -145,6 +152,7 @@ class BenchResult:
     sweep: list[BenchRow]
     codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
     labels: list[int]
+    throughput: list[dict[str, Any]] = field(default_factory=list)  # per batch size and method
 
 
 def bench_labels(num_classes: int, n: int) -> list[int]:
@@ -173,9 +181,12 @@ def run_bench(
     quality: QualityFn | None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    throughput_methods: Mapping[int, Mapping[str, MethodConfig]] | None = None,
 ) -> BenchResult:
     """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
-    skips the quality images (speed only: the rows then describe the timed images)."""
+    skips the quality images (speed only: the rows then describe the timed images).
+    ``throughput_methods``: per throughput batch size, the methods to time there (``--tree auto``
+    picks trees per batch size); default: the latency rows' methods."""
     from tqdm.auto import tqdm
 
     num_classes = stack.target.config.num_classes
@@ -184,8 +195,9 @@ def run_bench(
 
     # 1. Speed at the latency batch size (see time_methods).
     speed_labels = labels[: config.speed_images]
+    startup: dict[str, float] = {}
     speed_runs, walls = time_methods(stack, sampling, resolved, speed_labels, config.seed, config.speed_batch_size,
-                                     config.repeats, progress)
+                                     config.repeats, progress, compile=config.compile, startup=startup)
     ar_wall = statistics.median(walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
@@ -201,6 +213,7 @@ def run_bench(
         codes[name] = r.codes.cpu()
         rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
         rows[-1].wall_seconds_repeats = [round(w, 4) for w in walls[name]]
+        rows[-1].startup_seconds = round(startup.get(name, 0.0), 3)
         log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
             + (f", {_fmt_quality(scores)}" if scores else ""))
 
@@ -218,8 +231,36 @@ def run_bench(
         check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
         assert quality is not None
         sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
+    per_batch = throughput_methods or {}
+    throughput = [point for batch in config.throughput_batch_sizes
+                  for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), labels, config,
+                                                  batch, progress)]
     meta = _meta(stack, sampling, config, resolved)
-    return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels)
+    return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
+
+
+def measure_throughput(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: list[int],
+    config: BenchConfig,
+    batch_size: int,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
+    max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
+    n = max(config.speed_images, batch_size)
+    pool = [labels[i % len(labels)] for i in range(n)]
+    _, walls = time_methods(stack, sampling, resolved, pool, config.seed, batch_size, config.repeats, progress,
+                            compile=config.compile)
+    ar_rate = n / statistics.median(walls["ar"])
+    out = []
+    for name in resolved:
+        rate = n / statistics.median(walls[name])
+        out.append({"batch_size": batch_size, "method": name, "images": n, "images_per_second": rate,
+                    "speedup_vs_ar": rate / ar_rate})
+    return out
 
 
 def time_methods(
@@ -231,6 +272,8 @@ def time_methods(
     batch_size: int = 1,
     repeats: int = 1,
     progress: bool = False,
+    compile: str | None = None,
+    startup: dict[str, float] | None = None,
 ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
     """Wall-clock of every method on the same images: (last run per method, total per repeat).
 
@@ -238,7 +281,9 @@ def time_methods(
     a minute and then method B compares two machines. Instead the methods take turns image by
     image (a chunk of ``batch_size`` images), in an order that rotates every chunk, so drift
     and any effect of running right after a particular method hit every method alike. Every
-    method first decodes one untimed image (allocator, kernels, lazy loads).
+    method first decodes one untimed chunk of every chunk size the timing uses (allocator,
+    kernels, lazy loads, and with ``compile`` the graphs of those shapes); ``startup`` (if given)
+    receives each method's untimed seconds, i.e. its start-up and compilation cost.
     """
     from tqdm.auto import tqdm
 
@@ -251,11 +296,15 @@ def time_methods(
     device = stack.target.device
     label_t = torch.tensor(labels, dtype=torch.long, device=device)
     stack.target.check_labels(label_t)
-    prepared = {name: prepare_method(stack, cfg, sampling) for name, cfg in resolved.items()}
-    for parts in prepared.values():
-        parts.generate(label_t[:1], make_generators([image_seed(seed + 7, 0)], device))
-    names = list(prepared)
+    prepared = {name: prepare_method(stack, cfg, sampling, compile=compile) for name, cfg in resolved.items()}
     chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
+    for name, parts in prepared.items():
+        t0 = time.perf_counter()
+        for size in sorted({hi - lo for lo, hi in chunks}):
+            parts.generate(label_t[:size], make_generators([image_seed(seed + 7, i) for i in range(size)], device))
+        if startup is not None:
+            startup[name] = time.perf_counter() - t0
+    names = list(prepared)
     walls = {name: [0.0] * repeats for name in names}
     outputs: dict[str, list[Any]] = {name: [None] * len(chunks) for name in names}
     with tqdm(total=repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
@@ -457,6 +506,20 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
     return "\n".join(lines + [fmt.format(*row) for row in body])
 
 
+def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per method, images/s (and speed-up vs AR) per batch size."""
+    batches = sorted({int(p["batch_size"]) for p in points})
+    methods = list(dict.fromkeys(str(p["method"]) for p in points))
+    cell = {(p["method"], p["batch_size"]): p for p in points}
+    head = ["method", *[f"batch {b}: images/s (x AR)" for b in batches]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        cells = [f"{cell[m, b]['images_per_second']:.2f} ({cell[m, b]['speedup_vs_ar']:.2f}x)"
+                 if (m, b) in cell else "-" for b in batches]
+        lines.append("| " + " | ".join([m, *cells]) + " |")
+    return "\n".join(lines)
+
+
 def markdown_report(result: BenchResult, command: str) -> str:
     m = result.meta
     cfg = m["config"]
@@ -482,6 +545,12 @@ def markdown_report(result: BenchResult, command: str) -> str:
         format_table(result.rows, markdown=True),
         "",
     ]
+    if any(r.startup_seconds for r in result.rows):
+        lines += ["Start-up (untimed first image per batch shape: allocation"
+                  + (", compilation" if cfg.get("compile") else "") + "): "
+                  + ", ".join(f"{r.method} {r.startup_seconds:.1f} s" for r in result.rows), ""]
+    if result.throughput:
+        lines += ["## Throughput", "", throughput_table(result.throughput), ""]
     if result.ar_spread is not None:
         spread = ", ".join(f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
         lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
@@ -509,6 +578,7 @@ def save_bench(
             "ar_spread": result.ar_spread,
             "curves": result.curves,
             "sweep": [r.to_dict() for r in result.sweep],
+            "throughput": result.throughput,
         },
     )
     with atomic_path(out / "bench.md") as tmp:
@@ -694,6 +764,18 @@ def resolve_auto_trees(
     return replace(config, methods=methods), {name: c.to_dict() for name, c in chosen.items()}
 
 
+def parse_batch_sizes(spec: str | int) -> list[int]:
+    """``--speed-batch-size``: one size (latency rows) or a list ``1,4,16`` (the first gives the
+    latency rows, the others a throughput table)."""
+    try:
+        sizes = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    check(len(sizes) >= 1 and all(b >= 1 for b in sizes),
+          f"--speed-batch-size must be an integer >= 1 or a list like 1,4,16, got {spec!r}")
+    return sizes
+
+
 def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
     trees: dict[str, str] = {}
     for v in values:
@@ -713,19 +795,23 @@ def cmd_bench(args: Any) -> int:
     import sys
 
     from lantern.cli import _sampling
+    from lantern.compiling import resolve_compile
     from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_device
 
     t0 = time.perf_counter()
     trees = parse_tree_options(args.tree)
+    batch_sizes = parse_batch_sizes(args.speed_batch_size)
     config = BenchConfig(
         methods=parse_methods(args.methods, trees, args.lantern_budget),
         num_images=args.num_images,
         speed_images=args.speed_images,
         seed=args.seed,
         batch_size=args.batch_size,
-        speed_batch_size=args.speed_batch_size,
+        speed_batch_size=batch_sizes[0],
+        throughput_batch_sizes=tuple(batch_sizes[1:]),
+        compile=resolve_compile(args.compile, args.device),
         repeats=args.repeats,
         num_real=args.num_real,
         curve_images=args.curve_images,
@@ -741,7 +827,13 @@ def cmd_bench(args: Any) -> int:
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     sampling = _sampling(args, stack)
+    given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
+    throughput_methods = {}
+    for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
+        at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
+        throughput_methods[batch] = {m.name: m.resolve(stack) for m in at_batch.methods}
+        auto_trees[f"batch {batch}"] = chosen
     scorer = None
     if not args.no_quality:
         scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress)
@@ -750,7 +842,8 @@ def cmd_bench(args: Any) -> int:
           f"{str(stack.target.dtype).replace('torch.', '')} on {args.device}")
     if scorer is not None:
         print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
-    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress)
+    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress,
+                       throughput_methods=throughput_methods)
     if scorer is not None:
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees
@@ -758,6 +851,8 @@ def cmd_bench(args: Any) -> int:
     with out.write() as folder:
         save_bench(stack, result, folder, command)
     print(format_table(result.rows))
+    if result.throughput:
+        print(throughput_table(result.throughput))
     if result.ar_spread is not None:
         print("AR seed-to-seed spread: " + ", ".join(
             f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))

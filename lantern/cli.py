@@ -211,8 +211,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "(bf16 where the hardware computes it natively: faster at batch 1)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="auto", default="off", metavar="MODE",
+                   help="compile the decode step (target, drafter, acceptance; AR too) with torch.compile: "
+                        "--compile alone = auto (CUDA graphs on a GPU, inductor kernels on a CPU), or a mode: "
+                        "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
+
+
+def _check_compile(args: argparse.Namespace) -> None:
+    """Refuse a bad --compile before anything is loaded or written."""
+    from lantern.compiling import resolve_compile
+
+    resolve_compile(args.compile, getattr(args, "device", "cpu"))
 
 
 def _read_prompt_args(args: argparse.Namespace) -> list[str] | None:
@@ -290,11 +305,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_image_total, check_label_values
 
+    _check_compile(args)
     out = _check_run_args(args)
     prompts = _read_prompt_args(args)
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
     if is_chameleon_folder(args.model):
+        if args.compile != "off":
+            raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
         return _generate_chameleon(args, prompts, out)
     for name in ("layout", "image_size", "vq"):
         if getattr(args, name) is not None:
@@ -316,7 +334,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stack.tokenizer.to(args.device)
     run_kw: dict[str, Any] = dict(
         seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
-        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity,
+        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity, compile=args.compile,
     )
     auto_choice = None
     if prompts is not None:
@@ -536,6 +554,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     _add_budget_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -548,6 +567,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.demo import run_demo, save_demo
     from lantern.outputs import OutputFolder
     from lantern.pipeline import METHODS
+
+    _check_compile(args)
     from lantern.stack import inference_dtype, load_stack
     from lantern.validate import MAX_IMAGES, check_count
 
@@ -579,7 +600,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
         stack = with_trees(stack, trees)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
-                    repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget)
+                    repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
+                    compile=args.compile)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
     if auto_trees:
@@ -619,7 +641,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-images", type=int, default=8, help="images per method timed (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")
-    p.add_argument("--speed-batch-size", type=int, default=1, help="batch for the timed images (default 1)")
+    p.add_argument("--speed-batch-size", default="1",
+                   help="batch for the timed images (default 1); a list like 1,4,16 adds a throughput table "
+                        "(images/s of every method at each further batch size)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is kept")
     p.add_argument("--num-real", type=int, default=1000,
                    help="held-out real images to compare with (default 1000, capped by the test split)")
@@ -641,6 +665,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_overwrite_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -670,8 +695,14 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     _add_overwrite_arg(p)
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
+    p.add_argument("--trace", default=None, metavar="METHODS",
+                   help="instead of the cost profile: trace the decode round of these methods (ar included, "
+                        "e.g. ar,sd,lantern,lantern++,sjd): time, dispatched ops and host syncs per round by "
+                        "phase; writes OUT/trace.json and OUT/trace.md")
+    p.add_argument("--trace-images", type=int, default=2, help="images per method for --trace (default 2)")
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
 
@@ -682,6 +713,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_device
 
+    _check_compile(args)
     settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
                                quick=args.quick, seed=args.seed)
     check_device(args.device)
@@ -689,6 +721,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
     sampling = _sampling(args, stack)
+    if args.trace is not None:
+        from lantern.roundtrace import cmd_trace
+
+        return cmd_trace(args, stack, sampling, out)
     profile = measure_profile(stack, sampling, settings, model_name=str(args.model), progress=not args.no_progress)
     with out.write() as folder:
         json_path, png_path = save_profile(profile, folder)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
+from lantern.compiling import resolve_compile
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
@@ -57,6 +58,7 @@ def run_demo(
     repeats: int = 1,
     progress: bool = True,
     budget: str | None = None,
+    compile: str | None = None,
 ) -> list[MethodTiming]:
     check("ar" in methods, "--methods must include ar (the speed-up baseline)")
     check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
@@ -68,7 +70,8 @@ def run_demo(
 
     from lantern.bench import time_methods  # methods take turns image by image (drift-proof)
 
-    results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress)
+    results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress,
+                                  compile=resolve_compile(compile, stack.target.device))
     ar_wall = statistics.median(walls["ar"])
     out = []
     for m in methods:

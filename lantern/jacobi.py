@@ -46,7 +46,8 @@ from torch import Tensor
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
-from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
+from lantern.phases import phase
+from lantern.sampling import draw_uniforms, one_hot, probs_from_logits, sample_from_probs
 from lantern.trees import TreeBuffers, tree_from_parents
 
 JACOBI_INITS = ("random", "repeat_horizon")
@@ -152,13 +153,13 @@ class JacobiDrafter:
         """The chain [root, window] per row; depth beyond ``max_depth`` is cut by the acceptance."""
         assert self.canvas is not None and self.n is not None and self._num_new is not None
         gens = generators if generators is not None else self._own_generators
-        rows = active.nonzero().flatten().tolist()
         first_new = torch.zeros_like(self.n)  # [B] first window slot that needs a new guess
         carried = None
-        if self._logits is not None:
-            first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
-            carried = self._carry_over(gens, rows)
-        self._initialise(first_new, gens, rows)
+        with phase("draft_sampling"):
+            if self._logits is not None:
+                first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
+                carried = self._carry_over(gens)
+            self._initialise(first_new, gens)
         slots = self.n[:, None] + torch.arange(self.window, device=self.n.device)  # [B, L] positions
         guesses = self.canvas.gather(1, slots)
         root = self.canvas.gather(1, (self.n - 1)[:, None])
@@ -171,7 +172,7 @@ class JacobiDrafter:
 
     # -- Jacobi carry-over and initialisation ------------------------------------------------------
 
-    def _carry_over(self, gens: list[torch.Generator], rows: list[int]) -> Tensor | None:
+    def _carry_over(self, gens: list[torch.Generator]) -> Tensor | None:
         """Sample y_j ~ p_j at every window node and write them over the guesses after each row's
         new tokens. Returns p at nodes 1..L [B, L, V] (the carried guesses' new q), None if greedy.
 
@@ -185,9 +186,9 @@ class JacobiDrafter:
             p, y = None, logits.argmax(dim=-1)
         else:
             p = probs_from_logits(logits, self.sampling)  # [B, L, V]
-            u = torch.zeros(b, length, device=logits.device)
-            if rows:  # a fixed L uniforms per active row, so batch-mates never shift a row's stream
-                u[rows] = draw_uniforms([gens[i] for i in rows], length, logits.device)
+            # A fixed L uniforms per row and round (finished rows too: their codes are complete),
+            # so batch-mates never shift a row's stream and no sync finds the active rows.
+            u = draw_uniforms(gens, length, logits.device)
             y = sample_from_probs(p.reshape(b * length, v), u.reshape(-1)).view(b, length)
         n_old = self.n - self._num_new
         pos = n_old[:, None] + torch.arange(1, length + 1, device=y.device)  # [B, L]
@@ -198,20 +199,18 @@ class JacobiDrafter:
         self._logits = None
         return p
 
-    def _initialise(self, first_new: Tensor, gens: list[torch.Generator], rows: list[int]) -> None:
+    def _initialise(self, first_new: Tensor, gens: list[torch.Generator]) -> None:
         """New guesses in window slots >= first_new [B] (positions not predicted by any forward)."""
         assert self.canvas is not None and self.n is not None
         if self.config.init == "random":
-            self._initialise_random(first_new, gens, rows)
+            self._initialise_random(first_new, gens)
         else:
             self._initialise_repeat_horizon(first_new)
 
-    def _initialise_random(self, first_new: Tensor, gens: list[torch.Generator], rows: list[int]) -> None:
+    def _initialise_random(self, first_new: Tensor, gens: list[torch.Generator]) -> None:
         assert self.canvas is not None and self.n is not None
-        b, length, device = self.n.shape[0], self.window, self.n.device
-        u = torch.zeros(b, length, device=device)
-        if rows:  # L uniforms per active row and round, used or not (batch independence)
-            u[rows] = draw_uniforms([gens[i] for i in rows], length, device)
+        length, device = self.window, self.n.device
+        u = draw_uniforms(gens, length, device)  # L per row and round, used or not (batch independence)
         tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)  # uniform over the vocabulary
         slot = torch.arange(length, device=device)[None, :]
         pos = self.n[:, None] + slot
@@ -236,13 +235,13 @@ class JacobiDrafter:
         Slot i (position n + i) was predicted by last round's node num_new + i, i.e. carried[:, num_new + i - 1].
         """
         assert self._num_new is not None
-        one_hot = torch.nn.functional.one_hot(guesses, self.vocab_size).float()
+        point = one_hot(guesses, self.vocab_size)  # q of a fresh guess: a point mass
         if carried is None:
-            return one_hot
+            return point
         slot = torch.arange(self.window, device=guesses.device)[None, :]
         node = (self._num_new[:, None] + slot - 1).clamp(0, self.window - 1)  # [B, L]
         q_carried = carried.gather(1, node[:, :, None].expand(-1, -1, carried.shape[-1]))
-        return torch.where((slot < first_new[:, None])[:, :, None], q_carried.to(one_hot.dtype), one_hot)
+        return torch.where((slot < first_new[:, None])[:, :, None], q_carried.to(point.dtype), point)
 
     def _chain(self, b: int) -> TreeBuffers:
         cached = self._buffers

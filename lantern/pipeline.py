@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lantern.cache import CachePool
+from lantern.compiling import resolve_compile
 from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
@@ -62,6 +64,9 @@ DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §
 BUDGETS = ("test", "token")
 DEFAULT_BUDGET = "test"
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
+# The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
+# to turn it off): a drafter method with this tree decodes as plain AR.
+AR_FALLBACK_TREE = "ar"
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,9 @@ class MethodConfig:
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
-        if method == "ar":
-            check(tree in (None, "none"), "--tree is only used with speculative methods")
+        if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
+            check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
+                  "--tree is only used with speculative methods")
             return cls(method="ar")
         default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
         tree_cfg = TreeConfig.parse(tree or default_tree)
@@ -185,12 +191,14 @@ def run_generation(
     progress: bool = False,
     drafter_dir: str | None = None,
     proximity: str | None = None,
+    compile: str | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
     check_label_values(labels, stack.target.config.num_classes)
     label_t = torch.tensor(labels, dtype=torch.long, device=stack.target.device)
     stack.target.check_labels(label_t)
-    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
+    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
+                        compile)
 
 
 def run_generation_t2i(
@@ -203,6 +211,7 @@ def run_generation_t2i(
     progress: bool = False,
     drafter_dir: str | None = None,
     proximity: str | None = None,
+    compile: str | None = None,
 ) -> RunResult:
     """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
     at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
@@ -217,7 +226,8 @@ def run_generation_t2i(
     device, dtype = stack.target.device, stack.target.dtype
     cond = captions.embeddings.to(device=device, dtype=dtype)
     mask = captions.mask.to(device=device, dtype=torch.bool)
-    return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
+    return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
+                        compile)
 
 
 def _run_batches(
@@ -231,10 +241,11 @@ def _run_batches(
     progress: bool,
     drafter_dir: str | None,
     proximity: str | None,
+    compile: str | None = None,
 ) -> RunResult:
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    parts = prepare_method(stack, method, sampling, drafter_dir, proximity)
+    parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
     _check_batch_fits(stack, parts.method.tree, sampling, min(batch_size, cond.shape[0]))
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
@@ -264,7 +275,10 @@ class PreparedMethod:
     sampling: SamplingConfig
     drafter: EagleDrafterModel | None
     acceptance: Acceptance
+    compile: str | None = None  # a lantern.compiling mode; None = eager
     _head_copy: torch.nn.Linear | None = field(default=None, repr=False)
+    # Caches reused image after image (fixed addresses for CUDA graphs, no allocation per image).
+    _caches: CachePool = field(default_factory=CachePool, repr=False)
 
     def _drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
         """The target's lm_head in the drafter's precision (a copy, made once, when they differ)."""
@@ -285,7 +299,8 @@ class PreparedMethod:
         """cond: labels [B] or captions [B, cls, C]; cond_mask: the captions' mask [B, cls] (t2i)."""
         tree = self.method.tree
         nodes = max_tree_nodes(tree)
-        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes)
+        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes, compile=self.compile,
+                                cache_pool=self._caches)
         drafter: Drafter | None = None
         if self.method.jacobi is not None:
             cfg = self.stack.target.config
@@ -299,8 +314,10 @@ class PreparedMethod:
                 self.sampling,
                 target.streams,
                 cfg.cls_token_num + cfg.block_size + fed + 8,
+                compile=self.compile,
+                cache_pool=self._caches,
             )
-            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size)
+            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size, compile=self.compile)
         return generate(
             target,
             cond,
@@ -309,6 +326,7 @@ class PreparedMethod:
             acceptance=self.acceptance,
             cond_mask=cond_mask,
             progress=progress,
+            compile=self.compile,
         )
 
 
@@ -318,8 +336,13 @@ def prepare_method(
     sampling: SamplingConfig,
     drafter_dir: str | None = None,
     proximity: str | None = None,
+    compile: str | None = None,
 ) -> PreparedMethod:
-    """Load the drafter and proximity table a method needs, checking they fit the target."""
+    """Load the drafter and proximity table a method needs, checking they fit the target.
+
+    compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.compiling``): the
+    target step, the drafter steps and the acceptance run compiled, AR included.
+    """
     from lantern.checks import check_drafter_matches_target, check_tree_fits
 
     drafter = None
@@ -338,7 +361,8 @@ def prepare_method(
         check_t2i_drafter_layout(drafter, stack.target.config, path)
     acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file,
                                            stack.tokenizer.quantize.embedding.weight, stack.target.device)
-    return PreparedMethod(stack, resolved, sampling, drafter, acceptance)
+    return PreparedMethod(stack, resolved, sampling, drafter, acceptance,
+                          resolve_compile(compile, stack.target.device))
 
 
 def load_acceptance(

@@ -34,7 +34,14 @@ from lantern.io import (
     read_json_object,
     save_model_folder,
 )
-from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, rope_table_1d, rope_table_2d
+from lantern.models.llamagen import (
+    LlamaGenConfig,
+    RMSNorm,
+    apply_rope,
+    keep_rope_float32,
+    rope_table_1d,
+    rope_table_2d,
+)
 
 MODEL_TYPE = "lantern-eagle-drafter"
 
@@ -222,11 +229,15 @@ class EagleDrafterModel(EagleModule):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("freqs_cis", self._rope_table(), persistent=False)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
         self.layers = nn.ModuleList([DrafterLayer(cfg)])
+
+    def _rope_table(self) -> Tensor:
+        cfg = self.config
         if cfg.rope == "1d":  # drafter position p = target position p (its own cache slots)
-            table = rope_table_1d(cfg.head_dim, cfg.target_cls_token_num + 2 * cfg.block_size + self.ROPE_PAD,
-                                  cfg.rope_base)
+            return rope_table_1d(cfg.head_dim, cfg.target_cls_token_num + 2 * cfg.block_size + self.ROPE_PAD,
+                                 cfg.rope_base)
         else:  # the target's 2D table with one condition row fewer (drafter index = target index - 1)
             rope_cfg = LlamaGenConfig(
                 dim=cfg.hidden_size,
@@ -240,7 +251,12 @@ class EagleDrafterModel(EagleModule):
             table = rope_table_2d(rope_cfg, self.ROPE_PAD)
             if cfg.target_cls_token_num == 1:  # no zero prefix row at all for c2i
                 table = table[1:]
-        self.register_buffer("freqs_cis", table, persistent=False)
+        return table
+
+    def _apply(self, fn: Any, recurse: bool = True) -> EagleDrafterModel:
+        """Casts keep the rotary table float32 (see ``LlamaGen._apply``)."""
+        super()._apply(fn, recurse)
+        return keep_rope_float32(self, self._rope_table)
 
     def rope_at(self, positions: Tensor) -> Tensor:
         return self.freqs_cis[positions.clamp(max=self.freqs_cis.shape[0] - 1)]
