@@ -30,7 +30,7 @@ from lantern.stack import inference_dtype
 from lantern.target import LlamaGenTarget
 from lantern.trees import tree_from_parents
 
-POINTS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+POINTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 def _sync(device: torch.device) -> None:
@@ -39,16 +39,22 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def curve(name: str, device: torch.device, dtype: torch.dtype, batch: int, repeats: int) -> dict[str, object]:
+def curve(name: str, device: torch.device, dtype: torch.dtype, batch: int, repeats: int,
+          points: tuple[int, ...] = POINTS, compile: str | None = None) -> dict[str, object]:
+    """Median ms of a verify over n tree tokens for each n in ``points`` (``compile``: the
+    compiled target step, one graph per n, compiled during the untimed first pass)."""
     cfg = llamagen_config(name, vocab_size=16384, block_size=256, num_classes=1000)
     model = LlamaGen(cfg).init_weights(seed=0, zero_output=False).to(device, dtype).eval()
-    target = LlamaGenTarget(model, SamplingConfig(cfg_scale=4.0), max_tree_nodes=max(POINTS))
+    target = LlamaGenTarget(model, SamplingConfig(cfg_scale=4.0), max_tree_nodes=max(points), compile=compile)
     target.start(torch.arange(batch, device=device) % cfg.num_classes)
     assert target.cache is not None
     target.cache.lengths += cfg.block_size // 2  # a half-finished image: a realistic prefix
-    samples: dict[int, list[float]] = {n: [] for n in POINTS}
+    samples: dict[int, list[float]] = {n: [] for n in points}
+    t_first = time.perf_counter()
     for rep in range(repeats + 1):  # the first pass warms up; points interleave within a pass
-        for n in POINTS:
+        if rep == 1:
+            warmup_s = time.perf_counter() - t_first
+        for n in points:
             tree = tree_from_parents(torch.arange(-1, n - 1, device=device)[None].expand(batch, -1).contiguous())
             tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
             _sync(device)
@@ -57,10 +63,10 @@ def curve(name: str, device: torch.device, dtype: torch.dtype, batch: int, repea
             _sync(device)
             if rep > 0:
                 samples[n].append(time.perf_counter() - t0)
-    ms = [statistics.median(samples[n]) * 1000 for n in POINTS]
+    ms = [statistics.median(samples[n]) * 1000 for n in points]
     params = sum(p.numel() for p in model.parameters())
-    return {"config": name, "params_m": round(params / 1e6, 1), "tokens": list(POINTS), "ms": ms,
-            "ratio": [m / ms[0] for m in ms]}
+    return {"config": name, "params_m": round(params / 1e6, 1), "tokens": list(points), "ms": ms,
+            "ratio": [m / ms[0] for m in ms], "compile": compile, "warmup_seconds": round(warmup_s, 2)}
 
 
 def main() -> None:
@@ -70,21 +76,28 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch-size", type=int, default=1, help="images (model rows = 2x with CFG)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--points", default=",".join(map(str, POINTS)), help="tree sizes (tokens incl. the root)")
+    ap.add_argument("--compile", default=None,
+                    help="time the compiled target step: auto (CUDA graphs on a GPU), default, reduce-overhead ...")
     ap.add_argument("--out", default="verify-cost")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = inference_dtype(args.dtype, device)
+    points = tuple(int(x) for x in args.points.split(","))
+    assert points[0] == 1, "--points must start at 1 (the one-token step every ratio divides by)"
     results = []
     for name in args.configs.split(","):
-        r = curve(name.strip(), device, dtype, args.batch_size, args.repeats)
+        r = curve(name.strip(), device, dtype, args.batch_size, args.repeats, points, args.compile)
         results.append(r)
-        points = "  ".join(f"{n}:{ratio:.2f}x" for n, ratio in zip(r["tokens"], r["ratio"], strict=True))
-        print(f"{r['config']} ({r['params_m']}M): {points}  (1 token {r['ms'][0]:.1f} ms)")
+        shown = "  ".join(f"{n}:{ratio:.2f}x" for n, ratio in zip(r["tokens"], r["ratio"], strict=True))
+        print(f"{r['config']} ({r['params_m']}M): {shown}  (1 token {r['ms'][0]:.2f} ms; "
+              f"first pass {r['warmup_seconds']} s)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": dt.date.today().isoformat(), "machine": machine_description(), "device": str(device),
             "dtype": str(dtype).replace("torch.", ""), "batch_size": args.batch_size, "cfg_rows": 2 * args.batch_size,
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "prefix": "half image (128 tokens)"}
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "prefix": "half image (128 tokens)",
+            "compile": args.compile}
     (out / "verify_cost.json").write_text(json.dumps({**meta, "curves": results}, indent=2) + "\n")
     os.environ.setdefault("MPLCONFIGDIR", "/tmp/lantern-mpl")
     import matplotlib

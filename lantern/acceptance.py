@@ -39,11 +39,13 @@ batch-mates, so one ``torch.Generator`` per row gives batch-invariant results (S
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from lantern.budget import TokenBudget, uses_token_budget
 from lantern.config import RelaxationConfig
 from lantern.errors import check
 from lantern.sampling import sample_from_probs  # noqa: F401  (re-exported: part of this module's API)
@@ -115,6 +117,7 @@ def relaxed_mass(
     x: Tensor,  # [B] candidate tokens
     neighbours: Tensor | None,  # [V, K] proximity table, nearest first, self excluded
     cfg: RelaxationConfig | None,
+    bound: Tensor | None = None,  # [B] neighbour-mass bound replacing cfg's (the token budget's cap)
 ) -> tuple[Tensor, Tensor]:
     """LANTERN's aggregation (SPEC §4.2): ``(p̃(x) [B], m_len [B])`` (GSD's: see below).
 
@@ -133,7 +136,8 @@ def relaxed_mass(
     check(neighbours is not None, "relaxed acceptance needs a proximity table (neighbours)")
     check_k(cfg.k, neighbours.shape[1])
     c = r.gather(-1, _neighbour_rows(neighbours, x, cfg.k)).cumsum(-1)  # [B, k]
-    bound = torch.full_like(r_x, cfg.delta) if cfg.mode == "absolute" else (cfg.lam - 1.0) * r_x
+    if bound is None:
+        bound = torch.full_like(r_x, cfg.delta) if cfg.mode == "absolute" else (cfg.lam - 1.0) * r_x
     within = (c <= bound[:, None]).long().cumprod(-1)  # [B, k] 1 on the admissible prefix
     m_len = within.sum(-1)  # [B]
     c_m = c.gather(-1, (m_len - 1).clamp(min=0)[:, None]).squeeze(-1)  # [B]
@@ -343,6 +347,7 @@ class _Test:
     rejected: Tensor  # [B] bool
     relaxed_only: Tensor  # [B] bool: accepted, but not by the exact rule
     residual: Tensor  # [B, V] r after this slot
+    budget: TokenBudget | None = None  # the level's token budget after this slot
 
 
 def _test_candidate(
@@ -353,31 +358,66 @@ def _test_candidate(
     u: Tensor,  # [B]
     neighbours: Tensor | None,
     relax: RelaxationConfig | None,
+    budget: TokenBudget | None = None,  # the level's token budget (relax.budget == "token")
 ) -> _Test:
-    """One candidate test: accept with min(1, p̃(x)/q_j(x)), else update the residual."""
-    p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B], [B]
+    """One candidate test: accept with min(1, p̃(x)/q_j(x)), else update the residual.
+
+    Under the token budget p̃(x) is capped by what the level has left (:mod:`lantern.budget`);
+    a rejected sampled draft takes the exact residual, so the walk stays coupled to the lossless
+    one (deterministic drafts keep the paper's residual: the moved mass comes from A(x)).
+    """
     r_x = r.gather(-1, x[:, None]).squeeze(-1)  # [B]
-    q_j, q_x = None, torch.ones_like(p_tilde)
+    q_j, q_x = None, torch.ones_like(r_x)
     q_test = q_x  # what p_tilde is divided by: q_j(x), or q_j(G(x)) for the group rule
     if q_rest is not None:
         q_j, q_x = _conditional_draft(q_rest, x)
         testing = testing & (q_x > 0)  # never drawable: skipped without a residual update
         q_test = torch.where(q_x > 0, draft_mass(q_j, r, x, relax), 1.0)
         q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
+    if budget is None or relax is None:
+        p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B], [B]
+    else:
+        p_tilde, m_len = _budgeted_mass(r, x, neighbours, relax, budget.cap(relax, x, q_x), q_rest is not None)
     u = u.to(p_tilde.dtype)
     accepted = testing & (u < (p_tilde / q_test).clamp(max=1.0))
     rejected = testing & ~accepted
     relaxed_only = accepted & ~(u < (r_x / q_x).clamp(max=1.0))
+    if budget is not None:
+        budget = budget.after_test(r_x, p_tilde, q_x, testing)
+        relax = relax if q_rest is None else None
     if not _any(rejected):  # most tests accept: the residual update would be thrown away
-        return _Test(accepted, rejected, relaxed_only, r)
+        return _Test(accepted, rejected, relaxed_only, r, budget)
     new_r = rejection_residual(r, x, p_tilde, m_len, q_j, neighbours, relax)  # [B, V]
-    return _Test(accepted, rejected, relaxed_only, torch.where(rejected[:, None], new_r, r))
+    return _Test(accepted, rejected, relaxed_only, torch.where(rejected[:, None], new_r, r), budget)
+
+
+def _budgeted_mass(
+    r: Tensor,  # [B, V]
+    x: Tensor,  # [B]
+    neighbours: Tensor | None,
+    relax: RelaxationConfig,
+    cap: Tensor,  # [B] the token budget's neighbour-mass cap
+    sampled: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(p̃(x), m_len)`` under the token budget (docs/relaxation_budget.md).
+
+    Deterministic drafts: the longest neighbour prefix within the cap, whose mass the paper's
+    residual then takes from A(x). Sampled drafts are followed by the exact residual, so the credit
+    need not be whole tokens: x gets ``min(cap, mass of its k nearest neighbours)`` (m_len 0).
+    Whole tokens would waste most of a cap of δ·q(x), which is often below one neighbour's mass.
+    """
+    if not sampled:
+        return relaxed_mass(r, x, neighbours, relax, cap)
+    everything, _ = relaxed_mass(r, x, neighbours, relax, torch.full_like(cap, math.inf))
+    r_x = r.gather(-1, x[:, None]).squeeze(-1)
+    return r_x + torch.minimum(cap, everything - r_x), torch.zeros_like(x)
 
 
 def _any(mask: Tensor) -> bool:
-    """``mask.any()`` where reading it is free (CPU); True on accelerators, where the host sync
-    would cost more than the kernels it saves, so the caller simply does the work."""
-    return mask.device.type != "cpu" or bool(mask.any())
+    """``mask.any()`` where reading it is free (eager CPU); True on accelerators, where the host
+    sync would cost more than the kernels it saves, and inside a compiled region, where a
+    data-dependent branch would break the graph: the caller then simply does the work."""
+    return mask.device.type != "cpu" or torch.compiler.is_compiling() or bool(mask.any())
 
 
 @dataclass(frozen=True)
@@ -403,13 +443,14 @@ def _verify_level(
     child = torch.full_like(kids[:, 0], -1)  # [B]
     rejected = torch.zeros_like(active)
     relaxed_only = torch.zeros_like(active)
+    budget = TokenBudget.start(r) if uses_token_budget(relax) else None
     num_slots = kids.shape[1]
     for j in range(num_slots):
         x = kid_tokens[:, j].clamp(min=0)  # [B]
         testing = active & valid[:, j] & (child < 0)
         if _any(testing):  # else every row accepted an earlier sibling or has no usable one here
-            test = _test_candidate(r, q_node, x, testing, u[:, j], neighbours, relax)
-            r, rejected = test.residual, rejected | test.rejected
+            test = _test_candidate(r, q_node, x, testing, u[:, j], neighbours, relax, budget)
+            r, rejected, budget = test.residual, rejected | test.rejected, test.budget
             relaxed_only = relaxed_only | test.relaxed_only
             child = torch.where(test.accepted, kids[:, j], child)
         if q_node is not None and j + 1 < num_slots:  # the drafter drew this sibling: later draws exclude it
@@ -431,6 +472,7 @@ def verify_tree_sampled(
     q_draft: Tensor | None = None,  # [B, T, V] drafter distribution each node's children came from
     neighbours: Tensor | None = None,  # [V, K] proximity table (int32 or int64)
     relaxation: RelaxationConfig | None = None,
+    levels: int | None = None,  # the trees' depth if known (TreeBuffers.max_depth): saves a host sync
 ) -> VerifyResult:
     """Verify a draft tree per row by (relaxed) speculative sampling (SPEC §2.2, §4.3, §4.4).
 
@@ -450,7 +492,7 @@ def verify_tree_sampled(
     q_draft = None if q_draft is None else q_draft.to(dtype)
     tokens, children, depth = tokens.long(), children.long(), depth.long()
     rows = torch.arange(b, device=p_target.device)
-    d_max = int(depth.max())
+    d_max = int(depth.max()) if levels is None else levels
     cur = torch.zeros(b, dtype=torch.long, device=p_target.device)  # [B] current node
     path = torch.full((b, d_max + 1), -1, dtype=torch.long, device=p_target.device)
     path[:, 0] = 0
@@ -459,7 +501,7 @@ def verify_tree_sampled(
     is_bonus = torch.ones(b, dtype=torch.bool, device=p_target.device)
     active = torch.ones_like(is_bonus)
     for level in range(d_max):
-        if not bool(active.any()):
+        if not _any(active):  # every row stopped (free to check on a CPU only)
             break
         kids = children[rows, cur]  # [B, C]
         kid_tokens, valid = _valid_children(kids, tokens, depth, max_depth)
@@ -510,15 +552,21 @@ def verify_chain_sampled(
     d = t - 1  # drafts
     r = p_target[:, :-1].to(dtype).reshape(b * d, v)  # [B*D, V] distribution each draft is tested against
     x = tokens[:, 1:].long().reshape(b * d)  # [B*D]
-    p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B*D]
     r_x = r.gather(-1, x[:, None]).squeeze(-1)
-    q_j, q_x = None, torch.ones_like(p_tilde)
+    q_j, q_x = None, torch.ones_like(r_x)
     if q_draft is not None:
         q_j, q_x = _conditional_draft(q_draft[:, :-1].to(dtype).reshape(b * d, v), x)
     depth = torch.arange(1, t, device=p_target.device)  # [D]
     usable = (depth[None, :] <= max_depth[:, None]).reshape(b * d) & (q_x > 0)  # tested at all
     q_test = torch.where(q_x > 0, draft_mass(q_j, r, x, relax), 1.0)  # q_j(x), or q_j(G(x)) (group rule)
     q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
+    # Each chain node has one child, so a token budget is a fresh one per test (docs/relaxation_budget.md).
+    if relax is not None and uses_token_budget(relax):
+        cap = TokenBudget.start(r).cap(relax, x, q_x)
+        p_tilde, m_len = _budgeted_mass(r, x, neighbours, relax, cap, q_draft is not None)  # [B*D]
+        relax = relax if q_draft is None else None  # rejected sampled drafts take the exact residual
+    else:
+        p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B*D]
     u = uniforms[:, 1:t].to(dtype).reshape(b * d)
     accepted = usable & (u < (p_tilde / q_test).clamp(max=1.0))
     exact = u < (r_x / q_x).clamp(max=1.0)
@@ -555,7 +603,8 @@ def _check_greedy_inputs(logits: Tensor, tokens: Tensor, retrieve: Tensor, max_d
         f"retrieve must be [B={b}, P, D+1], got {tuple(retrieve.shape)}",
     )
     check(tuple(max_depth.shape) == (b,), f"max_depth must be [B={b}], got {tuple(max_depth.shape)}")
-    check(int(retrieve.max()) < t, f"retrieve indexes node {int(retrieve.max())} of a {t}-node tree")
+    if not torch.compiler.is_compiling():  # a value check (a host sync): the loop's trees are valid by construction
+        check(int(retrieve.max()) < t, f"retrieve indexes node {int(retrieve.max())} of a {t}-node tree")
 
 
 def _parents_from_paths(retrieve: Tensor, num_nodes: int) -> Tensor:

@@ -49,7 +49,7 @@ from torch import Tensor
 from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import LanternError, check
 from lantern.generate import Acceptance, Drafter, DraftTree, GenerationOutput, generate
-from lantern.pipeline import MethodConfig, PreparedMethod, image_seed, prepare_method
+from lantern.pipeline import AR_FALLBACK_TREE, MethodConfig, PreparedMethod, image_seed, prepare_method
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
 from lantern.trees import (
@@ -413,9 +413,16 @@ class AutoTreeChoice:
     calibration_seconds: float = 0.0
 
     @property
+    def falls_back_to_ar(self) -> bool:
+        """Speculation is predicted to lose on this device and batch size: even the best tree's
+        round costs more AR steps than it yields tokens, so plain AR is the fastest choice."""
+        return self.best.speedup < 1.0
+
+    @property
     def tree_spec(self) -> str:
-        """``--tree`` form of the chosen tree (``static:auto_*`` names need :meth:`register`)."""
-        return self.best.spec
+        """``--tree`` form of the chosen tree (``static:auto_*`` names need :meth:`register`), or
+        ``ar`` (:data:`lantern.pipeline.AR_FALLBACK_TREE`) when plain AR is predicted faster."""
+        return AR_FALLBACK_TREE if self.falls_back_to_ar else self.best.spec
 
     @property
     def choices(self) -> list[list[int]]:
@@ -423,7 +430,8 @@ class AutoTreeChoice:
 
     def register(self) -> str:
         """Make ``tree_spec`` resolvable in this process (a no-op for chains and named trees)."""
-        if self.tree_spec.startswith("static:") and self.tree_spec[7:] not in STATIC_TREES:
+        if (self.best.spec.startswith("static:") and not self.falls_back_to_ar
+                and self.tree_spec[7:] not in STATIC_TREES):
             name = register_tree(self.best.choices, prefix="auto")
             check(f"static:{name}" == self.tree_spec, f"registered {name}, expected {self.tree_spec}")
         return self.tree_spec
@@ -519,6 +527,8 @@ def explain(best: TreeCandidate, ranking: Sequence[TreeCandidate], acceptance: A
         name += f" ({best.num_nodes - 1} drafts, depth {best.depth}, nodes per depth {level_widths(best.choices)[0]})"
     text = (f"{name} — expected {best.tokens_per_round:.2f} tokens per round at {best.cost_units:.2f} AR steps per "
             f"round: predicted {best.speedup:.2f}x vs AR")
+    if best.speedup < 1.0:
+        text = f"plain AR (speculation loses here: the best tree, {text})"
     most = max(ranking, key=lambda c: c.tokens_per_round)
     others = []
     if most is not best:

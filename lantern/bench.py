@@ -36,9 +36,10 @@ import torch
 from torch import Tensor
 
 from lantern.config import SamplingConfig
-from lantern.errors import check
-from lantern.pipeline import COUPLED_METHODS, METHODS, MethodConfig, RunResult, run_generation
+from lantern.errors import LanternError, check
+from lantern.pipeline import LANTERN_METHODS, METHODS, MethodConfig, RunResult, run_generation
 from lantern.stack import ModelStack
+from lantern.validate import MAX_IMAGES
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
 DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
@@ -59,7 +60,8 @@ class MethodSpec:
     delta: float | None = None
     lam: float | None = None
     label: str = ""  # row name; defaults to the method
-    coupling: str | None = None  # sjd-coupled*: --sjd-coupling (None = the default)
+    budget: str | None = None  # relaxed methods: "test" | "token" (None: the default)
+    coupling: str | None = None  # sjd-coupled*, gsd: --sjd-coupling (None: the default)
 
     @property
     def name(self) -> str:
@@ -67,7 +69,8 @@ class MethodSpec:
 
     def resolve(self, stack: ModelStack) -> MethodConfig:
         tree = self.tree if self.tree is not None else stack.default_tree(self.method)
-        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, coupling=self.coupling)
+        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget,
+                                    coupling=self.coupling)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class BenchConfig:
     ar_spread: bool = True  # second AR seed: the metrics' run-to-run spread
     sweep: bool = False
     sweep_images: int = 100
+    # Extra batch sizes timed for throughput (images/s per method), e.g. (4, 16); each is timed on
+    # max(speed_images, batch) images so that at least one full batch runs.
+    throughput_batch_sizes: tuple[int, ...] = ()
+    compile: str | None = None  # lantern.compiling mode for every method (AR included); None = eager
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.methods]
@@ -94,12 +101,17 @@ class BenchConfig:
             check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
         for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_images", "speed_images", "repeats", "curve_images", "sweep_images"):  # memory bombs
+            check(getattr(self, name) <= MAX_IMAGES,
+                  f"--{name.replace('_', '-')} must be at most {MAX_IMAGES} (one run), got {getattr(self, name)}")
         check(self.num_images >= 2, f"--num-images must be >= 2 for FID, got {self.num_images}")
         check(
             self.speed_images <= self.num_images,
             f"--speed-images ({self.speed_images}) must be <= --num-images ({self.num_images})",
         )
         check(self.curve_images >= 0, f"--curve-images must be >= 0, got {self.curve_images}")
+        check(all(isinstance(b, int) and b >= 1 for b in self.throughput_batch_sizes),
+              f"--speed-batch-size values must be integers >= 1, got {self.throughput_batch_sizes}")
         check(self.sweep_images >= 2, f"--sweep-images must be >= 2, got {self.sweep_images}")
         check(
             not self.sweep or self.speed_images <= self.sweep_images,
@@ -124,6 +136,7 @@ class BenchRow:
     num_images: int = 0
     speed_images: int = 0
     wall_seconds_repeats: list[float] = field(default_factory=list)
+    startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "quality"}
@@ -141,6 +154,7 @@ class BenchResult:
     sweep: list[BenchRow]
     codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
     labels: list[int]
+    throughput: list[dict[str, Any]] = field(default_factory=list)  # per batch size and method
 
 
 def bench_labels(num_classes: int, n: int) -> list[int]:
@@ -170,9 +184,12 @@ def run_bench(
     quality: QualityFn | None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    throughput_methods: Mapping[int, Mapping[str, MethodConfig]] | None = None,
 ) -> BenchResult:
     """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
-    skips the quality images (speed only: the rows then describe the timed images)."""
+    skips the quality images (speed only: the rows then describe the timed images).
+    ``throughput_methods``: per throughput batch size, the methods to time there (``--tree auto``
+    picks trees per batch size); default: the latency rows' methods."""
     from tqdm.auto import tqdm
 
     num_classes = stack.target.config.num_classes
@@ -181,8 +198,9 @@ def run_bench(
 
     # 1. Speed at the latency batch size (see time_methods).
     speed_labels = labels[: config.speed_images]
+    startup: dict[str, float] = {}
     speed_runs, walls = time_methods(stack, sampling, resolved, speed_labels, config.seed, config.speed_batch_size,
-                                     config.repeats, progress)
+                                     config.repeats, progress, compile=config.compile, startup=startup)
     ar_wall = statistics.median(walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
@@ -198,6 +216,7 @@ def run_bench(
         codes[name] = r.codes.cpu()
         rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
         rows[-1].wall_seconds_repeats = [round(w, 4) for w in walls[name]]
+        rows[-1].startup_seconds = round(startup.get(name, 0.0), 3)
         log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
             + (f", {_fmt_quality(scores)}" if scores else ""))
 
@@ -215,8 +234,36 @@ def run_bench(
         check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
         assert quality is not None
         sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
+    per_batch = throughput_methods or {}
+    throughput = [point for batch in config.throughput_batch_sizes
+                  for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), labels, config,
+                                                  batch, progress)]
     meta = _meta(stack, sampling, config, resolved)
-    return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels)
+    return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
+
+
+def measure_throughput(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: list[int],
+    config: BenchConfig,
+    batch_size: int,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
+    max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
+    n = max(config.speed_images, batch_size)
+    pool = [labels[i % len(labels)] for i in range(n)]
+    _, walls = time_methods(stack, sampling, resolved, pool, config.seed, batch_size, config.repeats, progress,
+                            compile=config.compile)
+    ar_rate = n / statistics.median(walls["ar"])
+    out = []
+    for name in resolved:
+        rate = n / statistics.median(walls[name])
+        out.append({"batch_size": batch_size, "method": name, "images": n, "images_per_second": rate,
+                    "speedup_vs_ar": rate / ar_rate})
+    return out
 
 
 def time_methods(
@@ -228,6 +275,8 @@ def time_methods(
     batch_size: int = 1,
     repeats: int = 1,
     progress: bool = False,
+    compile: str | None = None,
+    startup: dict[str, float] | None = None,
 ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
     """Wall-clock of every method on the same images: (last run per method, total per repeat).
 
@@ -235,7 +284,9 @@ def time_methods(
     a minute and then method B compares two machines. Instead the methods take turns image by
     image (a chunk of ``batch_size`` images), in an order that rotates every chunk, so drift
     and any effect of running right after a particular method hit every method alike. Every
-    method first decodes one untimed image (allocator, kernels, lazy loads).
+    method first decodes one untimed chunk of every chunk size the timing uses (allocator,
+    kernels, lazy loads, and with ``compile`` the graphs of those shapes); ``startup`` (if given)
+    receives each method's untimed seconds, i.e. its start-up and compilation cost.
     """
     from tqdm.auto import tqdm
 
@@ -248,11 +299,15 @@ def time_methods(
     device = stack.target.device
     label_t = torch.tensor(labels, dtype=torch.long, device=device)
     stack.target.check_labels(label_t)
-    prepared = {name: prepare_method(stack, cfg, sampling) for name, cfg in resolved.items()}
-    for parts in prepared.values():
-        parts.generate(label_t[:1], make_generators([image_seed(seed + 7, 0)], device))
-    names = list(prepared)
+    prepared = {name: prepare_method(stack, cfg, sampling, compile=compile) for name, cfg in resolved.items()}
     chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
+    for name, parts in prepared.items():
+        t0 = time.perf_counter()
+        for size in sorted({hi - lo for lo, hi in chunks}):
+            parts.generate(label_t[:size], make_generators([image_seed(seed + 7, i) for i in range(size)], device))
+        if startup is not None:
+            startup[name] = time.perf_counter() - t0
+    names = list(prepared)
     walls = {name: [0.0] * repeats for name in names}
     outputs: dict[str, list[Any]] = {name: [None] * len(chunks) for name in names}
     with tqdm(total=repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
@@ -318,16 +373,23 @@ def _curves(
     if "lantern" in by_base:
         base = by_base["lantern"]
         tree = base.tree.spec
-        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d)) for d in CURVE_DELTAS]
+        budget = _budget_of(base)
+        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d, budget=budget)) for d in CURVE_DELTAS]
     if "lantern++" in by_base:
         base = by_base["lantern++"]
         tree = base.tree.spec
-        jobs += [("lambda", lam, MethodConfig.resolve("lantern++", tree, lam=lam)) for lam in CURVE_LAMBDAS]
+        budget = _budget_of(base)
+        jobs += [("lambda", x, MethodConfig.resolve("lantern++", tree, lam=x, budget=budget)) for x in CURVE_LAMBDAS]
     out: dict[str, list[dict[str, float]]] = {}
     for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
         r = run_generation(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
         out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
     return out
+
+
+def _budget_of(cfg: MethodConfig | None) -> str | None:
+    """The budget of a resolved relaxed method, for the curve and sweep points derived from it."""
+    return None if cfg is None or cfg.relaxation is None else cfg.relaxation.budget
 
 
 def _sweep(
@@ -347,12 +409,15 @@ def _sweep(
     specs: list[MethodSpec] = []
     lantern_tree = by_base["lantern"].tree.spec if "lantern" in by_base else stack.default_tree("lantern")
     pp_tree = by_base["lantern++"].tree.spec if "lantern++" in by_base else stack.default_tree("lantern++")
+    budget, pp_budget = _budget_of(by_base.get("lantern")), _budget_of(by_base.get("lantern++"))
     for k in SWEEP_LANTERN["k"]:
         for d in SWEEP_LANTERN["delta"]:
-            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}"))
+            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}",
+                                    budget=budget))
     for k in SWEEP_LANTERN_PP["k"]:
         for lam in SWEEP_LANTERN_PP["lam"]:
-            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}"))
+            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}",
+                                    budget=pp_budget))
     labels = bench_labels(stack.target.config.num_classes, config.sweep_images)
     speed_labels = labels[: config.speed_images]
     ar = resolved["ar"]
@@ -444,6 +509,20 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
     return "\n".join(lines + [fmt.format(*row) for row in body])
 
 
+def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per method, images/s (and speed-up vs AR) per batch size."""
+    batches = sorted({int(p["batch_size"]) for p in points})
+    methods = list(dict.fromkeys(str(p["method"]) for p in points))
+    cell = {(p["method"], p["batch_size"]): p for p in points}
+    head = ["method", *[f"batch {b}: images/s (x AR)" for b in batches]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        cells = [f"{cell[m, b]['images_per_second']:.2f} ({cell[m, b]['speedup_vs_ar']:.2f}x)"
+                 if (m, b) in cell else "-" for b in batches]
+        lines.append("| " + " | ".join([m, *cells]) + " |")
+    return "\n".join(lines)
+
+
 def markdown_report(result: BenchResult, command: str) -> str:
     m = result.meta
     cfg = m["config"]
@@ -469,6 +548,12 @@ def markdown_report(result: BenchResult, command: str) -> str:
         format_table(result.rows, markdown=True),
         "",
     ]
+    if any(r.startup_seconds for r in result.rows):
+        lines += ["Start-up (untimed first image per batch shape: allocation"
+                  + (", compilation" if cfg.get("compile") else "") + "): "
+                  + ", ".join(f"{r.method} {r.startup_seconds:.1f} s" for r in result.rows), ""]
+    if result.throughput:
+        lines += ["## Throughput", "", throughput_table(result.throughput), ""]
     if result.ar_spread is not None:
         spread = ", ".join(f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
         lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
@@ -496,6 +581,7 @@ def save_bench(
             "ar_spread": result.ar_spread,
             "curves": result.curves,
             "sweep": [r.to_dict() for r in result.sweep],
+            "throughput": result.throughput,
         },
     )
     with atomic_path(out / "bench.md") as tmp:
@@ -555,7 +641,8 @@ def _save_plots(result: BenchResult, out: Path) -> None:
             ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
     for r in result.rows:
         if r.quality.get("fid") is not None:
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="black")
+            token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
             ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
                         textcoords="offset points")
     if result.ar_spread is not None and "fid" in result.ar_spread:
@@ -573,26 +660,47 @@ def _save_plots(result: BenchResult, out: Path) -> None:
     plt.close(fig)
 
 
-def parse_methods(spec: str, trees: Mapping[str, str] | None = None) -> tuple[MethodSpec, ...]:
+def parse_methods(
+    spec: str, trees: Mapping[str, str] | None = None, budget: str | None = None
+) -> tuple[MethodSpec, ...]:
     """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
-    run can compare trees for the same method; for coupled SJD ``METHOD@COUPLING`` (e.g.
-    ``sjd-coupled@gumbel``) compares couplings the same way."""
+    run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
+    (``lantern/delta=0.2/budget=token``), and so does a Jacobi method's coupling
+    (``sjd-coupled/coupling=gumbel``); ``budget`` (``--lantern-budget``) is the relaxed rows'
+    default budget."""
     trees = trees or {}
     entries = [m.strip() for m in spec.split(",") if m.strip()]
     check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
     out = []
     for entry in entries:
-        name, _, tree = entry.partition("@")
+        head, *options = entry.split("/")
+        name, _, tree = head.partition("@")
         check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
-        if tree and name in COUPLED_METHODS:
-            out.append(MethodSpec(name, coupling=tree, label=entry))
-        elif tree:
+        settings = _row_settings(entry, name, options, budget)
+        if tree:
             check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
-            out.append(MethodSpec(name, tree=tree, label=entry))
-        else:
-            out.append(MethodSpec(name, tree=trees.get(name)))
+        label = entry if tree or options else ""
+        if settings["budget"] is not None and "budget=" not in entry:  # rows say which budget they ran
+            label = f"{entry}/budget={settings['budget']}"
+        out.append(MethodSpec(name, tree=tree or trees.get(name), label=label, **settings))
     return tuple(out)
+
+
+def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
+    """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
+    kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str,
+                                              "coupling": str}
+    out: dict[str, Any] = {"budget": budget if name in LANTERN_METHODS else None}
+    for option in options:
+        key, eq, value = option.partition("=")
+        check(eq == "=" and key in kinds, f"--methods {entry!r}: expected /KEY=VALUE with KEY one of "
+                                          f"{', '.join(kinds)}, got {option!r}")
+        try:
+            out["lam" if key == "lambda" else key] = kinds[key](value)
+        except ValueError:
+            raise LanternError(f"--methods {entry!r}: {key} must be a number, got {value!r}") from None
+    return out
 
 
 class QualityScorer:
@@ -661,6 +769,18 @@ def resolve_auto_trees(
     return replace(config, methods=methods), {name: c.to_dict() for name, c in chosen.items()}
 
 
+def parse_batch_sizes(spec: str | int) -> list[int]:
+    """``--speed-batch-size``: one size (latency rows) or a list ``1,4,16`` (the first gives the
+    latency rows, the others a throughput table)."""
+    try:
+        sizes = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    check(len(sizes) >= 1 and all(b >= 1 for b in sizes),
+          f"--speed-batch-size must be an integer >= 1 or a list like 1,4,16, got {spec!r}")
+    return sizes
+
+
 def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
     trees: dict[str, str] = {}
     for v in values:
@@ -680,17 +800,23 @@ def cmd_bench(args: Any) -> int:
     import sys
 
     from lantern.cli import _sampling
+    from lantern.compiling import resolve_compile
+    from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_device
 
     t0 = time.perf_counter()
     trees = parse_tree_options(args.tree)
+    batch_sizes = parse_batch_sizes(args.speed_batch_size)
     config = BenchConfig(
-        methods=parse_methods(args.methods, trees),
+        methods=parse_methods(args.methods, trees, args.lantern_budget),
         num_images=args.num_images,
         speed_images=args.speed_images,
         seed=args.seed,
         batch_size=args.batch_size,
-        speed_batch_size=args.speed_batch_size,
+        speed_batch_size=batch_sizes[0],
+        throughput_batch_sizes=tuple(batch_sizes[1:]),
+        compile=resolve_compile(args.compile, args.device),
         repeats=args.repeats,
         num_real=args.num_real,
         curve_images=args.curve_images,
@@ -699,12 +825,20 @@ def cmd_bench(args: Any) -> int:
         sweep_images=args.sweep_images,
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    check_device(args.device)
+    out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     sampling = _sampling(args, stack)
+    given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
+    throughput_methods = {}
+    for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
+        at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
+        throughput_methods[batch] = {m.name: m.resolve(stack) for m in at_batch.methods}
+        auto_trees[f"batch {batch}"] = chosen
     scorer = None
     if not args.no_quality:
         scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress)
@@ -713,15 +847,19 @@ def cmd_bench(args: Any) -> int:
           f"{str(stack.target.dtype).replace('torch.', '')} on {args.device}")
     if scorer is not None:
         print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
-    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress)
+    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress,
+                       throughput_methods=throughput_methods)
     if scorer is not None:
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
-    out = save_bench(stack, result, args.out or f"bench-{Path(str(args.model)).name}", command)
+    with out.write() as folder:
+        save_bench(stack, result, folder, command)
     print(format_table(result.rows))
+    if result.throughput:
+        print(throughput_table(result.throughput))
     if result.ar_spread is not None:
         print("AR seed-to-seed spread: " + ", ".join(
             f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
-    print(f"wrote {out}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
+    print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0

@@ -33,6 +33,12 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # [N]
         self.max_len = max_len
+        self._layer_ids = torch.arange(n_layer, device=device)  # [L] advanced index of each layer
+
+    @staticmethod
+    def nbytes(n_layer: int, rows: int, n_head: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of ``k`` and ``v`` for these sizes: what the constructor allocates (checked first)."""
+        return 2 * n_layer * rows * n_head * max_len * head_dim * dtype.itemsize
 
     @property
     def rows(self) -> int:
@@ -41,9 +47,12 @@ class KVCache:
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k/v [N, H, T, Dh] at per-row slots [N, T]."""
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [N, 1]
-        # Advanced indices around a slice put the indexed dims first: target view is [N, T, H, Dh].
-        self.k[layer][rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
+        # One index_put_ on the whole buffer, the layer an advanced index too (not ``self.k[layer]``):
+        # a compiled graph then writes in place instead of copying the cache back after a view write.
+        # Advanced indices around a slice put the indexed dims first: the target is [N, T, H, Dh].
+        index = (self._layer_ids[layer : layer + 1], rows, slice(None), slots)
+        self.k[index] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[index] = v.transpose(1, 2).to(self.v.dtype)
 
     def read(self, layer: int, kv_len: int) -> tuple[Tensor, Tensor]:
         """Keys and values of the first ``kv_len`` slots: [N, H, kv_len, Dh] each."""
@@ -72,3 +81,53 @@ class KVCache:
 
     def reset(self) -> None:
         self.lengths.zero_()
+
+
+class CachePool:
+    """KV caches kept across images, one per (owner, shape): the same buffers every image, as
+    gpt-fast's idempotent ``setup_caches`` (CUDA graphs replay on fixed addresses; no allocation
+    per image). A reused cache is reset (lengths 0); its stale slots are masked like any others."""
+
+    def __init__(self) -> None:
+        self._caches: dict[tuple[object, ...], KVCache] = {}
+        self._buffers: dict[tuple[object, ...], Tensor] = {}
+
+    def buffer(
+        self, owner: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, static: bool = False
+    ) -> Tensor:
+        """A zeroed work buffer of this shape, the same tensor every time it is asked for."""
+        key = (owner, shape, dtype, str(device))
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.zeros(shape, dtype=dtype, device=device)
+            if static:
+                from lantern.compiling import mark_static
+
+                mark_static(buf)
+            self._buffers[key] = buf
+        return buf.zero_()
+
+    def get(
+        self,
+        owner: str,
+        n_layer: int,
+        rows: int,
+        n_head: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        static: bool = False,
+    ) -> KVCache:
+        """A reset cache of this shape; ``static``: mark its buffers' addresses static for dynamo."""
+        key = (owner, n_layer, rows, n_head, max_len, head_dim, dtype, str(device))
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = KVCache(n_layer, rows, n_head, max_len, head_dim, dtype, device)
+            if static:
+                from lantern.compiling import mark_static
+
+                mark_static(cache.k, cache.v, cache.lengths)
+            self._caches[key] = cache
+        cache.reset()
+        return cache

@@ -41,10 +41,12 @@ from lantern.errors import LanternError, check
 from lantern.generate import Drafter, GenerationOutput, generate
 from lantern.jacobi import JacobiDrafter, check_window_fits
 from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance, max_tree_nodes
 from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
 from lantern.stack import read_generation_settings
+from lantern.validate import check_batch_memory
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -76,6 +78,13 @@ class ChameleonTarget:
         self.pos_offset: Tensor | None = None  # [S*B] left padding of each row (position = slot - offset)
         self.root_index: Tensor | None = None  # [B] code index of the pending root token
         self._shadows: tuple[Tensor, Tensor] | None = None  # (row_end [B, T], shadow slot [B, T]) of the last verify
+        # What a drafter that reads the whole model sequence (LANTERN's released Chameleon drafters,
+        # lantern.released_drafter) needs beyond the loop's interface: the prefill's ids and features,
+        # each verified node's own feature (at a row end: the state at the code, not at its new-line),
+        # and the last committed path.
+        self.prefill: tuple[Tensor, Tensor] | None = None  # (ids [S*B, L], hidden [S*B, L, D])
+        self.node_hidden: Tensor | None = None  # [S*B, T, D]
+        self.last_path: Tensor | None = None  # [B, W]
 
     # -- properties the loop and the drafter read --------------------------------------------------
 
@@ -132,9 +141,8 @@ class ChameleonTarget:
             ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
         n_rows = ids.shape[0]
         cfg = self.model.config
-        max_len = length + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
-        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, max_len, self.model.head_dim,
-                             self.model.dtype, self.model.device)
+        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, self._cache_len(length),
+                             self.model.head_dim, self.model.dtype, self.model.device)
         self.key_mask = mask
         self.pos_offset = (~mask).sum(1)
         self.root_index = torch.zeros(b, dtype=torch.long, device=cond.device)
@@ -146,6 +154,7 @@ class ChameleonTarget:
         hidden = self.model.forward_cached(ids, positions, slots, attn, self.cache)
         self.cache.lengths.fill_(length)
         self.forwards += 1
+        self.prefill = (ids, hidden)
         logits = apply_cfg(self.model.image_logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
         return logits, hidden[:, length - p :]
 
@@ -177,6 +186,7 @@ class ChameleonTarget:
         attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n)
         hidden = self.model.forward_cached(ids.repeat(s, 1), positions, slots, attn, cache)
         self.forwards += 1
+        self.node_hidden = hidden[:, :t]
         idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
         hidden = hidden.gather(1, idx)  # [S*B, T, D]: the state that predicts each node's children
         logits = apply_cfg(self.model.image_logits(hidden), self.sampling.cfg_scale, s)
@@ -192,8 +202,18 @@ class ChameleonTarget:
             keep, count = _with_shadows(path, num_keep, row_end, shadow_slot)
         cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
         self.root_index = self.root_index + num_keep
+        self.last_path = path
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _cache_len(self, context: int) -> int:
+        return context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
+
+    def cache_bytes(self, batch: int, context: int) -> int:
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts of ``context`` tokens."""
+        m = self.model
+        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads, self._cache_len(context),
+                              m.head_dim, m.dtype)
 
     def _max_model_tokens(self) -> int:
         extra = self.layout.height if self.layout.eol is not None else 0
@@ -416,7 +436,7 @@ def run_chameleon(
     progress: bool = False,
     drafter_dir: str | os.PathLike[str] | None = None,
     proximity: str | os.PathLike[str] | None = None,
-    drafter: EagleDrafterModel | None = None,
+    drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None,
 ) -> RunResult:
     """One image per prompt, ``batch_size`` at a time; image ``i`` uses ``image_seed(seed, i)``."""
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
@@ -428,8 +448,9 @@ def run_chameleon(
         check_tree_fits(method.tree, layout.num_tokens)
         path = drafter_dir or stack.drafter_dir
         check(path is not None, f"--method {method.method} needs a drafter: pass --drafter DIR")
-        drafter = EagleDrafterModel.from_pretrained(path)
-        check_chameleon_drafter(drafter.config, lm, layout, path)
+        from lantern.released_drafter import load_chameleon_drafter
+
+        drafter = load_chameleon_drafter(path, lm, layout)
     if drafter is not None:
         drafter = drafter.to(lm.device, drafter_dtype(lm.dtype, lm.device)).eval()
     codebook = None if stack.vq is None else stack.vq.codebook()
@@ -437,6 +458,9 @@ def run_chameleon(
     token_lists = stack.tokenize(prompts)
     ids, mask = encode_prompts(token_lists, layout)
     ids, mask = ids.to(lm.device), mask.to(lm.device)
+    batch = min(batch_size, len(prompts))
+    probe = ChameleonTarget(lm, layout, sampling, max_tree_nodes=max_tree_nodes(resolved.tree))
+    check_batch_memory(probe.cache_bytes(batch, ids.shape[1]), batch, lm.device)
     head = lm.image_head if drafter is None or drafter.dtype == lm.dtype else _head_copy(lm.image_head, drafter.dtype)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
@@ -462,7 +486,7 @@ def _parts(
     layout: ImageLayout,
     sampling: SamplingConfig,
     method: MethodConfig,
-    drafter: EagleDrafterModel | None,
+    drafter: EagleDrafterModel | ReleasedChameleonDrafter | None,
     head: torch.nn.Linear,
 ) -> tuple[ChameleonTarget, Drafter | None]:
     """A fresh target adapter and drafter for one batch (they hold per-batch caches)."""
@@ -474,5 +498,10 @@ def _parts(
     if drafter is None:
         return target, None
     fed = nodes + tree.depth * tree.top_k
+    if isinstance(drafter, ReleasedChameleonDrafter):  # LANTERN's released drafters read the whole sequence
+        from lantern.released_drafter import ReleasedDrafterBackend
+
+        released = ReleasedDrafterBackend(drafter, head, sampling, target, 2 * fed + 8)
+        return target, TreeDrafter(released, tree, sampling, lm.num_codes)
     backend = EagleBackend(drafter, head, sampling, target.streams, len(layout.prefix) + layout.num_tokens + fed + 8)
     return target, TreeDrafter(backend, tree, sampling, lm.num_codes)

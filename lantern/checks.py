@@ -35,6 +35,8 @@ def tree_depth(tree: TreeConfig) -> int:
         return 0
     if tree.kind == "dynamic":
         return tree.depth + 1  # level 1 from the root, then ``depth`` expansions
+    if tree.kind == "chain":  # not built: ``chain:100000``'s choices alone would take tens of GB
+        return tree.depth
     return static_tree(resolve_tree_choices(tree.choices_name)).max_depth
 
 

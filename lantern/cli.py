@@ -10,9 +10,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lantern.errors import LanternError
+
+if TYPE_CHECKING:
+    from lantern.outputs import OutputFolder
 
 
 def _window_arg(text: str) -> int | str:
@@ -51,6 +54,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 = off (default 0)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus threshold in (0, 1]; 1 = off (default 1.0)")
     g.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale; 1 = off (default 1)")
+
+
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "cfg_scale": "--cfg-scale"}
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """Each sampling flag given, checked on its own before anything is loaded; the error names the flag."""
+    from lantern.config import SamplingConfig
+
+    for name, flag in _SAMPLING_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        try:
+            SamplingConfig(**{name: value})
+        except LanternError as e:
+            raise LanternError(f"{flag}: {e}") from None
 
 
 def _sampling(args: argparse.Namespace, stack: Any) -> Any:
@@ -116,6 +137,16 @@ def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespac
     return choice
 
 
+def _add_budget_arg(p: argparse.ArgumentParser) -> None:
+    from lantern.pipeline import BUDGETS, DEFAULT_BUDGET
+
+    p.add_argument(
+        "--lantern-budget", default=None, choices=BUDGETS,
+        help="what delta / lambda bound: each acceptance test (test, the paper's) or every emitted token "
+        f"(token: TV(token, p) <= delta, or token(x) <= lambda p(x), at every tree level) (default {DEFAULT_BUDGET})",
+    )
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
@@ -155,7 +186,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="images per label or prompt (default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="base seed; image i uses its own generator (default 0)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (written all-or-nothing: it appears complete or "
+                                                "not at all)")
+    _add_overwrite_arg(p)
     p.add_argument(
         "--method",
         default="ar",
@@ -198,6 +231,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="relaxed methods, after a rejection: the paper's residual (default), or the released LlamaGen "
              "(official) / Lumina-mGPT (official-lumina) code's, for comparisons",
     )
+    _add_budget_arg(p)
     p.add_argument("--sjd-window", type=_window_arg, default=None,
                    help="sjd*, gsd: Jacobi window length L >= 1 (16), or auto: the fastest of 4-32 on this device, "
                         "measured on a few calibration images")
@@ -227,8 +261,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "(bf16 where the hardware computes it natively: faster at batch 1)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="auto", default="off", metavar="MODE",
+                   help="compile the decode step (target, drafter, acceptance; AR too) with torch.compile: "
+                        "--compile alone = auto (CUDA graphs on a GPU, inductor kernels on a CPU), or a mode: "
+                        "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
+
+
+def _check_compile(args: argparse.Namespace) -> None:
+    """Refuse a bad --compile before anything is loaded or written."""
+    from lantern.compiling import resolve_compile
+
+    resolve_compile(args.compile, getattr(args, "device", "cpu"))
 
 
 def _read_prompt_args(args: argparse.Namespace) -> list[str] | None:
@@ -283,21 +332,39 @@ def _encode_prompts(prompts: list[str], t5_dir: Path, stack: Any, args: argparse
     return captions.repeat_interleave(args.num_per_label)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+def _add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing non-empty --out {what} (default: refuse to touch it)")
 
+
+def _check_run_args(args: argparse.Namespace) -> OutputFolder:
+    """generate's counts and device, checked before anything is loaded; the --out folder to write."""
+    from lantern.outputs import OutputFolder
+    from lantern.validate import check_count, check_device
+
+    check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
+    check_count(args.batch_size, "--batch-size")
+    check_device(args.device)
+    return OutputFolder.check(args.out, "--out", args.overwrite)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     from lantern.autowindow import with_window
-    from lantern.io import ensure_writable_dir
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.vq import to_pil
     from lantern.pipeline import MethodConfig, run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_image_total, check_label_values
 
-    if args.num_per_label < 1:
-        raise LanternError(f"--num-per-label / --num-per-prompt must be >= 1, got {args.num_per_label}")
+    _check_compile(args)
+    out = _check_run_args(args)
     prompts = _read_prompt_args(args)
+    check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
+                      "--num-per-label / --num-per-prompt")
     if is_chameleon_folder(args.model):
-        return _generate_chameleon(args, prompts)
+        if args.compile != "off":
+            raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+        return _generate_chameleon(args, prompts, out)
     for name in ("layout", "image_size", "vq"):
         if getattr(args, name) is not None:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
@@ -311,17 +378,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda,
-        None if auto_window else args.sjd_window, args.sjd_init, args.lantern_residual, args.sjd_coupling,
-        args.gsd_group,
+        None if auto_window else args.sjd_window, args.sjd_init, args.lantern_residual, args.lantern_budget,
+        coupling=args.sjd_coupling, group=args.gsd_group,
     )
     sampling = _sampling(args, stack)
     t5_dir = _t5_dir(args, stack) if prompts is not None else None
-    out = ensure_writable_dir(args.out, "--out")
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     run_kw: dict[str, Any] = dict(
         seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
-        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity,
+        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity, compile=args.compile,
     )
     auto_choice = window_choice = None
     if prompts is not None:
@@ -334,35 +400,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = run_generation_t2i(stack, captions, **run_kw)
     else:
         labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        stack.target.check_labels(torch.tensor(labels))
+        check_label_values(labels, stack.target.config.num_classes)
         if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
             auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
                                      args.drafter, args.proximity, not args.no_progress)
             run_kw["method"] = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k,
                                                     args.lantern_delta, args.lantern_lambda, args.sjd_window,
-                                                    args.sjd_init, args.lantern_residual, args.sjd_coupling,
-                                                    args.gsd_group)
+                                                    args.sjd_init, args.lantern_residual, args.lantern_budget,
+                                                    coupling=args.sjd_coupling, group=args.gsd_group)
         if auto_window:  # time the candidate windows, then run with the fastest
             window_choice = _auto_window(stack, method, sampling, args)
             run_kw["method"] = with_window(method, window_choice.window)
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
-    with torch.no_grad():
-        images = to_pil(stack.tokenizer.decode(result.codes))
-    _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
+    images = _decode(stack.tokenizer.decode, result.codes, to_pil)
     run = _run_record(args, len(names), sampling, result, conditions)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
     if window_choice is not None:
         run["auto_window"] = window_choice.to_dict()
-    return _finish_run(out, run, len(images))
+    return _write_run(out, images, names, args.num_per_label, result.codes, run)
+
+
+def _decode(decode: Callable[[Any], Any], codes: Any, to_pil: Callable[[Any], list[Any]]) -> list[Any]:
+    import torch
+
+    with torch.no_grad():
+        return to_pil(decode(codes))
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
-    from lantern.models.chameleon import LAYOUTS, layout_by_name
+    from lantern.models.chameleon import LAYOUTS, is_chameleon_folder, layout_by_name
     from lantern.stack import read_generation_settings
 
+    if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
+        raise LanternError(f"--model: no such folder {root}")
+    if not is_chameleon_folder(root):
+        raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
+                           "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
     name = args.layout
     if name is None:
         name = read_generation_settings(root).get("layout")
@@ -374,12 +450,9 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     return layout_by_name(name, args.image_size)
 
 
-def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> int:
+def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder) -> int:
     """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
-    import torch
-
     from lantern.chameleon import load_chameleon_stack, run_chameleon
-    from lantern.io import ensure_writable_dir
     from lantern.models.chameleon_vq import to_pil
     from lantern.pipeline import MethodConfig
     from lantern.stack import inference_dtype
@@ -395,41 +468,50 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None) -> 
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
     _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
     layout = _chameleon_layout(args, root)
-    out = ensure_writable_dir(args.out, "--out")
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     tree = args.tree if args.tree is not None else stack.default_tree(args.method)
     method = MethodConfig.resolve(
         args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual, args.sjd_coupling, args.gsd_group,
+        args.lantern_residual, args.lantern_budget, coupling=args.sjd_coupling, group=args.gsd_group,
     )
     sampling = _sampling(args, stack)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
     result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
                            not args.no_progress, args.drafter, args.proximity)
-    with torch.no_grad():
-        images = to_pil(stack.vq.decode_grid(result.codes, layout.height, layout.width))
+    images = _decode(lambda c: stack.vq.decode_grid(c, layout.height, layout.width), result.codes, to_pil)
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    _write_images_and_codes(out, images, names, args.num_per_label, result.codes)
     layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
                    "pixel_size": list(layout.pixel_size)}
     conditions = {"layout": layout_info, "prompts": prompts, "prompt_index": index}
-    return _finish_run(out, _run_record(args, len(names), sampling, result, conditions), len(images))
+    run = _run_record(args, len(names), sampling, result, conditions)
+    return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
-def _write_images_and_codes(out: Path, images: list[Any], names: list[str], ncol: int, codes: Any) -> None:
-    """One PNG per image, ``grid.png`` and ``codes.npy``, each written atomically."""
+def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int, codes: Any,
+               run: dict[str, Any]) -> int:
+    """One PNG per image, ``grid.png``, ``codes.npy`` and ``run.json``, all-or-nothing: written
+    into a staging folder that becomes ``--out`` only when complete (:mod:`lantern.outputs`)."""
     import numpy as np
 
     from lantern.images import image_grid, save_png
-    from lantern.io import atomic_path
+    from lantern.io import write_json
+    from lantern.outputs import pause_for_tests
 
-    for img, name in zip(images, names, strict=True):
-        save_png(img, out / name)
-    save_png(image_grid(images, ncol=ncol), out / "grid.png")
-    with atomic_path(out / "codes.npy") as tmp:
-        with open(tmp, "wb") as f:
+    with out.write() as folder:
+        for img, name in zip(images, names, strict=True):
+            save_png(img, folder / name)
+        pause_for_tests()  # the interruption tests kill the run here: PNGs written, codes not yet
+        save_png(image_grid(images, ncol=ncol), folder / "grid.png")
+        with open(folder / "codes.npy", "wb") as f:
             np.save(f, codes.cpu().numpy().astype(np.int64))
+        write_json(folder / "run.json", run)
+    stats = run["stats"]
+    print(
+        f"wrote {len(images)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+    )
+    return 0
 
 
 def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result: Any,
@@ -451,18 +533,6 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result
     }
 
 
-def _finish_run(out: Path, run: dict[str, Any], num_images: int) -> int:
-    from lantern.io import write_json
-
-    write_json(out / "run.json", run)
-    stats = run["stats"]
-    print(
-        f"wrote {num_images} images to {out} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
-        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
-    )
-    return 0
-
-
 def _add_make_random_stack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-random-stack",
@@ -470,6 +540,7 @@ def _add_make_random_stack(sub: argparse._SubParsersAction) -> None:
         description="Build a small random LlamaGen target + VQ tokenizer stack; no training involved.",
     )
     p.add_argument("--out", required=True, help="output stack folder")
+    _add_overwrite_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--grid", type=int, default=8, help="image tokens per side (default 8 -> 64 tokens)")
@@ -478,12 +549,13 @@ def _add_make_random_stack(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_make_random_stack(args: argparse.Namespace) -> int:
+    from lantern.outputs import OutputFolder
     from lantern.testing import make_random_stack
 
-    path = make_random_stack(
-        Path(args.out), seed=args.seed, num_classes=args.num_classes, grid=args.grid, vocab=args.vocab
-    )
-    print(f"wrote random stack to {path}")
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    with out.write() as folder:
+        make_random_stack(folder, seed=args.seed, num_classes=args.num_classes, grid=args.grid, vocab=args.vocab)
+    print(f"wrote random stack to {out.path}")
     return 0
 
 
@@ -496,6 +568,7 @@ def _add_build_proximity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder or official vq_ds16_*.pt file")
     p.add_argument("--k-max", type=int, default=1024, help="neighbours stored per entry (default 1024)")
     p.add_argument("--out", required=True, help="output file (.safetensors)")
+    _add_overwrite_arg(p, "file")
     p.add_argument(
         "--metric", choices=["l2", "cosine"], default="l2", help="distance (default l2, as the official code)"
     )
@@ -507,7 +580,8 @@ def _add_build_proximity(sub: argparse._SubParsersAction) -> None:
 def cmd_build_proximity(args: argparse.Namespace) -> int:
     from lantern.proximity import build_proximity_file
 
-    table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize)
+    table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize,
+                                 overwrite=args.overwrite)
     print(
         f"wrote {args.out}: {table.vocab_size} entries x {table.k_max} neighbours "
         f"({table.metric}, normalized={table.normalized}, codebook sha256 {table.codebook_sha256[:12]})"
@@ -530,14 +604,17 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="images decoded together (default 1: the latency setting speculative decoding targets)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is reported")
     p.add_argument("--out", default="lantern-demo", help="output folder (default ./lantern-demo)")
+    _add_overwrite_arg(p)
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
     p.add_argument("--tree", default=None,
                    help="tree for every speculative method: auto (chosen per method for this device) or a "
                         "--tree spec of `lantern generate` (default: the model's generation.json)")
     p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
+    _add_budget_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -548,18 +625,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from lantern.demo import run_demo, save_demo
+    from lantern.outputs import OutputFolder
     from lantern.pipeline import METHODS
+
+    _check_compile(args)
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import MAX_IMAGES, check_count
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for m in methods:
         if m not in METHODS:
             raise LanternError(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
     auto = _check_auto_tree(args.tree, methods, args.profile)
+    for name in ("num_images", "batch_size", "repeats"):
+        if getattr(args, name) is not None:
+            check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
     sampling = _sampling(args, stack)
-    n = args.num_images or stack.target.config.num_classes
+    n = stack.target.config.num_classes if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
     if args.tree is not None:
@@ -575,18 +660,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
             trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
         stack = with_trees(stack, trees)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
-                    repeats=args.repeats, progress=not args.no_progress)
+                    repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
+                    compile=args.compile)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
-            "sampling": sampling.to_dict(), "threads": torch.get_num_threads()}
+            "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
     if auto_trees:
         meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
-    out = save_demo(stack, rows, args.out, meta)
+    with out.write() as folder:
+        save_demo(stack, rows, folder, meta)
     from lantern.demo import format_table
 
     print(f"model {args.model} | {n} images per method, batch {args.batch_size}, same labels and seeds | "
           f"{sampling.to_dict()}")
     print(format_table(rows))
-    print(f"grid: {out / 'demo_grid.png'} | numbers: {out / 'demo.json'} | total {time.perf_counter() - t0:.0f} s")
+    print(f"grid: {out.path / 'demo_grid.png'} | numbers: {out.path / 'demo.json'} | "
+          f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
 
@@ -602,8 +690,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="photos", help="embedded preset (digits | photos) or a stack folder")
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
-                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, "
-                        "sjd-coupled@gumbel one with that coupling "
+                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
+                        "METHOD/KEY=VALUE... a row with those settings (keys k, delta, lambda, budget; coupling for "
+                        "sjd-coupled* and gsd), e.g. lantern/delta=0.2/budget=token or sjd-coupled/coupling=gumbel "
                         "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
@@ -612,7 +701,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-images", type=int, default=8, help="images per method timed (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")
-    p.add_argument("--speed-batch-size", type=int, default=1, help="batch for the timed images (default 1)")
+    p.add_argument("--speed-batch-size", default="1",
+                   help="batch for the timed images (default 1); a list like 1,4,16 adds a throughput table "
+                        "(images/s of every method at each further batch size)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is kept")
     p.add_argument("--num-real", type=int, default=1000,
                    help="held-out real images to compare with (default 1000, capped by the test split)")
@@ -627,11 +718,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")
     p.add_argument("--sweep-images", type=int, default=100, help="quality images per sweep point (default 100)")
     p.add_argument("--profile", default=None, help="with auto trees: a profile.json from `lantern profile`")
+    _add_budget_arg(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto: bf16 where native)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
+    _add_overwrite_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -658,29 +752,44 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--out", default="lantern-profile", help="output folder (default ./lantern-profile)")
+    _add_overwrite_arg(p)
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
+    p.add_argument("--trace", default=None, metavar="METHODS",
+                   help="instead of the cost profile: trace the decode round of these methods (ar included, "
+                        "e.g. ar,sd,lantern,lantern++,sjd): time, dispatched ops and host syncs per round by "
+                        "phase; writes OUT/trace.json and OUT/trace.md")
+    p.add_argument("--trace-images", type=int, default=2, help="images per method for --trace (default 2)")
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
+    _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
-    from lantern.io import ensure_writable_dir
+    from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_device
 
+    _check_compile(args)
     settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
                                quick=args.quick, seed=args.seed)
-    out = ensure_writable_dir(args.out, "--out")
+    check_device(args.device)
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
     sampling = _sampling(args, stack)
+    if args.trace is not None:
+        from lantern.roundtrace import cmd_trace
+
+        return cmd_trace(args, stack, sampling, out)
     profile = measure_profile(stack, sampling, settings, model_name=str(args.model), progress=not args.no_progress)
-    json_path, png_path = save_profile(profile, out)
+    with out.write() as folder:
+        json_path, png_path = save_profile(profile, folder)
     print(format_profile(profile))
-    print(f"wrote {json_path}" + (f" and {png_path}" if png_path is not None else ""))
+    print(f"wrote {out.path / json_path.name}" + (f" and {out.path / png_path.name}" if png_path is not None else ""))
     return 0
 
 
@@ -699,22 +808,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks (staging folders) run."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _one_line(e: BaseException) -> str:
+    """A user-facing failure that is not a :class:`LanternError` (a path the OS refused, memory), in one line."""
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror or e}{where}"
+    return "out of memory; use a smaller --batch-size or fewer images" if _out_of_memory(e) else str(e)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """MemoryError, or torch.cuda.OutOfMemoryError (a RuntimeError; matched by name so that the
+    top level imports no torch)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
+    running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
+    exit 130 / 143 once ``finally`` blocks removed partial outputs; anything else is a bug and
+    keeps its traceback."""
+    import signal
+    import threading
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
     func: Callable[[argparse.Namespace], Any] = args.func
     from lantern.io import trusted_checkpoints
 
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
+        _check_sampling_flags(args)
         with trusted_checkpoints(getattr(args, "trust_checkpoint", False)):
             return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not _out_of_memory(e):
+            raise  # any other RuntimeError is a bug: keep its traceback
+        print(f"lantern: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("lantern: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("lantern: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

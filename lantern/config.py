@@ -12,9 +12,14 @@ from typing import Any, Literal, get_args
 
 from lantern.errors import check
 
+# Guidance scales in use are 1.5-10 (LlamaGen 1.75-4, Lumina-mGPT 3-4); far beyond, the guided
+# logits overflow (``--cfg-scale 1e39`` gave all-zero codes), so the range is bounded.
+MAX_CFG_SCALE = 100.0
+
 RelaxationMode = Literal["absolute", "relative", "group"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
 RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
+RelaxationBudget = Literal["test", "token"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,9 @@ class SamplingConfig:
         )
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(
-            math.isfinite(self.cfg_scale) and self.cfg_scale >= 1.0,
-            f"cfg_scale must be >= 1 (1 disables guidance), got {self.cfg_scale}",
+            math.isfinite(self.cfg_scale) and 1.0 <= self.cfg_scale <= MAX_CFG_SCALE,
+            f"cfg_scale must be in [1, {MAX_CFG_SCALE:g}] (1 disables guidance; usual values 1.5-10), "
+            f"got {self.cfg_scale}",
         )
 
     @property
@@ -77,6 +83,14 @@ class RelaxationConfig:
     ``residual`` chooses what happens after a rejection: ``paper`` continues with the residual of
     the relaxed target (SPEC §4.4); ``official`` reproduces the released LlamaGen code and
     ``official-lumina`` the released Lumina-mGPT code, for comparison only.
+
+    ``budget`` says what the bound limits (docs/relaxation_budget.md):
+
+    * ``test`` (the paper's): each acceptance test on its own; a level that tests several
+      siblings, or draws them at random, can move its emitted token further than ``delta``.
+    * ``token``: the emitted token at every tree level, whatever the siblings:
+      TV(emitted, p) <= ``delta``, or emitted(x) <= ``lam`` * p(x) for every x. Each level
+      shares one budget among its tests; only ``residual="paper"`` applies.
     """
 
     k: int = 1000
@@ -84,6 +98,7 @@ class RelaxationConfig:
     lam: float = 1.0
     mode: RelaxationMode = "absolute"
     residual: ResidualMode = "paper"
+    budget: RelaxationBudget = "test"
 
     def __post_init__(self) -> None:
         check(isinstance(self.k, int) and self.k >= 0, f"lantern k must be an integer >= 0, got {self.k}")
@@ -92,6 +107,14 @@ class RelaxationConfig:
             f"relaxation mode must be 'absolute', 'relative' or 'group', got {self.mode!r}",
         )
         check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+        check(
+            self.budget in ("test", "token"),
+            f"lantern budget must be 'test' or 'token', got {self.budget!r}",
+        )
+        check(
+            self.budget == "test" or self.residual == "paper",
+            f"the token budget needs residual='paper'; residual={self.residual!r} needs budget='test'",
+        )
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
             f"lantern delta must be in [0, 1], got {self.delta}",
@@ -103,6 +126,7 @@ class RelaxationConfig:
             check(self.delta == 0.0, "lantern delta is only used with mode='absolute' (LANTERN)")
         if self.mode == "group":  # GSD continues with the exact residual, as its released code
             check(self.residual == "paper", f"the group rule (GSD) has no {self.residual!r} residual")
+            check(self.budget == "test", "the group rule (GSD) has no token budget: it bounds no mass")
 
     @property
     def is_exact(self) -> bool:

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
+from lantern.compiling import resolve_compile
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, write_json
 from lantern.models.vq import to_pil
-from lantern.pipeline import MethodConfig, RunResult
+from lantern.pipeline import RELAXED_RULE, MethodConfig, RunResult
 from lantern.stack import ModelStack
 
 DEFAULT_METHODS = ("ar", "lantern++", "lantern", "sd")
@@ -56,16 +57,21 @@ def run_demo(
     batch_size: int = 8,
     repeats: int = 1,
     progress: bool = True,
+    budget: str | None = None,
+    compile: str | None = None,
 ) -> list[MethodTiming]:
     check("ar" in methods, "--methods must include ar (the speed-up baseline)")
     check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
     labels = demo_labels(stack.target.config.num_classes, num_images)
-    configs = {m: MethodConfig.resolve(m, stack.default_tree(m)) for m in methods}
+    # --lantern-budget applies to the relaxed methods only
+    configs = {m: MethodConfig.resolve(m, stack.default_tree(m), budget=budget if m in RELAXED_RULE else None)
+               for m in methods}
 
     from lantern.bench import time_methods  # methods take turns image by image (drift-proof)
 
-    results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress)
+    results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress,
+                                  compile=resolve_compile(compile, stack.target.device))
     ar_wall = statistics.median(walls["ar"])
     out = []
     for m in methods:

@@ -16,17 +16,20 @@ of noise per round whatever its batch-mates do, so its stream is independent of 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from lantern.cache import KVCache
+from lantern.cache import CachePool, KVCache
+from lantern.compiling import resolve_compile, step_fn
 from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
 from lantern.models.drafter import EagleDrafterModel
+from lantern.phases import phase
 from lantern.sampling import apply_cfg, probs_from_logits, process_logits
 from lantern.trees import (
     StaticTree,
@@ -68,10 +71,29 @@ class _LevelPlan:
     num_samples: int  # draws per expanded node
 
 
+# Static trees' schedules and buffers depend only on the tree (and batch size / device): built once
+# per process, not per image (building them costs host syncs: sizes, nonzero). Tree names are
+# unique per shape (registered trees are named by their hash), so the name is the key.
+_SHARED_PLANS: dict[tuple[str, str], list[_LevelPlan | None]] = {}
+_SHARED_BUFFERS: dict[tuple[str, int, str], TreeBuffers] = {}
+
+
+@functools.cache
+def _named_static_tree(name: str) -> StaticTree:
+    return static_tree(resolve_tree_choices(name))
+
+
 class TreeDrafter:
     """Implements the loop's ``Drafter`` protocol for chain, static and dynamic trees."""
 
-    def __init__(self, backend: DraftBackend, tree: TreeConfig, sampling: SamplingConfig, vocab_size: int) -> None:
+    def __init__(
+        self,
+        backend: DraftBackend,
+        tree: TreeConfig,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        compile: str | None = None,
+    ) -> None:
         check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
         if tree.kind == "dynamic":
             check(
@@ -79,9 +101,10 @@ class TreeDrafter:
                 f"tree top_k ({tree.top_k}) is larger than the vocabulary ({vocab_size})",
             )
         self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
+        self.compile = compile  # a resolved lantern.compiling mode for the per-level draws
         self.static: StaticTree | None = None
         if tree.kind in ("static", "chain"):
-            self.static = static_tree(resolve_tree_choices(tree.choices_name))
+            self.static = _named_static_tree(tree.choices_name)
         self.root: Tensor | None = None
         self._static_buffers: TreeBuffers | None = None
         self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None
@@ -129,7 +152,8 @@ class TreeDrafter:
         tokens[:, 0] = self.root
         sampled = not self.sampling.greedy
         q_draft = torch.zeros(b, t, v, device=device) if sampled else None
-        noise = self._race_noise(generators, active, b, v, device) if sampled else None
+        with phase("draft_sampling"):
+            noise = self._race_noise(generators, active, b, v, device) if sampled else None
         noise_row = 0
         for d, plan in enumerate(self._level_plans(device)):
             if plan is None:
@@ -141,22 +165,26 @@ class TreeDrafter:
                 anc = plan.ancestors[None].expand(b, -1, -1)
                 logits = self.backend.feed(parent, tokens[:, plan.nodes], d, anc)
             e = plan.nodes.shape[0]
-            if sampled:
-                q = probs_from_logits(logits, self.sampling)  # [B, E, V]
-                assert q_draft is not None and noise is not None
-                q_draft[:, plan.nodes] = q
-                keys = q / noise[:, noise_row : noise_row + e]
+            with phase("draft_sampling"):
+                level_noise = None if noise is None else noise[:, noise_row : noise_row + e]
                 noise_row += e
-                draws = keys.topk(plan.num_samples, dim=-1).indices  # [B, E, m] without replacement, in draw order
-            else:
-                draws = logits.topk(plan.num_samples, dim=-1).indices
-            tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
-        return DraftTree(tokens=tokens, buffers=self._static_batch(b, device), q_draft=q_draft)
+                q, draws = step_fn(_draw_level, self.compile, device)(logits, level_noise, self.sampling,
+                                                                     plan.num_samples)
+                if q_draft is not None:
+                    q_draft[:, plan.nodes] = q
+                tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
+        with phase("tree"):
+            buffers = self._static_batch(b, device)
+        return DraftTree(tokens=tokens, buffers=buffers, q_draft=q_draft)
 
     def _level_plans(self, device: torch.device) -> list[_LevelPlan | None]:
         """The static tree's drafting schedule, level by level; the same every round, so built once
         (per device) instead of re-deriving feed indices and ancestor masks in the hot loop."""
         if self._plans is not None and self._plans[0] == device:
+            return self._plans[1]
+        key = (self.tree.choices_name, str(device))
+        if key in _SHARED_PLANS:  # built by an earlier image's drafter: no per-image syncs
+            self._plans = (device, _SHARED_PLANS[key])
             return self._plans[1]
         st = self.static
         assert st is not None
@@ -188,25 +216,30 @@ class TreeDrafter:
                 )
             )
         self._plans = (device, plans)
+        _SHARED_PLANS[key] = plans
         return plans
 
     def _race_noise(
         self, generators: list[torch.Generator] | None, active: Tensor, b: int, v: int, device: torch.device
     ) -> Tensor:
-        """[B, n_expanded, V] Exp(1) noise; inactive rows draw nothing (their stream is untouched)."""
+        """[B, n_expanded, V] Exp(1) noise, row b from its own generator. Finished rows draw too
+        (their codes are complete), which keeps the round free of a sync to find the active ones."""
         assert self.static is not None and generators is not None
         n_exp = sum(int(n.numel()) for n in self.static.expand_levels)
-        noise = torch.ones(b, n_exp, v, device=device)
-        for i in active.nonzero().flatten().tolist():
-            noise[i].exponential_(generator=generators[i])
+        noise = torch.empty(b, n_exp, v, device=device)
+        for i, g in enumerate(generators):
+            noise[i].exponential_(generator=g)
         return noise
 
     def _static_batch(self, b: int, device: torch.device) -> TreeBuffers:
         cached = self._static_buffers
         if cached is None or cached.parents.shape[0] != b:
             assert self.static is not None
-            cached = tree_from_parents(self.static.parents.to(device)[None].expand(b, -1).contiguous())
-            self._static_buffers = cached
+            key = (self.tree.choices_name, b, str(device))
+            if key not in _SHARED_BUFFERS:
+                parents = self.static.parents.to(device)[None].expand(b, -1).contiguous()
+                _SHARED_BUFFERS[key] = tree_from_parents(parents)
+            cached = self._static_buffers = _SHARED_BUFFERS[key]
         return cached
 
     # -- dynamic trees (EAGLE-2 / LANTERN) --------------------------------------------------------
@@ -243,38 +276,65 @@ class TreeDrafter:
             feed_parent = i * k + pj
         scores, tokens_flat, parent_flat = torch.cat(all_scores, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
         total = min(self.tree.total_tokens, scores.shape[1])
-        sel, parents = dynamic_tree_select(scores, parent_flat, total)
-        tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
-        return DraftTree(tokens=tokens, buffers=tree_from_parents(parents), q_draft=None)
+        with phase("tree"):
+            sel, parents = dynamic_tree_select(scores, parent_flat, total)
+            tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
+            buffers = tree_from_parents(parents)
+        return DraftTree(tokens=tokens, buffers=buffers, q_draft=None)
 
     def _log_q(self, logits: Tensor) -> Tensor:
         return torch.log_softmax(process_logits(logits.float(), self.sampling), dim=-1)
 
 
+def _draw_level(
+    logits: Tensor, noise: Tensor | None, sampling: SamplingConfig, num_samples: int
+) -> tuple[Tensor | None, Tensor]:
+    """One level's draws (a compiled region): q [B, E, V] (None for greedy) and the children's
+    tokens [B, E, m], sampled without replacement by the exponential race ``argtop-m(q / E)``, in
+    draw order; greedy drafts are the top-m logits."""
+    if noise is None:
+        return None, logits.topk(num_samples, dim=-1).indices
+    q = probs_from_logits(logits, sampling)
+    return q, (q / noise).topk(num_samples, dim=-1).indices
+
+
 class EagleBackend:
-    """Scores tree nodes with an EAGLE drafter and its own static KV cache (one stream per CFG row)."""
+    """Scores tree nodes with an EAGLE drafter and its own static KV cache (one stream per CFG row).
+
+    Static shapes throughout, so the two steps compile to one graph each (per fed-node count):
+    attention spans the whole cache, and the fed nodes' predicted features live in a
+    preallocated buffer ``[S*B, max_len, D]`` (column 0 = the root, column 1 + f = fed node f).
+    """
 
     def __init__(
-        self, model: EagleDrafterModel, lm_head: torch.nn.Linear, sampling: SamplingConfig, streams: int, max_len: int
+        self,
+        model: EagleDrafterModel,
+        lm_head: torch.nn.Linear,
+        sampling: SamplingConfig,
+        streams: int,
+        max_len: int,
+        compile: str | None = None,
+        cache_pool: CachePool | None = None,
     ) -> None:
         self.model, self.lm_head, self.sampling = model.eval(), lm_head, sampling
         self.streams, self.max_len = streams, max_len
+        self.compile = resolve_compile(compile, model.device)
+        self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.cache: KVCache | None = None
         self.forwards = 0
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # feats, tokens, counts
-        self._fed_hidden: list[Tensor] = []  # [S*B, E, D] outputs of fed nodes, in feed order
-        self._root_hidden: Tensor | None = None
+        self._hidden: Tensor | None = None  # [S*B, max_len, D] root + fed nodes' outputs
+        self._fed = 0  # nodes fed since the context pass
         self._base: Tensor | None = None  # [S*B] committed length after the context pass
-
-    def _guided(self, hidden: Tensor) -> Tensor:
-        return apply_cfg(
-            self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), self.sampling.cfg_scale, self.streams
-        )
 
     def start(self, hidden: Tensor, root: Tensor) -> None:
         cfg = self.model.config
         n, length, _ = hidden.shape
-        self.cache = KVCache(1, n, cfg.kv_heads, self.max_len, cfg.head_dim, self.model.dtype, self.model.device)
+        static = self.compile is not None
+        self.cache = self.cache_pool.get("drafter", 1, n, cfg.kv_heads, self.max_len, cfg.head_dim,
+                                         self.model.dtype, self.model.device, static=static)
+        self._hidden = self.cache_pool.buffer("drafter_hidden", (n, self.max_len, cfg.hidden_size), self.model.dtype,
+                                              self.model.device, static=static)
         b = root.shape[0]
         tokens = torch.zeros(b, length, dtype=torch.long, device=root.device)
         tokens[:, -1] = root  # condition positions pair with placeholder token 0 (SPEC §3.2)
@@ -286,52 +346,97 @@ class EagleBackend:
     @torch.no_grad()
     def begin(self) -> Tensor:
         """Context pass over each row's new (feature, token) pairs; returns root logits [B, V]."""
-        assert self.cache is not None and self._pending is not None
+        assert self.cache is not None and self._pending is not None and self._hidden is not None
         feats, tokens, counts = self._pending
-        s, cache = self.streams, self.cache
-        a = tokens.shape[1]
-        counts_s = counts.repeat(s)
-        lengths = cache.lengths
-        j = torch.arange(a, device=feats.device)
-        slots = lengths[:, None] + j  # [S*B, A]
-        kv_len = int(lengths.max()) + a
-        cols = torch.arange(kv_len, device=feats.device)
-        rel = cols[None, None, :] - lengths[:, None, None]  # [N, 1, S]
-        mask = (rel < 0) | ((rel >= 0) & (rel <= j[None, :, None]))  # prefix + causal among new
-        out = self.model(feats.to(self.model.dtype), tokens.repeat(s, 1), slots, mask, cache, slots)
+        with phase("drafter"):
+            step = step_fn(_context_step, self.compile, self.model.device)
+            logits = step(self.model, self.lm_head, self.cache, self._hidden, feats.to(self.model.dtype), tokens,
+                          counts, self.streams, self.sampling.cfg_scale)[0]
         self.forwards += 1
-        cache.lengths += counts_s
-        last = (counts_s - 1).clamp(min=0)
-        self._root_hidden = out[torch.arange(out.shape[0]), last][:, None]  # [S*B, 1, D]
-        self._base = cache.lengths.clone()
-        self._fed_hidden = []
-        return self._guided(self._root_hidden)[:, 0]
+        self._base = self.cache.lengths.clone()
+        self._fed = 0
+        return logits
 
     @torch.no_grad()
     def feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
-        assert self.cache is not None and self._base is not None and self._root_hidden is not None
-        s, e, device = self.streams, tokens.shape[1], tokens.device
-        source = torch.cat([self._root_hidden, *self._fed_hidden], dim=1)  # [N, 1 + F_prev, D]
-        f_prev = source.shape[1] - 1
-        idx = (parent.repeat(s, 1) + 1)[:, :, None].expand(-1, -1, source.shape[-1])
-        feats = source.gather(1, idx)  # [N, E, D] the parent's predicted feature
-        base = self._base
-        slots = base[:, None] + f_prev + torch.arange(e, device=device)  # [N, E]
-        positions = (base[:, None] + depth - 1).expand(-1, e)
-        mask = self._feed_mask(ancestors.repeat(s, 1, 1), base, f_prev, e)
-        out = self.model(feats, tokens.repeat(s, 1), positions, mask, self.cache, slots)
+        assert self.cache is not None and self._base is not None and self._hidden is not None
+        with phase("drafter"):
+            s, e, base, f_prev = self.streams, tokens.shape[1], self._base, self._fed
+            slots = base[:, None] + (f_prev + torch.arange(e, device=tokens.device))  # [N, E]
+            positions = (base[:, None] + (depth - 1)).expand(-1, e)
+            tree_cols = _fed_columns(ancestors.repeat(s, 1, 1), f_prev, self.max_len)
+            step = step_fn(_feed_step, self.compile, self.model.device)
+            logits = step(self.model, self.lm_head, self.cache, self._hidden, parent.repeat(s, 1), tokens.repeat(s, 1),
+                          base, slots, positions, tree_cols, s, self.sampling.cfg_scale)[0]
         self.forwards += 1
-        self._fed_hidden.append(out)
-        return self._guided(out)
+        self._fed += e
+        return logits
 
-    @staticmethod
-    def _feed_mask(ancestors: Tensor, base: Tensor, f_prev: int, e: int) -> Tensor:
-        """[N, E, kv_len]: the committed context, the node's fed ancestors, itself."""
-        n, device = base.shape[0], base.device
-        kv_len = int(base.max()) + f_prev + e
-        rel = torch.arange(kv_len, device=device)[None, :] - base[:, None]  # [N, S]
-        eye = torch.eye(e, dtype=torch.bool, device=device).expand(n, -1, -1)
-        tree_cols = torch.cat([ancestors, eye], dim=2)  # [N, E, F_prev + E]
-        idx = rel.clamp(0, f_prev + e - 1)[:, None, :].expand(-1, e, -1)
-        tree = tree_cols.gather(2, idx) & ((rel >= 0) & (rel < f_prev + e))[:, None, :]
-        return (rel < 0)[:, None, :] | tree
+
+def _guided(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
+    return apply_cfg(lm_head(hidden.to(lm_head.weight.dtype)).float(), cfg_scale, streams)
+
+
+def _context_step(
+    model: EagleDrafterModel,
+    lm_head: torch.nn.Linear,
+    cache: KVCache,
+    hidden_buf: Tensor,  # [N, W, D]; column 0 receives the root's predicted feature
+    feats: Tensor,  # [N, A, D] target features of each row's new tokens
+    tokens: Tensor,  # [B, A] the token after each feature
+    counts: Tensor,  # [B] new tokens per row (<= A)
+    streams: int,
+    cfg_scale: float,
+) -> tuple[Tensor]:
+    """The drafter's context pass (a compiled region): absorb the new pairs into the cache,
+    advance its lengths, and score the root. Returns (guided root logits [B, V],)."""
+    a = tokens.shape[1]
+    counts_s = counts.repeat(streams)
+    lengths = cache.lengths
+    j = torch.arange(a, device=feats.device)
+    slots = lengths[:, None] + j  # [N, A]
+    rel = torch.arange(cache.max_len, device=feats.device)[None, None, :] - lengths[:, None, None]  # [N, 1, S]
+    mask = (rel < 0) | ((rel >= 0) & (rel <= j[None, :, None]))  # prefix + causal among new
+    out = model(feats, tokens.repeat(streams, 1), slots, mask, cache, slots)
+    cache.lengths += counts_s
+    last = (counts_s - 1).clamp(min=0)
+    root = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))  # [N, 1, D]
+    hidden_buf.index_copy_(1, torch.zeros(1, dtype=torch.long, device=root.device), root)  # in place, no view
+    return (_guided(lm_head, root, cfg_scale, streams)[:, 0],)
+
+
+def _feed_step(
+    model: EagleDrafterModel,
+    lm_head: torch.nn.Linear,
+    cache: KVCache,
+    hidden_buf: Tensor,  # [N, W, D] root + fed outputs; this step's outputs are written into it
+    parent: Tensor,  # [N, E] feed index of each node's parent (-1 = root)
+    tokens: Tensor,  # [N, E]
+    base: Tensor,  # [N] committed length after the context pass
+    slots: Tensor,  # [N, E] cache slots of the new nodes (base + their feed index)
+    positions: Tensor,  # [N, E] rotary indices
+    tree_cols: Tensor,  # [N, E, W] bool over fed indices: ancestors and self (see _fed_columns)
+    streams: int,
+    cfg_scale: float,
+) -> tuple[Tensor]:
+    """One drafter forward over E tree nodes (a compiled region). Returns (guided logits [B, E, V],)."""
+    e, width = tokens.shape[1], tree_cols.shape[2]
+    idx = (parent + 1)[:, :, None].expand(-1, -1, hidden_buf.shape[-1])
+    feats = hidden_buf.gather(1, idx)  # [N, E, D] each node's parent's predicted feature
+    rel = torch.arange(cache.max_len, device=base.device)[None, :] - base[:, None]  # [N, S] feed index
+    cols = rel.clamp(0, width - 1)[:, None, :].expand(-1, e, -1)
+    mask = (rel < 0)[:, None, :] | (tree_cols.gather(2, cols) & (rel >= 0)[:, None, :])  # [N, E, S]
+    out = model(feats, tokens, positions, mask, cache, slots)
+    hidden_buf.index_copy_(1, slots[0] - base[0] + 1, out)  # feed indices are the same in every row
+    return (_guided(lm_head, out, cfg_scale, streams),)
+
+
+def _fed_columns(ancestors: Tensor, f_prev: int, width: int) -> Tensor:
+    """[N, E, W] bool over feed indices: each node's fed ancestors (< f_prev) and itself (f_prev + i),
+    padded to a fixed width W so that every feed of E nodes has the same shape."""
+    n, e, _ = ancestors.shape
+    cols = torch.zeros(n, e, width, dtype=torch.bool, device=ancestors.device)
+    cols[:, :, :f_prev] = ancestors
+    i = torch.arange(e, device=ancestors.device)
+    cols[:, i, f_prev + i] = True
+    return cols

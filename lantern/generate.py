@@ -27,9 +27,11 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lantern.acceptance import VerifyResult, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.compiling import resolve_compile, step_fn
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import check
+from lantern.phases import phase
 from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
 from lantern.target import Target
 from lantern.trees import TreeBuffers, tree_from_parents
@@ -145,17 +147,20 @@ def generate(
     acceptance: Acceptance | None = None,
     cond_mask: Tensor | None = None,
     progress: bool = False,
+    compile: str | None = None,
 ) -> GenerationOutput:
     """Generate ``target.num_tokens`` image tokens for each condition row.
 
     cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
-    sampling is greedy).
+    sampling is greedy). compile: compile the fused acceptance (``lantern.compiling``; the target
+    and drafter compile their own steps, see their ``compile`` arguments).
     """
     # inference_mode rather than no_grad: no version counters or view tracking on the many small
     # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
     # it, so callers get ordinary tensors they may use in autograd (e.g. as training data).
     with torch.inference_mode():
-        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress)
+        mode = resolve_compile(compile, target.device)
+        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode)
     return GenerationOutput(codes=out.codes.clone(), stats=out.stats)
 
 
@@ -167,6 +172,7 @@ def _generate(
     acceptance: Acceptance | None,
     cond_mask: Tensor | None,
     progress: bool,
+    compile: str | None,
 ) -> GenerationOutput:
     sampling = target.sampling
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
@@ -177,70 +183,88 @@ def _generate(
     acceptance = acceptance or Acceptance()
 
     # 1. Prefill the condition; token 0 comes from its last position.
-    logits0, hidden0 = target.start(cond, cond_mask)
-    root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
-    codes = torch.full((b, n_total), -1, dtype=torch.long, device=device)
+    with phase("prefill"):
+        logits0, hidden0 = target.start(cond, cond_mask)
+        root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
+    # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
+    # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.
+    codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
     codes[:, 0] = root
     n = torch.ones(b, dtype=torch.long, device=device)
-    stats = SpecStats(target_forwards=torch.ones(b, dtype=torch.long), generated_tokens=n_total)
+    # Per-round counters stay on the device; one host copy at the end, not one sync per round.
+    forwards = torch.ones(b, dtype=torch.long, device=device)
+    per_step: list[Tensor] = []
+    relaxed_total = torch.zeros((), dtype=torch.long, device=device)
     if drafter is not None:
         drafter.start(hidden0, root)
     ar_tree = _root_only_tree(b, device)
 
     bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
     bar.update(b)
+    # The one host sync of a round: whether any row still needs tokens.
     while bool((active := n < n_total).any()):
         # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
         max_depth = (n_total - n - 1).clamp(min=0)
         # 2. Propose.
-        if drafter is None:
-            tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
-        else:
-            tree = drafter.propose(generators, active, max_depth)
+        with phase("propose"):
+            if drafter is None:
+                tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
+            else:
+                tree = drafter.propose(generators, active, max_depth)
         # 3. Verify: one target forward over every row's tree.
-        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
+        with phase("verify"):
+            logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
         # 4. Accept.
-        path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, generators, acceptance)
-        num_acc = torch.where(active, num_acc, 0)
+        with phase("accept"):
+            path, num_acc, next_token, relaxed = _accept(
+                logits, tree, max_depth, active, sampling, generators, acceptance, compile
+            )
+            num_acc = torch.where(active, num_acc, 0)
         # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
-        new = torch.where(active, num_acc + 1, 0)
-        target.commit(path, new)
-        # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
-        follow = _write_codes(codes, n, tree.tokens, path, num_acc, next_token, active)
-        if drafter is not None:
-            if isinstance(drafter, VerifyObserver):
-                drafter.observe_verify(logits)
-            drafter.commit(_gather_path(hidden, path.clamp(min=0), target.streams), follow, new)
-        root = torch.where(active, next_token, root)
-        n = n + new
-        stats.target_forwards += active.long().cpu()
-        stats.tokens_per_step.append(new.cpu())
-        stats.relaxed_accepts += int(relaxed)
-        bar.update(int(new.sum()))
+        with phase("commit"):
+            new = torch.where(active, num_acc + 1, 0)
+            target.commit(path, new)
+            # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
+            follow, path_hidden, root, n = step_fn(_advance, compile, device)(
+                codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams
+            )
+            if drafter is not None:
+                if isinstance(drafter, VerifyObserver):
+                    drafter.observe_verify(logits)
+                drafter.commit(path_hidden, follow, new)
+        forwards += active
+        per_step.append(new)
+        relaxed_total += relaxed
+        if progress:
+            bar.update(int(new.sum()))
     bar.close()
+    stats = SpecStats(target_forwards=forwards.cpu(), generated_tokens=n_total, relaxed_accepts=int(relaxed_total))
+    if per_step:
+        stats.tokens_per_step = list(torch.stack(per_step).cpu().unbind(0))
     if drafter is not None:
         stats.drafter_forwards = drafter.forwards
-    return GenerationOutput(codes=codes, stats=stats)
+    return GenerationOutput(codes=codes[:, :n_total], stats=stats)
 
 
 def _sample(
     logits: Tensor, sampling: SamplingConfig, generators: list[torch.Generator] | None, active: Tensor
 ) -> Tensor:
     """One token per row from guided logits [B, V]: argmax (greedy) or inverse-CDF sampling."""
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
-    u = _uniforms(generators, active, 1)[:, 0]
-    return sample_from_probs(probs_from_logits(logits, sampling), u)
+    with phase("sampling"):
+        if sampling.greedy:
+            return logits.argmax(dim=-1)
+        u = _uniforms(generators, active, 1)[:, 0]
+        return sample_from_probs(probs_from_logits(logits, sampling), u)
 
 
 def _uniforms(generators: list[torch.Generator] | None, active: Tensor, n: int) -> Tensor:
-    """[B, n] uniforms; inactive rows draw nothing, so a row's stream ignores its batch-mates."""
+    """[B, n] uniforms, row b from its own generator, so a row's stream ignores its batch-mates.
+
+    Finished rows draw too: their codes are complete, so what they draw changes nothing, and
+    drawing for every row keeps the round free of a host sync to find the active ones.
+    """
     assert generators is not None
-    out = torch.zeros(len(generators), n, device=active.device)
-    rows = active.nonzero().flatten().tolist()
-    if rows:
-        out[rows] = draw_uniforms([generators[i] for i in rows], n, active.device)
-    return out
+    return draw_uniforms(generators, n, active.device)
 
 
 def _accept(
@@ -251,59 +275,100 @@ def _accept(
     sampling: SamplingConfig,
     generators: list[torch.Generator] | None,
     acceptance: Acceptance,
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """(path [B, D+1], num_accepted [B], next_token [B], number of relaxed-only accepts)."""
-    b, t = tree.tokens.shape
-    if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
-        path = torch.zeros(b, 1, dtype=torch.long, device=logits.device)
-        zero = torch.zeros(b, dtype=torch.long, device=logits.device)
-        return path, zero, _sample(logits[:, 0], sampling, generators, active), 0
+    compile: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows []).
 
-    relax, nbrs = acceptance.relaxation, acceptance.neighbours
+    The random numbers are drawn here, eagerly, from each row's generator; everything else is
+    :func:`_accept_core`, the fused (optionally compiled) acceptance.
+    """
+    b, t = tree.tokens.shape
+    u = None
+    if not sampling.greedy:
+        with phase("sampling"):  # AR draws one uniform per row, a tree T + 1 (see num_uniforms)
+            u = _uniforms(generators, active, 1 if t == 1 else t + 1)
     buffers = tree.buffers
-    if sampling.greedy:
-        res = verify_tree_greedy(logits, tree.tokens, buffers.retrieve, max_depth, neighbours=nbrs, relaxation=relax)
+    core = step_fn(_accept_core, compile, logits.device)
+    path, num_acc, next_token, num_relaxed = core(
+        logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
+        acceptance.neighbours, acceptance.relaxation, sampling,
+    )
+    relaxed = torch.where(active, num_relaxed, 0).sum()  # a device scalar: no sync
+    return path, num_acc, next_token, relaxed
+
+
+def _accept_core(
+    logits: Tensor,  # [B, T, V] guided
+    tokens: Tensor,  # [B, T]
+    children: Tensor,  # [B, T, C]
+    depth: Tensor,  # [B, T]
+    retrieve: Tensor,  # [B, P, D+1]
+    max_depth: Tensor,  # [B]
+    u: Tensor | None,  # [B, U] uniforms (None: greedy)
+    q_draft: Tensor | None,  # [B, T, V]
+    neighbours: Tensor | None,
+    relaxation: RelaxationConfig | None,
+    sampling: SamplingConfig,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
+    b, t, _ = logits.shape
+    if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
+        zero = torch.zeros(b, dtype=torch.long, device=logits.device)
+        if u is None:
+            return zero[:, None], zero, logits[:, 0].argmax(dim=-1), zero
+        return zero[:, None], zero, sample_from_probs(probs_from_logits(logits[:, 0], sampling), u[:, -1]), zero
+    if u is None:
+        res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation)
+    elif children.shape[-1] == 1:  # a chain (every node has at most one child): all depths at once
+        p_target = probs_from_logits(logits, sampling)
+        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation)
     else:
         p_target = probs_from_logits(logits, sampling)
-        u = _uniforms(generators, active, t + 1)
-        if buffers.children.shape[-1] == 1:  # a chain (every node has at most one child)
-            return _result(
-                verify_chain_sampled(p_target, tree.tokens, max_depth, u, tree.q_draft, nbrs, relax), active
-            )
-        res = verify_tree_sampled(
-            p_target,
-            tree.tokens,
-            buffers.children,
-            buffers.depth,
-            max_depth,
-            u,
-            q_draft=tree.q_draft,
-            neighbours=nbrs,
-            relaxation=relax,
-        )
-    return _result(res, active)
-
-
-def _result(res: VerifyResult, active: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    relaxed = int(res.num_relaxed[active].sum())
-    return res.path, res.num_accepted, res.next_token, relaxed
+        res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,
+                                  neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1)
+    return res.path, res.num_accepted, res.next_token, res.num_relaxed
 
 
 def _write_codes(
     codes: Tensor, n: Tensor, tokens: Tensor, path: Tensor, num_acc: Tensor, next_token: Tensor, active: Tensor
 ) -> Tensor:
-    """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token."""
-    b, n_total = codes.shape
+    """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token.
+
+    Every row writes all W slots from n_b on (rejected ones keep their old value), so the write
+    is one gather + scatter of fixed shape. Kept slots always lie inside the image (the depth
+    cap); slots that run past it land in ``codes``' padding tail, clamped to its last column,
+    where every duplicate writes back that column's own value (so the scatter stays deterministic).
+    """
     width = path.shape[1]  # root + up to D drafts
     j = torch.arange(width, device=codes.device)[None, :]  # [1, W]
     drafts = tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, W-1]
     vals = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, W]
     vals = vals.scatter(1, num_acc[:, None], next_token[:, None])
     keep = (j <= num_acc[:, None]) & active[:, None]
-    pos = (n[:, None] + j).clamp(max=n_total - 1)
-    rows = torch.arange(b, device=codes.device)[:, None].expand_as(pos)
-    codes[rows[keep], pos[keep]] = vals[keep]
+    pos = (n[:, None] + j).clamp(max=codes.shape[1] - 1)  # [B, W]
+    codes.scatter_(1, pos, torch.where(keep, vals, codes.gather(1, pos)))
     return vals
+
+
+def _advance(
+    codes: Tensor,  # [B, 2N] written in place
+    n: Tensor,  # [B]
+    root: Tensor,  # [B]
+    tokens: Tensor,  # [B, T]
+    path: Tensor,  # [B, W]
+    num_acc: Tensor,  # [B], 0 for inactive rows
+    next_token: Tensor,  # [B]
+    active: Tensor,  # [B]
+    hidden: Tensor,  # [S*B, T, D]
+    streams: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The round's bookkeeping (a compiled region): write the codes, gather the accepted path's
+    features for the drafter, move the root and the counts. Returns (follow [B, W], path hidden
+    [S*B, W, D], root [B], n [B])."""
+    follow = _write_codes(codes, n, tokens, path, num_acc, next_token, active)
+    path_hidden = _gather_path(hidden, path.clamp(min=0), streams)
+    new = torch.where(active, num_acc + 1, 0)
+    return follow, path_hidden, torch.where(active, next_token, root), n + new
 
 
 def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:

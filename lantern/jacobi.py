@@ -38,7 +38,7 @@ distribution. LANTERN's relaxation applies unchanged through the loop's ``Accept
 Greedy (temperature 0): guesses are argmax tokens and the loop's greedy verification keeps only
 guesses equal to the target's argmax, so SJD reproduces greedy AR token for token.
 
-Randomness: every active row draws a fixed number of uniforms per round from its own
+Randomness: every row draws a fixed number of uniforms per round from its own
 ``torch.Generator`` (L for the carried samples, or L * V for ``gumbel`` noise; L for ``random``
 initialisation), whatever its batch-mates do, so a row's codes do not depend on the batch (as in
 ``lantern.drafting``).
@@ -62,7 +62,8 @@ from lantern.acceptance import maximal_coupling
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import DraftTree
-from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
+from lantern.phases import phase
+from lantern.sampling import draw_uniforms, one_hot, probs_from_logits, sample_from_probs
 from lantern.trees import TreeBuffers, tree_from_parents
 
 JACOBI_INITS = ("random", "repeat_horizon")
@@ -201,13 +202,13 @@ class JacobiDrafter:
         """The chain [root, window] per row; depth beyond ``max_depth`` is cut by the acceptance."""
         assert self.canvas is not None and self.n is not None and self._num_new is not None
         gens = generators if generators is not None else self._own_generators
-        rows = active.nonzero().flatten().tolist()
         first_new = torch.zeros_like(self.n)  # [B] first window slot that needs a new guess
         carried = None
-        if self._logits is not None:
-            first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
-            carried = self._carry_over(gens, rows)
-        self._initialise(first_new, gens, rows)
+        with phase("draft_sampling"):
+            if self._logits is not None:
+                first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
+                carried = self._carry_over(gens)
+            self._initialise(first_new, gens)
         self._first_new = first_new
         slots = self.n[:, None] + torch.arange(self.window, device=self.n.device)  # [B, L] positions
         guesses = self.canvas.gather(1, slots)
@@ -221,7 +222,7 @@ class JacobiDrafter:
 
     # -- Jacobi carry-over and initialisation ------------------------------------------------------
 
-    def _carry_over(self, gens: list[torch.Generator], rows: list[int]) -> Tensor | None:
+    def _carry_over(self, gens: list[torch.Generator]) -> Tensor | None:
         """Redraw y_j ~ p_j at every window node and write them over the guesses after each row's
         new tokens (per ``config.coupling``). Returns p at nodes 1..L [B, L, V] (the carried
         guesses' new q: each y_j is distributed as p_j whatever the coupling), None if greedy.
@@ -242,18 +243,20 @@ class JacobiDrafter:
             p, y = None, logits.argmax(dim=-1)
         else:
             p = probs_from_logits(logits, self.sampling)  # [B, L, V]
-            y = self._redraw(p, old, pos, gens, rows)
+            y = self._redraw(p, old, pos, gens)
         self._count_stability(old, y, keep)
         self.canvas.scatter_(1, pos, torch.where(keep, y, old))
         self._logits = None
         return p
 
-    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator], rows: list[int]) -> Tensor:
+    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator]) -> Tensor:
         """New guesses [B, L] for positions ``pos`` [B, L] from p [B, L, V], replacing ``old``."""
         b, length, v = p.shape
         if self.config.coupling == "gumbel":
-            return (p / self._shared_noise(pos, gens, rows)).argmax(dim=-1)  # Gumbel-max as an exponential race
-        u = _row_uniforms(gens, rows, b, length, p.device)  # a fixed L per row and round
+            return (p / self._shared_noise(pos, gens)).argmax(dim=-1)  # Gumbel-max as an exponential race
+        # A fixed L uniforms per row and round (finished rows too: their codes are complete), so
+        # batch-mates never shift a row's stream and no sync finds the active rows.
+        u = draw_uniforms(gens, length, p.device)
         if self.config.coupling == "independent":
             return sample_from_probs(p.reshape(b * length, v), u.reshape(-1)).view(b, length)
         assert self.q is not None
@@ -264,7 +267,7 @@ class JacobiDrafter:
                              u.reshape(-1))
         return y.view(b, length)
 
-    def _shared_noise(self, pos: Tensor, gens: list[torch.Generator], rows: list[int]) -> Tensor:
+    def _shared_noise(self, pos: Tensor, gens: list[torch.Generator]) -> Tensor:
         """Exp(1) noise [B, L, V] for positions ``pos``: the same at a position in every round until
         it is decided, so ``argmax p / noise`` (Gumbel-max) only moves where p moved.
 
@@ -275,7 +278,7 @@ class JacobiDrafter:
         assert self._noise is not None and self._noise_pos is not None
         b, length = pos.shape
         v = self._noise.shape[-1]
-        fresh = -torch.log(_row_uniforms(gens, rows, b, length * v, pos.device)).view(b, length, v)
+        fresh = -torch.log(draw_uniforms(gens, length * v, pos.device)).view(b, length, v)
         slot = pos % (length + 1)  # [B, L], distinct within a row
         stale = self._noise_pos.gather(1, slot) != pos  # [B, L]
         index = slot[:, :, None].expand(-1, -1, v)
@@ -294,18 +297,18 @@ class JacobiDrafter:
         self.redrawn = self.redrawn + carried.sum()
         self.kept = self.kept + (carried & (y == old)).sum()
 
-    def _initialise(self, first_new: Tensor, gens: list[torch.Generator], rows: list[int]) -> None:
+    def _initialise(self, first_new: Tensor, gens: list[torch.Generator]) -> None:
         """New guesses in window slots >= first_new [B] (positions not predicted by any forward)."""
         assert self.canvas is not None and self.n is not None
         if self.config.init == "random":
-            self._initialise_random(first_new, gens, rows)
+            self._initialise_random(first_new, gens)
         else:
             self._initialise_repeat_horizon(first_new)
 
-    def _initialise_random(self, first_new: Tensor, gens: list[torch.Generator], rows: list[int]) -> None:
+    def _initialise_random(self, first_new: Tensor, gens: list[torch.Generator]) -> None:
         assert self.canvas is not None and self.n is not None
-        b, length, device = self.n.shape[0], self.window, self.n.device
-        u = _row_uniforms(gens, rows, b, length, device)  # L per active row and round, used or not
+        length, device = self.window, self.n.device
+        u = draw_uniforms(gens, length, device)  # L per row and round, used or not (batch independence)
         tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)  # uniform over the vocabulary
         slot = torch.arange(length, device=device)[None, :]
         pos = self.n[:, None] + slot
@@ -330,13 +333,13 @@ class JacobiDrafter:
         Slot i (position n + i) was predicted by last round's node num_new + i, i.e. carried[:, num_new + i - 1].
         """
         assert self._num_new is not None
-        one_hot = torch.nn.functional.one_hot(guesses, self.vocab_size).float()
+        point = one_hot(guesses, self.vocab_size)  # q of a fresh guess: a point mass
         if carried is None:
-            return one_hot
+            return point
         slot = torch.arange(self.window, device=guesses.device)[None, :]
         node = (self._num_new[:, None] + slot - 1).clamp(0, self.window - 1)  # [B, L]
         q_carried = carried.gather(1, node[:, :, None].expand(-1, -1, carried.shape[-1]))
-        return torch.where((slot < first_new[:, None])[:, :, None], q_carried.to(one_hot.dtype), one_hot)
+        return torch.where((slot < first_new[:, None])[:, :, None], q_carried.to(point.dtype), point)
 
     def _chain(self, b: int) -> TreeBuffers:
         cached = self._buffers
@@ -347,11 +350,3 @@ class JacobiDrafter:
             self._buffers = cached
         return cached
 
-
-def _row_uniforms(gens: list[torch.Generator], rows: list[int], b: int, n: int, device: torch.device) -> Tensor:
-    """[B, n] uniforms: n from each active row's own generator (``rows``), zeros for the others, so
-    a row's stream never depends on its batch-mates."""
-    u = torch.zeros(b, n, device=device)
-    if rows:
-        u[rows] = draw_uniforms([gens[i] for i in rows], n, device)
-    return u

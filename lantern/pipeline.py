@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lantern.cache import CachePool
+from lantern.compiling import resolve_compile
 from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
@@ -44,6 +46,7 @@ from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
 from lantern.text import Captions
+from lantern.validate import check_batch_memory, check_label_values
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
 SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
@@ -64,6 +67,10 @@ def image_seed(seed: int, index: int) -> int:
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+# What the bound limits: each acceptance test (the paper's) or each emitted token
+# (docs/relaxation_budget.md). The default was chosen from tau measurements on the photos preset.
+BUDGETS = ("test", "token")
+DEFAULT_BUDGET = "test"
 DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
 # sjd-coupled*: the coupling and initialisation with the highest tau on the photos preset
 # (docs/DESIGN.md: 12 images, window 16: maximal 2.73 / gumbel 2.51 with random guesses,
@@ -71,6 +78,9 @@ DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
 DEFAULT_COUPLING = "maximal"
 DEFAULT_COUPLED_INIT = "repeat_horizon"
 DEFAULT_GSD_GROUP = 7  # GSD's released code: the tokens ranked within 7 places of the draft
+# The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
+# to turn it off): a drafter method with this tree decodes as plain AR.
+AR_FALLBACK_TREE = "ar"
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class MethodConfig:
         window: int | None = None,
         init: str | None = None,
         residual: str | None = None,
+        budget: str | None = None,
         coupling: str | None = None,
         group: int | None = None,
     ) -> MethodConfig:
@@ -123,7 +134,7 @@ class MethodConfig:
         ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses; ``group``
         (``--gsd-group``): GSD's group width."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        relaxation = _resolve_relaxation(method, k, delta, lam, residual, group)
+        relaxation = _resolve_relaxation(method, k, delta, lam, residual, budget, group)
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -135,8 +146,9 @@ class MethodConfig:
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
         check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}")
-        if method == "ar":
-            check(tree in (None, "none"), "--tree is only used with speculative methods")
+        if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
+            check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
+                  "--tree is only used with speculative methods")
             return cls(method="ar")
         default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
         tree_cfg = TreeConfig.parse(tree or default_tree)
@@ -174,6 +186,7 @@ def _resolve_relaxation(
     delta: float | None,
     lam: float | None,
     residual: str | None = None,
+    budget: str | None = None,
     group: int | None = None,
 ) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
@@ -182,7 +195,7 @@ def _resolve_relaxation(
         check(group is None, f"--gsd-group needs --method gsd, got --method {method}")
     if rule in (None, "gsd"):
         check(
-            k is None and delta is None and lam is None and residual is None,
+            k is None and delta is None and lam is None and residual is None and budget is None,
             f"--lantern-* options need a relaxed method ({', '.join(LANTERN_METHODS)})",
         )
     if rule is None:
@@ -191,6 +204,8 @@ def _resolve_relaxation(
         check(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
               f"--gsd-group must be an integer >= 1, got {group!r}")
         return RelaxationConfig(k=DEFAULT_GSD_GROUP if group is None else group, mode="group")
+    check(budget in (None, *BUDGETS), f"--lantern-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    budget = DEFAULT_BUDGET if budget is None else budget
     if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
         check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
         base = replace(DEFAULT_LANTERN, delta=DEFAULT_LANTERN.delta if delta is None else delta)
@@ -200,7 +215,8 @@ def _resolve_relaxation(
         base = replace(DEFAULT_LANTERN_PP, lam=DEFAULT_LANTERN_PP.lam if lam is None else lam)
     check(residual is None or residual in RESIDUALS,
           f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}")
-    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual)
+    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
+                   budget=budget)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -235,11 +251,14 @@ def run_generation(
     progress: bool = False,
     drafter_dir: str | None = None,
     proximity: str | None = None,
+    compile: str | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
+    check_label_values(labels, stack.target.config.num_classes)
     label_t = torch.tensor(labels, dtype=torch.long, device=stack.target.device)
     stack.target.check_labels(label_t)
-    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
+    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
+                        compile)
 
 
 def run_generation_t2i(
@@ -252,6 +271,7 @@ def run_generation_t2i(
     progress: bool = False,
     drafter_dir: str | None = None,
     proximity: str | None = None,
+    compile: str | None = None,
 ) -> RunResult:
     """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
     at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
@@ -266,7 +286,8 @@ def run_generation_t2i(
     device, dtype = stack.target.device, stack.target.dtype
     cond = captions.embeddings.to(device=device, dtype=dtype)
     mask = captions.mask.to(device=device, dtype=torch.bool)
-    return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity)
+    return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
+                        compile)
 
 
 def _run_batches(
@@ -280,10 +301,12 @@ def _run_batches(
     progress: bool,
     drafter_dir: str | None,
     proximity: str | None,
+    compile: str | None = None,
 ) -> RunResult:
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    parts = prepare_method(stack, method, sampling, drafter_dir, proximity)
+    parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
+    _check_batch_fits(stack, parts.method.tree, sampling, min(batch_size, cond.shape[0]))
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, cond.shape[0], batch_size):
@@ -296,6 +319,13 @@ def _run_batches(
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
 
 
+def _check_batch_fits(stack: ModelStack, tree: TreeConfig, sampling: SamplingConfig, batch: int) -> None:
+    """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
+    must fit in the device's free memory; checked before it is allocated."""
+    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=max_tree_nodes(tree))
+    check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
+
+
 @dataclass
 class PreparedMethod:
     """Everything loaded once per run: the target, the drafter weights, the acceptance rule."""
@@ -305,7 +335,10 @@ class PreparedMethod:
     sampling: SamplingConfig
     drafter: EagleDrafterModel | None
     acceptance: Acceptance
+    compile: str | None = None  # a lantern.compiling mode; None = eager
     _head_copy: torch.nn.Linear | None = field(default=None, repr=False)
+    # Caches reused image after image (fixed addresses for CUDA graphs, no allocation per image).
+    _caches: CachePool = field(default_factory=CachePool, repr=False)
 
     def _drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
         """The target's lm_head in the drafter's precision (a copy, made once, when they differ)."""
@@ -326,7 +359,8 @@ class PreparedMethod:
         """cond: labels [B] or captions [B, cls, C]; cond_mask: the captions' mask [B, cls] (t2i)."""
         tree = self.method.tree
         nodes = max_tree_nodes(tree)
-        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes)
+        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes, compile=self.compile,
+                                cache_pool=self._caches)
         drafter: Drafter | None = None
         if self.method.jacobi is not None:
             cfg = self.stack.target.config
@@ -340,8 +374,10 @@ class PreparedMethod:
                 self.sampling,
                 target.streams,
                 cfg.cls_token_num + cfg.block_size + fed + 8,
+                compile=self.compile,
+                cache_pool=self._caches,
             )
-            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size)
+            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size, compile=self.compile)
         return generate(
             target,
             cond,
@@ -350,6 +386,7 @@ class PreparedMethod:
             acceptance=self.acceptance,
             cond_mask=cond_mask,
             progress=progress,
+            compile=self.compile,
         )
 
 
@@ -359,8 +396,13 @@ def prepare_method(
     sampling: SamplingConfig,
     drafter_dir: str | None = None,
     proximity: str | None = None,
+    compile: str | None = None,
 ) -> PreparedMethod:
-    """Load the drafter and proximity table a method needs, checking they fit the target."""
+    """Load the drafter and proximity table a method needs, checking they fit the target.
+
+    compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.compiling``): the
+    target step, the drafter steps and the acceptance run compiled, AR included.
+    """
     from lantern.checks import check_drafter_matches_target, check_tree_fits
 
     drafter = None
@@ -379,7 +421,8 @@ def prepare_method(
         check_t2i_drafter_layout(drafter, stack.target.config, path)
     acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file,
                                            stack.tokenizer.quantize.embedding.weight, stack.target.device)
-    return PreparedMethod(stack, resolved, sampling, drafter, acceptance)
+    return PreparedMethod(stack, resolved, sampling, drafter, acceptance,
+                          resolve_compile(compile, stack.target.device))
 
 
 def load_acceptance(
@@ -447,6 +490,8 @@ def max_tree_nodes(tree: TreeConfig) -> int:
         return 1
     if tree.kind == "dynamic":
         return tree.total_tokens + 1
+    if tree.kind == "chain":  # counted, not built: a chain's choices grow as depth squared
+        return tree.depth + 1
     from lantern.trees import resolve_tree_choices
 
     return len(resolve_tree_choices(tree.choices_name)) + 1

@@ -34,7 +34,6 @@ from lantern.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     atomic_path,
-    ensure_writable_dir,
     load_checkpoint,
     read_json_object,
     read_safetensors,
@@ -285,11 +284,15 @@ def build_proximity_file(
     metric: Metric = "l2",
     normalize: bool = False,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> ProximityTable:
-    """Build the table for a tokenizer's codebook and write it to ``out`` atomically."""
-    out_path = Path(out)
-    ensure_writable_dir(out_path.parent, "--out")
+    """Build the table for a tokenizer's codebook and write it to ``out`` atomically. An existing
+    ``out`` is refused unless ``overwrite``; the location is checked before the codebook is read."""
+    from lantern.outputs import OutputFile
+
+    target = OutputFile.check(out, "--out", overwrite)
     codebook = codebook_from_tokenizer(tokenizer)
     table = build_proximity(codebook, k_max, metric, normalize, progress=progress)
-    table.save(out_path)
+    with target.write() as tmp:
+        table.save(tmp)
     return table

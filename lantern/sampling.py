@@ -61,10 +61,17 @@ def process_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     return top_p_filter(logits, cfg.top_p)
 
 
+def one_hot(index: Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``F.one_hot(index, num_classes).to(dtype)`` without its host sync (it reads the indices'
+    min and max to validate them): a scatter of ones. index [...] -> [..., num_classes]."""
+    out = torch.zeros(*index.shape, num_classes, dtype=dtype, device=index.device)
+    return out.scatter_(-1, index[..., None], 1)
+
+
 def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     """The distribution tokens are drawn from: softmax of processed logits, or one-hot argmax."""
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
+        return one_hot(logits.argmax(dim=-1), logits.shape[-1], logits.dtype)
     return process_logits(logits.float(), cfg).softmax(dim=-1)
 
 

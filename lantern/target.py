@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lantern.cache import KVCache
+from lantern.cache import CachePool, KVCache
+from lantern.compiling import resolve_compile, step_fn
 from lantern.config import SamplingConfig
 from lantern.errors import LanternError, check
 from lantern.models.llamagen import LlamaGen
@@ -57,10 +58,21 @@ class Target(Protocol):
 class LlamaGenTarget:
     """LlamaGen behind the loop's interface: ``start`` / ``verify`` / ``commit``."""
 
-    def __init__(self, model: LlamaGen, sampling: SamplingConfig, max_tree_nodes: int = 1) -> None:
+    def __init__(
+        self,
+        model: LlamaGen,
+        sampling: SamplingConfig,
+        max_tree_nodes: int = 1,
+        compile: str | None = None,
+        cache_pool: CachePool | None = None,
+    ) -> None:
+        """compile: None (eager) or a mode of :func:`lantern.compiling.resolve_compile`; cache_pool:
+        caches kept across images (static buffer addresses, as CUDA graphs need; no re-allocation)."""
         self.model = model.eval()
         self.sampling = sampling
         self.max_tree_nodes = max_tree_nodes
+        self.compile = resolve_compile(compile, model.device)
+        self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.streams = 2 if sampling.use_cfg else 1
         self.cache: KVCache | None = None
         self.cond_mask: Tensor | None = None  # [S*B, cls] valid caption columns (t2i)
@@ -94,6 +106,16 @@ class LlamaGenTarget:
 
     # -- the three calls of the loop --------------------------------------------------------------
 
+    def _cache_len(self) -> int:
+        cfg = self.model.config
+        return cfg.cls_token_num + cfg.block_size + self.max_tree_nodes + 1
+
+    def cache_bytes(self, batch: int) -> int:
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` images."""
+        cfg = self.model.config
+        return KVCache.nbytes(cfg.n_layer, batch * self.streams, cfg.kv_heads, self._cache_len(), cfg.head_dim,
+                              self.model.dtype)
+
     @torch.no_grad()
     def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Prefill the condition. cond: labels [B] or captions [B, cls, C]; cond_mask [B, cls].
@@ -109,8 +131,10 @@ class LlamaGenTarget:
         if self.streams == 2:
             rows = torch.cat([cond, model.null_condition(b).to(cond.dtype)])
         n_rows, cls = rows.shape[0], cfg.cls_token_num
-        max_len = cls + cfg.block_size + self.max_tree_nodes + 1
-        self.cache = KVCache(cfg.n_layer, n_rows, cfg.kv_heads, max_len, cfg.head_dim, model.dtype, model.device)
+        self.cache = self.cache_pool.get(
+            "target", cfg.n_layer, n_rows, cfg.kv_heads, self._cache_len(), cfg.head_dim, model.dtype, model.device,
+            static=self.compile is not None,
+        )
         self.cond_mask = None
         if cond_mask is not None:
             self.cond_mask = cond_mask.bool().repeat(self.streams, 1)  # uncond reuses the mask
@@ -134,22 +158,18 @@ class LlamaGenTarget:
         self), depth [B, T]. Returns (guided logits [B, T, V], hidden [S*B, T, D]).
         """
         cache = self._cache()
-        s, t = self.streams, tokens.shape[1]
+        t = tokens.shape[1]
         if t > self.max_tree_nodes:
             raise LanternError(f"tree of {t} nodes exceeds the {self.max_tree_nodes} the cache was sized for")
-        lengths = cache.lengths  # [S*B]
-        slots = lengths[:, None] + torch.arange(t, device=tokens.device)  # [S*B, T]
-        positions = lengths[:, None] + depth.repeat(s, 1)
-        mask = self._verify_mask(tree_mask.repeat(s, 1, 1), lengths, t)
-        h = self.model.tok_embeddings(tokens.repeat(s, 1))
-        hidden = self.model.forward_cached(h, positions, slots, mask, cache)
+        step = step_fn(_verify_step, self.compile, self.device)
+        logits, hidden = step(self.model, cache, self.cond_mask, tokens, tree_mask, depth, self.streams,
+                              self.sampling.cfg_scale)
         self.forwards += 1
-        logits = apply_cfg(self.model.logits(hidden), self.sampling.cfg_scale, s)
         return logits, hidden
 
     def commit(self, path: Tensor, num_keep: Tensor) -> None:
         """Keep tree nodes ``path[:, :num_keep]`` (node indices, root first) in the cache."""
-        self._cache().commit(path.repeat(self.streams, 1), num_keep.repeat(self.streams))
+        step_fn(_commit_step, self.compile, self.device)(self._cache(), path, num_keep, self.streams)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -158,17 +178,48 @@ class LlamaGenTarget:
             raise RuntimeError("LlamaGenTarget.start() must be called before verify/commit")
         return self.cache
 
-    def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int) -> Tensor:
-        """[S*B, T, kv_len] bool: the committed prefix, then the row's tree mask at its slots."""
-        kv_len = int(lengths.max()) + t
-        cols = torch.arange(kv_len, device=lengths.device)  # [S]
-        rel = cols[None, :] - lengths[:, None]  # [N, S] offset from the row's prefix end
-        prefix = rel < 0
-        if self.cond_mask is not None:
-            cls = self.cond_mask.shape[1]
-            prefix = prefix.clone()
-            prefix[:, :cls] &= self.cond_mask
-        in_tree = (rel >= 0) & (rel < t)
-        idx = rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1)  # [N, T, S]
-        tree = torch.gather(tree_mask, 2, idx) & in_tree[:, None, :]
-        return prefix[:, None, :] | tree
+
+def _verify_step(
+    model: LlamaGen,
+    cache: KVCache,
+    cond_mask: Tensor | None,  # [S*B, cls] valid caption columns (t2i)
+    tokens: Tensor,  # [B, T]
+    tree_mask: Tensor,  # [B, T, T]
+    depth: Tensor,  # [B, T]
+    streams: int,
+    cfg_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """The target step: one forward over a tree per row after its committed prefix, with static
+    shapes (the compiled region of ``--compile``). Returns (guided logits [B, T, V], hidden [S*B, T, D])."""
+    t = tokens.shape[1]
+    lengths = cache.lengths  # [S*B]
+    slots = lengths[:, None] + torch.arange(t, device=tokens.device)  # [S*B, T]
+    positions = lengths[:, None] + depth.repeat(streams, 1)
+    mask = _verify_mask(tree_mask.repeat(streams, 1, 1), lengths, t, cache.max_len, cond_mask)
+    h = model.tok_embeddings(tokens.repeat(streams, 1))
+    hidden = model.forward_cached(h, positions, slots, mask, cache)
+    return apply_cfg(model.logits(hidden), cfg_scale, streams), hidden
+
+
+def _commit_step(cache: KVCache, path: Tensor, num_keep: Tensor, streams: int) -> tuple[()]:
+    """The cache commit of every CFG stream (a compiled region: one fused gather + scatter)."""
+    cache.commit(path.repeat(streams, 1), num_keep.repeat(streams))
+    return ()
+
+
+def _verify_mask(tree_mask: Tensor, lengths: Tensor, t: int, kv_len: int, cond_mask: Tensor | None) -> Tensor:
+    """[S*B, T, kv_len] bool: the committed prefix, then the row's tree mask at its slots.
+
+    kv_len is the whole cache, not the longest row: a static shape (one compiled graph, no host
+    sync to read the lengths) for the price of attending over masked-out slots.
+    """
+    cols = torch.arange(kv_len, device=lengths.device)  # [S]
+    rel = cols[None, :] - lengths[:, None]  # [N, S] offset from the row's prefix end
+    prefix = rel < 0
+    if cond_mask is not None:
+        cls = cond_mask.shape[1]
+        prefix = torch.cat([prefix[:, :cls] & cond_mask, prefix[:, cls:]], dim=1)
+    in_tree = (rel >= 0) & (rel < t)
+    idx = rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1)  # [N, T, S]
+    tree = torch.gather(tree_mask, 2, idx) & in_tree[:, None, :]
+    return prefix[:, None, :] | tree

@@ -215,3 +215,28 @@ def make_tiny_chameleon_folder(out: str | os.PathLike[str], layout_name: str = "
     build_proximity(vq.codebook().detach(), k_max=15).save(out / "proximity.safetensors")
     write_json(out / "generation.json", {"layout": layout_name, "temperature": 1.0, "top_k": 8, "cfg_scale": 3.0})
     return out
+
+
+def tiny_released_drafter(lm: Any, layout_name: str = "lumina-mgpt", seed: int = 0, **overrides: Any) -> Any:
+    """A random drafter in the key layout of LANTERN's released Chameleon drafters, sized for the
+    tiny Chameleon ``lm`` (a :class:`lantern.models.chameleon.ChameleonLM`). Its embedding is the
+    target's, as the official training starts (``load_emb``); norm parameters are moved off their
+    defaults so a wrong norm layout shows."""
+    from lantern.models.chameleon_drafter import ReleasedChameleonDrafter, ReleasedDrafterConfig
+
+    cfg = lm.config
+    base: dict[str, Any] = dict(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, layout=layout_name,
+    )
+    base.update(overrides)
+    torch.manual_seed(seed)
+    model = ReleasedChameleonDrafter(ReleasedDrafterConfig(**base))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(lm.hf.model.embed_tokens.weight.float())
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.eval()

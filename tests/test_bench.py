@@ -24,6 +24,7 @@ from lantern.bench import (
 )
 from lantern.cli import main
 from lantern.errors import LanternError
+from lantern.pipeline import MethodConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -233,3 +234,43 @@ def test_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.sweep[2].relaxation["lam"] == 2.0 and result.sweep[2].relaxation["k"] == 10
     assert all(r.num_images == 3 and r.speedup_vs_ar > 0 and r.mean_accepted >= 1.0 for r in result.sweep)
     assert seen == [4, 4, 4, 3, 3, 3]  # three methods on 4 images, then three sweep points on 3
+
+
+def test_method_rows_with_relaxation_settings() -> None:
+    """METHOD/KEY=VALUE rows carry their settings; --lantern-budget labels the relaxed rows."""
+    specs = parse_methods("ar,lantern/delta=0.2/budget=token,lantern++@chain:3/lambda=2/k=5,lantern", budget="test")
+    assert [s.name for s in specs] == ["ar", "lantern/delta=0.2/budget=token",
+                                       "lantern++@chain:3/lambda=2/k=5/budget=test", "lantern/budget=test"]
+    assert (specs[1].delta, specs[1].budget) == (0.2, "token") and specs[0].budget is None
+    assert (specs[2].tree, specs[2].lam, specs[2].k, specs[2].budget) == ("chain:3", 2.0, 5, "test")
+    resolved = MethodConfig.resolve(specs[1].method, "chain:3", specs[1].k, specs[1].delta, specs[1].lam,
+                                    budget=specs[1].budget)
+    assert resolved.relaxation is not None and resolved.relaxation.budget == "token"
+    with pytest.raises(LanternError, match="expected /KEY=VALUE"):
+        parse_methods("ar,lantern/gamma=3")
+    with pytest.raises(LanternError, match="delta must be a number"):
+        parse_methods("ar,lantern/delta=big")
+
+
+def test_throughput_table_per_batch_size() -> None:
+    """--speed-batch-size 1,2: latency rows at batch 1, and images/s of every method at batch 2 on
+    max(speed_images, 2) images, each against AR at the same batch size; start-up is recorded."""
+    import lantern.bench as bench
+    from lantern.config import SamplingConfig
+    from lantern.stack import load_stack
+
+    assert bench.parse_batch_sizes("1,4,16") == [1, 4, 16] and bench.parse_batch_sizes(2) == [2]
+    for bad in ("0", "a", "", "1,-4"):
+        with pytest.raises(LanternError, match="--speed-batch-size must be"):
+            bench.parse_batch_sizes(bad)
+    stack = load_stack("digits")
+    sampling = SamplingConfig(**stack.default_sampling())
+    config = BenchConfig(methods=parse_methods("ar,lantern++"), num_images=2, speed_images=1, curve_images=0,
+                         ar_spread=False, throughput_batch_sizes=(2,))
+    result = bench.run_bench(stack, sampling, config, None, progress=False, log=lambda _: None)
+    assert [(p["batch_size"], p["method"], p["images"]) for p in result.throughput] == [(2, "ar", 2),
+                                                                                       (2, "lantern++", 2)]
+    assert result.throughput[0]["speedup_vs_ar"] == 1.0 and result.throughput[1]["images_per_second"] > 0
+    assert all(r.startup_seconds > 0 for r in result.rows)
+    table = bench.throughput_table(result.throughput)
+    assert "| lantern++ | " in table and "batch 2: images/s" in table

@@ -98,6 +98,31 @@ def test_bad_input(folder: Path, tmp_path: Path, extra: list[str], message: str,
     assert not (out / "codes.npy").exists()
 
 
+def test_released_drafter_folder(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--drafter FOLDER`` holding a drafter in LANTERN's released layout (Chameleon config.json +
+    pytorch_model.bin, recognised from its files): greedy codes equal AR's; the other release's
+    drafter, and a released drafter on a LlamaGen stack, are refused with one line."""
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import make_random_stack, tiny_released_drafter
+
+    lm = load_chameleon(folder, dtype=torch.float32)
+    save_released_drafter(tiny_released_drafter(lm, "lumina-mgpt"), tmp_path / "lumina", "pytorch_model.bin")
+    save_released_drafter(tiny_released_drafter(lm, "anole"), tmp_path / "anole")
+    greedy = ("--temperature", "0")
+    assert _generate(folder, tmp_path / "ar", "--method", "ar", *greedy) == 0
+    assert _generate(folder, tmp_path / "sd", "--method", "sd", "--tree", "chain:3", "--drafter",
+                     str(tmp_path / "lumina"), *greedy) == 0
+    assert (np.load(tmp_path / "sd" / "codes.npy") == np.load(tmp_path / "ar" / "codes.npy")).all()
+    assert json.loads((tmp_path / "sd" / "run.json").read_text())["stats"]["drafter_forwards"] > 0
+    assert _generate(folder, tmp_path / "x", "--method", "sd", "--drafter", str(tmp_path / "anole")) == 2
+    assert "Anole release's drafter (q_norm rows), the run's layout is lumina-mgpt" in capsys.readouterr().err
+    stack = make_random_stack(tmp_path / "stack", grid=4)
+    assert main(["generate", "--model", str(stack), "--labels", "1", "--method", "sd", "--tree", "chain:3",
+                 "--drafter", str(tmp_path / "lumina"), "--out", str(tmp_path / "y"), "--no-progress"]) == 2
+    assert "released Chameleon-family drafters" in capsys.readouterr().err
+
+
 def test_labels_and_missing_layout(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--model", str(folder), "--labels", "1", "--out", str(tmp_path / "o")]) == 2
     assert "pass --prompt" in capsys.readouterr().err
@@ -203,3 +228,17 @@ def test_llamagen_only_commands_name_the_limitation(folder: Path, tmp_path: Path
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "--model", str(folder), "--out", str(tmp_path / "o")]) == 2
     assert "Chameleon-family model" in capsys.readouterr().err
+
+
+def test_a_batch_whose_cache_cannot_fit_is_refused_before_decoding(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lantern.validate
+
+    capsys.readouterr()
+    monkeypatch.setattr(lantern.validate, "available_memory", lambda device: 1000)
+    assert _generate(folder, tmp_path / "o", "--batch-size", "8") == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # (transformers' loading bar comes first)
+    assert last.startswith("lantern: error: --batch-size: decoding 2 images together needs about")  # 2 prompts
+    assert last.endswith("more than the 1000 bytes free on cpu; use a smaller --batch-size")
+    assert not (tmp_path / "o").exists()

@@ -218,3 +218,16 @@ def test_build_proximity_cli(stack: Path, tmp_path: Path, capsys: pytest.Capture
     )
     assert rc == 2
     assert "codebook" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["lantern", "lantern++", "sjd-lantern"])
+def test_lantern_budget_is_recorded(stack: Path, tmp_path: Path, method: str) -> None:
+    """--lantern-budget token reaches the acceptance rule's config and run.json; with an exact
+    method the flag is an error (exit 2, no output)."""
+    out = tmp_path / method
+    argv = ["generate", "--model", str(stack), "--labels", "1", "--no-progress", "--out", str(out)]
+    assert main([*argv, "--method", method, "--lantern-budget", "token"]) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["method"]["relaxation"]["budget"] == "token"
+    assert main([*argv[:-1], str(tmp_path / "sd"), "--method", "sd", "--lantern-budget", "token"]) == 2
+    assert not (tmp_path / "sd").exists() or list((tmp_path / "sd").iterdir()) == []

@@ -217,6 +217,24 @@ def test_chameleon_vqgan_refuses_the_payload(chameleon: Path, tmp_path: Path, wh
     assert not _marker(path).exists()
 
 
+def test_released_chameleon_drafter_bin_refuses_the_payload(chameleon: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """LANTERN's released Anole / Lumina-mGPT drafters ship as ``pytorch_model.bin``: the same loader."""
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import tiny_released_drafter
+
+    drafter = save_released_drafter(tiny_released_drafter(load_chameleon(chameleon, dtype=torch.float32)),
+                                    tmp_path / "released", "pytorch_model.bin")
+    path = drafter / "pytorch_model.bin"
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "args": Payload(_marker(path))}, path)
+    assert main(["generate", "--model", str(chameleon), "--prompt", "a cat", "--method", "sd", "--drafter",
+                 str(drafter), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    _one_line_error(capsys, "drafter weights", str(path), "builtins.exec")
+    assert not _marker(path).exists() and not (tmp_path / "out").exists()
+
+
 TRAIN_ARGS = ["train-tokenizer", "--codebook-size", "16", "--ch", "16", "--ch-mult", "1,2", "--z-channels", "8",
               "--norm-groups", "8", "--steps", "8", "--batch-size", "4", "--checkpoint-every", "4", "--eval-images",
               "2", "--no-progress", "--precision", "fp32"]

@@ -98,7 +98,9 @@ def test_sampling_frequencies() -> None:
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(top_k=-1), "top_k must be an integer >= 0"),
-        (dict(cfg_scale=0.5), "cfg_scale must be >= 1"),
+        (dict(cfg_scale=0.5), r"cfg_scale must be in \[1, 100\]"),
+        (dict(cfg_scale=1e39), r"cfg_scale must be in \[1, 100\]"),
+        (dict(cfg_scale=math.inf), r"cfg_scale must be in \[1, 100\]"),
         (dict(temperature=math.nan), "temperature must be >= 0"),
     ],
 )

@@ -130,8 +130,8 @@ class _StickyCoupling(JacobiDrafter):
     """A deliberately broken coupling: every carried guess that its old q could have drawn is
     kept, so its law is the old q rather than p (while still tested as a draw from p)."""
 
-    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator], rows: list[int]) -> Tensor:
-        y = super()._redraw(p, old, pos, gens, rows)
+    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator]) -> Tensor:
+        y = super()._redraw(p, old, pos, gens)
         assert self.q is not None
         q_old = torch.cat([self.q[:, 1:], torch.zeros_like(self.q[:, :1])], dim=1)
         drawable = q_old.gather(-1, old.clamp(min=0)[..., None])[..., 0] > 0
@@ -269,17 +269,18 @@ def test_relaxation_applies_to_coupled_sjd() -> None:
 
 
 def test_bench_rows_per_coupling() -> None:
-    """`lantern bench --methods ar,sjd-coupled,sjd-coupled@gumbel` compares both couplings."""
-    specs = parse_methods("ar,sjd-coupled,sjd-coupled@gumbel,sjd-coupled-lantern++@maximal")
-    assert [s.name for s in specs] == ["ar", "sjd-coupled", "sjd-coupled@gumbel", "sjd-coupled-lantern++@maximal"]
+    """`lantern bench --methods ar,sjd-coupled,sjd-coupled/coupling=gumbel` compares both couplings."""
+    specs = parse_methods("ar,sjd-coupled,sjd-coupled/coupling=gumbel,gsd/coupling=maximal", budget="token")
+    assert [s.name for s in specs] == ["ar", "sjd-coupled", "sjd-coupled/coupling=gumbel", "gsd/coupling=maximal"]
+    assert [s.budget for s in specs] == [None, None, None, None]  # no LANTERN rule: no budget
     stack = _stack("digits")
     labels = [tree_label(s.resolve(stack)) for s in specs]
     assert labels == ["-", "jacobi:16/repeat_horizon/maximal", "jacobi:16/repeat_horizon/gumbel",
-                      "jacobi:16/repeat_horizon/maximal"]
+                      "jacobi:16/random/maximal"]
     with pytest.raises(LanternError, match=r"--sjd-coupling must be one of maximal, gumbel, got 'fast'"):
-        parse_methods("ar,sjd-coupled@fast")[1].resolve(stack)
-    with pytest.raises(LanternError, match=r"'sjd' does not draft a tree"):
-        parse_methods("ar,sjd@gumbel")
+        parse_methods("ar,sjd-coupled/coupling=fast")[1].resolve(stack)
+    with pytest.raises(LanternError, match=r"--sjd-coupling needs --method sjd-coupled"):
+        parse_methods("ar,sjd/coupling=gumbel")[1].resolve(stack)
 
 
 def test_relaxed_coupled_methods_resolve() -> None:

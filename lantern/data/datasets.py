@@ -438,7 +438,8 @@ class _FolderImage:
 
 
 def _list_image_files(folder: Path) -> list[Path]:
-    check(folder.exists(), f"image folder not found: {folder}")
+    check(folder.exists(), f"--data: image folder not found: {folder} (expected digits, photos or a folder of "
+                           ".png/.jpg/.jpeg images)")
     check(folder.is_dir(), f"image folder {folder} is a file, expected a directory of .png/.jpg/.jpeg images")
     files = sorted(
         p

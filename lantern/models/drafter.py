@@ -34,7 +34,14 @@ from lantern.io import (
     read_json_object,
     save_model_folder,
 )
-from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, rope_table_1d, rope_table_2d
+from lantern.models.llamagen import (
+    LlamaGenConfig,
+    RMSNorm,
+    apply_rope,
+    keep_rope_float32,
+    rope_table_1d,
+    rope_table_2d,
+)
 
 MODEL_TYPE = "lantern-eagle-drafter"
 
@@ -107,6 +114,10 @@ class DrafterConfig:
     @classmethod
     def from_official(cls, raw: Mapping[str, Any]) -> DrafterConfig:
         """From LANTERN's EConfig ``config.json`` (``input_type`` picks the RoPE layout)."""
+        if raw.get("model_type") == "chameleon":  # lantern.models.chameleon_drafter reads those
+            raise LanternError("this drafter is one of LANTERN's released Chameleon-family drafters (Anole / "
+                               "Lumina-mGPT): only `lantern generate` with a Chameleon --model runs it; this "
+                               "command needs a drafter in lantern's own layout")
         input_type = raw.get("input_type", "t2i")
         if input_type not in _OFFICIAL_INPUT_TYPES:
             raise LanternError(f"official drafter config has unknown input_type {input_type!r}")
@@ -149,24 +160,35 @@ class DrafterAttention(nn.Module):
         q = apply_rope(self.q_proj(x).view(n, t, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(self.k_proj(x).view(n, t, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
         v = self.v_proj(x).view(n, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            assert slots is not None
-            cache.write(0, slots, k, v)
-            k, v = cache.read(0, mask.shape[-1])
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+        return self.o_proj(cached_attention(q, k, v, mask, cache, slots))
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCache | None = None,
+                     slots: Tensor | None = None, layer: int = 0) -> Tensor:
+    """Attention of q [N, H, T, Dh] over k / v [N, Hkv, T, Dh], first written to ``cache`` at
+    ``slots`` and read back with everything before them; key/value heads are shared by groups of
+    query heads. mask [N, T, S] bool. Returns [N, T, H * Dh]."""
+    n, h, t, _ = q.shape
+    if cache is not None:
+        assert slots is not None
+        cache.write(layer, slots, k, v)
+        k, v = cache.read(layer, mask.shape[-1])
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if k.shape[1] != h:
+        rep = h // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    return out.transpose(1, 2).reshape(n, t, -1)
 
 
 class DrafterMLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    """SwiGLU, as the official drafters name it (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -178,7 +200,7 @@ class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.self_attn = DrafterAttention(cfg)
-        self.mlp = DrafterMLP(cfg)
+        self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, **cache_args: Any) -> Tensor:
@@ -186,18 +208,36 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class EagleDrafterModel(nn.Module):
+class EagleModule(nn.Module):
+    """What the loop reads from any EAGLE drafter module: where and in which precision it runs."""
+
+    fc: nn.Linear
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+
+class EagleDrafterModel(EagleModule):
     ROPE_PAD = 64
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("freqs_cis", self._rope_table(), persistent=False)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
         self.layers = nn.ModuleList([DrafterLayer(cfg)])
+
+    def _rope_table(self) -> Tensor:
+        cfg = self.config
         if cfg.rope == "1d":  # drafter position p = target position p (its own cache slots)
-            table = rope_table_1d(cfg.head_dim, cfg.target_cls_token_num + 2 * cfg.block_size + self.ROPE_PAD,
-                                  cfg.rope_base)
+            return rope_table_1d(cfg.head_dim, cfg.target_cls_token_num + 2 * cfg.block_size + self.ROPE_PAD,
+                                 cfg.rope_base)
         else:  # the target's 2D table with one condition row fewer (drafter index = target index - 1)
             rope_cfg = LlamaGenConfig(
                 dim=cfg.hidden_size,
@@ -211,15 +251,12 @@ class EagleDrafterModel(nn.Module):
             table = rope_table_2d(rope_cfg, self.ROPE_PAD)
             if cfg.target_cls_token_num == 1:  # no zero prefix row at all for c2i
                 table = table[1:]
-        self.register_buffer("freqs_cis", table, persistent=False)
+        return table
 
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+    def _apply(self, fn: Any, recurse: bool = True) -> EagleDrafterModel:
+        """Casts keep the rotary table float32 (see ``LlamaGen._apply``)."""
+        super()._apply(fn, recurse)
+        return keep_rope_float32(self, self._rope_table)
 
     def rope_at(self, positions: Tensor) -> Tensor:
         return self.freqs_cis[positions.clamp(max=self.freqs_cis.shape[0] - 1)]

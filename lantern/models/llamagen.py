@@ -175,6 +175,14 @@ def rope_table_1d(head_dim: int, length: int, base: float = 10000.0) -> Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
+def keep_rope_float32(module: nn.Module, build: Any) -> Any:
+    """Rebuild ``module.freqs_cis`` in float32 (on its device) if a cast changed its dtype."""
+    table = module.freqs_cis
+    if isinstance(table, Tensor) and table.dtype != torch.float32:
+        module.freqs_cis = build().to(table.device)
+    return module
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]). x: [N, T, H, Dh]; rope: [N, T, Dh/2, 2]."""
     xf = x.float().reshape(*x.shape[:-1], -1, 2)  # [N, T, H, Dh/2, 2]
@@ -321,6 +329,13 @@ class LlamaGen(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("freqs_cis", rope_table_2d(cfg, self.ROPE_PAD), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LlamaGen:
+        """``.to(dtype)`` / ``.half()`` cast every floating buffer; the rotary table is rebuilt in
+        float32 afterwards, as LlamaGen keeps ``freqs_cis`` float32 whatever the model's dtype
+        (a bf16 table rounds cos/sin to 3 significant digits)."""
+        super()._apply(fn, recurse)
+        return keep_rope_float32(self, lambda: rope_table_2d(self.config, self.ROPE_PAD))
 
     # -- construction ---------------------------------------------------------------------------
 

@@ -63,8 +63,11 @@ def _add_loop_args(p: argparse.ArgumentParser, steps: int, batch_size: int, lr: 
 
 
 def _loop(args: argparse.Namespace) -> Any:
+    """The loop settings; also checks --out before any data is read (every trainer calls this first)."""
+    from lantern.outputs import check_training_out
     from lantern.train.loop import LoopConfig
 
+    check_training_out(args.out)
     return LoopConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup_steps, schedule=args.schedule, weight_decay=args.weight_decay,
@@ -149,21 +152,29 @@ def _add_extract_codes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder")
     _add_data_args(p)
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out folder")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract_codes)
 
 
 def cmd_extract_codes(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from lantern.io import write_json
     from lantern.models.vq import VQModel
+    from lantern.outputs import OutputFolder
     from lantern.train.codes import extract_code_dir
 
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    if not Path(args.tokenizer).is_dir():
+        raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
     tokenizer = VQModel.from_pretrained(args.tokenizer)
     train, test = _datasets(args)
-    sets = extract_code_dir(tokenizer, train, test, args.out, args.batch_size, progress=not args.no_progress)
-    write_json(f"{args.out}/extract_config.json", {"command": _command(), "tokenizer": str(args.tokenizer),
-                                                   "train": sets["train"].meta, "test": sets["test"].meta})
+    with out.write() as folder:
+        sets = extract_code_dir(tokenizer, train, test, folder, args.batch_size, progress=not args.no_progress)
+        write_json(folder / "extract_config.json", {"command": _command(), "tokenizer": str(args.tokenizer),
+                                                    "train": sets["train"].meta, "test": sets["test"].meta})
     s = sets["train"]
     print(f"wrote {len(s)} train / {len(sets['test'])} test code grids ({s.seq_len} tokens, vocab {s.vocab_size}, "
           f"{s.num_classes} classes) to {args.out}")
@@ -209,7 +220,8 @@ def _add_make_drafter_data(sub: argparse._SubParsersAction) -> None:
                                    "final-norm hidden states: OUT/train and OUT/test.")
     p.add_argument("--target", required=True, help="target model folder (or stack folder)")
     p.add_argument("--codes", required=True, help="folder written by `lantern extract-codes`")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output folder (OUT/train, OUT/test)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out folder")
     p.add_argument("--cond-dropout", type=float, default=0.1, help="rate of rows run unconditionally (0.1)")
     p.add_argument("--source", choices=["real", "generated"], default="real",
                    help="real codes only, or also self-distilled sequences sampled from the target")
@@ -234,26 +246,27 @@ def _load_target(path: str) -> Any:
 
 
 def cmd_make_drafter_data(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
+    from lantern.outputs import OutputFolder
     from lantern.train.codes import CodeSet, load_code_dir
     from lantern.train.drafter import make_drafter_data
 
-    target = _load_target(args.target)
-    out = Path(args.out)
+    out = OutputFolder.check(args.out, "--out", args.overwrite)
     for name, value in (("--max-sequences", args.max_sequences), ("--max-test-sequences", args.max_test_sequences)):
         if value is not None and value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")
-    for split in ("train", "test"):
-        codes = load_code_dir(args.codes, split)
-        limit = args.max_sequences if split == "train" else args.max_test_sequences
-        if limit is not None and limit < len(codes):  # the first rows: classes stay balanced (i % classes)
-            codes = CodeSet(codes.codes[:limit], codes.labels[:limit], codes.meta)
-        make_drafter_data(target, codes, out / split, cond_dropout=args.cond_dropout, seed=args.seed,
-                          batch_size=args.batch_size, progress=not args.no_progress,
-                          source=args.source if split == "train" else "real",
-                          num_generated=args.num_generated if split == "train" else 0)
-    print(f"wrote drafter data to {out}/train and {out}/test")
+    target = _load_target(args.target)
+    splits = {split: load_code_dir(args.codes, split) for split in ("train", "test")}
+    with out.write() as folder:
+        for split, codes in splits.items():
+            limit = args.max_sequences if split == "train" else args.max_test_sequences
+            if limit is not None and limit < len(codes):  # the first rows: classes stay balanced (i % classes)
+                codes = CodeSet(codes.codes[:limit], codes.labels[:limit], codes.meta)
+            make_drafter_data(target, codes, folder / split, cond_dropout=args.cond_dropout, seed=args.seed,
+                              batch_size=args.batch_size, progress=not args.no_progress,
+                              source=args.source if split == "train" else "real",
+                              num_generated=args.num_generated if split == "train" else 0)
+    print(f"wrote drafter data to {out.path}/train and {out.path}/test")
     return 0
 
 
@@ -333,17 +346,17 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
 
     from lantern.chameleon import load_chameleon_stack
     from lantern.cli import _chameleon_layout, _sampling
-    from lantern.io import ensure_writable_dir
     from lantern.stack import inference_dtype
     from lantern.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
+    from lantern.validate import check_device
 
     loop = _loop(args)
     recipe = _recipe(args)
+    check_device(args.device)
     prompts = read_prompts(args.prompts)
     root = Path(args.model)
     layout = _chameleon_layout(args, root)
-    ensure_writable_dir(args.out, "--out")
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     result = train_chameleon_drafter(
         stack, prompts, args.out, loop, sampling=_sampling(args, stack), num_per_prompt=args.num_per_prompt,

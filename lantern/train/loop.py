@@ -298,8 +298,29 @@ def train(
     """Run (or resume) ``task`` into ``out``; returns final held-out metrics.
 
     ``stop_after`` ends this process after that many global steps (after any checkpoint due at
-    that step), as if it had been killed: a later ``resume=True`` call continues exactly.
+    that step), as if it had been killed: a later ``resume=True`` call continues exactly. A run
+    that fails before its first checkpoint removes the ``out`` folder it created: there is
+    nothing in it to resume.
     """
+    created = not Path(out).exists()
+    try:
+        return _train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+    except BaseException:
+        if created and latest_checkpoint(Path(out)) is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _train(
+    task: TrainTask,
+    loop: LoopConfig,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool,
+    progress: bool,
+    stop_after: int | None,
+    command: str | None,
+) -> TrainResult:
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 

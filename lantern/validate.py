@@ -1,0 +1,103 @@
+"""Validate before you allocate: arguments checked against the model before anything is built.
+
+A bad count, label, device or batch otherwise surfaces late and badly: an integer overflow inside
+``torch.tensor``, an ``AssertionError`` from torch's CUDA initialisation, or a key/value cache
+that the kernel kills the process for. Each check here raises :class:`LanternError` naming the
+argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from lantern.errors import LanternError, check
+
+# Images one run may ask for: far more than any evaluation needs (FID-50k), and small enough that
+# the per-image labels, seeds and codes of a run stay in memory. A typo such as
+# ``--num-per-label 1000000000000`` would otherwise build a label list until memory runs out.
+MAX_IMAGES = 1_000_000
+
+
+def check_count(value: int, arg: str, minimum: int = 1, maximum: int | None = None) -> None:
+    """An image / item count: an integer >= ``minimum`` (and <= ``maximum`` when given)."""
+    check(isinstance(value, int) and value >= minimum, f"{arg} must be an integer >= {minimum}, got {value!r}")
+    check(maximum is None or value <= maximum, f"{arg} must be at most {maximum} (one run), got {value}")
+
+
+def check_image_total(conditions: int, per_condition: int, arg: str) -> None:
+    """``conditions`` labels or prompts times ``per_condition`` images each: at most :data:`MAX_IMAGES`."""
+    total = conditions * per_condition
+    check(total <= MAX_IMAGES, f"{arg}: {conditions} x {per_condition} = {total} images in one run; at most "
+                               f"{MAX_IMAGES} (split it into several runs with different --seed)")
+
+
+def check_label_values(labels: Sequence[int], num_classes: int, arg: str = "--labels") -> None:
+    """Class ids in ``0..num_classes-1``, checked on Python integers: an id past int64 would
+    otherwise overflow inside ``torch.tensor`` before any range check sees it."""
+    for label in labels:
+        check(
+            0 <= label < num_classes,
+            f"{arg}: label {label} is out of range: this model has {num_classes} classes (0..{num_classes - 1})",
+        )
+
+
+def check_device(name: str | torch.device, arg: str = "--device") -> torch.device:
+    """A device this machine has: ``cpu``, ``cuda``/``cuda:N`` with CUDA present, or ``mps``."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise LanternError(f"{arg}: unknown device {str(name)!r} (expected cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise LanternError(f"{arg} {name}: CUDA is not available ({why}); use --device cpu")
+        count = torch.cuda.device_count()
+        check(device.index is None or device.index < count,
+              f"{arg} {name}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    elif device.type == "mps":
+        check(torch.backends.mps.is_available(), f"{arg} {name}: MPS is not available on this machine")
+    else:
+        check(device.type == "cpu", f"{arg}: lantern runs on cpu, cuda[:N] or mps, got {str(name)!r}")
+    return device
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (None when unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def check_batch_memory(needed: int, rows: int, device: torch.device, arg: str = "--batch-size") -> None:
+    """Refuse a batch whose key/value cache (``needed`` bytes for ``rows`` images decoded together)
+    cannot fit in the memory ``device`` has free: a one-line error now rather than a MemoryError,
+    or the kernel's OOM killer, after the model is loaded."""
+    free = available_memory(device)
+    if free is None or needed <= free:
+        return
+    raise LanternError(
+        f"{arg}: decoding {rows} images together needs about {_size(needed)} for the key/value cache alone, more "
+        f"than the {_size(free)} free on {device}; use a smaller {arg}"
+    )
