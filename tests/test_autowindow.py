@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_sjd import assert_cli_error
 
 from lantern.autowindow import AutoWindowChoice, WindowTrial, choose_window, with_window
 from lantern.cli import main
@@ -60,16 +59,3 @@ def test_cli_auto_window_is_recorded(random_stack: Path, tmp_path: Path, capsys:
     assert "--sjd-window auto [gsd]: window " in capsys.readouterr().out
     run = json.loads((out / "run.json").read_text())
     assert run["method"]["jacobi"]["window"] == run["auto_window"]["window"] in (4, 8, 16, 32)
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a Jacobi --method \(sjd, "),
-        (["--method", "sjd", "--sjd-window", "wide"], r"--sjd-window must be an integer >= 1, got 'wide'"),
-    ],
-)
-def test_cli_bad_auto_window(
-    random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
-) -> None:
-    assert_cli_error(str(random_stack), tmp_path, capsys, extra, message)

@@ -401,6 +401,9 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "sjd", "--gsd-group", "3"], r"--gsd-group needs --method gsd, got --method sjd"),
         (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method \(lantern, "),
         (["--method", "sjd-coupled", "--sjd-coupling", "independent"], r"--sjd-coupling must be one of maximal, "),
+        # --sjd-window auto (test_autowindow.py)
+        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a Jacobi --method \(sjd, "),
+        (["--method", "sjd", "--sjd-window", "wide"], r"--sjd-window must be an integer >= 1, got 'wide'"),
     ],
 )
 def test_cli_bad_sjd_options(
