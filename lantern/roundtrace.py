@@ -28,7 +28,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from lantern.compiling import resolve_compile
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.generate import GenerationOutput
+from lantern.outputs import OutputFolder
 from lantern.phases import PHASES, PhaseClock, install_clock
 from lantern.pipeline import MethodConfig, PreparedMethod, image_seed, prepare_method
 from lantern.sampling import make_generators
@@ -249,10 +249,11 @@ def trace_meta(stack: ModelStack, sampling: SamplingConfig, labels: Sequence[int
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: Path) -> int:
-    """``lantern profile --trace METHODS``: trace, print the table, write trace.json / trace.md."""
+def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: OutputFolder) -> int:
+    """``lantern profile --trace METHODS``: trace, print the table, write trace.json / trace.md
+    (all-or-nothing, into the checked ``--out``)."""
     from lantern.bench import bench_labels, parse_methods
-    from lantern.io import atomic_path, write_json
+    from lantern.io import write_json
 
     check(args.trace_images >= 1, f"--trace-images must be >= 1, got {args.trace_images}")
     methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace)}
@@ -262,9 +263,9 @@ def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: Path)
     table = trace_markdown(traces)
     meta = trace_meta(stack, sampling, labels, args.batch_size, str(args.model))
     meta["compile"] = resolve_compile(args.compile, stack.target.device)
-    write_json(out / "trace.json", trace_dict(traces, meta))
-    with atomic_path(out / "trace.md") as tmp:
-        tmp.write_text(table + "\n")
     print(table)
-    print(f"wrote {out / 'trace.json'} and {out / 'trace.md'}")
+    with out.write() as folder:
+        write_json(folder / "trace.json", trace_dict(traces, meta))
+        (folder / "trace.md").write_text(table + "\n")
+    print(f"wrote {out.path / 'trace.json'} and {out.path / 'trace.md'}")
     return 0

@@ -73,6 +73,24 @@ def test_trace_methods_accounts_for_every_round(random_stack: Path) -> None:
     assert table.count("\n| ") == 2 and "| ar | - | 1.00 | 1.00 |" in table
 
 
+def test_cli_trace_writes_its_tables(random_stack: Path, tmp_path: Path) -> None:
+    """``lantern profile --trace``: the table printed is the one written, all-or-nothing into --out;
+    a used --out is refused before anything is traced."""
+    import json
+
+    from lantern.cli import main
+
+    out = tmp_path / "trace"
+    args = ["profile", "--model", str(random_stack), "--trace", "ar,sd", "--trace-images", "1", "--no-progress",
+            "--out", str(out)]
+    assert main(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["trace.json", "trace.md"]
+    md = (out / "trace.md").read_text()
+    assert md.count("\n| ") == 2 and "| ar | - | 1.00 | 1.00 |" in md
+    assert [m["method"] for m in json.loads((out / "trace.json").read_text())["methods"]] == ["ar", "sd"]
+    assert main(args) == 2 and (out / "trace.md").read_text() == md
+
+
 # ---- compilation ------------------------------------------------------------------------------
 
 
