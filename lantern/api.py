@@ -50,6 +50,12 @@ def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingCon
     return SamplingConfig(**values)
 
 
+def sampling_from(stack: Any, source: Any) -> SamplingConfig:
+    """:func:`resolve_sampling` with the overrides read from ``source``'s attributes of the same
+    names (an argparse namespace of ``--temperature`` / ``--top-k`` / ``--top-p`` / ``--cfg-scale``)."""
+    return resolve_sampling(stack, **{name: getattr(source, name, None) for name in SAMPLING_SETTINGS})
+
+
 def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodConfig, SamplingConfig]:
     """Method and sampling for one run, from keyword settings named like the CLI's flags."""
     unknown = sorted(set(settings) - set(SAMPLING_SETTINGS) - set(METHOD_SETTINGS))

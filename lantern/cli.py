@@ -65,13 +65,6 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
             raise LanternError(f"{flag}: {e}") from None
 
 
-def _sampling(args: argparse.Namespace, stack: Any) -> Any:
-    """Explicit flags, then the stack's ``generation.json``, then SamplingConfig's defaults."""
-    from lantern.api import SAMPLING_SETTINGS, resolve_sampling
-
-    return resolve_sampling(stack, **{name: getattr(args, name) for name in SAMPLING_SETTINGS})
-
-
 def _method(args: argparse.Namespace, stack: Any, tree: str | None = None) -> Any:
     """``--method`` with its flags, resolved by the library. ``tree``: auto's choice; with --tree auto
     and no choice yet, the method's own default tree (what choose_tree starts from)."""
@@ -290,7 +283,7 @@ def _check_run_args(args: argparse.Namespace) -> OutputFolder:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lantern.api import decode_images, encode_prompts_t5, t5_folder
+    from lantern.api import decode_images, encode_prompts_t5, sampling_from, t5_folder
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.pipeline import run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
@@ -316,7 +309,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if auto and prompts is not None:
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
     method = _method(args, stack)
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     t5_dir = t5_folder(stack, args.t5) if prompts is not None else None
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
@@ -364,7 +357,7 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
 
 def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder) -> int:
     """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
-    from lantern.api import decode_images
+    from lantern.api import decode_images, sampling_from
     from lantern.chameleon import load_chameleon_stack, run_chameleon
     from lantern.stack import inference_dtype
 
@@ -380,7 +373,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
     layout = _chameleon_layout(args, root)
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     method = _method(args, stack)
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
     result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
                            not args.no_progress, args.drafter, args.proximity)
@@ -527,6 +520,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import torch
 
+    from lantern.api import sampling_from
     from lantern.demo import run_demo, save_demo
     from lantern.outputs import OutputFolder
     from lantern.pipeline import METHODS
@@ -546,7 +540,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     n = stack.target.config.num_classes if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
@@ -671,6 +665,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from lantern.api import sampling_from
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
     from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
@@ -683,7 +678,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     if args.trace is not None:
         from lantern.roundtrace import cmd_trace
 
