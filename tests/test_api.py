@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +20,9 @@ from lantern.cli import main
 from lantern.errors import LanternError
 from lantern.stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
+from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
 
 CONFIG_KEYS = ("seed", "batch_size", "device", "sampling", "method")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
