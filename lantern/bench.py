@@ -799,7 +799,7 @@ def cmd_bench(args: Any) -> int:
     import shlex
     import sys
 
-    from lantern.cli import _sampling
+    from lantern.api import sampling_from
     from lantern.compiling import resolve_compile
     from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
@@ -831,7 +831,7 @@ def cmd_bench(args: Any) -> int:
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
     throughput_methods = {}

@@ -339,6 +339,8 @@ class ChameleonStack:
 def find_vq(root: Path, vq: str | os.PathLike[str] | None) -> Path:
     if vq is not None:
         path = Path(vq)
+        if path.is_dir():  # a folder (e.g. a Hub snapshot) holding the checkpoint
+            path = next((path / name for name in VQ_NAMES if (path / name).is_file()), path)
         check(path.is_file(), f"--vq: no such file {path} (the Chameleon VQGAN checkpoint, vqgan.ckpt)")
         return path
     for name in VQ_NAMES:

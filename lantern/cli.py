@@ -74,15 +74,16 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
             raise LanternError(f"{flag}: {e}") from None
 
 
-def _sampling(args: argparse.Namespace, stack: Any) -> Any:
-    """Explicit flags, then the stack's ``generation.json``, then SamplingConfig's defaults."""
-    from lantern.config import SamplingConfig
+def _method(args: argparse.Namespace, stack: Any, tree: str | None = None) -> Any:
+    """``--method`` with its flags, resolved by the library. ``tree``: auto's choice; with --tree auto
+    and no choice yet, the method's own default tree (what choose_tree starts from)."""
+    from lantern.api import METHOD_SETTINGS, resolve_method
 
-    values: dict[str, Any] = dict(stack.default_sampling())
-    for name in ("temperature", "top_k", "top_p", "cfg_scale"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    return SamplingConfig(**values)
+    settings = {name: getattr(args, name) for name in METHOD_SETTINGS}
+    settings["tree"] = tree if tree is not None else None if args.tree == "auto" else args.tree
+    if settings["sjd_window"] == "auto":  # measured later (_auto_window); resolve with the default first
+        settings["sjd_window"] = None
+    return resolve_method(None if args.tree == "auto" and tree is None else stack, args.method, **settings)
 
 
 def _check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
@@ -306,30 +307,15 @@ def _check_condition_kind(stack: Any, model: str, text: bool) -> None:
         raise LanternError(f"--labels: {model} is a text-to-image model; pass --prompt TEXT or --prompts FILE")
 
 
-def _t5_dir(args: argparse.Namespace, stack: Any) -> Path:
-    """--t5, else the stack's t5/ folder; checked (config, tokenizer, weights, width) without loading it."""
-    from lantern.text import check_t5_folder, require_transformers
+def _resolve_hub_args(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Each of these flags given as a Hugging Face ``org/name`` (and not an existing local path)
+    becomes the local snapshot folder of that repo."""
+    from lantern.hub import resolve_location
 
-    path = Path(args.t5) if args.t5 is not None else stack.t5_dir
-    if path is None:
-        raise LanternError(
-            f"--t5: {stack.root} has no t5/ folder; pass --t5 DIR (a local copy of google/flan-t5-xl)"
-        )
-    check_t5_folder(path, caption_dim=stack.target.config.caption_dim)
-    require_transformers()
-    return path
-
-
-def _encode_prompts(prompts: list[str], t5_dir: Path, stack: Any, args: argparse.Namespace) -> Any:
-    """Left-padded T5 captions for every image (each prompt ``--num-per-prompt`` times). The
-    encoder is dropped before decoding starts: flan-t5-xl's encoder is larger than GPT-XL."""
-    from lantern.text import load_t5
-
-    cfg = stack.target.config
-    encoder = load_t5(t5_dir, cfg.cls_token_num, args.device, stack.target.dtype, cfg.caption_dim)
-    captions = encoder.encode(prompts, batch_size=args.batch_size)
-    del encoder
-    return captions.repeat_interleave(args.num_per_label)
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(args, name, resolve_location(value, f"--{name}"))
 
 
 def _add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None:
@@ -349,10 +335,10 @@ def _check_run_args(args: argparse.Namespace) -> OutputFolder:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from lantern.api import decode_images, encode_prompts_t5, sampling_from, t5_folder
     from lantern.autowindow import with_window
     from lantern.models.chameleon import is_chameleon_folder
-    from lantern.models.vq import to_pil
-    from lantern.pipeline import MethodConfig, run_generation, run_generation_t2i
+    from lantern.pipeline import run_generation, run_generation_t2i
     from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_image_total, check_label_values
 
@@ -361,6 +347,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompt_args(args)
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
+    _resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
     if is_chameleon_folder(args.model):
         if args.compile != "off":
             raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
@@ -375,14 +362,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_condition_kind(stack, args.model, prompts is not None)
     if auto and prompts is not None:
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
-    tree = None if auto else args.tree if args.tree is not None else stack.default_tree(args.method)
-    method = MethodConfig.resolve(
-        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda,
-        None if auto_window else args.sjd_window, args.sjd_init, args.lantern_residual, args.lantern_budget,
-        coupling=args.sjd_coupling, group=args.gsd_group,
-    )
-    sampling = _sampling(args, stack)
-    t5_dir = _t5_dir(args, stack) if prompts is not None else None
+    method = _method(args, stack)
+    sampling = sampling_from(stack, args)
+    t5_dir = t5_folder(stack, args.t5) if prompts is not None else None
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     run_kw: dict[str, Any] = dict(
@@ -392,7 +374,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     auto_choice = window_choice = None
     if prompts is not None:
         assert t5_dir is not None
-        captions = _encode_prompts(prompts, t5_dir, stack, args)
+        captions = encode_prompts_t5(stack, t5_dir, prompts, args.device, args.batch_size, args.num_per_label)
         index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
         names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
         conditions: dict[str, Any] = {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
@@ -404,17 +386,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
             auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
                                      args.drafter, args.proximity, not args.no_progress)
-            run_kw["method"] = MethodConfig.resolve(args.method, auto_choice.tree_spec, args.lantern_k,
-                                                    args.lantern_delta, args.lantern_lambda, args.sjd_window,
-                                                    args.sjd_init, args.lantern_residual, args.lantern_budget,
-                                                    coupling=args.sjd_coupling, group=args.gsd_group)
+            run_kw["method"] = _method(args, stack, auto_choice.tree_spec)
         if auto_window:  # time the candidate windows, then run with the fastest
             window_choice = _auto_window(stack, method, sampling, args)
             run_kw["method"] = with_window(method, window_choice.window)
         names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
         conditions = {"labels": labels}
         result = run_generation(stack, labels, **run_kw)
-    images = _decode(stack.tokenizer.decode, result.codes, to_pil)
+    images = decode_images(stack, result.codes)
     run = _run_record(args, len(names), sampling, result, conditions)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
@@ -423,38 +402,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
-def _decode(decode: Callable[[Any], Any], codes: Any, to_pil: Callable[[Any], list[Any]]) -> list[Any]:
-    import torch
-
-    with torch.no_grad():
-        return to_pil(decode(codes))
-
-
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
-    from lantern.models.chameleon import LAYOUTS, is_chameleon_folder, layout_by_name
-    from lantern.stack import read_generation_settings
+    from lantern.api import chameleon_layout
+    from lantern.models.chameleon import is_chameleon_folder
 
     if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
         raise LanternError(f"--model: no such folder {root}")
     if not is_chameleon_folder(root):
         raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
                            "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
-    name = args.layout
-    if name is None:
-        name = read_generation_settings(root).get("layout")
-    if name is None:
-        raise LanternError(
-            f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "
-            "(how its images are laid out: Anole 32 x 32 codes; Lumina-mGPT rows with new-line tokens)"
-        )
-    return layout_by_name(name, args.image_size)
+    return chameleon_layout(root, args.layout, args.image_size)
 
 
 def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder) -> int:
     """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
+    from lantern.api import decode_images, sampling_from
     from lantern.chameleon import load_chameleon_stack, run_chameleon
-    from lantern.models.chameleon_vq import to_pil
-    from lantern.pipeline import MethodConfig
     from lantern.stack import inference_dtype
 
     root = Path(args.model)
@@ -469,16 +432,12 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
     _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
     layout = _chameleon_layout(args, root)
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
-    tree = args.tree if args.tree is not None else stack.default_tree(args.method)
-    method = MethodConfig.resolve(
-        args.method, tree, args.lantern_k, args.lantern_delta, args.lantern_lambda, args.sjd_window, args.sjd_init,
-        args.lantern_residual, args.lantern_budget, coupling=args.sjd_coupling, group=args.gsd_group,
-    )
-    sampling = _sampling(args, stack)
+    method = _method(args, stack)
+    sampling = sampling_from(stack, args)
     all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
     result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
                            not args.no_progress, args.drafter, args.proximity)
-    images = _decode(lambda c: stack.vq.decode_grid(c, layout.height, layout.width), result.codes, to_pil)
+    images = decode_images(stack, result.codes)
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
     layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
@@ -517,6 +476,7 @@ def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int
 def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result: Any,
                 conditions: dict[str, Any]) -> dict[str, Any]:
     """What ``run.json`` records of a generate run: the conditions, seeds, settings and statistics."""
+    from lantern.api import run_config
     from lantern.pipeline import image_seed
 
     return {
@@ -524,11 +484,7 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result
         "model": str(args.model),
         **conditions,
         "seeds": [image_seed(args.seed, i) for i in range(num_images)],
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "device": args.device,
-        "sampling": sampling.to_dict(),
-        "method": result.method.to_dict(),
+        **run_config(args.seed, args.batch_size, args.device, sampling, result.method),
         "stats": result.stats_dict(),
     }
 
@@ -624,6 +580,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import torch
 
+    from lantern.api import sampling_from
     from lantern.demo import run_demo, save_demo
     from lantern.outputs import OutputFolder
     from lantern.pipeline import METHODS
@@ -643,7 +600,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     n = stack.target.config.num_classes if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
@@ -768,6 +725,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from lantern.api import sampling_from
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
     from lantern.outputs import OutputFolder
     from lantern.stack import inference_dtype, load_stack
@@ -780,7 +738,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
     stack.target.to(args.device)
-    sampling = _sampling(args, stack)
+    sampling = sampling_from(stack, args)
     if args.trace is not None:
         from lantern.roundtrace import cmd_trace
 

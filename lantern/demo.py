@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
+from lantern.api import resolve_method
 from lantern.compiling import resolve_compile
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, write_json
 from lantern.models.vq import to_pil
-from lantern.pipeline import RELAXED_RULE, MethodConfig, RunResult
+from lantern.pipeline import RELAXED_RULE, RunResult
 from lantern.stack import ModelStack
 
 DEFAULT_METHODS = ("ar", "lantern++", "lantern", "sd")
@@ -65,8 +66,7 @@ def run_demo(
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
     labels = demo_labels(stack.target.config.num_classes, num_images)
     # --lantern-budget applies to the relaxed methods only
-    configs = {m: MethodConfig.resolve(m, stack.default_tree(m), budget=budget if m in RELAXED_RULE else None)
-               for m in methods}
+    configs = {m: resolve_method(stack, m, lantern_budget=budget if m in RELAXED_RULE else None) for m in methods}
 
     from lantern.bench import time_methods  # methods take turns image by image (drift-proof)
 

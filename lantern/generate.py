@@ -20,8 +20,10 @@ in the target's KV cache and the last one (the *root*) is pending; the root is n
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -375,3 +377,15 @@ def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:
     """hidden [S*B, T, D], path [B, W] -> [S*B, W, D] features along each row's path."""
     idx = path.repeat(streams, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
     return hidden.gather(1, idx)
+
+
+class _CallableModule(types.ModuleType):
+    """``lantern.generate`` is both this module and the loop function the package re-exports: once
+    the module is imported, the package attribute is the module, so calling it runs :func:`generate`
+    (until the loop moves to its own sub-package, issue 16's layout step)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> GenerationOutput:
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

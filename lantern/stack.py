@@ -120,9 +120,11 @@ def preset_dir(name: str) -> Path:
 def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     """A stack folder path, or an embedded preset name (a folder of that name in the working
     directory is not taken for the preset: write ``./digits`` for that)."""
+    from lantern.hub import resolve_location
+
     if str(model) in PRESETS:
         return preset_dir(str(model))
-    path = Path(model)
+    path = Path(resolve_location(model, "--model"))
     if not path.exists():
         raise LanternError(f"--model: no such model folder {path} (embedded presets: {', '.join(PRESETS)})")
     if not path.is_dir():

@@ -344,8 +344,9 @@ def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
 def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from lantern.api import sampling_from
     from lantern.chameleon import load_chameleon_stack
-    from lantern.cli import _chameleon_layout, _sampling
+    from lantern.cli import _chameleon_layout
     from lantern.stack import inference_dtype
     from lantern.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
@@ -359,7 +360,7 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     layout = _chameleon_layout(args, root)
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     result = train_chameleon_drafter(
-        stack, prompts, args.out, loop, sampling=_sampling(args, stack), num_per_prompt=args.num_per_prompt,
+        stack, prompts, args.out, loop, sampling=sampling_from(stack, args), num_per_prompt=args.num_per_prompt,
         eval_prompts=args.eval_prompts, recipe=recipe, batch_size=args.gen_batch_size, resume=args.resume,
         progress=not args.no_progress, stop_after=args.stop_after, command=_command(),
     )

@@ -1,0 +1,259 @@
+"""The Python face of lantern: ``lantern.load(model)(labels=... | prompts=...)``.
+
+One call loads any model lantern runs (an embedded preset, a LlamaGen c2i or t2i stack folder, an
+Anole / Lumina-mGPT folder, or a Hugging Face repo id of one) into a :class:`Pipeline`; calling it
+generates images. Settings are resolved here, once, for Python callers and ``lantern generate``
+alike: the stack's ``generation.json``, then the method's defaults, then the caller's overrides
+(:func:`resolve_settings`), so the same request gives the same codes from either side.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lantern.config import SamplingConfig
+from lantern.errors import LanternError
+from lantern.hub import resolve_location
+from lantern.pipeline import MethodConfig, RunResult
+
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
+METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
+                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group")
+
+
+def resolve_method(stack: Any, method: str, tree: str | None = None, lantern_k: int | None = None,
+                   lantern_delta: float | None = None, lantern_lambda: float | None = None,
+                   lantern_residual: str | None = None, lantern_budget: str | None = None,
+                   sjd_window: int | None = None, sjd_init: str | None = None, sjd_coupling: str | None = None,
+                   gsd_group: int | None = None) -> MethodConfig:
+    """``method`` with the stack's recommended tree (``generation.json`` "trees") unless ``tree`` is
+    given (or ``stack`` is None), then the method's defaults for everything not overridden."""
+    if tree is None and stack is not None:
+        tree = stack.default_tree(method)
+    return MethodConfig.resolve(method, tree, lantern_k, lantern_delta, lantern_lambda, sjd_window, sjd_init,
+                                lantern_residual, lantern_budget, coupling=sjd_coupling, group=gsd_group)
+
+
+def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingConfig:
+    """The caller's sampling overrides (None = not given), then the stack's ``generation.json``,
+    then SamplingConfig's defaults."""
+    unknown = sorted(set(overrides) - set(SAMPLING_SETTINGS))
+    if unknown:
+        raise LanternError(f"unknown sampling setting {unknown[0]!r} (expected {', '.join(SAMPLING_SETTINGS)})")
+    values: dict[str, Any] = dict(stack.default_sampling())
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingConfig(**values)
+
+
+def sampling_from(stack: Any, source: Any) -> SamplingConfig:
+    """:func:`resolve_sampling` with the overrides read from ``source``'s attributes of the same
+    names (an argparse namespace of ``--temperature`` / ``--top-k`` / ``--top-p`` / ``--cfg-scale``)."""
+    return resolve_sampling(stack, **{name: getattr(source, name, None) for name in SAMPLING_SETTINGS})
+
+
+def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodConfig, SamplingConfig]:
+    """Method and sampling for one run, from keyword settings named like the CLI's flags."""
+    unknown = sorted(set(settings) - set(SAMPLING_SETTINGS) - set(METHOD_SETTINGS))
+    if unknown:
+        raise LanternError(f"unknown setting {unknown[0]!r} (expected one of "
+                           f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)})")
+    method_cfg = resolve_method(stack, method, **{k: v for k, v in settings.items() if k in METHOD_SETTINGS})
+    sampling = resolve_sampling(stack, **{k: v for k, v in settings.items() if k in SAMPLING_SETTINGS})
+    return method_cfg, sampling
+
+
+def run_config(seed: int, batch_size: int, device: str, sampling: SamplingConfig,
+               method: MethodConfig) -> dict[str, Any]:
+    """The resolved configuration of a run, as ``run.json`` records it and ``PipelineOutput.config`` holds it."""
+    return {"seed": seed, "batch_size": batch_size, "device": str(device), "sampling": sampling.to_dict(),
+            "method": method.to_dict()}
+
+
+def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
+    """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``."""
+    from lantern.models.chameleon import LAYOUTS, layout_by_name
+    from lantern.stack import read_generation_settings
+
+    name = layout if layout is not None else read_generation_settings(root).get("layout")
+    if name is None:
+        raise LanternError(
+            f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "
+            "(how its images are laid out: Anole 32 x 32 codes; Lumina-mGPT rows with new-line tokens)"
+        )
+    return layout_by_name(name, image_size)
+
+
+def encode_prompts_t5(stack: Any, t5_dir: Path, prompts: list[str], device: str, batch_size: int,
+                      num_per_prompt: int) -> Any:
+    """Left-padded T5 captions for every image (each prompt ``num_per_prompt`` times). The
+    encoder is dropped before decoding starts: flan-t5-xl's encoder is larger than GPT-XL."""
+    from lantern.text import load_t5
+
+    cfg = stack.target.config
+    encoder = load_t5(t5_dir, cfg.cls_token_num, device, stack.target.dtype, cfg.caption_dim)
+    captions = encoder.encode(prompts, batch_size=batch_size)
+    del encoder
+    return captions.repeat_interleave(num_per_prompt)
+
+
+def decode_images(stack: Any, codes: Tensor) -> list[Any]:
+    """PIL images of ``codes`` [N, T], through the stack's own tokenizer (VQ or the Chameleon VQGAN)."""
+    from lantern.chameleon import ChameleonStack
+
+    with torch.no_grad():
+        if isinstance(stack, ChameleonStack):
+            from lantern.models.chameleon_vq import to_pil as chameleon_to_pil
+
+            return chameleon_to_pil(stack.vq.decode_grid(codes, stack.layout.height, stack.layout.width))
+        from lantern.models.vq import to_pil
+
+        return to_pil(stack.tokenizer.decode(codes))
+
+
+def t5_folder(stack: Any, t5: str | os.PathLike[str] | None) -> Path:
+    """``t5``, else the stack's t5/ folder; checked (config, tokenizer, weights, width) without loading it."""
+    from lantern.text import check_t5_folder, require_transformers
+
+    path = Path(t5) if t5 is not None else stack.t5_dir
+    if path is None:
+        raise LanternError(f"--t5: {stack.root} has no t5/ folder; pass --t5 DIR (a local copy of google/flan-t5-xl)")
+    check_t5_folder(path, caption_dim=stack.target.config.caption_dim)
+    require_transformers()
+    return path
+
+
+@dataclass
+class PipelineOutput:
+    """What a :class:`Pipeline` call returns (a transformers-style output dataclass)."""
+
+    images: list[Any]  # PIL images, one per generated row
+    codes: Tensor  # [N, T] image token ids
+    stats: dict[str, Any]  # as run.json's "stats"
+    config: dict[str, Any]  # resolved seed, batch size, device, sampling and method: run.json's values
+    outputs: list[Any] = field(default_factory=list)  # per-batch GenerationOutput (SpecStats in .stats)
+
+
+@dataclass
+class Pipeline:
+    """A loaded model and how to run it; call it with ``labels=`` (c2i) or ``prompts=`` (t2i, Chameleon)."""
+
+    stack: Any  # lantern.stack.ModelStack or lantern.chameleon.ChameleonStack
+    device: str = "cpu"
+    compile: str = "off"
+    drafter: str | None = None
+    proximity: str | None = None
+    t5: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``c2i``, ``t2i`` or ``chameleon``."""
+        from lantern.chameleon import ChameleonStack
+
+        if isinstance(self.stack, ChameleonStack):
+            return "chameleon"
+        return "t2i" if self.stack.target.config.model_type == "t2i" else "c2i"
+
+    def __call__(self, labels: list[int] | None = None, prompts: list[str] | None = None, *, method: str = "ar",
+                 seed: int = 0, batch_size: int = 8, num_per_label: int = 1, progress: bool = False,
+                 **settings: Any) -> PipelineOutput:
+        """Generate ``num_per_label`` images per label or prompt; ``settings``: the CLI's sampling,
+        method and tree options (``temperature``, ``top_k``, ``tree``, ``lantern_lambda``, ...)."""
+        from lantern.validate import check_count, check_image_total
+
+        check_count(num_per_label, "num_per_label")
+        check_count(batch_size, "batch_size")
+        conditions = self._check_conditions(labels, prompts)
+        check_image_total(len(conditions), num_per_label, "num_per_label")
+        method_cfg, sampling = resolve_settings(self.stack, method, **settings)
+        result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
+        return PipelineOutput(images=decode_images(self.stack, result.codes), codes=result.codes,
+                              stats=result.stats_dict(), config=run_config(seed, batch_size, self.device, sampling,
+                                                                           result.method),
+                              outputs=result.output_stats)
+
+    def _check_conditions(self, labels: list[int] | None, prompts: list[str] | None) -> list[Any]:
+        from lantern.text import check_prompts
+
+        if (labels is None) == (prompts is None):
+            raise LanternError("pass labels=[...] (class-conditional models) or prompts=[...] (text-to-image "
+                               "models), not both")
+        if self.kind == "c2i" and labels is None:
+            raise LanternError(f"prompts: {self.stack.root} is a class-conditional model; pass labels=[...]")
+        if self.kind != "c2i" and prompts is None:
+            raise LanternError(f"labels: {self.stack.root} is a text-to-image model; pass prompts=[...]")
+        if prompts is not None:
+            return check_prompts(list(prompts), "prompts")
+        return list(labels or [])
+
+    def _run(self, conditions: list[Any], seed: int, sampling: SamplingConfig, method: MethodConfig,
+             batch_size: int, num_per_label: int, progress: bool) -> RunResult:
+        from lantern.chameleon import run_chameleon
+        from lantern.pipeline import run_generation, run_generation_t2i
+
+        if self.kind == "chameleon":
+            rows = [p for p in conditions for _ in range(num_per_label)]
+            return run_chameleon(self.stack, rows, seed, sampling, method, batch_size, progress, self.drafter,
+                                 self.proximity)
+        kw: dict[str, Any] = dict(seed=seed, sampling=sampling, method=method, batch_size=batch_size,
+                                  progress=progress, drafter_dir=self.drafter, proximity=self.proximity,
+                                  compile=self.compile)
+        if self.kind == "t2i":
+            captions = encode_prompts_t5(self.stack, self.t5_dir(), conditions, self.device, batch_size,
+                                         num_per_label)
+            return run_generation_t2i(self.stack, captions, **kw)
+        return run_generation(self.stack, [lab for lab in conditions for _ in range(num_per_label)], **kw)
+
+    def t5_dir(self) -> Path:
+        return t5_folder(self.stack, self.t5)
+
+
+def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",
+         dtype: str | torch.dtype = "float32", compile: str = "off", tokenizer: str | os.PathLike[str] | None = None,
+         t5: str | os.PathLike[str] | None = None, vq: str | os.PathLike[str] | None = None,
+         layout: str | None = None, image_size: int | None = None,
+         proximity: str | os.PathLike[str] | None = None) -> Pipeline:
+    """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
+    folder (c2i or t2i), an Anole / Lumina-mGPT folder, or a Hugging Face repo id of any of these.
+    ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
+    ``bfloat16``, ``auto``) or a torch dtype."""
+    from lantern.compiling import resolve_compile
+    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.stack import inference_dtype, load_stack
+    from lantern.validate import check_device
+
+    check_device(device)
+    resolve_compile(compile, device)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else inference_dtype(dtype, device)
+    root = resolve_location(model, "--model")
+    paths = {name: None if value is None else resolve_location(value, f"--{name}")
+             for name, value in (("drafter", drafter), ("t5", t5), ("vq", vq))}
+    prox = None if proximity is None else str(proximity)
+    if is_chameleon_folder(root):
+        return _load_chameleon(Path(root), paths, layout, image_size, torch_dtype, device, compile, prox)
+    for name, value in (("layout", layout), ("image_size", image_size), ("vq", vq)):
+        if value is not None:
+            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
+                               "Lumina-mGPT)")
+    stack = load_stack(root, tokenizer, dtype=torch_dtype)
+    stack.target.to(device)
+    stack.tokenizer.to(device)
+    return Pipeline(stack, device, compile, paths["drafter"], prox, paths["t5"])
+
+
+def _load_chameleon(root: Path, paths: dict[str, str | None], layout: str | None, image_size: int | None,
+                    dtype: torch.dtype, device: str, compile: str, proximity: str | None) -> Pipeline:
+    from lantern.chameleon import load_chameleon_stack
+
+    if compile != "off":
+        raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+    if paths["t5"] is not None:
+        raise LanternError("--t5 is not used by Chameleon-family models (they read prompts with their own "
+                           "tokenizer, and decode with --vq)")
+    stack = load_chameleon_stack(root, chameleon_layout(root, layout, image_size), paths["vq"], dtype, device)
+    return Pipeline(stack, device, compile, paths["drafter"], proximity, None)

@@ -1,0 +1,189 @@
+"""The Python API (``lantern.load(...)(...)``): the same request gives the same codes and the same
+resolved configuration as ``lantern generate``; any model folder (c2i preset, t2i stack, Anole,
+Lumina-mGPT, a Hugging Face repo id in an offline cache) loads through the one call."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import lantern
+from lantern.cli import main
+from lantern.errors import LanternError
+from lantern.stack import preset_dir
+from lantern.testing import make_tiny_chameleon_folder
+from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
+
+CONFIG_KEYS = ("seed", "batch_size", "device", "sampling", "method")
+
+
+@pytest.fixture(scope="module")
+def digits() -> lantern.Pipeline:
+    return lantern.load("digits")
+
+
+def _cli(model: str, out: Path, *extra: str) -> tuple[np.ndarray, dict]:
+    assert main(["generate", "--model", model, "--out", str(out), "--no-progress", *extra]) == 0
+    return np.load(out / "codes.npy"), json.loads((out / "run.json").read_text())
+
+
+def test_import_is_light_and_exports_the_building_blocks() -> None:
+    code = ("import sys, lantern; print([m for m in ('torch', 'transformers', 'huggingface_hub') "
+            "if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    from lantern.generate import GenerationOutput, SpecStats, generate
+
+    assert lantern.GenerationOutput is GenerationOutput and lantern.SpecStats is SpecStats
+    assert callable(lantern.generate) and lantern.generate.__name__ in ("generate", "lantern.generate")
+    assert generate.__module__ == "lantern.generate"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lantern.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "lantern", "lantern++", "sjd"])
+def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, tmp_path: Path) -> None:
+    out = digits(labels=[3, 7], method=method, seed=0)
+    codes, run = _cli("digits", tmp_path / "run", "--labels", "3,7", "--method", method)
+    assert torch.equal(out.codes, torch.from_numpy(codes))
+    assert out.config == {k: run[k] for k in CONFIG_KEYS}
+    assert out.stats["target_forwards"] == run["stats"]["target_forwards"]
+    # the stack's generation.json is applied in the library: cfg 3, top-k 100, and chain:3 for drafter methods
+    assert out.config["sampling"]["cfg_scale"] == 3.0 and out.config["sampling"]["top_k"] == 100
+    if method in ("sd", "lantern", "lantern++"):
+        assert out.config["method"]["tree"] == {"kind": "chain", "name": "", "depth": 3, "top_k": 10,
+                                                "total_tokens": 58}
+    png = Image.open(tmp_path / "run" / "0001_label7.png")
+    assert len(out.images) == 2 and np.array_equal(np.asarray(out.images[1]), np.asarray(png))
+
+
+def test_overrides_match_the_cli_flags(digits: lantern.Pipeline, tmp_path: Path) -> None:
+    settings = dict(temperature=0.5, top_k=7, cfg_scale=1.5, tree="chain:2", lantern_delta=0.2, lantern_k=5)
+    out = digits(labels=[1], method="lantern", seed=4, batch_size=1, num_per_label=2, **settings)
+    codes, run = _cli("digits", tmp_path / "run", "--labels", "1", "--method", "lantern", "--seed", "4",
+                      "--batch-size", "1", "--num-per-label", "2", "--temperature", "0.5", "--top-k", "7",
+                      "--cfg-scale", "1.5", "--tree", "chain:2", "--lantern-delta", "0.2", "--lantern-k", "5")
+    assert torch.equal(out.codes, torch.from_numpy(codes))
+    assert out.config == {k: run[k] for k in CONFIG_KEYS}
+    assert out.config["method"]["relaxation"]["delta"] == 0.2 and out.config["method"]["tree"]["depth"] == 2
+    assert out.codes.shape == (2, 64) and len(out.images) == 2
+
+
+def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
+    with pytest.raises(LanternError, match="unknown setting 'temprature'"):
+        digits(labels=[1], temprature=0.5)
+    with pytest.raises(LanternError, match="class-conditional model; pass labels"):
+        digits(prompts=["a cat"])
+    with pytest.raises(LanternError, match="not both"):
+        digits()
+    with pytest.raises(LanternError, match="--top-k|top_k"):
+        digits(labels=[1], top_k=-1)
+    with pytest.raises(LanternError, match="--lantern-lambda belongs to"):
+        digits(labels=[1], method="lantern", lantern_lambda=2.0)
+
+
+# ---- other model families through the same call -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def t2i_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    from lantern.testing import tiny_vq
+    from tests.test_t2i import _t2i_target, _write_tiny_t5
+
+    root = tmp_path_factory.mktemp("t2i") / "stack"
+    _t2i_target().save_pretrained(root / "target")
+    tiny_vq(0, 256).save_pretrained(root / "tokenizer")
+    _write_tiny_t5(root / "t5")
+    return root
+
+
+def test_t2i_stack_from_prompts_equals_cli(t2i_stack: Path, tmp_path: Path) -> None:
+    out = lantern.load(t2i_stack)(prompts=["a red car", "dog"], seed=2)
+    codes, run = _cli(str(t2i_stack), tmp_path / "run", "--prompt", "a red car", "--prompt", "dog", "--seed", "2")
+    assert torch.equal(out.codes, torch.from_numpy(codes))
+    assert out.config == {k: run[k] for k in CONFIG_KEYS}
+    assert len(out.images) == 2
+    with pytest.raises(LanternError, match="text-to-image model; pass prompts"):
+        lantern.load(t2i_stack)(labels=[1])
+
+
+@pytest.mark.parametrize("layout, size", [("lumina-mgpt", 64), ("anole", None)])
+def test_chameleon_folders_from_prompts_equal_cli(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                  layout: str, size: int | None) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("yaml")
+    folder = make_tiny_chameleon_folder(tmp_path_factory.mktemp(layout) / "model", layout, size)
+    pipe = lantern.load(folder, image_size=size)
+    assert pipe.kind == "chameleon" and pipe.stack.layout.name == layout
+    out = pipe(prompts=["a red car"], seed=1, temperature=0)
+    extra = ["--image-size", str(size)] if size is not None else []
+    codes, run = _cli(str(folder), tmp_path / "run", "--prompt", "a red car", "--seed", "1", "--temperature", "0",
+                      *extra)
+    assert torch.equal(out.codes, torch.from_numpy(codes))
+    assert out.config == {k: run[k] for k in CONFIG_KEYS}
+    assert out.codes.shape == (1, pipe.stack.layout.num_tokens)
+    assert out.config["sampling"]["top_k"] == 8  # the folder's generation.json
+    png = Image.open(tmp_path / "run" / "0000_prompt0.png")
+    assert np.array_equal(np.asarray(out.images[0]), np.asarray(png))
+
+
+# ---- Hugging Face repo ids, from an offline cache built here ------------------------------------
+
+
+def _cache_repo(cache: Path, repo_id: str, source: Path) -> Path:
+    """``source`` copied into the Hub cache layout: models--org--name/snapshots/<rev>/ + refs/main."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(source, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return repo / "snapshots" / rev
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def test_repo_ids_resolve_from_the_offline_cache(hub_cache: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    digits = preset_dir("digits")
+    snap = _cache_repo(hub_cache, "lantern-test/digits", digits)
+    drafter = _cache_repo(hub_cache, "lantern-test/digits_drafter", digits / "drafter")
+    pipe = lantern.load("lantern-test/digits", drafter="lantern-test/digits_drafter")
+    assert pipe.stack.root == snap and pipe.drafter == str(drafter)
+    out = pipe(labels=[5], method="sd", seed=3)
+    codes, run = _cli("digits", tmp_path / "run", "--labels", "5", "--method", "sd", "--seed", "3",
+                      "--drafter", "lantern-test/digits_drafter")
+    assert torch.equal(out.codes, torch.from_numpy(codes)) and out.config == {k: run[k] for k in CONFIG_KEYS}
+
+    with pytest.raises(LanternError, match="lantern-test/missing") as e:
+        lantern.load("lantern-test/missing")
+    assert "\n" not in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
+    capsys.readouterr()
+    assert main(["generate", "--model", "digits", "--labels", "1", "--method", "sd", "--out", str(tmp_path / "x"),
+                 "--drafter", "lantern-test/missing"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--drafter lantern-test/missing" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_local_folder_wins_over_a_repo_id(hub_cache: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    local = tmp_path / "org" / "name"
+    shutil.copytree(preset_dir("digits"), local)
+    monkeypatch.chdir(tmp_path)  # "org/name" is now an existing relative folder, and no repo is cached
+    assert lantern.load("org/name").stack.root == Path("org/name")
