@@ -417,3 +417,22 @@ def test_bad_folders_give_specific_errors(tmp_path: Path) -> None:
     (tmp_path / "nothing" / "config.json").write_text(json.dumps(config))
     with pytest.raises(LanternError, match="has neither model.safetensors nor pytorch_model.bin"):
         load_released_drafter(tmp_path / "nothing")
+
+
+def test_released_drafter_through_lantern_load(tmp_path: Path) -> None:
+    """``lantern.load(folder, drafter=RELEASED_FOLDER)``: the Python API drafts with a released-layout
+    drafter (drafter forwards happen) and, greedy, decodes exactly AR's codes."""
+    import lantern
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import make_tiny_chameleon_folder
+
+    folder = make_tiny_chameleon_folder(tmp_path / "model")
+    drafter = save_released_drafter(tiny_released_drafter(load_chameleon(folder, dtype=torch.float32)),
+                                    tmp_path / "released")
+    prompts = ["a cat", "a dog"]
+    ar = lantern.load(folder)(prompts=prompts, method="ar", seed=0, temperature=0)
+    sd = lantern.load(folder, drafter=str(drafter))(prompts=prompts, method="sd", seed=0, temperature=0,
+                                                    tree="chain:3")
+    assert torch.equal(torch.as_tensor(ar.codes), torch.as_tensor(sd.codes))
+    assert sd.stats["drafter_forwards"] > 0 and sd.stats["target_forwards"] < ar.stats["target_forwards"]
