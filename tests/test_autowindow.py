@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,9 @@ from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import LanternError
 from lantern.pipeline import MethodConfig
 from lantern.stack import load_stack
-from lantern.testing import make_random_stack, single_thread
+from lantern.testing import make_random_stack
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ batch independence; CLI and bad options.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,17 +25,14 @@ from lantern.generate import Acceptance
 from lantern.jacobi import JacobiConfig
 from lantern.pipeline import MethodConfig, run_generation
 from lantern.stack import load_stack
-from lantern.testing import make_random_stack, single_thread, tiny_llamagen
+from lantern.testing import make_random_stack, tiny_llamagen
 
 F64 = torch.float64
 P = torch.tensor([0.30, 0.05, 0.12, 0.20, 0.25, 0.08], dtype=F64)  # ranks: 0, 4, 3, 2, 5, 1 (no ties)
 Q = torch.tensor([0.05, 0.30, 0.30, 0.05, 0.25, 0.05], dtype=F64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def group(x: int, width: int, p: Tensor = P) -> set[int]:

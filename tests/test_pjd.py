@@ -11,7 +11,6 @@ batch whose rows progress differently; with one row at a time the result is plai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,15 +21,12 @@ from lantern.cache import KVCache
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
 from lantern.pjd import PJDConfig, active_rows, check_pjd_fits, commit_cells, grid_positions, grid_verify_mask
-from lantern.testing import single_thread, tiny_llamagen
+from lantern.testing import tiny_llamagen
 
 WIDTH = 4  # a 4 x 4 image (block_size 16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model() -> LlamaGen:

@@ -15,7 +15,6 @@ test_t2i.py and test_chameleon.py):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -43,15 +42,12 @@ from lantern.jacobi import JacobiConfig, JacobiDrafter
 from lantern.pipeline import MethodConfig, run_generation
 from lantern.sampling import make_generators
 from lantern.stack import load_stack
-from lantern.testing import make_random_stack, single_thread, tiny_llamagen
+from lantern.testing import make_random_stack, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
