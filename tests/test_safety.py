@@ -268,7 +268,7 @@ def test_resume_refuses_the_payload(stopped_run: tuple[Path, Path], tmp_path: Pa
 
 @pytest.mark.parametrize(("name", "needle"), [("model.safetensors", "is not a readable safetensors file"),
                                                ("optimizer.pt", "could not be read as a torch checkpoint"),
-                                               ("rng_state_0.pt", "could not be read as a torch checkpoint"),
+                                               ("extra_state.pt", "could not be read as a torch checkpoint"),
                                                ("trainer_state.json", "is not valid JSON")])
 def test_resume_from_truncated_files(stopped_run: tuple[Path, Path], tmp_path: Path, name: str, needle: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,8 +284,7 @@ def test_resume_continues_from_lanterns_own_files(stopped_run: tuple[Path, Path]
     """A checkpoint holds safetensors weights and tensor-only torch files, no accelerate pickles."""
     images, run = stopped_run
     files = {p.name for p in (run / "checkpoints" / "step-00000004").iterdir()}
-    assert files == {"model.safetensors", "optimizer.pt", "scheduler.pt", "extra_state.pt", "rng_state_0.pt",
-                     "trainer_state.json"}
+    assert files == {"model.safetensors", "optimizer.pt", "scheduler.pt", "extra_state.pt", "trainer_state.json"}
     run = _copy(run, tmp_path / "run")
     assert _resume(images, run) == 0 and (run / "model.safetensors").is_file()
 

@@ -52,7 +52,7 @@ from lantern.train.drafter import (
     state_fingerprint,
     teacher_forced_batch,
 )
-from lantern.train.loop import LoopConfig, TrainResult, TrainTask, train
+from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, train
 from lantern.trees import tree_from_parents
 
 
@@ -98,19 +98,18 @@ class ChameleonDrafterTask(TrainTask):
         self.model.embed_tokens.weight.requires_grad_(not recipe.freeze_embeddings)
         self.initial_fingerprint = state_fingerprint(self.model)
         self.lm_head = _FrozenHead(stack.model.image_head)
-        self.rank = 0
 
     def bind(self, accelerator: Any) -> None:
         super().bind(accelerator)
         self.lm_head.to(accelerator.device)
-        self.rank = accelerator.process_index
 
     def num_examples(self) -> int:
         return int(self.hidden.shape[0])
 
-    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> DrafterBatch:
+    def make_batch(self, indices: Tensor, step: int, device: torch.device,
+                   part: BatchPart | None = None) -> DrafterBatch:
         batch = teacher_forced_batch(self.hidden[indices].float(), self.codes[indices], self.cls)
-        return add_feature_noise(batch, self.recipe, self.seed, step, self.rank).to(device)
+        return add_feature_noise(batch, self.recipe, self.seed, step, part).to(device)
 
     def loss(self, model: nn.Module, batch: DrafterBatch, step: int) -> tuple[Tensor, dict[str, float]]:
         return drafter_step_loss(model, batch, self.lm_head, self.recipe)

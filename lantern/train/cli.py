@@ -8,7 +8,8 @@
     lantern train-features   --data photos --out runs/features   (feature net for lantern.metrics)
 
 Every trainer checkpoints into ``OUT/checkpoints`` and continues exactly with ``--resume``;
-``accelerate launch -m lantern.cli train-...`` runs the same command data-parallel.
+``accelerate launch -m lantern.cli train-...`` (or ``torchrun -m lantern.cli train-...``) runs the
+same command data-parallel with the same global ``--batch-size`` (see :mod:`lantern.train.loop`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def _datasets(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _report(kind: str, result: Any) -> int:
+    if not result.main_process:  # data-parallel: process 0 reports for all
+        return 0
     if not result.finished:
         print(f"stopped after {result.steps_run} steps; continue with --resume")
         return 0
@@ -350,15 +353,17 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     from lantern.stack import inference_dtype
     from lantern.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
+    from lantern.train.loop import process_device
     from lantern.validate import check_device
 
     loop = _loop(args)
     recipe = _recipe(args)
     check_device(args.device)
+    device = process_device(args.device)
     prompts = read_prompts(args.prompts)
     root = Path(args.model)
     layout = _chameleon_layout(args, root)
-    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, device), device)
     result = train_chameleon_drafter(
         stack, prompts, args.out, loop, sampling=sampling_from(stack, args), num_per_prompt=args.num_per_prompt,
         eval_prompts=args.eval_prompts, recipe=recipe, batch_size=args.gen_batch_size, resume=args.resume,

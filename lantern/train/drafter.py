@@ -44,7 +44,7 @@ from lantern.io import atomic_path, ensure_writable_dir, read_json, write_json
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, causal_mask
 from lantern.train.codes import CodeSet
-from lantern.train.loop import LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
 
 DATA_FORMAT = "lantern-drafter-data"
 DATA_VERSION = 1
@@ -379,12 +379,17 @@ def drafter_losses(pred: Tensor, batch: DrafterBatch, logits_fn: Callable[[Tenso
     return DrafterLosses(total, loss_v, loss_p, top1.detach())
 
 
-def add_feature_noise(batch: DrafterBatch, recipe: DrafterRecipe, seed: int, step: int, rank: int) -> DrafterBatch:
-    """Uniform noise on the input features, a pure function of (seed, step, rank): a resumed run
-    draws the same noise."""
+def add_feature_noise(batch: DrafterBatch, recipe: DrafterRecipe, seed: int, step: int,
+                      part: BatchPart | None = None) -> DrafterBatch:
+    """Uniform noise on the input features, a pure function of (seed, step, position in the global
+    batch): a resumed run draws the same noise, and so does a run on another number of processes
+    (``batch`` is ``part`` of the global batch; one stream per example, not a [B, T, D] draw)."""
     if recipe.noise_width > 0:
-        g = step_generator(seed, step, NOISE_STREAM + rank)
-        batch.features = batch.features + (torch.rand(batch.features.shape, generator=g) - 0.5) * recipe.noise_width
+        part = part or BatchPart.whole(batch.features.shape[0])
+        shape = batch.features.shape[1:]
+        noise = torch.stack([torch.rand(shape, generator=step_generator(seed, step, NOISE_STREAM, example=i))
+                             for i in range(part.start, part.stop)])
+        batch.features = batch.features + (noise - 0.5) * recipe.noise_width
     return batch
 
 
@@ -542,20 +547,19 @@ class DrafterTask(TrainTask):
         self.model: EagleDrafterModel = initial_drafter(target, self.recipe, seed, initial)
         self.initial_fingerprint = state_fingerprint(self.model)
         self.lm_head = _FrozenHead(target.output)
-        self.rank = 0
 
     def bind(self, accelerator: Any) -> None:
         super().bind(accelerator)
         self.lm_head.to(accelerator.device)
-        self.rank = accelerator.process_index
 
     def num_examples(self) -> int:
         return len(self.train_data)
 
-    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> DrafterBatch:
+    def make_batch(self, indices: Tensor, step: int, device: torch.device,
+                   part: BatchPart | None = None) -> DrafterBatch:
         d = self.train_data
         batch = teacher_forced_batch(d.hidden[indices], d.tokens[indices], d.cls_token_num)
-        return add_feature_noise(batch, self.recipe, self.seed, step, self.rank).to(device)
+        return add_feature_noise(batch, self.recipe, self.seed, step, part).to(device)
 
     def loss(self, model: nn.Module, batch: DrafterBatch, step: int) -> tuple[Tensor, dict[str, float]]:
         return drafter_step_loss(model, batch, self.lm_head, self.recipe)

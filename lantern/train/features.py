@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from lantern.errors import check
 from lantern.io import load_model_folder, load_state_dict_strict, save_model_folder
-from lantern.train.loop import LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
 
 MODEL_TYPE = "lantern-feature-net"
 
@@ -175,19 +175,21 @@ def _zoom(image: Tensor, factor: float, fx: float, fy: float) -> Tensor:
     return F.interpolate(part, size=(h, w), mode="bilinear", align_corners=False)[0]
 
 
-def augment(images: Tensor, recipe: FeatureRecipe, generator: torch.Generator) -> Tensor:
-    """Random shifts, flips, zooms and blurs of a batch, drawn from ``generator`` only (exact resume)."""
-    b, _, h, w = images.shape
-    s = recipe.max_shift
+def augment(images: Tensor, recipe: FeatureRecipe, generator: torch.Generator, part: BatchPart | None = None) -> Tensor:
+    """Random shifts, flips, zooms and blurs of a batch, drawn from ``generator`` only (exact resume).
+    ``images`` are ``part`` of a global batch: the draws are made for the global batch and sliced."""
+    _, _, h, w = images.shape
+    part = part or BatchPart.whole(images.shape[0])
+    b, s = part.size, recipe.max_shift
     # Fixed-size draws whatever the recipe, so the stream does not depend on which options are on.
-    offsets = torch.randint(0, 2 * s + 1, (b, 2), generator=generator)
-    flips = torch.rand(b, generator=generator) < 0.5
-    zooms = 1.0 + (recipe.zoom - 1.0) * torch.rand(b, generator=generator)
-    where = torch.rand(b, 2, generator=generator)
-    blurs = torch.rand(b, generator=generator) < recipe.blur
-    sigmas = 0.5 + (recipe.blur_sigma - 0.5) * torch.rand(b, generator=generator)
+    offsets = part.take(torch.randint(0, 2 * s + 1, (b, 2), generator=generator))
+    flips = part.take(torch.rand(b, generator=generator)) < 0.5
+    zooms = 1.0 + (recipe.zoom - 1.0) * part.take(torch.rand(b, generator=generator))
+    where = part.take(torch.rand(b, 2, generator=generator))
+    blurs = part.take(torch.rand(b, generator=generator)) < recipe.blur
+    sigmas = 0.5 + (recipe.blur_sigma - 0.5) * part.take(torch.rand(b, generator=generator))
     out = []
-    for i in range(b):
+    for i in range(images.shape[0]):
         image = images[i]
         if recipe.zoom > 1.0:
             image = _zoom(image, float(zooms[i]), float(where[i, 0]), float(where[i, 1]))
@@ -221,11 +223,12 @@ class FeatureTask(TrainTask):
     def num_examples(self) -> int:
         return len(self.data)
 
-    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def make_batch(self, indices: Tensor, step: int, device: torch.device,
+                   part: BatchPart | None = None) -> tuple[Tensor, Tensor]:
         from lantern.data import batch_images
 
         images, labels = batch_images(self.data, indices.tolist())
-        images = augment(images, self.recipe, step_generator(self.seed, step))
+        images = augment(images, self.recipe, step_generator(self.seed, step), part)
         return images.to(device), labels.to(device)
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor], step: int) -> tuple[Tensor, dict[str, float]]:

@@ -3,19 +3,30 @@
 A trainer is a :class:`TrainTask` (model, batches, loss, evaluation, final save); the loop owns
 everything else: the optimiser and schedule, bf16 autocast, progress, periodic checkpoints and
 exact resume, the resolved config and ``provenance.json``. It runs on ``accelerate`` so the same
-command runs data-parallel under ``accelerate launch``.
+command runs data-parallel under ``accelerate launch`` or ``torchrun``.
 
 Exact resume rests on one choice: the data order and every random draw of a step are pure
-functions of ``(seed, step)`` (see :func:`batch_indices` and :func:`step_generator`), so a
-checkpoint only needs the model, optimiser, scheduler and step counter. Those (and the global
-RNGs, for anything that still uses them) are written by :func:`_save_training_state` as
-safetensors and tensor-only torch files, read back through :func:`lantern.io.load_checkpoint`:
-``accelerate``'s own ``load_state`` fully unpickles parts of a checkpoint folder, so a tampered
-folder passed to ``--resume`` could run code.
+functions of ``(seed, step)`` (see :func:`batch_indices` and :func:`step_generator`), and the
+global torch RNG (dropout) is re-seeded from ``(seed, step, rank)`` at every step, so a
+checkpoint only needs the model, optimiser, scheduler, the task's extra state and the step
+counter. Those are written by :func:`_save_training_state` as safetensors and tensor-only torch
+files, read back through :func:`lantern.io.load_checkpoint`: ``accelerate``'s own
+``load_state`` fully unpickles parts of a checkpoint folder, so a tampered folder passed to
+``--resume`` could run code.
+
+Data parallelism: ``--batch-size`` is the global batch. Process ``r`` of ``w`` takes the r-th
+contiguous slice of every global batch (:class:`BatchPart`); a draw that belongs to an example
+(augmentation, class dropout, feature noise) is keyed by the example's position in the global
+batch, never by the rank, and DDP averages the gradients of equal-sized slices. So ``w``
+processes follow the same trajectory as one process with the same global batch (equal up to
+floating-point summation order), and a checkpoint, written by process 0 only, holds nothing
+that depends on ``w``: a run may be resumed with another number of processes. Every process
+must see the same ``--out`` folder (on several nodes: a shared file system); that is checked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -47,10 +58,10 @@ STATE_FILE = "trainer_state.json"
 TRAIN_CONFIG_FILE = "train_config.json"
 PROVENANCE_FILE = "provenance.json"
 LOG_FILE = "train_log.jsonl"
-# Files of one checkpoint folder besides STATE_FILE (RNG_FILE once per process).
+# Files of one checkpoint folder besides STATE_FILE. (Checkpoints of older lanterns also hold
+# rng_state_{rank}.pt files; the per-step re-seeding made them unnecessary, and they are ignored.)
 MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, EXTRA_FILE = ("model.safetensors", "optimizer.pt", "scheduler.pt",
                                                           "extra_state.pt")
-RNG_FILE = "rng_state_{rank}.pt"
 
 # Loop fields that may change between a run and its resumption without changing the result.
 _RESUMABLE_CHANGES = frozenset({"checkpoint_every", "keep_checkpoints", "log_every"})
@@ -101,6 +112,28 @@ class LoopConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+@dataclass(frozen=True)
+class BatchPart:
+    """This process's share of a global batch of ``size`` examples: positions ``[start, stop)``."""
+
+    start: int
+    stop: int
+    size: int
+
+    @classmethod
+    def whole(cls, size: int) -> BatchPart:
+        return cls(0, size, size)
+
+    @classmethod
+    def of_rank(cls, size: int, rank: int, world: int) -> BatchPart:
+        share = size // world
+        return cls(rank * share, (rank + 1) * share, size)
+
+    def take(self, values: Tensor) -> Tensor:
+        """This part's rows of ``values`` drawn for the whole global batch (``values.shape[0] == size``)."""
+        return values[self.start : self.stop]
+
+
 class TrainTask(ABC):
     """What a trainer provides to :func:`train`. ``model`` holds exactly the trained parameters."""
 
@@ -111,8 +144,10 @@ class TrainTask(ABC):
     def num_examples(self) -> int: ...
 
     @abstractmethod
-    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> Any:
-        """Collate the examples ``indices`` for ``step`` (any randomness from :func:`step_generator`)."""
+    def make_batch(self, indices: Tensor, step: int, device: torch.device, part: BatchPart | None = None) -> Any:
+        """Collate the examples ``indices`` for ``step``: this process's ``part`` of the global batch
+        (None: the whole batch). Draws come from :func:`step_generator` and are made for the whole
+        global batch (or per example position), so they do not depend on the number of processes."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[Tensor, dict[str, float]]:
@@ -154,11 +189,19 @@ class TrainTask(ABC):
 # ----------------------------------------------------------------------------------------------
 
 
-def step_generator(seed: int, step: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator that depends only on (seed, step, stream): resuming replays the same draws."""
+def step_generator(seed: int, step: int, stream: int = 0, device: torch.device | str = "cpu",
+                   example: int | None = None) -> torch.Generator:
+    """A generator that depends only on (seed, step, stream[, example]): resuming replays the same
+    draws. ``example`` (a position in the global batch) gives each example its own stream."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + step) * 31 + stream)
+    g.manual_seed((seed * 1_000_003 + step) * 31 + stream if example is None else _mix(seed, step, stream, example))
     return g
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers: no two tuples share a stream (unlike a linear formula)."""
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def batch_indices(seed: int, step: int, batch_size: int, num_examples: int) -> Tensor:
@@ -274,6 +317,7 @@ def provenance(task: TrainTask, loop: LoopConfig, metrics: Mapping[str, Any], co
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -283,6 +327,7 @@ class TrainResult:
     steps_run: int
     resumed_from: int | None
     finished: bool  # False when stopped early by ``stop_after``
+    main_process: bool = True  # False on the other processes of a data-parallel run (no metrics)
 
 
 def train(
@@ -300,7 +345,8 @@ def train(
     ``stop_after`` ends this process after that many global steps (after any checkpoint due at
     that step), as if it had been killed: a later ``resume=True`` call continues exactly. A run
     that fails before its first checkpoint removes the ``out`` folder it created: there is
-    nothing in it to resume.
+    nothing in it to resume. Under ``accelerate launch``/``torchrun`` only process 0 evaluates
+    and writes; the others return with ``main_process=False`` and no metrics.
     """
     created = not Path(out).exists()
     try:
@@ -309,6 +355,17 @@ def train(
         if created and latest_checkpoint(Path(out)) is None:
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+@dataclass
+class _Run:
+    """What the steps of one training process share."""
+
+    accelerator: Any
+    task: TrainTask
+    loop: LoopConfig
+    out: Path
+    parts: _TrainingState
 
 
 def _train(
@@ -322,88 +379,137 @@ def _train(
     command: str | None,
 ) -> TrainResult:
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
 
     out = ensure_writable_dir(out)
-    existing = latest_checkpoint(out)
+    accelerator = _make_accelerator(Accelerator, loop.precision)
+    world = accelerator.num_processes
+    check(loop.batch_size % world == 0, f"--batch-size {loop.batch_size} (the global batch) must be divisible by "
+                                        f"the number of processes, {world}")
+    existing = _latest_on_every_process(accelerator, out)
     if existing is not None and not resume:
         raise LanternError(f"--out {out} already holds training checkpoints; pass --resume to continue that run, "
                            "or choose a new --out folder")
-    accelerator = _make_accelerator(Accelerator, loop.precision)
     torch.manual_seed(loop.seed)
-    model = task.model
     optimizer = torch.optim.AdamW(list(task.parameters()), lr=loop.lr, betas=(loop.beta1, loop.beta2),
                                   weight_decay=loop.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(loop))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(task.model, optimizer)
     task.bind(accelerator)
-    parts = _TrainingState(model, optimizer, scheduler, task.extra_state())
-
-    start_step, resumed_from = 0, None
+    run = _Run(accelerator, task, loop, out, _TrainingState(model, optimizer, scheduler, task.extra_state()))
+    start_step = resumed_from = None
     if resume and existing is not None:
-        state = read_json_object(existing / STATE_FILE, "checkpoint state")
-        check(isinstance(state.get("loop"), dict) and isinstance(state.get("task"), dict)
-              and isinstance(state.get("step"), int),
-              f"checkpoint state {existing / STATE_FILE} lacks its step, loop or task settings")
-        _check_resumable(state, loop, task, existing)
-        _load_training_state(accelerator, existing, parts)
-        start_step = resumed_from = int(state["step"])
-        if start_step > loop.steps:
-            raise LanternError(f"cannot resume: checkpoint {existing} is at step {start_step}, "
-                               f"past --steps {loop.steps}")
+        start_step = resumed_from = _resume_from(run, existing)
     if accelerator.is_main_process:
         write_json(out / TRAIN_CONFIG_FILE, {"kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict()})
-
-    n = task.num_examples()
-    check(n >= 1, f"{task.kind} training: the training set is empty")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    check(loop.batch_size % world == 0,
-          f"--batch-size {loop.batch_size} must be divisible by the number of processes ({world})")
-    model.train()
+    check(task.num_examples() >= 1, f"{task.kind} training: the training set is empty")
     t0 = time.time()
     end = loop.steps if stop_after is None else min(loop.steps, stop_after)
-    bar = tqdm(total=loop.steps, initial=start_step, desc=f"train {task.kind}", disable=not (progress and
-               accelerator.is_main_process), dynamic_ncols=True)
-    log: dict[str, float] = {}
-    for step in range(start_step, end):
-        indices = batch_indices(loop.seed, step, loop.batch_size, n)[rank::world]
-        batch = task.make_batch(indices, step, accelerator.device)
-        with accelerator.autocast():
-            loss, log = task.loss(model, batch, step)
-        check(bool(torch.isfinite(loss)), f"{task.kind} training diverged at step {step}: loss is {loss.item()}")
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        if loop.grad_clip > 0:
-            if loop.clip_mode == "norm":
-                accelerator.clip_grad_norm_(model.parameters(), loop.grad_clip)
-            else:
-                accelerator.clip_grad_value_(model.parameters(), loop.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        log = {"loss": float(loss.detach()), **log, **task.after_step(accelerator.unwrap_model(model), batch, step)}
-        done = step + 1
-        bar.update(1)
-        if done % loop.log_every == 0 or done == end:
-            bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
-            if accelerator.is_main_process:
-                with open(out / LOG_FILE, "a") as f:
-                    f.write(json.dumps({"step": done, "lr": scheduler.get_last_lr()[0], **log}) + "\n")
-        if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
-            _save_checkpoint(accelerator, out, done, loop, task, parts)
-    bar.close()
+    log = _run_steps(run, start_step or 0, end, progress)
+    steps_run = end - (start_step or 0)
     if end < loop.steps:
-        return TrainResult(out, {}, end - start_step, resumed_from, finished=False)
-
+        return TrainResult(out, {}, steps_run, resumed_from, finished=False, main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:  # process 0 alone evaluates and writes; the others are done
+        return TrainResult(out, {}, steps_run, resumed_from, finished=True, main_process=False)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
     metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
     metrics["final_train_loss"] = log.get("loss", float("nan"))
-    if accelerator.is_main_process:
-        prov = provenance(task, loop, metrics, command, time.time() - t0, resumed_from)
-        task.save(unwrapped, out)
-        write_json(out / PROVENANCE_FILE, prov)
-    return TrainResult(out, metrics, end - start_step, resumed_from, finished=True)
+    prov = provenance(task, loop, metrics, command, time.time() - t0, resumed_from)
+    task.save(unwrapped, out)
+    write_json(out / PROVENANCE_FILE, {**prov, "processes": world})
+    return TrainResult(out, metrics, steps_run, resumed_from, finished=True)
+
+
+def _resume_from(run: _Run, existing: Path) -> int:
+    """Load the checkpoint ``existing`` into ``run``; returns its step."""
+    state = read_json_object(existing / STATE_FILE, "checkpoint state")
+    check(isinstance(state.get("loop"), dict) and isinstance(state.get("task"), dict)
+          and isinstance(state.get("step"), int),
+          f"checkpoint state {existing / STATE_FILE} lacks its step, loop or task settings")
+    _check_resumable(state, run.loop, run.task, existing)
+    _load_training_state(run.accelerator, existing, run.parts)
+    step = int(state["step"])
+    if step > run.loop.steps:
+        raise LanternError(f"cannot resume: checkpoint {existing} is at step {step}, past --steps {run.loop.steps}")
+    return step
+
+
+def _run_steps(run: _Run, start: int, end: int, progress: bool) -> dict[str, float]:
+    """Steps ``[start, end)``, logging and checkpointing; returns the last logged values."""
+    from tqdm.auto import tqdm
+
+    accelerator, task, loop, parts = run.accelerator, run.task, run.loop, run.parts
+    world, rank = accelerator.num_processes, accelerator.process_index
+    part = BatchPart.of_rank(loop.batch_size, rank, world)
+    parts.model.train()
+    bar = tqdm(total=loop.steps, initial=start, desc=f"train {task.kind}", dynamic_ncols=True,
+               disable=not (progress and accelerator.is_main_process))
+    log: dict[str, float] = {}
+    for step in range(start, end):
+        torch.manual_seed(_mix(loop.seed, step, rank))  # dropout: a function of the step, nothing to checkpoint
+        indices = part.take(batch_indices(loop.seed, step, loop.batch_size, task.num_examples()))
+        batch = task.make_batch(indices, step, accelerator.device, part)
+        with accelerator.autocast():
+            loss, log = task.loss(parts.model, batch, step)
+        mean_loss = _mean_over_processes(accelerator, {"loss": float(loss.detach())})["loss"]
+        check(math.isfinite(mean_loss), f"{task.kind} training diverged at step {step}: loss is {mean_loss}")
+        _optimizer_step(accelerator, loop, parts, loss)
+        log = {"loss": mean_loss, **log, **task.after_step(accelerator.unwrap_model(parts.model), batch, step)}
+        done = step + 1
+        bar.update(1)
+        if done % loop.log_every == 0 or done == end:
+            log = _mean_over_processes(accelerator, log)  # the global batch's values, as one process logs them
+            bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
+            if accelerator.is_main_process:
+                with open(run.out / LOG_FILE, "a") as f:
+                    f.write(json.dumps({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log}) + "\n")
+        if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
+            _save_checkpoint(accelerator, run.out, done, loop, task, parts)
+    bar.close()
+    return log
+
+
+def _optimizer_step(accelerator: Any, loop: LoopConfig, parts: _TrainingState, loss: Tensor) -> None:
+    """Backward (DDP averages the processes' gradients), clipping, the optimiser and schedule step."""
+    parts.optimizer.zero_grad(set_to_none=True)
+    accelerator.backward(loss)
+    if loop.grad_clip > 0:
+        if loop.clip_mode == "norm":
+            accelerator.clip_grad_norm_(parts.model.parameters(), loop.grad_clip)
+        else:
+            accelerator.clip_grad_value_(parts.model.parameters(), loop.grad_clip)
+    parts.optimizer.step()
+    parts.scheduler.step()
+
+
+def _mean_over_processes(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
+    """``values`` averaged over the processes (equal slices: the global batch's means)."""
+    if accelerator.num_processes == 1 or not values:
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=accelerator.device)
+    return dict(zip(values, accelerator.reduce(t, "mean").tolist(), strict=True))
+
+
+def _latest_on_every_process(accelerator: Any, out: Path) -> Path | None:
+    """The latest checkpoint in ``out``, checked to be the one every process sees."""
+    found = latest_checkpoint(out)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        seen = gather_object([found.name if found is not None else "none"])
+        check(len(set(seen)) == 1, f"--out {out}: the processes see different checkpoints ({', '.join(seen)}); "
+                                   "on several nodes --out must be on a file system they all share")
+    return found
+
+
+def process_device(device: str) -> str:
+    """``device`` for this process: a bare ``cuda`` becomes ``cuda:LOCAL_RANK`` under a
+    data-parallel launcher, so each process of a node uses its own GPU (as accelerate does)."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if device == "cuda" and local_rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(local_rank)}"
+    return device
 
 
 def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
@@ -421,21 +527,19 @@ def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
 
 def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, task: TrainTask,
                      parts: _TrainingState) -> None:
-    """Write ``checkpoints/step-N`` atomically (temp folder, then rename); prune old ones."""
+    """Process 0 writes ``checkpoints/step-N`` atomically (temp folder, then rename) and prunes old
+    ones; the other processes wait for it (the state is the same on every process)."""
     accelerator.wait_for_everyone()
-    root = out / CHECKPOINT_DIR
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
     if accelerator.is_main_process:
+        root = out / CHECKPOINT_DIR
+        final = root / f"step-{step:08d}"
+        tmp = root / f".tmp-step-{step:08d}"
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    _save_training_state(accelerator, tmp, parts)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+        _save_training_state(accelerator, tmp, parts)
         state = {"step": step, "kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict(),
-                 "data_fingerprint": task.data_fingerprint()}
+                 "data_fingerprint": task.data_fingerprint(), "processes": accelerator.num_processes}
         write_json(tmp / STATE_FILE, json.loads(json.dumps(state)))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -461,17 +565,15 @@ class _TrainingState:
 
 
 def _save_training_state(accelerator: Any, directory: Path, parts: _TrainingState) -> None:
-    """Weights as safetensors; optimiser, schedule, extra state and RNGs as tensor-only torch files."""
+    """Weights as safetensors; optimiser, schedule and extra state as tensor-only torch files."""
     from safetensors.torch import save_file
 
-    if accelerator.is_main_process:
-        weights = accelerator.unwrap_model(parts.model).state_dict()
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(directory / MODEL_FILE))
-        torch.save(parts.optimizer.state_dict(), directory / OPTIMIZER_FILE)
-        torch.save(parts.scheduler.state_dict(), directory / SCHEDULER_FILE)
-        if parts.extra is not None:
-            torch.save(parts.extra.state_dict(), directory / EXTRA_FILE)
-    torch.save(_rng_state(), directory / RNG_FILE.format(rank=accelerator.process_index))
+    weights = accelerator.unwrap_model(parts.model).state_dict()
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(directory / MODEL_FILE))
+    torch.save(parts.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    torch.save(parts.scheduler.state_dict(), directory / SCHEDULER_FILE)
+    if parts.extra is not None:
+        torch.save(parts.extra.state_dict(), directory / EXTRA_FILE)
 
 
 def _load_training_state(accelerator: Any, directory: Path, parts: _TrainingState) -> None:
@@ -485,8 +587,6 @@ def _load_training_state(accelerator: Any, directory: Path, parts: _TrainingStat
     _restore(parts.scheduler, directory / SCHEDULER_FILE, "scheduler state")
     if parts.extra is not None:
         _restore(parts.extra, directory / EXTRA_FILE, "training state")
-    rng = load_checkpoint(directory / RNG_FILE.format(rank=accelerator.process_index), "random state")
-    _set_rng_state(rng, directory)
 
 
 def _restore(obj: Any, path: Path, what: str) -> None:
@@ -495,38 +595,3 @@ def _restore(obj: Any, path: Path, what: str) -> None:
         obj.load_state_dict(state)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise LanternError(f"{what} {path} does not fit this run: {e}") from None
-
-
-def _rng_state() -> dict[str, Any]:
-    """The global RNGs (torch, CUDA, Python, NumPy) as tensors and numbers only."""
-    import random
-
-    import numpy as np
-
-    version, internal, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
-        "numpy": (torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Any, directory: Path) -> None:
-    import random
-
-    import numpy as np
-
-    try:
-        torch.set_rng_state(state["torch"])
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
-        keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise LanternError(f"random state in {directory} is malformed: {e}") from None

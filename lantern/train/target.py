@@ -3,7 +3,9 @@
 The loss is next-token cross-entropy over the image tokens (row i of the logits predicts token
 i). With probability ``class_dropout`` a row's label is replaced by the null class, so the same
 model also learns the unconditional distribution that CFG extrapolates from. The dropout draws
-come from the step generator, so resume is exact.
+come from the step generator, drawn for the whole global batch, so resume is exact and does not
+depend on the number of processes. (The model's token/residual/FFN dropout masks are drawn per
+process: with those on, a data-parallel run is a different, equally valid draw of the masks.)
 
 Held-out metrics: bits per token of the test codes (conditional) and, for scale, the bits per
 token of a unigram model fitted on the training codes, plus the mean probability of the top token
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 from lantern.errors import check
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig
 from lantern.train.codes import CodeSet
-from lantern.train.loop import LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,12 @@ class TargetTask(TrainTask):
     def num_examples(self) -> int:
         return len(self.data)
 
-    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def make_batch(self, indices: Tensor, step: int, device: torch.device,
+                   part: BatchPart | None = None) -> tuple[Tensor, Tensor]:
         labels = self.data.labels[indices].clone()
-        drop = torch.rand(labels.shape, generator=step_generator(self.seed, step, stream=2)) < self.recipe.class_dropout
+        part = part or BatchPart.whole(len(indices))
+        draws = torch.rand(part.size, generator=step_generator(self.seed, step, stream=2))  # the global batch's
+        drop = part.take(draws) < self.recipe.class_dropout
         labels[drop] = self.model.config.num_classes  # the null class row of the label table
         return labels.to(device), self.data.codes[indices].to(device)
 

@@ -6,9 +6,12 @@ l2-normalised vectors) plus a pixel reconstruction loss. Perceptual and adversar
 not used: their pretrained feature networks cannot be downloaded here.
 
 Small codebooks trained from scratch collapse onto a few entries; codes unused for
-``restart_every`` steps are re-seeded from encoder outputs of the current batch (the standard
-k-means-style restart), which keeps utilisation high. Restarts draw from the step generator so
-resume stays exact, and the usage counts are checkpointed.
+``restart_every`` steps are re-seeded from encoder outputs of the current global batch (the
+standard k-means-style restart), which keeps utilisation high. Restarts draw from the step
+generator so resume stays exact, and the usage counts are checkpointed. Under data parallelism
+the usage counts are summed over the processes every step and the encoder outputs gathered, so
+every process computes the restart a single process would; process 0's codebook is then
+broadcast, so the processes cannot drift apart by a rounding difference.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import Tensor, nn
 
 from lantern.errors import check
 from lantern.models.vq import VQConfig, VQModel
-from lantern.train.loop import LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,11 @@ class TokenizerTask(TrainTask):
               f"({model.config.downsample_factor})")
         self.model, self.data, self.eval_data, self.recipe, self.seed = model, data, eval_data, recipe, seed
         self.usage = _Usage(model.config.codebook_size)
-        self._latents: Tensor | None = None
 
     def num_examples(self) -> int:
         return len(self.data)
 
-    def make_batch(self, indices: Tensor, step: int, device: torch.device) -> Tensor:
+    def make_batch(self, indices: Tensor, step: int, device: torch.device, part: BatchPart | None = None) -> Tensor:
         from lantern.data import batch_images
 
         images, _ = batch_images(self.data, indices.tolist())
@@ -86,36 +88,40 @@ class TokenizerTask(TrainTask):
         recon, losses, codes = model(batch, beta=self.recipe.commit_beta)
         pixel = F.mse_loss(recon.float(), batch) if self.recipe.recon_loss == "l2" else F.l1_loss(recon.float(), batch)
         total = pixel + self.recipe.codebook_weight * losses["codebook"] + losses["commitment"]
-        self.usage.counts += torch.bincount(codes.reshape(-1).cpu(), minlength=self.usage.counts.numel())
-        if self.recipe.restart_every:
-            with torch.no_grad():  # keep a few encoder outputs to re-seed dead codes from
-                z = self._unwrap(model).encode_latents(batch[: max(1, batch.shape[0] // 4)])
-                self._latents = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1]).float()
+        hits = torch.bincount(codes.reshape(-1), minlength=self.usage.counts.numel())
+        if self._distributed():  # the global batch's hits: every process holds the same counts
+            hits = self.accelerator.reduce(hits, "sum")
+        self.usage.counts += hits.cpu()
         return total, {"recon": float(pixel.detach()), "commit": float(losses["commitment"].detach()),
                        "used": float((self.usage.counts > 0).float().mean())}
 
     def _unwrap(self, model: nn.Module) -> VQModel:
         return model.module if hasattr(model, "module") else model  # type: ignore[return-value]
 
+    def _distributed(self) -> bool:
+        return getattr(self, "accelerator", None) is not None and self.accelerator.num_processes > 1
+
     @torch.no_grad()
     def after_step(self, model: nn.Module, batch: Any, step: int) -> dict[str, float]:
         every = self.recipe.restart_every
-        if not every or (step + 1) % every or self._latents is None:
+        if not every or (step + 1) % every:
             return {}
-        counts = self.usage.counts
-        if getattr(self, "accelerator", None) is not None and self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
-        dead = (counts == 0).nonzero().squeeze(1)
+        dead = (self.usage.counts == 0).nonzero().squeeze(1)
         if dead.numel():
+            vq = self._unwrap(model)
+            z = vq.encode_latents(batch)  # the encoder outputs to re-seed dead codes from
+            if self._distributed():
+                z = self.accelerator.gather(z.contiguous())  # the global batch, in its order
+            latents = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1]).float().cpu()
             g = step_generator(self.seed, step, stream=1)
-            pick = torch.randint(self._latents.shape[0], (dead.numel(),), generator=g)
-            fresh = self._latents[pick] + 0.01 * torch.randn(dead.numel(), self._latents.shape[1], generator=g)
-            weight = model.quantize.embedding.weight
+            pick = torch.randint(latents.shape[0], (dead.numel(),), generator=g)
+            fresh = latents[pick] + 0.01 * torch.randn(dead.numel(), latents.shape[1], generator=g)
+            weight = vq.quantize.embedding.weight
             weight[dead.to(weight.device)] = fresh.to(weight.device, weight.dtype)
-            if getattr(self, "accelerator", None) is not None and self.accelerator.num_processes > 1:
+            if self._distributed():
                 from accelerate.utils import broadcast
 
-                broadcast(weight.data, from_process=0)  # every process must hold the same codebook
+                broadcast(weight.data, from_process=0)  # bit-equal codebooks whatever the rounding
         self.usage.counts.zero_()
         return {"restarted": float(dead.numel())}
 
