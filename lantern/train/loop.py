@@ -522,7 +522,15 @@ def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
     if getattr(AcceleratorState, "_shared_state", None) and reset is not None \
             and PartialState().distributed_type == DistributedType.NO:
         reset(reset_partial_state=True)
-    return accelerator_cls(mixed_precision=mixed)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun without a GPU, accelerate treats every process as a lone run unless told cpu=True
+    # (``accelerate launch --cpu`` tells it through ACCELERATE_USE_CPU): the processes would overwrite
+    # each other's output.
+    accelerator = accelerator_cls(mixed_precision=mixed, cpu=world > 1 and not torch.cuda.is_available())
+    check(accelerator.num_processes == world,
+          f"launched as {world} processes (WORLD_SIZE) but accelerate sees {accelerator.num_processes}: "
+          "launch with `accelerate launch` or `torchrun`, and check the accelerate configuration")
+    return accelerator
 
 
 def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, task: TrainTask,

@@ -85,13 +85,17 @@ class TokenizerTask(TrainTask):
         return images.to(device)
 
     def loss(self, model: nn.Module, batch: Tensor, step: int) -> tuple[Tensor, dict[str, float]]:
+        quantize = self._unwrap(model).quantize
+        window = quantize.codebook_used.clone() if self._distributed() else None
         recon, losses, codes = model(batch, beta=self.recipe.commit_beta)
         pixel = F.mse_loss(recon.float(), batch) if self.recipe.recon_loss == "l2" else F.l1_loss(recon.float(), batch)
         total = pixel + self.recipe.codebook_weight * losses["codebook"] + losses["commitment"]
-        hits = torch.bincount(codes.reshape(-1), minlength=self.usage.counts.numel())
-        if self._distributed():  # the global batch's hits: every process holds the same counts
-            hits = self.accelerator.reduce(hits, "sum")
-        self.usage.counts += hits.cpu()
+        if window is not None:  # the global batch's codes, in its order: what one process would have seen
+            codes = self.accelerator.gather(codes.contiguous())
+            with torch.no_grad():  # the usage window (a buffer) records them instead of this slice's
+                quantize.codebook_used.copy_(window)
+                quantize.record_usage(codes)
+        self.usage.counts += torch.bincount(codes.reshape(-1).cpu(), minlength=self.usage.counts.numel())
         return total, {"recon": float(pixel.detach()), "commit": float(losses["commitment"].detach()),
                        "used": float((self.usage.counts > 0).float().mean())}
 
@@ -179,6 +183,6 @@ def train_tokenizer(
     model = VQModel(config)
     task = TokenizerTask(model, data, eval_data, recipe, loop.seed)
     result = train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
-    if result.finished:
+    if result.finished and result.main_process:
         assert math.isfinite(result.metrics["psnr"])
     return result
