@@ -52,7 +52,7 @@ from lantern.train.drafter import (
     state_fingerprint,
     teacher_forced_batch,
 )
-from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, train
+from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, launched_as_main, train
 from lantern.trees import tree_from_parents
 
 
@@ -173,12 +173,13 @@ def train_chameleon_drafter(
     command: str | None = None,
 ) -> TrainResult:
     """Self-distil images for ``prompts`` (the last ``eval_prompts`` held out), extract features,
-    train; the result in ``out`` loads with ``EagleDrafterModel.from_pretrained``."""
+    train; the result in ``out`` loads with ``EagleDrafterModel.from_pretrained``. Data-parallel,
+    every process self-distils all images (deterministic: the same on each), then trains its slice."""
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
     check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
     all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
     result = run_chameleon(stack, all_prompts, loop.seed, sampling, MethodConfig.resolve("ar"),
-                           batch_size=batch_size, progress=progress)
+                           batch_size=batch_size, progress=progress and launched_as_main())
     token_lists = stack.tokenize(all_prompts)
     feats: list[tuple[Tensor, Tensor]] = []
     for lo in range(0, len(all_prompts), batch_size):

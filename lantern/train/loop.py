@@ -503,6 +503,12 @@ def _latest_on_every_process(accelerator: Any, out: Path) -> Path | None:
     return found
 
 
+def launched_as_main() -> bool:
+    """Whether this is process 0 of a data-parallel launch (or a lone run), before the loop's
+    Accelerator exists: for progress bars of work done ahead of training."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def process_device(device: str) -> str:
     """``device`` for this process: a bare ``cuda`` becomes ``cuda:LOCAL_RANK`` under a
     data-parallel launcher, so each process of a node uses its own GPU (as accelerate does)."""
