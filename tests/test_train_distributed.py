@@ -25,11 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file
+from test_train import _image_folder
 
 from lantern.cli import main
 
@@ -54,7 +53,9 @@ def _launch(args: list[str], launcher: str = "torchrun") -> subprocess.Completed
         head = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                 "--master_port", port]
     else:
-        head = ["-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1", "--cpu",
+        # accelerate's --cpu starts one process (its multi-CPU mode is mpirun); --multi_gpu starts N via
+        # torchrun, which lantern runs on gloo when there is no GPU.
+        head = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, *head, "-m", "lantern.cli", *args], env=env, cwd=ROOT,
@@ -85,21 +86,6 @@ def _max_excess(a: Path, b: Path) -> float:
 # ----------------------------------------------------------------------------------------------
 # Tiny inputs for each trainer
 # ----------------------------------------------------------------------------------------------
-
-
-def _images(root: Path, n: int = 12, size: int = 16) -> Path:
-    """Smooth coloured blobs, three classes."""
-    root.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    lines = []
-    for i in range(n):
-        cx, cy, r = rng.uniform(0.2, 0.8, 3)
-        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (0.05 + 0.1 * r))
-        Image.fromarray((blob[..., None] * rng.uniform(0, 255, 3)).astype(np.uint8)).save(root / f"img{i:02d}.png")
-        lines.append(f"img{i:02d}.png,{i % 3}")
-    (root / "labels.csv").write_text("\n".join(lines) + "\n")
-    return root
 
 
 def _codes(root: Path) -> Path:
@@ -133,7 +119,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     from lantern.testing import make_tiny_chameleon_folder
 
     root = tmp_path_factory.mktemp("inputs")
-    images = _images(root / "images")
+    images = _image_folder(root / "images")
     data = ["--data", str(images), "--labels-file", str(images / "labels.csv")]
     target, ddata = _drafter_inputs(root)
     chameleon = make_tiny_chameleon_folder(root / "chameleon")
