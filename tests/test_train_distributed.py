@@ -191,6 +191,8 @@ def test_resume_under_two_processes_and_across_process_counts(inputs: dict[str, 
     assert "stopped after 3 steps" in _launch_ok([*args, "--out", str(part), "--stop-after", "3"])
     shutil.copytree(part, tmp_path / "part_on_1")
     _launch_ok([*args, "--out", str(part), "--resume"])
+    assert [r["restarted"] for r in _log(full)] == [r["restarted"] for r in _log(single["train-tokenizer"])]
+    assert _log(full)[-1]["restarted"] > 0  # the last step (6, logged) restarts dead codes
     wf, wp = _weights(full), _weights(part)
     assert all(torch.equal(wf[k], wp[k]) for k in wf)
     assert main([*args, "--out", str(tmp_path / "part_on_1"), "--resume"]) == 0
