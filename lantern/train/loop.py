@@ -317,7 +317,6 @@ def provenance(task: TrainTask, loop: LoopConfig, metrics: Mapping[str, Any], co
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -396,16 +395,15 @@ def _train(
     model, optimizer = accelerator.prepare(task.model, optimizer)
     task.bind(accelerator)
     run = _Run(accelerator, task, loop, out, _TrainingState(model, optimizer, scheduler, task.extra_state()))
-    start_step = resumed_from = None
-    if resume and existing is not None:
-        start_step = resumed_from = _resume_from(run, existing)
+    resumed_from = _resume_from(run, existing) if resume and existing is not None else None
+    start_step = resumed_from or 0
     if accelerator.is_main_process:
         write_json(out / TRAIN_CONFIG_FILE, {"kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict()})
     check(task.num_examples() >= 1, f"{task.kind} training: the training set is empty")
     t0 = time.time()
     end = loop.steps if stop_after is None else min(loop.steps, stop_after)
-    log = _run_steps(run, start_step or 0, end, progress)
-    steps_run = end - (start_step or 0)
+    log = _run_steps(run, start_step, end, progress)
+    steps_run = end - start_step
     if end < loop.steps:
         return TrainResult(out, {}, steps_run, resumed_from, finished=False, main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
