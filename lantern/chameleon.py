@@ -43,7 +43,7 @@ from lantern.jacobi import JacobiDrafter, check_window_fits
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
-from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance, max_tree_nodes
+from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance
 from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
 from lantern.stack import read_generation_settings
 from lantern.validate import check_batch_memory
@@ -461,7 +461,7 @@ def run_chameleon(
     ids, mask = encode_prompts(token_lists, layout)
     ids, mask = ids.to(lm.device), mask.to(lm.device)
     batch = min(batch_size, len(prompts))
-    probe = ChameleonTarget(lm, layout, sampling, max_tree_nodes=max_tree_nodes(resolved.tree))
+    probe = ChameleonTarget(lm, layout, sampling, max_tree_nodes=resolved.tree.num_nodes)
     check_batch_memory(probe.cache_bytes(batch, ids.shape[1]), batch, lm.device)
     head = lm.image_head if drafter is None or drafter.dtype == lm.dtype else _head_copy(lm.image_head, drafter.dtype)
     outputs: list[GenerationOutput] = []
@@ -493,17 +493,16 @@ def _parts(
 ) -> tuple[ChameleonTarget, Drafter | None]:
     """A fresh target adapter and drafter for one batch (they hold per-batch caches)."""
     tree = method.tree
-    nodes = max_tree_nodes(tree)
-    target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=nodes)
+    target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=tree.num_nodes)
     if method.jacobi is not None:
         return target, JacobiDrafter(method.jacobi, sampling, lm.num_codes, layout.num_tokens)
     if drafter is None:
         return target, None
-    fed = nodes + tree.depth * tree.top_k
     if isinstance(drafter, ReleasedChameleonDrafter):  # LANTERN's released drafters read the whole sequence
         from lantern.released_drafter import ReleasedDrafterBackend
 
-        released = ReleasedDrafterBackend(drafter, head, sampling, target, 2 * fed + 8)
+        released = ReleasedDrafterBackend(drafter, head, sampling, target, 2 * tree.drafter_slots)
         return target, TreeDrafter(released, tree, sampling, lm.num_codes)
-    backend = EagleBackend(drafter, head, sampling, target.streams, len(layout.prefix) + layout.num_tokens + fed + 8)
+    max_len = len(layout.prefix) + layout.num_tokens + tree.drafter_slots
+    backend = EagleBackend(drafter, head, sampling, target.streams, max_len)
     return target, TreeDrafter(backend, tree, sampling, lm.num_codes)

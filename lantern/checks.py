@@ -12,7 +12,6 @@ from lantern.config import TreeConfig
 from lantern.errors import check
 from lantern.models.drafter import DrafterConfig
 from lantern.models.llamagen import LlamaGenConfig
-from lantern.trees import resolve_tree_choices, static_tree
 
 
 def check_drafter_matches_target(drafter_cfg: DrafterConfig, target_cfg: LlamaGenConfig) -> None:
@@ -29,17 +28,6 @@ def check_drafter_matches_target(drafter_cfg: DrafterConfig, target_cfg: LlamaGe
     )
 
 
-def tree_depth(tree: TreeConfig) -> int:
-    """Deepest draft a tree proposes below the root (0 for ``none``)."""
-    if tree.kind == "none":
-        return 0
-    if tree.kind == "dynamic":
-        return tree.depth + 1  # level 1 from the root, then ``depth`` expansions
-    if tree.kind == "chain":  # not built: ``chain:100000``'s choices alone would take tens of GB
-        return tree.depth
-    return static_tree(resolve_tree_choices(tree.choices_name)).max_depth
-
-
 def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
     """A tree whose depth reaches the number of image tokens can never be used in full.
 
@@ -47,7 +35,7 @@ def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
     ``>= num_tokens`` is always cut by the loop's depth cap: almost surely a wrong ``--tree`` for
     this image size (e.g. a 2x2 test grid with a depth-5 static tree).
     """
-    depth = tree_depth(tree)
+    depth = tree.max_depth
     check(
         depth < num_tokens,
         f"tree {_describe(tree)} has depth {depth}, not less than the image's {num_tokens} tokens",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any, Literal, get_args
 
 from lantern.errors import check
@@ -213,6 +214,44 @@ class TreeConfig:
         """What :func:`lantern.trees.resolve_tree_choices` takes for a chain or static tree."""
         check(self.kind in ("chain", "static"), f"a {self.kind} tree has no fixed choices")
         return self.name if self.kind == "static" else f"chain:{self.depth}"
+
+    # Sizes, computed here once for every caller (caches, checks, drafters); chains are counted,
+    # never built: ``chain:100000``'s choices alone would take tens of GB.
+    @cached_property
+    def num_nodes(self) -> int:
+        """Nodes per verify forward, root included: what a target's cache leaves room for."""
+        if self.kind == "none":
+            return 1
+        if self.kind == "dynamic":
+            return self.total_tokens + 1
+        return self.depth + 1 if self.kind == "chain" else len(self._static_choices()) + 1
+
+    @cached_property
+    def max_depth(self) -> int:
+        """Deepest draft below the root (0 for ``none``)."""
+        if self.kind == "none":
+            return 0
+        if self.kind == "dynamic":
+            return self.depth + 1  # level 1 from the root, then ``depth`` expansions
+        return self.depth if self.kind == "chain" else max(len(c) for c in self._static_choices())
+
+    @property
+    def fed_per_round(self) -> int:
+        """Upper bound on the nodes a drafter is fed in one round (its cache's per-round need)."""
+        if self.kind == "none":
+            return 0
+        return self.depth * self.top_k if self.kind == "dynamic" else self.num_nodes
+
+    @property
+    def drafter_slots(self) -> int:
+        """Drafter cache entries beyond the condition and the image: one accepted path (root
+        included), the nodes fed in one round, and the bonus token."""
+        return self.max_depth + 1 + self.fed_per_round + 1
+
+    def _static_choices(self) -> list[list[int]]:
+        from lantern.trees import resolve_tree_choices
+
+        return resolve_tree_choices(self.name)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

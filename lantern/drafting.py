@@ -116,13 +116,11 @@ class TreeDrafter:
     @property
     def num_nodes(self) -> int:
         """Tree size including the root (what the target cache must hold per round)."""
-        if self.static is not None:
-            return self.static.num_nodes
-        return self.tree.total_tokens + 1
+        return self.tree.num_nodes
 
     @property
     def max_depth(self) -> int:
-        return self.static.max_depth if self.static is not None else self.tree.depth + 1
+        return self.tree.max_depth
 
     def start(self, hidden: Tensor, root: Tensor) -> None:
         self.root = root

@@ -27,14 +27,13 @@ import time
 import torch
 from torch import Tensor
 
-from lantern.checks import check_drafter_matches_target, tree_depth
+from lantern.checks import check_drafter_matches_target
 from lantern.config import SamplingConfig, TreeConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
 from lantern.sampling import apply_cfg
-from lantern.trees import resolve_tree_choices, static_tree
 
 
 class OracleBackend:
@@ -205,16 +204,7 @@ def make_eagle_drafter(
     cfg = model.config
     check_drafter_matches_target(drafter_model.config, cfg)
     streams = 2 if sampling.use_cfg else 1
-    num_nodes, fed = _tree_sizes(tree)
-    max_len = cfg.cls_token_num + cfg.block_size + tree_depth(tree) + 1 + fed + 1
-    backend = EagleBackend(drafter_model, model.output, sampling, streams, max_len)
-    return TreeDrafter(backend, tree, sampling, cfg.vocab_size), num_nodes
-
-
-def _tree_sizes(tree: TreeConfig) -> tuple[int, int]:
-    """(nodes per tree including the root, upper bound on the nodes a backend is fed per round)."""
     check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
-    if tree.kind == "dynamic":
-        return tree.total_tokens + 1, tree.depth * tree.top_k
-    nodes = static_tree(resolve_tree_choices(tree.choices_name)).num_nodes
-    return nodes, nodes
+    max_len = cfg.cls_token_num + cfg.block_size + tree.drafter_slots
+    backend = EagleBackend(drafter_model, model.output, sampling, streams, max_len)
+    return TreeDrafter(backend, tree, sampling, cfg.vocab_size), tree.num_nodes

@@ -322,7 +322,7 @@ def _run_batches(
 def _check_batch_fits(stack: ModelStack, tree: TreeConfig, sampling: SamplingConfig, batch: int) -> None:
     """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
     must fit in the device's free memory; checked before it is allocated."""
-    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=max_tree_nodes(tree))
+    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=tree.num_nodes)
     check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
 
 
@@ -358,8 +358,7 @@ class PreparedMethod:
     ) -> GenerationOutput:
         """cond: labels [B] or captions [B, cls, C]; cond_mask: the captions' mask [B, cls] (t2i)."""
         tree = self.method.tree
-        nodes = max_tree_nodes(tree)
-        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes, compile=self.compile,
+        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=tree.num_nodes, compile=self.compile,
                                 cache_pool=self._caches)
         drafter: Drafter | None = None
         if self.method.jacobi is not None:
@@ -367,13 +366,12 @@ class PreparedMethod:
             drafter = JacobiDrafter(self.method.jacobi, self.sampling, cfg.vocab_size, cfg.block_size)
         elif self.drafter is not None:
             cfg = self.stack.target.config
-            fed = nodes + tree.depth * tree.top_k
             backend = EagleBackend(
                 self.drafter,
                 self._drafter_head(target.lm_head),
                 self.sampling,
                 target.streams,
-                cfg.cls_token_num + cfg.block_size + fed + 8,
+                cfg.cls_token_num + cfg.block_size + tree.drafter_slots,
                 compile=self.compile,
                 cache_pool=self._caches,
             )
@@ -482,16 +480,3 @@ def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtyp
     (measured on the photos preset: 237 vs 175 us of matmuls per drafter step).
     """
     return torch.float32 if device.type == "cpu" else target_dtype
-
-
-def max_tree_nodes(tree: TreeConfig) -> int:
-    """Nodes per verify forward (root included): what a target's cache must leave room for."""
-    if tree.kind == "none":
-        return 1
-    if tree.kind == "dynamic":
-        return tree.total_tokens + 1
-    if tree.kind == "chain":  # counted, not built: a chain's choices grow as depth squared
-        return tree.depth + 1
-    from lantern.trees import resolve_tree_choices
-
-    return len(resolve_tree_choices(tree.choices_name)) + 1

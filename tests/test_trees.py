@@ -442,3 +442,21 @@ def test_tree_config_spec_round_trips() -> None:
     assert TreeConfig.parse("static:cpu_9").choices_name == "cpu_9"
     with pytest.raises(LanternError, match="no fixed choices"):
         _ = TreeConfig.parse("dynamic").choices_name
+
+
+@pytest.mark.parametrize("spec", ["none", "chain:1", "chain:5", "static:naive_extend_57", "dynamic"])
+def test_tree_config_sizes_match_the_built_trees(spec: str) -> None:
+    """``TreeConfig`` counts sizes without building a tree; they must equal what the built tree has."""
+    from lantern.config import TreeConfig
+    from lantern.trees import static_tree
+
+    tree = TreeConfig.parse(spec, depth=3, top_k=4, total_tokens=9)
+    if tree.kind == "none":
+        assert (tree.num_nodes, tree.max_depth, tree.fed_per_round) == (1, 0, 0)
+    elif tree.kind == "dynamic":  # level 1 from the root, then ``depth`` expansions of ``top_k`` each
+        assert (tree.num_nodes, tree.max_depth, tree.fed_per_round) == (10, 4, 12)
+    else:
+        built = static_tree(tree.choices_name)
+        assert (tree.num_nodes, tree.max_depth) == (built.num_nodes, built.max_depth)
+        assert tree.fed_per_round == built.num_nodes
+    assert tree.drafter_slots == tree.max_depth + 1 + tree.fed_per_round + 1

@@ -18,7 +18,6 @@ from lantern.checks import check_tree_fits
 from lantern.cli import main
 from lantern.config import TreeConfig
 from lantern.errors import LanternError
-from lantern.pipeline import max_tree_nodes
 from lantern.testing import make_random_stack
 from lantern.validate import check_batch_memory, check_device
 
@@ -118,7 +117,7 @@ def test_a_long_chain_tree_is_rejected_without_being_built() -> None:
     try:
         with pytest.raises(LanternError, match="has depth 3000, not less than the image's 64 tokens"):
             check_tree_fits(tree, 64)
-        assert max_tree_nodes(tree) == 3001
+        assert tree.num_nodes == 3001
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

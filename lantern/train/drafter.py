@@ -498,13 +498,12 @@ def evaluate_drafter(drafter: EagleDrafterModel, target: LlamaGen, data: Drafter
 
 def _eval_tree(target: LlamaGen) -> TreeConfig:
     """The default ``sd`` tree (EAGLE-2 dynamic), shallower if the image is tiny."""
-    from lantern.checks import tree_depth
 
     tree = TreeConfig.parse("dynamic")
     depth = min(tree.depth, target.config.block_size - 2)
     tree = TreeConfig(kind="dynamic", depth=max(depth, 1), top_k=min(tree.top_k, target.config.vocab_size),
                       total_tokens=tree.total_tokens)
-    check(tree_depth(tree) < target.config.block_size,
+    check(tree.max_depth < target.config.block_size,
           f"images of {target.config.block_size} tokens are too small for a speculative evaluation; "
           "disable it (eval_generation=False)")
     return tree
