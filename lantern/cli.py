@@ -27,6 +27,14 @@ def _window_arg(text: str) -> int | str:
         return text.strip()
 
 
+def _add_pjd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pjd-window", type=_window_arg, default=None,
+                   help="pjd*: guesses per open image row and round, 1 .. the row length (default 4), or auto")
+    p.add_argument("--pjd-context", type=_window_arg, default=None,
+                   help="pjd*: known tokens row r needs before row r + 1 opens, 1 .. the row length (default 8; the "
+                        "row length decodes one row at a time, losslessly), or auto")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip() != ""]
@@ -194,13 +202,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--method",
         default="ar",
         choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++",
-                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd"],
+                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "pjd", "pjd-lantern",
+                 "pjd-lantern++"],
         help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
         "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
         "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
         "lantern's / lantern++'s relaxed acceptance; sjd-coupled: SJD with coupled redraws (SCD), exact; "
         "sjd-coupled-lantern / sjd-coupled-lantern++: the same, relaxed; gsd: SJD with grouped speculative "
-        "decoding's relaxed acceptance (no table)",
+        "decoding's relaxed acceptance (no table); pjd: parallel Jacobi decoding (several image rows per "
+        "forward; lossy unless --pjd-context is the row length); pjd-lantern / pjd-lantern++: the same, relaxed",
     )
     p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
     p.add_argument(
@@ -255,6 +265,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="gsd: a draft is credited with the tokens ranked within G places of it in the target's distribution "
         "(and close in probability); G >= 1 (default 7)",
     )
+    _add_pjd_args(p)
     p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32",
