@@ -444,6 +444,8 @@ def run_chameleon(
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
     validate_sampling_for_vocab(sampling, stack.model.num_codes)
     lm, layout = stack.model, stack.layout
+    check(method.pjd is None, f"--method {method.method} runs on LlamaGen models only for now (Chameleon-family "
+                              "grids with end-of-row tokens are not supported yet)")
     if method.jacobi is not None:
         check_window_fits(method.jacobi, layout.num_tokens)
     elif method.tree.kind != "none" and drafter is None:
