@@ -62,6 +62,8 @@ class MethodSpec:
     label: str = ""  # row name; defaults to the method
     budget: str | None = None  # relaxed methods: "test" | "token" (None: the default)
     coupling: str | None = None  # sjd-coupled*, gsd: --sjd-coupling (None: the default)
+    window: int | None = None  # pjd*: --pjd-window (None: the default)
+    context: int | None = None  # pjd*: --pjd-context (None: the default)
 
     @property
     def name(self) -> str:
@@ -70,7 +72,7 @@ class MethodSpec:
     def resolve(self, stack: ModelStack) -> MethodConfig:
         tree = self.tree if self.tree is not None else stack.default_tree(self.method)
         return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget,
-                                    coupling=self.coupling)
+                                    coupling=self.coupling, pjd_window=self.window, pjd_context=self.context)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ def tree_label(method: MethodConfig) -> str:
     if method.jacobi is not None:
         j = method.jacobi
         return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
+    if method.pjd is not None:
+        return f"pjd:{method.pjd.window}/c{method.pjd.context}"
     if t.kind == "none":
         return "-"
     if t.kind == "dynamic":
@@ -667,7 +671,8 @@ def parse_methods(
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
     run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
     (``lantern/delta=0.2/budget=token``), and so does a Jacobi method's coupling
-    (``sjd-coupled/coupling=gumbel``); ``budget`` (``--lantern-budget``) is the relaxed rows'
+    (``sjd-coupled/coupling=gumbel``) and PJD's window and context (``pjd/window=4/context=8``);
+    ``budget`` (``--lantern-budget``) is the relaxed rows'
     default budget."""
     trees = trees or {}
     entries = [m.strip() for m in spec.split(",") if m.strip()]
@@ -690,7 +695,7 @@ def parse_methods(
 def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
     """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
     kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str,
-                                              "coupling": str}
+                                              "coupling": str, "window": int, "context": int}
     out: dict[str, Any] = {"budget": budget if name in LANTERN_METHODS else None}
     for option in options:
         key, eq, value = option.partition("=")

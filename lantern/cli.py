@@ -89,8 +89,9 @@ def _method(args: argparse.Namespace, stack: Any, tree: str | None = None) -> An
 
     settings = {name: getattr(args, name) for name in METHOD_SETTINGS}
     settings["tree"] = tree if tree is not None else None if args.tree == "auto" else args.tree
-    if settings["sjd_window"] == "auto":  # measured later (_auto_window); resolve with the default first
-        settings["sjd_window"] = None
+    for name in ("sjd_window", "pjd_window"):
+        if settings[name] == "auto":  # measured later (_auto_window); resolve with the default first
+            settings[name] = None
     return resolve_method(None if args.tree == "auto" and tree is None else stack, args.method, **settings)
 
 
@@ -123,18 +124,23 @@ def _auto_tree(
     return choice
 
 
-def _check_auto_window(window: int | str | None, method: str, unsupported: str | None) -> bool:
-    """True for ``--sjd-window auto``; refuses it for methods without a Jacobi window, and for
-    models it cannot calibrate (``unsupported``: what kind of model this is)."""
-    if window != "auto":
-        return False
-    from lantern.pipeline import SJD_METHODS
+def _check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool:
+    """True for ``--sjd-window auto`` / ``--pjd-window auto``; refuses it for methods without such a
+    window, and for models it cannot calibrate (``unsupported``: what kind of model this is)."""
+    from lantern.pipeline import PJD_METHODS, SJD_METHODS
 
-    if method not in SJD_METHODS:
-        raise LanternError(f"--sjd-window auto needs a Jacobi --method ({', '.join(SJD_METHODS)}), got {method}")
-    if unsupported is not None:
-        raise LanternError(f"--sjd-window auto calibrates on class labels; pass a number for {unsupported} models")
-    return True
+    auto = False
+    for flag, window, methods in (("--sjd-window", args.sjd_window, SJD_METHODS),
+                                  ("--pjd-window", args.pjd_window, PJD_METHODS)):
+        if window != "auto":
+            continue
+        if args.method not in methods:
+            raise LanternError(f"{flag} auto needs a --method with that window ({', '.join(methods)}), "
+                               f"got {args.method}")
+        if unsupported is not None:
+            raise LanternError(f"{flag} auto calibrates on class labels; pass a number for {unsupported} models")
+        auto = True
+    return auto
 
 
 def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace) -> Any:
@@ -142,7 +148,8 @@ def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespac
     from lantern.autowindow import choose_window
 
     choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size)
-    print(f"--sjd-window auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
+    flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
+    print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice
 
 
@@ -368,7 +375,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
                                "Lumina-mGPT)")
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
-    auto_window = _check_auto_window(args.sjd_window, args.method, "text-to-image" if prompts is not None else None)
+    auto_window = _check_auto_window(args, "text-to-image" if prompts is not None else None)
     stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
     _check_condition_kind(stack, args.model, prompts is not None)
     if auto and prompts is not None:
@@ -440,7 +447,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
                                "tokenizer, and decode with --vq)")
     if args.tree == "auto":
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
-    _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
+    _check_auto_window(args, "Chameleon-family")
     layout = _chameleon_layout(args, root)
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     method = _method(args, stack)
@@ -625,7 +632,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print(f"--tree auto [{choice.method}]: {choice.explanation}")
             trees = {m: c.tree_spec for m, c in auto_trees.items()}
         else:
-            trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
+            trees = {m: args.tree for m in methods if m not in ("ar", "gsd") and not m.startswith(("sjd", "pjd"))}
         stack = with_trees(stack, trees)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                     repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,

@@ -15,6 +15,7 @@ Evidence (the grid pieces alone are in test_pjd.py; t2i greedy in test_t2i.py):
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from test_speculative import (
 from torch import Tensor
 
 import lantern
+from lantern.autowindow import choose_window, with_window
+from lantern.cli import main
 from lantern.config import SamplingConfig
 from lantern.errors import LanternError
 from lantern.generate import GenerationOutput, generate
@@ -41,6 +44,7 @@ from lantern.models.llamagen import LlamaGen
 from lantern.pipeline import MethodConfig, run_generation
 from lantern.pjd import GridBlock, GridJacobiDrafter, PJDConfig
 from lantern.sampling import make_generators
+from lantern.stack import load_stack
 from lantern.target import LlamaGenTarget
 from lantern.testing import make_random_stack, tiny_llamagen
 
@@ -246,6 +250,7 @@ def test_methods_resolve_and_round_trip() -> None:
         (["--method", "pjd", "--sjd-window", "2"], r"--sjd-window / --sjd-init / --sjd-coupling are not used by pjd"),
         (["--method", "pjd", "--sjd-coupling", "gumbel"], r"are not used by pjd"),
         (["--method", "pjd", "--tree", "chain:3"], r"--tree is not used by pjd"),
+        (["--method", "sjd", "--pjd-window", "auto"], r"--pjd-window auto needs a --method with that window \(pjd, "),
     ],
 )
 def test_cli_bad_pjd_options(
@@ -264,3 +269,28 @@ def test_python_api_errors_and_run(random_stack: Path) -> None:
     ar = pipe(labels=[1, 2], method="ar", temperature=0.0)
     assert out.config["method"]["pjd"] == {"window": 2, "context": 4}
     assert out.codes.shape == ar.codes.shape
+
+
+# ---- --pjd-window auto -------------------------------------------------------------------------
+
+
+def test_choose_pjd_window_measures_windows_within_a_row(random_stack: Path) -> None:
+    stack = load_stack(random_stack)  # 8 x 8
+    method = MethodConfig.resolve("pjd", pjd_context=4)
+    choice = choose_window(stack, method, SamplingConfig(top_k=20), images=1, windows=(2, 4, 9), passes=1)
+    assert [t.window for t in choice.trials] == [2, 4]  # a window longer than the row is never tried
+    assert all(t.tokens_per_forward >= 1.0 and t.ms_per_token > 0 for t in choice.trials)
+    chosen = with_window(method, choice.window)
+    assert chosen.pjd == PJDConfig(choice.window, 4) and chosen.tree.depth == choice.window
+
+
+def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    rc = main(["generate", "--model", str(random_stack), "--labels", "1", "--method", "pjd", "--pjd-window", "auto",
+               "--pjd-context", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "--pjd-window auto [pjd]: window " in capsys.readouterr().out
+    run = json.loads((out / "run.json").read_text())
+    assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4}
+    assert run["auto_window"]["window"] in (2, 4, 8)

@@ -402,7 +402,7 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method \(lantern, "),
         (["--method", "sjd-coupled", "--sjd-coupling", "independent"], r"--sjd-coupling must be one of maximal, "),
         # --sjd-window auto (test_autowindow.py)
-        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a Jacobi --method \(sjd, "),
+        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a --method with that window \(sjd, "),
         (["--method", "sjd", "--sjd-window", "wide"], r"--sjd-window must be an integer >= 1, got 'wide'"),
     ],
 )
