@@ -36,6 +36,7 @@ from torch import Tensor
 
 import lantern
 from lantern.autowindow import choose_window, with_window
+from lantern.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
 from lantern.cli import main
 from lantern.config import SamplingConfig
 from lantern.errors import LanternError
@@ -294,3 +295,19 @@ def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
     run = json.loads((out / "run.json").read_text())
     assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4}
     assert run["auto_window"]["window"] in (2, 4, 8)
+
+
+def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> None:
+    specs = parse_methods("pjd/window=3/context=2,pjd/window=auto,sjd/window=8,ar")
+    assert specs[0].window == 3 and specs[0].context == 2 and specs[0].name == "pjd/window=3/context=2"
+    stack = load_stack(random_stack)
+    assert tree_label(specs[0].resolve(stack)) == "pjd:3/c2"
+    config, chosen = resolve_auto_windows(stack, SamplingConfig(top_k=20), BenchConfig(methods=specs),
+                                          log=lambda _: None, images=1, passes=1)
+    assert set(chosen) == {"pjd/window=auto"}  # sjd/window=auto takes the same path (test_autowindow.py)
+    pjd, sjd = config.methods[1].resolve(stack), config.methods[2].resolve(stack)
+    assert pjd.pjd is not None and pjd.pjd.window == chosen["pjd/window=auto"]["window"] in (2, 4, 8)
+    assert config.methods[1].name == "pjd/window=auto"  # the row keeps its name, the record says what was chosen
+    assert sjd.jacobi is not None and sjd.jacobi.window == 8
+    with pytest.raises(LanternError, match=r"--methods 'pjd/window=wide': window must be a number, got 'wide'"):
+        parse_methods("pjd/window=wide")
