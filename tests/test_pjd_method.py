@@ -10,7 +10,8 @@ Evidence (the grid pieces alone are in test_pjd.py; t2i greedy in test_t2i.py):
 * with one row at a time (context = row length) PJD is lossless: greedy equals AR token for token
   (batch 1 and 3, CFG on and off) and sampled PJD reproduces the target's joint law of the first
   4 tokens (chi-square against exact enumeration), while the same test rejects a broken q;
-* bad window / context values give one-line errors from the CLI and from ``lantern.load``.
+* bad window / context values give one-line errors from ``lantern.load`` (and from the CLI: the
+  cases are in test_sjd.py's table of bad Jacobi options).
 """
 
 from __future__ import annotations
@@ -20,18 +21,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import test_speculative as spec
 import torch
 from test_pjd import _model, _reference, _Token
-from test_sjd import _stack, assert_cli_error
-from test_speculative import (
-    DIST_LABEL,
-    DIST_ROWS,
-    DIST_SAMPLING,
-    _chi_square,
-    _chi_square_threshold,
-    _dist_model,
-    _exact_joint,
-)
+from test_sjd import _stack
 from torch import Tensor
 
 import lantern
@@ -193,7 +186,7 @@ DIST_TOKENS = 4
 def _grid_dist_model(width: int) -> LlamaGen:
     """The 3 x 3 model of test_speculative.py, or a 4 x 4 one like it (same V = 6)."""
     if width == 3:
-        return _dist_model()
+        return spec._dist_model()
     return tiny_llamagen(seed=3, logit_std=0.4, vocab_size=6, block_size=16, dim=16, n_layer=1, n_head=2,
                          multiple_of=16)
 
@@ -201,8 +194,9 @@ def _grid_dist_model(width: int) -> LlamaGen:
 @cache
 def _dist_run(width: int, broken: bool = False) -> GenerationOutput:
     # window 2 on a 3 x 3 image, 3 on a 4 x 4 one; context = the row length: one row at a time
-    out, _ = _run(_grid_dist_model(width), [DIST_LABEL] * DIST_ROWS, DIST_SAMPLING, PJDConfig(width - 1, width),
-                  list(range(DIST_ROWS)), _WrongQ if broken else GridJacobiDrafter)
+    rows = spec.DIST_ROWS
+    out, _ = _run(_grid_dist_model(width), [spec.DIST_LABEL] * rows, spec.DIST_SAMPLING, PJDConfig(width - 1, width),
+                  list(range(rows)), _WrongQ if broken else GridJacobiDrafter)
     return out
 
 
@@ -213,11 +207,11 @@ def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
     test (fixed seeds: deterministic). 3 x 3: token 3 opens row 1 through a root that is the row
     above's real last token, and is tested as a fresh guess of the new row; 4 x 4: row 0's third
     token is often a carried guess (drawn from the previous round's p and tested with it)."""
-    p = _exact_joint(_grid_dist_model(width), DIST_SAMPLING, DIST_TOKENS)
+    p = spec._exact_joint(_grid_dist_model(width), spec.DIST_SAMPLING, DIST_TOKENS)
     out = _dist_run(width)
-    stat, df = _chi_square(out.codes[:, :DIST_TOKENS], p)
+    stat, df = spec._chi_square(out.codes[:, :DIST_TOKENS], p)
     assert df >= 30
-    assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < spec._chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     # guesses were accepted: the Jacobi path ran (measured 1.20 and 1.35; a row's last token is never a guess)
     assert out.stats.mean_accepted > 1.15
 
@@ -225,9 +219,9 @@ def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
 def test_chi_square_detects_a_broken_acceptance() -> None:
     """Power: the same test rejects PJD that tests its guesses against the wrong q (measured
     chi2 814 against a threshold of 109)."""
-    p = _exact_joint(_grid_dist_model(4), DIST_SAMPLING, DIST_TOKENS)
-    stat, df = _chi_square(_dist_run(4, broken=True).codes[:, :DIST_TOKENS], p)
-    assert stat > _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    p = spec._exact_joint(_grid_dist_model(4), spec.DIST_SAMPLING, DIST_TOKENS)
+    stat, df = spec._chi_square(_dist_run(4, broken=True).codes[:, :DIST_TOKENS], p)
+    assert stat > spec._chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
 # ---- configuration and bad input -------------------------------------------------------------
@@ -238,26 +232,6 @@ def test_methods_resolve_and_round_trip() -> None:
     assert m.pjd == PJDConfig(2, 3) and m.tree.depth == 2 and m.relaxation is not None and m.relaxation.lam == 2.0
     assert m.to_dict()["pjd"] == {"window": 2, "context": 3}
     assert MethodConfig.resolve("pjd").pjd == PJDConfig()
-
-
-@pytest.mark.parametrize(
-    "extra,message",
-    [
-        (["--method", "pjd", "--pjd-window", "0"], r"--pjd-window must be an integer >= 1, got 0"),
-        (["--method", "pjd", "--pjd-window", "9"], r"--pjd-window \(9\) must be at most the image row length \(8\)"),
-        (["--method", "pjd", "--pjd-context", "12"], r"--pjd-context \(12\) must be at most the image row length"),
-        (["--method", "pjd", "--pjd-context", "wide"], r"--pjd-context must be an integer >= 1, got 'wide'"),
-        (["--method", "sjd", "--pjd-window", "2"], r"--pjd-window / --pjd-context need --method pjd"),
-        (["--method", "pjd", "--sjd-window", "2"], r"--sjd-window / --sjd-init / --sjd-coupling are not used by pjd"),
-        (["--method", "pjd", "--sjd-coupling", "gumbel"], r"are not used by pjd"),
-        (["--method", "pjd", "--tree", "chain:3"], r"--tree is not used by pjd"),
-        (["--method", "sjd", "--pjd-window", "auto"], r"--pjd-window auto needs a --method with that window \(pjd, "),
-    ],
-)
-def test_cli_bad_pjd_options(
-    random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
-) -> None:
-    assert_cli_error(str(random_stack), tmp_path, capsys, extra, message)
 
 
 def test_python_api_errors_and_run(random_stack: Path) -> None:
