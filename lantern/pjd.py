@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.acceptance import maximal_coupling
 from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.sampling import draw_uniforms, one_hot, probs_from_logits, sample_from_probs
@@ -166,8 +165,8 @@ class GridJacobiDrafter:
     complete row's last token is cached), ``canvas [B, N + 1]`` known tokens and guesses by cell
     (-1 = none; column N is a scratch column for masked writes), and for sampled decoding
     ``q [B, N + 1, V]`` with ``drawn [B, N + 1]``: the law a carried guess was drawn from (a
-    guess that is not ``drawn`` was initialised: a point mass). Guesses are redrawn per SJD (or
-    coupled, ``coupling``) from each round's predictions, row by row as ``lantern.jacobi`` does.
+    guess that is not ``drawn`` was initialised: a point mass). Guesses are redrawn independently
+    (SJD's rule) from each round's predictions, row by row as ``lantern.jacobi`` does.
 
     Randomness per batch row and round is a fixed count (``R * W`` initial guesses, ``R * (W + 2)``
     acceptance, ``R * (W + 1)`` redraws) from the row's own generator, so a row's codes do not
@@ -177,14 +176,17 @@ class GridJacobiDrafter:
     forwards = 0  # no drafter model: the target predicts for itself
 
     def __init__(self, config: PJDConfig, sampling: SamplingConfig, vocab_size: int, num_tokens: int,
-                 coupling: str = "independent") -> None:
-        grid = math.isqrt(num_tokens)
-        check(grid * grid == num_tokens, f"PJD needs a square token grid, got {num_tokens} image tokens")
-        check_pjd_fits(config, grid, grid)
-        check(coupling in ("independent", "maximal"), f"PJD redraws independently or maximal, got {coupling!r}")
-        self.config, self.sampling, self.coupling = config, sampling, coupling
-        self.vocab_size, self.num_tokens, self.width, self.height = vocab_size, num_tokens, grid, grid
-        self.chains = grid_chains(config.window, config.context, grid, grid)
+                 width: int | None = None) -> None:
+        """``width``: codes per image row (None: a square grid, as LlamaGen's)."""
+        if width is None:
+            width = math.isqrt(num_tokens)
+            check(width * width == num_tokens, f"PJD needs a square token grid, got {num_tokens} image tokens")
+        check(num_tokens % width == 0, f"{num_tokens} image tokens do not fill rows of {width}")
+        height = num_tokens // width
+        check_pjd_fits(config, height, width)
+        self.config, self.sampling = config, sampling
+        self.vocab_size, self.num_tokens, self.width, self.height = vocab_size, num_tokens, width, height
+        self.chains = grid_chains(config.window, config.context, width, height)
         self.known = self.flushed = self.canvas = self.drawn = torch.empty(0)
         self.q: Tensor | None = None
         self._own_generators: list[torch.Generator] = []
@@ -297,7 +299,7 @@ class GridJacobiDrafter:
         above = (block.chain_row - 1).clamp(min=0)
         self.flushed.scatter_(1, above, block.standin_real | self.flushed.gather(1, above))
         kept = torch.cat([block.commit_root[:, :, None], block.decodes[:, :, None] & (j[1:] <= a[:, :, None])], dim=2)
-        keep, num_keep = _kept_offsets(kept.view(b, -1))
+        keep, num_keep = kept_offsets(kept.view(b, -1))
         gens = generators if generators is not None else self._own_generators
         self._carry_over(block, new_cell, logits.view(b, r, w + 1, -1), gens)
         return keep, num_keep, cells, vals, torch.where(block.decodes, a + 1, 0).sum(1)
@@ -317,14 +319,7 @@ class GridJacobiDrafter:
         else:
             p = probs_from_logits(logits, self.sampling).view(b, r * t, v)
             u = draw_uniforms(gens, r * t, logits.device)
-            if self.coupling == "maximal":
-                q_old = torch.where(self.drawn.gather(1, cell)[:, :, None],
-                                    self.q.gather(1, cell[:, :, None].expand(-1, -1, v)),
-                                    one_hot(old.clamp(min=0), v) * (old >= 0)[:, :, None])
-                y = maximal_coupling(p.reshape(-1, v), q_old.reshape(-1, v).to(p.dtype), old.clamp(min=0).view(-1),
-                                     u.view(-1)).view(b, -1)
-            else:
-                y = sample_from_probs(p.reshape(-1, v), u.view(-1)).view(b, -1)
+            y = sample_from_probs(p.reshape(-1, v), u.view(-1)).view(b, -1)
             flat = carry.view(b, -1)
             index = cell[:, :, None].expand(-1, -1, v)
             self.q.scatter_(1, index, torch.where(flat[:, :, None], p.to(self.q.dtype), self.q.gather(1, index)))
@@ -332,7 +327,7 @@ class GridJacobiDrafter:
         self.canvas.scatter_(1, cell, torch.where(carry.view(b, -1), y, old))
 
 
-def _kept_offsets(kept: Tensor) -> tuple[Tensor, Tensor]:
+def kept_offsets(kept: Tensor) -> tuple[Tensor, Tensor]:
     """kept [B, T] bool -> (ascending kept offsets [B, T], -1 padded; their count [B])."""
     t = kept.shape[1]
     offsets = torch.arange(t, device=kept.device)[None, :].expand_as(kept)
