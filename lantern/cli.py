@@ -585,12 +585,46 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="tree for every speculative method: auto (chosen per method for this device) or a "
                         "--tree spec of `lantern generate` (default: the model's generation.json)")
     p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
+    p.add_argument("--sjd-window", type=_window_arg, default=None,
+                   help="the Jacobi window of the sjd* / gsd methods shown, or auto (timed on this device)")
+    p.add_argument("--pjd-window", type=_window_arg, default=None,
+                   help="the window of the pjd* methods shown, or auto (timed on this device)")
     _add_budget_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
+
+
+def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
+                  args: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``lantern demo --sjd-window N|auto`` / ``--pjd-window N|auto``: the window of every SJD- or
+    PJD-family method in the demo (auto: timed per method, as ``generate`` does). Returns the
+    per-method settings for run_demo and the auto choices for demo.json."""
+    from lantern.api import resolve_method
+    from lantern.autowindow import choose_window
+    from lantern.pipeline import PJD_METHODS, SJD_METHODS
+
+    settings: dict[str, dict[str, Any]] = {}
+    chosen: dict[str, Any] = {}
+    for flag, name, family in (("--sjd-window", "sjd_window", SJD_METHODS),
+                               ("--pjd-window", "pjd_window", PJD_METHODS)):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        targets = [m for m in methods if m in family]
+        if not targets:
+            raise LanternError(f"{flag} needs one of {', '.join(family)} in --methods")
+        for m in targets:
+            window = value
+            if value == "auto":
+                choice = choose_window(stack, resolve_method(stack, m), sampling, seed=args.seed,
+                                       batch_size=args.batch_size)
+                print(f"{flag} auto [{m}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
+                chosen[m], window = choice.to_dict(), choice.window
+            settings[m] = {name: window}
+    return settings, chosen
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -634,13 +668,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         else:
             trees = {m: args.tree for m in methods if m not in ("ar", "gsd") and not m.startswith(("sjd", "pjd"))}
         stack = with_trees(stack, trees)
+    windows, auto_windows = _demo_windows(stack, sampling, methods, args)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                     repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
-                    compile=args.compile)
+                    compile=args.compile, settings=windows)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
     if auto_trees:
         meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
+    if auto_windows:
+        meta["auto_windows"] = auto_windows
     with out.write() as folder:
         save_demo(stack, rows, folder, meta)
     from lantern.demo import format_table

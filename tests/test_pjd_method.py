@@ -28,7 +28,7 @@ from test_sjd import _stack
 from torch import Tensor
 
 import lantern
-from lantern.autowindow import choose_window, with_window
+from lantern.autowindow import AutoWindowChoice, WindowTrial, choose_window, with_window
 from lantern.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
 from lantern.cli import main
 from lantern.config import SamplingConfig
@@ -285,3 +285,28 @@ def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> No
     assert sjd.jacobi is not None and sjd.jacobi.window == 8
     with pytest.raises(LanternError, match=r"--methods 'pjd/window=wide': window must be a number, got 'wide'"):
         parse_methods("pjd/window=wide")
+
+
+def test_demo_takes_windows_and_auto(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lantern demo --pjd-window auto``: the auto choice (its timing is choose_window's, tested
+    above; here a fixed stand-in) reaches the pjd row and demo.json."""
+    asked: list[str] = []
+
+    def fake_choice(stack: object, method: MethodConfig, *args: object, **kwargs: object) -> AutoWindowChoice:
+        asked.append(method.method)
+        return AutoWindowChoice(method.method, (WindowTrial(2, 1.5, 1.0), WindowTrial(4, 1.2, 2.0)), 0.1)
+
+    monkeypatch.setattr("lantern.autowindow.choose_window", fake_choice)
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", str(random_stack), "--num-images", "1", "--methods", "ar,pjd",
+                 "--pjd-window", "auto", "--out", str(out), "--no-progress"]) == 0
+    assert asked == ["pjd"]
+    assert "--pjd-window auto [pjd]: window 2: 1.50 tokens per forward" in capsys.readouterr().out
+    demo = json.loads((out / "demo.json").read_text())
+    resolved = {r["method"]: r["resolved"] for r in demo["results"]}
+    assert resolved["pjd"]["pjd"]["window"] == demo["auto_windows"]["pjd"]["window"] == 2
+    assert set(demo["auto_windows"]) == {"pjd"}
+    assert main(["demo", "--model", str(random_stack), "--methods", "ar,sd", "--sjd-window", "2", "--out",
+                 str(tmp_path / "bad"), "--no-progress"]) == 2
+    assert "--sjd-window needs one of sjd, sjd-lantern" in capsys.readouterr().err
