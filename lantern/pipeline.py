@@ -48,7 +48,14 @@ from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
 from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
-from lantern.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, GridJacobiDrafter, PJDConfig, check_pjd_fits
+from lantern.pjd import (
+    DEFAULT_PJD_CONTEXT,
+    DEFAULT_PJD_WINDOW,
+    GridJacobiDrafter,
+    PJDConfig,
+    check_pjd_fits,
+    grid_chains,
+)
 from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
@@ -336,7 +343,7 @@ def _run_batches(
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
     parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
-    _check_batch_fits(stack, parts.method.tree, sampling, min(batch_size, cond.shape[0]))
+    _check_batch_fits(stack, parts.method, sampling, min(batch_size, cond.shape[0]))
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, cond.shape[0], batch_size):
@@ -349,10 +356,14 @@ def _run_batches(
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
 
 
-def _check_batch_fits(stack: ModelStack, tree: TreeConfig, sampling: SamplingConfig, batch: int) -> None:
+def _check_batch_fits(stack: ModelStack, method: MethodConfig, sampling: SamplingConfig, batch: int) -> None:
     """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
     must fit in the device's free memory; checked before it is allocated."""
-    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=max_tree_nodes(tree))
+    nodes = max_tree_nodes(method.tree)
+    if method.pjd is not None:  # R chains of the window per round
+        row = math.isqrt(stack.target.config.block_size)
+        nodes *= grid_chains(method.pjd.window, method.pjd.context, row, row)
+    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=nodes)
     check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
 
 
