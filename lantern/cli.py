@@ -32,7 +32,8 @@ def _add_pjd_args(p: argparse.ArgumentParser) -> None:
                    help="pjd*: guesses per open image row and round, 1 .. the row length (default 4), or auto")
     p.add_argument("--pjd-context", type=_window_arg, default=None,
                    help="pjd*: known tokens row r needs before row r + 1 opens, 1 .. the row length (default 8; the "
-                        "row length decodes one row at a time, losslessly), or auto")
+                        "row length decodes one row at a time, losslessly). A quality knob: smaller is faster and "
+                        "further from the model, so it has no auto")
 
 
 def _int_list(text: str) -> list[int]:
