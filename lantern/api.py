@@ -24,20 +24,22 @@ from lantern.pipeline import MethodConfig, RunResult
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
-                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group")
+                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context")
 
 
 def resolve_method(stack: Any, method: str, tree: str | None = None, lantern_k: int | None = None,
                    lantern_delta: float | None = None, lantern_lambda: float | None = None,
                    lantern_residual: str | None = None, lantern_budget: str | None = None,
                    sjd_window: int | None = None, sjd_init: str | None = None, sjd_coupling: str | None = None,
-                   gsd_group: int | None = None) -> MethodConfig:
+                   gsd_group: int | None = None, pjd_window: int | None = None,
+                   pjd_context: int | None = None) -> MethodConfig:
     """``method`` with the stack's recommended tree (``generation.json`` "trees") unless ``tree`` is
     given (or ``stack`` is None), then the method's defaults for everything not overridden."""
     if tree is None and stack is not None:
         tree = stack.default_tree(method)
     return MethodConfig.resolve(method, tree, lantern_k, lantern_delta, lantern_lambda, sjd_window, sjd_init,
-                                lantern_residual, lantern_budget, coupling=sjd_coupling, group=gsd_group)
+                                lantern_residual, lantern_budget, coupling=sjd_coupling, group=gsd_group,
+                                pjd_window=pjd_window, pjd_context=pjd_context)
 
 
 def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingConfig:

@@ -7,10 +7,18 @@ on how many rounds a guess has been refined, so the window is chosen by measurem
 warm-up image, then a few calibration images (seeds no run reuses) with every candidate window, in
 ``passes`` rounds that visit the windows in rotated order (so machine drift hits them alike), and
 the one with the least wall time per image token (best pass) wins; ties go to the smaller window.
+
+``--pjd-window auto`` is the same measurement for PJD (``pjd*``): its window (guesses per open
+image row) is chosen among windows no longer than an image row, at the run's ``--pjd-context``.
+The context is not chosen by timing: a smaller context opens rows earlier, which is always faster
+and always further from the model's distribution (the row-causal mask hides more of the rows
+above), so where to stand on that curve is a quality decision that a clock cannot make; the
+lossless end is the row length.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -18,10 +26,11 @@ from typing import Any
 
 from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import check
-from lantern.pipeline import SJD_METHODS, MethodConfig, run_generation
+from lantern.pipeline import PJD_METHODS, SJD_METHODS, MethodConfig, run_generation
 from lantern.stack import ModelStack
 
 CANDIDATE_WINDOWS = (4, 8, 16, 32)
+PJD_CANDIDATE_WINDOWS = (2, 4, 8)  # a PJD window lives inside one image row
 CALIBRATION_PASSES = 2
 CALIBRATION_IMAGES = 2
 CALIBRATION_SEED_OFFSET = 1_000_000  # base seed offset: calibration images never repeat a run's seeds
@@ -65,9 +74,12 @@ class AutoWindowChoice:
 
 
 def with_window(method: MethodConfig, window: int) -> MethodConfig:
-    """``method`` (an SJD-family method) with another window (and the chain that verifies it)."""
+    """``method`` (an SJD- or PJD-family method) with another window (and the chain that verifies it)."""
+    chain = TreeConfig(kind="chain", depth=window)
+    if method.pjd is not None:
+        return replace(method, pjd=replace(method.pjd, window=window), tree=chain)
     assert method.jacobi is not None
-    return replace(method, jacobi=replace(method.jacobi, window=window), tree=TreeConfig(kind="chain", depth=window))
+    return replace(method, jacobi=replace(method.jacobi, window=window), tree=chain)
 
 
 def choose_window(
@@ -78,14 +90,20 @@ def choose_window(
     seed: int = 0,
     batch_size: int = 1,
     images: int = CALIBRATION_IMAGES,
-    windows: Sequence[int] = CANDIDATE_WINDOWS,
+    windows: Sequence[int] | None = None,
     passes: int = CALIBRATION_PASSES,
 ) -> AutoWindowChoice:
-    """Time every candidate window (those shorter than the image) on ``images`` calibration images."""
-    check(method.jacobi is not None,
-          f"--sjd-window auto needs a Jacobi --method ({', '.join(SJD_METHODS)}), got {method.method}")
+    """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
+    an image row) on ``images`` calibration images."""
+    check(method.jacobi is not None or method.pjd is not None,
+          f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join((*SJD_METHODS, *PJD_METHODS))}), "
+          f"got {method.method}")
     n_tokens, n_classes = stack.target.config.block_size, stack.target.config.num_classes
-    usable = sorted({w for w in windows if 1 <= w < n_tokens}) or [n_tokens - 1]
+    if method.pjd is not None:
+        row = math.isqrt(n_tokens)
+        usable = sorted({w for w in windows or PJD_CANDIDATE_WINDOWS if 1 <= w <= row}) or [row]
+    else:
+        usable = sorted({w for w in windows or CANDIDATE_WINDOWS if 1 <= w < n_tokens}) or [n_tokens - 1]
     labels = [i * n_classes // images for i in range(images)]
     base = seed + CALIBRATION_SEED_OFFSET
     t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lantern.config import SamplingConfig
 from lantern.errors import LanternError, check
-from lantern.pipeline import LANTERN_METHODS, METHODS, MethodConfig, RunResult, run_generation
+from lantern.pipeline import LANTERN_METHODS, METHODS, SJD_METHODS, MethodConfig, RunResult, run_generation
 from lantern.stack import ModelStack
 from lantern.validate import MAX_IMAGES
 
@@ -62,6 +62,8 @@ class MethodSpec:
     label: str = ""  # row name; defaults to the method
     budget: str | None = None  # relaxed methods: "test" | "token" (None: the default)
     coupling: str | None = None  # sjd-coupled*, gsd: --sjd-coupling (None: the default)
+    window: int | str | None = None  # sjd*, gsd: --sjd-window; pjd*: --pjd-window (None: default; "auto": timed)
+    context: int | None = None  # pjd*: --pjd-context (None: the default)
 
     @property
     def name(self) -> str:
@@ -69,8 +71,11 @@ class MethodSpec:
 
     def resolve(self, stack: ModelStack) -> MethodConfig:
         tree = self.tree if self.tree is not None else stack.default_tree(self.method)
+        window = None if self.window == "auto" else self.window  # auto: the default, until resolve_auto_windows
+        sjd = self.method in SJD_METHODS
         return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget,
-                                    coupling=self.coupling)
+                                    coupling=self.coupling, window=window if sjd else None,
+                                    pjd_window=None if sjd else window, pjd_context=self.context)
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,8 @@ def tree_label(method: MethodConfig) -> str:
     if method.jacobi is not None:
         j = method.jacobi
         return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
+    if method.pjd is not None:
+        return f"pjd:{method.pjd.window}/c{method.pjd.context}"
     if t.kind == "none":
         return "-"
     if t.kind == "dynamic":
@@ -667,7 +674,9 @@ def parse_methods(
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
     run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
     (``lantern/delta=0.2/budget=token``), and so does a Jacobi method's coupling
-    (``sjd-coupled/coupling=gumbel``); ``budget`` (``--lantern-budget``) is the relaxed rows'
+    (``sjd-coupled/coupling=gumbel``), a Jacobi window (``sjd/window=8``, ``sjd/window=auto``) and PJD's
+    window and context (``pjd/window=4/context=8``, ``pjd/window=auto``);
+    ``budget`` (``--lantern-budget``) is the relaxed rows'
     default budget."""
     trees = trees or {}
     entries = [m.strip() for m in spec.split(",") if m.strip()]
@@ -690,7 +699,7 @@ def parse_methods(
 def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
     """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
     kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str,
-                                              "coupling": str}
+                                              "coupling": str, "window": _window_value, "context": int}
     out: dict[str, Any] = {"budget": budget if name in LANTERN_METHODS else None}
     for option in options:
         key, eq, value = option.partition("=")
@@ -701,6 +710,32 @@ def _row_settings(entry: str, name: str, options: list[str], budget: str | None)
         except ValueError:
             raise LanternError(f"--methods {entry!r}: {key} must be a number, got {value!r}") from None
     return out
+
+
+def _window_value(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def resolve_auto_windows(
+    stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
+    **calibration: int,
+) -> tuple[BenchConfig, dict[str, Any]]:
+    """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
+    :func:`lantern.autowindow.choose_window` times fastest at the speed batch size (``calibration``:
+    its ``images`` / ``passes``). Returns the new config and each row's choice (``to_dict``)."""
+    from lantern.autowindow import choose_window
+
+    chosen: dict[str, Any] = {}
+    methods = []
+    for spec in config.methods:
+        if spec.window == "auto":
+            choice = choose_window(stack, spec.resolve(stack), sampling, seed=config.seed,
+                                   batch_size=config.speed_batch_size, **calibration)
+            log(f"window auto for {spec.name}: {choice.explanation}")
+            chosen[spec.name] = choice.to_dict()
+            spec = replace(spec, window=choice.window, label=spec.name)
+        methods.append(spec)
+    return replace(config, methods=tuple(methods)), chosen
 
 
 class QualityScorer:
@@ -834,6 +869,7 @@ def cmd_bench(args: Any) -> int:
     sampling = sampling_from(stack, args)
     given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
+    config, auto_windows = resolve_auto_windows(stack, sampling, config, log=print)
     throughput_methods = {}
     for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
         at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
@@ -852,6 +888,8 @@ def cmd_bench(args: Any) -> int:
     if scorer is not None:
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees
+    if auto_windows:
+        result.meta["auto_windows"] = auto_windows
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     with out.write() as folder:
         save_bench(stack, result, folder, command)

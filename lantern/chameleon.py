@@ -44,6 +44,7 @@ from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance
+from lantern.pjd import GridJacobiDrafter, check_pjd_fits, commit_cells, grid_verify_mask, kept_offsets
 from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
 from lantern.stack import read_generation_settings
 from lantern.validate import check_batch_memory
@@ -78,6 +79,10 @@ class ChameleonTarget:
         self.pos_offset: Tensor | None = None  # [S*B] left padding of each row (position = slot - offset)
         self.root_index: Tensor | None = None  # [B] code index of the pending root token
         self._shadows: tuple[Tensor, Tensor] | None = None  # (row_end [B, T], shadow slot [B, T]) of the last verify
+        # PJD (verify_grid): each cache slot's grid key (2 * cell, + 1 for a new-line token; -1:
+        # prompt), and the last grid block's keys and new-line shadows (owner node [B, E], valid [B, E])
+        self.slot_cell: Tensor | None = None
+        self._grid: tuple[Tensor, Tensor, Tensor] | None = None
         # What a drafter that reads the whole model sequence (LANTERN's released Chameleon drafters,
         # lantern.released_drafter) needs beyond the loop's interface: the prefill's ids and features,
         # each verified node's own feature (at a row end: the state at the code, not at its new-line),
@@ -155,6 +160,7 @@ class ChameleonTarget:
         self.cache.lengths.fill_(length)
         self.forwards += 1
         self.prefill = (ids, hidden)
+        self.slot_cell = None
         logits = apply_cfg(self.model.image_logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
         return logits, hidden[:, length - p :]
 
@@ -203,6 +209,63 @@ class ChameleonTarget:
         cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
         self.root_index = self.root_index + num_keep
         self.last_path = path
+
+    @torch.no_grad()
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
+        """PJD's forward (``lantern.pjd``): codes [B, T] at image cells, in windows ``rows`` (-1 =
+        padding). Lumina-mGPT's new-line tokens: a node at a row's last cell (a chain root: a
+        stand-in or a flushed row end) gets a shadow carrying the new-line token one position
+        later, in its own window, and its logits are read there (as :meth:`verify` does). In the
+        mask, cells are doubled so a new-line token sits between its row's last cell and the next
+        row's first. Returns guided logits [B, T, V]."""
+        cache = self._cache()
+        assert self.pos_offset is not None and self.key_mask is not None
+        s, (b, t), width = self.streams, tokens.shape, self.layout.width
+        ids, keys, model_rows = self.model.code_to_bpe(tokens), 2 * cells, rows
+        positions = self.key_mask.shape[1] + cells + (cells // width if self.layout.eol is not None else 0)
+        read_at = torch.arange(t, device=tokens.device).expand(b, -1)
+        row_end = (rows >= 0) & (cells % width == width - 1) & (self.layout.eol is not None)
+        e = int(row_end.sum(1).max())
+        owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]  # [B, E]
+        valid = torch.arange(e, device=tokens.device)[None, :] < row_end.sum(1, keepdim=True)
+        if e > 0:
+            assert self.layout.eol is not None
+            ids = torch.cat([ids, torch.full_like(owner, self.layout.eol)], dim=1)
+            keys = torch.cat([keys, keys.gather(1, owner) + 1], dim=1)
+            model_rows = torch.cat([rows, torch.where(valid, rows.gather(1, owner), -1)], dim=1)
+            positions = torch.cat([positions, positions.gather(1, owner) + 1], dim=1)
+            shadow = t + torch.arange(e, device=tokens.device).expand(b, -1)
+            read_at = read_at.scatter(1, owner, torch.where(valid, shadow, owner))
+        if self.slot_cell is None:
+            self.slot_cell = torch.full((cache.rows, cache.max_len), -1, dtype=torch.long, device=tokens.device)
+        keys_s, lengths, n = keys.repeat(s, 1), cache.lengths, ids.shape[1]
+        mask = grid_verify_mask(self.slot_cell, lengths, keys_s, model_rows.repeat(s, 1), int(lengths.max()) + n)
+        prompt = self.key_mask.shape[1]
+        mask[:, :, :prompt] &= self.key_mask[:, None, :]  # left padding is never attended
+        slots = lengths[:, None] + torch.arange(n, device=tokens.device)
+        hidden = self.model.forward_cached(ids.repeat(s, 1), positions.repeat(s, 1) - self.pos_offset[:, None],
+                                           slots, mask, cache)
+        self.forwards += 1
+        self._grid = (keys_s, owner, valid)
+        idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+        return apply_cfg(self.model.image_logits(hidden.gather(1, idx)), self.sampling.cfg_scale, s)
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None:
+        """Keep block nodes ``keep[:, :num_keep]`` of the last grid block, each with its new-line
+        shadow, recording their grid keys in ``slot_cell``."""
+        cache = self._cache()
+        assert self._grid is not None and self.slot_cell is not None
+        keys_s, owner, valid = self._grid
+        b, e = owner.shape
+        t = keys_s.shape[1] - e
+        kept = torch.zeros(b, t + 1, dtype=torch.bool, device=keep.device)
+        j = torch.arange(keep.shape[1], device=keep.device)[None, :]
+        kept.scatter_(1, torch.where(j < num_keep[:, None], keep, t), True)  # column t: padding
+        kept = torch.cat([kept[:, :t], valid & kept.gather(1, owner)], dim=1)
+        offsets, count = kept_offsets(kept)
+        offsets_s, count_s = offsets.repeat(self.streams, 1), count.repeat(self.streams)
+        commit_cells(self.slot_cell, cache.lengths, keys_s, offsets_s, count_s)
+        cache.commit(offsets_s, count_s)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -444,9 +507,11 @@ def run_chameleon(
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
     validate_sampling_for_vocab(sampling, stack.model.num_codes)
     lm, layout = stack.model, stack.layout
+    if method.pjd is not None:
+        check_pjd_fits(method.pjd, layout.height, layout.width)
     if method.jacobi is not None:
         check_window_fits(method.jacobi, layout.num_tokens)
-    elif method.tree.kind != "none" and drafter is None:
+    elif method.tree.kind != "none" and drafter is None and method.pjd is None:
         check_tree_fits(method.tree, layout.num_tokens)
         path = drafter_dir or stack.drafter_dir
         check(path is not None, f"--method {method.method} needs a drafter: pass --drafter DIR")
@@ -490,9 +555,12 @@ def _parts(
     method: MethodConfig,
     drafter: EagleDrafterModel | ReleasedChameleonDrafter | None,
     head: torch.nn.Linear,
-) -> tuple[ChameleonTarget, Drafter | None]:
+) -> tuple[ChameleonTarget, Drafter | GridJacobiDrafter | None]:
     """A fresh target adapter and drafter for one batch (they hold per-batch caches)."""
     tree = method.tree
+    if method.pjd is not None:  # PJD: R chains per round; verify_grid adds the new-line shadows
+        grid = GridJacobiDrafter(method.pjd, sampling, lm.num_codes, layout.num_tokens, width=layout.width)
+        return ChameleonTarget(lm, layout, sampling, max_tree_nodes=grid.num_nodes), grid
     target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=tree.num_nodes)
     if method.jacobi is not None:
         return target, JacobiDrafter(method.jacobi, sampling, lm.num_codes, layout.num_tokens)

@@ -27,6 +27,15 @@ def _window_arg(text: str) -> int | str:
         return text.strip()
 
 
+def _add_pjd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pjd-window", type=_window_arg, default=None,
+                   help="pjd*: guesses per open image row and round, 1 .. the row length (default 4), or auto")
+    p.add_argument("--pjd-context", type=_window_arg, default=None,
+                   help="pjd*: known tokens row r needs before row r + 1 opens, 1 .. the row length (default 8; the "
+                        "row length decodes one row at a time, losslessly). A quality knob: smaller is faster and "
+                        "further from the model, so it has no auto")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip() != ""]
@@ -81,8 +90,9 @@ def _method(args: argparse.Namespace, stack: Any, tree: str | None = None) -> An
 
     settings = {name: getattr(args, name) for name in METHOD_SETTINGS}
     settings["tree"] = tree if tree is not None else None if args.tree == "auto" else args.tree
-    if settings["sjd_window"] == "auto":  # measured later (_auto_window); resolve with the default first
-        settings["sjd_window"] = None
+    for name in ("sjd_window", "pjd_window"):
+        if settings[name] == "auto":  # measured later (_auto_window); resolve with the default first
+            settings[name] = None
     return resolve_method(None if args.tree == "auto" and tree is None else stack, args.method, **settings)
 
 
@@ -115,18 +125,23 @@ def _auto_tree(
     return choice
 
 
-def _check_auto_window(window: int | str | None, method: str, unsupported: str | None) -> bool:
-    """True for ``--sjd-window auto``; refuses it for methods without a Jacobi window, and for
-    models it cannot calibrate (``unsupported``: what kind of model this is)."""
-    if window != "auto":
-        return False
-    from lantern.pipeline import SJD_METHODS
+def _check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool:
+    """True for ``--sjd-window auto`` / ``--pjd-window auto``; refuses it for methods without such a
+    window, and for models it cannot calibrate (``unsupported``: what kind of model this is)."""
+    from lantern.pipeline import PJD_METHODS, SJD_METHODS
 
-    if method not in SJD_METHODS:
-        raise LanternError(f"--sjd-window auto needs a Jacobi --method ({', '.join(SJD_METHODS)}), got {method}")
-    if unsupported is not None:
-        raise LanternError(f"--sjd-window auto calibrates on class labels; pass a number for {unsupported} models")
-    return True
+    auto = False
+    for flag, window, methods in (("--sjd-window", args.sjd_window, SJD_METHODS),
+                                  ("--pjd-window", args.pjd_window, PJD_METHODS)):
+        if window != "auto":
+            continue
+        if args.method not in methods:
+            raise LanternError(f"{flag} auto needs a --method with that window ({', '.join(methods)}), "
+                               f"got {args.method}")
+        if unsupported is not None:
+            raise LanternError(f"{flag} auto calibrates on class labels; pass a number for {unsupported} models")
+        auto = True
+    return auto
 
 
 def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace) -> Any:
@@ -134,7 +149,8 @@ def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespac
     from lantern.autowindow import choose_window
 
     choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size)
-    print(f"--sjd-window auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
+    flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
+    print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice
 
 
@@ -194,13 +210,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--method",
         default="ar",
         choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++",
-                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd"],
+                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "pjd", "pjd-lantern",
+                 "pjd-lantern++"],
         help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
         "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
         "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
         "lantern's / lantern++'s relaxed acceptance; sjd-coupled: SJD with coupled redraws (SCD), exact; "
         "sjd-coupled-lantern / sjd-coupled-lantern++: the same, relaxed; gsd: SJD with grouped speculative "
-        "decoding's relaxed acceptance (no table)",
+        "decoding's relaxed acceptance (no table); pjd: parallel Jacobi decoding (several image rows per "
+        "forward; lossy unless --pjd-context is the row length); pjd-lantern / pjd-lantern++: the same, relaxed",
     )
     p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
     p.add_argument(
@@ -255,6 +273,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="gsd: a draft is credited with the tokens ranked within G places of it in the target's distribution "
         "(and close in probability); G >= 1 (default 7)",
     )
+    _add_pjd_args(p)
     p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32",
@@ -357,7 +376,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
                                "Lumina-mGPT)")
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
-    auto_window = _check_auto_window(args.sjd_window, args.method, "text-to-image" if prompts is not None else None)
+    auto_window = _check_auto_window(args, "text-to-image" if prompts is not None else None)
     stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
     _check_condition_kind(stack, args.model, prompts is not None)
     if auto and prompts is not None:
@@ -429,7 +448,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
                                "tokenizer, and decode with --vq)")
     if args.tree == "auto":
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
-    _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
+    _check_auto_window(args, "Chameleon-family")
     layout = _chameleon_layout(args, root)
     stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
     method = _method(args, stack)
@@ -567,12 +586,46 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="tree for every speculative method: auto (chosen per method for this device) or a "
                         "--tree spec of `lantern generate` (default: the model's generation.json)")
     p.add_argument("--profile", default=None, help="with --tree auto: a profile.json from `lantern profile`")
+    p.add_argument("--sjd-window", type=_window_arg, default=None,
+                   help="the Jacobi window of the sjd* / gsd methods shown, or auto (timed on this device)")
+    p.add_argument("--pjd-window", type=_window_arg, default=None,
+                   help="the window of the pjd* methods shown, or auto (timed on this device)")
     _add_budget_arg(p)
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
+
+
+def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
+                  args: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``lantern demo --sjd-window N|auto`` / ``--pjd-window N|auto``: the window of every SJD- or
+    PJD-family method in the demo (auto: timed per method, as ``generate`` does). Returns the
+    per-method settings for run_demo and the auto choices for demo.json."""
+    from lantern.api import resolve_method
+    from lantern.autowindow import choose_window
+    from lantern.pipeline import PJD_METHODS, SJD_METHODS
+
+    settings: dict[str, dict[str, Any]] = {}
+    chosen: dict[str, Any] = {}
+    for flag, name, family in (("--sjd-window", "sjd_window", SJD_METHODS),
+                               ("--pjd-window", "pjd_window", PJD_METHODS)):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        targets = [m for m in methods if m in family]
+        if not targets:
+            raise LanternError(f"{flag} needs one of {', '.join(family)} in --methods")
+        for m in targets:
+            window = value
+            if value == "auto":
+                choice = choose_window(stack, resolve_method(stack, m), sampling, seed=args.seed,
+                                       batch_size=args.batch_size)
+                print(f"{flag} auto [{m}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
+                chosen[m], window = choice.to_dict(), choice.window
+            settings[m] = {name: window}
+    return settings, chosen
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -614,15 +667,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print(f"--tree auto [{choice.method}]: {choice.explanation}")
             trees = {m: c.tree_spec for m, c in auto_trees.items()}
         else:
-            trees = {m: args.tree for m in methods if m not in ("ar",) and not m.startswith("sjd")}
+            trees = {m: args.tree for m in methods if m not in ("ar", "gsd") and not m.startswith(("sjd", "pjd"))}
         stack = with_trees(stack, trees)
+    windows, auto_windows = _demo_windows(stack, sampling, methods, args)
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                     repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
-                    compile=args.compile)
+                    compile=args.compile, settings=windows)
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
     if auto_trees:
         meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
+    if auto_windows:
+        meta["auto_windows"] = auto_windows
     with out.write() as folder:
         save_demo(stack, rows, folder, meta)
     from lantern.demo import format_table

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,13 +61,17 @@ def run_demo(
     progress: bool = True,
     budget: str | None = None,
     compile: str | None = None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[MethodTiming]:
+    """``settings``: per-method overrides by their keyword names (e.g. ``{"sjd": {"sjd_window": 8}}``)."""
     check("ar" in methods, "--methods must include ar (the speed-up baseline)")
     check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
     labels = demo_labels(stack.target.config.num_classes, num_images)
     # --lantern-budget applies to the relaxed methods only
-    configs = {m: resolve_method(stack, m, lantern_budget=budget if m in RELAXED_RULE else None) for m in methods}
+    settings = settings or {}
+    configs = {m: resolve_method(stack, m, lantern_budget=budget if m in RELAXED_RULE else None, **settings.get(m, {}))
+               for m in methods}
 
     from lantern.bench import time_methods  # methods take turns image by image (drift-proof)
 

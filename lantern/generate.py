@@ -9,6 +9,9 @@ Every method is a configuration of this loop:
 * LANTERN / LANTERN++: the same, with a relaxed acceptance rule (``RelaxationConfig``).
 * SJD (``lantern.jacobi``): the target drafts for itself; the tree is a chain of Jacobi guesses
   and the drafter also observes each verify forward's logits (``VerifyObserver``).
+* PJD (``lantern.pjd``): a ``GridDrafter`` lays out one Jacobi chain per open image row; the
+  round verifies them in one forward with a row-causal mask (``Target.verify_grid``), accepts each
+  chain with the same chain rule and commits tokens out of raster order (``Target.commit_grid``).
 
 Rows of a batch progress independently: each has its own committed length, its own tree depth cap
 near the end of the image, and its own ``torch.Generator`` — a row draws the same random numbers
@@ -23,7 +26,7 @@ from __future__ import annotations
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -34,8 +37,9 @@ from lantern.compiling import resolve_compile, step_fn
 from lantern.config import RelaxationConfig, SamplingConfig
 from lantern.errors import check
 from lantern.phases import phase
+from lantern.pjd import GridBlock
 from lantern.sampling import draw_uniforms, probs_from_logits, sample_from_probs
-from lantern.target import Target
+from lantern.target import GridTarget, Target
 from lantern.trees import TreeBuffers, tree_from_parents
 
 
@@ -74,6 +78,24 @@ class VerifyObserver(Protocol):
 
     def observe_verify(self, logits: Tensor) -> None:
         """logits [B, T, V]: the target's guided logits at every node of the verified tree."""
+
+
+@runtime_checkable
+class GridDrafter(Protocol):
+    """A drafter that decodes several image rows per round (PJD, ``lantern.pjd.GridJacobiDrafter``):
+    the loop then runs :func:`_grid_round` (``Target.verify_grid`` / ``commit_grid``) instead of
+    the raster round; raster-order drafters never pay for the grid."""
+
+    forwards: int
+
+    def start(self, hidden: Tensor, root: Tensor) -> None: ...
+
+    def propose_grid(self, generators: list[torch.Generator] | None) -> GridBlock: ...
+
+    def commit_grid(
+        self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor,
+        generators: list[torch.Generator] | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
 
 
 @dataclass
@@ -145,7 +167,7 @@ def generate(
     cond: Tensor,
     *,
     generators: list[torch.Generator] | None = None,
-    drafter: Drafter | None = None,
+    drafter: Drafter | GridDrafter | None = None,
     acceptance: Acceptance | None = None,
     cond_mask: Tensor | None = None,
     progress: bool = False,
@@ -170,7 +192,7 @@ def _generate(
     target: Target,
     cond: Tensor,
     generators: list[torch.Generator] | None,
-    drafter: Drafter | None,
+    drafter: Drafter | GridDrafter | None,
     acceptance: Acceptance | None,
     cond_mask: Tensor | None,
     progress: bool,
@@ -200,40 +222,20 @@ def _generate(
     if drafter is not None:
         drafter.start(hidden0, root)
     ar_tree = _root_only_tree(b, device)
+    grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
 
     bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
     bar.update(b)
     # The one host sync of a round: whether any row still needs tokens.
     while bool((active := n < n_total).any()):
-        # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
-        max_depth = (n_total - n - 1).clamp(min=0)
-        # 2. Propose.
-        with phase("propose"):
-            if drafter is None:
-                tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
-            else:
-                tree = drafter.propose(generators, active, max_depth)
-        # 3. Verify: one target forward over every row's tree.
-        with phase("verify"):
-            logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
-        # 4. Accept.
-        with phase("accept"):
-            path, num_acc, next_token, relaxed = _accept(
-                logits, tree, max_depth, active, sampling, generators, acceptance, compile
-            )
-            num_acc = torch.where(active, num_acc, 0)
-        # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
-        with phase("commit"):
-            new = torch.where(active, num_acc + 1, 0)
-            target.commit(path, new)
-            # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
-            follow, path_hidden, root, n = step_fn(_advance, compile, device)(
-                codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams
-            )
-            if drafter is not None:
-                if isinstance(drafter, VerifyObserver):
-                    drafter.observe_verify(logits)
-                drafter.commit(path_hidden, follow, new)
+        if grid:  # PJD: several image rows per round, committed out of raster order
+            assert isinstance(drafter, GridDrafter)
+            new, relaxed = _grid_round(cast(GridTarget, target), drafter, codes, generators, sampling, acceptance,
+                                       active, compile)
+            n = n + new
+        else:
+            new, root, n, relaxed = _raster_round(target, drafter, codes, n, root, generators, sampling,
+                                                  acceptance, active, ar_tree, compile)
         forwards += active
         per_step.append(new)
         relaxed_total += relaxed
@@ -246,6 +248,93 @@ def _generate(
     if drafter is not None:
         stats.drafter_forwards = drafter.forwards
     return GenerationOutput(codes=codes[:, :n_total], stats=stats)
+
+
+def _raster_round(
+    target: Target,
+    drafter: Drafter | None,
+    codes: Tensor,
+    n: Tensor,
+    root: Tensor,
+    generators: list[torch.Generator] | None,
+    sampling: SamplingConfig,
+    acceptance: Acceptance,
+    active: Tensor,
+    ar_tree: TreeBuffers,
+    compile: str | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One round in raster order (AR, SD, LANTERN, SJD): propose, verify, accept, commit.
+    Returns (new tokens [B], new root [B], n [B], relaxed-only accepts [])."""
+    n_total = target.num_tokens
+    # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
+    max_depth = (n_total - n - 1).clamp(min=0)
+    # 2. Propose.
+    with phase("propose"):
+        if drafter is None:
+            tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
+        else:
+            tree = drafter.propose(generators, active, max_depth)
+    # 3. Verify: one target forward over every row's tree.
+    with phase("verify"):
+        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
+    # 4. Accept.
+    with phase("accept"):
+        path, num_acc, next_token, relaxed = _accept(
+            logits, tree, max_depth, active, sampling, generators, acceptance, compile
+        )
+        num_acc = torch.where(active, num_acc, 0)
+    # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
+    with phase("commit"):
+        new = torch.where(active, num_acc + 1, 0)
+        target.commit(path, new)
+        # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
+        follow, path_hidden, root, n = step_fn(_advance, compile, target.device)(
+            codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams
+        )
+        if drafter is not None:
+            if isinstance(drafter, VerifyObserver):
+                drafter.observe_verify(logits)
+            drafter.commit(path_hidden, follow, new)
+    return new, root, n, relaxed
+
+
+def _grid_round(
+    target: GridTarget,
+    drafter: GridDrafter,
+    codes: Tensor,
+    generators: list[torch.Generator] | None,
+    sampling: SamplingConfig,
+    acceptance: Acceptance,
+    active: Tensor,
+    compile: str | None,
+) -> tuple[Tensor, Tensor]:
+    """One PJD round (``lantern.pjd``): the same steps over R chains per row, verified in one
+    forward with the row-causal mask; each chain is accepted by the loop's chain rule on its own
+    (the chains reshaped to rows). Returns (new tokens [B], relaxed-only accepts [])."""
+    with phase("propose"):
+        block = drafter.propose_grid(generators)
+    with phase("verify"):
+        logits = target.verify_grid(block.tokens, block.cells, block.rows)
+    with phase("accept"):
+        b, r = block.max_depth.shape
+        t = block.tokens.shape[1] // r
+        u = None
+        if not sampling.greedy:  # a fixed count per row and round, from the row's own generator
+            with phase("sampling"):
+                u = _uniforms(generators, active, r * (t + 1)).view(b * r, t + 1)
+        buffers = block.buffers
+        _, num_acc, next_token, num_relaxed = step_fn(_accept_core, compile, logits.device)(
+            logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
+            buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
+            acceptance.relaxation, sampling,
+        )
+        relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
+    with phase("commit"):
+        keep, num_keep, cells, vals, new = drafter.commit_grid(block, num_acc.view(b, r), next_token.view(b, r),
+                                                               logits, generators)
+        target.commit_grid(keep, num_keep)
+        codes.scatter_(1, cells, vals)
+    return new, relaxed
 
 
 def _sample(

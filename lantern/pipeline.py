@@ -16,16 +16,22 @@ method             tree                  acceptance
 ``sjd-coupled``    chain of the window   exact (SJD with coupled redraws: SCD)
 ``sjd-coupled-*``  chain of the window   relaxed (``-lantern``: delta, ``-lantern++``: lambda)
 ``gsd``            chain of the window   grouped (GSD: dynamic groups, no table)
+``pjd``            a chain per open row  SJD's rule per row (PJD: 2-D parallel Jacobi; lossy
+                                         unless ``--pjd-context`` = the row length)
+``pjd-lantern*``   a chain per open row  relaxed (``-lantern``: delta, ``-lantern++``: lambda)
 =================  ====================  ==========================================
 
 The SJD methods (``lantern.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
 length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
-``sjd-coupled*``), and the relaxed ones read the proximity table like LANTERN.
+``sjd-coupled*``), and the relaxed ones read the proximity table like LANTERN. The PJD methods
+(``lantern.pjd``) hold ``MethodConfig.pjd`` (window, context) instead; their tree is a chain of the
+window (each open row's chain), and the loop runs its grid round for them.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -42,6 +48,14 @@ from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
 from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
+from lantern.pjd import (
+    DEFAULT_PJD_CONTEXT,
+    DEFAULT_PJD_WINDOW,
+    GridJacobiDrafter,
+    PJDConfig,
+    check_pjd_fits,
+    grid_chains,
+)
 from lantern.sampling import make_generators, validate_sampling_for_vocab
 from lantern.stack import ModelStack
 from lantern.target import LlamaGenTarget
@@ -50,11 +64,13 @@ from lantern.validate import check_batch_memory, check_label_values
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
 SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
-METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS)
+PJD_METHODS = ("pjd", "pjd-lantern", "pjd-lantern++")
+METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS, *PJD_METHODS)
 # Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda), or
 # GSD's grouped acceptance.
 RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++",
-                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++", "gsd": "gsd"}
+                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++", "gsd": "gsd",
+                "pjd-lantern": "lantern", "pjd-lantern++": "lantern++"}
 LANTERN_METHODS = tuple(m for m, rule in RELAXED_RULE.items() if rule != "gsd")  # the ones --lantern-* tunes
 
 
@@ -92,6 +108,7 @@ class MethodConfig:
     relaxation: RelaxationConfig | None = None
     k_explicit: bool = False  # a default k larger than the proximity table is capped, an explicit one is an error
     jacobi: JacobiConfig | None = None  # SJD methods only: window length and initialisation
+    pjd: PJDConfig | None = None  # PJD methods only: window and context
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -113,6 +130,12 @@ class MethodConfig:
             )
             chain = TreeConfig(kind="chain", depth=self.jacobi.window)
             check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
+        grid = self.method in PJD_METHODS
+        check((self.pjd is not None) == grid,
+              f"method {self.method!r} {'needs' if grid else 'takes no'} PJD settings (window, context)")
+        if self.pjd is not None:  # each open row's window is verified as a chain
+            chain = TreeConfig(kind="chain", depth=self.pjd.window)
+            check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.pjd.window} (its window)")
 
     @classmethod
     def resolve(
@@ -128,13 +151,27 @@ class MethodConfig:
         budget: str | None = None,
         coupling: str | None = None,
         group: int | None = None,
+        pjd_window: int | None = None,
+        pjd_context: int | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with CLI-style overrides. ``residual``
         (``--lantern-residual``): what a relaxed method continues with after a rejection;
         ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses; ``group``
-        (``--gsd-group``): GSD's group width."""
+        (``--gsd-group``): GSD's group width; ``pjd_window`` / ``pjd_context`` (``--pjd-window`` /
+        ``--pjd-context``): PJD's window and row-opening context."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
         relaxation = _resolve_relaxation(method, k, delta, lam, residual, budget, group)
+        if method in PJD_METHODS:
+            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row")
+            check(window is None and init is None and coupling is None,
+                  f"--sjd-window / --sjd-init / --sjd-coupling are not used by {method} (it takes --pjd-window, "
+                  "--pjd-context)")
+            pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
+                            context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context)
+            chain = TreeConfig(kind="chain", depth=pjd.window)
+            return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, pjd=pjd)
+        check(pjd_window is None and pjd_context is None, f"--pjd-window / --pjd-context need --method "
+                                                          f"{' or '.join(PJD_METHODS)}")
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -306,7 +343,7 @@ def _run_batches(
     validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
     parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
-    _check_batch_fits(stack, parts.method.tree, sampling, min(batch_size, cond.shape[0]))
+    _check_batch_fits(stack, parts.method, sampling, min(batch_size, cond.shape[0]))
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, cond.shape[0], batch_size):
@@ -319,10 +356,14 @@ def _run_batches(
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
 
 
-def _check_batch_fits(stack: ModelStack, tree: TreeConfig, sampling: SamplingConfig, batch: int) -> None:
+def _check_batch_fits(stack: ModelStack, method: MethodConfig, sampling: SamplingConfig, batch: int) -> None:
     """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
     must fit in the device's free memory; checked before it is allocated."""
-    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=tree.num_nodes)
+    nodes = method.tree.num_nodes
+    if method.pjd is not None:  # R chains of the window per round
+        row = math.isqrt(stack.target.config.block_size)
+        nodes *= grid_chains(method.pjd.window, method.pjd.context, row, row)
+    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=nodes)
     check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
 
 
@@ -360,8 +401,14 @@ class PreparedMethod:
         tree = self.method.tree
         target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=tree.num_nodes, compile=self.compile,
                                 cache_pool=self._caches)
-        drafter: Drafter | None = None
-        if self.method.jacobi is not None:
+        drafter: Drafter | GridJacobiDrafter | None = None
+        if self.method.pjd is not None:  # PJD: a chain per open row, R of them per round
+            cfg = self.stack.target.config
+            drafter = GridJacobiDrafter(self.method.pjd, self.sampling, cfg.vocab_size, cfg.block_size)
+            nodes = drafter.num_nodes
+            target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes, compile=self.compile,
+                                    cache_pool=self._caches)
+        elif self.method.jacobi is not None:
             cfg = self.stack.target.config
             drafter = JacobiDrafter(self.method.jacobi, self.sampling, cfg.vocab_size, cfg.block_size)
         elif self.drafter is not None:
@@ -406,6 +453,9 @@ def prepare_method(
     drafter = None
     if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
         check_window_fits(method.jacobi, stack.target.config.block_size)
+    elif method.pjd is not None:  # PJD likewise, on the image grid
+        grid = math.isqrt(stack.target.config.block_size)
+        check_pjd_fits(method.pjd, grid, grid)
     elif method.tree.kind != "none":
         check_tree_fits(method.tree, stack.target.config.block_size)
         path = drafter_dir or stack.drafter_dir

@@ -12,6 +12,7 @@ because an EAGLE drafter runs one stream per CFG row as well.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -22,6 +23,7 @@ from lantern.compiling import resolve_compile, step_fn
 from lantern.config import SamplingConfig
 from lantern.errors import LanternError, check
 from lantern.models.llamagen import LlamaGen
+from lantern.pjd import commit_cells, grid_positions, grid_verify_mask
 from lantern.sampling import apply_cfg
 
 
@@ -55,6 +57,15 @@ class Target(Protocol):
     def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
 
 
+class GridTarget(Target, Protocol):
+    """A target that can verify PJD's grid blocks (``lantern.pjd``): tokens at explicit image
+    cells, visibility from the row-causal mask, commits out of raster order."""
+
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor: ...
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None: ...
+
+
 class LlamaGenTarget:
     """LlamaGen behind the loop's interface: ``start`` / ``verify`` / ``commit``."""
 
@@ -76,6 +87,9 @@ class LlamaGenTarget:
         self.streams = 2 if sampling.use_cfg else 1
         self.cache: KVCache | None = None
         self.cond_mask: Tensor | None = None  # [S*B, cls] valid caption columns (t2i)
+        # PJD only: the image cell each cache slot holds (-1: condition), and the last grid block's cells
+        self.slot_cell: Tensor | None = None  # [S*B, S_max]
+        self._grid_cells: Tensor | None = None  # [S*B, T]
         self.forwards = 0  # model forward calls (prefill + verify), for stats
 
     # -- properties the loop and the drafter read --------------------------------------------------
@@ -146,6 +160,7 @@ class LlamaGenTarget:
             mask = mask & self.cond_mask[:, None, :] | eye
         hidden = model.forward_cached(h, pos, pos, mask, self.cache)
         self.cache.lengths.fill_(cls)
+        self.slot_cell = None
         self.forwards += 1
         logits = apply_cfg(model.logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
         return logits, hidden
@@ -170,6 +185,33 @@ class LlamaGenTarget:
     def commit(self, path: Tensor, num_keep: Tensor) -> None:
         """Keep tree nodes ``path[:, :num_keep]`` (node indices, root first) in the cache."""
         step_fn(_commit_step, self.compile, self.device)(self._cache(), path, num_keep, self.streams)
+
+    @torch.no_grad()
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
+        """PJD's forward (``lantern.pjd``): block tokens [B, T] at image cells [B, T], in windows
+        ``rows`` [B, T] (-1 = padding), written after each row's cached slots; positions from the
+        grid, visibility from :func:`lantern.pjd.grid_verify_mask`. Returns guided logits [B, T, V]."""
+        cache = self._cache()
+        if tokens.shape[1] > self.max_tree_nodes:
+            raise LanternError(f"grid block of {tokens.shape[1]} nodes exceeds the {self.max_tree_nodes} "
+                               "the cache was sized for")
+        if self.slot_cell is None:
+            self.slot_cell = torch.full((cache.rows, cache.max_len), -1, dtype=torch.long, device=tokens.device)
+        self._grid_cells = cells.repeat(self.streams, 1)
+        step = step_fn(_verify_grid_step, self.compile, self.device)
+        logits = step(self.model, cache, self.cond_mask, self.slot_cell, tokens, self._grid_cells,
+                      rows.repeat(self.streams, 1), self.streams, self.sampling.cfg_scale)
+        self.forwards += 1
+        return logits
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None:
+        """Keep block offsets ``keep[:, :num_keep]`` (ascending) of the last grid block, recording
+        their cells in ``slot_cell`` (the cache's slots are in commit order, not raster order)."""
+        assert self.slot_cell is not None and self._grid_cells is not None
+        cache = self._cache()
+        keep_s, num_s = keep.repeat(self.streams, 1), num_keep.repeat(self.streams)
+        commit_cells(self.slot_cell, cache.lengths, self._grid_cells, keep_s, num_s)
+        cache.commit(keep_s, num_s)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -199,6 +241,31 @@ def _verify_step(
     h = model.tok_embeddings(tokens.repeat(streams, 1))
     hidden = model.forward_cached(h, positions, slots, mask, cache)
     return apply_cfg(model.logits(hidden), cfg_scale, streams), hidden
+
+
+def _verify_grid_step(
+    model: LlamaGen,
+    cache: KVCache,
+    cond_mask: Tensor | None,  # [S*B, cls]
+    slot_cell: Tensor,  # [S*B, S_max]
+    tokens: Tensor,  # [B, T]
+    cells: Tensor,  # [S*B, T]
+    rows: Tensor,  # [S*B, T]
+    streams: int,
+    cfg_scale: float,
+) -> Tensor:
+    """The grid step (PJD): like :func:`_verify_step` with positions and mask from the grid."""
+    cfg = model.config
+    lengths = cache.lengths
+    slots = lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+    positions = grid_positions(cells, cfg.cls_token_num, math.isqrt(cfg.block_size))
+    mask = grid_verify_mask(slot_cell, lengths, cells, rows, cache.max_len)
+    if cond_mask is not None:  # padded caption columns stay invisible (as in _verify_mask)
+        cls = cond_mask.shape[1]
+        mask = torch.cat([mask[:, :, :cls] & cond_mask[:, None, :], mask[:, :, cls:]], dim=2)
+    h = model.tok_embeddings(tokens.repeat(streams, 1))
+    hidden = model.forward_cached(h, positions, slots, mask, cache)
+    return apply_cfg(model.logits(hidden), cfg_scale, streams)
 
 
 def _commit_step(cache: KVCache, path: Tensor, num_keep: Tensor, streams: int) -> tuple[()]:

@@ -42,7 +42,7 @@ def test_choose_window_measures_every_candidate(random_stack: Path) -> None:
     chosen = with_window(method, choice.window)
     assert chosen.jacobi is not None and chosen.jacobi.window == choice.window
     assert chosen.tree == TreeConfig(kind="chain", depth=choice.window) and chosen.jacobi.coupling == "maximal"
-    with pytest.raises(LanternError, match=r"--sjd-window auto needs a Jacobi --method"):
+    with pytest.raises(LanternError, match=r"--sjd-window / --pjd-window auto needs a Jacobi --method"):
         choose_window(stack, MethodConfig.resolve("ar"), SamplingConfig())
 
 

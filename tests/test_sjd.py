@@ -402,8 +402,18 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method \(lantern, "),
         (["--method", "sjd-coupled", "--sjd-coupling", "independent"], r"--sjd-coupling must be one of maximal, "),
         # --sjd-window auto (test_autowindow.py)
-        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a Jacobi --method \(sjd, "),
+        (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a --method with that window \(sjd, "),
         (["--method", "sjd", "--sjd-window", "wide"], r"--sjd-window must be an integer >= 1, got 'wide'"),
+        # --method pjd and its window / context (test_pjd_method.py)
+        (["--method", "pjd", "--pjd-window", "0"], r"--pjd-window must be an integer >= 1, got 0"),
+        (["--method", "pjd", "--pjd-window", "9"], r"--pjd-window \(9\) must be at most the image row length \(8\)"),
+        (["--method", "pjd", "--pjd-context", "12"], r"--pjd-context \(12\) must be at most the image row length"),
+        (["--method", "pjd", "--pjd-context", "wide"], r"--pjd-context must be an integer >= 1, got 'wide'"),
+        (["--method", "sjd", "--pjd-window", "2"], r"--pjd-window / --pjd-context need --method pjd"),
+        (["--method", "pjd", "--sjd-window", "2"], r"--sjd-window / --sjd-init / --sjd-coupling are not used by pjd"),
+        (["--method", "pjd", "--sjd-coupling", "gumbel"], r"are not used by pjd"),
+        (["--method", "pjd", "--tree", "chain:3"], r"--tree is not used by pjd"),
+        (["--method", "sjd", "--pjd-window", "auto"], r"--pjd-window auto needs a --method with that window \(pjd, "),
     ],
 )
 def test_cli_bad_sjd_options(

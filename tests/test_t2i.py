@@ -258,7 +258,8 @@ def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, b
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
-    """Greedy SJD and coupled SJD (both couplings) on captions equal greedy AR token for token."""
+    """Greedy SJD, coupled SJD (both couplings) and PJD with one row at a time on captions equal
+    greedy AR token for token."""
     stack = load_stack(t2i_stack)
     caps = Captions(captions.embeddings[:batch], captions.mask[:batch])
     s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
@@ -267,6 +268,8 @@ def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch:
         resolved = MethodConfig.resolve(method, window=4, coupling=coupling)
         spec = run_generation_t2i(stack, caps, 0, s, resolved, batch_size=2)
         assert torch.equal(spec.codes, ar), (method, coupling)
+    one_row = MethodConfig.resolve("pjd", pjd_window=3, pjd_context=8)  # PJD, one row at a time: lossless
+    assert torch.equal(run_generation_t2i(stack, caps, 0, s, one_row, batch_size=2).codes, ar)
 
 
 @pytest.mark.parametrize("tree", ["chain:4", "static:naive_extend_57"])

@@ -1,0 +1,312 @@
+"""``--method pjd`` (parallel Jacobi decoding, ``lantern.pjd.GridJacobiDrafter``) in the one loop.
+
+Evidence (the grid pieces alone are in test_pjd.py; t2i greedy in test_t2i.py):
+
+* inside the real loop, every verified node's logits equal an explicit recomputation: one forward
+  over the condition, every token cached so far and the block, at their image positions, each
+  token attending to exactly what the row-causal rule lets it see; the cache's slot cells equal
+  the commit history, and commits did happen out of raster order with several rows per forward;
+* rows of a batch progress independently (same codes and forwards alone and in a batch);
+* with one row at a time (context = row length) PJD is lossless: greedy equals AR token for token
+  (batch 1 and 3, CFG on and off) and sampled PJD reproduces the target's joint law of the first
+  4 tokens (chi-square against exact enumeration), while the same test rejects a broken q;
+* bad window / context values give one-line errors from ``lantern.load`` (and from the CLI: the
+  cases are in test_sjd.py's table of bad Jacobi options).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import test_speculative as spec
+import torch
+from test_pjd import _model, _reference, _Token
+from test_sjd import _stack
+from torch import Tensor
+
+import lantern
+from lantern.autowindow import AutoWindowChoice, WindowTrial, choose_window, with_window
+from lantern.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
+from lantern.cli import main
+from lantern.config import SamplingConfig
+from lantern.errors import LanternError
+from lantern.generate import GenerationOutput, generate
+from lantern.models.llamagen import LlamaGen
+from lantern.pipeline import MethodConfig, run_generation
+from lantern.pjd import GridBlock, GridJacobiDrafter, PJDConfig
+from lantern.sampling import make_generators
+from lantern.stack import load_stack
+from lantern.target import LlamaGenTarget
+from lantern.testing import make_random_stack, tiny_llamagen
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_stack(tmp_path_factory.mktemp("pjd") / "random", seed=2)
+
+
+def _run(model: LlamaGen, labels: list[int], sampling: SamplingConfig, config: PJDConfig, seeds: list[int] | None,
+         drafter_cls: type[GridJacobiDrafter] = GridJacobiDrafter,
+         target_cls: type[LlamaGenTarget] = LlamaGenTarget) -> tuple[GenerationOutput, LlamaGenTarget]:
+    cfg = model.config
+    drafter = drafter_cls(config, sampling, cfg.vocab_size, cfg.block_size)
+    target = target_cls(model, sampling, max_tree_nodes=drafter.num_nodes)
+    gens = None if seeds is None else make_generators(seeds)
+    return generate(target, torch.tensor(labels), generators=gens, drafter=drafter), target
+
+
+# ---- the real loop against an explicit recomputation -----------------------------------------
+
+
+class _Recording(LlamaGenTarget):
+    """The target, recording every grid round: (tokens, cells, rows, logits, keep, num_keep)."""
+
+    rounds: list[list[Tensor]]
+
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
+        logits = super().verify_grid(tokens, cells, rows)
+        self.rounds = [*getattr(self, "rounds", []), [tokens.clone(), cells.clone(), rows.clone(), logits.clone()]]
+        return logits
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None:
+        self.rounds[-1] += [keep.clone(), num_keep.clone()]
+        super().commit_grid(keep, num_keep)
+
+
+def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int) -> tuple[list[_Token], int, int]:
+    """Check every real node of batch row ``b`` against :func:`_reference`; returns (history,
+    nodes checked, rounds with several image rows)."""
+    cls = model.config.cls_token_num
+    history = [_Token(0, -1, list(range(i))) for i in range(cls)]
+    checked = multi = 0
+    for tokens, cells, rows, logits, keep, num_keep in rounds:
+        real = [i for i in range(tokens.shape[1]) if int(rows[b, i]) >= 0]
+        multi += len({int(rows[b, i]) for i in real}) > 1
+        block: list[_Token] = []
+        for i in real:
+            cell, row = int(cells[b, i]), int(rows[b, i])
+            sees = [k for k, tok in enumerate(history) if tok.cell < cell]  # condition: cell -1
+            sees += [len(history) + m for m, j in enumerate(real[: len(block)])
+                     if int(rows[b, j]) == row and int(cells[b, j]) < cell]
+            block.append(_Token(int(tokens[b, i]), cell, sees))
+        if block:
+            ref = _reference(model, label, history, block)
+            assert torch.allclose(logits[b, real], ref, atol=1e-5), (len(history), real)
+            checked += len(block)
+        base, kept = len(history), [int(x) for x in keep[b, : int(num_keep[b])]]
+        remap = {base + real.index(j): base + i for i, j in enumerate(kept)}
+        for j in kept:
+            tok = block[real.index(j)]
+            history.append(_Token(tok.token, tok.cell, [remap.get(s, s) for s in tok.sees]))
+    return history, checked, multi
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("window,context", [(2, 1), (2, 2), (1, 1)])
+def test_loop_equals_explicit_recomputation(window: int, context: int) -> None:
+    """Two sampled rows of a 4 x 4 image decoded by PJD in the real loop; every verified node's
+    logits equal the explicit recomputation, and the cache's slot cells are the commit history."""
+    model, labels = _model(), [3, 7]
+    s = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=1.0)  # cfg 1: guided logits are the model's
+    out, target = _run(model, labels, s, PJDConfig(window, context), [0, 1], target_cls=_Recording)
+    rounds = target.rounds  # type: ignore[attr-defined]
+    cls = model.config.cls_token_num
+    for b in range(2):
+        history, checked, multi = _replay_row(model, labels[b], rounds, b)
+        assert checked >= 16 and multi >= 1, (checked, multi)
+        cells = [tok.cell for tok in history[cls:]]
+        assert target.slot_cell is not None
+        assert target.slot_cell[b, cls : cls + len(cells)].tolist() == cells  # cache slot -> cell, commit order
+        assert cells != sorted(cells), "no commit out of raster order"
+        assert len(set(cells)) == len(cells)  # no cell cached twice (stand-ins are never committed)
+        assert all(out.codes[b, tok.cell] == tok.token for tok in history[cls:])
+    assert bool((out.codes >= 0).all())
+
+
+# ---- batches, greedy = AR, lossless sampling -------------------------------------------------
+
+
+@pytest.mark.parametrize("context", [2, 8])
+def test_rows_independent_of_batch(context: int) -> None:
+    """A row gives the same codes, in the same number of forwards, alone and in a batch of 3."""
+    model = tiny_llamagen(seed=7)
+    s = SamplingConfig(temperature=1.0, top_k=20, cfg_scale=2.0)
+    labels, seeds, config = [4, 5, 6], [1, 2, 3], PJDConfig(3, context)
+    batch, _ = _run(model, labels, s, config, seeds)
+    for i in range(3):
+        alone, _ = _run(model, labels[i : i + 1], s, config, seeds[i : i + 1])
+        assert torch.equal(batch.codes[i], alone.codes[0]), i
+        assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
+    assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
+
+
+LABELS = {1: [5], 3: [0, 3, 7]}
+
+
+@cache
+def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
+    s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
+    return run_generation(_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_one_row_at_a_time_reproduces_ar(random_stack: Path, batch: int, cfg_scale: float) -> None:
+    stack = _stack(str(random_stack))  # an 8 x 8 image
+    s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
+    method = MethodConfig.resolve("pjd", pjd_window=3, pjd_context=8)
+    result = run_generation(stack, LABELS[batch], 0, s, method, batch)
+    assert torch.equal(result.codes, _greedy_ar(str(random_stack), batch, cfg_scale))
+    lossy = run_generation(stack, LABELS[batch], 0, s, MethodConfig.resolve("pjd", pjd_window=3, pjd_context=2),
+                           batch)
+    assert lossy.stats_dict()["target_forwards"] < result.stats_dict()["target_forwards"]  # rows in parallel
+
+
+class _WrongQ(GridJacobiDrafter):
+    """A broken acceptance: every guess is tested against a q that is not the law it was drawn
+    from (half its q, half uniform), so both the test and the residual are off."""
+
+    def propose_grid(self, generators: list[torch.Generator] | None) -> GridBlock:
+        block = super().propose_grid(generators)
+        assert block.q_draft is not None
+        q = block.q_draft.clone()
+        q[:, :-1] = 0.5 * q[:, :-1] + 0.5 / q.shape[-1]
+        return GridBlock(**{**block.__dict__, "q_draft": q})
+
+
+DIST_TOKENS = 4
+
+
+@cache
+def _grid_dist_model(width: int) -> LlamaGen:
+    """The 3 x 3 model of test_speculative.py, or a 4 x 4 one like it (same V = 6)."""
+    if width == 3:
+        return spec._dist_model()
+    return tiny_llamagen(seed=3, logit_std=0.4, vocab_size=6, block_size=16, dim=16, n_layer=1, n_head=2,
+                         multiple_of=16)
+
+
+@cache
+def _dist_run(width: int, broken: bool = False) -> GenerationOutput:
+    # window 2 on a 3 x 3 image, 3 on a 4 x 4 one; context = the row length: one row at a time
+    rows = spec.DIST_ROWS
+    out, _ = _run(_grid_dist_model(width), [spec.DIST_LABEL] * rows, spec.DIST_SAMPLING, PJDConfig(width - 1, width),
+                  list(range(rows)), _WrongQ if broken else GridJacobiDrafter)
+    return out
+
+
+@pytest.mark.parametrize("width", [3, 4])
+def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
+    """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
+    cells), at significance 0.001: a correct implementation fails with probability 0.1 % per
+    test (fixed seeds: deterministic). 3 x 3: token 3 opens row 1 through a root that is the row
+    above's real last token, and is tested as a fresh guess of the new row; 4 x 4: row 0's third
+    token is often a carried guess (drawn from the previous round's p and tested with it)."""
+    p = spec._exact_joint(_grid_dist_model(width), spec.DIST_SAMPLING, DIST_TOKENS)
+    out = _dist_run(width)
+    stat, df = spec._chi_square(out.codes[:, :DIST_TOKENS], p)
+    assert df >= 30
+    assert stat < spec._chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    # guesses were accepted: the Jacobi path ran (measured 1.20 and 1.35; a row's last token is never a guess)
+    assert out.stats.mean_accepted > 1.15
+
+
+def test_chi_square_detects_a_broken_acceptance() -> None:
+    """Power: the same test rejects PJD that tests its guesses against the wrong q (measured
+    chi2 814 against a threshold of 109)."""
+    p = spec._exact_joint(_grid_dist_model(4), spec.DIST_SAMPLING, DIST_TOKENS)
+    stat, df = spec._chi_square(_dist_run(4, broken=True).codes[:, :DIST_TOKENS], p)
+    assert stat > spec._chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+
+
+# ---- configuration and bad input -------------------------------------------------------------
+
+
+def test_methods_resolve_and_round_trip() -> None:
+    m = MethodConfig.resolve("pjd-lantern++", pjd_window=2, pjd_context=3, lam=2.0)
+    assert m.pjd == PJDConfig(2, 3) and m.tree.depth == 2 and m.relaxation is not None and m.relaxation.lam == 2.0
+    assert m.to_dict()["pjd"] == {"window": 2, "context": 3}
+    assert MethodConfig.resolve("pjd").pjd == PJDConfig()
+
+
+def test_python_api_errors_and_run(random_stack: Path) -> None:
+    pipe = lantern.load(str(random_stack))
+    with pytest.raises(LanternError, match=r"--pjd-window \(20\) must be at most the image row length \(8\)"):
+        pipe(labels=[1], method="pjd", pjd_window=20)
+    with pytest.raises(LanternError, match=r"--pjd-context must be an integer >= 1, got -1"):
+        pipe(labels=[1], method="pjd", pjd_context=-1)
+    out = pipe(labels=[1, 2], method="pjd", pjd_window=2, pjd_context=4, temperature=0.0)
+    ar = pipe(labels=[1, 2], method="ar", temperature=0.0)
+    assert out.config["method"]["pjd"] == {"window": 2, "context": 4}
+    assert out.codes.shape == ar.codes.shape
+
+
+# ---- --pjd-window auto -------------------------------------------------------------------------
+
+
+def test_choose_pjd_window_measures_windows_within_a_row(random_stack: Path) -> None:
+    stack = load_stack(random_stack)  # 8 x 8
+    method = MethodConfig.resolve("pjd", pjd_context=4)
+    choice = choose_window(stack, method, SamplingConfig(top_k=20), images=1, windows=(2, 4, 9), passes=1)
+    assert [t.window for t in choice.trials] == [2, 4]  # a window longer than the row is never tried
+    assert all(t.tokens_per_forward >= 1.0 and t.ms_per_token > 0 for t in choice.trials)
+    chosen = with_window(method, choice.window)
+    assert chosen.pjd == PJDConfig(choice.window, 4) and chosen.tree.depth == choice.window
+
+
+def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    rc = main(["generate", "--model", str(random_stack), "--labels", "1", "--method", "pjd", "--pjd-window", "auto",
+               "--pjd-context", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "--pjd-window auto [pjd]: window " in capsys.readouterr().out
+    run = json.loads((out / "run.json").read_text())
+    assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4}
+    assert run["auto_window"]["window"] in (2, 4, 8)
+
+
+def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> None:
+    specs = parse_methods("pjd/window=3/context=2,pjd/window=auto,sjd/window=8,ar")
+    assert specs[0].window == 3 and specs[0].context == 2 and specs[0].name == "pjd/window=3/context=2"
+    stack = load_stack(random_stack)
+    assert tree_label(specs[0].resolve(stack)) == "pjd:3/c2"
+    config, chosen = resolve_auto_windows(stack, SamplingConfig(top_k=20), BenchConfig(methods=specs),
+                                          log=lambda _: None, images=1, passes=1)
+    assert set(chosen) == {"pjd/window=auto"}  # sjd/window=auto takes the same path (test_autowindow.py)
+    pjd, sjd = config.methods[1].resolve(stack), config.methods[2].resolve(stack)
+    assert pjd.pjd is not None and pjd.pjd.window == chosen["pjd/window=auto"]["window"] in (2, 4, 8)
+    assert config.methods[1].name == "pjd/window=auto"  # the row keeps its name, the record says what was chosen
+    assert sjd.jacobi is not None and sjd.jacobi.window == 8
+    with pytest.raises(LanternError, match=r"--methods 'pjd/window=wide': window must be a number, got 'wide'"):
+        parse_methods("pjd/window=wide")
+
+
+def test_demo_takes_windows_and_auto(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lantern demo --pjd-window auto``: the auto choice (its timing is choose_window's, tested
+    above; here a fixed stand-in) reaches the pjd row and demo.json."""
+    asked: list[str] = []
+
+    def fake_choice(stack: object, method: MethodConfig, *args: object, **kwargs: object) -> AutoWindowChoice:
+        asked.append(method.method)
+        return AutoWindowChoice(method.method, (WindowTrial(2, 1.5, 1.0), WindowTrial(4, 1.2, 2.0)), 0.1)
+
+    monkeypatch.setattr("lantern.autowindow.choose_window", fake_choice)
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", str(random_stack), "--num-images", "1", "--methods", "ar,pjd",
+                 "--pjd-window", "auto", "--out", str(out), "--no-progress"]) == 0
+    assert asked == ["pjd"]
+    assert "--pjd-window auto [pjd]: window 2: 1.50 tokens per forward" in capsys.readouterr().out
+    demo = json.loads((out / "demo.json").read_text())
+    resolved = {r["method"]: r["resolved"] for r in demo["results"]}
+    assert resolved["pjd"]["pjd"]["window"] == demo["auto_windows"]["pjd"]["window"] == 2
+    assert set(demo["auto_windows"]) == {"pjd"}
+    assert main(["demo", "--model", str(random_stack), "--methods", "ar,sd", "--sjd-window", "2", "--out",
+                 str(tmp_path / "bad"), "--no-progress"]) == 2
+    assert "--sjd-window needs one of sjd, sjd-lantern" in capsys.readouterr().err
