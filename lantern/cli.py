@@ -335,12 +335,10 @@ def _check_run_args(args: argparse.Namespace) -> OutputFolder:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lantern.api import decode_images, encode_prompts_t5, sampling_from, t5_folder
+    from lantern.api import sampling_from
     from lantern.autowindow import with_window
-    from lantern.models.chameleon import is_chameleon_folder
-    from lantern.pipeline import run_generation, run_generation_t2i
-    from lantern.stack import inference_dtype, load_stack
-    from lantern.validate import check_image_total, check_label_values
+    from lantern.pipeline import run_conditions
+    from lantern.validate import check_image_total
 
     _check_compile(args)
     out = _check_run_args(args)
@@ -348,58 +346,90 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
     _resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
-    if is_chameleon_folder(args.model):
-        if args.compile != "off":
-            raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
-        return _generate_chameleon(args, prompts, out)
-    for name in ("layout", "image_size", "vq"):
-        if getattr(args, name) is not None:
-            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
-                               "Lumina-mGPT)")
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
-    auto_window = _check_auto_window(args.sjd_window, args.method, "text-to-image" if prompts is not None else None)
-    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
-    _check_condition_kind(stack, args.model, prompts is not None)
-    if auto and prompts is not None:
-        raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
+    stack = _load_generate_stack(args, prompts is not None)
     method = _method(args, stack)
     sampling = sampling_from(stack, args)
-    t5_dir = t5_folder(stack, args.t5) if prompts is not None else None
-    stack.target.to(args.device)
-    stack.tokenizer.to(args.device)
-    run_kw: dict[str, Any] = dict(
-        seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
-        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity, compile=args.compile,
-    )
+    t5_dir = stack.t5_folder(args.t5) if stack.kind == "t2i" else None
+    conditions = prompts if prompts is not None else args.labels
+    encoded = stack.encode(conditions, args.num_per_label, args.batch_size, t5=t5_dir)
     auto_choice = window_choice = None
-    if prompts is not None:
-        assert t5_dir is not None
-        captions = encode_prompts_t5(stack, t5_dir, prompts, args.device, args.batch_size, args.num_per_label)
-        index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
-        names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-        conditions: dict[str, Any] = {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
-                                      "t5_max_length": stack.target.config.cls_token_num}
-        result = run_generation_t2i(stack, captions, **run_kw)
-    else:
-        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        check_label_values(labels, stack.target.config.num_classes)
-        if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
-            auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
-                                     args.drafter, args.proximity, not args.no_progress)
-            run_kw["method"] = _method(args, stack, auto_choice.tree_spec)
-        if auto_window:  # time the candidate windows, then run with the fastest
-            window_choice = _auto_window(stack, method, sampling, args)
-            run_kw["method"] = with_window(method, window_choice.window)
-        names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
-        conditions = {"labels": labels}
-        result = run_generation(stack, labels, **run_kw)
-    images = decode_images(stack, result.codes)
-    run = _run_record(args, len(names), sampling, result, conditions)
+    if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
+        auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                                 args.drafter, args.proximity, not args.no_progress)
+        method = _method(args, stack, auto_choice.tree_spec)
+    if _check_auto_window(args.sjd_window, args.method, _auto_window_refusal(stack)):
+        window_choice = _auto_window(stack, method, sampling, args)  # time the candidate windows
+        method = with_window(method, window_choice.window)
+    result = run_conditions(stack, encoded, args.seed, sampling, method, args.batch_size, not args.no_progress,
+                            args.drafter, args.proximity, args.compile)
+    names, record = _condition_record(stack, args, prompts, t5_dir)
+    run = _run_record(args, len(names), sampling, result, record)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
     if window_choice is not None:
         run["auto_window"] = window_choice.to_dict()
-    return _write_run(out, images, names, args.num_per_label, result.codes, run)
+    return _write_run(out, stack.to_pil(result.codes), names, args.num_per_label, result.codes, run)
+
+
+def _auto_window_refusal(stack: Any) -> str | None:
+    """What kind of model ``--sjd-window auto`` cannot calibrate (it times class-label runs), or None."""
+    return {"t2i": "text-to-image", "chameleon": "Chameleon-family"}.get(stack.kind)
+
+
+def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
+    """generate's stack (any family) for ``--model``, with the family's flags checked first."""
+    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.stack import inference_dtype, load_stack
+
+    if is_chameleon_folder(args.model):
+        return _load_chameleon_for_generate(args, text)
+    for name in ("layout", "image_size", "vq"):
+        if getattr(args, name) is not None:
+            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
+                               "Lumina-mGPT)")
+    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
+    _check_condition_kind(stack, args.model, text)
+    stack.target.to(args.device)
+    stack.tokenizer.to(args.device)
+    return stack
+
+
+def _load_chameleon_for_generate(args: argparse.Namespace, text: bool) -> Any:
+    """An Anole / Lumina-mGPT folder: prompts only, its own tokenizer, images through the VQGAN."""
+    from lantern.chameleon import load_chameleon_stack
+    from lantern.stack import inference_dtype
+
+    root = Path(args.model)
+    if args.compile != "off":
+        raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+    if not text:
+        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
+    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
+                               "tokenizer, and decode with --vq)")
+    _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
+    layout = _chameleon_layout(args, root)
+    return load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+
+
+def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,
+                      t5_dir: Path | None) -> tuple[list[str], dict[str, Any]]:
+    """The images' file names and what run.json records of their conditions (labels, or prompts with
+    the T5 folder / the Chameleon layout)."""
+    if prompts is None:
+        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
+        return [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
+    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
+    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
+    if stack.kind == "chameleon":
+        layout = stack.layout
+        info = {"name": layout.name, "height": layout.height, "width": layout.width,
+                "pixel_size": list(layout.pixel_size)}
+        return names, {"layout": info, "prompts": prompts, "prompt_index": index}
+    return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
+                   "t5_max_length": stack.target.config.cls_token_num}
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
@@ -412,39 +442,6 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
         raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
                            "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
     return chameleon_layout(root, args.layout, args.image_size)
-
-
-def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder) -> int:
-    """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
-    from lantern.api import decode_images, sampling_from
-    from lantern.chameleon import load_chameleon_stack, run_chameleon
-    from lantern.stack import inference_dtype
-
-    root = Path(args.model)
-    if prompts is None:
-        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
-    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
-        if value is not None:
-            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
-                               "tokenizer, and decode with --vq)")
-    if args.tree == "auto":
-        raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
-    _check_auto_window(args.sjd_window, args.method, "Chameleon-family")
-    layout = _chameleon_layout(args, root)
-    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
-    method = _method(args, stack)
-    sampling = sampling_from(stack, args)
-    all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
-    result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
-                           not args.no_progress, args.drafter, args.proximity)
-    images = decode_images(stack, result.codes)
-    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
-    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
-                   "pixel_size": list(layout.pixel_size)}
-    conditions = {"layout": layout_info, "prompts": prompts, "prompt_index": index}
-    run = _run_record(args, len(names), sampling, result, conditions)
-    return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
 def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int, codes: Any,

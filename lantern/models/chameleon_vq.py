@@ -584,11 +584,9 @@ def config_to_transformers(cfg: ChameleonVQConfig) -> ChameleonVQVAEConfig:
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:  # [B, 3, H, W] in ~[-1, 1]
-    """RGB PIL images the way Chameleon's ``_pil_from_chw_tensor`` makes them.
+    """RGB PIL images the way Chameleon's ``_pil_from_chw_tensor`` makes them: ``(clamp(x, -1, 1)
+    + 1) / 2 * 255`` then a uint8 cast, which truncates (:func:`lantern.images.to_pil`)."""
+    from lantern.images import to_pil as images_to_pil
 
-    ``(clamp(x, -1, 1) + 1) / 2 * 255`` then a uint8 cast, which truncates (it does not round).
-    """
     check(images.ndim == 4 and images.shape[1] == 3, f"images must be [B, 3, H, W], got {tuple(images.shape)}")
-    x = (images.detach().float().cpu().clamp(-1.0, 1.0) + 1.0) / 2.0
-    pixels = (x * 255.0).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # [B, H, W, 3]
-    return [Image.fromarray(p) for p in pixels]
+    return images_to_pil(images, "truncate")

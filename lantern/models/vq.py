@@ -560,16 +560,8 @@ def _as_state_dict(value: Any, what: str) -> dict[str, Tensor]:
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:  # [B, C, H, W] in [-1, 1], C in {1, 3}
-    """PIL images the way LlamaGen saves samples: ``clamp((x+1)/2, 0, 1) * 255``, rounded.
+    """PIL images the way LlamaGen saves samples: ``clamp((x+1)/2, 0, 1) * 255``, rounded half-up
+    (``floor(v + 0.5)``, as torchvision's ``save_image``): :func:`lantern.images.to_pil`."""
+    from lantern.images import to_pil as images_to_pil
 
-    Rounding is half-up (``floor(v + 0.5)``), as torchvision's ``save_image`` does.
-    """
-    check(images.ndim == 4 and images.shape[1] in (1, 3),
-          f"images must be [B, 1 or 3, H, W], got {tuple(images.shape)}")
-    x = ((images.detach().float().cpu() + 1.0) / 2.0).clamp(0.0, 1.0)
-    pixels = (x * 255.0 + 0.5).floor().clamp(0, 255).to(torch.uint8)  # [B, C, H, W]
-    pixels = pixels.permute(0, 2, 3, 1).numpy()  # [B, H, W, C]
-    # uint8 [H, W] -> mode "L", uint8 [H, W, 3] -> mode "RGB".
-    if images.shape[1] == 1:
-        return [Image.fromarray(p[..., 0]) for p in pixels]
-    return [Image.fromarray(p) for p in pixels]
+    return images_to_pil(images, "half_up")
