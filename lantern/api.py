@@ -211,6 +211,13 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     return Pipeline(stack, device, compile, paths["drafter"], prox, paths["t5"])
 
 
+def load_any_stack(model: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
+                   device: str = "cpu") -> Any:
+    """The :class:`~lantern.stack.Stack` of any model ``lantern.load`` takes (a Chameleon folder's
+    layout from its generation.json), on ``device``: what ``demo``, ``bench`` and ``profile`` load."""
+    return load(model, device=device, dtype=dtype).stack
+
+
 def _load_chameleon(root: Path, paths: dict[str, str | None], layout: str | None, image_size: int | None,
                     dtype: torch.dtype, device: str, compile: str, proximity: str | None) -> Pipeline:
     from lantern.chameleon import load_chameleon_stack

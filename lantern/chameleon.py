@@ -343,6 +343,11 @@ class ChameleonStack(StackFolder):
     def codebook(self) -> Tensor | None:
         return None if self.vq is None else self.vq.codebook()
 
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.model.config
+        return {"family": "chameleon", "layout": self.layout.name, "dim": c.hidden_size,
+                "n_layer": c.num_hidden_layers, "block_size": self.layout.num_tokens, "vocab_size": self.vocab_size}
+
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
                t5: str | os.PathLike[str] | None = None) -> Conditions:
         check(t5 is None, "--t5 is not used by Chameleon-family models (they read prompts with their own tokenizer)")

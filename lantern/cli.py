@@ -583,7 +583,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.pipeline import METHODS
 
     _check_compile(args)
-    from lantern.stack import inference_dtype, load_stack
+    from lantern.api import load_any_stack
+    from lantern.demo import DEMO_PROMPT_IMAGES
     from lantern.validate import MAX_IMAGES, check_count
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -596,9 +597,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
-    stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
+    stack = load_any_stack(args.model, args.dtype)
     sampling = sampling_from(stack, args)
-    n = stack.target.config.num_classes if args.num_images is None else args.num_images
+    n = (stack.num_classes or DEMO_PROMPT_IMAGES) if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
     if args.tree is not None:
@@ -722,10 +723,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from lantern.api import sampling_from
+    from lantern.api import load_any_stack, sampling_from
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
     from lantern.outputs import OutputFolder
-    from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_device
 
     _check_compile(args)
@@ -733,10 +733,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                quick=args.quick, seed=args.seed)
     check_device(args.device)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
-    stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
-    stack.target.to(args.device)
+    stack = load_any_stack(args.model, args.dtype, args.device)
     sampling = sampling_from(stack, args)
     if args.trace is not None:
+        if stack.kind != "c2i":
+            raise LanternError(f"--trace traces class-label runs; {args.model} is a {stack.kind} model")
         from lantern.roundtrace import cmd_trace
 
         return cmd_trace(args, stack, sampling, out)

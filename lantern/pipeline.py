@@ -324,7 +324,7 @@ class PreparedMethod:
     # Caches reused image after image (fixed addresses for CUDA graphs, no allocation per image).
     _caches: CachePool = field(default_factory=CachePool, repr=False)
 
-    def _drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
+    def drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
         """The target's lm_head in the drafter's precision (a copy, made once, when they differ)."""
         assert self.drafter is not None
         dtype = next(self.drafter.parameters()).dtype
@@ -345,7 +345,7 @@ class PreparedMethod:
         if self.drafter is None:
             return target, None
         fed = nodes + tree.depth * tree.top_k
-        head = head if head is not None else self._drafter_head(target.lm_head)
+        head = head if head is not None else self.drafter_head(target.lm_head)
         backend = stack.draft_backend(self.drafter, head, self.sampling, target, fed, compile=self.compile,
                                       cache_pool=self._caches)
         return target, TreeDrafter(backend, tree, self.sampling, stack.vocab_size, compile=self.compile)

@@ -106,6 +106,10 @@ class Stack(Protocol):
 
     def default_tree(self, method: str) -> str | None: ...
 
+    def model_shape(self) -> dict[str, int | str]:
+        """What a device profile's costs depend on (``lantern profile`` refuses another shape)."""
+        ...
+
     def codebook(self) -> Tensor | None:
         """The tokenizer's code embeddings [V, D] (a proximity table is checked against them)."""
         ...
@@ -231,6 +235,10 @@ class ModelStack(StackFolder):
 
     def codebook(self) -> Tensor:
         return self.tokenizer.quantize.embedding.weight
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.target.config
+        return {"dim": c.dim, "n_layer": c.n_layer, "block_size": c.block_size, "vocab_size": c.vocab_size}
 
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
                t5: str | os.PathLike[str] | None = None) -> Conditions:
