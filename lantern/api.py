@@ -211,11 +211,12 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     return Pipeline(stack, device, compile, paths["drafter"], prox, paths["t5"])
 
 
-def load_any_stack(model: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
-                   device: str = "cpu") -> Any:
-    """The :class:`~lantern.stack.Stack` of any model ``lantern.load`` takes (a Chameleon folder's
-    layout from its generation.json), on ``device``: what ``demo``, ``bench`` and ``profile`` load."""
-    return load(model, device=device, dtype=dtype).stack
+def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                     layout: str | None = None, image_size: int | None = None,
+                     vq: str | os.PathLike[str] | None = None) -> Any:
+    """The :class:`~lantern.stack.Stack` of any model :func:`load` takes, on ``device``: what
+    ``demo``, ``bench`` and ``profile`` run on."""
+    return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq).stack
 
 
 def _load_chameleon(root: Path, paths: dict[str, str | None], layout: str | None, image_size: int | None,

@@ -840,7 +840,7 @@ def cmd_bench(args: Any) -> int:
     import shlex
     import sys
 
-    from lantern.api import load_any_stack, sampling_from
+    from lantern.api import load_model_stack, sampling_from
     from lantern.compiling import resolve_compile
     from lantern.outputs import OutputFolder
     from lantern.validate import check_device
@@ -868,7 +868,8 @@ def cmd_bench(args: Any) -> int:
     check_device(args.device)
     out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
     torch.manual_seed(0)
-    stack = load_any_stack(args.model, args.dtype, args.device)
+    stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, layout=args.layout,
+                             image_size=args.image_size, vq=args.vq)
     sampling = sampling_from(stack, args)
     given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)

@@ -72,6 +72,10 @@ class ChameleonTarget:
         self.sampling = sampling
         self.max_tree_nodes = max_tree_nodes
         self.streams = 2 if sampling.use_cfg else 1
+        # What the loop and the drafter read (code space: the image rows of the LM head).
+        self.vocab_size, self.hidden_size, self.lm_head = model.num_codes, model.hidden_size, model.image_head
+        self.num_tokens, self.device = layout.num_tokens, model.device
+        self.prefix_len = len(layout.prefix)  # positions ``start`` hands the drafter (the image prefix)
         self.cache: KVCache | None = None
         self.forwards = 0
         self.key_mask: Tensor | None = None  # [S*B, L] real prompt columns
@@ -85,33 +89,6 @@ class ChameleonTarget:
         self.prefill: tuple[Tensor, Tensor] | None = None  # (ids [S*B, L], hidden [S*B, L, D])
         self.node_hidden: Tensor | None = None  # [S*B, T, D]
         self.last_path: Tensor | None = None  # [B, W]
-
-    # -- properties the loop and the drafter read --------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.num_codes
-
-    @property
-    def hidden_size(self) -> int:
-        return self.model.hidden_size
-
-    @property
-    def num_tokens(self) -> int:
-        return self.layout.num_tokens
-
-    @property
-    def prefix_len(self) -> int:
-        """Positions ``start`` hands the drafter (the image prefix)."""
-        return len(self.layout.prefix)
-
-    @property
-    def lm_head(self) -> torch.nn.Linear:
-        return self.model.image_head
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
 
     # -- the three calls of the loop --------------------------------------------------------------
 
@@ -445,20 +422,12 @@ def load_prompt_tokenizer(root: Path) -> Any:
 def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
     """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
     cfg = model.config
-    base: dict[str, Any] = dict(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        vocab_size=model.num_codes,
-        rms_norm_eps=cfg.rms_norm_eps,
-        target_cls_token_num=len(layout.prefix),
-        block_size=layout.num_tokens,
-        rope_base=float(_rope_theta(cfg)),
-        rope="1d",
-    )
-    base.update(overrides)
-    return DrafterConfig(**base)
+    # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
+    sizes = {name: getattr(cfg, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                     "num_key_value_heads", "rms_norm_eps")}
+    return DrafterConfig(**{**sizes, "vocab_size": model.num_codes, "target_cls_token_num": len(layout.prefix),
+                            "block_size": layout.num_tokens, "rope_base": float(_rope_theta(cfg)), "rope": "1d",
+                            **overrides})
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -487,18 +456,10 @@ def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: 
     check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
 
 
-def run_chameleon(
-    stack: ChameleonStack,
-    prompts: Sequence[str],
-    seed: int,
-    sampling: SamplingConfig,
-    method: MethodConfig,
-    batch_size: int = 8,
-    progress: bool = False,
-    drafter_dir: str | os.PathLike[str] | None = None,
-    proximity: str | os.PathLike[str] | None = None,
-    drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None,
-) -> RunResult:
+def run_chameleon(stack: ChameleonStack, prompts: Sequence[str], seed: int, sampling: SamplingConfig,
+                  method: MethodConfig, batch_size: int = 8, progress: bool = False,
+                  drafter_dir: str | os.PathLike[str] | None = None, proximity: str | os.PathLike[str] | None = None,
+                  drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None) -> RunResult:
     """One image per prompt: the shared run path (``pipeline.run_conditions``) under the name
     earlier releases exported; ``drafter``: an already loaded drafter instead of a folder."""
     prepared = prepare_method(stack, method, sampling, drafter_dir, proximity, drafter=drafter)

@@ -138,6 +138,25 @@ def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespac
     return choice
 
 
+def _add_chameleon_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
+    g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
+                   help="the model's image layout (default: \"layout\" in the folder's generation.json)")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
+    g.add_argument("--vq", default=None, metavar="CKPT",
+                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
+                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+
+
+def _load_tool_stack(args: argparse.Namespace, device: str = "cpu") -> Any:
+    """demo / bench / profile: the stack of any family (``lantern.load``) for ``--model``."""
+    from lantern.api import load_model_stack
+
+    return load_model_stack(args.model, device=device, dtype=args.dtype, layout=args.layout,
+                            image_size=args.image_size, vq=args.vq)
+
+
 def _add_budget_arg(p: argparse.ArgumentParser) -> None:
     from lantern.pipeline import BUDGETS, DEFAULT_BUDGET
 
@@ -174,14 +193,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--t5", default=None, metavar="DIR",
         help="text-to-image models: local T5 encoder folder (google/flan-t5-xl; default: t5/ inside --model)",
     )
-    g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
-    g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
-                   help="the model's image layout (default: \"layout\" in the folder's generation.json)")
-    g.add_argument("--image-size", type=int, default=None,
-                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
-    g.add_argument("--vq", default=None, metavar="CKPT",
-                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
-                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+    _add_chameleon_args(p)
     p.add_argument(
         "--num-per-label", "--num-per-prompt", dest="num_per_label", type=int, default=1,
         help="images per label or prompt (default 1)",
@@ -568,6 +580,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
+    _add_chameleon_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -583,7 +596,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.pipeline import METHODS
 
     _check_compile(args)
-    from lantern.api import load_any_stack
     from lantern.demo import DEMO_PROMPT_IMAGES
     from lantern.validate import MAX_IMAGES, check_count
 
@@ -597,7 +609,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
-    stack = load_any_stack(args.model, args.dtype)
+    stack = _load_tool_stack(args)
     sampling = sampling_from(stack, args)
     n = (stack.num_classes or DEMO_PROMPT_IMAGES) if args.num_images is None else args.num_images
     t0 = time.perf_counter()
@@ -681,6 +693,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
+    _add_chameleon_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -718,12 +731,13 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
+    _add_chameleon_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from lantern.api import load_any_stack, sampling_from
+    from lantern.api import sampling_from
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
     from lantern.outputs import OutputFolder
     from lantern.validate import check_device
@@ -733,7 +747,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                quick=args.quick, seed=args.seed)
     check_device(args.device)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
-    stack = load_any_stack(args.model, args.dtype, args.device)
+    stack = _load_tool_stack(args, args.device)
     sampling = sampling_from(stack, args)
     if args.trace is not None:
         if stack.kind != "c2i":
