@@ -28,13 +28,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # tau curves off, lantern.autotree.save_profile).
 DEMO_FILES = {"demo.json", "demo.md", "demo_grid.png"}
 PROFILE_FILES = {"profile.json", "verify_cost.png"}
-BENCH_FILES = {"bench.json", "bench.md", "run.json", "grid_ar.png", "grid_sd.png"}
+BENCH_FILES = {"bench.json", "bench.md", "run.json", "grid_ar.png", "grid_sd.png", "frontier.png"}
 # A preset's bench.json row, less class accuracy (these models have no classes).
 BENCH_ROW_FIELDS = {"method", "base_method", "tree", "relaxation", "mean_accepted", "target_forwards", "wall_seconds",
                     "seconds_per_image", "speedup_vs_ar", "num_images", "speed_images", "wall_seconds_repeats",
                     "startup_seconds", "fid", "kid", "precision", "recall", "kid_std", "feature_net"}
 CHAIN_2 = asdict(TreeConfig.parse("chain:2"))
 TOKENS = {"lumina": 16, "anole": 1024, "t2i": 64}  # image tokens of each tiny model
+PIXELS = {"lumina": 8, "t2i": 32}  # image side of each tiny model
+
+
+def _feature_net(out: Path, size: int) -> Path:
+    """A random lantern feature net for ``size``-pixel RGB images (the metrics need only a fixed map)."""
+    import torch
+
+    from lantern.train.features import FeatureNet, FeatureNetConfig
+
+    torch.manual_seed(0)
+    FeatureNet(FeatureNetConfig(image_size=size, num_classes=2, widths=(8, 16), feature_dim=16,
+                                norm_groups=4)).save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +96,10 @@ def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_th
     """bench.json has one row per method with a preset's fields (no class accuracy: no classes);
     FID / KID / precision / recall are computed against AR images at other seeds (run.json says
     so)."""
-    out = tmp_path / "bench"
+    out, features = tmp_path / "bench", _feature_net(tmp_path / "features", PIXELS[kind])
     assert main(["bench", *_model(request, kind), "--methods", "ar,sd", "--tree", "sd=chain:2",
                  "--num-images", "4", "--speed-images", "2", "--batch-size", "4", "--num-real", "4",
-                 "--curve-images", "0", "--no-ar-spread", "--feature-net", "photos", "--dtype", "float32",
+                 "--curve-images", "0", "--no-ar-spread", "--feature-net", str(features), "--dtype", "float32",
                  "--out", str(out), "--no-progress"]) == 0
     assert {p.name for p in out.iterdir()} == BENCH_FILES
     rows = {r["method"]: r for r in _json(out / "bench.json")}
