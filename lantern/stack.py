@@ -444,8 +444,8 @@ def load_stack(
     root = resolve_model_dir(model)
     if is_chameleon_folder(root):
         raise LanternError(
-            f"--model {root} is a Chameleon-family model (Anole, Lumina-mGPT): `lantern generate` and "
-            "`lantern train-chameleon-drafter` run it; demo, bench and profile take LlamaGen stacks only for now"
+            f"--model {root} is a Chameleon-family model (Anole, Lumina-mGPT), not a LlamaGen stack: load it with "
+            "lantern.load (any model) or lantern.chameleon.load_chameleon_stack"
         )
     target_dir = root / TARGET_DIR if (root / TARGET_DIR).is_dir() else root
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
