@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -295,22 +295,14 @@ class ChameleonStack(StackFolder):
 
     kind = "chameleon"
     num_classes = None
+    num_tokens: int = field(init=False)  # image codes (the layout's)
+    vocab_size: int = field(init=False)  # the VQGAN's codes
 
-    @property
-    def num_tokens(self) -> int:
-        return self.layout.num_tokens
+    def __post_init__(self) -> None:
+        self.num_tokens, self.vocab_size = self.layout.num_tokens, self.model.num_codes
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.num_codes
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
+    def network(self) -> torch.nn.Module:
+        return self.model
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -189,6 +189,18 @@ class StackFolder:
         CPUs can ship smaller trees than the paper's defaults."""
         return read_generation_settings(self.root).get("trees", {}).get(method)
 
+    @property
+    def device(self) -> torch.device:
+        return self.network().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.network().dtype
+
+    def network(self) -> Any:
+        """The target network (the stack's device and dtype are its own)."""
+        raise NotImplementedError
+
     def default_sampling(self) -> dict[str, float]:
         """The stack's recommended sampling settings (``generation.json``, then the family's), or {}."""
         raw = read_generation_settings(self.root)
@@ -203,30 +215,20 @@ class ModelStack(StackFolder):
 
     target: LlamaGen
     tokenizer: VQModel
+    # Fixed by the target's config at load time.
+    kind: str = field(init=False)  # "c2i" or "t2i"
+    num_classes: int | None = field(init=False)  # None for t2i (prompts)
+    num_tokens: int = field(init=False)
+    vocab_size: int = field(init=False)
 
-    @property
-    def kind(self) -> str:
-        return "t2i" if self.target.config.model_type == "t2i" else "c2i"
+    def __post_init__(self) -> None:
+        cfg = self.target.config
+        self.kind = "t2i" if cfg.model_type == "t2i" else "c2i"
+        self.num_classes = None if self.kind == "t2i" else cfg.num_classes
+        self.num_tokens, self.vocab_size = cfg.block_size, cfg.vocab_size
 
-    @property
-    def num_classes(self) -> int | None:
-        return None if self.kind == "t2i" else self.target.config.num_classes
-
-    @property
-    def num_tokens(self) -> int:
-        return self.target.config.block_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target.config.vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.target.dtype
+    def network(self) -> torch.nn.Module:
+        return self.target
 
     @property
     def t5_dir(self) -> Path | None:

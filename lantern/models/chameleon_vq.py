@@ -338,10 +338,8 @@ class ChameleonVQGAN(nn.Module):
 
     def __init__(self, config: ChameleonVQConfig | None = None) -> None:
         super().__init__()
-        self.config = config if config is not None else ChameleonVQConfig()
-        cfg = self.config
-        self.encoder = Encoder(cfg)
-        self.decoder = Decoder(cfg)
+        self.config = cfg = config if config is not None else ChameleonVQConfig()
+        self.encoder, self.decoder = Encoder(cfg), Decoder(cfg)
         self.quantize = VectorQuantizer(cfg.n_embed, cfg.embed_dim)
         self.quant_conv = _conv1(cfg.z_channels, cfg.embed_dim)
         self.post_quant_conv = _conv1(cfg.embed_dim, cfg.z_channels)
@@ -466,10 +464,7 @@ class ChameleonVQGAN(nn.Module):
 
     @classmethod
     def _empty(cls, config: ChameleonVQConfig) -> ChameleonVQGAN:
-        """Uninitialised CPU model (skips random init; every tensor is then loaded strictly)."""
-        with torch.device("meta"):
-            model = cls(config)
-        return model.to_empty(device="cpu")
+        return vq_blocks.empty_model(cls, config)
 
 
 # --------------------------------------------------------------------------------------------

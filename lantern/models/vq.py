@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ COMMIT_LOSS_BETA = 0.25
 NORM_EPS = 1e-6
 # Largest distance block [rows, V] built at once while quantising (elements, float32).
 _MAX_DISTANCE_ELEMENTS = 1 << 24
+_M = TypeVar("_M", bound=nn.Module)
 # Container keys tried in order by :func:`extract_state_dict` (the EMA copy is not preferred).
 _STATE_DICT_KEYS = ("model", "state_dict")
 
@@ -222,6 +223,13 @@ class _Level(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return run_level(self, self.res, x)
+
+
+def empty_model(cls: Callable[[Any], _M], config: Any) -> _M:
+    """An uninitialised CPU model (skips random init; every tensor is then loaded strictly)."""
+    with torch.device("meta"):
+        model = cls(config)
+    return model.to_empty(device="cpu")
 
 
 def run_level(level: nn.Module, blocks: nn.ModuleList, x: Tensor) -> Tensor:
@@ -528,10 +536,7 @@ class VQModel(nn.Module):
 
     @classmethod
     def _empty(cls, config: VQConfig) -> VQModel:
-        """Uninitialised CPU model (skips random init; every tensor is then loaded strictly)."""
-        with torch.device("meta"):
-            model = cls(config)
-        return model.to_empty(device="cpu")
+        return empty_model(cls, config)
 
 
 def extract_state_dict(obj: Any, key: str | None = None) -> dict[str, Tensor]:
