@@ -259,18 +259,10 @@ def run_generation(
                           proximity, compile)
 
 
-def run_generation_t2i(
-    stack: ModelStack,
-    captions: Captions,
-    seed: int,
-    sampling: SamplingConfig,
-    method: MethodConfig,
-    batch_size: int = 8,
-    progress: bool = False,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
-    compile: str | None = None,
-) -> RunResult:
+def run_generation_t2i(stack: ModelStack, captions: Captions, seed: int, sampling: SamplingConfig,
+                       method: MethodConfig, batch_size: int = 8, progress: bool = False,
+                       drafter_dir: str | None = None, proximity: str | None = None,
+                       compile: str | None = None) -> RunResult:
     """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
     at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
     return run_conditions(stack, stack.from_captions(captions), seed, sampling, method, batch_size, progress,
