@@ -42,7 +42,7 @@ from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.pipeline import MethodConfig, PreparedMethod, RunResult, drafter_dtype, prepare_method, run_conditions
 from lantern.sampling import apply_cfg
-from lantern.stack import Conditions, StackFolder, prompts_for
+from lantern.stack import Conditions, StackFolder, check_condition_kind, prompts_for
 from lantern.target import Target
 
 if TYPE_CHECKING:
@@ -320,7 +320,8 @@ class ChameleonStack(StackFolder):
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
                t5: str | os.PathLike[str] | None = None) -> Conditions:
         check(t5 is None, "--t5 is not used by Chameleon-family models (they read prompts with their own tokenizer)")
-        ids, mask = encode_prompts(self.tokenize([str(p) for p in conditions for _ in range(repeats)]), self.layout)
+        prompts = check_condition_kind(conditions, str, self.root)
+        ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout)
         return Conditions(ids.to(self.device), mask.to(self.device))
 
     def sample_conditions(self, n: int) -> list[Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -245,10 +246,10 @@ class ModelStack(StackFolder):
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
                t5: str | os.PathLike[str] | None = None) -> Conditions:
         if self.kind == "t2i":
-            return self._encode_prompts([str(p) for p in conditions], repeats, batch_size, t5)
+            return self._encode_prompts(check_condition_kind(conditions, str, self.root), repeats, batch_size, t5)
         from lantern.validate import check_label_values
 
-        labels = [int(lab) for lab in conditions for _ in range(repeats)]
+        labels = [int(lab) for lab in check_condition_kind(conditions, Integral, self.root) for _ in range(repeats)]
         check_label_values(labels, self.target.config.num_classes)
         label_t = torch.tensor(labels, dtype=torch.long, device=self.device)
         self.target.check_labels(label_t)
@@ -333,6 +334,16 @@ class ModelStack(StackFolder):
         from lantern.images import to_pil
 
         return to_pil(self.decode(codes))
+
+
+def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:
+    """``conditions`` as a list, all labels (``kind`` Integral: numpy integers too) or all prompts
+    (``kind`` str), else a one-line error."""
+    if all(isinstance(c, kind) and not isinstance(c, bool) for c in conditions):
+        return list(conditions)
+    if kind is Integral:
+        raise LanternError(f"prompts: {root} is a class-conditional model; pass labels (integers)")
+    raise LanternError(f"labels: {root} is a text-to-image model; pass prompts (strings)")
 
 
 def _existing(path: Path, folder: bool) -> Path | None:

@@ -148,3 +148,19 @@ def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path:
         assert run["method"]["method"] == "lantern++"
         assert run["method"]["tree"] == asdict(TreeConfig.parse(choice["tree"]))
     assert np.load(out / "codes.npy").shape == (1, TOKENS[kind])
+
+
+def test_conditions_of_the_wrong_kind_are_refused(lumina: Path, tmp_path: Path) -> None:
+    """Every stack's ``encode`` takes its own kind of condition and names the other in one line."""
+    import lantern
+    from lantern.errors import LanternError
+    from lantern.testing import make_random_stack
+
+    chameleon = lantern.load(lumina, image_size=64).stack
+    c2i = lantern.load(make_random_stack(tmp_path / "c2i", grid=2)).stack
+    assert chameleon.encode(["a cat"], repeats=2).cond.shape[0] == 2
+    assert c2i.encode([np.int64(3), 1]).cond.tolist() == [3, 1]
+    with pytest.raises(LanternError, match="is a text-to-image model; pass prompts"):
+        chameleon.encode([1])
+    with pytest.raises(LanternError, match="is a class-conditional model; pass labels"):
+        c2i.encode(["a cat"])
