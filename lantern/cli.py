@@ -138,6 +138,10 @@ def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespac
     return choice
 
 
+MODEL_HELP = ("embedded preset (digits | photos), a LlamaGen c2i / t2i stack folder, an Anole / Lumina-mGPT "
+              "folder, or a Hugging Face repo id of one")
+
+
 def _add_chameleon_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
     g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
@@ -560,7 +564,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="AR vs LANTERN++ / LANTERN on an embedded model: speed-up table and image grid",
         description="Decode the same labels and seeds with every method, timed side by side in this process.",
     )
-    p.add_argument("--model", default="digits", help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--model", default="digits", help=MODEL_HELP)
     p.add_argument("--methods", default="ar,lantern++,lantern,sd",
                    help="comma-separated methods, ar first (default ar,lantern++,lantern,sd)")
     p.add_argument("--num-images", type=int, default=None, help="images per method (default: one per class)")
@@ -655,7 +659,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "network trained by lantern on the preset's images (not Inception FIDs)."
         ),
     )
-    p.add_argument("--model", default="photos", help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--model", default="photos", help=MODEL_HELP)
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
                    help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
                         "METHOD/KEY=VALUE... a row with those settings (keys k, delta, lambda, budget; coupling for "
@@ -712,7 +716,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
         "feeds, and the decoding loop's per-round overhead, with the model's sampling settings. Writes "
         "OUT/profile.json (pass it to --profile) and OUT/verify_cost.png.",
     )
-    p.add_argument("--model", required=True, help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--batch-size", type=int, default=1, help="rows decoded together (default 1)")
     p.add_argument("--max-tokens", type=int, default=64, help="largest tree verified, root included (default 64)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per point; the median is kept (default 5)")
