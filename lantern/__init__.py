@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lantern.api import Pipeline, PipelineOutput, load, resolve_settings
+    from lantern.chameleon import ChameleonStack
     from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
     from lantern.errors import LanternError
     from lantern.generate import Acceptance, Drafter, GenerationOutput, SpecStats, generate
     from lantern.jacobi import JacobiConfig
-    from lantern.pipeline import MethodConfig, RunResult, run_generation, run_generation_t2i
-    from lantern.stack import ModelStack, load_stack
+    from lantern.pipeline import MethodConfig, RunResult, run_conditions, run_generation, run_generation_t2i
+    from lantern.stack import Conditions, ModelStack, Stack, load_stack
     from lantern.target import Target
 
 # public name -> module that defines it
@@ -36,13 +37,16 @@ _EXPORTS = {
     "SamplingConfig": "lantern.config", "TreeConfig": "lantern.config", "RelaxationConfig": "lantern.config",
     "JacobiConfig": "lantern.jacobi",
     "MethodConfig": "lantern.pipeline", "RunResult": "lantern.pipeline", "run_generation": "lantern.pipeline",
-    "run_generation_t2i": "lantern.pipeline",
-    "ModelStack": "lantern.stack", "load_stack": "lantern.stack",
+    "run_generation_t2i": "lantern.pipeline", "run_conditions": "lantern.pipeline",
+    "ModelStack": "lantern.stack", "load_stack": "lantern.stack", "Stack": "lantern.stack",
+    "Conditions": "lantern.stack", "ChameleonStack": "lantern.chameleon",
     "LanternError": "lantern.errors",
 }
 
 __all__ = [
     "Acceptance",
+    "ChameleonStack",
+    "Conditions",
     "Drafter",
     "GenerationOutput",
     "JacobiConfig",
@@ -55,12 +59,14 @@ __all__ = [
     "RunResult",
     "SamplingConfig",
     "SpecStats",
+    "Stack",
     "Target",
     "TreeConfig",
     "generate",
     "load",
     "load_stack",
     "resolve_settings",
+    "run_conditions",
     "run_generation",
     "run_generation_t2i",
 ]

@@ -93,41 +93,19 @@ def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> 
 
 def encode_prompts_t5(stack: Any, t5_dir: Path, prompts: list[str], device: str, batch_size: int,
                       num_per_prompt: int) -> Any:
-    """Left-padded T5 captions for every image (each prompt ``num_per_prompt`` times). The
-    encoder is dropped before decoding starts: flan-t5-xl's encoder is larger than GPT-XL."""
-    from lantern.text import load_t5
-
-    cfg = stack.target.config
-    encoder = load_t5(t5_dir, cfg.cls_token_num, device, stack.target.dtype, cfg.caption_dim)
-    captions = encoder.encode(prompts, batch_size=batch_size)
-    del encoder
-    return captions.repeat_interleave(num_per_prompt)
+    """Left-padded T5 captions for every image (each prompt ``num_per_prompt`` times): a t2i
+    ``ModelStack.encode`` (``device``: the stack's)."""
+    return stack.encode(prompts, num_per_prompt, batch_size, t5=t5_dir)
 
 
 def decode_images(stack: Any, codes: Tensor) -> list[Any]:
-    """PIL images of ``codes`` [N, T], through the stack's own tokenizer (VQ or the Chameleon VQGAN)."""
-    from lantern.chameleon import ChameleonStack
-
-    with torch.no_grad():
-        if isinstance(stack, ChameleonStack):
-            from lantern.models.chameleon_vq import to_pil as chameleon_to_pil
-
-            return chameleon_to_pil(stack.vq.decode_grid(codes, stack.layout.height, stack.layout.width))
-        from lantern.models.vq import to_pil
-
-        return to_pil(stack.tokenizer.decode(codes))
+    """PIL images of ``codes`` [N, T], through the stack's own tokenizer (``Stack.to_pil``)."""
+    return stack.to_pil(codes)
 
 
 def t5_folder(stack: Any, t5: str | os.PathLike[str] | None) -> Path:
     """``t5``, else the stack's t5/ folder; checked (config, tokenizer, weights, width) without loading it."""
-    from lantern.text import check_t5_folder, require_transformers
-
-    path = Path(t5) if t5 is not None else stack.t5_dir
-    if path is None:
-        raise LanternError(f"--t5: {stack.root} has no t5/ folder; pass --t5 DIR (a local copy of google/flan-t5-xl)")
-    check_t5_folder(path, caption_dim=stack.target.config.caption_dim)
-    require_transformers()
-    return path
+    return stack.t5_folder(t5)
 
 
 @dataclass
@@ -145,7 +123,7 @@ class PipelineOutput:
 class Pipeline:
     """A loaded model and how to run it; call it with ``labels=`` (c2i) or ``prompts=`` (t2i, Chameleon)."""
 
-    stack: Any  # lantern.stack.ModelStack or lantern.chameleon.ChameleonStack
+    stack: Any  # a lantern.stack.Stack: ModelStack (LlamaGen c2i / t2i) or lantern.chameleon.ChameleonStack
     device: str = "cpu"
     compile: str = "off"
     drafter: str | None = None
@@ -155,11 +133,7 @@ class Pipeline:
     @property
     def kind(self) -> str:
         """``c2i``, ``t2i`` or ``chameleon``."""
-        from lantern.chameleon import ChameleonStack
-
-        if isinstance(self.stack, ChameleonStack):
-            return "chameleon"
-        return "t2i" if self.stack.target.config.model_type == "t2i" else "c2i"
+        return str(self.stack.kind)
 
     def __call__(self, labels: list[int] | None = None, prompts: list[str] | None = None, *, method: str = "ar",
                  seed: int = 0, batch_size: int = 8, num_per_label: int = 1, progress: bool = False,
@@ -195,21 +169,12 @@ class Pipeline:
 
     def _run(self, conditions: list[Any], seed: int, sampling: SamplingConfig, method: MethodConfig,
              batch_size: int, num_per_label: int, progress: bool) -> RunResult:
-        from lantern.chameleon import run_chameleon
-        from lantern.pipeline import run_generation, run_generation_t2i
+        from lantern.pipeline import run_conditions
 
-        if self.kind == "chameleon":
-            rows = [p for p in conditions for _ in range(num_per_label)]
-            return run_chameleon(self.stack, rows, seed, sampling, method, batch_size, progress, self.drafter,
-                                 self.proximity)
-        kw: dict[str, Any] = dict(seed=seed, sampling=sampling, method=method, batch_size=batch_size,
-                                  progress=progress, drafter_dir=self.drafter, proximity=self.proximity,
-                                  compile=self.compile)
-        if self.kind == "t2i":
-            captions = encode_prompts_t5(self.stack, self.t5_dir(), conditions, self.device, batch_size,
-                                         num_per_label)
-            return run_generation_t2i(self.stack, captions, **kw)
-        return run_generation(self.stack, [lab for lab in conditions for _ in range(num_per_label)], **kw)
+        t5 = self.t5_dir() if self.kind == "t2i" else None
+        encoded = self.stack.encode(conditions, num_per_label, batch_size, t5=t5)
+        return run_conditions(self.stack, encoded, seed, sampling, method, batch_size, progress, self.drafter,
+                              self.proximity, self.compile)
 
     def t5_dir(self) -> Path:
         return t5_folder(self.stack, self.t5)
@@ -246,6 +211,14 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     stack.target.to(device)
     stack.tokenizer.to(device)
     return Pipeline(stack, device, compile, paths["drafter"], prox, paths["t5"])
+
+
+def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                     layout: str | None = None, image_size: int | None = None,
+                     vq: str | os.PathLike[str] | None = None) -> Any:
+    """The :class:`~lantern.stack.Stack` of any model :func:`load` takes, on ``device``: what
+    ``demo``, ``bench`` and ``profile`` run on."""
+    return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq).stack
 
 
 def _load_chameleon(root: Path, paths: dict[str, str | None], layout: str | None, image_size: int | None,

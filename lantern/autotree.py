@@ -50,8 +50,8 @@ from lantern.config import SamplingConfig, TreeConfig
 from lantern.errors import LanternError, check
 from lantern.generate import Acceptance, Drafter, DraftTree, GenerationOutput, generate
 from lantern.pipeline import AR_FALLBACK_TREE, MethodConfig, PreparedMethod, image_seed, prepare_method
-from lantern.stack import ModelStack
-from lantern.target import LlamaGenTarget
+from lantern.stack import Conditions, Stack
+from lantern.target import Target
 from lantern.trees import (
     BUILTIN_TREES,
     STATIC_TREES,
@@ -608,15 +608,16 @@ def probe_tree(num_tokens: int, widths: Sequence[int] = DEFAULT_PROBE_WIDTHS) ->
 
 
 def record_rounds(
-    target: LlamaGenTarget,
+    target: Target,
     drafter: Drafter,
     cond: Tensor,
     generators: list[torch.Generator] | None,
     acceptance: Acceptance | None = None,
+    cond_mask: Tensor | None = None,
 ) -> tuple[list[RoundRecord], GenerationOutput]:
     """Run one ``generate`` with ``drafter`` wrapped in a :class:`RecordingDrafter`."""
     recorder = RecordingDrafter(drafter)
-    out = generate(target, cond, generators=generators, drafter=recorder, acceptance=acceptance)
+    out = generate(target, cond, generators=generators, drafter=recorder, acceptance=acceptance, cond_mask=cond_mask)
     return recorder.records, out
 
 
@@ -626,17 +627,22 @@ def calibration_labels(num_classes: int, count: int = 4) -> list[int]:
     return [i * num_classes // count for i in range(count)]
 
 
+def _calibration_conditions(stack: Stack, count: int = 4) -> list[Any]:
+    """Calibration conditions: labels spread over the classes, or the stack's measurement prompts."""
+    return calibration_labels(stack.num_classes, count) if stack.num_classes else stack.sample_conditions(count)
+
+
 # Calibration images use seeds of image indices from here on, so they never repeat the seeds of
 # the images a run then generates (image_seed(seed, 0..N-1)).
 CALIBRATION_SEED_OFFSET = 1_000_000
 
 
 def calibrate(
-    stack: ModelStack,
+    stack: Stack,
     method: str | MethodConfig,
     sampling: SamplingConfig,
     *,
-    labels: Sequence[int] | None = None,
+    labels: Sequence[Any] | None = None,
     seed: int = 0,
     batch_size: int = 1,
     widths: Sequence[int] = DEFAULT_PROBE_WIDTHS,
@@ -651,26 +657,25 @@ def calibrate(
     """
     from tqdm.auto import tqdm
 
-    from lantern.oracle import make_eagle_drafter
     from lantern.sampling import make_generators
 
     method_cfg = _method_config(method)
-    cfg = stack.target.config
-    labels = list(labels) if labels is not None else calibration_labels(cfg.num_classes)
+    labels = list(labels) if labels is not None else _calibration_conditions(stack)
     check(len(labels) >= 1, "calibration needs at least one label")
-    tree, choices = probe_tree(cfg.block_size, widths)
+    tree, choices = probe_tree(stack.num_tokens, widths)
     prepared = prepare_method(stack, replace(method_cfg, tree=tree), sampling, drafter_dir, proximity)
-    device = stack.target.device
+    conditions = stack.encode(labels)
     records: list[RoundRecord] = []
     for lo in tqdm(range(0, len(labels), batch_size), desc=f"calibrate {method_cfg.method}", disable=not progress,
                    leave=False):
-        chunk = torch.tensor(labels[lo : lo + batch_size], dtype=torch.long, device=device)
+        chunk = conditions.rows(lo, lo + batch_size)
         gens = make_generators([image_seed(seed, CALIBRATION_SEED_OFFSET + i) for i in range(lo, lo + len(chunk))],
-                               device)
+                               stack.device)
         assert prepared.drafter is not None
-        drafter, nodes = make_eagle_drafter(stack.target, prepared.drafter, sampling, tree)
-        target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=nodes)
-        got, _ = record_rounds(target, drafter, chunk, None if sampling.greedy else gens, prepared.acceptance)
+        target, drafter = prepared.parts()
+        assert drafter is not None
+        got, _ = record_rounds(target, drafter, chunk.cond, None if sampling.greedy else gens, prepared.acceptance,
+                               chunk.mask)
         records.extend(got)
     return AcceptanceModel.from_records(records, choices, method=method_cfg.method)
 
@@ -748,7 +753,7 @@ class DeviceProfile:
             ar_step_ms=self.ar_step_ms,
         )
 
-    def check_matches(self, stack: ModelStack, sampling: SamplingConfig, batch_size: int, what: str) -> None:
+    def check_matches(self, stack: Stack, sampling: SamplingConfig, batch_size: int, what: str) -> None:
         """Refuse a profile measured for another model shape, batch size or CFG setting."""
         shape = _model_shape(stack)
         check(dict(self.meta.get("model_shape", {})) == shape,
@@ -808,11 +813,9 @@ def load_profile(path: str | Path, what: str = "--profile") -> DeviceProfile:
     return DeviceProfile.from_dict(read_json(path, f"{what} file"), f"{what} {path}")
 
 
-def _model_shape(stack: ModelStack) -> dict[str, int | str]:
+def _model_shape(stack: Stack) -> dict[str, int | str]:
     # The precision is part of the shape: bf16 and fp32 forwards have different cost curves.
-    c = stack.target.config
-    return {"dim": c.dim, "n_layer": c.n_layer, "block_size": c.block_size, "vocab_size": c.vocab_size,
-            "dtype": str(stack.target.dtype).replace("torch.", "")}
+    return {**stack.model_shape(), "dtype": str(stack.dtype).replace("torch.", "")}
 
 
 def _device_string(device: torch.device) -> str:
@@ -897,7 +900,7 @@ class ProfileSettings:
 
 
 def measure_profile(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     settings: ProfileSettings | None = None,
     *,
@@ -929,7 +932,7 @@ def measure_profile(
     reps, warm = settings.repeats, 1
     v_pts, b_pts, f_pts = settings.verify_points(), settings.begin_points(), settings.feed_points()
     total = (reps + warm) * (len(v_pts) + len(b_pts) + len(f_pts)) + 1 + len(rules) * len(_overhead_trees(stack))
-    timer = _Timer(stack.target.device)
+    timer = _Timer(stack.device)
     with torch.no_grad(), tqdm(total=total, desc="profile", disable=not progress, leave=False) as bar:
         verify_ms = _measure_verify(stack, sampling, settings, v_pts, timer, reps, warm, bar)
         begin_ms, feed_ms = _measure_drafter(stack, str(drafter), sampling, settings, b_pts, f_pts, timer, reps, warm,
@@ -941,7 +944,7 @@ def measure_profile(
         )
         ar_ms, overhead = _measure_loop(stack, sampling, settings, rules, partial, bar, drafter_dir, proximity)
     meta = {
-        "device": _device_string(stack.target.device),
+        "device": _device_string(stack.device),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "machine": __import__("platform").machine(),
@@ -952,7 +955,7 @@ def measure_profile(
         "sampling": sampling.to_dict(),
         "streams": 2 if sampling.use_cfg else 1,
         "batch_size": settings.batch_size,
-        "prefix_tokens": stack.target.config.block_size // 2,
+        "prefix_tokens": stack.num_tokens // 2,
         "quick": q,
         "repeats": reps,
         "notes": "times are medians in ms after warm-up; ratios are relative to verify over 1 token; "
@@ -961,25 +964,25 @@ def measure_profile(
     return DeviceProfile(meta, tuple(v_pts), verify_ms, tuple(b_pts), begin_ms, tuple(f_pts), feed_ms, ar_ms, overhead)
 
 
-def _labels(stack: ModelStack, batch: int) -> Tensor:
-    n = stack.target.config.num_classes
-    return torch.tensor([i % n for i in range(batch)], dtype=torch.long, device=stack.target.device)
+def _conditions(stack: Stack, batch: int) -> Conditions:
+    return stack.encode(stack.sample_conditions(batch))
 
 
 def _measure_verify(
-    stack: ModelStack, sampling: SamplingConfig, settings: ProfileSettings, points: list[int],
+    stack: Stack, sampling: SamplingConfig, settings: ProfileSettings, points: list[int],
     timer: _Timer, reps: int, warm: int, bar: Any,
 ) -> tuple[float, ...]:
     """Target verify over n chain tokens after a committed prefix of half the image."""
-    cfg, device, b = stack.target.config, stack.target.device, settings.batch_size
-    prefix = max(cfg.block_size // 2, 1)
-    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=max(settings.max_tokens, prefix))
-    target.start(_labels(stack, b))
+    device, b, vocab = stack.device, settings.batch_size, stack.vocab_size
+    prefix = max(stack.num_tokens // 2, 1)
+    target = stack.make_target(sampling, max(settings.max_tokens, prefix))
+    cond = _conditions(stack, b)
+    target.start(cond.cond, cond.mask)
     gen = torch.Generator().manual_seed(settings.seed)
-    fill = torch.randint(cfg.vocab_size, (b, prefix), generator=gen).to(device)
+    fill = torch.randint(vocab, (b, prefix), generator=gen).to(device)
     target.verify(fill, *_chain(b, prefix, device))
     target.commit(torch.arange(prefix, device=device).expand(b, -1), torch.full((b,), prefix, device=device))
-    tokens = torch.randint(cfg.vocab_size, (b, settings.max_tokens), generator=gen).to(device)
+    tokens = torch.randint(vocab, (b, settings.max_tokens), generator=gen).to(device)
     chains = {n: _chain(b, n, device) for n in points}
     # verify() writes K/V past the committed length but does not advance it: repeats are identical.
     return _median_curve(points, lambda n: timer(lambda: target.verify(tokens[:, :n], *chains[n])), reps, warm, bar)
@@ -991,31 +994,30 @@ def _chain(b: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _measure_drafter(
-    stack: ModelStack, drafter_dir: str, sampling: SamplingConfig, settings: ProfileSettings, begin_pts: list[int],
+    stack: Stack, drafter_dir: str, sampling: SamplingConfig, settings: ProfileSettings, begin_pts: list[int],
     feed_pts: list[int], timer: _Timer, reps: int, warm: int, bar: Any,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """EagleBackend.begin over A new tokens and feed over E nodes, after half the image.
+    """The drafter's begin over A new tokens and feed over E nodes, after half the image.
 
     Each measurement restores the drafter cache's committed length afterwards, so every repeat
     sees the same prefix (the cache's K/V past that length are ignored by the masks)."""
-    from lantern.drafting import EagleBackend
-    from lantern.models.drafter import EagleDrafterModel
-
-    cfg, device, b = stack.target.config, stack.target.device, settings.batch_size
-    # In the target's precision, as prepare_method loads it for generation.
-    model = EagleDrafterModel.from_pretrained(drafter_dir).to(device, stack.target.dtype).eval()
-    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=1)
-    _, hidden0 = target.start(_labels(stack, b))
+    device, b, vocab = stack.device, settings.batch_size, stack.vocab_size
+    # Loaded and placed as prepare_method loads it for generation.
+    prepared = prepare_method(stack, MethodConfig.resolve("sd", "chain:1"), sampling, drafter_dir)
+    assert prepared.drafter is not None
+    target = stack.make_target(sampling, 1)
+    cond = _conditions(stack, b)
+    _, hidden0 = target.start(cond.cond, cond.mask)
     s = target.streams
-    prefix = max(cfg.block_size // 2, 1)
+    prefix = max(stack.num_tokens // 2, 1)
     width = max(max(begin_pts), prefix)
-    max_len = cfg.cls_token_num + cfg.block_size + width + max(feed_pts) + 8
-    backend = EagleBackend(model, target.lm_head, sampling, s, max_len)
+    backend = stack.draft_backend(prepared.drafter, prepared.drafter_head(target.lm_head), sampling, target,
+                                  width + max(feed_pts) + 8)
     gen = torch.Generator().manual_seed(settings.seed + 1)
-    backend.start(hidden0, torch.randint(cfg.vocab_size, (b,), generator=gen).to(device))
+    backend.start(hidden0, torch.randint(vocab, (b,), generator=gen).to(device))
     backend.begin()
-    feats = (torch.randn(s * b, width, cfg.dim, generator=gen) * 0.5).to(device, hidden0.dtype)
-    toks = torch.randint(cfg.vocab_size, (b, max(width, max(feed_pts))), generator=gen).to(device)
+    feats = (torch.randn(s * b, width, hidden0.shape[-1], generator=gen) * 0.5).to(device, hidden0.dtype)
+    toks = torch.randint(vocab, (b, max(width, max(feed_pts))), generator=gen).to(device)
     backend.commit(feats[:, :prefix], toks[:, :prefix], torch.full((b,), prefix, device=device))
     backend.begin()
     cache = getattr(backend, "cache", None)
@@ -1043,12 +1045,12 @@ def _measure_drafter(
     return begin_ms, feed_ms
 
 
-def _overhead_trees(stack: ModelStack) -> list[tuple[str, list[list[int]]]]:
+def _overhead_trees(stack: Stack) -> list[tuple[str, list[list[int]]]]:
     """Probe trees for the overhead fit: chains vary depth and size together, the star varies
     size at depth 1, so (fixed, per level, per node) are identifiable; a 26-node tree anchors the
     per-node term near the sizes the search considers (a slope fitted on <= 9 nodes alone is
     noisy, and the paper's trees have ~60)."""
-    max_depth = stack.target.config.block_size - 1
+    max_depth = stack.num_tokens - 1
     trees = [(f"chain:{n}", chain_choices(n)) for n in (1, 4, 8) if n <= max_depth]
     trees.append(("star:8", [[r] for r in range(8)]))
     if max_depth >= 5:
@@ -1057,11 +1059,11 @@ def _overhead_trees(stack: ModelStack) -> list[tuple[str, list[list[int]]]]:
 
 
 def _measure_loop(
-    stack: ModelStack, sampling: SamplingConfig, settings: ProfileSettings, rules: Sequence[str],
+    stack: Stack, sampling: SamplingConfig, settings: ProfileSettings, rules: Sequence[str],
     partial: CostModel, bar: Any, drafter_dir: str | None, proximity: str | None,
 ) -> tuple[float, dict[str, OverheadFit]]:
     """Real generations: plain AR (the per-step baseline) and the overhead trees per rule."""
-    cond = _labels(stack, settings.batch_size)
+    cond = _conditions(stack, settings.batch_size)
     gens = [image_seed(settings.seed, i) for i in range(settings.batch_size)]
     ar = prepare_method(stack, MethodConfig.resolve("ar"), sampling)
     _timed_run(ar, cond, gens, sampling)  # warm-up (kernels, allocator), not used
@@ -1085,14 +1087,14 @@ def _measure_loop(
 
 
 def _timed_run(
-    prepared: PreparedMethod, cond: Tensor, seeds: list[int], sampling: SamplingConfig
+    prepared: PreparedMethod, cond: Conditions, seeds: list[int], sampling: SamplingConfig
 ) -> tuple[float, GenerationOutput]:
     from lantern.sampling import make_generators
 
-    gens = make_generators(seeds, cond.device)
-    timer = _Timer(cond.device)
+    gens = make_generators(seeds, cond.cond.device)
+    timer = _Timer(cond.cond.device)
     out: list[GenerationOutput] = []
-    ms = timer(lambda: out.append(prepared.generate(cond, gens)))
+    ms = timer(lambda: out.append(prepared.generate(cond.cond, gens, cond_mask=cond.mask)))
     return ms, out[0]
 
 
@@ -1189,12 +1191,12 @@ def save_profile(profile: DeviceProfile, out: str | Path) -> tuple[Path, Path | 
 
 
 def choose_tree(
-    stack: ModelStack,
+    stack: Stack,
     method: str | MethodConfig,
     sampling: SamplingConfig,
     *,
     profile: DeviceProfile | str | Path | None = None,
-    calibration_labels: Sequence[int] | None = None,
+    calibration_labels: Sequence[Any] | None = None,
     seed: int = 0,
     batch_size: int = 1,
     max_drafts: int = DEFAULT_MAX_DRAFTS,
@@ -1225,14 +1227,14 @@ def choose_tree(
     t2 = time.perf_counter()
     max_drafts = min(max_drafts, profile.max_tokens - 1)
     choice = select_tree(acceptance, profile.cost_model(rule), method=method_cfg.method, max_drafts=max_drafts,
-                         max_depth=stack.target.config.block_size - 1)
+                         max_depth=stack.num_tokens - 1)
     choice = replace(choice, profile_seconds=t1 - t0, calibration_seconds=t2 - t1)
     choice.register()
     return choice
 
 
 def choose_trees(
-    stack: ModelStack,
+    stack: Stack,
     methods: Sequence[str],
     sampling: SamplingConfig,
     *,
@@ -1257,18 +1259,21 @@ def choose_trees(
 
 
 @dataclass
-class StackWithTrees(ModelStack):
+class StackWithTrees:
     """A stack whose :meth:`default_tree` answers from ``trees`` first, so code that asks the
-    stack for a method's tree (``lantern demo``) uses trees chosen at run time."""
+    stack for a method's tree (``lantern demo``) uses trees chosen at run time; everything else is
+    the wrapped stack's (any :class:`~lantern.stack.Stack`)."""
 
-    trees: Mapping[str, str] = field(default_factory=dict)
+    def __init__(self, stack: Stack, trees: Mapping[str, str]) -> None:
+        self.stack, self.trees = stack, dict(trees)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stack, name)
 
     def default_tree(self, method: str) -> str | None:
-        return self.trees.get(method) or super().default_tree(method)
+        return self.trees.get(method) or self.stack.default_tree(method)
 
 
-def with_trees(stack: ModelStack, trees: Mapping[str, str]) -> StackWithTrees:
-    import dataclasses
-
-    base = {f.name: getattr(stack, f.name) for f in dataclasses.fields(stack) if f.name != "trees"}
-    return StackWithTrees(**base, trees=dict(trees))
+def with_trees(stack: Stack, trees: Mapping[str, str]) -> StackWithTrees:
+    base = stack.stack if isinstance(stack, StackWithTrees) else stack
+    return StackWithTrees(base, trees)

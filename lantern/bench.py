@@ -37,8 +37,15 @@ from torch import Tensor
 
 from lantern.config import SamplingConfig
 from lantern.errors import LanternError, check
-from lantern.pipeline import LANTERN_METHODS, METHODS, SJD_METHODS, MethodConfig, RunResult, run_generation
-from lantern.stack import ModelStack
+from lantern.pipeline import (
+    LANTERN_METHODS,
+    METHODS,
+    SJD_METHODS,
+    MethodConfig,
+    RunResult,
+    run_conditions,
+)
+from lantern.stack import Conditions, ModelStack, Stack, labels_for
 from lantern.validate import MAX_IMAGES
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
@@ -48,6 +55,10 @@ CURVE_LAMBDAS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 SWEEP_LANTERN = {"k": (10, 50, 128), "delta": (0.05, 0.1, 0.2, 0.4)}
 SWEEP_LANTERN_PP = {"k": (5, 10, 50), "lam": (2.0, 3.0, 5.0, 10.0)}
 QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
+GRID_COLUMNS = 8  # images per grid row for stacks without classes
+# The AR images a stack without a data set is compared with use seeds of image indices from here
+# on, never those of the benchmarked images.
+REFERENCE_SEED_OFFSET = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class MethodSpec:
     def name(self) -> str:
         return self.label or self.method
 
-    def resolve(self, stack: ModelStack) -> MethodConfig:
+    def resolve(self, stack: Stack) -> MethodConfig:
         tree = self.tree if self.tree is not None else stack.default_tree(self.method)
         window = None if self.window == "auto" else self.window  # auto: the default, until resolve_auto_windows
         sjd = self.method in SJD_METHODS
@@ -145,7 +156,8 @@ class BenchRow:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "quality"}
-        d.update({k: self.quality.get(k) for k in QUALITY_KEYS})
+        # Every metric (None without quality), except class accuracy where the stack has no classes.
+        d.update({k: self.quality.get(k) for k in QUALITY_KEYS if k in self.quality or not self.quality})
         d.update({k: v for k, v in self.quality.items() if k not in QUALITY_KEYS})
         return d
 
@@ -158,13 +170,13 @@ class BenchResult:
     curves: dict[str, list[dict[str, float]]]  # "delta" / "lambda" -> [{value, mean_accepted}]
     sweep: list[BenchRow]
     codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
-    labels: list[int]
+    labels: list[Any]  # the images' conditions: labels, or prompts
     throughput: list[dict[str, Any]] = field(default_factory=list)  # per batch size and method
 
 
 def bench_labels(num_classes: int, n: int) -> list[int]:
     """Labels cycle through the classes, so every class is equally represented."""
-    return [i % num_classes for i in range(n)]
+    return labels_for(num_classes, n)
 
 
 def tree_label(method: MethodConfig) -> str:
@@ -181,11 +193,16 @@ def tree_label(method: MethodConfig) -> str:
     return t.spec
 
 
-QualityFn = Callable[[Tensor, list[int]], dict[str, Any]]  # (codes, labels) -> metrics
+QualityFn = Callable[[Tensor, list[Any]], dict[str, Any]]  # (codes, labels or prompts) -> metrics
+
+
+def _run(stack: Stack, conditions: Conditions, seed: int, sampling: SamplingConfig, cfg: MethodConfig,
+         batch_size: int) -> RunResult:
+    return run_conditions(stack, conditions, seed, sampling, cfg, batch_size)
 
 
 def run_bench(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     config: BenchConfig,
     quality: QualityFn | None,
@@ -199,14 +216,14 @@ def run_bench(
     picks trees per batch size); default: the latency rows' methods."""
     from tqdm.auto import tqdm
 
-    num_classes = stack.target.config.num_classes
-    labels = bench_labels(num_classes, config.num_images)
+    labels = stack.sample_conditions(config.num_images)
+    encoded = stack.encode(labels)
     resolved = {m.name: m.resolve(stack) for m in config.methods}
 
     # 1. Speed at the latency batch size (see time_methods).
-    speed_labels = labels[: config.speed_images]
     startup: dict[str, float] = {}
-    speed_runs, walls = time_methods(stack, sampling, resolved, speed_labels, config.seed, config.speed_batch_size,
+    speed = encoded.rows(0, config.speed_images)
+    speed_runs, walls = time_methods(stack, sampling, resolved, speed, config.seed, config.speed_batch_size,
                                      config.repeats, progress, compile=config.compile, startup=startup)
     ar_wall = statistics.median(walls["ar"])
 
@@ -218,7 +235,7 @@ def run_bench(
         if quality is None:
             r, scores = speed_runs[name], {}
         else:
-            r = run_generation(stack, labels, config.seed, sampling, cfg, config.batch_size)
+            r = _run(stack, encoded, config.seed, sampling, cfg, config.batch_size)
             scores = quality(r.codes, labels)
         codes[name] = r.codes.cpu()
         rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
@@ -229,13 +246,13 @@ def run_bench(
 
     ar_spread = None
     if config.ar_spread and quality is not None:
-        r2 = run_generation(stack, labels, config.seed + 1, sampling, resolved["ar"], config.batch_size)
+        r2 = _run(stack, encoded, config.seed + 1, sampling, resolved["ar"], config.batch_size)
         q2 = quality(r2.codes, labels)
         q1 = rows[[r.method for r in rows].index("ar")].quality
         ar_spread = {k: abs(float(q1[k]) - float(q2[k])) for k in QUALITY_KEYS if q1.get(k) is not None}
         ar_spread["seed"] = float(config.seed + 1)
 
-    curves = _curves(stack, sampling, config, resolved, labels, progress)
+    curves = _curves(stack, sampling, config, resolved, encoded, progress)
     sweep = []
     if config.sweep:
         check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
@@ -243,17 +260,17 @@ def run_bench(
         sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
     per_batch = throughput_methods or {}
     throughput = [point for batch in config.throughput_batch_sizes
-                  for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), labels, config,
+                  for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), encoded, config,
                                                   batch, progress)]
     meta = _meta(stack, sampling, config, resolved)
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
 
 
 def measure_throughput(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     resolved: Mapping[str, MethodConfig],
-    labels: list[int],
+    labels: Conditions,
     config: BenchConfig,
     batch_size: int,
     progress: bool = False,
@@ -261,7 +278,8 @@ def measure_throughput(
     """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
     max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
     n = max(config.speed_images, batch_size)
-    pool = [labels[i % len(labels)] for i in range(n)]
+    index = torch.tensor([i % len(labels) for i in range(n)], device=labels.cond.device)
+    pool = Conditions(labels.cond[index], None if labels.mask is None else labels.mask[index])
     _, walls = time_methods(stack, sampling, resolved, pool, config.seed, batch_size, config.repeats, progress,
                             compile=config.compile)
     ar_rate = n / statistics.median(walls["ar"])
@@ -274,10 +292,10 @@ def measure_throughput(
 
 
 def time_methods(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     resolved: Mapping[str, MethodConfig],
-    labels: list[int],
+    labels: Sequence[Any] | Conditions,
     seed: int,
     batch_size: int = 1,
     repeats: int = 1,
@@ -293,7 +311,8 @@ def time_methods(
     and any effect of running right after a particular method hit every method alike. Every
     method first decodes one untimed chunk of every chunk size the timing uses (allocator,
     kernels, lazy loads, and with ``compile`` the graphs of those shapes); ``startup`` (if given)
-    receives each method's untimed seconds, i.e. its start-up and compilation cost.
+    receives each method's untimed seconds, i.e. its start-up and compilation cost. ``labels``:
+    the images' conditions (labels or prompts), or already encoded (``Stack.encode``).
     """
     from tqdm.auto import tqdm
 
@@ -302,16 +321,17 @@ def time_methods(
 
     check(len(labels) >= 1 and batch_size >= 1 and repeats >= 1,
           f"time_methods needs labels, batch_size >= 1 and repeats >= 1 (got {len(labels)}, {batch_size}, {repeats})")
-    validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
-    device = stack.target.device
-    label_t = torch.tensor(labels, dtype=torch.long, device=device)
-    stack.target.check_labels(label_t)
+    validate_sampling_for_vocab(sampling, stack.vocab_size)
+    device = stack.device
+    cond = labels if isinstance(labels, Conditions) else stack.encode(labels)
     prepared = {name: prepare_method(stack, cfg, sampling, compile=compile) for name, cfg in resolved.items()}
     chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
     for name, parts in prepared.items():
         t0 = time.perf_counter()
         for size in sorted({hi - lo for lo, hi in chunks}):
-            parts.generate(label_t[:size], make_generators([image_seed(seed + 7, i) for i in range(size)], device))
+            warm = cond.rows(0, size)
+            parts.generate(warm.cond, make_generators([image_seed(seed + 7, i) for i in range(size)], device),
+                           cond_mask=warm.mask)
         if startup is not None:
             startup[name] = time.perf_counter() - t0
     names = list(prepared)
@@ -324,7 +344,8 @@ def time_methods(
                 for name in names[shift:] + names[:shift]:
                     gens = make_generators([image_seed(seed, i) for i in range(lo, hi)], device)
                     t0 = time.perf_counter()
-                    outputs[name][ci] = prepared[name].generate(label_t[lo:hi], gens)
+                    chunk = cond.rows(lo, hi)
+                    outputs[name][ci] = prepared[name].generate(chunk.cond, gens, cond_mask=chunk.mask)
                     walls[name][rep] += time.perf_counter() - t0
                     bar.update(1)
     runs = {
@@ -361,11 +382,11 @@ def _row(
 
 
 def _curves(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     config: BenchConfig,
     resolved: Mapping[str, MethodConfig],
-    labels: list[int],
+    labels: Conditions,
     progress: bool,
 ) -> dict[str, list[dict[str, float]]]:
     """tau against LANTERN's delta and LANTERN++'s lambda, with each method's tree (cheap: no
@@ -374,7 +395,7 @@ def _curves(
 
     if config.curve_images == 0:
         return {}
-    curve_labels = labels[: config.curve_images]
+    curve_labels = labels.rows(0, config.curve_images)
     jobs: list[tuple[str, float, MethodConfig]] = []
     by_base = {cfg.method: cfg for cfg in resolved.values()}
     if "lantern" in by_base:
@@ -389,7 +410,7 @@ def _curves(
         jobs += [("lambda", x, MethodConfig.resolve("lantern++", tree, lam=x, budget=budget)) for x in CURVE_LAMBDAS]
     out: dict[str, list[dict[str, float]]] = {}
     for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
-        r = run_generation(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
+        r = _run(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
         out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
     return out
 
@@ -400,7 +421,7 @@ def _budget_of(cfg: MethodConfig | None) -> str | None:
 
 
 def _sweep(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     config: BenchConfig,
     quality: QualityFn,
@@ -425,8 +446,9 @@ def _sweep(
         for lam in SWEEP_LANTERN_PP["lam"]:
             specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}",
                                     budget=pp_budget))
-    labels = bench_labels(stack.target.config.num_classes, config.sweep_images)
-    speed_labels = labels[: config.speed_images]
+    labels = stack.sample_conditions(config.sweep_images)
+    encoded = stack.encode(labels)
+    speed_labels = encoded.rows(0, config.speed_images)
     ar = resolved["ar"]
     rows = []
     sweep_config = replace(config, num_images=config.sweep_images)
@@ -436,13 +458,13 @@ def _sweep(
         _, walls = time_methods(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed,
                                 config.speed_batch_size)
         ar_ref, fast = walls["ar"][0], walls[spec.name][0]
-        r = run_generation(stack, labels, config.seed, sampling, cfg, config.batch_size)
+        r = _run(stack, encoded, config.seed, sampling, cfg, config.batch_size)
         rows.append(_row(spec.name, r, fast, ar_ref, sweep_config, quality(r.codes, labels)))
     return rows
 
 
 def _meta(
-    stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, resolved: Mapping[str, MethodConfig]
+    stack: Stack, sampling: SamplingConfig, config: BenchConfig, resolved: Mapping[str, MethodConfig]
 ) -> dict[str, Any]:
     return {
         "model": str(stack.root),
@@ -450,8 +472,8 @@ def _meta(
         "machine": machine_description(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "device": str(stack.target.device),
-        "dtype": str(stack.target.dtype).replace("torch.", ""),
+        "device": str(stack.device),
+        "dtype": str(stack.dtype).replace("torch.", ""),
         "sampling": sampling.to_dict(),
         "config": {k: v for k, v in asdict(config).items() if k != "methods"},
         "methods": {name: cfg.to_dict() for name, cfg in resolved.items()},
@@ -573,7 +595,7 @@ def markdown_report(result: BenchResult, command: str) -> str:
 
 
 def save_bench(
-    stack: ModelStack, result: BenchResult, out: str | os.PathLike[str], command: str
+    stack: Stack, result: BenchResult, out: str | os.PathLike[str], command: str
 ) -> Path:
     """bench.json (a list, one object per method), run.json (settings), bench.md and PNGs."""
     from lantern.io import atomic_path, ensure_writable_dir, write_json
@@ -598,17 +620,15 @@ def save_bench(
     return out
 
 
-def _save_grids(stack: ModelStack, result: BenchResult, out: Path, per_class: int = 4) -> None:
-    """grid_<method>.png: ``per_class`` rows, one column per class (same seeds in every grid)."""
+def _save_grids(stack: Stack, result: BenchResult, out: Path, per_class: int = 4) -> None:
+    """grid_<method>.png: ``per_class`` rows, one column per class (same seeds in every grid); for
+    prompt-conditioned stacks, ``per_class`` rows of ``GRID_COLUMNS`` images."""
     from lantern.images import image_grid, save_png
-    from lantern.models.vq import to_pil
 
-    num_classes = stack.target.config.num_classes
-    n = min(per_class * num_classes, len(result.labels))
+    columns = stack.num_classes or GRID_COLUMNS
+    n = min(per_class * columns, len(result.labels))
     for name, codes in result.codes.items():
-        with torch.no_grad():
-            images = to_pil(stack.tokenizer.decode(codes[:n].to(stack.target.device)))
-        save_png(image_grid(images, ncol=num_classes), out / f"grid_{_slug(name)}.png")
+        save_png(image_grid(stack.to_pil(codes[:n]), ncol=columns), out / f"grid_{_slug(name)}.png")
 
 
 def _slug(name: str) -> str:
@@ -739,23 +759,36 @@ def resolve_auto_windows(
 
 
 class QualityScorer:
-    """Decodes generated codes and scores them against a fixed real set (features extracted once)."""
+    """Decodes generated codes and scores them against a fixed reference set (features extracted
+    once): the stack's real images (its ``data.json``), or, for a stack without a data set (a t2i
+    or Chameleon folder), AR's own images at other seeds (``reference`` = ``"ar"``)."""
 
-    def __init__(self, stack: ModelStack, extractor: Any, real: Any, num_real: int, spec: str) -> None:
+    def __init__(self, stack: Stack, extractor: Any, real: Any, num_real: int, spec: str,
+                 reference: str = "data") -> None:
         self.stack, self.extractor, self.real, self.num_real, self.spec = stack, extractor, real, num_real, spec
+        self.reference = reference
 
     @classmethod
     def build(
-        cls, stack: ModelStack, spec: str | None, num_real: int, progress: bool = False
+        cls, stack: Stack, spec: str | None, num_real: int, progress: bool = False,
+        sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 25,
     ) -> QualityScorer:
+        """``sampling``: how AR reference images are generated when the stack has no data set."""
+        from lantern.evaluation import DATA_FILE
         from lantern.metrics import extract_features, load_feature_extractor, reference_images
 
         spec = spec or str(stack.root)
-        extractor = load_feature_extractor(spec, device=stack.target.device)
-        images, _ = reference_images(stack)
-        images = images[:num_real]  # the split's first items keep classes balanced
+        extractor = load_feature_extractor(spec, device=stack.device)
+        if (stack.root / DATA_FILE).is_file():
+            images, _ = reference_images(stack)
+            images, reference = images[:num_real], "data"  # the split's first items keep classes balanced
+        else:
+            check(sampling is not None, f"{stack.root} has no {DATA_FILE}: its reference images are AR samples, "
+                                        "which need the run's sampling settings")
+            assert sampling is not None
+            images, reference = ar_reference_images(stack, sampling, num_real, seed, batch_size, progress), "ar"
         real = extract_features(extractor, images, progress=progress, arg="real images")
-        return cls(stack, extractor, real, int(images.shape[0]), spec)
+        return cls(stack, extractor, real, int(images.shape[0]), spec, reference)
 
     @property
     def description(self) -> str:
@@ -763,25 +796,40 @@ class QualityScorer:
 
     @torch.no_grad()
     def images(self, codes: Tensor, batch_size: int = 100) -> Tensor:
-        tok = self.stack.tokenizer
-        parts = [tok.decode(codes[lo : lo + batch_size].to(self.stack.target.device)).float().cpu()
+        parts = [self.stack.decode(codes[lo : lo + batch_size]).float().cpu()
                  for lo in range(0, codes.shape[0], batch_size)]
         return torch.cat(parts)
 
-    def __call__(self, codes: Tensor, labels: list[int]) -> dict[str, Any]:
+    def __call__(self, codes: Tensor, labels: list[Any]) -> dict[str, Any]:
         from lantern.metrics import quality_metrics
 
-        q = quality_metrics(self.real, self.images(codes), torch.tensor(labels), self.extractor)
-        return {"fid": q.fid, "kid": q.kid_mean, "kid_std": q.kid_std, "precision": q.precision,
-                "recall": q.recall, "class_accuracy": q.class_accuracy, "feature_net": q.feature_net}
+        classes = torch.tensor(labels) if self.stack.num_classes else None
+        q = quality_metrics(self.real, self.images(codes), classes, self.extractor)
+        out = {"fid": q.fid, "kid": q.kid_mean, "kid_std": q.kid_std, "precision": q.precision,
+               "recall": q.recall, "class_accuracy": q.class_accuracy, "feature_net": q.feature_net}
+        if classes is None:  # no classes: no class accuracy
+            del out["class_accuracy"]
+        return out
 
     def meta(self) -> dict[str, Any]:
         return {"feature_net": self.description, "feature_net_spec": self.spec, "num_real": self.num_real,
-                "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description}
+                "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description,
+                "reference": self.reference}
+
+
+def ar_reference_images(stack: Stack, sampling: SamplingConfig, n: int, seed: int, batch_size: int,
+                        progress: bool = False) -> Tensor:
+    """``n`` AR images [n, C, H, W] of the stack's measurement conditions, at seeds no benchmarked
+    image uses: the reference set of stacks without a data set."""
+    conditions = stack.encode(stack.sample_conditions(n))
+    r = run_conditions(stack, conditions, seed + REFERENCE_SEED_OFFSET, sampling, MethodConfig.resolve("ar"),
+                       batch_size, progress)
+    with torch.no_grad():
+        return torch.cat([stack.decode(r.codes[lo : lo + 100]).float().cpu() for lo in range(0, n, 100)])
 
 
 def resolve_auto_trees(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     config: BenchConfig,
     profile: str | None = None,
@@ -834,10 +882,9 @@ def cmd_bench(args: Any) -> int:
     import shlex
     import sys
 
-    from lantern.api import sampling_from
+    from lantern.api import load_model_stack, sampling_from
     from lantern.compiling import resolve_compile
     from lantern.outputs import OutputFolder
-    from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_device
 
     t0 = time.perf_counter()
@@ -863,9 +910,8 @@ def cmd_bench(args: Any) -> int:
     check_device(args.device)
     out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
     torch.manual_seed(0)
-    stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
-    stack.target.to(args.device)
-    stack.tokenizer.to(args.device)
+    stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, layout=args.layout,
+                             image_size=args.image_size, vq=args.vq)
     sampling = sampling_from(stack, args)
     given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
@@ -877,10 +923,11 @@ def cmd_bench(args: Any) -> int:
         auto_trees[f"batch {batch}"] = chosen
     scorer = None
     if not args.no_quality:
-        scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress)
+        scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress,
+                                     sampling=sampling, seed=config.seed, batch_size=config.batch_size)
     print(f"bench {args.model} | {len(config.methods)} methods | quality on {config.num_images} images, "
           f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
-          f"{str(stack.target.dtype).replace('torch.', '')} on {args.device}")
+          f"{str(stack.dtype).replace('torch.', '')} on {args.device}")
     if scorer is not None:
         print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
     result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress,

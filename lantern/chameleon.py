@@ -24,30 +24,30 @@ is Chameleon-specific stays here:
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lantern.cache import KVCache
-from lantern.checks import check_tree_fits
+from lantern.cache import CachePool, KVCache
 from lantern.config import SamplingConfig
-from lantern.drafting import EagleBackend, TreeDrafter
+from lantern.drafting import DraftBackend, EagleBackend
 from lantern.errors import LanternError, check
-from lantern.generate import Drafter, GenerationOutput, generate
-from lantern.jacobi import JacobiDrafter, check_window_fits
+from lantern.generate import Acceptance, Drafter
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
-from lantern.pipeline import MethodConfig, RunResult, drafter_dtype, image_seed, load_acceptance
-from lantern.pjd import GridJacobiDrafter, check_pjd_fits, commit_cells, grid_verify_mask, kept_offsets
-from lantern.sampling import apply_cfg, make_generators, validate_sampling_for_vocab
-from lantern.stack import read_generation_settings
-from lantern.validate import check_batch_memory
+from lantern.pipeline import MethodConfig, PreparedMethod, RunResult, drafter_dtype, prepare_method, run_conditions
+from lantern.pjd import GridJacobiDrafter, commit_cells, grid_verify_mask, kept_offsets
+from lantern.sampling import apply_cfg
+from lantern.stack import Conditions, StackFolder, check_condition_kind, prompts_for
+from lantern.target import Target
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -73,6 +73,10 @@ class ChameleonTarget:
         self.sampling = sampling
         self.max_tree_nodes = max_tree_nodes
         self.streams = 2 if sampling.use_cfg else 1
+        # What the loop and the drafter read (code space: the image rows of the LM head).
+        self.vocab_size, self.hidden_size, self.lm_head = model.num_codes, model.hidden_size, model.image_head
+        self.num_tokens, self.device = layout.num_tokens, model.device
+        self.prefix_len = len(layout.prefix)  # positions ``start`` hands the drafter (the image prefix)
         self.cache: KVCache | None = None
         self.forwards = 0
         self.key_mask: Tensor | None = None  # [S*B, L] real prompt columns
@@ -90,33 +94,6 @@ class ChameleonTarget:
         self.prefill: tuple[Tensor, Tensor] | None = None  # (ids [S*B, L], hidden [S*B, L, D])
         self.node_hidden: Tensor | None = None  # [S*B, T, D]
         self.last_path: Tensor | None = None  # [B, W]
-
-    # -- properties the loop and the drafter read --------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.num_codes
-
-    @property
-    def hidden_size(self) -> int:
-        return self.model.hidden_size
-
-    @property
-    def num_tokens(self) -> int:
-        return self.layout.num_tokens
-
-    @property
-    def prefix_len(self) -> int:
-        """Positions ``start`` hands the drafter (the image prefix)."""
-        return len(self.layout.prefix)
-
-    @property
-    def lm_head(self) -> torch.nn.Linear:
-        return self.model.image_head
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
 
     # -- the three calls of the loop --------------------------------------------------------------
 
@@ -364,39 +341,93 @@ VQ_NAMES = ("vqgan.ckpt", "tokenizer/vqgan.ckpt")  # where a model folder may ho
 
 
 @dataclass
-class ChameleonStack:
-    """What ``lantern generate --model DIR`` loads for a Chameleon-family target."""
+class ChameleonStack(StackFolder):
+    """An Anole / Lumina-mGPT folder loaded: the :class:`~lantern.stack.Stack` for Chameleon targets.
 
-    root: Path
+    Conditions are prompts (the layout's template around the model's own tokenizer; CFG's
+    unconditional rows are the layout's guidance context, built by :class:`ChameleonTarget`),
+    images come from the VQGAN, drafters are lantern-trained EAGLE drafters with 1D RoPE or
+    LANTERN's released ones (``lantern.released_drafter``)."""
+
     model: ChameleonLM
     layout: ImageLayout
     vq: Any  # lantern.models.chameleon_vq.ChameleonVQGAN, or None when only codes are wanted
     tokenizer: Any  # a transformers tokenizer for the prompts
 
-    @property
-    def drafter_dir(self) -> Path | None:
-        d = self.root / "drafter"
-        return d if d.is_dir() else None
+    FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
-    @property
-    def proximity_file(self) -> Path | None:
-        f = self.root / "proximity.safetensors"
-        return f if f.is_file() else None
+    kind = "chameleon"
+    num_classes = None
+    num_tokens: int = field(init=False)  # image codes (the layout's)
+    grid_width: int = field(init=False)  # codes per image row (row-end tokens not counted)
+    vocab_size: int = field(init=False)  # the VQGAN's codes
 
-    def _generation(self) -> dict[str, Any]:
-        return read_generation_settings(self.root)
+    def __post_init__(self) -> None:
+        self.num_tokens, self.vocab_size = self.layout.num_tokens, self.model.num_codes
+        self.grid_width = self.layout.width
 
-    def default_sampling(self) -> dict[str, float]:
-        raw = self._generation()
-        return {k: raw.get(k, v) for k, v in DEFAULT_SAMPLING.items()}
-
-    def default_tree(self, method: str) -> str | None:
-        return self._generation().get("trees", {}).get(method)
+    def network(self) -> torch.nn.Module:
+        return self.model
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
         return [list(self.tokenizer(self.layout.format_prompt(p), add_special_tokens=False)["input_ids"])
                 for p in prompts]
+
+    def codebook(self) -> Tensor | None:
+        return None if self.vq is None else self.vq.codebook()
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.model.config
+        return {"family": "chameleon", "layout": self.layout.name, "dim": c.hidden_size,
+                "n_layer": c.num_hidden_layers, "block_size": self.layout.num_tokens, "vocab_size": self.vocab_size}
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        check(t5 is None, "--t5 is not used by Chameleon-family models (they read prompts with their own tokenizer)")
+        prompts = check_condition_kind(conditions, str, self.root)
+        ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout)
+        return Conditions(ids.to(self.device), mask.to(self.device))
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        return prompts_for(n)
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> ChameleonTarget:
+        check(compile is None, "--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+        return ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        probe = ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
+        return probe.cache_bytes(batch, conditions.cond.shape[1])
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        from lantern.released_drafter import load_chameleon_drafter
+
+        drafter = load_chameleon_drafter(path, self.model, self.layout)
+        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        """LANTERN's released drafters read the whole model sequence (row-end tokens included) through
+        the target; lantern's EAGLE drafters the image prefix's features, like LlamaGen's."""
+        if isinstance(drafter, ReleasedChameleonDrafter):
+            from lantern.released_drafter import ReleasedDrafterBackend
+
+            assert isinstance(target, ChameleonTarget)
+            return ReleasedDrafterBackend(drafter, head, sampling, target, 2 * slots)
+        context = len(self.layout.prefix) + self.layout.num_tokens + slots
+        return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.vq.decode_grid(codes.to(self.device), self.layout.height, self.layout.width)
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]:
+        from lantern.images import to_pil
+
+        return to_pil(self.decode(codes), "truncate")  # as Chameleon's _pil_from_chw_tensor
 
 
 def find_vq(root: Path, vq: str | os.PathLike[str] | None) -> Path:
@@ -449,20 +480,12 @@ def load_prompt_tokenizer(root: Path) -> Any:
 def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
     """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
     cfg = model.config
-    base: dict[str, Any] = dict(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        vocab_size=model.num_codes,
-        rms_norm_eps=cfg.rms_norm_eps,
-        target_cls_token_num=len(layout.prefix),
-        block_size=layout.num_tokens,
-        rope_base=float(_rope_theta(cfg)),
-        rope="1d",
-    )
-    base.update(overrides)
-    return DrafterConfig(**base)
+    # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
+    sizes = {name: getattr(cfg, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                     "num_key_value_heads", "rms_norm_eps")}
+    return DrafterConfig(**{**sizes, "vocab_size": model.num_codes, "target_cls_token_num": len(layout.prefix),
+                            "block_size": layout.num_tokens, "rope_base": float(_rope_theta(cfg)), "rope": "1d",
+                            **overrides})
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -491,61 +514,15 @@ def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: 
     check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
 
 
-def run_chameleon(
-    stack: ChameleonStack,
-    prompts: Sequence[str],
-    seed: int,
-    sampling: SamplingConfig,
-    method: MethodConfig,
-    batch_size: int = 8,
-    progress: bool = False,
-    drafter_dir: str | os.PathLike[str] | None = None,
-    proximity: str | os.PathLike[str] | None = None,
-    drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None,
-) -> RunResult:
-    """One image per prompt, ``batch_size`` at a time; image ``i`` uses ``image_seed(seed, i)``."""
-    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    validate_sampling_for_vocab(sampling, stack.model.num_codes)
-    lm, layout = stack.model, stack.layout
-    if method.pjd is not None:
-        check_pjd_fits(method.pjd, layout.height, layout.width)
-    if method.jacobi is not None:
-        check_window_fits(method.jacobi, layout.num_tokens)
-    elif method.tree.kind != "none" and drafter is None and method.pjd is None:
-        check_tree_fits(method.tree, layout.num_tokens)
-        path = drafter_dir or stack.drafter_dir
-        check(path is not None, f"--method {method.method} needs a drafter: pass --drafter DIR")
-        from lantern.released_drafter import load_chameleon_drafter
-
-        drafter = load_chameleon_drafter(path, lm, layout)
-    if drafter is not None:
-        drafter = drafter.to(lm.device, drafter_dtype(lm.dtype, lm.device)).eval()
-    codebook = None if stack.vq is None else stack.vq.codebook()
-    acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file, codebook, lm.device)
-    token_lists = stack.tokenize(prompts)
-    ids, mask = encode_prompts(token_lists, layout)
-    ids, mask = ids.to(lm.device), mask.to(lm.device)
-    batch = min(batch_size, len(prompts))
-    probe = ChameleonTarget(lm, layout, sampling, max_tree_nodes=resolved.tree.num_nodes)
-    check_batch_memory(probe.cache_bytes(batch, ids.shape[1]), batch, lm.device)
-    head = lm.image_head if drafter is None or drafter.dtype == lm.dtype else _head_copy(lm.image_head, drafter.dtype)
-    outputs: list[GenerationOutput] = []
-    start = time.perf_counter()
-    for lo in range(0, len(prompts), batch_size):
-        hi = min(lo + batch_size, len(prompts))
-        target, draft = _parts(lm, layout, sampling, resolved, drafter, head)
-        gens = make_generators([image_seed(seed, i) for i in range(lo, hi)], lm.device)
-        outputs.append(generate(target, ids[lo:hi], generators=gens, drafter=draft, acceptance=acceptance,
-                                cond_mask=mask[lo:hi], progress=progress))
-    wall = time.perf_counter() - start
-    return RunResult(codes=torch.cat([o.codes for o in outputs]), output_stats=outputs, wall_seconds=wall,
-                     method=resolved)
-
-
-def _head_copy(head: torch.nn.Linear, dtype: torch.dtype) -> torch.nn.Linear:
-    import copy
-
-    return copy.deepcopy(head).to(dtype)
+def run_chameleon(stack: ChameleonStack, prompts: Sequence[str], seed: int, sampling: SamplingConfig,
+                  method: MethodConfig, batch_size: int = 8, progress: bool = False,
+                  drafter_dir: str | os.PathLike[str] | None = None, proximity: str | os.PathLike[str] | None = None,
+                  drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None) -> RunResult:
+    """One image per prompt: the shared run path (``pipeline.run_conditions``) under the name
+    earlier releases exported; ``drafter``: an already loaded drafter instead of a folder."""
+    prepared = prepare_method(stack, method, sampling, drafter_dir, proximity, drafter=drafter)
+    return run_conditions(stack, stack.encode(prompts), seed, sampling, method, batch_size, progress,
+                          prepared=prepared)
 
 
 def _parts(
@@ -556,21 +533,10 @@ def _parts(
     drafter: EagleDrafterModel | ReleasedChameleonDrafter | None,
     head: torch.nn.Linear,
 ) -> tuple[ChameleonTarget, Drafter | GridJacobiDrafter | None]:
-    """A fresh target adapter and drafter for one batch (they hold per-batch caches)."""
-    tree = method.tree
-    if method.pjd is not None:  # PJD: R chains per round; verify_grid adds the new-line shadows
-        grid = GridJacobiDrafter(method.pjd, sampling, lm.num_codes, layout.num_tokens, width=layout.width)
-        return ChameleonTarget(lm, layout, sampling, max_tree_nodes=grid.num_nodes), grid
-    target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=tree.num_nodes)
-    if method.jacobi is not None:
-        return target, JacobiDrafter(method.jacobi, sampling, lm.num_codes, layout.num_tokens)
-    if drafter is None:
-        return target, None
-    if isinstance(drafter, ReleasedChameleonDrafter):  # LANTERN's released drafters read the whole sequence
-        from lantern.released_drafter import ReleasedDrafterBackend
-
-        released = ReleasedDrafterBackend(drafter, head, sampling, target, 2 * tree.drafter_slots)
-        return target, TreeDrafter(released, tree, sampling, lm.num_codes)
-    max_len = len(layout.prefix) + layout.num_tokens + tree.drafter_slots
-    backend = EagleBackend(drafter, head, sampling, target.streams, max_len)
-    return target, TreeDrafter(backend, tree, sampling, lm.num_codes)
+    """A fresh target adapter and drafter for one batch, as the shared run path builds them
+    (``PreparedMethod.parts``), for a bare model and layout (tests drive the loop with these)."""
+    stack = ChameleonStack(root=Path("."), model=lm, layout=layout, vq=None, tokenizer=None)
+    prepared = PreparedMethod(stack, method, sampling, drafter if method.tree.kind != "none" else None, Acceptance())
+    target, draft = prepared.parts(head)
+    assert isinstance(target, ChameleonTarget)
+    return target, draft

@@ -154,6 +154,29 @@ def _auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespac
     return choice
 
 
+MODEL_HELP = ("embedded preset (digits | photos), a LlamaGen c2i / t2i stack folder, an Anole / Lumina-mGPT "
+              "folder, or a Hugging Face repo id of one")
+
+
+def _add_chameleon_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
+    g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
+                   help="the model's image layout (default: \"layout\" in the folder's generation.json)")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
+    g.add_argument("--vq", default=None, metavar="CKPT",
+                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
+                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+
+
+def _load_tool_stack(args: argparse.Namespace, device: str = "cpu") -> Any:
+    """demo / bench / profile: the stack of any family (``lantern.load``) for ``--model``."""
+    from lantern.api import load_model_stack
+
+    return load_model_stack(args.model, device=device, dtype=args.dtype, layout=args.layout,
+                            image_size=args.image_size, vq=args.vq)
+
+
 def _add_budget_arg(p: argparse.ArgumentParser) -> None:
     from lantern.pipeline import BUDGETS, DEFAULT_BUDGET
 
@@ -190,14 +213,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--t5", default=None, metavar="DIR",
         help="text-to-image models: local T5 encoder folder (google/flan-t5-xl; default: t5/ inside --model)",
     )
-    g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
-    g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
-                   help="the model's image layout (default: \"layout\" in the folder's generation.json)")
-    g.add_argument("--image-size", type=int, default=None,
-                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
-    g.add_argument("--vq", default=None, metavar="CKPT",
-                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
-                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+    _add_chameleon_args(p)
     p.add_argument(
         "--num-per-label", "--num-per-prompt", dest="num_per_label", type=int, default=1,
         help="images per label or prompt (default 1)",
@@ -354,12 +370,10 @@ def _check_run_args(args: argparse.Namespace) -> OutputFolder:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lantern.api import decode_images, encode_prompts_t5, sampling_from, t5_folder
+    from lantern.api import sampling_from
     from lantern.autowindow import with_window
-    from lantern.models.chameleon import is_chameleon_folder
-    from lantern.pipeline import run_generation, run_generation_t2i
-    from lantern.stack import inference_dtype, load_stack
-    from lantern.validate import check_image_total, check_label_values
+    from lantern.pipeline import run_conditions
+    from lantern.validate import check_image_total
 
     _check_compile(args)
     out = _check_run_args(args)
@@ -367,58 +381,91 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
     _resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
-    if is_chameleon_folder(args.model):
-        if args.compile != "off":
-            raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
-        return _generate_chameleon(args, prompts, out)
-    for name in ("layout", "image_size", "vq"):
-        if getattr(args, name) is not None:
-            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
-                               "Lumina-mGPT)")
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
-    auto_window = _check_auto_window(args, "text-to-image" if prompts is not None else None)
-    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
-    _check_condition_kind(stack, args.model, prompts is not None)
-    if auto and prompts is not None:
-        raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
+    stack = _load_generate_stack(args, prompts is not None)
     method = _method(args, stack)
     sampling = sampling_from(stack, args)
-    t5_dir = t5_folder(stack, args.t5) if prompts is not None else None
-    stack.target.to(args.device)
-    stack.tokenizer.to(args.device)
-    run_kw: dict[str, Any] = dict(
-        seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
-        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity, compile=args.compile,
-    )
+    t5_dir = stack.t5_folder(args.t5) if stack.kind == "t2i" else None
+    conditions = prompts if prompts is not None else args.labels
+    encoded = stack.encode(conditions, args.num_per_label, args.batch_size, t5=t5_dir)
     auto_choice = window_choice = None
-    if prompts is not None:
-        assert t5_dir is not None
-        captions = encode_prompts_t5(stack, t5_dir, prompts, args.device, args.batch_size, args.num_per_label)
-        index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
-        names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-        conditions: dict[str, Any] = {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
-                                      "t5_max_length": stack.target.config.cls_token_num}
-        result = run_generation_t2i(stack, captions, **run_kw)
-    else:
-        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        check_label_values(labels, stack.target.config.num_classes)
-        if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
-            auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
-                                     args.drafter, args.proximity, not args.no_progress)
-            run_kw["method"] = _method(args, stack, auto_choice.tree_spec)
-        if auto_window:  # time the candidate windows, then run with the fastest
-            window_choice = _auto_window(stack, method, sampling, args)
-            run_kw["method"] = with_window(method, window_choice.window)
-        names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
-        conditions = {"labels": labels}
-        result = run_generation(stack, labels, **run_kw)
-    images = decode_images(stack, result.codes)
-    run = _run_record(args, len(names), sampling, result, conditions)
+    if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
+        auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                                 args.drafter, args.proximity, not args.no_progress)
+        method = _method(args, stack, auto_choice.tree_spec)
+    if _check_auto_window(args, _auto_window_refusal(stack)):
+        window_choice = _auto_window(stack, method, sampling, args)  # time the candidate windows
+        method = with_window(method, window_choice.window)
+    result = run_conditions(stack, encoded, args.seed, sampling, method, args.batch_size, not args.no_progress,
+                            args.drafter, args.proximity, args.compile)
+    names, record = _condition_record(stack, args, prompts, t5_dir)
+    run = _run_record(args, len(names), sampling, result, record)
     if auto_choice is not None:
         run["auto_tree"] = auto_choice.to_dict()
     if window_choice is not None:
         run["auto_window"] = window_choice.to_dict()
-    return _write_run(out, images, names, args.num_per_label, result.codes, run)
+    return _write_run(out, stack.to_pil(result.codes), names, args.num_per_label, result.codes, run)
+
+
+def _auto_window_refusal(stack: Any) -> str | None:
+    """What kind of model ``--sjd-window auto`` / ``--pjd-window auto`` cannot calibrate (it times
+    class-label runs), or None."""
+    return {"t2i": "text-to-image", "chameleon": "Chameleon-family"}.get(stack.kind)
+
+
+def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
+    """generate's stack (any family) for ``--model``, with the family's flags checked first."""
+    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.stack import inference_dtype, load_stack
+
+    if is_chameleon_folder(args.model):
+        return _load_chameleon_for_generate(args, text)
+    for name in ("layout", "image_size", "vq"):
+        if getattr(args, name) is not None:
+            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
+                               "Lumina-mGPT)")
+    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
+    _check_condition_kind(stack, args.model, text)
+    stack.target.to(args.device)
+    stack.tokenizer.to(args.device)
+    return stack
+
+
+def _load_chameleon_for_generate(args: argparse.Namespace, text: bool) -> Any:
+    """An Anole / Lumina-mGPT folder: prompts only, its own tokenizer, images through the VQGAN."""
+    from lantern.chameleon import load_chameleon_stack
+    from lantern.stack import inference_dtype
+
+    root = Path(args.model)
+    if args.compile != "off":
+        raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+    if not text:
+        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
+    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
+                               "tokenizer, and decode with --vq)")
+    _check_auto_window(args, "Chameleon-family")
+    layout = _chameleon_layout(args, root)
+    return load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+
+
+def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,
+                      t5_dir: Path | None) -> tuple[list[str], dict[str, Any]]:
+    """The images' file names and what run.json records of their conditions (labels, or prompts with
+    the T5 folder / the Chameleon layout)."""
+    if prompts is None:
+        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
+        return [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
+    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
+    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
+    if stack.kind == "chameleon":
+        layout = stack.layout
+        info = {"name": layout.name, "height": layout.height, "width": layout.width,
+                "pixel_size": list(layout.pixel_size)}
+        return names, {"layout": info, "prompts": prompts, "prompt_index": index}
+    return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
+                   "t5_max_length": stack.target.config.cls_token_num}
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
@@ -431,39 +478,6 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
         raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
                            "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
     return chameleon_layout(root, args.layout, args.image_size)
-
-
-def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder) -> int:
-    """``generate`` for Anole / Lumina-mGPT folders: prompts only, images through the VQGAN."""
-    from lantern.api import decode_images, sampling_from
-    from lantern.chameleon import load_chameleon_stack, run_chameleon
-    from lantern.stack import inference_dtype
-
-    root = Path(args.model)
-    if prompts is None:
-        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
-    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
-        if value is not None:
-            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
-                               "tokenizer, and decode with --vq)")
-    if args.tree == "auto":
-        raise LanternError("--tree auto calibrates on class labels; pass a --tree for Chameleon-family models")
-    _check_auto_window(args, "Chameleon-family")
-    layout = _chameleon_layout(args, root)
-    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
-    method = _method(args, stack)
-    sampling = sampling_from(stack, args)
-    all_prompts = [p for p in prompts for _ in range(args.num_per_label)]
-    result = run_chameleon(stack, all_prompts, args.seed, sampling, method, args.batch_size,
-                           not args.no_progress, args.drafter, args.proximity)
-    images = decode_images(stack, result.codes)
-    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
-    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
-                   "pixel_size": list(layout.pixel_size)}
-    conditions = {"layout": layout_info, "prompts": prompts, "prompt_index": index}
-    run = _run_record(args, len(names), sampling, result, conditions)
-    return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
 def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int, codes: Any,
@@ -570,7 +584,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="AR vs LANTERN++ / LANTERN on an embedded model: speed-up table and image grid",
         description="Decode the same labels and seeds with every method, timed side by side in this process.",
     )
-    p.add_argument("--model", default="digits", help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--model", default="digits", help=MODEL_HELP)
     p.add_argument("--methods", default="ar,lantern++,lantern,sd",
                    help="comma-separated methods, ar first (default ar,lantern++,lantern,sd)")
     p.add_argument("--num-images", type=int, default=None, help="images per method (default: one per class)")
@@ -594,6 +608,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
+    _add_chameleon_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -639,7 +654,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.pipeline import METHODS
 
     _check_compile(args)
-    from lantern.stack import inference_dtype, load_stack
+    from lantern.demo import DEMO_PROMPT_IMAGES
     from lantern.validate import MAX_IMAGES, check_count
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -652,9 +667,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     torch.manual_seed(0)
-    stack = load_stack(args.model, dtype=inference_dtype(args.dtype))
+    stack = _load_tool_stack(args)
     sampling = sampling_from(stack, args)
-    n = stack.target.config.num_classes if args.num_images is None else args.num_images
+    n = (stack.num_classes or DEMO_PROMPT_IMAGES) if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
     if args.tree is not None:
@@ -701,7 +716,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "network trained by lantern on the preset's images (not Inception FIDs)."
         ),
     )
-    p.add_argument("--model", default="photos", help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--model", default="photos", help=MODEL_HELP)
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
                    help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
                         "METHOD/KEY=VALUE... a row with those settings (keys k, delta, lambda, budget; coupling for "
@@ -739,6 +754,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
+    _add_chameleon_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -757,7 +773,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
         "feeds, and the decoding loop's per-round overhead, with the model's sampling settings. Writes "
         "OUT/profile.json (pass it to --profile) and OUT/verify_cost.png.",
     )
-    p.add_argument("--model", required=True, help="embedded preset (digits | photos) or a stack folder")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--batch-size", type=int, default=1, help="rows decoded together (default 1)")
     p.add_argument("--max-tokens", type=int, default=64, help="largest tree verified, root included (default 64)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per point; the median is kept (default 5)")
@@ -776,6 +792,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     add_trust_checkpoint_arg(p)
     _add_compile_arg(p)
+    _add_chameleon_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_profile)
 
@@ -784,7 +801,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.api import sampling_from
     from lantern.autotree import ProfileSettings, format_profile, measure_profile, save_profile
     from lantern.outputs import OutputFolder
-    from lantern.stack import inference_dtype, load_stack
     from lantern.validate import check_device
 
     _check_compile(args)
@@ -792,10 +808,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                quick=args.quick, seed=args.seed)
     check_device(args.device)
     out = OutputFolder.check(args.out, "--out", args.overwrite)
-    stack = load_stack(args.model, dtype=inference_dtype(args.dtype, args.device))
-    stack.target.to(args.device)
+    stack = _load_tool_stack(args, args.device)
     sampling = sampling_from(stack, args)
     if args.trace is not None:
+        if stack.kind != "c2i":
+            raise LanternError(f"--trace traces class-label runs; {args.model} is a {stack.kind} model")
         from lantern.roundtrace import cmd_trace
 
         return cmd_trace(args, stack, sampling, out)

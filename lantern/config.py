@@ -7,9 +7,10 @@ offending field, so a bad value fails where the user typed it and not deep insid
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from functools import cached_property
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, Self, get_args
 
 from lantern.errors import check
 
@@ -255,3 +256,22 @@ class TreeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class DictConfig:
+    """``to_dict`` / ``from_dict`` of a frozen config dataclass saved as JSON: tuples are written as
+    lists and read back as tuples; an unknown key is an error (a typo, or another model's config)."""
+
+    CONFIG_NAME: ClassVar[str] = "config"  # how errors name it ("VQ config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        """Build from :meth:`to_dict` output."""
+        check(isinstance(d, Mapping), f"{cls.CONFIG_NAME} must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - known)
+        check(not unknown, f"unknown {cls.CONFIG_NAME} keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

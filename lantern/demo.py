@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image, ImageDraw
 
 from lantern.api import resolve_method
@@ -24,11 +23,11 @@ from lantern.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, write_json
-from lantern.models.vq import to_pil
 from lantern.pipeline import RELAXED_RULE, RunResult
-from lantern.stack import ModelStack
+from lantern.stack import Stack
 
 DEFAULT_METHODS = ("ar", "lantern++", "lantern", "sd")
+DEMO_PROMPT_IMAGES = 4  # default image count for stacks without classes (one per label otherwise)
 
 
 @dataclass
@@ -46,12 +45,8 @@ class MethodTiming:
                 "speedup_vs_ar": round(self.speedup_vs_ar, 3), "resolved": self.result.method.to_dict()}
 
 
-def demo_labels(num_classes: int, num_images: int) -> list[int]:
-    return [i % num_classes for i in range(num_images)]
-
-
 def run_demo(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     methods: tuple[str, ...] = DEFAULT_METHODS,
     num_images: int = 8,
@@ -67,7 +62,7 @@ def run_demo(
     check("ar" in methods, "--methods must include ar (the speed-up baseline)")
     check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
-    labels = demo_labels(stack.target.config.num_classes, num_images)
+    labels = stack.sample_conditions(num_images)
     # --lantern-budget applies to the relaxed methods only
     settings = settings or {}
     configs = {m: resolve_method(stack, m, lantern_budget=budget if m in RELAXED_RULE else None, **settings.get(m, {}))
@@ -76,7 +71,7 @@ def run_demo(
     from lantern.bench import time_methods  # methods take turns image by image (drift-proof)
 
     results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress,
-                                  compile=resolve_compile(compile, stack.target.device))
+                                  compile=resolve_compile(compile, stack.device))
     ar_wall = statistics.median(walls["ar"])
     out = []
     for m in methods:
@@ -98,12 +93,11 @@ def format_table(rows: list[MethodTiming]) -> str:
     return "\n".join(lines)
 
 
-def comparison_grid(stack: ModelStack, rows: list[MethodTiming], scale: int = 2) -> Image.Image:
+def comparison_grid(stack: Stack, rows: list[MethodTiming], scale: int = 2) -> Image.Image:
     """One row per method (same labels and seeds across a column), method names on the left."""
     strips = []
     for r in rows:
-        with torch.no_grad():
-            images = to_pil(stack.tokenizer.decode(r.result.codes.to(stack.target.device)))
+        images = stack.to_pil(r.result.codes)
         images = [im.convert("RGB").resize((im.width * scale, im.height * scale), Image.Resampling.NEAREST)
                   for im in images]
         strips.append(image_grid(images, ncol=len(images)))
@@ -120,7 +114,7 @@ def comparison_grid(stack: ModelStack, rows: list[MethodTiming], scale: int = 2)
     return canvas
 
 
-def save_demo(stack: ModelStack, rows: list[MethodTiming], out: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
+def save_demo(stack: Stack, rows: list[MethodTiming], out: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
     out = ensure_writable_dir(out, "--out")
     save_png(comparison_grid(stack, rows), out / "demo_grid.png")
     write_json(out / "demo.json", {**meta, "results": [r.row() for r in rows]})

@@ -1,4 +1,5 @@
-"""Image output helpers: grids and atomic PNG writes."""
+"""Image output helpers: codes' pixels to PIL images (one ``to_pil`` for every model family),
+grids and atomic PNG writes."""
 
 from __future__ import annotations
 
@@ -6,9 +7,32 @@ import math
 import os
 from collections.abc import Sequence
 
+import torch
 from PIL import Image
+from torch import Tensor
 
+from lantern.errors import check
 from lantern.io import atomic_path
+
+ROUNDINGS = ("half_up", "truncate")
+
+
+def to_pil(images: Tensor, rounding: str = "half_up") -> list[Image.Image]:  # [B, C, H, W] in ~[-1, 1]
+    """PIL images (mode L for one channel, RGB for three) of ``clamp((x+1)/2, 0, 1) * 255``.
+
+    ``rounding``: ``half_up`` (``floor(v + 0.5)``, as torchvision's ``save_image`` and so
+    LlamaGen's samples) or ``truncate`` (a plain uint8 cast, as Chameleon's ``_pil_from_chw_tensor``).
+    """
+    check(rounding in ROUNDINGS, f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+    check(images.ndim == 4 and images.shape[1] in (1, 3),
+          f"images must be [B, 1 or 3, H, W], got {tuple(images.shape)}")
+    x = ((images.detach().float().cpu() + 1.0) / 2.0).clamp(0.0, 1.0)
+    offset = 0.5 if rounding == "half_up" else 0.0
+    pixels = (x * 255.0 + offset).floor().clamp(0, 255).to(torch.uint8)  # [B, C, H, W]
+    pixels = pixels.permute(0, 2, 3, 1).numpy()  # [B, H, W, C]
+    if images.shape[1] == 1:
+        return [Image.fromarray(p[..., 0]) for p in pixels]
+    return [Image.fromarray(p) for p in pixels]
 
 
 def image_grid(images: Sequence[Image.Image], ncol: int | None = None, pad: int = 2) -> Image.Image:

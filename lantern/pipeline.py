@@ -31,7 +31,7 @@ window (each open row's chain), and the loop runs its grid round for them.
 from __future__ import annotations
 
 import copy
-import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -42,7 +42,7 @@ from torch import Tensor
 from lantern.cache import CachePool
 from lantern.compiling import resolve_compile
 from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
-from lantern.drafting import EagleBackend, TreeDrafter
+from lantern.drafting import TreeDrafter
 from lantern.errors import check
 from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
 from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
@@ -57,10 +57,10 @@ from lantern.pjd import (
     grid_chains,
 )
 from lantern.sampling import make_generators, validate_sampling_for_vocab
-from lantern.stack import ModelStack
-from lantern.target import LlamaGenTarget
+from lantern.stack import Conditions, ModelStack, Stack
+from lantern.target import Target
 from lantern.text import Captions
-from lantern.validate import check_batch_memory, check_label_values
+from lantern.validate import check_batch_memory
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
 SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
@@ -279,7 +279,7 @@ class RunResult:
 
 
 def run_generation(
-    stack: ModelStack,
+    stack: Stack,
     labels: list[int],
     seed: int,
     sampling: SamplingConfig,
@@ -291,104 +291,95 @@ def run_generation(
     compile: str | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
-    check_label_values(labels, stack.target.config.num_classes)
-    label_t = torch.tensor(labels, dtype=torch.long, device=stack.target.device)
-    stack.target.check_labels(label_t)
-    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
-                        compile)
+    return run_conditions(stack, stack.encode(labels), seed, sampling, method, batch_size, progress, drafter_dir,
+                          proximity, compile)
 
 
-def run_generation_t2i(
-    stack: ModelStack,
-    captions: Captions,
+def run_generation_t2i(stack: ModelStack, captions: Captions, seed: int, sampling: SamplingConfig,
+                       method: MethodConfig, batch_size: int = 8, progress: bool = False,
+                       drafter_dir: str | None = None, proximity: str | None = None,
+                       compile: str | None = None) -> RunResult:
+    """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
+    at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
+    return run_conditions(stack, stack.from_captions(captions), seed, sampling, method, batch_size, progress,
+                          drafter_dir, proximity, compile)
+
+
+def run_conditions(
+    stack: Stack,
+    conditions: Conditions,  # from stack.encode: labels, captions or prompt ids of every image
     seed: int,
     sampling: SamplingConfig,
     method: MethodConfig,
     batch_size: int = 8,
     progress: bool = False,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    drafter_dir: str | os.PathLike[str] | None = None,
+    proximity: str | os.PathLike[str] | None = None,
     compile: str | None = None,
+    prepared: PreparedMethod | None = None,
 ) -> RunResult:
-    """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
-    at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
-    cfg = stack.target.config
-    check(cfg.model_type == "t2i", "this target is class-conditional: generate it from labels, not captions")
-    expected = (cfg.cls_token_num, cfg.caption_dim)
-    check(
-        tuple(captions.embeddings.shape[1:]) == expected,
-        f"captions are {tuple(captions.embeddings.shape)}, the target expects [N, {expected[0]}, {expected[1]}] "
-        f"(T5 max_length = the target's cls_token_num, T5 d_model = its caption_dim)",
-    )
-    device, dtype = stack.target.device, stack.target.dtype
-    cond = captions.embeddings.to(device=device, dtype=dtype)
-    mask = captions.mask.to(device=device, dtype=torch.bool)
-    return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
-                        compile)
-
-
-def _run_batches(
-    stack: ModelStack,
-    cond: Tensor,  # [num_images] labels or [num_images, cls, C] captions
-    cond_mask: Tensor | None,  # [num_images, cls] caption mask (t2i)
-    seed: int,
-    sampling: SamplingConfig,
-    method: MethodConfig,
-    batch_size: int,
-    progress: bool,
-    drafter_dir: str | None,
-    proximity: str | None,
-    compile: str | None = None,
-) -> RunResult:
-    validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
+    """The one run path of every stack: ``batch_size`` rows at a time, image ``i`` seeded with
+    ``image_seed(seed, i)`` (so batching never changes an image). ``prepared``: the method already
+    loaded (:func:`prepare_method`), instead of loading it from ``drafter_dir`` / ``proximity``."""
+    validate_sampling_for_vocab(sampling, stack.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
-    _check_batch_fits(stack, parts.method, sampling, min(batch_size, cond.shape[0]))
+    parts = prepared or prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
+    batch = min(batch_size, len(conditions))
+    nbytes = stack.cache_bytes(sampling, verify_nodes(parts.method, stack), conditions, batch)
+    check_batch_memory(nbytes, batch, stack.device)  # before the cache is allocated
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
-    for lo in range(0, cond.shape[0], batch_size):
-        chunk = cond[lo : lo + batch_size]
-        mask = None if cond_mask is None else cond_mask[lo : lo + batch_size]
-        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], stack.target.device)
-        outputs.append(parts.generate(chunk, gens, progress, cond_mask=mask))
+    for lo in range(0, len(conditions), batch_size):
+        chunk = conditions.rows(lo, lo + batch_size)
+        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], stack.device)
+        outputs.append(parts.generate(chunk.cond, gens, progress, cond_mask=chunk.mask))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
 
 
-def _check_batch_fits(stack: ModelStack, method: MethodConfig, sampling: SamplingConfig, batch: int) -> None:
-    """The target's key/value cache for ``batch`` images (as :class:`LlamaGenTarget` sizes it)
-    must fit in the device's free memory; checked before it is allocated."""
-    nodes = method.tree.num_nodes
-    if method.pjd is not None:  # R chains of the window per round
-        row = math.isqrt(stack.target.config.block_size)
-        nodes *= grid_chains(method.pjd.window, method.pjd.context, row, row)
-    target = LlamaGenTarget(stack.target, sampling, max_tree_nodes=nodes)
-    check_batch_memory(target.cache_bytes(batch), batch, stack.target.device)
-
-
 @dataclass
 class PreparedMethod:
-    """Everything loaded once per run: the target, the drafter weights, the acceptance rule."""
+    """Everything loaded once per run: the drafter weights and the acceptance rule of a stack."""
 
-    stack: ModelStack
+    stack: Stack
     method: MethodConfig
     sampling: SamplingConfig
-    drafter: EagleDrafterModel | None
+    drafter: torch.nn.Module | None
     acceptance: Acceptance
     compile: str | None = None  # a lantern.compiling mode; None = eager
     _head_copy: torch.nn.Linear | None = field(default=None, repr=False)
     # Caches reused image after image (fixed addresses for CUDA graphs, no allocation per image).
     _caches: CachePool = field(default_factory=CachePool, repr=False)
 
-    def _drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
+    def drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
         """The target's lm_head in the drafter's precision (a copy, made once, when they differ)."""
         assert self.drafter is not None
-        if lm_head.weight.dtype == self.drafter.dtype:
+        dtype = next(self.drafter.parameters()).dtype
+        if lm_head.weight.dtype == dtype:
             return lm_head
         if self._head_copy is None:
-            self._head_copy = copy.deepcopy(lm_head).to(self.drafter.dtype)
+            self._head_copy = copy.deepcopy(lm_head).to(dtype)
         return self._head_copy
+
+    def parts(self, head: torch.nn.Linear | None = None) -> tuple[Target, Drafter | GridJacobiDrafter | None]:
+        """A fresh target adapter and drafter for one batch (they hold per-batch state); ``head``:
+        the drafter's lm_head (default: the target's, in the drafter's precision)."""
+        tree, stack = self.method.tree, self.stack
+        if self.method.pjd is not None:  # PJD: a chain per open image row, R of them per round
+            grid = GridJacobiDrafter(self.method.pjd, self.sampling, stack.vocab_size, stack.num_tokens,
+                                     width=stack.grid_width)
+            return stack.make_target(self.sampling, grid.num_nodes, compile=self.compile,
+                                     cache_pool=self._caches), grid
+        target = stack.make_target(self.sampling, tree.num_nodes, compile=self.compile, cache_pool=self._caches)
+        if self.method.jacobi is not None:
+            return target, JacobiDrafter(self.method.jacobi, self.sampling, stack.vocab_size, stack.num_tokens)
+        if self.drafter is None:
+            return target, None
+        head = head if head is not None else self.drafter_head(target.lm_head)
+        backend = stack.draft_backend(self.drafter, head, self.sampling, target, tree.drafter_slots,
+                                      compile=self.compile, cache_pool=self._caches)
+        return target, TreeDrafter(backend, tree, self.sampling, stack.vocab_size, compile=self.compile)
 
     def generate(
         self,
@@ -397,80 +388,56 @@ class PreparedMethod:
         progress: bool = False,
         cond_mask: Tensor | None = None,
     ) -> GenerationOutput:
-        """cond: labels [B] or captions [B, cls, C]; cond_mask: the captions' mask [B, cls] (t2i)."""
-        tree = self.method.tree
-        target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=tree.num_nodes, compile=self.compile,
-                                cache_pool=self._caches)
-        drafter: Drafter | GridJacobiDrafter | None = None
-        if self.method.pjd is not None:  # PJD: a chain per open row, R of them per round
-            cfg = self.stack.target.config
-            drafter = GridJacobiDrafter(self.method.pjd, self.sampling, cfg.vocab_size, cfg.block_size)
-            nodes = drafter.num_nodes
-            target = LlamaGenTarget(self.stack.target, self.sampling, max_tree_nodes=nodes, compile=self.compile,
-                                    cache_pool=self._caches)
-        elif self.method.jacobi is not None:
-            cfg = self.stack.target.config
-            drafter = JacobiDrafter(self.method.jacobi, self.sampling, cfg.vocab_size, cfg.block_size)
-        elif self.drafter is not None:
-            cfg = self.stack.target.config
-            backend = EagleBackend(
-                self.drafter,
-                self._drafter_head(target.lm_head),
-                self.sampling,
-                target.streams,
-                cfg.cls_token_num + cfg.block_size + tree.drafter_slots,
-                compile=self.compile,
-                cache_pool=self._caches,
-            )
-            drafter = TreeDrafter(backend, tree, self.sampling, cfg.vocab_size, compile=self.compile)
-        return generate(
-            target,
-            cond,
-            generators=generators,
-            drafter=drafter,
-            acceptance=self.acceptance,
-            cond_mask=cond_mask,
-            progress=progress,
-            compile=self.compile,
-        )
+        """cond: one batch of ``Stack.encode``'s conditions (labels [B], captions [B, cls, C] or
+        prompt ids [B, L]); cond_mask: their mask (captions, prompts)."""
+        target, drafter = self.parts()
+        return generate(target, cond, generators=generators, drafter=drafter, acceptance=self.acceptance,
+                        cond_mask=cond_mask, progress=progress, compile=self.compile)
+
+
+def verify_nodes(method: MethodConfig, stack: Stack) -> int:
+    """Tokens per verify forward, root included: what a target's cache leaves room for."""
+    if method.pjd is None:
+        return method.tree.num_nodes
+    width = stack.grid_width  # PJD verifies R chains of a window each
+    return method.tree.num_nodes * grid_chains(method.pjd.window, method.pjd.context, width,
+                                               stack.num_tokens // width)
 
 
 def prepare_method(
-    stack: ModelStack,
+    stack: Stack,
     method: MethodConfig,
     sampling: SamplingConfig,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    drafter_dir: str | os.PathLike[str] | None = None,
+    proximity: str | os.PathLike[str] | None = None,
     compile: str | None = None,
+    drafter: torch.nn.Module | None = None,
 ) -> PreparedMethod:
-    """Load the drafter and proximity table a method needs, checking they fit the target.
+    """Load the drafter (unless ``drafter`` is given) and proximity table a method needs, checking
+    they fit the target.
 
     compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.compiling``): the
     target step, the drafter steps and the acceptance run compiled, AR included.
     """
-    from lantern.checks import check_drafter_matches_target, check_tree_fits
+    from lantern.checks import check_tree_fits
 
-    drafter = None
     if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
-        check_window_fits(method.jacobi, stack.target.config.block_size)
+        check_window_fits(method.jacobi, stack.num_tokens)
     elif method.pjd is not None:  # PJD likewise, on the image grid
-        grid = math.isqrt(stack.target.config.block_size)
-        check_pjd_fits(method.pjd, grid, grid)
-    elif method.tree.kind != "none":
-        check_tree_fits(method.tree, stack.target.config.block_size)
+        check_pjd_fits(method.pjd, stack.num_tokens // stack.grid_width, stack.grid_width)
+    elif method.tree.kind != "none" and drafter is None:
+        check_tree_fits(method.tree, stack.num_tokens)
         path = drafter_dir or stack.drafter_dir
         check(
             path is not None,
             f"--method {method.method} needs a drafter: pass --drafter DIR (the model folder has none)",
         )
-        dtype = drafter_dtype(stack.target.dtype, stack.target.device)
-        drafter = EagleDrafterModel.from_pretrained(path).to(stack.target.device, dtype).eval()
-        check_drafter_matches_target(drafter.config, stack.target.config)
-        check_t2i_drafter_layout(drafter, stack.target.config, path)
-    acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file,
-                                           stack.tokenizer.quantize.embedding.weight, stack.target.device)
-    return PreparedMethod(stack, resolved, sampling, drafter, acceptance,
-                          resolve_compile(compile, stack.target.device))
+        drafter = stack.load_drafter(path)
+    elif drafter is not None:
+        drafter = drafter.to(stack.device, drafter_dtype(stack.dtype, stack.device)).eval()
+    acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file, stack.codebook(), stack.device)
+    return PreparedMethod(stack, resolved, sampling, drafter if method.tree.kind != "none" else None, acceptance,
+                          resolve_compile(compile, stack.device))
 
 
 def load_acceptance(

@@ -1,4 +1,7 @@
-"""Model stacks: the folder a user points ``--model`` at.
+"""Model stacks: the folder a user points ``--model`` at, and the :class:`Stack` protocol that
+every model family implements (LlamaGen c2i / t2i here, the Chameleon family in
+``lantern.chameleon``): the run path, ``demo``, ``bench``, ``profile`` and ``--tree auto`` are
+written against the protocol only.
 
 A stack folder holds everything one image generator needs::
 
@@ -15,17 +18,29 @@ name of an embedded preset (``digits``, ``photos``: trained stacks shipped in ``
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from lantern.cache import CachePool
+    from lantern.config import SamplingConfig
+    from lantern.drafting import DraftBackend
+    from lantern.target import Target
+    from lantern.text import Captions
 
 TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
 T5_DIR = "t5"  # text-to-image stacks: a local copy of the T5 encoder (google/flan-t5-xl)
@@ -34,27 +49,144 @@ PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("digits", "photos")
 
 
-@dataclass
-class ModelStack:
+@dataclass(frozen=True)
+class Conditions:
+    """Encoded conditions of N images, in the form the stack's target ``start`` takes."""
+
+    cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon prompt ids
+    mask: Tensor | None = None  # [N, L] True = a real caption / prompt column; None for labels
+
+    def __len__(self) -> int:
+        return int(self.cond.shape[0])
+
+    def rows(self, lo: int, hi: int) -> Conditions:
+        return Conditions(self.cond[lo:hi], None if self.mask is None else self.mask[lo:hi])
+
+
+class Stack(Protocol):
+    """A loaded image generator of any model family, as the run path and the tools see it.
+
+    Implemented by :class:`ModelStack` (LlamaGen c2i and t2i) and
+    ``lantern.chameleon.ChameleonStack`` (Anole, Lumina-mGPT). Everything family-specific (the
+    condition format, CFG's unconditional branch, row-end tokens, the image tokenizer, which
+    drafter folders fit) stays behind these methods and the :class:`~lantern.target.Target` that
+    :meth:`make_target` returns; the loop, acceptance rules, drafting and proximity tables work in
+    code space and are shared.
+    """
+
     root: Path
-    target: LlamaGen
-    tokenizer: VQModel
+
+    @property
+    def kind(self) -> str:
+        """``c2i`` (class labels), ``t2i`` (prompts through T5) or ``chameleon`` (prompts, own tokenizer)."""
+        ...
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes a label may name; None for prompt-conditioned stacks (no class accuracy)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int: ...  # image codes per image
+
+    @property
+    def grid_width(self) -> int: ...  # image codes per image row (PJD's grid)
+
+    @property
+    def vocab_size(self) -> int: ...  # codes in the image vocabulary
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def drafter_dir(self) -> Path | None: ...
+
+    @property
+    def proximity_file(self) -> Path | None: ...
+
+    def default_sampling(self) -> dict[str, float]: ...
+
+    def default_tree(self, method: str) -> str | None: ...
+
+    def model_shape(self) -> dict[str, int | str]:
+        """What a device profile's costs depend on (``lantern profile`` refuses another shape)."""
+        ...
+
+    def codebook(self) -> Tensor | None:
+        """The tokenizer's code embeddings [V, D] (a proximity table is checked against them)."""
+        ...
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        """Labels or prompts, each ``repeats`` times in a row, checked and encoded on the device."""
+        ...
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        """``n`` conditions for measurements (profile, calibration, bench): labels cycling through
+        the classes, or fixed prompts."""
+        ...
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> Target:
+        """A fresh target adapter (CFG streams, cache, positions) for one batch."""
+        ...
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        """Bytes of the target's key/value cache for ``batch`` rows of ``conditions``."""
+        ...
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        """A drafter folder, checked against this target, on the device in the drafter's dtype."""
+        ...
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        """The drafter's scorer for one batch; ``slots``: cache entries beyond the condition and the
+        image (``TreeConfig.drafter_slots``)."""
+        ...
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """Images [N, C, H, W] in [-1, 1] of ``codes`` [N, T]."""
+        ...
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]: ...
+
+
+def labels_for(num_classes: int, n: int) -> list[int]:
+    """``n`` labels cycling through the classes, so every class is equally represented."""
+    return [i % num_classes for i in range(n)]
+
+
+MEASURE_PROMPTS = ("a photo of a red car", "a cat on a sofa", "a mountain lake at dawn", "a bowl of fruit")
+
+
+def prompts_for(n: int) -> list[str]:
+    """``n`` fixed prompts for measurements on prompt-conditioned stacks (cycled)."""
+    return [MEASURE_PROMPTS[i % len(MEASURE_PROMPTS)] for i in range(n)]
+
+
+@dataclass
+class StackFolder:
+    """What every stack reads from its folder, whatever the model family: the drafter and
+    proximity table found there, and ``generation.json``'s sampling settings and trees."""
+
+    root: Path
+
+    # Sampling settings of the family used where generation.json is silent (none for LlamaGen:
+    # SamplingConfig's defaults).
+    FAMILY_SAMPLING: ClassVar[dict[str, float]] = {}
 
     @property
     def drafter_dir(self) -> Path | None:
-        d = self.root / DRAFTER_DIR
-        return d if d.is_dir() else None
+        return _existing(self.root / DRAFTER_DIR, folder=True)
 
     @property
     def proximity_file(self) -> Path | None:
-        f = self.root / PROXIMITY_FILE
-        return f if f.is_file() else None
-
-    @property
-    def t5_dir(self) -> Path | None:
-        """The stack's T5 encoder folder (text-to-image stacks), or None."""
-        d = self.root / T5_DIR
-        return d if d.is_dir() else None
+        return _existing(self.root / PROXIMITY_FILE, folder=False)
 
     def default_tree(self, method: str) -> str | None:
         """The stack's recommended draft tree for ``method`` (``generation.json`` "trees"), or None.
@@ -63,10 +195,167 @@ class ModelStack:
         CPUs can ship smaller trees than the paper's defaults."""
         return read_generation_settings(self.root).get("trees", {}).get(method)
 
+    @property
+    def device(self) -> torch.device:
+        return self.network().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.network().dtype
+
+    def network(self) -> Any:
+        """The target network (the stack's device and dtype are its own)."""
+        raise NotImplementedError
+
     def default_sampling(self) -> dict[str, float]:
-        """The stack's recommended sampling settings (``generation.json``), or {}."""
+        """The stack's recommended sampling settings (``generation.json``, then the family's), or {}."""
         raw = read_generation_settings(self.root)
-        return {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+        values = dict(self.FAMILY_SAMPLING)
+        values.update({k: raw[k] for k in SAMPLING_KEYS if k in raw})
+        return values
+
+
+@dataclass
+class ModelStack(StackFolder):
+    """A LlamaGen stack (c2i or t2i): the :class:`Stack` for LlamaGen targets."""
+
+    target: LlamaGen
+    tokenizer: VQModel
+    # Fixed by the target's config at load time.
+    kind: str = field(init=False)  # "c2i" or "t2i"
+    num_classes: int | None = field(init=False)  # None for t2i (prompts)
+    num_tokens: int = field(init=False)
+    grid_width: int = field(init=False)
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.target.config
+        self.kind = "t2i" if cfg.model_type == "t2i" else "c2i"
+        self.num_classes = None if self.kind == "t2i" else cfg.num_classes
+        self.num_tokens, self.vocab_size = cfg.block_size, cfg.vocab_size
+        self.grid_width = math.isqrt(cfg.block_size)  # LlamaGen's token grids are square
+
+    def network(self) -> torch.nn.Module:
+        return self.target
+
+    @property
+    def t5_dir(self) -> Path | None:
+        """The stack's T5 encoder folder (text-to-image stacks), or None."""
+        return _existing(self.root / T5_DIR, folder=True)
+
+    def codebook(self) -> Tensor:
+        return self.tokenizer.quantize.embedding.weight
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.target.config
+        return {"dim": c.dim, "n_layer": c.n_layer, "block_size": c.block_size, "vocab_size": c.vocab_size}
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        if self.kind == "t2i":
+            return self._encode_prompts(check_condition_kind(conditions, str, self.root), repeats, batch_size, t5)
+        from lantern.validate import check_label_values
+
+        labels = [int(lab) for lab in check_condition_kind(conditions, Integral, self.root) for _ in range(repeats)]
+        check_label_values(labels, self.target.config.num_classes)
+        label_t = torch.tensor(labels, dtype=torch.long, device=self.device)
+        self.target.check_labels(label_t)
+        return Conditions(label_t)
+
+    def _encode_prompts(self, prompts: list[str], repeats: int, batch_size: int,
+                        t5: str | os.PathLike[str] | None) -> Conditions:
+        """Left-padded T5 captions of every image. The encoder is dropped before decoding starts:
+        flan-t5-xl's encoder is larger than GPT-XL."""
+        from lantern.text import load_t5
+
+        cfg = self.target.config
+        encoder = load_t5(self.t5_folder(t5), cfg.cls_token_num, self.device, self.dtype, cfg.caption_dim)
+        captions = encoder.encode(prompts, batch_size=batch_size)
+        del encoder
+        return self.from_captions(captions.repeat_interleave(repeats))
+
+    def from_captions(self, captions: Captions) -> Conditions:
+        """T5 captions (``lantern.text.T5Encoder.encode``) as this t2i target's conditions, checked."""
+        cfg = self.target.config
+        check(cfg.model_type == "t2i", "this target is class-conditional: generate it from labels, not captions")
+        expected = (cfg.cls_token_num, cfg.caption_dim)
+        check(
+            tuple(captions.embeddings.shape[1:]) == expected,
+            f"captions are {tuple(captions.embeddings.shape)}, the target expects [N, {expected[0]}, {expected[1]}] "
+            f"(T5 max_length = the target's cls_token_num, T5 d_model = its caption_dim)",
+        )
+        return Conditions(captions.embeddings.to(self.device, self.dtype), captions.mask.to(self.device, torch.bool))
+
+    def t5_folder(self, t5: str | os.PathLike[str] | None = None) -> Path:
+        """``t5``, else the stack's t5/ folder; checked (config, tokenizer, weights, width) without loading it."""
+        from lantern.text import check_t5_folder, require_transformers
+
+        path = Path(t5) if t5 is not None else self.t5_dir
+        if path is None:
+            raise LanternError(f"--t5: {self.root} has no t5/ folder; pass --t5 DIR "
+                               "(a local copy of google/flan-t5-xl)")
+        check_t5_folder(path, caption_dim=self.target.config.caption_dim)
+        require_transformers()
+        return path
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        return prompts_for(n) if self.num_classes is None else labels_for(self.num_classes, n)
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> Target:
+        from lantern.target import LlamaGenTarget
+
+        return LlamaGenTarget(self.target, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
+                              cache_pool=cache_pool)
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        from lantern.target import LlamaGenTarget
+
+        return LlamaGenTarget(self.target, sampling, max_tree_nodes=max_tree_nodes).cache_bytes(batch)
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        from lantern.checks import check_drafter_matches_target
+        from lantern.models.drafter import EagleDrafterModel
+        from lantern.pipeline import check_t2i_drafter_layout, drafter_dtype
+
+        dtype = drafter_dtype(self.dtype, self.device)
+        drafter = EagleDrafterModel.from_pretrained(path).to(self.device, dtype).eval()
+        check_drafter_matches_target(drafter.config, self.target.config)
+        check_t2i_drafter_layout(drafter, self.target.config, path)
+        return drafter
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        from lantern.drafting import EagleBackend
+
+        cfg = self.target.config
+        return EagleBackend(drafter, head, sampling, target.streams, cfg.cls_token_num + cfg.block_size + slots,
+                            compile=compile, cache_pool=cache_pool)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.tokenizer.decode(codes.to(self.device))
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]:
+        from lantern.images import to_pil
+
+        return to_pil(self.decode(codes))
+
+
+def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:
+    """``conditions`` as a list, all labels (``kind`` Integral: numpy integers too) or all prompts
+    (``kind`` str), else a one-line error."""
+    if all(isinstance(c, kind) and not isinstance(c, bool) for c in conditions):
+        return list(conditions)
+    if kind is Integral:
+        raise LanternError(f"prompts: {root} is a class-conditional model; pass labels (integers)")
+    raise LanternError(f"labels: {root} is a text-to-image model; pass prompts (strings)")
+
+
+def _existing(path: Path, folder: bool) -> Path | None:
+    """``path`` when it exists as a folder (``folder``) or a file, else None."""
+    return path if (path.is_dir() if folder else path.is_file()) else None
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "cfg_scale")
@@ -175,8 +464,8 @@ def load_stack(
     root = resolve_model_dir(model)
     if is_chameleon_folder(root):
         raise LanternError(
-            f"--model {root} is a Chameleon-family model (Anole, Lumina-mGPT): `lantern generate` and "
-            "`lantern train-chameleon-drafter` run it; demo, bench and profile take LlamaGen stacks only for now"
+            f"--model {root} is a Chameleon-family model (Anole, Lumina-mGPT), not a LlamaGen stack: load it with "
+            "lantern.load (any model) or lantern.chameleon.load_chameleon_stack"
         )
     target_dir = root / TARGET_DIR if (root / TARGET_DIR).is_dir() else root
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR

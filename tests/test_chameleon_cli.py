@@ -223,13 +223,6 @@ def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
         torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "profile"])
-def test_llamagen_only_commands_name_the_limitation(folder: Path, tmp_path: Path, command: str,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([command, "--model", str(folder), "--out", str(tmp_path / "o")]) == 2
-    assert "Chameleon-family model" in capsys.readouterr().err
-
-
 def test_a_batch_whose_cache_cannot_fit_is_refused_before_decoding(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -384,7 +384,6 @@ BAD_INPUT = {
     "labels-on-t2i": (lambda tmp, st: ["--labels", "0"], "is a text-to-image model; pass --prompt"),
     "no-condition": (lambda tmp, st: [], "generate needs --labels .* or --prompt / --prompts"),
     "t5-with-labels": (lambda tmp, st: ["--labels", "0", "--t5", str(st / "t5")], "--t5 is only used with"),
-    "tree-auto": (lambda tmp, st: ["--prompt", "a cat", "--method", "sd", "--tree", "auto"], "pass a --tree"),
     "other-stage-drafter": (
         lambda tmp, st: ["--prompt", "a cat", "--method", "sd", "--drafter", str(_stage_drafter(tmp, st))],
         "use the drafter of the same stage",

@@ -65,9 +65,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +90,6 @@ DEFAULT_CONFIG_NAME = "vqgan.yaml"
 IGNORED_PREFIXES: tuple[str, ...] = ("loss.",)
 # Top-level submodules whose keys transformers' ``ChameleonVQVAE`` also has (no decoder).
 _TRANSFORMERS_PREFIXES = ("encoder.", "quantize.", "quant_conv.", "post_quant_conv.")
-# Largest [rows, V] float32 distance block built while quantising.
-_MAX_DISTANCE_ELEMENTS = 1 << 24
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,21 +115,17 @@ def _as_tuple(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ChameleonVQConfig:
+class ChameleonVQConfig(vq_blocks.VQGANShape):
     """The ``vqgan.yaml`` fields (``embed_dim``, ``n_embed`` and ``ddconfig``); defaults = Meta's release."""
+
+    CONFIG_NAME: ClassVar[str] = "VQGAN config"
 
     embed_dim: int = 256
     n_embed: int = 8192
     double_z: bool = False
-    z_channels: int = 256
     resolution: int = 512
-    in_channels: int = 3
     out_ch: int = 3
-    ch: int = 128
-    ch_mult: tuple[int, ...] = (1, 1, 2, 2, 4)
-    num_res_blocks: int = 2
     attn_resolutions: tuple[int, ...] = ()
-    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ch_mult", _as_tuple(self.ch_mult))
@@ -165,21 +159,6 @@ class ChameleonVQConfig:
     def downsample_factor(self) -> int:
         """Image pixels per code along each side (16 for the released VQGAN)."""
         return 2 ** (len(self.ch_mult) - 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ch_mult"] = list(self.ch_mult)
-        d["attn_resolutions"] = list(self.attn_resolutions)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ChameleonVQConfig:
-        """Build from flat field names (:meth:`to_dict` output); unknown keys are an error."""
-        check(isinstance(d, Mapping), f"VQGAN config must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        check(not unknown, f"unknown VQGAN config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**dict(d))
 
     @classmethod
     def from_yaml_dict(cls, obj: Any, source: str = "VQGAN config") -> ChameleonVQConfig:
@@ -265,15 +244,7 @@ class _Level(nn.Module):
             self.upsample = Upsample(c_out)
 
     def forward(self, x: Tensor) -> Tensor:
-        for i, block in enumerate(self.block):
-            x = block(x)
-            if len(self.attn) > 0:
-                x = self.attn[i](x)
-        if hasattr(self, "downsample"):
-            x = self.downsample(x)
-        if hasattr(self, "upsample"):
-            x = self.upsample(x)
-        return x
+        return vq_blocks.run_level(self, self.block, x)
 
 
 class _Mid(nn.Module):
@@ -352,19 +323,9 @@ class VectorQuantizer(nn.Module):
         self.embedding = nn.Embedding(n_embed, embed_dim)
         nn.init.uniform_(self.embedding.weight, -1.0 / n_embed, 1.0 / n_embed)  # taming's init
 
-    @torch.no_grad()
     def nearest(self, vectors: Tensor) -> Tensor:  # [M, D] -> [M] int64
         """Argmin of ``|z|^2 + |e|^2 - 2 z.e`` (the original expansion, so the same ties), in float32."""
-        book = self.embedding.weight.float()  # [V, D]
-        book_sq = book.pow(2).sum(dim=1)  # [V]
-        rows = max(1, _MAX_DISTANCE_ELEMENTS // book.shape[0])
-        out = [self._nearest_chunk(chunk.float(), book, book_sq) for chunk in vectors.split(rows)]
-        return torch.cat(out) if out else vectors.new_zeros(0, dtype=torch.long)
-
-    @staticmethod
-    def _nearest_chunk(z: Tensor, book: Tensor, book_sq: Tensor) -> Tensor:  # [m, D] -> [m]
-        d = z.pow(2).sum(dim=1, keepdim=True) + book_sq - 2.0 * (z @ book.t())  # [m, V]
-        return d.argmin(dim=1)
+        return vq_blocks.nearest_codes(vectors, self.embedding.weight)
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,10 +338,8 @@ class ChameleonVQGAN(nn.Module):
 
     def __init__(self, config: ChameleonVQConfig | None = None) -> None:
         super().__init__()
-        self.config = config if config is not None else ChameleonVQConfig()
-        cfg = self.config
-        self.encoder = Encoder(cfg)
-        self.decoder = Decoder(cfg)
+        self.config = cfg = config if config is not None else ChameleonVQConfig()
+        self.encoder, self.decoder = Encoder(cfg), Decoder(cfg)
         self.quantize = VectorQuantizer(cfg.n_embed, cfg.embed_dim)
         self.quant_conv = _conv1(cfg.z_channels, cfg.embed_dim)
         self.post_quant_conv = _conv1(cfg.embed_dim, cfg.z_channels)
@@ -505,10 +464,7 @@ class ChameleonVQGAN(nn.Module):
 
     @classmethod
     def _empty(cls, config: ChameleonVQConfig) -> ChameleonVQGAN:
-        """Uninitialised CPU model (skips random init; every tensor is then loaded strictly)."""
-        with torch.device("meta"):
-            model = cls(config)
-        return model.to_empty(device="cpu")
+        return vq_blocks.empty_model(cls, config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,11 +540,9 @@ def config_to_transformers(cfg: ChameleonVQConfig) -> ChameleonVQVAEConfig:
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:  # [B, 3, H, W] in ~[-1, 1]
-    """RGB PIL images the way Chameleon's ``_pil_from_chw_tensor`` makes them.
+    """RGB PIL images the way Chameleon's ``_pil_from_chw_tensor`` makes them: ``(clamp(x, -1, 1)
+    + 1) / 2 * 255`` then a uint8 cast, which truncates (:func:`lantern.images.to_pil`)."""
+    from lantern.images import to_pil as images_to_pil
 
-    ``(clamp(x, -1, 1) + 1) / 2 * 255`` then a uint8 cast, which truncates (it does not round).
-    """
     check(images.ndim == 4 and images.shape[1] == 3, f"images must be [B, 3, H, W], got {tuple(images.shape)}")
-    x = (images.detach().float().cpu().clamp(-1.0, 1.0) + 1.0) / 2.0
-    pixels = (x * 255.0).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # [B, H, W, 3]
-    return [Image.fromarray(p) for p in pixels]
+    return images_to_pil(images, "truncate")

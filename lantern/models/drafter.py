@@ -99,17 +99,11 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target: LlamaGenConfig, **overrides: Any) -> DrafterConfig:
         """A drafter sized like the target (one of its layers), as EAGLE/LANTERN do."""
-        base: dict[str, Any] = dict(
-            hidden_size=target.dim,
-            intermediate_size=target.hidden_ffn,
-            num_attention_heads=target.n_head,
-            vocab_size=target.vocab_size,
-            target_cls_token_num=target.cls_token_num,
-            block_size=target.block_size,
-            rope_base=target.rope_base,
-        )
-        base.update(overrides)
-        return cls(**base)
+        sizes = {"hidden_size": target.dim, "intermediate_size": target.hidden_ffn,
+                 "num_attention_heads": target.n_head, "vocab_size": target.vocab_size,
+                 "target_cls_token_num": target.cls_token_num, "block_size": target.block_size,
+                 "rope_base": target.rope_base}
+        return cls(**{**sizes, **overrides})
 
     @classmethod
     def from_official(cls, raw: Mapping[str, Any]) -> DrafterConfig:

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor, nn
 
+from lantern.config import DictConfig
 from lantern.errors import CheckpointError, LanternError, check
 from lantern.io import load_checkpoint, load_model_folder, load_state_dict_strict, save_model_folder
 
@@ -37,6 +38,7 @@ COMMIT_LOSS_BETA = 0.25
 NORM_EPS = 1e-6
 # Largest distance block [rows, V] built at once while quantising (elements, float32).
 _MAX_DISTANCE_ELEMENTS = 1 << 24
+_M = TypeVar("_M", bound=nn.Module)
 # Container keys tried in order by :func:`extract_state_dict` (the EMA copy is not preferred).
 _STATE_DICT_KEYS = ("model", "state_dict")
 
@@ -55,19 +57,28 @@ def _is_int(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class VQConfig:
-    """Shape of a LlamaGen VQ tokenizer. Defaults are VQ-16 (16x downsampling, 16384 x 8 codes)."""
+class VQGANShape(DictConfig):
+    """The convolutional shape every taming-style VQGAN here shares (LlamaGen's VQ, Chameleon's
+    VQGAN): latent channels, base width, width multipliers per level, res blocks per level."""
 
-    codebook_size: int = 16384
-    codebook_embed_dim: int = 8
-    codebook_l2_norm: bool = True
     z_channels: int = 256
     ch: int = 128
     ch_mult: tuple[int, ...] = (1, 1, 2, 2, 4)
     num_res_blocks: int = 2
     in_channels: int = 3
-    norm_groups: int = 32
     dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class VQConfig(VQGANShape):
+    """Shape of a LlamaGen VQ tokenizer. Defaults are VQ-16 (16x downsampling, 16384 x 8 codes)."""
+
+    CONFIG_NAME: ClassVar[str] = "VQ config"
+
+    codebook_size: int = 16384
+    codebook_embed_dim: int = 8
+    codebook_l2_norm: bool = True
+    norm_groups: int = 32
 
     def __post_init__(self) -> None:
         if isinstance(self.ch_mult, list | tuple):  # JSON gives lists; keep the config hashable
@@ -93,20 +104,6 @@ class VQConfig:
         """Image pixels per latent cell along each side (16 for VQ-16)."""
         return 2 ** (len(self.ch_mult) - 1)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ch_mult"] = list(self.ch_mult)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> VQConfig:
-        """Build from :meth:`to_dict` output; unknown keys are an error (typo or other model)."""
-        check(isinstance(d, Mapping), f"VQ config must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        check(not unknown, f"unknown VQ config keys: {', '.join(unknown)}; "
-              f"known: {', '.join(sorted(known))}")
-        return cls(**dict(d))
 
 
 VQ_CONFIGS: dict[str, VQConfig] = {
@@ -225,15 +222,28 @@ class _Level(nn.Module):
             self.upsample = Upsample(c_out)
 
     def forward(self, x: Tensor) -> Tensor:
-        for i, block in enumerate(self.res):
-            x = block(x)
-            if len(self.attn) > 0:
-                x = self.attn[i](x)
-        if hasattr(self, "downsample"):
-            x = self.downsample(x)
-        if hasattr(self, "upsample"):
-            x = self.upsample(x)
-        return x
+        return run_level(self, self.res, x)
+
+
+def empty_model(cls: Callable[[Any], _M], config: Any) -> _M:
+    """An uninitialised CPU model (skips random init; every tensor is then loaded strictly)."""
+    with torch.device("meta"):
+        model = cls(config)
+    return model.to_empty(device="cpu")
+
+
+def run_level(level: nn.Module, blocks: nn.ModuleList, x: Tensor) -> Tensor:
+    """One resolution level of a VQGAN encoder / decoder: each res block (then its attention, if the
+    level has any), then the level's resampler, if any."""
+    for i, block in enumerate(blocks):
+        x = block(x)
+        if len(level.attn) > 0:
+            x = level.attn[i](x)
+    if hasattr(level, "downsample"):
+        x = level.downsample(x)
+    if hasattr(level, "upsample"):
+        x = level.upsample(x)
+    return x
 
 
 def _mid(channels: int, cfg: VQConfig) -> nn.ModuleList:
@@ -303,6 +313,23 @@ class Decoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
+@torch.no_grad()
+def nearest_codes(vectors: Tensor, book: Tensor) -> Tensor:  # [M, D], [V, D] -> [M] int64
+    """Argmin of squared L2 distance, in float32, over row chunks of at most [rows, V] (both
+    LlamaGen's VQ and Chameleon's VQGAN quantize this way)."""
+    book = book.float()
+    book_sq = book.pow(2).sum(dim=1)  # [V]
+    rows = max(1, _MAX_DISTANCE_ELEMENTS // book.shape[0])
+    out = [_nearest_chunk(chunk.float(), book, book_sq) for chunk in vectors.split(rows)]
+    return torch.cat(out) if out else vectors.new_zeros(0, dtype=torch.long)
+
+
+def _nearest_chunk(z: Tensor, book: Tensor, book_sq: Tensor) -> Tensor:  # [m, D] -> [m]
+    # ||z||^2 + ||e||^2 - 2 z.e, the same expansion (and so the same ties) as LlamaGen and taming.
+    d = z.pow(2).sum(dim=1, keepdim=True) + book_sq - 2.0 * (z @ book.t())  # [m, V]
+    return d.argmin(dim=1)
+
+
 class VectorQuantizer(nn.Module):
     """Nearest-codebook-vector lookup; with ``l2_norm`` on unit-normalised vectors (cosine)."""
 
@@ -328,20 +355,8 @@ class VectorQuantizer(nn.Module):
     def prepare(self, z: Tensor) -> Tensor:  # [M, D] -> [M, D] (normalised when l2_norm)
         return F.normalize(z, p=2, dim=-1) if self.l2_norm else z
 
-    @torch.no_grad()
     def nearest(self, vectors: Tensor) -> Tensor:  # [M, D] (already prepared) -> [M] int64
-        """Argmin of squared L2 distance, in float32, over row chunks of at most [rows, V]."""
-        book = self.codebook().float()  # [V, D]
-        book_sq = book.pow(2).sum(dim=1)  # [V]
-        rows = max(1, _MAX_DISTANCE_ELEMENTS // book.shape[0])
-        out = [self._nearest_chunk(chunk.float(), book, book_sq) for chunk in vectors.split(rows)]
-        return torch.cat(out) if out else vectors.new_zeros(0, dtype=torch.long)
-
-    @staticmethod
-    def _nearest_chunk(z: Tensor, book: Tensor, book_sq: Tensor) -> Tensor:  # [m, D] -> [m]
-        # ||z||^2 + ||e||^2 - 2 z.e, the same expansion (and so the same ties) as LlamaGen.
-        d = z.pow(2).sum(dim=1, keepdim=True) + book_sq - 2.0 * (z @ book.t())  # [m, V]
-        return d.argmin(dim=1)
+        return nearest_codes(vectors, self.codebook())
 
     @torch.no_grad()
     def record_usage(self, codes: Tensor) -> None:
@@ -521,10 +536,7 @@ class VQModel(nn.Module):
 
     @classmethod
     def _empty(cls, config: VQConfig) -> VQModel:
-        """Uninitialised CPU model (skips random init; every tensor is then loaded strictly)."""
-        with torch.device("meta"):
-            model = cls(config)
-        return model.to_empty(device="cpu")
+        return empty_model(cls, config)
 
 
 def extract_state_dict(obj: Any, key: str | None = None) -> dict[str, Tensor]:
@@ -560,16 +572,8 @@ def _as_state_dict(value: Any, what: str) -> dict[str, Tensor]:
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:  # [B, C, H, W] in [-1, 1], C in {1, 3}
-    """PIL images the way LlamaGen saves samples: ``clamp((x+1)/2, 0, 1) * 255``, rounded.
+    """PIL images the way LlamaGen saves samples: ``clamp((x+1)/2, 0, 1) * 255``, rounded half-up
+    (``floor(v + 0.5)``, as torchvision's ``save_image``): :func:`lantern.images.to_pil`."""
+    from lantern.images import to_pil as images_to_pil
 
-    Rounding is half-up (``floor(v + 0.5)``), as torchvision's ``save_image`` does.
-    """
-    check(images.ndim == 4 and images.shape[1] in (1, 3),
-          f"images must be [B, 1 or 3, H, W], got {tuple(images.shape)}")
-    x = ((images.detach().float().cpu() + 1.0) / 2.0).clamp(0.0, 1.0)
-    pixels = (x * 255.0 + 0.5).floor().clamp(0, 255).to(torch.uint8)  # [B, C, H, W]
-    pixels = pixels.permute(0, 2, 3, 1).numpy()  # [B, H, W, C]
-    # uint8 [H, W] -> mode "L", uint8 [H, W, 3] -> mode "RGB".
-    if images.shape[1] == 1:
-        return [Image.fromarray(p[..., 0]) for p in pixels]
-    return [Image.fromarray(p) for p in pixels]
+    return images_to_pil(images, "half_up")

@@ -101,7 +101,7 @@ class ChameleonDrafterTask(TrainTask):
 
     def bind(self, accelerator: Any) -> None:
         super().bind(accelerator)
-        self.lm_head.to(accelerator.device)
+        self.lm_head.to(accelerator.device)  # the frozen image head scores on the training device
 
     def num_examples(self) -> int:
         return int(self.hidden.shape[0])
@@ -156,21 +156,10 @@ def teacher_forced_metrics(drafter: EagleDrafterModel, head: nn.Module, hidden: 
 
 
 def train_chameleon_drafter(
-    stack: ChameleonStack,
-    prompts: Sequence[str],
-    out: str | os.PathLike[str],
-    loop: LoopConfig,
-    *,
-    sampling: SamplingConfig,
-    num_per_prompt: int = 1,
-    eval_prompts: int = 1,
-    recipe: DrafterRecipe | None = None,
-    initial: EagleDrafterModel | None = None,
-    batch_size: int = 8,
-    resume: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-    command: str | None = None,
+    stack: ChameleonStack, prompts: Sequence[str], out: str | os.PathLike[str], loop: LoopConfig, *,
+    sampling: SamplingConfig, num_per_prompt: int = 1, eval_prompts: int = 1, recipe: DrafterRecipe | None = None,
+    initial: EagleDrafterModel | None = None, batch_size: int = 8, resume: bool = False, progress: bool = True,
+    stop_after: int | None = None, command: str | None = None,
 ) -> TrainResult:
     """Self-distil images for ``prompts`` (the last ``eval_prompts`` held out), extract features,
     train; the result in ``out`` loads with ``EagleDrafterModel.from_pretrained``. Data-parallel,
