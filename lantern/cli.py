@@ -190,6 +190,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory (written all-or-nothing: it appears complete or "
                                                 "not at all)")
     _add_overwrite_arg(p)
+    p.add_argument("--resume", action="store_true",
+                   help="keep this job's finished images if it stops (in .OUT.resume beside --out), and continue "
+                        "an interrupted --resume job with the same settings: only the missing images are decoded")
+    p.add_argument("--save-npz", action="store_true",
+                   help="also write OUT/samples.npz: arr_0, uint8 [N, H, W, 3] in request order (the layout of "
+                        "the guided-diffusion / ADM FID evaluator and LlamaGen's evaluation scripts)")
     p.add_argument(
         "--method",
         default="ar",
@@ -335,43 +341,103 @@ def _check_run_args(args: argparse.Namespace) -> OutputFolder:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lantern.api import decode_images, encode_prompts_t5, sampling_from, t5_folder
-    from lantern.autowindow import with_window
+    """``generate``: one process, or one rank of a ``torchrun`` / ``accelerate launch`` job
+    (:mod:`lantern.distributed`), written image by image (:mod:`lantern.jobs`)."""
+    from lantern.distributed import DistContext, check_enough_items
+    from lantern.jobs import finished_job
     from lantern.models.chameleon import is_chameleon_folder
-    from lantern.pipeline import run_generation, run_generation_t2i
-    from lantern.stack import inference_dtype, load_stack
-    from lantern.validate import check_image_total, check_label_values
+    from lantern.validate import check_image_total
 
     _check_compile(args)
-    out = _check_run_args(args)
+    ctx = DistContext.from_env()
+    if args.resume and args.overwrite:
+        raise LanternError("--resume continues the job of --out; it cannot be combined with --overwrite")
+    finished = finished_job(args.out) if args.resume else None
+    out = _check_run_args(args) if finished is None else None
     prompts = _read_prompt_args(args)
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
+    check_enough_items(len(prompts if prompts is not None else args.labels) * args.num_per_label, ctx)
     _resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
     if is_chameleon_folder(args.model):
         if args.compile != "off":
             raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+        if ctx.enabled or args.resume or args.save_npz:
+            raise LanternError("several processes, --resume and --save-npz are implemented for LlamaGen stacks "
+                               "only, not Chameleon-family models")
+        assert out is not None
         return _generate_chameleon(args, prompts, out)
     for name in ("layout", "image_size", "vq"):
         if getattr(args, name) is not None:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
                                "Lumina-mGPT)")
+    args.device = ctx.device(args.device)
+    return _generate_llamagen(args, prompts, out, finished, ctx)
+
+
+def _generate_llamagen(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder | None,
+                       finished: dict[str, Any] | None, ctx: Any) -> int:
+    """``generate`` for LlamaGen stacks (c2i labels or t2i prompts), as a job across the ranks of ``ctx``."""
+    import torch
+
+    from lantern.api import decode_images, sampling_from, t5_folder
+    from lantern.distributed import process_group
+    from lantern.jobs import JobRequest, check_same_job, run_job
+    from lantern.pipeline import prepare_run
+    from lantern.stack import inference_dtype, load_stack
+
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
     auto_window = _check_auto_window(args.sjd_window, args.method, "text-to-image" if prompts is not None else None)
+    if ctx.enabled and (auto or auto_window):
+        raise LanternError("--tree auto / --sjd-window auto time this process alone; under several processes pass "
+                           "the tree or window to use (e.g. the one a single-process run chose)")
     stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
     _check_condition_kind(stack, args.model, prompts is not None)
     if auto and prompts is not None:
         raise LanternError("--tree auto calibrates on class labels; pass a --tree for text-to-image models")
-    method = _method(args, stack)
     sampling = sampling_from(stack, args)
     t5_dir = t5_folder(stack, args.t5) if prompts is not None else None
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
-    run_kw: dict[str, Any] = dict(
-        seed=args.seed, sampling=sampling, method=method, batch_size=args.batch_size,
-        progress=not args.no_progress, drafter_dir=args.drafter, proximity=args.proximity, compile=args.compile,
+    with process_group(ctx, args.device):
+        names, conditions, cond, mask, method, extra = _generate_conditions(args, stack, prompts, t5_dir, sampling,
+                                                                            auto, auto_window)
+        parts = prepare_run(stack, sampling, method, args.batch_size, args.drafter, args.proximity, args.compile)
+        record = {**_run_record(args, len(names), sampling, parts.method, conditions), **extra}
+        identity = {"model": str(args.model), "seed": args.seed, "seeds": record["seeds"], **conditions,
+                    "sampling": sampling.to_dict(), "method": parts.method.to_dict(),
+                    "dtype": str(stack.target.dtype).replace("torch.", ""),
+                    "device_type": torch.device(args.device).type}
+        if finished is not None:
+            check_same_job(finished, identity, f"--resume: the finished job in {args.out}")
+            print(f"{args.out} already holds this job, complete: nothing to do")
+            return 0
+        assert out is not None
+        request = JobRequest(names, args.seed, cond, mask, identity, args.batch_size, args.num_per_label,
+                             save_npz=args.save_npz, resume=args.resume, progress=not args.no_progress)
+        run = run_job(parts, request, out, ctx, lambda codes: decode_images(stack, codes), record)
+    if run is None:
+        return 0
+    stats = run["stats"]
+    print(
+        f"wrote {len(names)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+        + (f" | {ctx.world_size} processes" if ctx.enabled else "")
+        + (f" | {stats['resumed_images']} images from the interrupted run" if stats["resumed_images"] else "")
     )
-    auto_choice = window_choice = None
+    return 0
+
+
+def _generate_conditions(args: argparse.Namespace, stack: Any, prompts: list[str] | None, t5_dir: Path | None,
+                         sampling: Any, auto: bool, auto_window: bool) -> tuple[Any, ...]:
+    """Per image in request order: PNG names, run.json's conditions, the condition (and mask)
+    tensors; the method (with an auto tree or window resolved) and run.json's record of that choice."""
+    from lantern.api import encode_prompts_t5
+    from lantern.autowindow import with_window
+    from lantern.pipeline import caption_condition, label_condition
+
+    method = _method(args, stack)
+    extra: dict[str, Any] = {}
     if prompts is not None:
         assert t5_dir is not None
         captions = encode_prompts_t5(stack, t5_dir, prompts, args.device, args.batch_size, args.num_per_label)
@@ -379,27 +445,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
         conditions: dict[str, Any] = {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
                                       "t5_max_length": stack.target.config.cls_token_num}
-        result = run_generation_t2i(stack, captions, **run_kw)
-    else:
-        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        check_label_values(labels, stack.target.config.num_classes)
-        if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
-            auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
-                                     args.drafter, args.proximity, not args.no_progress)
-            run_kw["method"] = _method(args, stack, auto_choice.tree_spec)
-        if auto_window:  # time the candidate windows, then run with the fastest
-            window_choice = _auto_window(stack, method, sampling, args)
-            run_kw["method"] = with_window(method, window_choice.window)
-        names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
-        conditions = {"labels": labels}
-        result = run_generation(stack, labels, **run_kw)
-    images = decode_images(stack, result.codes)
-    run = _run_record(args, len(names), sampling, result, conditions)
-    if auto_choice is not None:
-        run["auto_tree"] = auto_choice.to_dict()
-    if window_choice is not None:
-        run["auto_window"] = window_choice.to_dict()
-    return _write_run(out, images, names, args.num_per_label, result.codes, run)
+        cond, mask = caption_condition(stack, captions)
+        return names, conditions, cond, mask, method, extra
+    labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
+    cond, _ = label_condition(stack, labels)
+    if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
+        choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                            args.drafter, args.proximity, not args.no_progress)
+        method, extra["auto_tree"] = _method(args, stack, choice.tree_spec), choice.to_dict()
+    if auto_window:  # time the candidate windows, then run with the fastest
+        window = _auto_window(stack, method, sampling, args)
+        method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
+    names = [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)]
+    return names, {"labels": labels}, cond, None, method, extra
 
 
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
@@ -443,7 +501,7 @@ def _generate_chameleon(args: argparse.Namespace, prompts: list[str] | None, out
     layout_info = {"name": layout.name, "height": layout.height, "width": layout.width,
                    "pixel_size": list(layout.pixel_size)}
     conditions = {"layout": layout_info, "prompts": prompts, "prompt_index": index}
-    run = _run_record(args, len(names), sampling, result, conditions)
+    run = {**_run_record(args, len(names), sampling, result.method, conditions), "stats": result.stats_dict()}
     return _write_run(out, images, names, args.num_per_label, result.codes, run)
 
 
@@ -473,9 +531,10 @@ def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int
     return 0
 
 
-def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result: Any,
+def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method: Any,
                 conditions: dict[str, Any]) -> dict[str, Any]:
-    """What ``run.json`` records of a generate run: the conditions, seeds, settings and statistics."""
+    """What ``run.json`` records of a generate run: the conditions, seeds and settings (the
+    statistics are added by the run)."""
     from lantern.api import run_config
     from lantern.pipeline import image_seed
 
@@ -484,8 +543,7 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result
         "model": str(args.model),
         **conditions,
         "seeds": [image_seed(args.seed, i) for i in range(num_images)],
-        **run_config(args.seed, args.batch_size, args.device, sampling, result.method),
-        "stats": result.stats_dict(),
+        **run_config(args.seed, args.batch_size, args.device, sampling, method),
     }
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -252,13 +253,36 @@ def run_generation(
     drafter_dir: str | None = None,
     proximity: str | None = None,
     compile: str | None = None,
+    indices: Sequence[int] | None = None,
 ) -> RunResult:
-    """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
+    """Generate one image per entry of ``labels``, ``batch_size`` rows at a time. ``indices``: each
+    row's place in the whole request, which picks its seed (default 0, 1, ...): a shard of a
+    request (``lantern.distributed``) gives the same images as the whole request."""
+    cond, _ = label_condition(stack, labels)
+    return _run_batches(stack, cond, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
+                        compile, indices)
+
+
+def label_condition(stack: ModelStack, labels: list[int]) -> tuple[Tensor, None]:
+    """Checked class labels as the target's condition tensor [N] (no mask)."""
     check_label_values(labels, stack.target.config.num_classes)
     label_t = torch.tensor(labels, dtype=torch.long, device=stack.target.device)
     stack.target.check_labels(label_t)
-    return _run_batches(stack, label_t, None, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
-                        compile)
+    return label_t, None
+
+
+def caption_condition(stack: ModelStack, captions: Captions) -> tuple[Tensor, Tensor]:
+    """Checked T5 captions as the target's condition [N, cls, C] and mask [N, cls]."""
+    cfg = stack.target.config
+    check(cfg.model_type == "t2i", "this target is class-conditional: generate it from labels, not captions")
+    expected = (cfg.cls_token_num, cfg.caption_dim)
+    check(
+        tuple(captions.embeddings.shape[1:]) == expected,
+        f"captions are {tuple(captions.embeddings.shape)}, the target expects [N, {expected[0]}, {expected[1]}] "
+        f"(T5 max_length = the target's cls_token_num, T5 d_model = its caption_dim)",
+    )
+    device, dtype = stack.target.device, stack.target.dtype
+    return captions.embeddings.to(device=device, dtype=dtype), captions.mask.to(device=device, dtype=torch.bool)
 
 
 def run_generation_t2i(
@@ -272,22 +296,37 @@ def run_generation_t2i(
     drafter_dir: str | None = None,
     proximity: str | None = None,
     compile: str | None = None,
+    indices: Sequence[int] | None = None,
 ) -> RunResult:
     """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
-    at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
-    cfg = stack.target.config
-    check(cfg.model_type == "t2i", "this target is class-conditional: generate it from labels, not captions")
-    expected = (cfg.cls_token_num, cfg.caption_dim)
-    check(
-        tuple(captions.embeddings.shape[1:]) == expected,
-        f"captions are {tuple(captions.embeddings.shape)}, the target expects [N, {expected[0]}, {expected[1]}] "
-        f"(T5 max_length = the target's cls_token_num, T5 d_model = its caption_dim)",
-    )
-    device, dtype = stack.target.device, stack.target.dtype
-    cond = captions.embeddings.to(device=device, dtype=dtype)
-    mask = captions.mask.to(device=device, dtype=torch.bool)
+    at a time; image ``i`` is seeded with ``image_seed(seed, indices[i])`` exactly as for labels."""
+    cond, mask = caption_condition(stack, captions)
     return _run_batches(stack, cond, mask, seed, sampling, method, batch_size, progress, drafter_dir, proximity,
-                        compile)
+                        compile, indices)
+
+
+def prepare_run(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    batch_size: int,
+    drafter_dir: str | None = None,
+    proximity: str | None = None,
+    compile: str | None = None,
+) -> PreparedMethod:
+    """The checks of a run (sampling, batch size, cache memory) and its method, loaded once."""
+    validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
+    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
+    parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
+    _check_batch_fits(stack, parts.method.tree, sampling, batch_size)
+    return parts
+
+
+def generate_rows(parts: PreparedMethod, cond: Tensor, cond_mask: Tensor | None, seed: int, indices: Sequence[int],
+                  progress: bool = False) -> GenerationOutput:
+    """One batch: row ``r`` of ``cond`` is image ``indices[r]`` of the request, with that image's seed."""
+    gens = make_generators([image_seed(seed, i) for i in indices], parts.stack.target.device)
+    return parts.generate(cond, gens, progress, cond_mask=cond_mask)
 
 
 def _run_batches(
@@ -302,18 +341,19 @@ def _run_batches(
     drafter_dir: str | None,
     proximity: str | None,
     compile: str | None = None,
+    indices: Sequence[int] | None = None,
 ) -> RunResult:
-    validate_sampling_for_vocab(sampling, stack.target.config.vocab_size)
+    order = list(range(cond.shape[0])) if indices is None else list(indices)
+    check(len(order) == cond.shape[0], f"{len(order)} image indices for {cond.shape[0]} conditions")
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    parts = prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
-    _check_batch_fits(stack, parts.method.tree, sampling, min(batch_size, cond.shape[0]))
+    parts = prepare_run(stack, sampling, method, min(batch_size, max(1, cond.shape[0])), drafter_dir, proximity,
+                        compile)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, cond.shape[0], batch_size):
-        chunk = cond[lo : lo + batch_size]
         mask = None if cond_mask is None else cond_mask[lo : lo + batch_size]
-        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], stack.target.device)
-        outputs.append(parts.generate(chunk, gens, progress, cond_mask=mask))
+        outputs.append(generate_rows(parts, cond[lo : lo + batch_size], mask, seed, order[lo : lo + batch_size],
+                                     progress))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
