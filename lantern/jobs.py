@@ -42,8 +42,8 @@ PAUSE_AFTER_ENV = "LANTERN_TEST_PAUSE_AFTER_IMAGES"
 GRID_MAX_IMAGES = 256  # grid.png shows the first images only: a 50k-image grid is no preview
 NPZ_NAME = "samples.npz"
 # What must match for --resume to continue a job: these decide every image.
-IDENTITY_KEYS = ("model", "seed", "seeds", "labels", "prompts", "prompt_index", "t5", "sampling", "method", "dtype",
-                 "device_type")
+IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "t5", "sampling", "method", "dtype",
+                 "device_type", "seeds")
 
 
 @dataclass
@@ -135,7 +135,7 @@ def finished_job(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def check_same_job(old: dict[str, Any], new: dict[str, Any], where: str) -> None:
     """A resumed job must decide every image the same way: the first differing setting is named."""
-    if old.get("seed") != new.get("seed") or old.get("seeds") != new.get("seeds"):
+    if old.get("seed") != new.get("seed"):
         raise LanternError(f"{where} was started with --seed {old.get('seed')} (its images' seeds); this run has "
                            f"--seed {new.get('seed')}: pass the job's --seed, or another --out")
     for key in IDENTITY_KEYS:
