@@ -284,7 +284,6 @@ def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, parts
     """run.json's totals (as ``RunResult.stats_dict``) over all images, and per rank for this run.
     ``wall_seconds``: this run's decode time; under several ranks, that of the slowest rank (the
     ranks decode in parallel); each rank's own sum is under ``ranks``."""
-    from lantern.generate import GenerationOutput, SpecStats
     from lantern.pipeline import RunResult
 
     per_rank: dict[int, dict[str, Any]] = {}
@@ -294,11 +293,7 @@ def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, parts
         entry["seconds"] += p.seconds
         entry["target_forwards"] += sum(p.target_forwards)
     wall = max((e["seconds"] for e in per_rank.values()), default=0.0)
-    codes_t = torch.from_numpy(codes)
-    stats = SpecStats(target_forwards=torch.from_numpy(forwards), generated_tokens=codes.shape[1],
-                      drafter_forwards=drafter_forwards)
-    result = RunResult(codes=codes_t, output_stats=[GenerationOutput(codes_t, stats)], wall_seconds=wall,
-                       method=method)
+    result = RunResult.from_counts(torch.from_numpy(codes), torch.from_numpy(forwards), drafter_forwards, wall, method)
     return {**result.stats_dict(), "ranks": [per_rank[r] for r in sorted(per_rank)]}
 
 

@@ -39,7 +39,7 @@ from lantern.compiling import resolve_compile
 from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
 from lantern.drafting import EagleBackend, TreeDrafter
 from lantern.errors import check
-from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
+from lantern.generate import Acceptance, Drafter, GenerationOutput, SpecStats, generate
 from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
@@ -226,6 +226,16 @@ class RunResult:
     output_stats: list[GenerationOutput]
     wall_seconds: float
     method: MethodConfig  # as resolved for the run (e.g. lantern k capped at the table's K_max)
+
+    @classmethod
+    def from_counts(cls, codes: Tensor, target_forwards: Tensor, drafter_forwards: int, wall_seconds: float,
+                    method: MethodConfig) -> RunResult:
+        """A run put together from its images' codes [N, T] and forward counts [N] (the shards of
+        a job decoded by several processes, or by several runs of a resumed job)."""
+        stats = SpecStats(target_forwards=target_forwards, generated_tokens=codes.shape[1],
+                          drafter_forwards=drafter_forwards)
+        return cls(codes=codes, output_stats=[GenerationOutput(codes, stats)], wall_seconds=wall_seconds,
+                   method=method)
 
     def stats_dict(self) -> dict[str, Any]:
         forwards = torch.cat([o.stats.target_forwards for o in self.output_stats])

@@ -205,3 +205,26 @@ def test_a_killed_job_resumes_without_redoing_finished_images(
     assert generate(stack, out, *args, "--resume", "--overwrite") == 2
     assert "cannot be combined with --overwrite" in capsys.readouterr().err
     assert_same_images(tmp_path / "whole", out)
+
+
+# ---- bench across ranks ---------------------------------------------------------------------
+
+
+def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
+    # 5 quality images (shards 3 + 2), 1 timed image (rank 1 times nothing), 3 curve images.
+    args = ["bench", "--model", "digits", "--methods", "ar,lantern++", "--num-images", "5", "--speed-images", "1",
+            "--batch-size", "4", "--num-real", "20", "--curve-images", "3", "--dtype", "float32"]
+    assert main([*args, "--out", str(tmp_path / "one"), "--no-progress"]) == 0
+    proc = torchrun([*args, "--out", str(tmp_path / "two")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / "bench.json").read_text()) for d in ("one", "two"))
+    same = ("method", "tree", "mean_accepted", "target_forwards", "num_images", "fid", "kid", "kid_std", "precision",
+            "recall", "class_accuracy")
+    assert [{k: r[k] for k in same} for r in one] == [{k: r[k] for k in same} for r in two]
+    assert one[0]["fid"] is not None and one[1]["mean_accepted"] > 1.0  # real numbers, not empty rows
+    run_one, run_two = (json.loads((tmp_path / d / "run.json").read_text()) for d in ("one", "two"))
+    assert (run_one["processes"], run_two["processes"]) == (1, 2)
+    assert run_one["ar_spread"] == run_two["ar_spread"] and run_one["curves"] == run_two["curves"]
+    assert (tmp_path / "two" / "grid_ar.png").read_bytes() == (tmp_path / "one" / "grid_ar.png").read_bytes()
