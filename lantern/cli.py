@@ -329,15 +329,16 @@ def _add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None
                    help=f"replace an existing non-empty --out {what} (default: refuse to touch it)")
 
 
-def _check_run_args(args: argparse.Namespace) -> OutputFolder:
-    """generate's counts and device, checked before anything is loaded; the --out folder to write."""
+def _check_run_args(args: argparse.Namespace, check_out: bool = True) -> OutputFolder | None:
+    """generate's counts and device, checked before anything is loaded; the --out folder to write
+    (None when not ``check_out``: a rank other than 0, or a finished job to resume)."""
     from lantern.outputs import OutputFolder
     from lantern.validate import check_count, check_device
 
     check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
     check_count(args.batch_size, "--batch-size")
     check_device(args.device)
-    return OutputFolder.check(args.out, "--out", args.overwrite)
+    return OutputFolder.check(args.out, "--out", args.overwrite) if check_out else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -352,8 +353,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ctx = DistContext.from_env()
     if args.resume and args.overwrite:
         raise LanternError("--resume continues the job of --out; it cannot be combined with --overwrite")
-    finished = finished_job(args.out) if args.resume else None
-    out = _check_run_args(args) if finished is None else None
+    # Rank 0 alone reads and writes --out (on several nodes the others may not even see it).
+    finished = finished_job(args.out) if args.resume and ctx.is_main else None
+    out = _check_run_args(args, check_out=ctx.is_main and finished is None)
     prompts = _read_prompt_args(args)
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
@@ -365,7 +367,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if ctx.enabled or args.resume or args.save_npz:
             raise LanternError("several processes, --resume and --save-npz are implemented for LlamaGen stacks "
                                "only, not Chameleon-family models")
-        assert out is not None
+        assert out is not None  # a single process
         return _generate_chameleon(args, prompts, out)
     for name in ("layout", "image_size", "vq"):
         if getattr(args, name) is not None:
@@ -381,7 +383,7 @@ def _generate_llamagen(args: argparse.Namespace, prompts: list[str] | None, out:
     import torch
 
     from lantern.api import decode_images, sampling_from, t5_folder
-    from lantern.distributed import process_group
+    from lantern.distributed import all_gather, process_group
     from lantern.jobs import JobRequest, check_same_job, run_job
     from lantern.pipeline import prepare_run
     from lantern.stack import inference_dtype, load_stack
@@ -400,19 +402,20 @@ def _generate_llamagen(args: argparse.Namespace, prompts: list[str] | None, out:
     stack.target.to(args.device)
     stack.tokenizer.to(args.device)
     with process_group(ctx, args.device):
+        finished = all_gather(finished, ctx)[0]  # rank 0's finding
         names, conditions, cond, mask, method, extra = _generate_conditions(args, stack, prompts, t5_dir, sampling,
                                                                             auto, auto_window)
         parts = prepare_run(stack, sampling, method, args.batch_size, args.drafter, args.proximity, args.compile)
         record = {**_run_record(args, len(names), sampling, parts.method, conditions), **extra}
-        identity = {"model": str(args.model), "seed": args.seed, "seeds": record["seeds"], **conditions,
+        identity = {"model": str(args.model), "seed": args.seed, **conditions,
                     "sampling": sampling.to_dict(), "method": parts.method.to_dict(),
                     "dtype": str(stack.target.dtype).replace("torch.", ""),
                     "device_type": torch.device(args.device).type}
-        if finished is not None:
+        if finished is not None:  # every rank checks rank 0's finding: the same error everywhere
             check_same_job(finished, identity, f"--resume: the finished job in {args.out}")
-            print(f"{args.out} already holds this job, complete: nothing to do")
+            if ctx.is_main:
+                print(f"{args.out} already holds this job, complete: nothing to do")
             return 0
-        assert out is not None
         request = JobRequest(names, args.seed, cond, mask, identity, args.batch_size, args.num_per_label,
                              save_npz=args.save_npz, resume=args.resume, progress=not args.no_progress)
         run = run_job(parts, request, out, ctx, lambda codes: decode_images(stack, codes), record)

@@ -41,9 +41,11 @@ from lantern.outputs import OutputFolder, pause_for_tests, resume_folder
 PAUSE_AFTER_ENV = "LANTERN_TEST_PAUSE_AFTER_IMAGES"
 GRID_MAX_IMAGES = 256  # grid.png shows the first images only: a 50k-image grid is no preview
 NPZ_NAME = "samples.npz"
-# What must match for --resume to continue a job: these decide every image.
+# What must match for --resume to continue a job: these decide every image. run.json records
+# them all, JOB_ONLY_KEYS under "job" (the others are its own top-level fields).
 IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "t5", "sampling", "method", "dtype",
-                 "device_type", "seeds")
+                 "device_type")
+JOB_ONLY_KEYS = ("dtype", "device_type")
 
 
 @dataclass
@@ -75,7 +77,7 @@ class RoundPart:
     seconds: float
 
 
-def run_job(parts: Any, request: JobRequest, out: OutputFolder, ctx: DistContext, decode: Any,
+def run_job(parts: Any, request: JobRequest, out: OutputFolder | None, ctx: DistContext, decode: Any,
             record: dict[str, Any]) -> dict[str, Any] | None:
     """Generate the request across the ranks of ``ctx`` into ``out``; rank 0 returns ``run.json``'s
     content (``record`` plus the statistics), the other ranks None. ``parts``: the prepared method
@@ -88,9 +90,10 @@ def run_job(parts: Any, request: JobRequest, out: OutputFolder, ctx: DistContext
         done = all_gather(None, ctx)[0]
         _rounds(parts, request, ctx, decode, done, None)
         return None
+    assert out is not None  # rank 0 checked --out
     with out.write_job(resume=request.resume) as job:
         try:
-            done = _open_job(job, request, out)
+            done = _open_job(job, request)
             error = None
         except LanternError as e:
             done, error = [], str(e)
@@ -100,7 +103,7 @@ def run_job(parts: Any, request: JobRequest, out: OutputFolder, ctx: DistContext
         return _finish(job, request, parts.method, record, stats, len(done))
 
 
-def _open_job(job: Path, request: JobRequest, out: OutputFolder) -> list[int]:
+def _open_job(job: Path, request: JobRequest) -> list[int]:
     """A new job's job.json, or (``--resume``) the indices an earlier run recorded, after checking
     that the job is this request."""
     from lantern.io import read_json, write_json
@@ -122,15 +125,16 @@ def finished_job(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     run = Path(path) / "run.json"
     if not run.is_file():
         return None
-    job = read_json(run, "--out run.json")
-    if not isinstance(job, dict) or not isinstance(job.get("job"), dict):
+    record = read_json(run, "--out run.json")
+    if not isinstance(record, dict) or not isinstance(record.get("job"), dict):
         return None
     leftover = resume_folder(Path(path))
     if leftover.is_dir() and not (leftover / "out").exists():
         import shutil
 
         shutil.rmtree(leftover, ignore_errors=True)
-    return job["job"]
+    merged = {**record, **record["job"]}
+    return {k: merged[k] for k in IDENTITY_KEYS if k in merged}
 
 
 def check_same_job(old: dict[str, Any], new: dict[str, Any], where: str) -> None:
@@ -256,7 +260,7 @@ def _finish(job: Path, request: JobRequest, method: Any, record: dict[str, Any],
     if request.save_npz:
         write_npz(out / NPZ_NAME, [out / name for name in request.names])
     stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), parts, method)
-    run = {**record, "job": request.identity,
+    run = {**record, "job": {k: request.identity[k] for k in JOB_ONLY_KEYS},
            "stats": {**stats, "generated_this_run": n - resumed, "resumed_images": resumed}}
     write_json(out / "run.json", run)
     return run

@@ -107,6 +107,14 @@ def test_more_processes_than_images_is_refused_before_loading(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "2 images cannot be shared by 3 processes (WORLD_SIZE)" in err
     assert list(tmp_path.iterdir()) == []
+    bench = ["bench", "--model", "digits", "--num-images", "2", "--speed-images", "1", "--out", str(tmp_path / "b")]
+    assert main([*bench, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 --num-images images cannot be shared by 3 processes" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([*bench, "--num-images", "4", "--tree", "lantern++=auto", "--no-progress"]) == 2
+    assert "--tree auto times this process alone" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- two processes give the images of one ---------------------------------------------------
