@@ -112,6 +112,18 @@ def all_gather(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
+def gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere): what only rank 0 writes
+    need not travel to every rank."""
+    if not ctx.enabled:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def agree(error: str | None, ctx: DistContext) -> None:
     """Raise on every rank if any rank has an error (the lowest rank's message): a check that
     one rank makes (rank 0 reads the output folder) fails the whole job, not one process."""

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lantern.distributed import DistContext, agree, all_gather, check_enough_items, shard
+from lantern.distributed import DistContext, agree, all_gather, check_enough_items, gather_to_main, shard
 from lantern.errors import LanternError
 from lantern.outputs import OutputFolder, pause_for_tests, resume_folder
 
@@ -180,8 +180,8 @@ def _rounds(parts: Any, request: JobRequest, ctx: DistContext, decode: Any, done
               disable=not (request.progress and ctx.is_main)) as bar:
         for r in range(-(-longest // batch)):
             part = _decode_batch(parts, request, mine[r * batch : (r + 1) * batch], ctx.rank, decode)
-            gathered: list[RoundPart] = all_gather(part, ctx)
-            if job is None:
+            gathered = gather_to_main(part, ctx)
+            if job is None or gathered is None:
                 continue
             count = _write_round(job, request, gathered, len(finished) + sum(len(p.indices) for p in written))
             written.extend(p for p in gathered if p.indices)
