@@ -84,11 +84,9 @@ def run_job(parts: Any, request: JobRequest, out: OutputFolder | None, ctx: Dist
     (``lantern.pipeline.prepare_run``); ``decode``: codes [b, T] -> PIL images."""
     n = len(request.names)
     check_enough_items(n, ctx)
-    if not ctx.is_main:
-        done: list[int] | None = None
+    if not ctx.is_main:  # rank 0 opens the job; the others learn its verdict and finished images
         agree(None, ctx)
-        done = all_gather(None, ctx)[0]
-        _rounds(parts, request, ctx, decode, done, None)
+        _rounds(parts, request, ctx, decode, all_gather(None, ctx)[0], None)
         return None
     assert out is not None  # rank 0 checked --out
     with out.write_job(resume=request.resume) as job:
