@@ -20,10 +20,11 @@ images without a record.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,9 @@ def run_job(parts: Any, request: JobRequest, out: OutputFolder | None, ctx: Dist
         _rounds(parts, request, ctx, decode, all_gather(None, ctx)[0], None)
         return None
     assert out is not None  # rank 0 checked --out
-    with out.write_job(resume=request.resume) as job:
+    with out.write_job(resume=request.resume) as job, contextlib.ExitStack() as held:
         try:
+            held.enter_context(_locked(job))
             done = _open_job(job, request)
             error = None
         except LanternError as e:
@@ -99,6 +101,21 @@ def run_job(parts: Any, request: JobRequest, out: OutputFolder | None, ctx: Dist
         all_gather(done, ctx)
         stats = _rounds(parts, request, ctx, decode, done, job)
         return _finish(job, request, parts.method, record, stats, len(done))
+
+
+@contextlib.contextmanager
+def _locked(job: Path) -> Iterator[None]:
+    """Hold JOB/lock for the run: two runs resuming one job at once would write the same images.
+    An advisory ``flock``, which the kernel drops when its process dies, so a kill never leaves a
+    job locked."""
+    import fcntl
+
+    with open(job / "lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LanternError(f"--resume: another run is writing the job in {job}; wait for it to end") from None
+        yield
 
 
 def _open_job(job: Path, request: JobRequest) -> list[int]:

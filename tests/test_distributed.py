@@ -8,6 +8,7 @@ launches of ``python -m lantern.cli`` (2 processes, one thread each), so they ar
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -194,6 +195,13 @@ def test_a_killed_job_resumes_without_redoing_finished_images(
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and str(job) in err, err
         assert files(job / "records") == before and not out.exists()
+
+    # A job that another run is writing (it holds JOB/lock) is not touched.
+    with open(job / "lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert generate(stack, out, *args, "--resume") == 2
+        assert "another run is writing the job in" in capsys.readouterr().err
+    assert files(job / "records") == before and not out.exists()
 
     # Resumed under 2 processes: the same final folder as the uninterrupted run.
     proc = torchrun(["generate", "--model", str(stack), "--out", str(out), *args, "--resume"])
