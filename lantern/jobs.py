@@ -24,10 +24,10 @@ import contextlib
 import os
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,11 @@ from torch import Tensor
 from lantern.distributed import DistContext, agree, all_gather, check_enough_items, gather_to_main, shard
 from lantern.errors import LanternError
 from lantern.outputs import OutputFolder, pause_for_tests, resume_folder
+
+if TYPE_CHECKING:
+    from lantern.pipeline import MethodConfig, PreparedMethod
+
+Decode = Callable[[Tensor], list[Any]]  # codes [b, T] -> PIL images
 
 # Test hook (like lantern.outputs.PAUSE_ENV, which must be set too): pause once this many images
 # are recorded, so a test can kill a job part-way through its rounds.
@@ -78,7 +83,7 @@ class RoundPart:
     seconds: float
 
 
-def run_job(parts: Any, request: JobRequest, out: OutputFolder | None, ctx: DistContext, decode: Any,
+def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None, ctx: DistContext, decode: Decode,
             record: dict[str, Any]) -> dict[str, Any] | None:
     """Generate the request across the ranks of ``ctx`` into ``out``; rank 0 returns ``run.json``'s
     content (``record`` plus the statistics), the other ranks None. ``parts``: the prepared method
@@ -179,7 +184,7 @@ def _records(job: Path) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _rounds(parts: Any, request: JobRequest, ctx: DistContext, decode: Any, done: Sequence[int],
+def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode: Decode, done: Sequence[int],
             job: Path | None) -> list[RoundPart]:
     """Decode this rank's share of the images not yet recorded, one batch per round; rank 0
     (``job`` given) writes every round. Returns rank 0's view of all parts (empty elsewhere)."""
@@ -194,7 +199,7 @@ def _rounds(parts: Any, request: JobRequest, ctx: DistContext, decode: Any, done
     with tqdm(total=len(request.names), initial=len(finished), desc="images", unit="img",
               disable=not (request.progress and ctx.is_main)) as bar:
         for r in range(-(-longest // batch)):
-            part = _decode_batch(parts, request, mine[r * batch : (r + 1) * batch], ctx.rank, decode)
+            part = _generate_batch(parts, request, mine[r * batch : (r + 1) * batch], ctx.rank, decode)
             gathered = gather_to_main(part, ctx)
             if job is None or gathered is None:
                 continue
@@ -205,7 +210,8 @@ def _rounds(parts: Any, request: JobRequest, ctx: DistContext, decode: Any, done
     return written
 
 
-def _decode_batch(parts: Any, request: JobRequest, indices: list[int], rank: int, decode: Any) -> RoundPart:
+def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
+                  decode: Decode) -> RoundPart:
     from lantern.pipeline import generate_rows
 
     if not indices:
@@ -226,6 +232,7 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
 
     from lantern.images import save_png
     from lantern.io import atomic_path
+    from lantern.pipeline import image_seed
 
     parts = [p for p in gathered if p.indices]
     if not parts:
@@ -234,8 +241,6 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
         for i, pix in zip(p.indices, p.pixels, strict=True):
             save_png(Image.fromarray(pix), job / "out" / request.names[i])
     (job / "records").mkdir(exist_ok=True)
-    from lantern.pipeline import image_seed
-
     indices = [i for p in parts for i in p.indices]
     with atomic_path(job / "records" / f"{recorded:07d}.npz") as tmp, open(tmp, "wb") as f:
         np.savez(f, indices=np.array(indices, np.int64), seeds=np.array([image_seed(request.seed, i) for i in indices],
@@ -253,7 +258,7 @@ def _pause_after(recorded: int) -> None:
         pause_for_tests()
 
 
-def _finish(job: Path, request: JobRequest, method: Any, record: dict[str, Any], parts: list[RoundPart],
+def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[str, Any], parts: list[RoundPart],
             resumed: int) -> dict[str, Any]:
     """codes.npy, grid.png, run.json (and samples.npz) from all records, into ``JOB/out``."""
     from lantern.io import write_json
@@ -299,7 +304,7 @@ def _write_grid(out: Path, request: JobRequest) -> None:
 
 
 def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, parts: list[RoundPart],
-           method: Any) -> dict[str, Any]:
+           method: MethodConfig) -> dict[str, Any]:
     """run.json's totals (as ``RunResult.stats_dict``) over all images, and per rank for this run.
     ``wall_seconds``: this run's decode time; under several ranks, that of the slowest rank (the
     ranks decode in parallel); each rank's own sum is under ``ranks``."""
@@ -320,23 +325,24 @@ def write_npz(path: Path, images: Sequence[Path]) -> None:
     """``arr_0``: uint8 [N, H, W, 3] in the given order, the layout of the guided-diffusion (ADM)
     FID evaluator and LlamaGen's evaluation scripts. Streamed image by image into the zip (a
     50k-image array need not fit in memory); written atomically."""
-    from PIL import Image
-
     from lantern.io import atomic_path
 
-    first = _rgb(images[0], Image)
+    first = _rgb(images[0])
     shape = (len(images), *first.shape)
     header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": shape}
     with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", allowZip64=True) as zf:
         with zf.open("arr_0.npy", "w", force_zip64=True) as f:
             np.lib.format.write_array_header_2_0(f, header)
             for image in images:
-                pix = _rgb(image, Image)
+                pix = _rgb(image)
                 if pix.shape != first.shape:
                     raise LanternError(f"--save-npz: {image} is {pix.shape}, the first image {first.shape}")
                 f.write(pix.tobytes())
 
 
-def _rgb(path: Path, image_module: Any) -> np.ndarray:
-    with image_module.open(path) as img:
+def _rgb(path: Path) -> np.ndarray:
+    """A PNG as uint8 [H, W, 3] (a grayscale one as 3 equal channels, as the evaluators expect)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
         return np.asarray(img.convert("RGB"), dtype=np.uint8)
