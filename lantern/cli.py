@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lantern.errors import LanternError
 
 if TYPE_CHECKING:
+    from lantern.distributed import DistContext
     from lantern.outputs import OutputFolder
 
 
@@ -378,7 +379,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_llamagen(args: argparse.Namespace, prompts: list[str] | None, out: OutputFolder | None,
-                       finished: dict[str, Any] | None, ctx: Any) -> int:
+                       finished: dict[str, Any] | None, ctx: DistContext) -> int:
     """``generate`` for LlamaGen stacks (c2i labels or t2i prompts), as a job across the ranks of ``ctx``."""
     import torch
 
@@ -419,8 +420,9 @@ def _generate_llamagen(args: argparse.Namespace, prompts: list[str] | None, out:
         request = JobRequest(names, args.seed, cond, mask, identity, args.batch_size, args.num_per_label,
                              save_npz=args.save_npz, resume=args.resume, progress=not args.no_progress)
         run = run_job(parts, request, out, ctx, lambda codes: decode_images(stack, codes), record)
-    if run is None:
+    if run is None:  # ranks other than 0 write nothing
         return 0
+    assert out is not None  # rank 0 checked it
     stats = run["stats"]
     print(
         f"wrote {len(names)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
