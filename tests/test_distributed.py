@@ -24,7 +24,7 @@ from PIL import Image
 from lantern.cli import main
 from lantern.distributed import DistContext, check_enough_items, shard
 from lantern.errors import LanternError
-from lantern.jobs import PAUSE_AFTER_ENV
+from lantern.jobs import PAUSE_AFTER_ENV, write_npz
 from lantern.outputs import PAUSE_ENV
 from lantern.testing import make_random_stack
 from tests.test_t2i import t2i_stack, t5_dir  # noqa: F401  (fixtures: tiny t2i stack with drafter + T5)
@@ -244,3 +244,21 @@ def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Pa
     assert (run_one["processes"], run_two["processes"]) == (1, 2)
     assert run_one["ar_spread"] == run_two["ar_spread"] and run_one["curves"] == run_two["curves"]
     assert (tmp_path / "two" / "grid_ar.png").read_bytes() == (tmp_path / "one" / "grid_ar.png").read_bytes()
+
+
+def test_npz_holds_grayscale_as_three_equal_channels_and_refuses_mixed_sizes(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    grays = [rng.integers(0, 256, (6, 5), dtype=np.uint8) for _ in range(3)]
+    paths = []
+    for i, g in enumerate(grays):
+        Image.fromarray(g).save(tmp_path / f"{i}.png")
+        paths.append(tmp_path / f"{i}.png")
+    write_npz(tmp_path / "s.npz", paths)
+    with np.load(tmp_path / "s.npz") as z:
+        arr = z["arr_0"]
+    assert arr.shape == (3, 6, 5, 3) and arr.dtype == np.uint8
+    assert all(np.array_equal(arr[i, :, :, c], grays[i]) for i in range(3) for c in range(3))
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(tmp_path / "small.png")
+    with pytest.raises(LanternError, match=r"small.png is \(4, 4, 3\), the first image \(6, 5, 3\)"):
+        write_npz(tmp_path / "bad.npz", [*paths, tmp_path / "small.png"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.png", "1.png", "2.png", "s.npz", "small.png"]  # no temp
