@@ -196,11 +196,6 @@ def tree_label(method: MethodConfig) -> str:
 QualityFn = Callable[[Tensor, list[Any]], dict[str, Any]]  # (codes, labels or prompts) -> metrics
 
 
-def _run(stack: Stack, conditions: Conditions, seed: int, sampling: SamplingConfig, cfg: MethodConfig,
-         batch_size: int) -> RunResult:
-    return run_conditions(stack, conditions, seed, sampling, cfg, batch_size)
-
-
 def run_bench(
     stack: Stack,
     sampling: SamplingConfig,
@@ -209,13 +204,16 @@ def run_bench(
     progress: bool = True,
     log: Callable[[str], None] = print,
     throughput_methods: Mapping[int, Mapping[str, MethodConfig]] | None = None,
+    runner: BenchRunner | None = None,
 ) -> BenchResult:
     """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
     skips the quality images (speed only: the rows then describe the timed images).
     ``throughput_methods``: per throughput batch size, the methods to time there (``--tree auto``
-    picks trees per batch size); default: the latency rows' methods."""
+    picks trees per batch size); default: the latency rows' methods. ``runner``: how images are
+    decoded and timed (default: in this process; ``lantern.bench_ranks``: shared across ranks)."""
     from tqdm.auto import tqdm
 
+    runner = runner or BenchRunner()
     labels = stack.sample_conditions(config.num_images)
     encoded = stack.encode(labels)
     resolved = {m.name: m.resolve(stack) for m in config.methods}
@@ -223,8 +221,8 @@ def run_bench(
     # 1. Speed at the latency batch size (see time_methods).
     startup: dict[str, float] = {}
     speed = encoded.rows(0, config.speed_images)
-    speed_runs, walls = time_methods(stack, sampling, resolved, speed, config.seed, config.speed_batch_size,
-                                     config.repeats, progress, compile=config.compile, startup=startup)
+    speed_runs, walls = runner.time(stack, sampling, resolved, speed, config.seed, config.speed_batch_size,
+                                    config.repeats, progress, compile=config.compile, startup=startup)
     ar_wall = statistics.median(walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
@@ -235,7 +233,7 @@ def run_bench(
         if quality is None:
             r, scores = speed_runs[name], {}
         else:
-            r = _run(stack, encoded, config.seed, sampling, cfg, config.batch_size)
+            r = runner.generate(stack, encoded, config.seed, sampling, cfg, config.batch_size)
             scores = quality(r.codes, labels)
         codes[name] = r.codes.cpu()
         rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
@@ -246,22 +244,22 @@ def run_bench(
 
     ar_spread = None
     if config.ar_spread and quality is not None:
-        r2 = _run(stack, encoded, config.seed + 1, sampling, resolved["ar"], config.batch_size)
+        r2 = runner.generate(stack, encoded, config.seed + 1, sampling, resolved["ar"], config.batch_size)
         q2 = quality(r2.codes, labels)
         q1 = rows[[r.method for r in rows].index("ar")].quality
         ar_spread = {k: abs(float(q1[k]) - float(q2[k])) for k in QUALITY_KEYS if q1.get(k) is not None}
         ar_spread["seed"] = float(config.seed + 1)
 
-    curves = _curves(stack, sampling, config, resolved, encoded, progress)
+    curves = _curves(stack, sampling, config, resolved, encoded, progress, runner)
     sweep = []
     if config.sweep:
         check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
         assert quality is not None
-        sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress)
+        sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress, runner)
     per_batch = throughput_methods or {}
     throughput = [point for batch in config.throughput_batch_sizes
                   for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), encoded, config,
-                                                  batch, progress)]
+                                                  batch, progress, runner)]
     meta = _meta(stack, sampling, config, resolved)
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
 
@@ -274,14 +272,15 @@ def measure_throughput(
     config: BenchConfig,
     batch_size: int,
     progress: bool = False,
+    runner: BenchRunner | None = None,
 ) -> list[dict[str, Any]]:
     """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
     max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
     n = max(config.speed_images, batch_size)
     index = torch.tensor([i % len(labels) for i in range(n)], device=labels.cond.device)
     pool = Conditions(labels.cond[index], None if labels.mask is None else labels.mask[index])
-    _, walls = time_methods(stack, sampling, resolved, pool, config.seed, batch_size, config.repeats, progress,
-                            compile=config.compile)
+    _, walls = (runner or BenchRunner()).time(stack, sampling, resolved, pool, config.seed, batch_size,
+                                              config.repeats, progress, compile=config.compile)
     ar_rate = n / statistics.median(walls["ar"])
     out = []
     for name in resolved:
@@ -302,8 +301,10 @@ def time_methods(
     progress: bool = False,
     compile: str | None = None,
     startup: dict[str, float] | None = None,
+    indices: Sequence[int] | None = None,
 ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
     """Wall-clock of every method on the same images: (last run per method, total per repeat).
+    ``indices``: each label's place in the whole request, which picks its seed (default 0, 1, ...).
 
     A shared machine's speed drifts over minutes (other tenants, frequency), so timing method A for
     a minute and then method B compares two machines. Instead the methods take turns image by
@@ -326,6 +327,7 @@ def time_methods(
     cond = labels if isinstance(labels, Conditions) else stack.encode(labels)
     prepared = {name: prepare_method(stack, cfg, sampling, compile=compile) for name, cfg in resolved.items()}
     chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
+    order = list(range(len(labels))) if indices is None else list(indices)
     for name, parts in prepared.items():
         t0 = time.perf_counter()
         for size in sorted({hi - lo for lo, hi in chunks}):
@@ -342,7 +344,7 @@ def time_methods(
             for ci, (lo, hi) in enumerate(chunks):
                 shift = (rep * len(chunks) + ci) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    gens = make_generators([image_seed(seed, i) for i in range(lo, hi)], device)
+                    gens = make_generators([image_seed(seed, order[i]) for i in range(lo, hi)], device)
                     t0 = time.perf_counter()
                     chunk = cond.rows(lo, hi)
                     outputs[name][ci] = prepared[name].generate(chunk.cond, gens, cond_mask=chunk.mask)
@@ -358,6 +360,22 @@ def time_methods(
         for name in names
     }
     return runs, walls
+
+
+class BenchRunner:
+    """How bench decodes and times images: in this process. ``lantern.bench_ranks.RankRunner``
+    shares them across the ranks of a ``torchrun`` job, with the same interface."""
+
+    def generate(self, stack: Stack, conditions: Conditions, seed: int, sampling: SamplingConfig,
+                 method: MethodConfig, batch_size: int) -> RunResult:
+        return run_conditions(stack, conditions, seed, sampling, method, batch_size)
+
+    def time(self, stack: Stack, sampling: SamplingConfig, resolved: Mapping[str, MethodConfig],
+             conditions: Conditions, seed: int, batch_size: int = 1, repeats: int = 1, progress: bool = False,
+             compile: str | None = None, startup: dict[str, float] | None = None,
+             ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
+        return time_methods(stack, sampling, resolved, conditions, seed, batch_size, repeats, progress, compile,
+                            startup)
 
 
 def _row(
@@ -388,6 +406,7 @@ def _curves(
     resolved: Mapping[str, MethodConfig],
     labels: Conditions,
     progress: bool,
+    runner: BenchRunner | None = None,
 ) -> dict[str, list[dict[str, float]]]:
     """tau against LANTERN's delta and LANTERN++'s lambda, with each method's tree (cheap: no
     quality metrics, batched). delta = 0 and lambda = 1 are exact speculative decoding."""
@@ -410,7 +429,7 @@ def _curves(
         jobs += [("lambda", x, MethodConfig.resolve("lantern++", tree, lam=x, budget=budget)) for x in CURVE_LAMBDAS]
     out: dict[str, list[dict[str, float]]] = {}
     for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
-        r = _run(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
+        r = (runner or BenchRunner()).generate(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
         out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
     return out
 
@@ -428,6 +447,7 @@ def _sweep(
     resolved: Mapping[str, MethodConfig],
     ar_wall: float,
     progress: bool,
+    runner: BenchRunner | None = None,
 ) -> list[BenchRow]:
     """The (k, delta) and (k, lambda) grids: quality on ``sweep_images`` images, speed on the
     speed images (each point timed against its own AR pass, image by image)."""
@@ -451,14 +471,15 @@ def _sweep(
     speed_labels = encoded.rows(0, config.speed_images)
     ar = resolved["ar"]
     rows = []
+    runner = runner or BenchRunner()
     sweep_config = replace(config, num_images=config.sweep_images)
     for spec in tqdm(specs, desc="sweep", disable=not progress):
         cfg = spec.resolve(stack)
         # Each point is timed against its own AR pass, the two taking turns image by image.
-        _, walls = time_methods(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed,
-                                config.speed_batch_size)
+        _, walls = runner.time(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed,
+                               config.speed_batch_size)
         ar_ref, fast = walls["ar"][0], walls[spec.name][0]
-        r = _run(stack, encoded, config.seed, sampling, cfg, config.batch_size)
+        r = runner.generate(stack, encoded, config.seed, sampling, cfg, config.batch_size)
         rows.append(_row(spec.name, r, fast, ar_ref, sweep_config, quality(r.codes, labels)))
     return rows
 
@@ -878,16 +899,10 @@ def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
     return trees
 
 
-def cmd_bench(args: Any) -> int:
-    import shlex
-    import sys
-
-    from lantern.api import load_model_stack, sampling_from
+def bench_config(args: Any) -> BenchConfig:
+    """``lantern bench``'s flags as a checked :class:`BenchConfig` (nothing loaded yet)."""
     from lantern.compiling import resolve_compile
-    from lantern.outputs import OutputFolder
-    from lantern.validate import check_device
 
-    t0 = time.perf_counter()
     trees = parse_tree_options(args.tree)
     batch_sizes = parse_batch_sizes(args.speed_batch_size)
     config = BenchConfig(
@@ -907,8 +922,29 @@ def cmd_bench(args: Any) -> int:
         sweep_images=args.sweep_images,
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    return config
+
+
+def cmd_bench(args: Any) -> int:
+    """``lantern bench``: in one process, or across the ranks of a ``torchrun`` job
+    (:mod:`lantern.bench_ranks`: the images are shared out, rank 0 scores and writes)."""
+    import shlex
+    import sys
+
+    from lantern.api import load_model_stack, sampling_from
+    from lantern.bench_ranks import RankRunner, check_bench_ranks, no_metrics
+    from lantern.distributed import DistContext, process_group
+    from lantern.outputs import OutputFolder
+    from lantern.validate import check_device
+
+    t0 = time.perf_counter()
+    config = bench_config(args)
     check_device(args.device)
+    ctx = DistContext.from_env()
+    check_bench_ranks(config, ctx)
+    args.device = ctx.device(args.device)
     out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
+    progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, layout=args.layout,
                              image_size=args.image_size, vq=args.vq)
@@ -921,22 +957,29 @@ def cmd_bench(args: Any) -> int:
         at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
         throughput_methods[batch] = {m.name: m.resolve(stack) for m in at_batch.methods}
         auto_trees[f"batch {batch}"] = chosen
-    scorer = None
-    if not args.no_quality:
-        scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=not args.no_progress,
-                                     sampling=sampling, seed=config.seed, batch_size=config.batch_size)
-    print(f"bench {args.model} | {len(config.methods)} methods | quality on {config.num_images} images, "
-          f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
-          f"{str(stack.dtype).replace('torch.', '')} on {args.device}")
-    if scorer is not None:
-        print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
-    result = run_bench(stack, sampling, config, scorer, progress=not args.no_progress,
-                       throughput_methods=throughput_methods)
-    if scorer is not None:
+    with process_group(ctx, args.device):
+        scorer: Any = None
+        if not args.no_quality:  # metrics are computed once, on rank 0
+            scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=progress,
+                                         sampling=sampling, seed=config.seed,
+                                         batch_size=config.batch_size) if ctx.is_main else no_metrics
+        if ctx.is_main:
+            print(f"bench {args.model} | {len(config.methods)} methods | quality on {config.num_images} images, "
+                  f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
+                  f"{str(stack.dtype).replace('torch.', '')} on {args.device}"
+                  + (f" | {ctx.world_size} processes" if ctx.enabled else ""))
+        if isinstance(scorer, QualityScorer):
+            print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
+        result = run_bench(stack, sampling, config, scorer, progress=progress, throughput_methods=throughput_methods,
+                           runner=RankRunner(ctx) if ctx.enabled else None, log=print if ctx.is_main else _quiet)
+    if not ctx.is_main:
+        return 0
+    if isinstance(scorer, QualityScorer):
         result.meta.update(scorer.meta())
     result.meta["auto_trees"] = auto_trees
     if auto_windows:
         result.meta["auto_windows"] = auto_windows
+    result.meta["processes"] = ctx.world_size
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     with out.write() as folder:
         save_bench(stack, result, folder, command)
@@ -948,3 +991,7 @@ def cmd_bench(args: Any) -> int:
             f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0: rank 0 speaks for the job."""

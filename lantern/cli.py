@@ -222,6 +222,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory (written all-or-nothing: it appears complete or "
                                                 "not at all)")
     _add_overwrite_arg(p)
+    p.add_argument("--resume", action="store_true",
+                   help="keep this job's finished images if it stops (in .OUT.resume beside --out), and continue "
+                        "an interrupted --resume job with the same settings: only the missing images are decoded")
+    p.add_argument("--save-npz", action="store_true",
+                   help="also write OUT/samples.npz: arr_0, uint8 [N, H, W, 3] in request order (the layout of "
+                        "the guided-diffusion / ADM FID evaluator and LlamaGen's evaluation scripts)")
     p.add_argument(
         "--method",
         default="ar",
@@ -358,53 +364,109 @@ def _add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None
                    help=f"replace an existing non-empty --out {what} (default: refuse to touch it)")
 
 
-def _check_run_args(args: argparse.Namespace) -> OutputFolder:
-    """generate's counts and device, checked before anything is loaded; the --out folder to write."""
+def _check_run_args(args: argparse.Namespace, check_out: bool = True) -> OutputFolder | None:
+    """generate's counts and device, checked before anything is loaded; the --out folder to write
+    (None when not ``check_out``: a rank other than 0, or a finished job to resume)."""
     from lantern.outputs import OutputFolder
     from lantern.validate import check_count, check_device
 
     check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
     check_count(args.batch_size, "--batch-size")
     check_device(args.device)
-    return OutputFolder.check(args.out, "--out", args.overwrite)
+    return OutputFolder.check(args.out, "--out", args.overwrite) if check_out else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lantern.api import sampling_from
-    from lantern.autowindow import with_window
-    from lantern.pipeline import run_conditions
+    """``generate``: one process, or one rank of a ``torchrun`` / ``accelerate launch`` job
+    (:mod:`lantern.distributed`), written image by image (:mod:`lantern.jobs`)."""
+    from lantern.distributed import DistContext, check_enough_items
+    from lantern.jobs import finished_job
     from lantern.validate import check_image_total
 
     _check_compile(args)
-    out = _check_run_args(args)
+    ctx = DistContext.from_env()
+    if args.resume and args.overwrite:
+        raise LanternError("--resume continues the job of --out; it cannot be combined with --overwrite")
+    # Rank 0 alone reads and writes --out (on several nodes the others may not even see it).
+    finished = finished_job(args.out) if args.resume and ctx.is_main else None
+    out = _check_run_args(args, check_out=ctx.is_main and finished is None)
     prompts = _read_prompt_args(args)
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
+    check_enough_items(len(prompts if prompts is not None else args.labels) * args.num_per_label, ctx)
     _resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
     auto = _check_auto_tree(args.tree, [args.method], args.profile)
+    args.device = ctx.device(args.device)
     stack = _load_generate_stack(args, prompts is not None)
-    method = _method(args, stack)
+    auto_window = _check_auto_window(args, _auto_window_refusal(stack))
+    if ctx.enabled and (auto or auto_window):
+        raise LanternError("--tree auto / --sjd-window auto / --pjd-window auto time this process alone; under "
+                           "several processes pass the tree or window to use (e.g. the one a single-process run chose)")
+    return _generate_job(args, stack, prompts, out, finished, ctx, auto, auto_window)
+
+
+def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | None, out: OutputFolder | None,
+                  finished: dict[str, Any] | None, ctx: Any, auto: bool, auto_window: bool) -> int:
+    """``generate`` on any stack (labels or prompts), as a job across the ranks of ``ctx``."""
+    import torch
+
+    from lantern.api import sampling_from
+    from lantern.distributed import all_gather, process_group
+    from lantern.jobs import JobRequest, check_same_job, run_job
+    from lantern.pipeline import prepare_run
+
     sampling = sampling_from(stack, args)
     t5_dir = stack.t5_folder(args.t5) if stack.kind == "t2i" else None
-    conditions = prompts if prompts is not None else args.labels
-    encoded = stack.encode(conditions, args.num_per_label, args.batch_size, t5=t5_dir)
-    auto_choice = window_choice = None
+    with process_group(ctx, args.device):
+        finished = all_gather(finished, ctx)[0]  # rank 0's finding
+        encoded = stack.encode(prompts if prompts is not None else args.labels, args.num_per_label,
+                               args.batch_size, t5=t5_dir)
+        method, extra = _generate_method(args, stack, sampling, auto, auto_window)
+        names, conditions = _condition_record(stack, args, prompts, t5_dir)
+        parts = prepare_run(stack, sampling, method, args.batch_size, encoded, args.drafter, args.proximity,
+                            args.compile)
+        record = {**_run_record(args, len(names), sampling, parts.method, conditions), **extra}
+        identity = {"model": str(args.model), "seed": args.seed, **conditions,
+                    "sampling": sampling.to_dict(), "method": parts.method.to_dict(),
+                    "dtype": str(stack.dtype).replace("torch.", ""),
+                    "device_type": torch.device(args.device).type}
+        if finished is not None:  # every rank checks rank 0's finding: the same error everywhere
+            check_same_job(finished, identity, f"--resume: the finished job in {args.out}")
+            if ctx.is_main:
+                print(f"{args.out} already holds this job, complete: nothing to do")
+            return 0
+        request = JobRequest(names, args.seed, encoded.cond, encoded.mask, identity, args.batch_size,
+                             args.num_per_label, save_npz=args.save_npz, resume=args.resume,
+                             progress=not args.no_progress)
+        run = run_job(parts, request, out, ctx, stack.to_pil, record)
+    if run is None:  # ranks other than 0 write nothing
+        return 0
+    assert out is not None  # rank 0 checked it
+    stats = run["stats"]
+    print(
+        f"wrote {len(names)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+        + (f" | {ctx.world_size} processes" if ctx.enabled else "")
+        + (f" | {stats['resumed_images']} images from the interrupted run" if stats["resumed_images"] else "")
+    )
+    return 0
+
+
+def _generate_method(args: argparse.Namespace, stack: Any, sampling: Any, auto: bool,
+                     auto_window: bool) -> tuple[Any, dict[str, Any]]:
+    """The method, with an auto tree or window resolved, and run.json's record of that choice."""
+    from lantern.autowindow import with_window
+
+    method = _method(args, stack)
+    extra: dict[str, Any] = {}
     if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
-        auto_choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
-                                 args.drafter, args.proximity, not args.no_progress)
-        method = _method(args, stack, auto_choice.tree_spec)
-    if _check_auto_window(args, _auto_window_refusal(stack)):
-        window_choice = _auto_window(stack, method, sampling, args)  # time the candidate windows
-        method = with_window(method, window_choice.window)
-    result = run_conditions(stack, encoded, args.seed, sampling, method, args.batch_size, not args.no_progress,
-                            args.drafter, args.proximity, args.compile)
-    names, record = _condition_record(stack, args, prompts, t5_dir)
-    run = _run_record(args, len(names), sampling, result, record)
-    if auto_choice is not None:
-        run["auto_tree"] = auto_choice.to_dict()
-    if window_choice is not None:
-        run["auto_window"] = window_choice.to_dict()
-    return _write_run(out, stack.to_pil(result.codes), names, args.num_per_label, result.codes, run)
+        choice = _auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                            args.drafter, args.proximity, not args.no_progress)
+        method, extra["auto_tree"] = _method(args, stack, choice.tree_spec), choice.to_dict()
+    if auto_window:  # time the candidate windows, then run with the fastest
+        window = _auto_window(stack, method, sampling, args)
+        method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
+    return method, extra
 
 
 def _auto_window_refusal(stack: Any) -> str | None:
@@ -466,8 +528,6 @@ def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] |
         return names, {"layout": info, "prompts": prompts, "prompt_index": index}
     return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
                    "t5_max_length": stack.target.config.cls_token_num}
-
-
 def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     from lantern.api import chameleon_layout
     from lantern.models.chameleon import is_chameleon_folder
@@ -480,35 +540,10 @@ def _chameleon_layout(args: argparse.Namespace, root: Path) -> Any:
     return chameleon_layout(root, args.layout, args.image_size)
 
 
-def _write_run(out: OutputFolder, images: list[Any], names: list[str], ncol: int, codes: Any,
-               run: dict[str, Any]) -> int:
-    """One PNG per image, ``grid.png``, ``codes.npy`` and ``run.json``, all-or-nothing: written
-    into a staging folder that becomes ``--out`` only when complete (:mod:`lantern.outputs`)."""
-    import numpy as np
-
-    from lantern.images import image_grid, save_png
-    from lantern.io import write_json
-    from lantern.outputs import pause_for_tests
-
-    with out.write() as folder:
-        for img, name in zip(images, names, strict=True):
-            save_png(img, folder / name)
-        pause_for_tests()  # the interruption tests kill the run here: PNGs written, codes not yet
-        save_png(image_grid(images, ncol=ncol), folder / "grid.png")
-        with open(folder / "codes.npy", "wb") as f:
-            np.save(f, codes.cpu().numpy().astype(np.int64))
-        write_json(folder / "run.json", run)
-    stats = run["stats"]
-    print(
-        f"wrote {len(images)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
-        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
-    )
-    return 0
-
-
-def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result: Any,
+def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method: Any,
                 conditions: dict[str, Any]) -> dict[str, Any]:
-    """What ``run.json`` records of a generate run: the conditions, seeds, settings and statistics."""
+    """What ``run.json`` records of a generate run: the conditions, seeds and settings (the
+    statistics are added by the run)."""
     from lantern.api import run_config
     from lantern.pipeline import image_seed
 
@@ -517,8 +552,7 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, result
         "model": str(args.model),
         **conditions,
         "seeds": [image_seed(args.seed, i) for i in range(num_images)],
-        **run_config(args.seed, args.batch_size, args.device, sampling, result.method),
-        "stats": result.stats_dict(),
+        **run_config(args.seed, args.batch_size, args.device, sampling, method),
     }
 
 

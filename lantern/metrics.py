@@ -372,7 +372,9 @@ def frechet_distance(real: Tensor, fake: Tensor) -> float:
     """FID between feature sets ``[N, d]`` / ``[M, d]`` (torchmetrics' formula, float64)."""
     _check_feature_pair(real, fake)
     fid_cls, _ = _torchmetrics_image()
-    metric = fid_cls(feature=_Precomputed(real.shape[1]))
+    # The feature sets are complete in this process: no sync with the other ranks of a job
+    # (torchmetrics would otherwise wait at a barrier for ranks that compute no metrics).
+    metric = fid_cls(feature=_Precomputed(real.shape[1]), sync_on_compute=False)
     metric.update(real.double(), real=True)
     metric.update(fake.double(), real=False)
     return float(metric.compute())
@@ -408,7 +410,8 @@ def kernel_distance(real: Tensor, fake: Tensor, *, subset_size: int | None = Non
     _, kid_cls = _torchmetrics_image()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*will save all extracted features.*")
-        metric = kid_cls(feature=_Precomputed(real.shape[1]), subsets=subsets, subset_size=subset_size)
+        metric = kid_cls(feature=_Precomputed(real.shape[1]), subsets=subsets, subset_size=subset_size,
+                         sync_on_compute=False)  # complete sets here, as in frechet_distance
     metric.update(real.double(), real=True)
     metric.update(fake.double(), real=False)
     with torch.random.fork_rng(devices=[]):

@@ -8,6 +8,11 @@ a full disk or an interruption (SIGINT, SIGTERM) removes the staging folder; a S
 behind under that recognisable name, and the next run into the same location removes it. An
 existing non-empty folder is refused unless ``overwrite``, which replaces it whole: the old folder
 is renamed aside (``.NAME.old-PID``), the new one renamed in, then the old one deleted.
+
+Long jobs (``generate``, :meth:`OutputFolder.write_job`) stage ``.NAME.tmp-PID/out`` the same
+way, with the job's per-image records beside ``out``. With ``--resume`` the job folder is
+``.NAME.resume`` instead: no PID in its name, never removed by a failure or by another run, so a
+killed job is continued by the next ``--resume`` run; ``--out`` still appears only when complete.
 """
 
 from __future__ import annotations
@@ -242,6 +247,37 @@ class OutputFolder(_Output):
                 os.replace(aside, self.path)  # put the old folder back
                 raise
         _remove(aside)
+
+
+    @contextlib.contextmanager
+    def write_job(self, resume: bool = False) -> Iterator[Path]:
+        """Yield a job folder JOB for a long run (``lantern.jobs``): ``JOB/out`` becomes ``path``
+        when the body succeeds, and JOB keeps the job's own files (its records) beside it.
+
+        Without ``resume`` JOB is the staging folder ``.NAME.tmp-PID`` and everything behaves as
+        :meth:`write`. With ``resume`` JOB is ``.NAME.resume`` (:func:`resume_folder`): it is kept
+        through failures, interruptions and kills, the next ``resume`` run into the same ``path``
+        picks it up, and it is removed once its ``out`` was renamed into place."""
+        with self._undo_on_failure():
+            remove_stale_staging(self.path)
+            job = resume_folder(self.path) if resume else self.path.parent / staging_name(self.path.name)
+            committed = False
+            try:
+                if not resume:
+                    _remove(job)
+                (job / "out").mkdir(parents=True, exist_ok=True)
+                yield job
+                self._commit(job / "out")
+                committed = True
+            finally:
+                if committed or not resume:
+                    _remove(job)
+
+
+def resume_folder(path: Path) -> Path:
+    """``.NAME.resume`` beside ``path``: the job folder of a resumable run (``generate --resume``),
+    named without a PID so that the run after a kill finds it."""
+    return path.parent / f".{path.name}.resume"
 
 
 @dataclass(frozen=True)

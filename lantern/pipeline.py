@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -44,7 +45,7 @@ from lantern.compiling import resolve_compile
 from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
 from lantern.drafting import TreeDrafter
 from lantern.errors import check
-from lantern.generate import Acceptance, Drafter, GenerationOutput, generate
+from lantern.generate import Acceptance, Drafter, GenerationOutput, SpecStats, generate
 from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
@@ -263,6 +264,16 @@ class RunResult:
     wall_seconds: float
     method: MethodConfig  # as resolved for the run (e.g. lantern k capped at the table's K_max)
 
+    @classmethod
+    def from_counts(cls, codes: Tensor, target_forwards: Tensor, drafter_forwards: int, wall_seconds: float,
+                    method: MethodConfig) -> RunResult:
+        """A run put together from its images' codes [N, T] and forward counts [N] (the shards of
+        a job decoded by several processes, or by several runs of a resumed job)."""
+        stats = SpecStats(target_forwards=target_forwards, generated_tokens=codes.shape[1],
+                          drafter_forwards=drafter_forwards)
+        return cls(codes=codes, output_stats=[GenerationOutput(codes, stats)], wall_seconds=wall_seconds,
+                   method=method)
+
     def stats_dict(self) -> dict[str, Any]:
         forwards = torch.cat([o.stats.target_forwards for o in self.output_stats])
         n_tokens = self.codes.shape[1]
@@ -289,20 +300,22 @@ def run_generation(
     drafter_dir: str | None = None,
     proximity: str | None = None,
     compile: str | None = None,
+    indices: Sequence[int] | None = None,
 ) -> RunResult:
-    """Generate one image per entry of ``labels``, ``batch_size`` rows at a time."""
+    """Generate one image per entry of ``labels``, ``batch_size`` rows at a time (see
+    :func:`run_conditions` for ``indices``)."""
     return run_conditions(stack, stack.encode(labels), seed, sampling, method, batch_size, progress, drafter_dir,
-                          proximity, compile)
+                          proximity, compile, indices=indices)
 
 
 def run_generation_t2i(stack: ModelStack, captions: Captions, seed: int, sampling: SamplingConfig,
                        method: MethodConfig, batch_size: int = 8, progress: bool = False,
                        drafter_dir: str | None = None, proximity: str | None = None,
-                       compile: str | None = None) -> RunResult:
+                       compile: str | None = None, indices: Sequence[int] | None = None) -> RunResult:
     """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
-    at a time; image ``i`` is seeded with ``image_seed(seed, i)`` exactly as for labels."""
+    at a time, seeded exactly as for labels."""
     return run_conditions(stack, stack.from_captions(captions), seed, sampling, method, batch_size, progress,
-                          drafter_dir, proximity, compile)
+                          drafter_dir, proximity, compile, indices=indices)
 
 
 def run_conditions(
@@ -317,25 +330,53 @@ def run_conditions(
     proximity: str | os.PathLike[str] | None = None,
     compile: str | None = None,
     prepared: PreparedMethod | None = None,
+    indices: Sequence[int] | None = None,
 ) -> RunResult:
     """The one run path of every stack: ``batch_size`` rows at a time, image ``i`` seeded with
-    ``image_seed(seed, i)`` (so batching never changes an image). ``prepared``: the method already
-    loaded (:func:`prepare_method`), instead of loading it from ``drafter_dir`` / ``proximity``."""
-    validate_sampling_for_vocab(sampling, stack.vocab_size)
-    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    parts = prepared or prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
-    batch = min(batch_size, len(conditions))
-    nbytes = stack.cache_bytes(sampling, verify_nodes(parts.method, stack), conditions, batch)
-    check_batch_memory(nbytes, batch, stack.device)  # before the cache is allocated
+    ``image_seed(seed, indices[i])`` (so batching never changes an image). ``indices``: each row's
+    place in the whole request (default 0, 1, ...): a shard of a request (``lantern.distributed``)
+    gives the same images as the whole request. ``prepared``: the method already loaded
+    (:func:`prepare_method`), instead of loading it from ``drafter_dir`` / ``proximity``."""
+    order = list(range(len(conditions))) if indices is None else list(indices)
+    check(len(order) == len(conditions), f"{len(order)} image indices for {len(conditions)} conditions")
+    parts = prepare_run(stack, sampling, method, batch_size, conditions, drafter_dir, proximity, compile, prepared)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, len(conditions), batch_size):
         chunk = conditions.rows(lo, lo + batch_size)
-        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], stack.device)
-        outputs.append(parts.generate(chunk.cond, gens, progress, cond_mask=chunk.mask))
+        outputs.append(generate_rows(parts, chunk, seed, order[lo : lo + len(chunk)], progress))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
     return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
+
+
+def prepare_run(
+    stack: Stack,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    batch_size: int,
+    conditions: Conditions,
+    drafter_dir: str | os.PathLike[str] | None = None,
+    proximity: str | os.PathLike[str] | None = None,
+    compile: str | None = None,
+    prepared: PreparedMethod | None = None,
+) -> PreparedMethod:
+    """The checks of a run (sampling, batch size, the cache memory of ``batch_size`` of these
+    conditions) and its method, loaded once (or ``prepared``)."""
+    validate_sampling_for_vocab(sampling, stack.vocab_size)
+    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
+    parts = prepared or prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
+    batch = max(1, min(batch_size, len(conditions)))
+    nbytes = stack.cache_bytes(sampling, verify_nodes(parts.method, stack), conditions, batch)
+    check_batch_memory(nbytes, batch, stack.device)  # before the cache is allocated
+    return parts
+
+
+def generate_rows(parts: PreparedMethod, conditions: Conditions, seed: int, indices: Sequence[int],
+                  progress: bool = False) -> GenerationOutput:
+    """One batch: row ``r`` of ``conditions`` is image ``indices[r]`` of the request, with that image's seed."""
+    gens = make_generators([image_seed(seed, i) for i in indices], parts.stack.device)
+    return parts.generate(conditions.cond, gens, progress, cond_mask=conditions.mask)
 
 
 @dataclass

@@ -1,0 +1,349 @@
+"""``lantern generate`` as a job: sharded across processes, written image by image, resumable.
+
+The request (one image per label or prompt repetition, image ``i`` seeded with
+``image_seed(seed, i)``) is shared out by :func:`lantern.distributed.shard`. The job runs in
+rounds: every rank decodes its next batch, all ranks send the round's images to rank 0, and rank
+0 writes them into the job folder (:meth:`lantern.outputs.OutputFolder.write_job`):
+
+* ``JOB/out/NNNN_label*.png``: each image, written atomically (temporary name, then renamed);
+* ``JOB/records/NNNNNNN.npz``: after a round's PNGs, the round's record (request indices, seeds,
+  codes, forward counts), written atomically: an image counts as finished once its record exists;
+* ``JOB/job.json``: what the job is (model, conditions, seeds, sampling, method, dtype).
+
+When every image is recorded, rank 0 writes ``codes.npy`` (request order), ``grid.png``,
+``run.json`` and, with ``--save-npz``, ``samples.npz`` into ``JOB/out`` and renames it onto
+``--out``. Without ``--resume`` the job folder is ``.OUT.tmp-PID`` and vanishes on any failure
+(all-or-nothing, as every output); with ``--resume`` it is ``.OUT.resume``, survives a kill, and
+the next ``--resume`` run checks its ``job.json`` against the new request and decodes only the
+images without a record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lantern.distributed import DistContext, agree, all_gather, check_enough_items, gather_to_main, shard
+from lantern.errors import LanternError
+from lantern.outputs import OutputFolder, pause_for_tests, resume_folder
+
+if TYPE_CHECKING:
+    from lantern.pipeline import MethodConfig, PreparedMethod
+
+Decode = Callable[[Tensor], list[Any]]  # codes [b, T] -> PIL images
+
+# Test hook (like lantern.outputs.PAUSE_ENV, which must be set too): pause once this many images
+# are recorded, so a test can kill a job part-way through its rounds.
+PAUSE_AFTER_ENV = "LANTERN_TEST_PAUSE_AFTER_IMAGES"
+GRID_MAX_IMAGES = 256  # grid.png shows the first images only: a 50k-image grid is no preview
+NPZ_NAME = "samples.npz"
+# What must match for --resume to continue a job: these decide every image. run.json records
+# them all, JOB_ONLY_KEYS under "job" (the others are its own top-level fields).
+IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "t5", "sampling", "method", "dtype",
+                 "device_type")
+JOB_ONLY_KEYS = ("dtype", "device_type")
+
+
+@dataclass
+class JobRequest:
+    """A generate request: the conditions of every image, in request order, and how to run them."""
+
+    names: list[str]  # PNG file name per image
+    seed: int
+    cond: Tensor  # [N] labels or [N, cls, C] captions
+    cond_mask: Tensor | None  # [N, cls] (t2i)
+    identity: dict[str, Any]  # IDENTITY_KEYS: what the images depend on
+    batch_size: int
+    ncol: int  # grid columns (images per label or prompt)
+    save_npz: bool = False
+    resume: bool = False
+    progress: bool = True
+
+
+@dataclass
+class RoundPart:
+    """One rank's share of one round (empty when its shard is done)."""
+
+    rank: int
+    indices: list[int]
+    codes: np.ndarray  # [b, T] int64
+    pixels: list[np.ndarray]  # the decoded images, uint8 [H, W] or [H, W, 3]
+    target_forwards: list[int]
+    drafter_forwards: int
+    seconds: float
+
+
+def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None, ctx: DistContext, decode: Decode,
+            record: dict[str, Any]) -> dict[str, Any] | None:
+    """Generate the request across the ranks of ``ctx`` into ``out``; rank 0 returns ``run.json``'s
+    content (``record`` plus the statistics), the other ranks None. ``parts``: the prepared method
+    (``lantern.pipeline.prepare_run``); ``decode``: codes [b, T] -> PIL images."""
+    n = len(request.names)
+    check_enough_items(n, ctx)
+    if not ctx.is_main:  # rank 0 opens the job; the others learn its verdict and finished images
+        agree(None, ctx)
+        _rounds(parts, request, ctx, decode, all_gather(None, ctx)[0], None)
+        return None
+    assert out is not None  # rank 0 checked --out
+    with out.write_job(resume=request.resume) as job, contextlib.ExitStack() as held:
+        try:
+            held.enter_context(_locked(job))
+            done = _open_job(job, request)
+            error = None
+        except LanternError as e:
+            done, error = [], str(e)
+        agree(error, ctx)
+        all_gather(done, ctx)
+        stats = _rounds(parts, request, ctx, decode, done, job)
+        return _finish(job, request, parts.method, record, stats, len(done))
+
+
+@contextlib.contextmanager
+def _locked(job: Path) -> Iterator[None]:
+    """Hold JOB/lock for the run: two runs resuming one job at once would write the same images.
+    An advisory ``flock``, which the kernel drops when its process dies, so a kill never leaves a
+    job locked."""
+    import fcntl
+
+    with open(job / "lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LanternError(f"--resume: another run is writing the job in {job}; wait for it to end") from None
+        yield
+
+
+def _open_job(job: Path, request: JobRequest) -> list[int]:
+    """A new job's job.json, or (``--resume``) the indices an earlier run recorded, after checking
+    that the job is this request."""
+    from lantern.io import read_json, write_json
+
+    path = job / "job.json"
+    if not path.exists():
+        write_json(path, request.identity)
+        return []
+    check_same_job(read_json(path, "job file"), request.identity, f"--resume: the unfinished job in {job}")
+    return sorted(int(i) for rec in _records(job) for i in rec["indices"])
+
+
+def finished_job(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``--resume`` into an existing ``--out``: the job a finished run there recorded (run.json's
+    "job"), or None when ``--out`` holds no finished job (absent, empty, or not ours: then the
+    usual checks of ``--out`` apply). A job folder left by a kill after its commit is removed."""
+    from lantern.io import read_json
+
+    run = Path(path) / "run.json"
+    if not run.is_file():
+        return None
+    record = read_json(run, "--out run.json")
+    if not isinstance(record, dict) or not isinstance(record.get("job"), dict):
+        return None
+    leftover = resume_folder(Path(path))
+    if leftover.is_dir() and not (leftover / "out").exists():
+        import shutil
+
+        shutil.rmtree(leftover, ignore_errors=True)
+    merged = {**record, **record["job"]}
+    return {k: merged[k] for k in IDENTITY_KEYS if k in merged}
+
+
+def check_same_job(old: dict[str, Any], new: dict[str, Any], where: str) -> None:
+    """A resumed job must decide every image the same way: the first differing setting is named."""
+    if old.get("seed") != new.get("seed"):
+        raise LanternError(f"{where} was started with --seed {old.get('seed')} (its images' seeds); this run has "
+                           f"--seed {new.get('seed')}: pass the job's --seed, or another --out")
+    for key in IDENTITY_KEYS:
+        if old.get(key) != new.get(key):
+            raise LanternError(f"{where} was started with a different {key} ({_short(old.get(key))}, now "
+                               f"{_short(new.get(key))}): resume it with the same settings, or pass another --out")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _records(job: Path) -> list[dict[str, np.ndarray]]:
+    folder = job / "records"
+    if not folder.is_dir():
+        return []
+    out = []
+    for path in sorted(folder.glob("*.npz")):
+        with np.load(path) as z:
+            out.append({k: z[k] for k in z.files})
+    return out
+
+
+def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode: Decode, done: Sequence[int],
+            job: Path | None) -> list[RoundPart]:
+    """Decode this rank's share of the images not yet recorded, one batch per round; rank 0
+    (``job`` given) writes every round. Returns rank 0's view of all parts (empty elsewhere)."""
+    from tqdm.auto import tqdm
+
+    finished = set(done)
+    pending = [i for i in range(len(request.names)) if i not in finished]
+    mine = [pending[j] for j in shard(len(pending), ctx.rank, ctx.world_size)]
+    longest = len(shard(len(pending), 0, ctx.world_size))  # rank 0's shard is never shorter
+    batch = request.batch_size
+    written: list[RoundPart] = []
+    with tqdm(total=len(request.names), initial=len(finished), desc="images", unit="img",
+              disable=not (request.progress and ctx.is_main)) as bar:
+        for r in range(-(-longest // batch)):
+            part = _generate_batch(parts, request, mine[r * batch : (r + 1) * batch], ctx.rank, decode)
+            gathered = gather_to_main(part, ctx)
+            if job is None or gathered is None:
+                continue
+            count = _write_round(job, request, gathered, len(finished) + sum(len(p.indices) for p in written))
+            written.extend(p for p in gathered if p.indices)
+            bar.update(count)
+            _pause_after(len(finished) + sum(len(p.indices) for p in written))
+    return written
+
+
+def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
+                  decode: Decode) -> RoundPart:
+    from lantern.pipeline import generate_rows
+    from lantern.stack import Conditions
+
+    if not indices:
+        return RoundPart(rank, [], np.zeros((0, 0), np.int64), [], [], 0, 0.0)
+    idx = torch.tensor(indices, device=request.cond.device)
+    mask = None if request.cond_mask is None else request.cond_mask[idx]
+    t0 = time.perf_counter()
+    output = generate_rows(parts, Conditions(request.cond[idx], mask), request.seed, indices)
+    seconds = time.perf_counter() - t0
+    pixels = [np.asarray(img) for img in decode(output.codes)]
+    return RoundPart(rank, indices, output.codes.cpu().numpy().astype(np.int64), pixels,
+                     [int(f) for f in output.stats.target_forwards.tolist()], output.stats.drafter_forwards, seconds)
+
+
+def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], recorded: int) -> int:
+    """The round's PNGs, then its record (so a record always has its images). Returns the image count."""
+    from PIL import Image
+
+    from lantern.images import save_png
+    from lantern.io import atomic_path
+    from lantern.pipeline import image_seed
+
+    parts = [p for p in gathered if p.indices]
+    if not parts:
+        return 0
+    for p in parts:
+        for i, pix in zip(p.indices, p.pixels, strict=True):
+            save_png(Image.fromarray(pix), job / "out" / request.names[i])
+    (job / "records").mkdir(exist_ok=True)
+    indices = [i for p in parts for i in p.indices]
+    with atomic_path(job / "records" / f"{recorded:07d}.npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, indices=np.array(indices, np.int64), seeds=np.array([image_seed(request.seed, i) for i in indices],
+                                                                        np.uint64),
+                 codes=np.concatenate([p.codes for p in parts]),
+                 target_forwards=np.array([t for p in parts for t in p.target_forwards], np.int64),
+                 ranks=np.array([p.rank for p in parts for _ in p.indices], np.int64),
+                 drafter_forwards=np.array(sum(p.drafter_forwards for p in parts), np.int64))
+    return len(indices)
+
+
+def _pause_after(recorded: int) -> None:
+    limit = os.environ.get(PAUSE_AFTER_ENV)
+    if limit and recorded >= int(limit):
+        pause_for_tests()
+
+
+def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[str, Any], parts: list[RoundPart],
+            resumed: int) -> dict[str, Any]:
+    """codes.npy, grid.png, run.json (and samples.npz) from all records, into ``JOB/out``."""
+    from lantern.io import write_json
+
+    records = _records(job)
+    indices = np.concatenate([r["indices"] for r in records])
+    n = len(request.names)
+    if sorted(indices.tolist()) != list(range(n)):
+        raise LanternError(f"the job in {job} does not hold every image exactly once: its records are damaged; "
+                           "remove that folder and start again")
+    order = np.argsort(indices, kind="stable")
+    codes = np.concatenate([r["codes"] for r in records])[order]
+    forwards = np.concatenate([r["target_forwards"] for r in records])[order]
+    if PAUSE_AFTER_ENV not in os.environ:
+        pause_for_tests()  # the interruption tests kill the run here: PNGs written, codes not yet
+    out = job / "out"
+    _write_codes(out / "codes.npy", codes)
+    _write_grid(out, request)
+    if request.save_npz:
+        write_npz(out / NPZ_NAME, [out / name for name in request.names])
+    stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), parts, method)
+    run = {**record, "job": {k: request.identity[k] for k in JOB_ONLY_KEYS},
+           "stats": {**stats, "generated_this_run": n - resumed, "resumed_images": resumed}}
+    write_json(out / "run.json", run)
+    return run
+
+
+def _write_codes(path: Path, codes: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, codes.astype(np.int64))
+
+
+def _write_grid(out: Path, request: JobRequest) -> None:
+    from PIL import Image
+
+    from lantern.images import image_grid, save_png
+
+    images = []
+    for name in request.names[:GRID_MAX_IMAGES]:
+        with Image.open(out / name) as img:
+            images.append(img.copy())
+    save_png(image_grid(images, ncol=request.ncol), out / "grid.png")
+
+
+def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, parts: list[RoundPart],
+           method: MethodConfig) -> dict[str, Any]:
+    """run.json's totals (as ``RunResult.stats_dict``) over all images, and per rank for this run.
+    ``wall_seconds``: this run's decode time; under several ranks, that of the slowest rank (the
+    ranks decode in parallel); each rank's own sum is under ``ranks``."""
+    from lantern.pipeline import RunResult
+
+    per_rank: dict[int, dict[str, Any]] = {}
+    for p in parts:
+        entry = per_rank.setdefault(p.rank, {"rank": p.rank, "images": 0, "seconds": 0.0, "target_forwards": 0})
+        entry["images"] += len(p.indices)
+        entry["seconds"] += p.seconds
+        entry["target_forwards"] += sum(p.target_forwards)
+    wall = max((e["seconds"] for e in per_rank.values()), default=0.0)
+    result = RunResult.from_counts(torch.from_numpy(codes), torch.from_numpy(forwards), drafter_forwards, wall, method)
+    return {**result.stats_dict(), "ranks": [per_rank[r] for r in sorted(per_rank)]}
+
+
+def write_npz(path: Path, images: Sequence[Path]) -> None:
+    """``arr_0``: uint8 [N, H, W, 3] in the given order, the layout of the guided-diffusion (ADM)
+    FID evaluator and LlamaGen's evaluation scripts. Streamed image by image into the zip (a
+    50k-image array need not fit in memory); written atomically."""
+    from lantern.io import atomic_path
+
+    first = _rgb(images[0])
+    shape = (len(images), *first.shape)
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": shape}
+    with atomic_path(path) as tmp, zipfile.ZipFile(tmp, "w", allowZip64=True) as zf:
+        with zf.open("arr_0.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_2_0(f, header)
+            for image in images:
+                pix = _rgb(image)
+                if pix.shape != first.shape:
+                    raise LanternError(f"--save-npz: {image} is {pix.shape}, the first image {first.shape}")
+                f.write(pix.tobytes())
+
+
+def _rgb(path: Path) -> np.ndarray:
+    """A PNG as uint8 [H, W, 3] (a grayscale one as 3 equal channels, as the evaluators expect)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)
