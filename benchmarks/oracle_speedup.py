@@ -1,6 +1,6 @@
 """How much of the ideal speculative speed-up does the decoding loop keep? (CPU, tiny random target)
 
-With an oracle drafter (the target itself, ``lantern.oracle``) every draft on the target's own
+With an oracle drafter (the target itself, ``lantern.drafters.oracle``) every draft on the target's own
 path is accepted, so "mean accepted tokens per target forward" is the ideal speed-up: what SD
 would give if drafting were free and a tree verify cost as much as a one-token AR step. The
 measured wall-clock ratio falls short of it for three reasons, printed separately:
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lantern.config import SamplingConfig, TreeConfig
-from lantern.generate import generate
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.loop import generate
+from lantern.decoding.sampling import make_generators
+from lantern.drafters.oracle import OracleBackend, make_oracle_drafter
 from lantern.models.llamagen import LlamaGen
-from lantern.oracle import OracleBackend, make_oracle_drafter
-from lantern.sampling import make_generators
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import tiny_llamagen
 
 

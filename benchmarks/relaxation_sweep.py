@@ -15,12 +15,12 @@ import argparse
 
 import torch
 
-from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
-from lantern.generate import Acceptance, generate
-from lantern.oracle import make_oracle_drafter
-from lantern.proximity import build_proximity
-from lantern.sampling import make_generators
-from lantern.target import LlamaGenTarget
+from lantern.decoding.config import RelaxationConfig, SamplingConfig, TreeConfig
+from lantern.decoding.loop import Acceptance, generate
+from lantern.decoding.sampling import make_generators
+from lantern.drafters.oracle import make_oracle_drafter
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.proximity import build_proximity
 from lantern.testing import tiny_llamagen
 
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from lantern.bench import machine_description
-from lantern.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.trees import tree_from_parents
+from lantern.eval.bench import machine_description
 from lantern.models.llamagen import LlamaGen, llamagen_config
-from lantern.stack import inference_dtype
-from lantern.target import LlamaGenTarget
-from lantern.trees import tree_from_parents
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.stack import inference_dtype
 
 POINTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 

@@ -18,29 +18,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lantern.api import Pipeline, PipelineOutput, load, resolve_settings
-    from lantern.chameleon import ChameleonStack
-    from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
+    from lantern.decoding.config import RelaxationConfig, SamplingConfig, TreeConfig
+    from lantern.decoding.jacobi import JacobiConfig
+    from lantern.decoding.loop import Acceptance, Drafter, GenerationOutput, SpecStats, Target, generate
     from lantern.errors import LanternError
-    from lantern.generate import Acceptance, Drafter, GenerationOutput, SpecStats, generate
-    from lantern.jacobi import JacobiConfig
     from lantern.pipeline import MethodConfig, RunResult, run_conditions, run_generation, run_generation_t2i
-    from lantern.stack import Conditions, ModelStack, Stack, load_stack
-    from lantern.target import Target
+    from lantern.targets.chameleon_stack import ChameleonStack
+    from lantern.targets.stack import Conditions, ModelStack, Stack, load_stack
 
 # public name -> module that defines it
 _EXPORTS = {
-    "load": "lantern.api", "Pipeline": "lantern.api", "PipelineOutput": "lantern.api",
-    "resolve_settings": "lantern.api",
-    "generate": "lantern.generate", "GenerationOutput": "lantern.generate", "SpecStats": "lantern.generate",
-    "Drafter": "lantern.generate", "Acceptance": "lantern.generate",
-    "Target": "lantern.target",
-    "SamplingConfig": "lantern.config", "TreeConfig": "lantern.config", "RelaxationConfig": "lantern.config",
-    "JacobiConfig": "lantern.jacobi",
-    "MethodConfig": "lantern.pipeline", "RunResult": "lantern.pipeline", "run_generation": "lantern.pipeline",
-    "run_generation_t2i": "lantern.pipeline", "run_conditions": "lantern.pipeline",
-    "ModelStack": "lantern.stack", "load_stack": "lantern.stack", "Stack": "lantern.stack",
-    "Conditions": "lantern.stack", "ChameleonStack": "lantern.chameleon",
-    "LanternError": "lantern.errors",
+    name: module
+    for module, names in {
+        "lantern.api": ("load", "Pipeline", "PipelineOutput", "resolve_settings"),
+        "lantern.decoding.loop": ("generate", "GenerationOutput", "SpecStats", "Drafter", "Acceptance", "Target"),
+        "lantern.decoding.config": ("SamplingConfig", "TreeConfig", "RelaxationConfig"),
+        "lantern.decoding.jacobi": ("JacobiConfig",),
+        "lantern.pipeline": ("MethodConfig", "RunResult", "run_generation", "run_generation_t2i", "run_conditions"),
+        "lantern.targets.stack": ("ModelStack", "load_stack", "Stack", "Conditions"),
+        "lantern.targets.chameleon_stack": ("ChameleonStack",),
+        "lantern.errors": ("LanternError",),
+    }.items()
+    for name in names
 }
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError
 from lantern.hub import resolve_location
 from lantern.pipeline import MethodConfig, RunResult
@@ -80,7 +80,7 @@ def run_config(seed: int, batch_size: int, device: str, sampling: SamplingConfig
 def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
     """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``."""
     from lantern.models.chameleon import LAYOUTS, layout_by_name
-    from lantern.stack import read_generation_settings
+    from lantern.targets.stack import read_generation_settings
 
     name = layout if layout is not None else read_generation_settings(root).get("layout")
     if name is None:
@@ -123,7 +123,7 @@ class PipelineOutput:
 class Pipeline:
     """A loaded model and how to run it; call it with ``labels=`` (c2i) or ``prompts=`` (t2i, Chameleon)."""
 
-    stack: Any  # a lantern.stack.Stack: ModelStack (LlamaGen c2i / t2i) or lantern.chameleon.ChameleonStack
+    stack: Any  # a lantern.targets.stack.Stack: ModelStack (LlamaGen c2i / t2i) or ChameleonStack
     device: str = "cpu"
     compile: str = "off"
     drafter: str | None = None
@@ -154,7 +154,7 @@ class Pipeline:
                               outputs=result.output_stats)
 
     def _check_conditions(self, labels: list[int] | None, prompts: list[str] | None) -> list[Any]:
-        from lantern.text import check_prompts
+        from lantern.targets.text import check_prompts
 
         if (labels is None) == (prompts is None):
             raise LanternError("pass labels=[...] (class-conditional models) or prompts=[...] (text-to-image "
@@ -189,9 +189,9 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     folder (c2i or t2i), an Anole / Lumina-mGPT folder, or a Hugging Face repo id of any of these.
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
     ``bfloat16``, ``auto``) or a torch dtype."""
-    from lantern.compiling import resolve_compile
+    from lantern.decoding.compiling import resolve_compile
     from lantern.models.chameleon import is_chameleon_folder
-    from lantern.stack import inference_dtype, load_stack
+    from lantern.targets.stack import inference_dtype, load_stack
     from lantern.validate import check_device
 
     check_device(device)
@@ -216,14 +216,14 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
                      layout: str | None = None, image_size: int | None = None,
                      vq: str | os.PathLike[str] | None = None) -> Any:
-    """The :class:`~lantern.stack.Stack` of any model :func:`load` takes, on ``device``: what
+    """The :class:`~lantern.targets.stack.Stack` of any model :func:`load` takes, on ``device``: what
     ``demo``, ``bench`` and ``profile`` run on."""
     return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq).stack
 
 
 def _load_chameleon(root: Path, paths: dict[str, str | None], layout: str | None, image_size: int | None,
                     dtype: torch.dtype, device: str, compile: str, proximity: str | None) -> Pipeline:
-    from lantern.chameleon import load_chameleon_stack
+    from lantern.targets.chameleon_stack import load_chameleon_stack
 
     if compile != "off":
         raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")

@@ -22,13 +22,14 @@ import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
 
-from lantern.errors import CheckpointError, LanternError
+from lantern.errors import CheckpointError, LanternError, check
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -327,3 +328,22 @@ def _load_trusted(path: Path, what: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=False, pickle_module=_tolerant_pickle)
     except Exception as e:  # a trusted file may raise anything while unpickling
         raise LanternError(f"{what} {path} could not be read as a torch checkpoint: {_reason(e)}") from None
+
+
+class DictConfig:
+    """``to_dict`` / ``from_dict`` of a frozen config dataclass saved as JSON: tuples are written as
+    lists and read back as tuples; an unknown key is an error (a typo, or another model's config)."""
+
+    CONFIG_NAME: ClassVar[str] = "config"  # how errors name it ("VQ config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        """Build from :meth:`to_dict` output."""
+        check(isinstance(d, Mapping), f"{cls.CONFIG_NAME} must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - known)
+        check(not unknown, f"unknown {cls.CONFIG_NAME} keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

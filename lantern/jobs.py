@@ -213,7 +213,7 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
 def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
                   decode: Decode) -> RoundPart:
     from lantern.pipeline import generate_rows
-    from lantern.stack import Conditions
+    from lantern.targets.stack import Conditions
 
     if not indices:
         return RoundPart(rank, [], np.zeros((0, 0), np.int64), [], [], 0, 0.0)

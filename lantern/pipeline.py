@@ -21,10 +21,10 @@ method             tree                  acceptance
 ``pjd-lantern*``   a chain per open row  relaxed (``-lantern``: delta, ``-lantern++``: lambda)
 =================  ====================  ==========================================
 
-The SJD methods (``lantern.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
+The SJD methods (``lantern.decoding.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
 length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
 ``sjd-coupled*``), and the relaxed ones read the proximity table like LANTERN. The PJD methods
-(``lantern.pjd``) hold ``MethodConfig.pjd`` (window, context) instead; their tree is a chain of the
+(``lantern.decoding.pjd``) hold ``MethodConfig.pjd`` (window, context) instead; their tree is a chain of the
 window (each open row's chain), and the loop runs its grid round for them.
 """
 
@@ -40,16 +40,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.cache import CachePool
-from lantern.compiling import resolve_compile
-from lantern.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
-from lantern.drafting import TreeDrafter
-from lantern.errors import check
-from lantern.generate import Acceptance, Drafter, GenerationOutput, SpecStats, generate
-from lantern.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
-from lantern.models.drafter import EagleDrafterModel
-from lantern.models.llamagen import LlamaGenConfig
-from lantern.pjd import (
+from lantern.decoding.cache import CachePool
+from lantern.decoding.compiling import resolve_compile
+from lantern.decoding.config import RESIDUALS, RelaxationConfig, SamplingConfig, TreeConfig
+from lantern.decoding.drafting import TreeDrafter
+from lantern.decoding.jacobi import COUPLINGS, JacobiConfig, JacobiDrafter, check_window_fits
+from lantern.decoding.loop import Acceptance, Drafter, GenerationOutput, SpecStats, Target, generate
+from lantern.decoding.pjd import (
     DEFAULT_PJD_CONTEXT,
     DEFAULT_PJD_WINDOW,
     GridJacobiDrafter,
@@ -57,10 +54,11 @@ from lantern.pjd import (
     check_pjd_fits,
     grid_chains,
 )
-from lantern.sampling import make_generators, validate_sampling_for_vocab
-from lantern.stack import Conditions, ModelStack, Stack
-from lantern.target import Target
-from lantern.text import Captions
+from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
+from lantern.errors import check
+from lantern.targets.checks import drafter_dtype
+from lantern.targets.stack import Conditions, ModelStack, Stack
+from lantern.targets.text import Captions
 from lantern.validate import check_batch_memory
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
@@ -312,7 +310,7 @@ def run_generation_t2i(stack: ModelStack, captions: Captions, seed: int, samplin
                        method: MethodConfig, batch_size: int = 8, progress: bool = False,
                        drafter_dir: str | None = None, proximity: str | None = None,
                        compile: str | None = None, indices: Sequence[int] | None = None) -> RunResult:
-    """Generate one image per caption row (``lantern.text.T5Encoder.encode``), ``batch_size`` rows
+    """Generate one image per caption row (``lantern.targets.text.T5Encoder.encode``), ``batch_size`` rows
     at a time, seeded exactly as for labels."""
     return run_conditions(stack, stack.from_captions(captions), seed, sampling, method, batch_size, progress,
                           drafter_dir, proximity, compile, indices=indices)
@@ -388,7 +386,7 @@ class PreparedMethod:
     sampling: SamplingConfig
     drafter: torch.nn.Module | None
     acceptance: Acceptance
-    compile: str | None = None  # a lantern.compiling mode; None = eager
+    compile: str | None = None  # a lantern.decoding.compiling mode; None = eager
     _head_copy: torch.nn.Linear | None = field(default=None, repr=False)
     # Caches reused image after image (fixed addresses for CUDA graphs, no allocation per image).
     _caches: CachePool = field(default_factory=CachePool, repr=False)
@@ -457,10 +455,10 @@ def prepare_method(
     """Load the drafter (unless ``drafter`` is given) and proximity table a method needs, checking
     they fit the target.
 
-    compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.compiling``): the
+    compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.decoding.compiling``): the
     target step, the drafter steps and the acceptance run compiled, AR included.
     """
-    from lantern.checks import check_tree_fits
+    from lantern.targets.checks import check_tree_fits
 
     if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
         check_window_fits(method.jacobi, stack.num_tokens)
@@ -492,7 +490,7 @@ def load_acceptance(
     relaxation = method.relaxation
     if relaxation is None or relaxation.is_exact or not relaxation.uses_table:
         return Acceptance(relaxation), method
-    from lantern.proximity import ProximityTable
+    from lantern.targets.proximity import ProximityTable
 
     check(
         table_path is not None,
@@ -513,28 +511,3 @@ def load_acceptance(
     return Acceptance(relaxation, neighbours), replace(method, relaxation=relaxation)
 
 
-def check_t2i_drafter_layout(drafter: EagleDrafterModel, cfg: LlamaGenConfig, path: object) -> None:
-    """A T2I drafter's RoPE table is laid out for one caption length and one image grid (LANTERN's
-    ``t2i`` = Stage I, 256 tokens; ``t2i2`` = Stage II, 1024): with the other stage's target its
-    positions would silently land on the wrong grid cells."""
-    if cfg.model_type != "t2i":
-        return
-    d = drafter.config
-    check(
-        (d.target_cls_token_num, d.block_size) == (cfg.cls_token_num, cfg.block_size),
-        f"drafter {path} was made for a target with {d.target_cls_token_num} caption tokens and {d.block_size} "
-        f"image tokens, this target has {cfg.cls_token_num} and {cfg.block_size}: use the drafter of the same "
-        "stage (LANTERN's llamagen_drafter for Stage I / 256 tokens, llamagen2_drafter for Stage II / 1024)",
-    )
-
-
-def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The drafter's precision: the target's, except float32 on CPUs.
-
-    Its features come from the target and its logits from the target's lm_head, so on GPUs it
-    simply follows the target. On a CPU a bf16 target pays off because its many layers no longer
-    fit in cache (halving the bytes read per token), but the drafter is one layer that stays in
-    cache, and CPU bf16 kernels at the drafter's tiny row counts are slower than float32 ones
-    (measured on the photos preset: 237 vs 175 us of matmuls per drafter step).
-    """
-    return torch.float32 if device.type == "cpu" else target_dtype

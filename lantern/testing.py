@@ -121,7 +121,7 @@ def make_random_stack(
     vq.save_pretrained(out / "tokenizer")
     torch.manual_seed(seed + 2)
     EagleDrafterModel(DrafterConfig.for_target(target.config)).save_pretrained(out / "drafter")
-    from lantern.proximity import build_proximity
+    from lantern.targets.proximity import build_proximity
 
     table = build_proximity(vq.quantize.embedding.weight.detach(), k_max=min(64, vocab - 1))
     table.save(out / "proximity.safetensors")
@@ -188,10 +188,10 @@ def make_tiny_chameleon_folder(out: str | os.PathLike[str], layout_name: str = "
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
-    from lantern.chameleon import init_chameleon_drafter
     from lantern.models.chameleon import ChameleonLM, layout_by_name
     from lantern.models.chameleon_vq import ChameleonVQConfig, ChameleonVQGAN
-    from lantern.proximity import build_proximity
+    from lantern.targets.chameleon_stack import init_chameleon_drafter
+    from lantern.targets.proximity import build_proximity
 
     out = Path(out)
     hf = tiny_chameleon(seed=seed)

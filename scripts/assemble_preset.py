@@ -21,7 +21,7 @@ from lantern.io import read_json, write_json
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
-from lantern.proximity import build_proximity
+from lantern.targets.proximity import build_proximity
 from lantern.train.loop import git_commit
 
 K_MAX = 128  # neighbours stored per code: LANTERN's k is capped here; lantern++ uses k = 10
@@ -64,7 +64,7 @@ def main(name: str, runs: Path, out: Path) -> None:
     codes_cfg = json.loads((runs / "codes" / "extract_config.json").read_text())
     provenance["steps"]["extract-codes"] = codes_cfg  # type: ignore[index]
     data = {k: v for k, v in codes_cfg["train"]["data"].items() if k not in ("split", "num_samples")}
-    write_json(tmp / "data.json", data)  # lantern.evaluation.stack_dataset rebuilds the images from it
+    write_json(tmp / "data.json", data)  # lantern.train.heldout.stack_dataset rebuilds the images from it
     write_json(tmp / "generation.json", GENERATION[name])
     data_meta = runs / "drafter-data" / "train" / "meta.json"
     if data_meta.is_file():

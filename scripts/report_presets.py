@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from lantern.config import SamplingConfig
-from lantern.evaluation import drafter_agreement, encode_dataset, stack_dataset, target_statistics, unigram_bits
+from lantern.decoding.config import SamplingConfig
 from lantern.io import write_json
 from lantern.models.drafter import EagleDrafterModel
-from lantern.stack import PRESETS, PRESETS_DIR, load_stack
+from lantern.targets.stack import PRESETS, PRESETS_DIR, load_stack
+from lantern.train.heldout import drafter_agreement, encode_dataset, stack_dataset, target_statistics, unigram_bits
 
 ROOT = Path(__file__).resolve().parents[1]
 

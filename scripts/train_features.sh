@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the feature network of one embedded preset (lantern.metrics: FID/KID/precision/recall in
+# Train the feature network of one embedded preset (lantern.eval.metrics: FID/KID/precision/recall in
 # its embedding, class accuracy from its head) and copy it into lantern/presets/NAME/features.
 #
 #   scripts/train_features.sh digits|photos [RUNS_DIR]

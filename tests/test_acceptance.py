@@ -1,4 +1,4 @@
-"""Tests for lantern.acceptance: exact enumeration, slow oracles, Monte Carlo, greedy tables.
+"""Tests for lantern.decoding.acceptance: exact enumeration, slow oracles, Monte Carlo, greedy tables.
 
 Three kinds of evidence:
 
@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from lantern.acceptance import (
+from lantern.decoding.acceptance import (
     aggregated_mask,
     num_uniforms,
     rejection_residual,
@@ -35,7 +35,7 @@ from lantern.acceptance import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from lantern.config import RelaxationConfig
+from lantern.decoding.config import RelaxationConfig
 from lantern.errors import LanternError
 
 F64 = torch.float64

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lantern.cli import main
-from lantern.config import TreeConfig
+from lantern.cli.main import main
+from lantern.decoding.config import TreeConfig
 from lantern.testing import make_tiny_chameleon_folder
 from tests.test_t2i import t2i_stack, t5_dir  # noqa: F401  (module fixtures: a tiny t2i stack, drafter, table)
 
@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# What the commands write for a preset (lantern.demo.save_demo, lantern.bench.save_bench with the
-# tau curves off, lantern.autotree.save_profile).
+# What the commands write for a preset (lantern.eval.demo.save_demo, lantern.eval.bench.save_bench with the
+# tau curves off, lantern.autotree.profile.save_profile).
 DEMO_FILES = {"demo.json", "demo.md", "demo_grid.png"}
 PROFILE_FILES = {"profile.json", "verify_cost.png"}
 BENCH_FILES = {"bench.json", "bench.md", "run.json", "grid_ar.png", "grid_sd.png", "frontier.png"}
@@ -42,7 +42,7 @@ def _feature_net(out: Path, size: int) -> Path:
     """A random lantern feature net for ``size``-pixel RGB images (the metrics need only a fixed map)."""
     import torch
 
-    from lantern.train.features import FeatureNet, FeatureNetConfig
+    from lantern.models.features import FeatureNet, FeatureNetConfig
 
     torch.manual_seed(0)
     FeatureNet(FeatureNetConfig(image_size=size, num_classes=2, widths=(8, 16), feature_dim=16,

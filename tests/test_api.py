@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 import lantern
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.errors import LanternError
-from lantern.stack import preset_dir
+from lantern.targets.stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
 
@@ -40,11 +40,11 @@ def test_import_is_light_and_exports_the_building_blocks() -> None:
             "if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
-    from lantern.generate import GenerationOutput, SpecStats, generate
+    from lantern.decoding.loop import GenerationOutput, SpecStats, generate
 
     assert lantern.GenerationOutput is GenerationOutput and lantern.SpecStats is SpecStats
-    assert callable(lantern.generate) and lantern.generate.__name__ in ("generate", "lantern.generate")
-    assert generate.__module__ == "lantern.generate"
+    assert callable(lantern.generate) and lantern.decoding.loop.__name__ in ("generate", "lantern.decoding.loop")
+    assert generate.__module__ == "lantern.decoding.loop"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lantern.nope  # noqa: B018
 

@@ -1,4 +1,4 @@
-"""Hardware-aware trees (lantern.autotree): the tree math, calibration, the search and the CLI.
+"""Hardware-aware trees (lantern.autotree.choose): the tree math, calibration, the search and the CLI.
 
 The tree math is checked against independent computations (a recursion over acceptance outcomes,
 brute force over every prefix-closed tree of a size); calibration against drafters whose
@@ -19,30 +19,28 @@ import pytest
 import torch
 from PIL import Image
 
-from lantern.autotree import (
+from lantern.autotree.calibrate import calibrate, probe_tree, record_rounds
+from lantern.autotree.model import (
     AcceptanceModel,
     CostModel,
     RoundRecord,
-    calibrate,
     count_trials,
     estimate_rates,
     expected_accepted,
     greedy_trees,
     interpolate,
     non_decreasing,
-    probe_tree,
-    record_rounds,
-    select_tree,
 )
-from lantern.cli import main
-from lantern.config import SamplingConfig, TreeConfig
+from lantern.autotree.search import select_tree
+from lantern.cli.main import main
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.sampling import make_generators
+from lantern.decoding.trees import STATIC_TREES, canonical_choices, level_widths, probe_choices, register_tree
+from lantern.drafters.oracle import make_oracle_drafter
 from lantern.errors import LanternError
-from lantern.oracle import make_oracle_drafter
-from lantern.sampling import make_generators
-from lantern.stack import load_stack
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
-from lantern.trees import STATIC_TREES, canonical_choices, level_widths, probe_choices, register_tree
 
 Choice = tuple[int, ...]
 

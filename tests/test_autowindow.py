@@ -1,4 +1,4 @@
-"""``--sjd-window auto`` (``lantern.autowindow``): the window is chosen by timing, explained, recorded."""
+"""``--sjd-window auto`` (``lantern.autotree.window``): the window is chosen by timing, explained, recorded."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lantern.autowindow import AutoWindowChoice, WindowTrial, choose_window, with_window
-from lantern.cli import main
-from lantern.config import SamplingConfig, TreeConfig
+from lantern.autotree.window import AutoWindowChoice, WindowTrial, choose_window, with_window
+from lantern.cli.main import main
+from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import LanternError
 from lantern.pipeline import MethodConfig
-from lantern.stack import load_stack
+from lantern.targets.stack import load_stack
 from lantern.testing import make_random_stack
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,16 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from lantern.bench import (
-    BenchConfig,
-    MethodSpec,
-    bench_labels,
-    format_table,
-    parse_methods,
-    parse_tree_options,
-)
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.errors import LanternError
+from lantern.eval.bench import BenchConfig, MethodSpec, bench_labels, format_table, parse_methods, parse_tree_options
 from lantern.pipeline import MethodConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -127,7 +120,7 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
 
 def test_format_table_lists_every_row(rows: list[dict]) -> None:
     assert bench_labels(3, 7) == [0, 1, 2, 0, 1, 2, 0]
-    from lantern.bench import BenchRow
+    from lantern.eval.bench import BenchRow
 
     objs = [BenchRow(r["method"], r["base_method"], r["tree"], r["relaxation"], r["mean_accepted"],
                      r["target_forwards"], r["wall_seconds"], r["seconds_per_image"], r["speedup_vs_ar"],
@@ -191,10 +184,10 @@ def test_timed_images_are_the_quality_images() -> None:
     nothing), so the timed images are a subset of the images the quality metrics score."""
     import torch
 
-    from lantern.bench import time_methods
-    from lantern.config import SamplingConfig
+    from lantern.decoding.config import SamplingConfig
+    from lantern.eval.bench import time_methods
     from lantern.pipeline import MethodConfig, run_generation
-    from lantern.stack import load_stack
+    from lantern.targets.stack import load_stack
 
     stack = load_stack("digits")
     sampling = SamplingConfig(**stack.default_sampling())
@@ -211,9 +204,9 @@ def test_timed_images_are_the_quality_images() -> None:
 def test_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """--sweep: one row per (k, delta) and (k, lambda) point, each with its relaxation, its own
     timing against AR and the quality function's numbers (a small grid here)."""
-    import lantern.bench as bench
-    from lantern.config import SamplingConfig
-    from lantern.stack import load_stack
+    import lantern.eval.bench as bench
+    from lantern.decoding.config import SamplingConfig
+    from lantern.targets.stack import load_stack
 
     monkeypatch.setattr(bench, "SWEEP_LANTERN", {"k": (10,), "delta": (0.05, 0.4)})
     monkeypatch.setattr(bench, "SWEEP_LANTERN_PP", {"k": (10,), "lam": (2.0,)})
@@ -255,9 +248,9 @@ def test_method_rows_with_relaxation_settings() -> None:
 def test_throughput_table_per_batch_size() -> None:
     """--speed-batch-size 1,2: latency rows at batch 1, and images/s of every method at batch 2 on
     max(speed_images, 2) images, each against AR at the same batch size; start-up is recorded."""
-    import lantern.bench as bench
-    from lantern.config import SamplingConfig
-    from lantern.stack import load_stack
+    import lantern.eval.bench as bench
+    from lantern.decoding.config import SamplingConfig
+    from lantern.targets.stack import load_stack
 
     assert bench.parse_batch_sizes("1,4,16") == [1, 4, 16] and bench.parse_batch_sizes(2) == [2]
     for bad in ("0", "a", "", "1,-4"):

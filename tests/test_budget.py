@@ -1,4 +1,4 @@
-"""Tests for the token budget (lantern.budget, RelaxationConfig(budget="token")).
+"""Tests for the token budget (lantern.decoding.budget, RelaxationConfig(budget="token")).
 
 The guarantee (docs/relaxation_budget.md): at every tree level the emitted token satisfies
 TV(emitted, p) <= δ (LANTERN) or emitted(y) <= λ·p(y) for every y (LANTERN++), whatever the
@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from lantern.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
-from lantern.budget import TokenBudget
-from lantern.config import RelaxationConfig
+from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.decoding.budget import TokenBudget
+from lantern.decoding.config import RelaxationConfig
 from lantern.errors import LanternError
 from tests.test_acceptance import (
     deterministic_orders,

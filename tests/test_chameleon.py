@@ -24,10 +24,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from lantern.chameleon import ChameleonTarget, _parts, encode_prompts, init_chameleon_drafter
-from lantern.config import SamplingConfig, TreeConfig
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.loop import DraftTree, GenerationOutput, generate
+from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.decoding.trees import tree_from_parents
 from lantern.errors import LanternError
-from lantern.generate import DraftTree, GenerationOutput, generate
 from lantern.models.chameleon import (
     ChameleonLM,
     ImageLayout,
@@ -38,9 +39,9 @@ from lantern.models.chameleon import (
     lumina_layout,
 )
 from lantern.pipeline import MethodConfig
-from lantern.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon_stack import _parts, init_chameleon_drafter
 from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_chameleon
-from lantern.trees import tree_from_parents
 
 pytest.importorskip("transformers")  # part of the dev extra; CI installs it
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.testing import make_tiny_chameleon_folder
 
 pytest.importorskip("transformers")
@@ -147,7 +147,7 @@ def test_layout_flags_refused_for_llamagen(tmp_path: Path, capsys: pytest.Captur
 def test_build_proximity_from_vqgan_checkpoint(folder: Path, tmp_path: Path) -> None:
     """``build-proximity --tokenizer vqgan.ckpt`` reads the release's Lightning checkpoint."""
     from lantern.models.chameleon_vq import ChameleonVQGAN
-    from lantern.proximity import ProximityTable
+    from lantern.targets.proximity import ProximityTable
 
     out = tmp_path / "prox.safetensors"
     assert main(["build-proximity", "--tokenizer", str(folder / "vqgan.ckpt"), "--k-max", "5", "--out", str(out)]) == 0
@@ -175,11 +175,11 @@ def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
     greedy speculative decoding take more tokens per forward while still giving AR's codes.
     (Measured: held-out top-1 0.06 -> 0.73, accept probability 0.38 -> 0.80, greedy tokens per
     forward 1.0 -> 2.0.)"""
-    from lantern.chameleon import init_chameleon_drafter, load_chameleon_stack, run_chameleon
-    from lantern.config import SamplingConfig
+    from lantern.decoding.config import SamplingConfig
     from lantern.models.chameleon import layout_by_name
     from lantern.models.drafter import EagleDrafterModel
     from lantern.pipeline import MethodConfig
+    from lantern.targets.chameleon_stack import init_chameleon_drafter, load_chameleon_stack, run_chameleon
     from lantern.train.chameleon_drafter import teacher_forced_features, teacher_forced_metrics
     from lantern.train.drafter import _FrozenHead
 

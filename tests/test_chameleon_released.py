@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from test_chameleon import ANOLE, LAYOUTS, LUMINA, PROMPTS, _lm, _one_thread  # noqa: F401 (autouse fixture)
 from torch import Tensor
 
-from lantern.chameleon import ChameleonTarget, _parts, encode_prompts
-from lantern.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import generate
+from lantern.decoding.sampling import apply_cfg, make_generators
+from lantern.drafters.released import ReleasedDrafterBackend, load_chameleon_drafter
 from lantern.errors import CheckpointError, LanternError
-from lantern.generate import generate
 from lantern.models.chameleon import ImageLayout
 from lantern.models.chameleon_drafter import (
     ReleasedChameleonDrafter,
@@ -40,8 +41,8 @@ from lantern.models.chameleon_drafter import (
     save_released_drafter,
 )
 from lantern.pipeline import MethodConfig
-from lantern.released_drafter import ReleasedDrafterBackend, load_chameleon_drafter
-from lantern.sampling import apply_cfg, make_generators
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon_stack import _parts
 from lantern.testing import tiny_released_drafter
 
 pytest.importorskip("transformers")

@@ -13,13 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
-from lantern.cli import main
-from lantern.config import SamplingConfig
-from lantern.generate import generate
+from lantern.cli.main import main
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import generate
+from lantern.decoding.sampling import make_generators
 from lantern.models.llamagen import LlamaGen
 from lantern.pipeline import image_seed
-from lantern.sampling import make_generators
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import make_random_stack
 
 
@@ -129,7 +129,7 @@ def test_missing_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_console_script_and_core_import_without_extras() -> None:
     """``import lantern`` pulls in no optional extras (transformers, accelerate, pytest)."""
     code = (
-        "import sys, lantern, lantern.generate, lantern.cli; "
+        "import sys, lantern, lantern.decoding.loop, lantern.cli; "
         "bad = [m for m in ('transformers', 'accelerate', 'pytest', 'matplotlib') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -170,7 +170,7 @@ def test_speculative_methods_from_the_cli(stack: Path, tmp_path: Path) -> None:
 
 def test_build_proximity_cli(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from lantern.models.vq import VQModel
-    from lantern.proximity import ProximityTable
+    from lantern.targets.proximity import ProximityTable
 
     out = tmp_path / "prox.safetensors"
     assert main(["build-proximity", "--tokenizer", str(stack / "tokenizer"), "--k-max", "16", "--out", str(out)]) == 0

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.distributed import DistContext, check_enough_items, shard
 from lantern.errors import LanternError
 from lantern.jobs import PAUSE_AFTER_ENV, write_npz

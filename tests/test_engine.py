@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lantern.compiling import resolve_compile
-from lantern.config import SamplingConfig
+from lantern.decoding.compiling import resolve_compile
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.phases import phase
+from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
-from lantern.phases import phase
+from lantern.eval.roundtrace import ROUND_PHASES, count_ops, trace_markdown, trace_methods
 from lantern.pipeline import MethodConfig, prepare_method
-from lantern.roundtrace import ROUND_PHASES, count_ops, trace_markdown, trace_methods
-from lantern.sampling import make_generators
-from lantern.stack import load_stack
+from lantern.targets.stack import load_stack
 from lantern.testing import make_random_stack
 
 
@@ -78,7 +78,7 @@ def test_cli_trace_writes_its_tables(random_stack: Path, tmp_path: Path) -> None
     a used --out is refused before anything is traced."""
     import json
 
-    from lantern.cli import main
+    from lantern.cli.main import main
 
     out = tmp_path / "trace"
     args = ["profile", "--model", str(random_stack), "--trace", "ar,sd", "--trace-images", "1", "--no-progress",
@@ -187,7 +187,7 @@ def test_bf16_keeps_float32_statistics_and_float32_argmax() -> None:
 @pytest.mark.parametrize("command", ["generate", "demo", "profile"])
 def test_cli_bad_compile_mode_exits_2_before_writing(command: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from lantern.cli import main
+    from lantern.cli.main import main
 
     out = tmp_path / "out"
     extra = ["--labels", "0"] if command == "generate" else []

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lantern.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import generate
+from lantern.decoding.sampling import apply_cfg, make_generators
 from lantern.errors import LanternError
-from lantern.generate import generate
 from lantern.models.llamagen import LlamaGen
-from lantern.sampling import apply_cfg, make_generators
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import tiny_llamagen
 
 

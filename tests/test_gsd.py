@@ -17,14 +17,14 @@ import torch
 from test_sjd import assert_rows_independent
 from torch import Tensor
 
-from lantern.acceptance import GSD_PROB_GAP, group_mask, relaxed_mass, verify_chain_sampled
-from lantern.cli import main
-from lantern.config import RelaxationConfig, SamplingConfig
+from lantern.cli.main import main
+from lantern.decoding.acceptance import GSD_PROB_GAP, group_mask, relaxed_mass, verify_chain_sampled
+from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiConfig
+from lantern.decoding.loop import Acceptance
 from lantern.errors import LanternError
-from lantern.generate import Acceptance
-from lantern.jacobi import JacobiConfig
 from lantern.pipeline import MethodConfig, run_generation
-from lantern.stack import load_stack
+from lantern.targets.stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 F64 = torch.float64

@@ -22,12 +22,12 @@ import math
 import pytest
 import torch
 
-from lantern.config import RelaxationConfig, SamplingConfig, TreeConfig
-from lantern.generate import Acceptance, generate
+from lantern.decoding.config import RelaxationConfig, SamplingConfig, TreeConfig
+from lantern.decoding.loop import Acceptance, generate
+from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.drafters.oracle import make_oracle_drafter
 from lantern.models.llamagen import LlamaGen
-from lantern.oracle import make_oracle_drafter
-from lantern.sampling import apply_cfg, make_generators, probs_from_logits
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_llamagen
 
 N_ROWS = 6000

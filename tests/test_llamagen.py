@@ -9,18 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lantern.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.sampling import apply_cfg
 from lantern.errors import CheckpointError, LanternError
-from lantern.models.llamagen import (
-    LlamaGen,
-    LlamaGenConfig,
-    apply_rope,
-    llamagen_config,
-    official_to_hf,
-    rope_table_2d,
-)
-from lantern.sampling import apply_cfg
-from lantern.target import LlamaGenTarget
+from lantern.models.llamagen import LlamaGen, LlamaGenConfig, apply_rope, llamagen_config, official_to_hf, rope_table_2d
+from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import tiny_llamagen
 
 

@@ -1,4 +1,4 @@
-"""Offline quality metrics (lantern.metrics) and the feature-net trainer (lantern.train.features).
+"""Offline quality metrics (lantern.eval.metrics) and the feature-net trainer (lantern.train.features).
 
 Known answers where they exist (identical sets, constructed point clouds, a hand-computed 1-D
 case, FID against a direct eigendecomposition), orderings where they do not (real vs corrupted
@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lantern.cli import main  # noqa: E402
-from lantern.errors import LanternError  # noqa: E402
-from lantern.metrics import (  # noqa: E402
+from lantern.cli.main import main
+from lantern.errors import LanternError
+from lantern.eval.metrics import (
     Features,
     extract_features,
     frechet_distance,
@@ -33,7 +33,7 @@ from lantern.metrics import (  # noqa: E402
     quality_metrics,
     reference_images,
 )
-from lantern.train.features import FeatureNet  # noqa: E402
+from lantern.models.features import FeatureNet
 
 torch.set_num_threads(1)
 

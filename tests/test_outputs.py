@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lantern.stack
-from lantern.cli import main
+import lantern.targets.stack
+from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.outputs import PAUSE_ENV, OutputFolder, staging_name
 from lantern.testing import make_random_stack
@@ -140,7 +140,7 @@ def _forbid_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def load_stack(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(lantern.stack, "load_stack", load_stack)
+    monkeypatch.setattr(lantern.targets.stack, "load_stack", load_stack)
 
 
 @pytest.mark.parametrize("command", [

@@ -1,4 +1,4 @@
-"""PJD's grid pieces (``lantern.pjd``): out-of-raster-order commits, grid positions, row-causal mask.
+"""PJD's grid pieces (``lantern.decoding.pjd``): out-of-raster-order commits, grid positions, row-causal mask.
 
 The engine side runs the target's cached forward round by round: each round verifies a block of
 per-row windows (several image rows at once, padded), then keeps a prefix of some rows' windows
@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from lantern.cache import KVCache
+from lantern.decoding.cache import KVCache
+from lantern.decoding.pjd import PJDConfig, active_rows, check_pjd_fits, commit_cells, grid_positions, grid_verify_mask
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
-from lantern.pjd import PJDConfig, active_rows, check_pjd_fits, commit_cells, grid_positions, grid_verify_mask
 from lantern.testing import tiny_llamagen
 
 WIDTH = 4  # a 4 x 4 image (block_size 16)

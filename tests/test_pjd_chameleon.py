@@ -11,12 +11,12 @@ import pytest
 import test_chameleon as chameleon_tests
 import torch
 
-from lantern.chameleon import _parts as chameleon_parts
-from lantern.chameleon import encode_prompts
-from lantern.config import SamplingConfig
-from lantern.generate import GenerationOutput, generate
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import GenerationOutput, generate
+from lantern.decoding.sampling import make_generators
 from lantern.pipeline import MethodConfig
-from lantern.sampling import make_generators
+from lantern.targets.chameleon import encode_prompts
+from lantern.targets.chameleon_stack import _parts as chameleon_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

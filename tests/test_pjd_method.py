@@ -1,4 +1,4 @@
-"""``--method pjd`` (parallel Jacobi decoding, ``lantern.pjd.GridJacobiDrafter``) in the one loop.
+"""``--method pjd`` (parallel Jacobi decoding, ``lantern.decoding.pjd.GridJacobiDrafter``) in the one loop.
 
 Evidence (the grid pieces alone are in test_pjd.py; t2i greedy in test_t2i.py):
 
@@ -28,18 +28,18 @@ from test_sjd import _stack
 from torch import Tensor
 
 import lantern
-from lantern.autowindow import AutoWindowChoice, WindowTrial, choose_window, with_window
-from lantern.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
-from lantern.cli import main
-from lantern.config import SamplingConfig
+from lantern.autotree.window import AutoWindowChoice, WindowTrial, choose_window, with_window
+from lantern.cli.main import main
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import GenerationOutput, generate
+from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig
+from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
-from lantern.generate import GenerationOutput, generate
+from lantern.eval.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
 from lantern.models.llamagen import LlamaGen
 from lantern.pipeline import MethodConfig, run_generation
-from lantern.pjd import GridBlock, GridJacobiDrafter, PJDConfig
-from lantern.sampling import make_generators
-from lantern.stack import load_stack
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -297,7 +297,7 @@ def test_demo_takes_windows_and_auto(random_stack: Path, tmp_path: Path, capsys:
         asked.append(method.method)
         return AutoWindowChoice(method.method, (WindowTrial(2, 1.5, 1.0), WindowTrial(4, 1.2, 2.0)), 0.1)
 
-    monkeypatch.setattr("lantern.autowindow.choose_window", fake_choice)
+    monkeypatch.setattr("lantern.autotree.window.choose_window", fake_choice)
     out = tmp_path / "demo"
     assert main(["demo", "--model", str(random_stack), "--num-images", "1", "--methods", "ar,pjd",
                  "--pjd-window", "auto", "--out", str(out), "--no-progress"]) == 0

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lantern.cli import main
-from lantern.config import SamplingConfig
-from lantern.evaluation import drafter_agreement, encode_dataset, stack_dataset, target_statistics, unigram_bits
+from lantern.cli.main import main
+from lantern.decoding.config import SamplingConfig
 from lantern.models.drafter import EagleDrafterModel
-from lantern.proximity import ProximityTable, build_proximity
-from lantern.stack import PRESETS, PRESETS_DIR, load_stack
+from lantern.targets.proximity import ProximityTable, build_proximity
+from lantern.targets.stack import PRESETS, PRESETS_DIR, load_stack
+from lantern.train.heldout import drafter_agreement, encode_dataset, stack_dataset, target_statistics, unigram_bits
 
 # name: (image shape, held-out images, min PSNR dB, min bits saved vs unigram, min drafter top-1)
 EXPECT = {

@@ -1,4 +1,4 @@
-"""Tests for lantern.proximity: k-NN table vs brute force, ties, duplicates, files, tokenizers."""
+"""Tests for lantern.targets.proximity: k-NN table vs brute force, ties, duplicates, files, tokenizers."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from lantern.acceptance import relaxed_mass
-from lantern.config import RelaxationConfig
+from lantern.decoding.acceptance import relaxed_mass
+from lantern.decoding.config import RelaxationConfig
 from lantern.errors import LanternError
-from lantern.proximity import (
+from lantern.targets.proximity import (
     ProximityTable,
     build_proximity,
     build_proximity_file,

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.pipeline import MethodConfig, load_acceptance
-from lantern.proximity import ProximityTable
-from lantern.stack import load_stack
+from lantern.targets.proximity import ProximityTable
+from lantern.targets.stack import load_stack
 
 torch.set_num_threads(1)
 RESIDUALS = ("paper", "official", "official-lumina")

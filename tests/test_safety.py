@@ -22,12 +22,12 @@ from test_chameleon_vq import _fake_class, _save_with_fake_modules
 from test_drafter import OFFICIAL_CONFIG, _official_state
 from test_train import _image_folder
 
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.io import LanternWarning, load_checkpoint
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
-from lantern.proximity import ProximityTable, build_proximity
+from lantern.targets.proximity import ProximityTable, build_proximity
 from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq, tiny_vq_config
 
 torch.set_num_threads(1)
@@ -191,7 +191,7 @@ def test_official_drafter_bin_refuses_the_payload(stack: Path, tmp_path: Path,
 
 @pytest.fixture(scope="module")
 def chameleon(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lantern.testing import make_tiny_chameleon_folder  # needs transformers (the dev extra)
+    from lantern.testing import make_tiny_chameleon_folder
 
     return make_tiny_chameleon_folder(tmp_path_factory.mktemp("chameleon") / "model")
 

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from lantern.config import SamplingConfig
-from lantern.errors import LanternError
-from lantern.sampling import (
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.sampling import (
     apply_cfg,
     probs_from_logits,
     process_logits,
@@ -18,6 +17,7 @@ from lantern.sampling import (
     top_p_filter,
     validate_sampling_for_vocab,
 )
+from lantern.errors import LanternError
 
 NEG = float("-inf")
 

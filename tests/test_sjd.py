@@ -1,4 +1,4 @@
-"""Speculative Jacobi Decoding (``lantern.jacobi``) through the one loop.
+"""Speculative Jacobi Decoding (``lantern.decoding.jacobi``) through the one loop.
 
 Evidence, as for the other speculative methods (tests/test_speculative.py, test_acceptance.py):
 
@@ -34,17 +34,17 @@ from test_speculative import (
 )
 from torch import Tensor
 
-from lantern.acceptance import aggregated_mask, relaxed_mass
-from lantern.cli import main
-from lantern.config import RelaxationConfig, SamplingConfig
+from lantern.cli.main import main
+from lantern.decoding.acceptance import aggregated_mask, relaxed_mass
+from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.loop import Acceptance, GenerationOutput, generate
+from lantern.decoding.sampling import make_generators, probs_from_logits
 from lantern.errors import LanternError
-from lantern.generate import Acceptance, GenerationOutput, generate
-from lantern.jacobi import JacobiConfig, JacobiDrafter
 from lantern.models.llamagen import LlamaGen
 from lantern.pipeline import MethodConfig, run_generation
-from lantern.sampling import make_generators, probs_from_logits
-from lantern.stack import ModelStack, load_stack
-from lantern.target import LlamaGenTarget
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.stack import ModelStack, load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 F64 = torch.float64

@@ -32,16 +32,16 @@ from test_speculative import (
 )
 from torch import Tensor
 
-from lantern.acceptance import maximal_coupling
-from lantern.bench import parse_methods, tree_label
-from lantern.cli import main
-from lantern.config import RelaxationConfig, SamplingConfig
+from lantern.cli.main import main
+from lantern.decoding.acceptance import maximal_coupling
+from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.loop import Acceptance, GenerationOutput
+from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
-from lantern.generate import Acceptance, GenerationOutput
-from lantern.jacobi import JacobiConfig, JacobiDrafter
+from lantern.eval.bench import parse_methods, tree_label
 from lantern.pipeline import MethodConfig, run_generation
-from lantern.sampling import make_generators
-from lantern.stack import load_stack
+from lantern.targets.stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]

@@ -1,6 +1,6 @@
 """Speculative decoding through the one loop: losslessness, tree attention, cache, batching, stats.
 
-Two drafters bracket the loop: an *oracle* (the target itself, ``lantern.oracle``), which gets
+Two drafters bracket the loop: an *oracle* (the target itself, ``lantern.drafters.oracle``), which gets
 almost every draft accepted and so exercises multi-token paths, cache compaction and bonus tokens;
 and a *random EAGLE* drafter, which gets almost nothing accepted and so exercises rejections at
 the root. Greedy decoding must reproduce AR token for token with both (the transformers
@@ -18,18 +18,19 @@ import pytest
 import torch
 from torch import Tensor
 
-from lantern.checks import check_drafter_matches_target, check_tree_fits
-from lantern.config import SamplingConfig, TreeConfig
-from lantern.drafting import TreeDrafter
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.drafting import TreeDrafter
+from lantern.decoding.loop import GenerationOutput, generate
+from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.decoding.trees import static_tree, tree_from_parents
+from lantern.drafters.eagle import make_eagle_drafter
+from lantern.drafters.oracle import OracleBackend, make_oracle_drafter
 from lantern.errors import LanternError
-from lantern.generate import GenerationOutput, generate
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
-from lantern.oracle import OracleBackend, make_eagle_drafter, make_oracle_drafter
-from lantern.sampling import apply_cfg, make_generators, probs_from_logits
-from lantern.target import LlamaGenTarget
+from lantern.targets.checks import check_drafter_matches_target, check_tree_fits
+from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_llamagen
-from lantern.trees import static_tree, tree_from_parents
 
 TREES = {
     "chain4": TreeConfig.parse("chain:4"),

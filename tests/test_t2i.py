@@ -26,27 +26,22 @@ import pytest
 import torch
 from PIL import Image
 
-from lantern.cli import main
-from lantern.config import SamplingConfig, TreeConfig
+from lantern.cli.main import main
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.loop import generate
+from lantern.decoding.sampling import apply_cfg
+from lantern.drafters.oracle import make_oracle_drafter
 from lantern.errors import LanternError
-from lantern.generate import generate
 from lantern.io import check_state_dict, write_json
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
-from lantern.models.llamagen import (
-    LlamaGen,
-    config_from_hf,
-    hf_to_official,
-    llamagen_config,
-    official_to_hf,
-)
-from lantern.oracle import make_oracle_drafter
-from lantern.pipeline import MethodConfig, check_t2i_drafter_layout, run_generation_t2i
-from lantern.proximity import build_proximity
-from lantern.sampling import apply_cfg
-from lantern.stack import check_target_architecture, load_stack
-from lantern.target import LlamaGenTarget
+from lantern.models.llamagen import LlamaGen, config_from_hf, hf_to_official, llamagen_config, official_to_hf
+from lantern.pipeline import MethodConfig, run_generation_t2i
+from lantern.targets.checks import check_t2i_drafter_layout
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.proximity import build_proximity
+from lantern.targets.stack import check_target_architecture, load_stack
+from lantern.targets.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
 from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq
-from lantern.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
 
 MAXLEN = 12  # caption slots: T5 max_length = the target's cls_token_num (120 in LlamaGen T2I)
 D_T5 = 32  # T5 d_model = the target's caption_dim (2048 for flan-t5-xl)
@@ -205,11 +200,11 @@ def test_t5_folder_checks(tmp_path: Path, t5_dir: Path, monkeypatch: pytest.Monk
     write_json(bert / "config.json", {"model_type": "bert", "hidden_size": 32})
     with pytest.raises(LanternError, match="holds a 'bert' model, not a T5 encoder"):
         check_t5_folder(bert)
-    import lantern.text
+    import lantern.targets.text
 
-    monkeypatch.setattr(lantern.text.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(lantern.targets.text.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LanternError, match=r"need the transformers package.*lantern\[t2i\]"):
-        lantern.text.load_t5(t5_dir, MAXLEN)
+        lantern.targets.text.load_t5(t5_dir, MAXLEN)
 
 
 # ---- decoding from captions -----------------------------------------------------------------

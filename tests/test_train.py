@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lantern.cli import main
+from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQConfig, VQModel

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import _image_folder
 
-from lantern.cli import main
+from lantern.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

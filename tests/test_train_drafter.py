@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lantern.config import SamplingConfig
-from lantern.drafting import EagleBackend
+from lantern.decoding.config import SamplingConfig
+from lantern.drafters.eagle import EagleBackend
 from lantern.errors import LanternError
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen

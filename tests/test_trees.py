@@ -1,4 +1,4 @@
-"""Tests for lantern.trees: the SPEC §3.4 vector, slow Python references, EAGLE-2 selection."""
+"""Tests for lantern.decoding.trees: the SPEC §3.4 vector, slow Python references, EAGLE-2 selection."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from lantern.errors import LanternError
-from lantern.trees import (
+from lantern.decoding.trees import (
     STATIC_TREES,
     chain_choices,
     dynamic_tree_select,
@@ -24,6 +23,7 @@ from lantern.trees import (
     static_tree,
     tree_from_parents,
 )
+from lantern.errors import LanternError
 
 SPEC_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -433,7 +433,7 @@ def test_dynamic_select_bad_input() -> None:
 
 
 def test_tree_config_spec_round_trips() -> None:
-    from lantern.config import TreeConfig
+    from lantern.decoding.config import TreeConfig
 
     for spec in ("none", "chain:5", "static:naive_extend_57", "static:cpu_6", "dynamic"):
         cfg = TreeConfig.parse(spec)
@@ -447,8 +447,8 @@ def test_tree_config_spec_round_trips() -> None:
 @pytest.mark.parametrize("spec", ["none", "chain:1", "chain:5", "static:naive_extend_57", "dynamic"])
 def test_tree_config_sizes_match_the_built_trees(spec: str) -> None:
     """``TreeConfig`` counts sizes without building a tree; they must equal what the built tree has."""
-    from lantern.config import TreeConfig
-    from lantern.trees import static_tree
+    from lantern.decoding.config import TreeConfig
+    from lantern.decoding.trees import static_tree
 
     tree = TreeConfig.parse(spec, depth=3, top_k=4, total_tokens=9)
     if tree.kind == "none":

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-import lantern.stack
+import lantern.targets.stack
 import lantern.train.loop
 import lantern.validate
-from lantern.checks import check_tree_fits
-from lantern.cli import main
-from lantern.config import TreeConfig
+from lantern.cli.main import main
+from lantern.decoding.config import TreeConfig
 from lantern.errors import LanternError
+from lantern.targets.checks import check_tree_fits
 from lantern.testing import make_random_stack
 from lantern.validate import check_batch_memory, check_device
 
@@ -146,7 +146,7 @@ def test_demo_bench_profile_counts_and_flags_fail_before_loading(
     def load_stack(*args: object, **kwargs: object) -> None:
         raise AssertionError("loaded before the arguments were checked")
 
-    monkeypatch.setattr(lantern.stack, "load_stack", load_stack)
+    monkeypatch.setattr(lantern.targets.stack, "load_stack", load_stack)
     fails_with([argv[0], "--model", "digits", *argv[1:], "--out", str(tmp_path / "o"), "--no-progress"], message,
                capsys)
     assert not (tmp_path / "o").exists()
@@ -203,18 +203,18 @@ def test_a_training_run_that_fails_before_its_first_checkpoint_removes_its_folde
 def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    import lantern.cli
+    import lantern.cli.main
 
     def refused(args: object) -> int:
         raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
 
-    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", refused)
+    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", refused)
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], f"Permission denied: {tmp_path / 'x'}", capsys)
 
     def out_of_memory(args: object) -> int:
         raise MemoryError()
 
-    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", out_of_memory)
+    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", out_of_memory)
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], "out of memory; use a smaller --batch-size",
                capsys)
 
@@ -224,21 +224,21 @@ def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
     def cuda_out_of_memory(args: object) -> int:
         raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
 
-    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", cuda_out_of_memory)
+    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", cuda_out_of_memory)
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], "out of memory; use a smaller --batch-size",
                capsys)
 
     def bug(args: object) -> int:
         raise ZeroDivisionError("a bug in lantern")
 
-    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", bug)
+    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", bug)
     with pytest.raises(ZeroDivisionError):  # a bug is not dressed up as a user error
         main(["make-random-stack", "--out", str(tmp_path / "s")])
 
     def runtime_bug(args: object) -> int:
         raise RuntimeError("shape mismatch in lantern")
 
-    monkeypatch.setattr(lantern.cli, "cmd_make_random_stack", runtime_bug)
+    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", runtime_bug)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["make-random-stack", "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s").exists()

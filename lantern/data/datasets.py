@@ -719,3 +719,6 @@ def batch_images(ds: ImageDataset, indices: Sequence[int] | torch.Tensor) -> tup
     images = torch.stack([image for image, _ in items])
     labels = torch.tensor([label for _, label in items], dtype=torch.int64)
     return images, labels
+
+
+DATA_FILE = "data.json"  # how to rebuild the stack's training images: load_dataset(**data)

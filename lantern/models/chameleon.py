@@ -5,7 +5,7 @@ own ``forward`` is not used for decoding because (a) it masks every image token 
 (it is a text generator), and (b) its caches have one length for the whole batch, while rows of a
 speculative batch accept different numbers of tokens per step. :class:`ChameleonLM` therefore runs
 the same modules (projections, per-head q/k LayerNorms, rotary tables, MLPs, norms) over lantern's
-static :class:`~lantern.cache.KVCache` with explicit per-row slots, positions and tree masks, the
+static :class:`~lantern.decoding.cache.KVCache` with explicit per-row slots, positions and tree masks, the
 way :class:`~lantern.models.llamagen.LlamaGen` does. ``tests/test_chameleon.py`` checks it against
 transformers' own forward.
 
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.cache import KVCache
+from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded

@@ -20,7 +20,7 @@ Facts from the official code (``jadohu/LANTERN`` @3a56e45, ``models/drafters/cne
 * Rotary buffers are non-persistent: not in the files.
 
 The sequence the drafter reads (prompt, image tokens and Lumina-mGPT's new-line tokens, target
-positions) is built by :mod:`lantern.released_drafter`.
+positions) is built by :mod:`lantern.drafters.released`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.cache import KVCache
+from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict, read_json
 from lantern.models.drafter import DrafterMLP, EagleModule, cached_attention

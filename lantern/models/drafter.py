@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.cache import KVCache
+from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
     load_checkpoint,
@@ -34,14 +34,7 @@ from lantern.io import (
     read_json_object,
     save_model_folder,
 )
-from lantern.models.llamagen import (
-    LlamaGenConfig,
-    RMSNorm,
-    apply_rope,
-    keep_rope_float32,
-    rope_table_1d,
-    rope_table_2d,
-)
+from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, keep_rope_float32, rope_table_1d, rope_table_2d
 
 MODEL_TYPE = "lantern-eagle-drafter"
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.cache import KVCache
+from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
     load_checkpoint,

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor, nn
 
-from lantern.config import DictConfig
 from lantern.errors import CheckpointError, LanternError, check
-from lantern.io import load_checkpoint, load_model_folder, load_state_dict_strict, save_model_folder
+from lantern.io import DictConfig, load_checkpoint, load_model_folder, load_state_dict_strict, save_model_folder
 
 MODEL_TYPE = "lantern-vq"
 # Length of the official ``quantize.codebook_used`` buffer (a rolling window of recent codes).

@@ -4,7 +4,7 @@ LANTERN trains its Lumina-mGPT / Anole drafters on sequences the target generate
 unconditional copy (SPEC §3.2). Here:
 
 1. the target samples ``num_per_prompt`` images per prompt (plain AR, the run's sampling settings);
-2. one teacher-forced pass per batch through :class:`lantern.chameleon.ChameleonTarget` (the chain
+2. one teacher-forced pass per batch through :class:`lantern.targets.chameleon.ChameleonTarget` (the chain
    of all codes verified as one tree) gives, for the conditional *and* the unconditional stream,
    exactly the features the drafter reads at inference: the image prefix's features, then per code
    the state that predicts the next code (at Lumina-mGPT's new-line token after a row's last code);
@@ -30,18 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lantern.chameleon import (
-    ChameleonStack,
-    ChameleonTarget,
-    check_chameleon_drafter,
-    encode_prompts,
-    init_chameleon_drafter,
-    run_chameleon,
-)
-from lantern.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.trees import tree_from_parents
 from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
 from lantern.pipeline import MethodConfig
+from lantern.targets.chameleon import ChameleonTarget, check_chameleon_drafter, encode_prompts
+from lantern.targets.chameleon_stack import ChameleonStack, init_chameleon_drafter, run_chameleon
 from lantern.train.drafter import (
     TRAINING_INFO_FILE,
     DrafterBatch,
@@ -53,7 +48,6 @@ from lantern.train.drafter import (
     teacher_forced_batch,
 )
 from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, launched_as_main, train
-from lantern.trees import tree_from_parents
 
 
 @torch.no_grad()

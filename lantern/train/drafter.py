@@ -9,7 +9,7 @@ Two stages, as in the official code:
    loop (:mod:`lantern.train.loop`): SmoothL1 feature regression plus soft cross-entropy through
    the target's frozen ``lm_head``, uniform noise on the input features.
 
-The training layout equals what :class:`lantern.drafting.EagleBackend` feeds at inference, for a
+The training layout equals what :class:`lantern.drafters.eagle.EagleBackend` feeds at inference, for a
 sequence of L = cls + n target positions (drafter position = target position)::
 
     position t       0 .. cls-2        cls-1       cls .. cls+n-2
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.config import SamplingConfig, TreeConfig
+from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.io import atomic_path, ensure_writable_dir, read_json, write_json
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
@@ -243,10 +243,10 @@ def _generate_codes(target: LlamaGen, count: int, sampling: SamplingConfig, seed
     """Plain AR samples of the target (self-distillation), labels cycling over the classes."""
     from tqdm.auto import tqdm
 
-    from lantern.generate import generate
+    from lantern.decoding.loop import generate
+    from lantern.decoding.sampling import make_generators
     from lantern.pipeline import image_seed
-    from lantern.sampling import make_generators
-    from lantern.target import LlamaGenTarget
+    from lantern.targets.llamagen import LlamaGenTarget
 
     labels = torch.arange(count) % target.config.num_classes
     was_training = target.training
@@ -415,7 +415,7 @@ def initial_drafter(target: LlamaGen, recipe: DrafterRecipe, seed: int = 0,
     The official LANTERN code loads ``lm_head.weight`` into the table for single-file HF ports
     (SPEC §3.1 quirk); we take the target's input table, the natural reading of EAGLE.
     """
-    from lantern.checks import check_drafter_matches_target
+    from lantern.targets.checks import check_drafter_matches_target
 
     if initial is not None:
         model = copy.deepcopy(initial).float()
@@ -510,10 +510,10 @@ def _eval_tree(target: LlamaGen) -> TreeConfig:
 
 
 def _mean_accepted(drafter: EagleDrafterModel, target: LlamaGen, config: EvalConfig) -> float:
-    from lantern.generate import generate
-    from lantern.oracle import make_eagle_drafter
-    from lantern.sampling import make_generators
-    from lantern.target import LlamaGenTarget
+    from lantern.decoding.loop import generate
+    from lantern.decoding.sampling import make_generators
+    from lantern.drafters.eagle import make_eagle_drafter
+    from lantern.targets.llamagen import LlamaGenTarget
 
     was_training = target.training
     if drafter.device != target.device:

@@ -1,0 +1,167 @@
+"""Hardware-aware draft trees: measure this device, measure the drafter's acceptance, pick a tree.
+
+Which static tree is fastest depends on two things that differ between set-ups:
+
+* the **device**: verifying n tree tokens costs about one target step on a GPU for n up to dozens,
+  but grows quickly with n on a CPU; a drafter level and the loop's bookkeeping cost a device-
+  dependent fraction of a step (:func:`measure_profile`, ``lantern profile``);
+* the **drafter and method**: how often the drafter's k-th sample at depth d is accepted, which
+  the acceptance rule (exact, LANTERN, LANTERN++) and the sampling settings decide
+  (:func:`calibrate`).
+
+From both, :func:`select_tree` scores every candidate tree by predicted tokens per second,
+
+    (1 + E[accepted drafts]) / (verify(n nodes) + drafting(levels) + loop overhead),
+
+and :func:`choose_tree` runs the whole chain (quick profile or a saved one, calibration, search)
+for ``--tree auto`` and for the benchmark.
+
+The acceptance model: sampled tree verification tests the children of an accepted node in
+sibling (draw) order and stops at the first acceptance, so P(rank r accepted | parent accepted)
+does not depend on how many later siblings exist. One calibration run with a wide *probe* tree
+therefore estimates ``a[d][r]`` = P(the accepted child at depth d has rank r | depth d - 1
+reached) for every (depth, rank) the probe holds, and the expected number of accepted drafts of
+ANY prefix-closed static tree is the sum over its nodes of the product of ``a`` along the node's
+path (:func:`expected_accepted`). Greedy verification (temperature 0) picks the longest accepted
+path instead; with exact acceptance at most one sibling matches, so the same model holds there.
+
+The search only considers static trees (chains included), also for ``sd`` and ``lantern`` whose
+default is the dynamic EAGLE-2 tree: deterministic top-k drafts are not described by a[d][r].
+
+Timings on a shared machine are noisy: the profile keeps medians, the cost model smooths them
+(:func:`non_decreasing`) and ties within 0.5% go to the smaller tree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from lantern.autotree.calibrate import _method_config, calibrate
+from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATIVE_METHODS
+from lantern.autotree.profile import DeviceProfile, ProfileSettings, load_profile, measure_profile
+from lantern.autotree.search import AutoTreeChoice, select_tree
+from lantern.decoding.config import SamplingConfig
+from lantern.pipeline import MethodConfig
+from lantern.targets.stack import Stack
+
+# ============================================================================================
+# Acceptance model (pure)
+# ============================================================================================
+
+
+# ============================================================================================
+# Cost model (pure)
+# ============================================================================================
+
+
+# ============================================================================================
+# Tree search (pure)
+# ============================================================================================
+
+
+# ============================================================================================
+# Calibration: run a probe tree and record the accepted ranks
+# ============================================================================================
+
+
+# ============================================================================================
+# Device profile: measured costs
+# ============================================================================================
+
+
+# ============================================================================================
+# The whole chain
+# ============================================================================================
+
+
+def choose_tree(
+    stack: Stack,
+    method: str | MethodConfig,
+    sampling: SamplingConfig,
+    *,
+    profile: DeviceProfile | str | Path | None = None,
+    calibration_labels: Sequence[Any] | None = None,
+    seed: int = 0,
+    batch_size: int = 1,
+    max_drafts: int = DEFAULT_MAX_DRAFTS,
+    drafter_dir: str | None = None,
+    proximity: str | None = None,
+    progress: bool = False,
+) -> AutoTreeChoice:
+    """Pick the fastest static tree for ``method`` on this device (``--tree auto``).
+
+    ``method``: a speculative method name or resolved ``MethodConfig`` (its relaxation settings are
+    used). ``profile``: a :class:`DeviceProfile`, a ``profile.json`` from ``lantern profile``, or
+    None for a quick measurement now (~10-20 s on a CPU). Calibration generates
+    ``calibration_labels`` (default: 4 labels spread over the classes) with a probe tree. The
+    chosen tree is registered, so ``choice.tree_spec`` can be passed to ``MethodConfig.resolve``.
+    """
+    method_cfg = _method_config(method)
+    rule = RULE_OF_METHOD[method_cfg.method]
+    t0 = time.perf_counter()
+    if profile is None:
+        profile = measure_profile(stack, sampling, ProfileSettings(batch_size=batch_size, quick=True, seed=seed),
+                                  rules=(rule,), drafter_dir=drafter_dir, proximity=proximity, progress=progress)
+    elif not isinstance(profile, DeviceProfile):
+        profile = load_profile(profile)
+    profile.check_matches(stack, sampling, batch_size, "--profile")
+    t1 = time.perf_counter()
+    acceptance = calibrate(stack, method_cfg, sampling, labels=calibration_labels, seed=seed,
+                           batch_size=batch_size, drafter_dir=drafter_dir, proximity=proximity, progress=progress)
+    t2 = time.perf_counter()
+    max_drafts = min(max_drafts, profile.max_tokens - 1)
+    choice = select_tree(acceptance, profile.cost_model(rule), method=method_cfg.method, max_drafts=max_drafts,
+                         max_depth=stack.num_tokens - 1)
+    choice = replace(choice, profile_seconds=t1 - t0, calibration_seconds=t2 - t1)
+    choice.register()
+    return choice
+
+
+def choose_trees(
+    stack: Stack,
+    methods: Sequence[str],
+    sampling: SamplingConfig,
+    *,
+    profile: DeviceProfile | str | Path | None = None,
+    seed: int = 0,
+    batch_size: int = 1,
+    progress: bool = False,
+) -> dict[str, AutoTreeChoice]:
+    """:func:`choose_tree` for every speculative method in ``methods`` (others are skipped), with
+    one device profile shared by all (measured once, quick, for the rules they need)."""
+    wanted = [m for m in methods if m in SPECULATIVE_METHODS]
+    seconds = 0.0
+    if profile is None and wanted:
+        rules = tuple(dict.fromkeys(RULE_OF_METHOD[m] for m in wanted))
+        t0 = time.perf_counter()
+        profile = measure_profile(stack, sampling, ProfileSettings(batch_size=batch_size, quick=True, seed=seed),
+                                  rules=rules, progress=progress)
+        seconds = time.perf_counter() - t0
+    chosen = {m: choose_tree(stack, m, sampling, profile=profile, seed=seed, batch_size=batch_size, progress=progress)
+              for m in wanted}
+    return {m: replace(c, profile_seconds=c.profile_seconds + seconds) for m, c in chosen.items()}  # shared
+
+
+@dataclass
+class StackWithTrees:
+    """A stack whose :meth:`default_tree` answers from ``trees`` first, so code that asks the
+    stack for a method's tree (``lantern demo``) uses trees chosen at run time; everything else is
+    the wrapped stack's (any :class:`~lantern.targets.stack.Stack`)."""
+
+    def __init__(self, stack: Stack, trees: Mapping[str, str]) -> None:
+        self.stack, self.trees = stack, dict(trees)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stack, name)
+
+    def default_tree(self, method: str) -> str | None:
+        return self.trees.get(method) or self.stack.default_tree(method)
+
+
+def with_trees(stack: Stack, trees: Mapping[str, str]) -> StackWithTrees:
+    base = stack.stack if isinstance(stack, StackWithTrees) else stack
+    return StackWithTrees(base, trees)

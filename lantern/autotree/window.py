@@ -1,0 +1,121 @@
+"""``--sjd-window auto``: the Jacobi window that decodes fastest on this device, measured.
+
+The SJD family (``sjd*``, ``sjd-coupled*``, ``gsd``) has one knob that trades work per round for
+rounds: the window L (a chain of L guesses verified per forward). ``--tree auto``'s acceptance
+model (independent per-depth rates) does not describe Jacobi iterations, whose acceptance depends
+on how many rounds a guess has been refined, so the window is chosen by measurement instead: a
+warm-up image, then a few calibration images (seeds no run reuses) with every candidate window, in
+``passes`` rounds that visit the windows in rotated order (so machine drift hits them alike), and
+the one with the least wall time per image token (best pass) wins; ties go to the smaller window.
+
+``--pjd-window auto`` is the same measurement for PJD (``pjd*``): its window (guesses per open
+image row) is chosen among windows no longer than an image row, at the run's ``--pjd-context``.
+The context is not chosen by timing: a smaller context opens rows earlier, which is always faster
+and always further from the model's distribution (the row-causal mask hides more of the rows
+above), so where to stand on that curve is a quality decision that a clock cannot make; the
+lossless end is the row length.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.errors import check
+from lantern.pipeline import PJD_METHODS, SJD_METHODS, MethodConfig, run_generation
+from lantern.targets.stack import ModelStack
+
+CANDIDATE_WINDOWS = (4, 8, 16, 32)
+PJD_CANDIDATE_WINDOWS = (2, 4, 8)  # a PJD window lives inside one image row
+CALIBRATION_PASSES = 2
+CALIBRATION_IMAGES = 2
+CALIBRATION_SEED_OFFSET = 1_000_000  # base seed offset: calibration images never repeat a run's seeds
+
+
+@dataclass(frozen=True)
+class WindowTrial:
+    window: int
+    tokens_per_forward: float
+    ms_per_token: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "tokens_per_forward": self.tokens_per_forward, "ms_per_token": self.ms_per_token}
+
+
+@dataclass(frozen=True)
+class AutoWindowChoice:
+    method: str
+    trials: tuple[WindowTrial, ...]
+    seconds: float  # calibration wall time
+
+    @property
+    def best(self) -> WindowTrial:
+        return min(self.trials, key=lambda t: (t.ms_per_token, t.window))
+
+    @property
+    def window(self) -> int:
+        return self.best.window
+
+    @property
+    def explanation(self) -> str:
+        ranked = sorted(self.trials, key=lambda t: (t.ms_per_token, t.window))
+        best, rest = ranked[0], ranked[1:4]
+        others = ", ".join(f"{t.window} ({t.ms_per_token:.2f} ms, {t.tokens_per_forward:.2f}/fwd)" for t in rest)
+        return (f"window {best.window}: {best.tokens_per_forward:.2f} tokens per forward, {best.ms_per_token:.2f} ms "
+                f"per token on this device" + (f"; runner-ups: {others}" if others else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "window": self.window, "explanation": self.explanation,
+                "calibration_seconds": self.seconds, "trials": [t.to_dict() for t in self.trials]}
+
+
+def with_window(method: MethodConfig, window: int) -> MethodConfig:
+    """``method`` (an SJD- or PJD-family method) with another window (and the chain that verifies it)."""
+    chain = TreeConfig(kind="chain", depth=window)
+    if method.pjd is not None:
+        return replace(method, pjd=replace(method.pjd, window=window), tree=chain)
+    assert method.jacobi is not None
+    return replace(method, jacobi=replace(method.jacobi, window=window), tree=chain)
+
+
+def choose_window(
+    stack: ModelStack,
+    method: MethodConfig,
+    sampling: SamplingConfig,
+    *,
+    seed: int = 0,
+    batch_size: int = 1,
+    images: int = CALIBRATION_IMAGES,
+    windows: Sequence[int] | None = None,
+    passes: int = CALIBRATION_PASSES,
+) -> AutoWindowChoice:
+    """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
+    an image row) on ``images`` calibration images."""
+    check(method.jacobi is not None or method.pjd is not None,
+          f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join((*SJD_METHODS, *PJD_METHODS))}), "
+          f"got {method.method}")
+    n_tokens, n_classes = stack.target.config.block_size, stack.target.config.num_classes
+    if method.pjd is not None:
+        row = math.isqrt(n_tokens)
+        usable = sorted({w for w in windows or PJD_CANDIDATE_WINDOWS if 1 <= w <= row}) or [row]
+    else:
+        usable = sorted({w for w in windows or CANDIDATE_WINDOWS if 1 <= w < n_tokens}) or [n_tokens - 1]
+    labels = [i * n_classes // images for i in range(images)]
+    base = seed + CALIBRATION_SEED_OFFSET
+    t0 = time.perf_counter()
+    run_generation(stack, labels[:1], base, sampling, with_window(method, usable[0]), batch_size)  # warm-up
+    best_ms: dict[int, float] = {}
+    tau: dict[int, float] = {}
+    for p in range(passes):
+        for window in usable[p % len(usable):] + usable[: p % len(usable)]:
+            start = time.perf_counter()
+            result = run_generation(stack, labels, base, sampling, with_window(method, window), batch_size)
+            ms = (time.perf_counter() - start) * 1000 / result.codes.numel()
+            best_ms[window] = min(ms, best_ms.get(window, ms))
+            tau[window] = result.stats_dict()["mean_accepted"]  # the same every pass (same seeds)
+    trials = tuple(WindowTrial(w, tau[w], best_ms[w]) for w in usable)
+    return AutoWindowChoice(method.method, trials, time.perf_counter() - t0)

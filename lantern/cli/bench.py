@@ -1,0 +1,187 @@
+"""``lantern bench``: flags to a checked BenchConfig, then the run (one process or the ranks of a torchrun job)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lantern.cli.common import (
+    MODEL_HELP,
+    add_budget_arg,
+    add_chameleon_args,
+    add_compile_arg,
+    add_overwrite_arg,
+    add_sampling_args,
+    add_trust_checkpoint_arg,
+)
+from lantern.errors import check
+from lantern.eval.bench import (
+    BenchConfig,
+    QualityScorer,
+    _fmt,
+    format_table,
+    parse_batch_sizes,
+    parse_methods,
+    parse_tree_options,
+    resolve_auto_trees,
+    resolve_auto_windows,
+    run_bench,
+    save_bench,
+    throughput_table,
+)
+
+
+def bench_config(args: Any) -> BenchConfig:
+    """``lantern bench``'s flags as a checked :class:`BenchConfig` (nothing loaded yet)."""
+    from lantern.decoding.compiling import resolve_compile
+
+    trees = parse_tree_options(args.tree)
+    batch_sizes = parse_batch_sizes(args.speed_batch_size)
+    config = BenchConfig(
+        methods=parse_methods(args.methods, trees, args.lantern_budget),
+        num_images=args.num_images,
+        speed_images=args.speed_images,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        speed_batch_size=batch_sizes[0],
+        throughput_batch_sizes=tuple(batch_sizes[1:]),
+        compile=resolve_compile(args.compile, args.device),
+        repeats=args.repeats,
+        num_real=args.num_real,
+        curve_images=args.curve_images,
+        ar_spread=not args.no_ar_spread,
+        sweep=args.sweep,
+        sweep_images=args.sweep_images,
+    )
+    check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    return config
+
+
+def cmd_bench(args: Any) -> int:
+    """``lantern bench``: in one process, or across the ranks of a ``torchrun`` job
+    (:mod:`lantern.eval.ranks`: the images are shared out, rank 0 scores and writes)."""
+    import shlex
+
+    from lantern.api import load_model_stack, sampling_from
+    from lantern.distributed import DistContext, process_group
+    from lantern.eval.ranks import RankRunner, check_bench_ranks, no_metrics
+    from lantern.outputs import OutputFolder
+    from lantern.validate import check_device
+
+    t0 = time.perf_counter()
+    config = bench_config(args)
+    check_device(args.device)
+    ctx = DistContext.from_env()
+    check_bench_ranks(config, ctx)
+    args.device = ctx.device(args.device)
+    out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
+    progress = not args.no_progress and ctx.is_main
+    torch.manual_seed(0)
+    stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, layout=args.layout,
+                             image_size=args.image_size, vq=args.vq)
+    sampling = sampling_from(stack, args)
+    given = config
+    config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
+    config, auto_windows = resolve_auto_windows(stack, sampling, config, log=print)
+    throughput_methods = {}
+    for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
+        at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
+        throughput_methods[batch] = {m.name: m.resolve(stack) for m in at_batch.methods}
+        auto_trees[f"batch {batch}"] = chosen
+    with process_group(ctx, args.device):
+        scorer: Any = None
+        if not args.no_quality:  # metrics are computed once, on rank 0
+            scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=progress,
+                                         sampling=sampling, seed=config.seed,
+                                         batch_size=config.batch_size) if ctx.is_main else no_metrics
+        if ctx.is_main:
+            print(f"bench {args.model} | {len(config.methods)} methods | quality on {config.num_images} images, "
+                  f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
+                  f"{str(stack.dtype).replace('torch.', '')} on {args.device}"
+                  + (f" | {ctx.world_size} processes" if ctx.enabled else ""))
+        if isinstance(scorer, QualityScorer):
+            print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
+        result = run_bench(stack, sampling, config, scorer, progress=progress, throughput_methods=throughput_methods,
+                           runner=RankRunner(ctx) if ctx.enabled else None, log=print if ctx.is_main else _quiet)
+    if not ctx.is_main:
+        return 0
+    if isinstance(scorer, QualityScorer):
+        result.meta.update(scorer.meta())
+    result.meta["auto_trees"] = auto_trees
+    if auto_windows:
+        result.meta["auto_windows"] = auto_windows
+    result.meta["processes"] = ctx.world_size
+    command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    with out.write() as folder:
+        save_bench(stack, result, folder, command)
+    print(format_table(result.rows))
+    if result.throughput:
+        print(throughput_table(result.throughput))
+    if result.ar_spread is not None:
+        print("AR seed-to-seed spread: " + ", ".join(
+            f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
+    print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0: rank 0 speaks for the job."""
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="speed and quality of every method side by side (tables, JSON, grids and plots)",
+        description=(
+            "Decode the same labels and seeds with every method: wall-clock speed-up vs AR (interleaved, "
+            "warm-up excluded) and FID / KID / precision / recall / class accuracy in the feature space of a "
+            "network trained by lantern on the preset's images (not Inception FIDs)."
+        ),
+    )
+    p.add_argument("--model", default="photos", help=MODEL_HELP)
+    p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
+                   help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
+                        "METHOD/KEY=VALUE... a row with those settings (keys k, delta, lambda, budget; coupling for "
+                        "sjd-coupled* and gsd), e.g. lantern/delta=0.2/budget=token or sjd-coupled/coupling=gumbel "
+                        "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
+    p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",
+                   help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
+                        "METHOD=auto picks it from this device's verify-cost curve (default: the stack's trees)")
+    p.add_argument("--num-images", type=int, default=200, help="images per method for quality metrics (default 200)")
+    p.add_argument("--speed-images", type=int, default=8, help="images per method timed (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")
+    p.add_argument("--speed-batch-size", default="1",
+                   help="batch for the timed images (default 1); a list like 1,4,16 adds a throughput table "
+                        "(images/s of every method at each further batch size)")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is kept")
+    p.add_argument("--num-real", type=int, default=1000,
+                   help="held-out real images to compare with (default 1000, capped by the test split)")
+    p.add_argument("--feature-net", default=None,
+                   help="feature extractor: a lantern feature-net folder (default: the stack's features/), "
+                        "torchscript:FILE (e.g. clean-fid's Inception) or clip:DIR (a local CLIP vision model)")
+    p.add_argument("--curve-images", type=int, default=16,
+                   help="images per point of the tau-vs-delta/lambda curves (0 = skip; default 16)")
+    p.add_argument("--no-ar-spread", action="store_true", help="skip the second AR seed (metric spread)")
+    p.add_argument("--no-quality", action="store_true",
+                   help="speed only: no quality images or metrics (rows describe the timed images)")
+    p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")
+    p.add_argument("--sweep-images", type=int, default=100, help="quality images per sweep point (default 100)")
+    p.add_argument("--profile", default=None, help="with auto trees: a profile.json from `lantern profile`")
+    add_budget_arg(p)
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto: bf16 where native)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
+    add_overwrite_arg(p)
+    p.add_argument("--no-progress", action="store_true")
+    add_trust_checkpoint_arg(p)
+    add_compile_arg(p)
+    add_chameleon_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_bench)

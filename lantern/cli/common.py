@@ -1,0 +1,268 @@
+"""What the sub-command modules share: argument groups, their checks, and settings resolved from flags."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lantern.errors import LanternError
+
+if TYPE_CHECKING:
+    from lantern.outputs import OutputFolder
+
+
+def window_arg(text: str) -> int | str:
+    """``--sjd-window``: a window length, or ``auto`` (measured on this device). Anything else is
+    passed on as text, for ``JacobiConfig`` to refuse in one line."""
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip()
+
+
+def add_pjd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pjd-window", type=window_arg, default=None,
+                   help="pjd*: guesses per open image row and round, 1 .. the row length (default 4), or auto")
+    p.add_argument("--pjd-context", type=window_arg, default=None,
+                   help="pjd*: known tokens row r needs before row r + 1 opens, 1 .. the row length (default 8; the "
+                        "row length decodes one row at a time, losslessly). A quality knob: smaller is faster and "
+                        "further from the model, so it has no auto")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one label")
+    return values
+
+
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "cfg_scale": "--cfg-scale"}
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """Each sampling flag given, checked on its own before anything is loaded; the error names the flag."""
+    from lantern.decoding.config import SamplingConfig
+
+    for name, flag in SAMPLING_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        try:
+            SamplingConfig(**{name: value})
+        except LanternError as e:
+            raise LanternError(f"{flag}: {e}") from None
+
+
+def method_from_args(args: argparse.Namespace, stack: Any, tree: str | None = None) -> Any:
+    """``--method`` with its flags, resolved by the library. ``tree``: auto's choice; with --tree auto
+    and no choice yet, the method's own default tree (what choose_tree starts from)."""
+    from lantern.api import METHOD_SETTINGS, resolve_method
+
+    settings = {name: getattr(args, name) for name in METHOD_SETTINGS}
+    settings["tree"] = tree if tree is not None else None if args.tree == "auto" else args.tree
+    for name in ("sjd_window", "pjd_window"):
+        if settings[name] == "auto":  # measured later (choose_auto_window); resolve with the default first
+            settings[name] = None
+    return resolve_method(None if args.tree == "auto" and tree is None else stack, args.method, **settings)
+
+
+def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
+    """True for ``--tree auto``; refuses it for methods without a drafter tree, and --profile without it."""
+    if tree != "auto":
+        if profile is not None:
+            raise LanternError("--profile is only used with --tree auto")
+        return False
+    from lantern.autotree.model import SPECULATIVE_METHODS
+
+    if not any(m in SPECULATIVE_METHODS for m in methods):
+        raise LanternError(
+            f"--tree auto needs a speculative --method ({', '.join(SPECULATIVE_METHODS)}), got {', '.join(methods)}"
+        )
+    return True
+
+
+def choose_auto_tree(
+    stack: Any, method: Any, sampling: Any, batch_size: int, profile: Any, seed: int,
+    drafter: str | None = None, proximity: str | None = None, progress: bool = True,
+) -> Any:
+    """``--tree auto``: choose_tree for one method, with its explanation printed."""
+    from lantern.autotree.choose import choose_tree
+
+    choice = choose_tree(stack, method, sampling, profile=profile, seed=seed, batch_size=batch_size,
+                         drafter_dir=drafter, proximity=proximity, progress=progress)
+    print(f"--tree auto [{choice.method}]: {choice.explanation} (profile {choice.profile_seconds:.1f} s, "
+          f"calibration {choice.calibration_seconds:.1f} s)")
+    return choice
+
+
+def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool:
+    """True for ``--sjd-window auto`` / ``--pjd-window auto``; refuses it for methods without such a
+    window, and for models it cannot calibrate (``unsupported``: what kind of model this is)."""
+    from lantern.pipeline import PJD_METHODS, SJD_METHODS
+
+    auto = False
+    for flag, window, methods in (("--sjd-window", args.sjd_window, SJD_METHODS),
+                                  ("--pjd-window", args.pjd_window, PJD_METHODS)):
+        if window != "auto":
+            continue
+        if args.method not in methods:
+            raise LanternError(f"{flag} auto needs a --method with that window ({', '.join(methods)}), "
+                               f"got {args.method}")
+        if unsupported is not None:
+            raise LanternError(f"{flag} auto calibrates on class labels; pass a number for {unsupported} models")
+        auto = True
+    return auto
+
+
+def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace) -> Any:
+    """``--sjd-window auto``: choose_window, with its explanation printed."""
+    from lantern.autotree.window import choose_window
+
+    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size)
+    flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
+    print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
+    return choice
+
+
+MODEL_HELP = ("embedded preset (digits | photos), a LlamaGen c2i / t2i stack folder, an Anole / Lumina-mGPT "
+              "folder, or a Hugging Face repo id of one")
+
+
+def add_chameleon_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Chameleon-family targets (Anole, Lumina-mGPT: an HF model folder as --model)")
+    g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
+                   help="the model's image layout (default: \"layout\" in the folder's generation.json)")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
+    g.add_argument("--vq", default=None, metavar="CKPT",
+                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
+                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+
+
+def load_tool_stack(args: argparse.Namespace, device: str = "cpu") -> Any:
+    """demo / bench / profile: the stack of any family (``lantern.load``) for ``--model``."""
+    from lantern.api import load_model_stack
+
+    return load_model_stack(args.model, device=device, dtype=args.dtype, layout=args.layout,
+                            image_size=args.image_size, vq=args.vq)
+
+
+def add_budget_arg(p: argparse.ArgumentParser) -> None:
+    from lantern.pipeline import BUDGETS, DEFAULT_BUDGET
+
+    p.add_argument(
+        "--lantern-budget", default=None, choices=BUDGETS,
+        help="what delta / lambda bound: each acceptance test (test, the paper's) or every emitted token "
+        f"(token: TV(token, p) <= delta, or token(x) <= lambda p(x), at every tree level) (default {DEFAULT_BUDGET})",
+    )
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="auto", default="off", metavar="MODE",
+                   help="compile the decode step (target, drafter, acceptance; AR too) with torch.compile: "
+                        "--compile alone = auto (CUDA graphs on a GPU, inductor kernels on a CPU), or a mode: "
+                        "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
+
+
+def check_compile(args: argparse.Namespace) -> None:
+    """Refuse a bad --compile before anything is loaded or written."""
+    from lantern.decoding.compiling import resolve_compile
+
+    resolve_compile(args.compile, getattr(args, "device", "cpu"))
+
+
+def read_prompt_args(args: argparse.Namespace) -> list[str] | None:
+    """The prompts of --prompt / --prompts (checked before anything is loaded), or None for --labels."""
+    from lantern.targets.text import check_prompts, read_prompts
+
+    if args.prompt is not None:
+        return check_prompts(args.prompt, "--prompt")
+    if args.prompts is not None:
+        return read_prompts(args.prompts)
+    if args.labels is None:
+        raise LanternError(
+            "generate needs --labels (class-conditional models) or --prompt / --prompts (text-to-image models)"
+        )
+    if args.t5 is not None:
+        raise LanternError("--t5 is only used with --prompt / --prompts (text-to-image models)")
+    return None
+
+
+def check_model_condition(stack: Any, model: str, text: bool) -> None:
+    """Labels need a class-conditional target, prompts a text-to-image one."""
+    kind = stack.target.config.model_type
+    if text and kind != "t2i":
+        raise LanternError(f"--prompt/--prompts: {model} is a class-conditional model; pass --labels")
+    if not text and kind == "t2i":
+        raise LanternError(f"--labels: {model} is a text-to-image model; pass --prompt TEXT or --prompts FILE")
+
+
+def resolve_hub_args(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Each of these flags given as a Hugging Face ``org/name`` (and not an existing local path)
+    becomes the local snapshot folder of that repo."""
+    from lantern.hub import resolve_location
+
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(args, name, resolve_location(value, f"--{name}"))
+
+
+def add_overwrite_arg(p: argparse.ArgumentParser, what: str = "folder") -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing non-empty --out {what} (default: refuse to touch it)")
+
+
+def check_run_args(args: argparse.Namespace, check_out: bool = True) -> OutputFolder | None:
+    """generate's counts and device, checked before anything is loaded; the --out folder to write
+    (None when not ``check_out``: a rank other than 0, or a finished job to resume)."""
+    from lantern.outputs import OutputFolder
+    from lantern.validate import check_count, check_device
+
+    check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
+    check_count(args.batch_size, "--batch-size")
+    check_device(args.device)
+    return OutputFolder.check(args.out, "--out", args.overwrite) if check_out else None
+
+
+def auto_window_refusal(stack: Any) -> str | None:
+    """What kind of model ``--sjd-window auto`` / ``--pjd-window auto`` cannot calibrate (it times
+    class-label runs), or None."""
+    return {"t2i": "text-to-image", "chameleon": "Chameleon-family"}.get(stack.kind)
+
+
+def add_trust_checkpoint_arg(p: argparse._ActionsContainer) -> None:
+    """``--trust-checkpoint``, on every command that may read a pickled checkpoint (.pt/.bin/.ckpt)."""
+    p.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="fully unpickle .pt/.bin/.ckpt files that hold classes besides tensors and the allowed ones: "
+             "this can run code from the file, so only for files you trust (see README: Loading checkpoints safely)",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the model's generation.json, else the values shown)")
+    g.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature; 0 = greedy argmax (default 1.0)"
+    )
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 = off (default 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus threshold in (0, 1]; 1 = off (default 1.0)")
+    g.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale; 1 = off (default 1)")
+
+
+def layout_from_args(args: argparse.Namespace, root: Path) -> Any:
+    from lantern.api import chameleon_layout
+    from lantern.models.chameleon import is_chameleon_folder
+
+    if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
+        raise LanternError(f"--model: no such folder {root}")
+    if not is_chameleon_folder(root):
+        raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
+                           "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
+    return chameleon_layout(root, args.layout, args.image_size)

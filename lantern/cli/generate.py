@@ -1,0 +1,318 @@
+"""``lantern generate``: one process or a rank of a torchrun job, written image by image."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lantern.cli.common import (
+    add_budget_arg,
+    add_chameleon_args,
+    add_compile_arg,
+    add_overwrite_arg,
+    add_pjd_args,
+    auto_window_refusal,
+    check_auto_tree,
+    check_auto_window,
+    check_compile,
+    check_model_condition,
+    check_run_args,
+    choose_auto_tree,
+    choose_auto_window,
+    int_list,
+    method_from_args,
+    read_prompt_args,
+    resolve_hub_args,
+    window_arg,
+)
+from lantern.errors import LanternError
+
+if TYPE_CHECKING:
+    from lantern.outputs import OutputFolder
+from lantern.cli.common import add_sampling_args, add_trust_checkpoint_arg, layout_from_args
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate images from class labels or text prompts",
+        description="Generate images with AR or speculative decoding.",
+    )
+    p.add_argument(
+        "--model", required=True, help="model stack folder (target/, tokenizer/, optional drafter/ and proximity table)"
+    )
+    p.add_argument("--tokenizer", default=None, help="VQ tokenizer folder, if not inside --model")
+    cond = p.add_mutually_exclusive_group()
+    cond.add_argument(
+        "--labels", type=int_list, default=None, help="class-conditional models: comma-separated class ids, e.g. 0,3,7"
+    )
+    cond.add_argument(
+        "--prompt", action="append", default=None, metavar="TEXT",
+        help='text-to-image models: a prompt (repeat for several: --prompt "a red car" --prompt "a cat")',
+    )
+    cond.add_argument(
+        "--prompts", default=None, metavar="FILE",
+        help="text-to-image models: a UTF-8 text file, one prompt per line (blank lines are skipped)",
+    )
+    p.add_argument(
+        "--t5", default=None, metavar="DIR",
+        help="text-to-image models: local T5 encoder folder (google/flan-t5-xl; default: t5/ inside --model)",
+    )
+    add_chameleon_args(p)
+    p.add_argument(
+        "--num-per-label", "--num-per-prompt", dest="num_per_label", type=int, default=1,
+        help="images per label or prompt (default 1)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="base seed; image i uses its own generator (default 0)")
+    p.add_argument("--out", required=True, help="output directory (written all-or-nothing: it appears complete or "
+                                                "not at all)")
+    add_overwrite_arg(p)
+    p.add_argument("--resume", action="store_true",
+                   help="keep this job's finished images if it stops (in .OUT.resume beside --out), and continue "
+                        "an interrupted --resume job with the same settings: only the missing images are decoded")
+    p.add_argument("--save-npz", action="store_true",
+                   help="also write OUT/samples.npz: arr_0, uint8 [N, H, W, 3] in request order (the layout of "
+                        "the guided-diffusion / ADM FID evaluator and LlamaGen's evaluation scripts)")
+    p.add_argument(
+        "--method",
+        default="ar",
+        choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++",
+                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "pjd", "pjd-lantern",
+                 "pjd-lantern++"],
+        help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
+        "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
+        "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
+        "lantern's / lantern++'s relaxed acceptance; sjd-coupled: SJD with coupled redraws (SCD), exact; "
+        "sjd-coupled-lantern / sjd-coupled-lantern++: the same, relaxed; gsd: SJD with grouped speculative "
+        "decoding's relaxed acceptance (no table); pjd: parallel Jacobi decoding (several image rows per "
+        "forward; lossy unless --pjd-context is the row length); pjd-lantern / pjd-lantern++: the same, relaxed",
+    )
+    p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="draft tree: dynamic | static:NAME (e.g. static:naive_extend_57) | chain:N | auto (default per method); "
+        "auto measures this device and the drafter's acceptance, then picks the fastest static tree",
+    )
+    p.add_argument(
+        "--profile", default=None, help="with --tree auto: a profile.json from `lantern profile` (default: measure now)"
+    )
+    p.add_argument(
+        "--proximity", default=None, help="latent proximity table (default: proximity.safetensors in --model)"
+    )
+    p.add_argument(
+        "--lantern-k", type=int, default=None, help="neighbours per token (lantern 1000 capped at K_max; lantern++ 10)"
+    )
+    p.add_argument(
+        "--lantern-delta",
+        type=float,
+        default=None,
+        help="lantern, sjd-lantern: neighbour mass bound delta in [0, 1] (0.1)",
+    )
+    p.add_argument(
+        "--lantern-lambda", type=float, default=None, help="lantern++, sjd-lantern++: relative bound lambda >= 1 (5.0)"
+    )
+    p.add_argument(
+        "--lantern-residual", default=None, choices=["paper", "official", "official-lumina"],
+        help="relaxed methods, after a rejection: the paper's residual (default), or the released LlamaGen "
+             "(official) / Lumina-mGPT (official-lumina) code's, for comparisons",
+    )
+    add_budget_arg(p)
+    p.add_argument("--sjd-window", type=window_arg, default=None,
+                   help="sjd*, gsd: Jacobi window length L >= 1 (16), or auto: the fastest of 4-32 on this device, "
+                        "measured on a few calibration images")
+    p.add_argument(
+        "--sjd-init",
+        default=None,
+        choices=["random", "repeat_horizon"],
+        help="sjd*, gsd: new guesses are uniform random tokens, or repeat the token to their left (default random; "
+        "sjd-coupled*: repeat_horizon)",
+    )
+    p.add_argument(
+        "--sjd-coupling",
+        default=None,
+        choices=["independent", "maximal", "gumbel"],
+        help="sjd-coupled*: redraw each open guess coupled with the one it replaces: maximal coupling, or the "
+        "same Gumbel noise per position (default maximal); gsd: also independent (its default)",
+    )
+    p.add_argument(
+        "--gsd-group", type=int, default=None,
+        help="gsd: a draft is credited with the tokens ranked within G places of it in the target's distribution "
+        "(and close in probability); G >= 1 (default 7)",
+    )
+    add_pjd_args(p)
+    p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32",
+                   help="target/drafter precision: float32 (default; bit-reproducible), bfloat16, or auto "
+                        "(bf16 where the hardware computes it natively: faster at batch 1)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_trust_checkpoint_arg(p)
+    add_compile_arg(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``generate``: one process, or one rank of a ``torchrun`` / ``accelerate launch`` job
+    (:mod:`lantern.distributed`), written image by image (:mod:`lantern.jobs`)."""
+    from lantern.distributed import DistContext, check_enough_items
+    from lantern.jobs import finished_job
+    from lantern.validate import check_image_total
+
+    check_compile(args)
+    ctx = DistContext.from_env()
+    if args.resume and args.overwrite:
+        raise LanternError("--resume continues the job of --out; it cannot be combined with --overwrite")
+    # Rank 0 alone reads and writes --out (on several nodes the others may not even see it).
+    finished = finished_job(args.out) if args.resume and ctx.is_main else None
+    out = check_run_args(args, check_out=ctx.is_main and finished is None)
+    prompts = read_prompt_args(args)
+    check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
+                      "--num-per-label / --num-per-prompt")
+    check_enough_items(len(prompts if prompts is not None else args.labels) * args.num_per_label, ctx)
+    resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
+    auto = check_auto_tree(args.tree, [args.method], args.profile)
+    args.device = ctx.device(args.device)
+    stack = _load_generate_stack(args, prompts is not None)
+    auto_window = check_auto_window(args, auto_window_refusal(stack))
+    if ctx.enabled and (auto or auto_window):
+        raise LanternError("--tree auto / --sjd-window auto / --pjd-window auto time this process alone; under "
+                           "several processes pass the tree or window to use (e.g. the one a single-process run chose)")
+    return _generate_job(args, stack, prompts, out, finished, ctx, auto, auto_window)
+
+
+def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | None, out: OutputFolder | None,
+                  finished: dict[str, Any] | None, ctx: Any, auto: bool, auto_window: bool) -> int:
+    """``generate`` on any stack (labels or prompts), as a job across the ranks of ``ctx``."""
+    import torch
+
+    from lantern.api import sampling_from
+    from lantern.distributed import all_gather, process_group
+    from lantern.jobs import JobRequest, check_same_job, run_job
+    from lantern.pipeline import prepare_run
+
+    sampling = sampling_from(stack, args)
+    t5_dir = stack.t5_folder(args.t5) if stack.kind == "t2i" else None
+    with process_group(ctx, args.device):
+        finished = all_gather(finished, ctx)[0]  # rank 0's finding
+        encoded = stack.encode(prompts if prompts is not None else args.labels, args.num_per_label,
+                               args.batch_size, t5=t5_dir)
+        method, extra = _generate_method(args, stack, sampling, auto, auto_window)
+        names, conditions = _condition_record(stack, args, prompts, t5_dir)
+        parts = prepare_run(stack, sampling, method, args.batch_size, encoded, args.drafter, args.proximity,
+                            args.compile)
+        record = {**_run_record(args, len(names), sampling, parts.method, conditions), **extra}
+        identity = {"model": str(args.model), "seed": args.seed, **conditions,
+                    "sampling": sampling.to_dict(), "method": parts.method.to_dict(),
+                    "dtype": str(stack.dtype).replace("torch.", ""),
+                    "device_type": torch.device(args.device).type}
+        if finished is not None:  # every rank checks rank 0's finding: the same error everywhere
+            check_same_job(finished, identity, f"--resume: the finished job in {args.out}")
+            if ctx.is_main:
+                print(f"{args.out} already holds this job, complete: nothing to do")
+            return 0
+        request = JobRequest(names, args.seed, encoded.cond, encoded.mask, identity, args.batch_size,
+                             args.num_per_label, save_npz=args.save_npz, resume=args.resume,
+                             progress=not args.no_progress)
+        run = run_job(parts, request, out, ctx, stack.to_pil, record)
+    if run is None:  # ranks other than 0 write nothing
+        return 0
+    assert out is not None  # rank 0 checked it
+    stats = run["stats"]
+    print(
+        f"wrote {len(names)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+        + (f" | {ctx.world_size} processes" if ctx.enabled else "")
+        + (f" | {stats['resumed_images']} images from the interrupted run" if stats["resumed_images"] else "")
+    )
+    return 0
+
+
+def _generate_method(args: argparse.Namespace, stack: Any, sampling: Any, auto: bool,
+                     auto_window: bool) -> tuple[Any, dict[str, Any]]:
+    """The method, with an auto tree or window resolved, and run.json's record of that choice."""
+    from lantern.autotree.window import with_window
+
+    method = method_from_args(args, stack)
+    extra: dict[str, Any] = {}
+    if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
+        choice = choose_auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+                            args.drafter, args.proximity, not args.no_progress)
+        method, extra["auto_tree"] = method_from_args(args, stack, choice.tree_spec), choice.to_dict()
+    if auto_window:  # time the candidate windows, then run with the fastest
+        window = choose_auto_window(stack, method, sampling, args)
+        method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
+    return method, extra
+
+
+def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
+    """generate's stack (any family) for ``--model``, with the family's flags checked first."""
+    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.targets.stack import inference_dtype, load_stack
+
+    if is_chameleon_folder(args.model):
+        return _load_chameleon_for_generate(args, text)
+    for name in ("layout", "image_size", "vq"):
+        if getattr(args, name) is not None:
+            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
+                               "Lumina-mGPT)")
+    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
+    check_model_condition(stack, args.model, text)
+    stack.target.to(args.device)
+    stack.tokenizer.to(args.device)
+    return stack
+
+
+def _load_chameleon_for_generate(args: argparse.Namespace, text: bool) -> Any:
+    """An Anole / Lumina-mGPT folder: prompts only, its own tokenizer, images through the VQGAN."""
+    from lantern.targets.chameleon_stack import load_chameleon_stack
+    from lantern.targets.stack import inference_dtype
+
+    root = Path(args.model)
+    if args.compile != "off":
+        raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+    if not text:
+        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
+    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
+                               "tokenizer, and decode with --vq)")
+    check_auto_window(args, "Chameleon-family")
+    layout = layout_from_args(args, root)
+    return load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+
+
+def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,
+                      t5_dir: Path | None) -> tuple[list[str], dict[str, Any]]:
+    """The images' file names and what run.json records of their conditions (labels, or prompts with
+    the T5 folder / the Chameleon layout)."""
+    if prompts is None:
+        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
+        return [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
+    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
+    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
+    if stack.kind == "chameleon":
+        layout = stack.layout
+        info = {"name": layout.name, "height": layout.height, "width": layout.width,
+                "pixel_size": list(layout.pixel_size)}
+        return names, {"layout": info, "prompts": prompts, "prompt_index": index}
+    return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
+                   "t5_max_length": stack.target.config.cls_token_num}
+
+
+def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method: Any,
+                conditions: dict[str, Any]) -> dict[str, Any]:
+    """What ``run.json`` records of a generate run: the conditions, seeds and settings (the
+    statistics are added by the run)."""
+    from lantern.api import run_config
+    from lantern.pipeline import image_seed
+
+    return {
+        "command": "generate",
+        "model": str(args.model),
+        **conditions,
+        "seeds": [image_seed(args.seed, i) for i in range(num_images)],
+        **run_config(args.seed, args.batch_size, args.device, sampling, method),
+    }

@@ -1,0 +1,100 @@
+"""``lantern`` command line: one entry point, one sub-command per job.
+
+Every run writes its resolved configuration next to its outputs. Bad arguments end with a one-line
+``lantern: error: ...`` naming the argument, and exit code 2; no partial output files are left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lantern.cli.bench import add_bench
+from lantern.cli.common import check_sampling_flags
+from lantern.cli.demo import add_demo
+from lantern.cli.generate import add_generate
+from lantern.cli.profile import add_profile
+from lantern.cli.tools import add_build_proximity, add_make_random_stack
+from lantern.errors import LanternError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_generate(sub)
+    add_build_proximity(sub)
+    add_make_random_stack(sub)
+    add_demo(sub)
+    add_profile(sub)
+    add_bench(sub)
+    from lantern.cli.train import add_train_commands
+
+    add_train_commands(sub)
+    return parser
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks (staging folders) run."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _one_line(e: BaseException) -> str:
+    """A user-facing failure that is not a :class:`LanternError` (a path the OS refused, memory), in one line."""
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror or e}{where}"
+    return "out of memory; use a smaller --batch-size or fewer images" if _out_of_memory(e) else str(e)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """MemoryError, or torch.cuda.OutOfMemoryError (a RuntimeError; matched by name so that the
+    top level imports no torch)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
+    running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
+    exit 130 / 143 once ``finally`` blocks removed partial outputs; anything else is a bug and
+    keeps its traceback."""
+    import signal
+    import threading
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
+    func: Callable[[argparse.Namespace], Any] = args.func
+    from lantern.io import trusted_checkpoints
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    try:
+        check_sampling_flags(args)
+        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)):
+            return int(func(args) or 0)
+    except LanternError as e:
+        print(f"lantern: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not _out_of_memory(e):
+            raise  # any other RuntimeError is a bug: keep its traceback
+        print(f"lantern: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lantern: interrupted", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("lantern: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Frozen, validated configuration dataclasses.
+
+Each config validates itself in ``__post_init__`` and raises :class:`LanternError` naming the
+offending field, so a bad value fails where the user typed it and not deep inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Any, Literal, get_args
+
+from lantern.errors import check
+
+# Guidance scales in use are 1.5-10 (LlamaGen 1.75-4, Lumina-mGPT 3-4); far beyond, the guided
+# logits overflow (``--cfg-scale 1e39`` gave all-zero codes), so the range is bounded.
+MAX_CFG_SCALE = 100.0
+
+RelaxationMode = Literal["absolute", "relative", "group"]
+ResidualMode = Literal["paper", "official", "official-lumina"]
+RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
+RelaxationBudget = Literal["test", "token"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution p is formed from its logits.
+
+    Order (LlamaGen's): CFG on raw logits -> temperature -> top-k -> top-p -> softmax.
+    ``temperature == 0`` means greedy argmax decoding. ``top_k == 0`` and ``top_p == 1`` turn the
+    filters off. ``cfg_scale == 1`` means no guidance and no doubled batch.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    cfg_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
+        )
+        check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}",
+        )
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(
+            math.isfinite(self.cfg_scale) and 1.0 <= self.cfg_scale <= MAX_CFG_SCALE,
+            f"cfg_scale must be in [1, {MAX_CFG_SCALE:g}] (1 disables guidance; usual values 1.5-10), "
+            f"got {self.cfg_scale}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale > 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RelaxationConfig:
+    """LANTERN's relaxed acceptance (SPEC §4).
+
+    A drafted token x is credited with the target mass of the longest proximity-ordered prefix of
+    its ``k`` nearest latent neighbours whose cumulative mass stays within a bound:
+
+    * ``mode="absolute"`` (LANTERN): neighbour mass <= ``delta``, i.e. per-test TVD <= delta.
+    * ``mode="relative"`` (LANTERN++): neighbour mass <= (``lam`` - 1) * p(x), i.e.
+      p~(x) <= lam * p(x).
+    * ``mode="group"`` (GSD, So et al. 2025, arXiv 2508.07747): no proximity table; x is credited
+      with its dynamic group, the tokens ranked within ``k`` places of x in the target's
+      distribution whose probability is close to p(x) (``lantern.decoding.acceptance.group_mask``), and
+      the test compares group masses, p(G) / q(G).
+
+    ``delta = 0``, ``lam = 1`` or ``k = 0`` reduce exactly to the exact (lossless) rule.
+    ``residual`` chooses what happens after a rejection: ``paper`` continues with the residual of
+    the relaxed target (SPEC §4.4); ``official`` reproduces the released LlamaGen code and
+    ``official-lumina`` the released Lumina-mGPT code, for comparison only.
+
+    ``budget`` says what the bound limits (docs/relaxation_budget.md):
+
+    * ``test`` (the paper's): each acceptance test on its own; a level that tests several
+      siblings, or draws them at random, can move its emitted token further than ``delta``.
+    * ``token``: the emitted token at every tree level, whatever the siblings:
+      TV(emitted, p) <= ``delta``, or emitted(x) <= ``lam`` * p(x) for every x. Each level
+      shares one budget among its tests; only ``residual="paper"`` applies.
+    """
+
+    k: int = 1000
+    delta: float = 0.0
+    lam: float = 1.0
+    mode: RelaxationMode = "absolute"
+    residual: ResidualMode = "paper"
+    budget: RelaxationBudget = "test"
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.k, int) and self.k >= 0, f"lantern k must be an integer >= 0, got {self.k}")
+        check(
+            self.mode in ("absolute", "relative", "group"),
+            f"relaxation mode must be 'absolute', 'relative' or 'group', got {self.mode!r}",
+        )
+        check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+        check(
+            self.budget in ("test", "token"),
+            f"lantern budget must be 'test' or 'token', got {self.budget!r}",
+        )
+        check(
+            self.budget == "test" or self.residual == "paper",
+            f"the token budget needs residual='paper'; residual={self.residual!r} needs budget='test'",
+        )
+        check(
+            math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
+            f"lantern delta must be in [0, 1], got {self.delta}",
+        )
+        check(math.isfinite(self.lam) and self.lam >= 1.0, f"lantern lambda must be >= 1, got {self.lam}")
+        if self.mode != "relative":
+            check(self.lam == 1.0, "lantern lambda is only used with mode='relative' (LANTERN++)")
+        if self.mode != "absolute":
+            check(self.delta == 0.0, "lantern delta is only used with mode='absolute' (LANTERN)")
+        if self.mode == "group":  # GSD continues with the exact residual, as its released code
+            check(self.residual == "paper", f"the group rule (GSD) has no {self.residual!r} residual")
+            check(self.budget == "test", "the group rule (GSD) has no token budget: it bounds no mass")
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the relaxation moves no mass: the rule is exact speculative sampling."""
+        if self.mode == "group":
+            return self.k == 0
+        return self.k == 0 or (self.delta == 0.0 if self.mode == "absolute" else self.lam == 1.0)
+
+    @property
+    def uses_table(self) -> bool:
+        """LANTERN's rules read a latent proximity table; the group rule (GSD) needs none."""
+        return self.mode != "group"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+TreeKind = Literal["none", "chain", "static", "dynamic"]
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the draft tree.
+
+    * ``none``: no drafter (plain AR decoding, one token per target forward).
+    * ``chain``: ``depth`` drafts in a line (sampled from the drafter).
+    * ``static``: a named EAGLE-1 tree (``name``), children sampled without replacement.
+    * ``dynamic``: EAGLE-2 tree of ``total_tokens`` drafted nodes chosen by cumulative drafter
+      log-probability, expanded ``depth`` times with ``top_k`` children each (deterministic drafts).
+    """
+
+    kind: TreeKind = "none"
+    name: str = ""
+    depth: int = 4
+    top_k: int = 10
+    total_tokens: int = 58
+
+    def __post_init__(self) -> None:
+        check(self.kind in ("none", "chain", "static", "dynamic"), f"unknown tree kind {self.kind!r}")
+        check(self.depth >= 1, f"tree depth must be >= 1, got {self.depth}")
+        check(self.top_k >= 1, f"tree top_k must be >= 1, got {self.top_k}")
+        check(self.total_tokens >= 1, f"tree total_tokens must be >= 1, got {self.total_tokens}")
+        if self.kind == "static":
+            check(bool(self.name), "a static tree needs a name, e.g. 'static:naive_extend_57'")
+
+    @classmethod
+    def parse(cls, spec: str, **dynamic: int) -> TreeConfig:
+        """Parse the CLI form: ``none``, ``dynamic``, ``chain:N`` or ``static:NAME``."""
+        from lantern.errors import LanternError
+
+        spec = spec.strip()
+        if spec in ("none", "ar"):
+            return cls(kind="none")
+        if spec == "dynamic":
+            return cls(kind="dynamic", **dynamic)
+        if spec.startswith("chain:"):
+            try:
+                n = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise LanternError(f"--tree chain:N needs an integer N, got {spec!r}") from None
+            check(n >= 1, f"--tree chain:N needs N >= 1, got {spec!r}")
+            return cls(kind="chain", depth=n)
+        if spec.startswith("static:"):
+            from lantern.decoding.trees import STATIC_TREES
+
+            name = spec.split(":", 1)[1]
+            check(
+                name in STATIC_TREES,
+                f"unknown static tree {name!r}; known: {', '.join(sorted(STATIC_TREES))}",
+            )
+            return cls(kind="static", name=name)
+        raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}")
+
+    @property
+    def spec(self) -> str:
+        """The ``--tree`` form that :meth:`parse` reads back: ``none``, ``dynamic``, ``chain:N``,
+        ``static:NAME`` (dynamic's size settings are not part of it)."""
+        if self.kind in ("none", "dynamic"):
+            return self.kind
+        return f"static:{self.name}" if self.kind == "static" else f"chain:{self.depth}"
+
+    @property
+    def choices_name(self) -> str:
+        """What :func:`lantern.decoding.trees.resolve_tree_choices` takes for a chain or static tree."""
+        check(self.kind in ("chain", "static"), f"a {self.kind} tree has no fixed choices")
+        return self.name if self.kind == "static" else f"chain:{self.depth}"
+
+    # Sizes, computed here once for every caller (caches, checks, drafters); chains are counted,
+    # never built: ``chain:100000``'s choices alone would take tens of GB.
+    @cached_property
+    def num_nodes(self) -> int:
+        """Nodes per verify forward, root included: what a target's cache leaves room for."""
+        if self.kind == "none":
+            return 1
+        if self.kind == "dynamic":
+            return self.total_tokens + 1
+        return self.depth + 1 if self.kind == "chain" else len(self._static_choices()) + 1
+
+    @cached_property
+    def max_depth(self) -> int:
+        """Deepest draft below the root (0 for ``none``)."""
+        if self.kind == "none":
+            return 0
+        if self.kind == "dynamic":
+            return self.depth + 1  # level 1 from the root, then ``depth`` expansions
+        return self.depth if self.kind == "chain" else max(len(c) for c in self._static_choices())
+
+    @property
+    def fed_per_round(self) -> int:
+        """Upper bound on the nodes a drafter is fed in one round (its cache's per-round need)."""
+        if self.kind == "none":
+            return 0
+        return self.depth * self.top_k if self.kind == "dynamic" else self.num_nodes
+
+    @property
+    def drafter_slots(self) -> int:
+        """Drafter cache entries beyond the condition and the image: one accepted path (root
+        included), the nodes fed in one round, and the bonus token."""
+        return self.max_depth + 1 + self.fed_per_round + 1
+
+    def _static_choices(self) -> list[list[int]]:
+        from lantern.decoding.trees import resolve_tree_choices
+
+        return resolve_tree_choices(self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+

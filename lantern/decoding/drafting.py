@@ -1,0 +1,300 @@
+"""Drafting: build a tree of proposals per row from a backend that scores tree nodes.
+
+The tree logic (chain / static EAGLE-1 / dynamic EAGLE-2, SPEC §3.3-3.4) lives in
+:class:`TreeDrafter` and is written once. What scores a node is a :class:`DraftBackend`: the EAGLE
+drafter (:class:`EagleBackend`), or, in tests, an oracle that runs the target itself.
+
+Backends see *fed* nodes: each call to ``feed`` appends E nodes per row, numbered consecutively;
+a node names its parent by feed number (-1 = the root) and its ancestors by a mask over earlier
+feed numbers. Drafter K/V written while drafting are never committed, so nothing has to be rolled
+back: the next round's context pass overwrites them.
+
+Randomness: static trees sample children without replacement by an exponential race
+(``argtop-m(q / E)``, E ~ Exp(1), equivalent to Gumbel-top-k). Every row draws the same amount
+of noise per round whatever its batch-mates do, so its stream is independent of the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lantern.decoding.compiling import step_fn
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.loop import DraftTree
+from lantern.decoding.phases import phase
+from lantern.decoding.sampling import apply_cfg, probs_from_logits, process_logits
+from lantern.decoding.trees import (
+    StaticTree,
+    TreeBuffers,
+    dynamic_tree_select,
+    resolve_tree_choices,
+    static_tree,
+    tree_from_parents,
+)
+from lantern.errors import check
+
+
+class DraftBackend(Protocol):
+    forwards: int
+
+    def start(self, hidden: Tensor, root: Tensor) -> None: ...
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None: ...
+
+    def begin(self) -> Tensor:
+        """Absorb the committed context; return guided logits at the root [B, V]."""
+        ...
+
+    def feed(self, parent: Tensor, tokens: Tensor, depth: int, ancestors: Tensor) -> Tensor:
+        """parent [B, E] feed index (-1 = root), tokens [B, E], depth (1 = children of the root),
+        ancestors [B, E, F_prev] bool over earlier fed nodes. Returns guided logits [B, E, V]."""
+        ...
+
+
+@dataclass(frozen=True)
+class _LevelPlan:
+    """What the drafter does at one level of a static tree (see :meth:`TreeDrafter._level_plans`)."""
+
+    nodes: Tensor  # [E] nodes expanded at this level (depth d)
+    parent_feed: Tensor  # [E] feed index of each node's parent (-1 = root); empty at level 0
+    ancestors: Tensor  # [E, F_prev] bool: which earlier fed nodes are each node's ancestors
+    children: Tensor  # [C] nodes at depth d + 1
+    child_rows: Tensor  # [C] row of each child's parent within ``nodes``
+    child_ranks: Tensor  # [C] sibling rank of each child = column of its draw
+    num_samples: int  # draws per expanded node
+
+
+# Static trees' schedules and buffers depend only on the tree (and batch size / device): built once
+# per process, not per image (building them costs host syncs: sizes, nonzero). Tree names are
+# unique per shape (registered trees are named by their hash), so the name is the key.
+_SHARED_PLANS: dict[tuple[str, str], list[_LevelPlan | None]] = {}
+_SHARED_BUFFERS: dict[tuple[str, int, str], TreeBuffers] = {}
+
+
+@functools.cache
+def _named_static_tree(name: str) -> StaticTree:
+    return static_tree(resolve_tree_choices(name))
+
+
+class TreeDrafter:
+    """Implements the loop's ``Drafter`` protocol for chain, static and dynamic trees."""
+
+    def __init__(
+        self,
+        backend: DraftBackend,
+        tree: TreeConfig,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        compile: str | None = None,
+    ) -> None:
+        check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
+        if tree.kind == "dynamic":
+            check(
+                tree.top_k <= vocab_size,
+                f"tree top_k ({tree.top_k}) is larger than the vocabulary ({vocab_size})",
+            )
+        self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
+        self.compile = compile  # a resolved lantern.decoding.compiling mode for the per-level draws
+        self.static: StaticTree | None = None
+        if tree.kind in ("static", "chain"):
+            self.static = _named_static_tree(tree.choices_name)
+        self.root: Tensor | None = None
+        self._static_buffers: TreeBuffers | None = None
+        self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None
+
+    @property
+    def forwards(self) -> int:
+        return self.backend.forwards
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree size including the root (what the target cache must hold per round)."""
+        return self.tree.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    def start(self, hidden: Tensor, root: Tensor) -> None:
+        self.root = root
+        self.backend.start(hidden, root)
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
+        last = next_tokens.gather(1, (num_new - 1).clamp(min=0)[:, None])[:, 0]
+        assert self.root is not None
+        self.root = torch.where(num_new > 0, last, self.root)
+        self.backend.commit(hidden, next_tokens, num_new)
+
+    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+        assert self.root is not None
+        root_logits = self.backend.begin()  # [B, V]
+        if self.static is None:
+            return self._dynamic(root_logits)
+        return self._static(root_logits, generators, active)
+
+    # -- static trees (EAGLE-1 / LANTERN++), chains ------------------------------------------------
+
+    def _static(self, root_logits: Tensor, generators: list[torch.Generator] | None, active: Tensor) -> DraftTree:
+        st = self.static
+        assert st is not None and self.root is not None
+        b, t, v = root_logits.shape[0], st.num_nodes, root_logits.shape[-1]
+        device = root_logits.device
+        tokens = torch.zeros(b, t, dtype=torch.long, device=device)
+        tokens[:, 0] = self.root
+        sampled = not self.sampling.greedy
+        q_draft = torch.zeros(b, t, v, device=device) if sampled else None
+        with phase("draft_sampling"):
+            noise = self._race_noise(generators, active, b, v, device) if sampled else None
+        noise_row = 0
+        for d, plan in enumerate(self._level_plans(device)):
+            if plan is None:
+                continue
+            if d == 0:
+                logits = root_logits[:, None]  # [B, 1, V] the root is expanded from the context
+            else:
+                parent = plan.parent_feed[None].expand(b, -1)
+                anc = plan.ancestors[None].expand(b, -1, -1)
+                logits = self.backend.feed(parent, tokens[:, plan.nodes], d, anc)
+            e = plan.nodes.shape[0]
+            with phase("draft_sampling"):
+                level_noise = None if noise is None else noise[:, noise_row : noise_row + e]
+                noise_row += e
+                q, draws = step_fn(_draw_level, self.compile, device)(logits, level_noise, self.sampling,
+                                                                     plan.num_samples)
+                if q_draft is not None:
+                    q_draft[:, plan.nodes] = q
+                tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
+        with phase("tree"):
+            buffers = self._static_batch(b, device)
+        return DraftTree(tokens=tokens, buffers=buffers, q_draft=q_draft)
+
+    def _level_plans(self, device: torch.device) -> list[_LevelPlan | None]:
+        """The static tree's drafting schedule, level by level; the same every round, so built once
+        (per device) instead of re-deriving feed indices and ancestor masks in the hot loop."""
+        if self._plans is not None and self._plans[0] == device:
+            return self._plans[1]
+        key = (self.tree.choices_name, str(device))
+        if key in _SHARED_PLANS:  # built by an earlier image's drafter: no per-image syncs
+            self._plans = (device, _SHARED_PLANS[key])
+            return self._plans[1]
+        st = self.static
+        assert st is not None
+        feed_of = torch.full((st.num_nodes,), -1, dtype=torch.long)  # node -> feed index
+        fed: list[int] = []  # node ids in feed order
+        plans: list[_LevelPlan | None] = []
+        for d, nodes in enumerate(st.expand_levels):
+            nodes = nodes.cpu()
+            if nodes.numel() == 0:
+                plans.append(None)
+                continue
+            parent_feed = torch.zeros(0, dtype=torch.long)
+            ancestors = torch.zeros(len(nodes), 0, dtype=torch.bool)
+            if d > 0:
+                parent_feed = feed_of[st.parents[nodes].cpu()]
+                ancestors = st.buffers.mask[0].cpu()[nodes][:, fed]
+                feed_of[nodes] = torch.arange(len(fed), len(fed) + len(nodes))
+                fed.extend(nodes.tolist())
+            children = (st.depth.cpu() == d + 1).nonzero().flatten()
+            plans.append(
+                _LevelPlan(
+                    nodes=nodes.to(device),
+                    parent_feed=parent_feed.to(device),
+                    ancestors=ancestors.to(device),
+                    children=children.to(device),
+                    child_rows=st.sample_row.cpu()[children].to(device),
+                    child_ranks=st.rank.cpu()[children].to(device),
+                    num_samples=st.num_samples[d],
+                )
+            )
+        self._plans = (device, plans)
+        _SHARED_PLANS[key] = plans
+        return plans
+
+    def _race_noise(
+        self, generators: list[torch.Generator] | None, active: Tensor, b: int, v: int, device: torch.device
+    ) -> Tensor:
+        """[B, n_expanded, V] Exp(1) noise, row b from its own generator. Finished rows draw too
+        (their codes are complete), which keeps the round free of a sync to find the active ones."""
+        assert self.static is not None and generators is not None
+        n_exp = sum(int(n.numel()) for n in self.static.expand_levels)
+        noise = torch.empty(b, n_exp, v, device=device)
+        for i, g in enumerate(generators):
+            noise[i].exponential_(generator=g)
+        return noise
+
+    def _static_batch(self, b: int, device: torch.device) -> TreeBuffers:
+        cached = self._static_buffers
+        if cached is None or cached.parents.shape[0] != b:
+            assert self.static is not None
+            key = (self.tree.choices_name, b, str(device))
+            if key not in _SHARED_BUFFERS:
+                parents = self.static.parents.to(device)[None].expand(b, -1).contiguous()
+                _SHARED_BUFFERS[key] = tree_from_parents(parents)
+            cached = self._static_buffers = _SHARED_BUFFERS[key]
+        return cached
+
+    # -- dynamic trees (EAGLE-2 / LANTERN) --------------------------------------------------------
+
+    def _dynamic(self, root_logits: Tensor) -> DraftTree:
+        """EAGLE-2 (SPEC §3.3): expand the top_k frontier ``depth`` times by cumulative log q, then
+        keep the ``total_tokens`` best nodes. Drafts are deterministic (q = point mass)."""
+        assert self.root is not None
+        k, depth = self.tree.top_k, self.tree.depth
+        b, device = root_logits.shape[0], root_logits.device
+        score, tok = self._log_q(root_logits).topk(k, dim=-1)  # [B, K] level 1
+        all_scores, all_tokens = [score], [tok]
+        all_parents = [torch.zeros(b, k, dtype=torch.long, device=device)]  # flat parent + 1; 0 = root
+        flat = torch.arange(k, device=device).expand(b, -1)  # [B, K] flat index of the frontier
+        feed_parent = torch.full((b, k), -1, dtype=torch.long, device=device)  # -1 = root
+        ancestors = torch.zeros(b, k, 0, dtype=torch.bool, device=device)  # over fed nodes
+        for i in range(depth):
+            logits = self.backend.feed(feed_parent, tok, i + 1, ancestors)  # frontier = fed i*K..
+            child_score, child_tok = self._log_q(logits).topk(k, dim=-1)  # [B, K, K]
+            cum = (score[:, :, None] + child_score).flatten(1)  # [B, K*K] cumulative log q
+            all_scores.append(cum)
+            all_tokens.append(child_tok.flatten(1))
+            all_parents.append((flat + 1).repeat_interleave(k, dim=1))
+            if i == depth - 1:
+                break
+            # The next frontier: the K best children by cumulative score.
+            score, best = cum.topk(k, dim=-1)  # [B, K]
+            pj = best // k  # index of the parent within the current frontier
+            tok = child_tok.flatten(1).gather(1, best)
+            flat = k + i * k * k + best
+            grow = torch.nn.functional.one_hot(i * k + pj, (i + 1) * k).bool()  # the parent itself
+            inherited = ancestors.gather(1, pj[:, :, None].expand(-1, -1, ancestors.shape[2]))
+            ancestors = torch.cat([inherited, torch.zeros(b, k, k, dtype=torch.bool, device=device)], 2) | grow
+            feed_parent = i * k + pj
+        scores, tokens_flat, parent_flat = torch.cat(all_scores, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
+        total = min(self.tree.total_tokens, scores.shape[1])
+        with phase("tree"):
+            sel, parents = dynamic_tree_select(scores, parent_flat, total)
+            tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
+            buffers = tree_from_parents(parents)
+        return DraftTree(tokens=tokens, buffers=buffers, q_draft=None)
+
+    def _log_q(self, logits: Tensor) -> Tensor:
+        return torch.log_softmax(process_logits(logits.float(), self.sampling), dim=-1)
+
+
+def _draw_level(
+    logits: Tensor, noise: Tensor | None, sampling: SamplingConfig, num_samples: int
+) -> tuple[Tensor | None, Tensor]:
+    """One level's draws (a compiled region): q [B, E, V] (None for greedy) and the children's
+    tokens [B, E, m], sampled without replacement by the exponential race ``argtop-m(q / E)``, in
+    draw order; greedy drafts are the top-m logits."""
+    if noise is None:
+        return None, logits.topk(num_samples, dim=-1).indices
+    q = probs_from_logits(logits, sampling)
+    return q, (q / noise).topk(num_samples, dim=-1).indices
+
+
+def _guided(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
+    return apply_cfg(lm_head(hidden.to(lm_head.weight.dtype)).float(), cfg_scale, streams)
+
+

@@ -1,0 +1,505 @@
+"""The one decoding loop: prefill -> propose -> verify -> accept -> commit (STYLE lesson 7).
+
+Every method is a configuration of this loop:
+
+* AR: no drafter; the "tree" is the pending root alone, so each target forward yields one token.
+* Speculative decoding (SD): an EAGLE drafter proposes a chain, static or dynamic tree; the
+  target verifies it in one forward; an acceptance rule keeps a root->node path plus one more
+  token (recovered after a rejection, or bonus after a full path).
+* LANTERN / LANTERN++: the same, with a relaxed acceptance rule (``RelaxationConfig``).
+* SJD (``lantern.decoding.jacobi``): the target drafts for itself; the tree is a chain of Jacobi guesses
+  and the drafter also observes each verify forward's logits (``VerifyObserver``).
+* PJD (``lantern.decoding.pjd``): a ``GridDrafter`` lays out one Jacobi chain per open image row; the
+  round verifies them in one forward with a row-causal mask (``Target.verify_grid``), accepts each
+  chain with the same chain rule and commits tokens out of raster order (``Target.commit_grid``).
+
+Rows of a batch progress independently: each has its own committed length, its own tree depth cap
+near the end of the image, and its own ``torch.Generator`` — a row draws the same random numbers
+whether it runs alone or in a batch, so batching never changes a row's codes.
+
+State at the top of each iteration, per row: ``n`` image tokens are known, the first ``n - 1`` are
+in the target's KV cache and the last one (the *root*) is pending; the root is node 0 of the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, cast, runtime_checkable
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.decoding.compiling import resolve_compile, step_fn
+from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.phases import phase
+from lantern.decoding.pjd import GridBlock
+from lantern.decoding.sampling import draw_uniforms, probs_from_logits, sample_from_probs
+from lantern.decoding.trees import TreeBuffers, tree_from_parents
+from lantern.errors import check
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A proposal for every row: tree nodes, their structure and the drafter's distributions."""
+
+    tokens: Tensor  # [B, T] node tokens; node 0 is the pending root
+    buffers: TreeBuffers  # parents / depth / mask / children / retrieve, batched [B, ...]
+    # [B, T, V] drafter distribution at each node from which its children were drawn (in sibling
+    # order, without replacement); None for deterministic (top-k) drafts, where q is a point mass.
+    q_draft: Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What the loop needs from a drafter (EAGLE-style: it reads the target's hidden states)."""
+
+    forwards: int
+
+    def start(self, hidden: Tensor, root: Tensor) -> None:
+        """hidden [S*B, L, D]: target features of the prefilled condition; root [B]: token 0."""
+
+    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+        """Draft a tree per row rooted at the pending token. active [B] bool; max_depth [B]."""
+
+    def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
+        """hidden [S*B, A, D]: target features along each row's accepted path (root first);
+        next_tokens [B, A]: the token that follows each of those positions; num_new [B]."""
+
+
+@runtime_checkable
+class VerifyObserver(Protocol):
+    """Optional drafter hook: a drafter that has ``observe_verify`` is shown the guided logits of
+    every verify forward, before ``commit``. SJD (``lantern.decoding.jacobi``) drafts from them (Jacobi
+    carry-over); EAGLE drafters read hidden states in ``commit`` and do not need it."""
+
+    def observe_verify(self, logits: Tensor) -> None:
+        """logits [B, T, V]: the target's guided logits at every node of the verified tree."""
+
+
+@runtime_checkable
+class GridDrafter(Protocol):
+    """A drafter that decodes several image rows per round (PJD, ``lantern.decoding.pjd.GridJacobiDrafter``):
+    the loop then runs :func:`_grid_round` (``Target.verify_grid`` / ``commit_grid``) instead of
+    the raster round; raster-order drafters never pay for the grid."""
+
+    forwards: int
+
+    def start(self, hidden: Tensor, root: Tensor) -> None: ...
+
+    def propose_grid(self, generators: list[torch.Generator] | None) -> GridBlock: ...
+
+    def commit_grid(
+        self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor,
+        generators: list[torch.Generator] | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+
+
+@dataclass
+class SpecStats:
+    """Counts per row; ``mean_accepted`` = tokens per target forward (1.0 for AR)."""
+
+    target_forwards: Tensor  # [B] forwards each row took part in, prefill included
+    tokens_per_step: list[Tensor] = field(default_factory=list)  # per step: [B], 0 = inactive
+    generated_tokens: int = 0  # per row
+    drafter_forwards: int = 0
+    relaxed_accepts: int = 0  # drafts accepted only thanks to the relaxation
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens_per_step)
+
+    @property
+    def mean_accepted_per_row(self) -> Tensor:
+        return self.generated_tokens / self.target_forwards.float()
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(self.mean_accepted_per_row.mean())
+
+    def accept_histogram(self) -> dict[int, int]:
+        """How many verify steps yielded 1, 2, ... tokens (over all rows)."""
+        if not self.tokens_per_step:
+            return {}
+        all_steps = torch.stack(self.tokens_per_step).flatten()
+        values, counts = torch.unique(all_steps[all_steps > 0], return_counts=True)
+        return {int(v): int(c) for v, c in zip(values, counts, strict=True)}
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "generated_tokens": self.generated_tokens,
+            "target_forwards": [int(x) for x in self.target_forwards],
+            "mean_accepted": self.mean_accepted,
+            "mean_accepted_per_image": [float(x) for x in self.mean_accepted_per_row],
+            "drafter_forwards": self.drafter_forwards,
+            "relaxed_accepts": self.relaxed_accepts,
+            "accept_histogram": self.accept_histogram(),
+        }
+
+
+@dataclass
+class GenerationOutput:
+    codes: Tensor  # [B, N] image tokens in raster order
+    stats: SpecStats
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """How drafted tokens are accepted: exact (``relaxation`` None) or LANTERN-relaxed."""
+
+    relaxation: RelaxationConfig | None = None
+    neighbours: Tensor | None = None  # [V, K_max] latent proximity table
+
+    def __post_init__(self) -> None:
+        if self.relaxation is not None and not self.relaxation.is_exact and self.relaxation.uses_table:
+            check(self.neighbours is not None, "relaxed acceptance needs a proximity table")
+
+
+def _root_only_tree(batch: int, device: torch.device) -> TreeBuffers:
+    return tree_from_parents(torch.full((batch, 1), -1, dtype=torch.long, device=device))
+
+
+def generate(
+    target: Target,
+    cond: Tensor,
+    *,
+    generators: list[torch.Generator] | None = None,
+    drafter: Drafter | GridDrafter | None = None,
+    acceptance: Acceptance | None = None,
+    cond_mask: Tensor | None = None,
+    progress: bool = False,
+    compile: str | None = None,
+) -> GenerationOutput:
+    """Generate ``target.num_tokens`` image tokens for each condition row.
+
+    cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
+    sampling is greedy). compile: compile the fused acceptance (``lantern.decoding.compiling``; the target
+    and drafter compile their own steps, see their ``compile`` arguments).
+    """
+    # inference_mode rather than no_grad: no version counters or view tracking on the many small
+    # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
+    # it, so callers get ordinary tensors they may use in autograd (e.g. as training data).
+    with torch.inference_mode():
+        mode = resolve_compile(compile, target.device)
+        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode)
+    return GenerationOutput(codes=out.codes.clone(), stats=out.stats)
+
+
+def _generate(
+    target: Target,
+    cond: Tensor,
+    generators: list[torch.Generator] | None,
+    drafter: Drafter | GridDrafter | None,
+    acceptance: Acceptance | None,
+    cond_mask: Tensor | None,
+    progress: bool,
+    compile: str | None,
+) -> GenerationOutput:
+    sampling = target.sampling
+    b, n_total, device = cond.shape[0], target.num_tokens, target.device
+    check(
+        sampling.greedy or (generators is not None and len(generators) == b),
+        f"sampling needs one torch.Generator per row ({b}), got {0 if generators is None else len(generators)}",
+    )
+    acceptance = acceptance or Acceptance()
+
+    # 1. Prefill the condition; token 0 comes from its last position.
+    with phase("prefill"):
+        logits0, hidden0 = target.start(cond, cond_mask)
+        root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
+    # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
+    # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.
+    codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
+    codes[:, 0] = root
+    n = torch.ones(b, dtype=torch.long, device=device)
+    # Per-round counters stay on the device; one host copy at the end, not one sync per round.
+    forwards = torch.ones(b, dtype=torch.long, device=device)
+    per_step: list[Tensor] = []
+    relaxed_total = torch.zeros((), dtype=torch.long, device=device)
+    if drafter is not None:
+        drafter.start(hidden0, root)
+    ar_tree = _root_only_tree(b, device)
+    grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
+
+    bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
+    bar.update(b)
+    # The one host sync of a round: whether any row still needs tokens.
+    while bool((active := n < n_total).any()):
+        if grid:  # PJD: several image rows per round, committed out of raster order
+            assert isinstance(drafter, GridDrafter)
+            new, relaxed = _grid_round(cast(GridTarget, target), drafter, codes, generators, sampling, acceptance,
+                                       active, compile)
+            n = n + new
+        else:
+            new, root, n, relaxed = _raster_round(target, drafter, codes, n, root, generators, sampling,
+                                                  acceptance, active, ar_tree, compile)
+        forwards += active
+        per_step.append(new)
+        relaxed_total += relaxed
+        if progress:
+            bar.update(int(new.sum()))
+    bar.close()
+    stats = SpecStats(target_forwards=forwards.cpu(), generated_tokens=n_total, relaxed_accepts=int(relaxed_total))
+    if per_step:
+        stats.tokens_per_step = list(torch.stack(per_step).cpu().unbind(0))
+    if drafter is not None:
+        stats.drafter_forwards = drafter.forwards
+    return GenerationOutput(codes=codes[:, :n_total], stats=stats)
+
+
+def _raster_round(
+    target: Target,
+    drafter: Drafter | None,
+    codes: Tensor,
+    n: Tensor,
+    root: Tensor,
+    generators: list[torch.Generator] | None,
+    sampling: SamplingConfig,
+    acceptance: Acceptance,
+    active: Tensor,
+    ar_tree: TreeBuffers,
+    compile: str | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One round in raster order (AR, SD, LANTERN, SJD): propose, verify, accept, commit.
+    Returns (new tokens [B], new root [B], n [B], relaxed-only accepts [])."""
+    n_total = target.num_tokens
+    # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
+    max_depth = (n_total - n - 1).clamp(min=0)
+    # 2. Propose.
+    with phase("propose"):
+        if drafter is None:
+            tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
+        else:
+            tree = drafter.propose(generators, active, max_depth)
+    # 3. Verify: one target forward over every row's tree.
+    with phase("verify"):
+        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
+    # 4. Accept.
+    with phase("accept"):
+        path, num_acc, next_token, relaxed = _accept(
+            logits, tree, max_depth, active, sampling, generators, acceptance, compile
+        )
+        num_acc = torch.where(active, num_acc, 0)
+    # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
+    with phase("commit"):
+        new = torch.where(active, num_acc + 1, 0)
+        target.commit(path, new)
+        # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
+        follow, path_hidden, root, n = step_fn(_advance, compile, target.device)(
+            codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams
+        )
+        if drafter is not None:
+            if isinstance(drafter, VerifyObserver):
+                drafter.observe_verify(logits)
+            drafter.commit(path_hidden, follow, new)
+    return new, root, n, relaxed
+
+
+def _grid_round(
+    target: GridTarget,
+    drafter: GridDrafter,
+    codes: Tensor,
+    generators: list[torch.Generator] | None,
+    sampling: SamplingConfig,
+    acceptance: Acceptance,
+    active: Tensor,
+    compile: str | None,
+) -> tuple[Tensor, Tensor]:
+    """One PJD round (``lantern.decoding.pjd``): the same steps over R chains per row, verified in one
+    forward with the row-causal mask; each chain is accepted by the loop's chain rule on its own
+    (the chains reshaped to rows). Returns (new tokens [B], relaxed-only accepts [])."""
+    with phase("propose"):
+        block = drafter.propose_grid(generators)
+    with phase("verify"):
+        logits = target.verify_grid(block.tokens, block.cells, block.rows)
+    with phase("accept"):
+        b, r = block.max_depth.shape
+        t = block.tokens.shape[1] // r
+        u = None
+        if not sampling.greedy:  # a fixed count per row and round, from the row's own generator
+            with phase("sampling"):
+                u = _uniforms(generators, active, r * (t + 1)).view(b * r, t + 1)
+        buffers = block.buffers
+        _, num_acc, next_token, num_relaxed = step_fn(_accept_core, compile, logits.device)(
+            logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
+            buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
+            acceptance.relaxation, sampling,
+        )
+        relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
+    with phase("commit"):
+        keep, num_keep, cells, vals, new = drafter.commit_grid(block, num_acc.view(b, r), next_token.view(b, r),
+                                                               logits, generators)
+        target.commit_grid(keep, num_keep)
+        codes.scatter_(1, cells, vals)
+    return new, relaxed
+
+
+def _sample(
+    logits: Tensor, sampling: SamplingConfig, generators: list[torch.Generator] | None, active: Tensor
+) -> Tensor:
+    """One token per row from guided logits [B, V]: argmax (greedy) or inverse-CDF sampling."""
+    with phase("sampling"):
+        if sampling.greedy:
+            return logits.argmax(dim=-1)
+        u = _uniforms(generators, active, 1)[:, 0]
+        return sample_from_probs(probs_from_logits(logits, sampling), u)
+
+
+def _uniforms(generators: list[torch.Generator] | None, active: Tensor, n: int) -> Tensor:
+    """[B, n] uniforms, row b from its own generator, so a row's stream ignores its batch-mates.
+
+    Finished rows draw too: their codes are complete, so what they draw changes nothing, and
+    drawing for every row keeps the round free of a host sync to find the active ones.
+    """
+    assert generators is not None
+    return draw_uniforms(generators, n, active.device)
+
+
+def _accept(
+    logits: Tensor,  # [B, T, V] guided
+    tree: DraftTree,
+    max_depth: Tensor,  # [B]
+    active: Tensor,  # [B]
+    sampling: SamplingConfig,
+    generators: list[torch.Generator] | None,
+    acceptance: Acceptance,
+    compile: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows []).
+
+    The random numbers are drawn here, eagerly, from each row's generator; everything else is
+    :func:`_accept_core`, the fused (optionally compiled) acceptance.
+    """
+    b, t = tree.tokens.shape
+    u = None
+    if not sampling.greedy:
+        with phase("sampling"):  # AR draws one uniform per row, a tree T + 1 (see num_uniforms)
+            u = _uniforms(generators, active, 1 if t == 1 else t + 1)
+    buffers = tree.buffers
+    core = step_fn(_accept_core, compile, logits.device)
+    path, num_acc, next_token, num_relaxed = core(
+        logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
+        acceptance.neighbours, acceptance.relaxation, sampling,
+    )
+    relaxed = torch.where(active, num_relaxed, 0).sum()  # a device scalar: no sync
+    return path, num_acc, next_token, relaxed
+
+
+def _accept_core(
+    logits: Tensor,  # [B, T, V] guided
+    tokens: Tensor,  # [B, T]
+    children: Tensor,  # [B, T, C]
+    depth: Tensor,  # [B, T]
+    retrieve: Tensor,  # [B, P, D+1]
+    max_depth: Tensor,  # [B]
+    u: Tensor | None,  # [B, U] uniforms (None: greedy)
+    q_draft: Tensor | None,  # [B, T, V]
+    neighbours: Tensor | None,
+    relaxation: RelaxationConfig | None,
+    sampling: SamplingConfig,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
+    b, t, _ = logits.shape
+    if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
+        zero = torch.zeros(b, dtype=torch.long, device=logits.device)
+        if u is None:
+            return zero[:, None], zero, logits[:, 0].argmax(dim=-1), zero
+        return zero[:, None], zero, sample_from_probs(probs_from_logits(logits[:, 0], sampling), u[:, -1]), zero
+    if u is None:
+        res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation)
+    elif children.shape[-1] == 1:  # a chain (every node has at most one child): all depths at once
+        p_target = probs_from_logits(logits, sampling)
+        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation)
+    else:
+        p_target = probs_from_logits(logits, sampling)
+        res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,
+                                  neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1)
+    return res.path, res.num_accepted, res.next_token, res.num_relaxed
+
+
+def _write_codes(
+    codes: Tensor, n: Tensor, tokens: Tensor, path: Tensor, num_acc: Tensor, next_token: Tensor, active: Tensor
+) -> Tensor:
+    """codes[b, n_b + j] = accepted draft j (j < a_b); codes[b, n_b + a_b] = next_token.
+
+    Every row writes all W slots from n_b on (rejected ones keep their old value), so the write
+    is one gather + scatter of fixed shape. Kept slots always lie inside the image (the depth
+    cap); slots that run past it land in ``codes``' padding tail, clamped to its last column,
+    where every duplicate writes back that column's own value (so the scatter stays deterministic).
+    """
+    width = path.shape[1]  # root + up to D drafts
+    j = torch.arange(width, device=codes.device)[None, :]  # [1, W]
+    drafts = tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, W-1]
+    vals = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, W]
+    vals = vals.scatter(1, num_acc[:, None], next_token[:, None])
+    keep = (j <= num_acc[:, None]) & active[:, None]
+    pos = (n[:, None] + j).clamp(max=codes.shape[1] - 1)  # [B, W]
+    codes.scatter_(1, pos, torch.where(keep, vals, codes.gather(1, pos)))
+    return vals
+
+
+def _advance(
+    codes: Tensor,  # [B, 2N] written in place
+    n: Tensor,  # [B]
+    root: Tensor,  # [B]
+    tokens: Tensor,  # [B, T]
+    path: Tensor,  # [B, W]
+    num_acc: Tensor,  # [B], 0 for inactive rows
+    next_token: Tensor,  # [B]
+    active: Tensor,  # [B]
+    hidden: Tensor,  # [S*B, T, D]
+    streams: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The round's bookkeeping (a compiled region): write the codes, gather the accepted path's
+    features for the drafter, move the root and the counts. Returns (follow [B, W], path hidden
+    [S*B, W, D], root [B], n [B])."""
+    follow = _write_codes(codes, n, tokens, path, num_acc, next_token, active)
+    path_hidden = _gather_path(hidden, path.clamp(min=0), streams)
+    new = torch.where(active, num_acc + 1, 0)
+    return follow, path_hidden, torch.where(active, next_token, root), n + new
+
+
+def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:
+    """hidden [S*B, T, D], path [B, W] -> [S*B, W, D] features along each row's path."""
+    idx = path.repeat(streams, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+    return hidden.gather(1, idx)
+
+
+
+class Target(Protocol):
+    """What the loop needs from a target adapter (``LlamaGenTarget``, ``lantern.targets.chameleon.ChameleonTarget``).
+
+    The loop works in *code* space: ``vocab_size`` is the number of VQ codes, ``lm_head`` maps a
+    hidden state to code logits (the drafter shares it), ``num_tokens`` is the image's code count.
+    """
+
+    sampling: SamplingConfig
+    streams: int  # 2 with classifier-free guidance ([cond; uncond] rows), else 1
+    forwards: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def lm_head(self) -> torch.nn.Linear: ...
+
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
+
+
+class GridTarget(Target, Protocol):
+    """A target that can verify PJD's grid blocks (``lantern.decoding.pjd``): tokens at explicit image
+    cells, visibility from the row-causal mask, commits out of raster order."""
+
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor: ...
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None: ...

@@ -1,0 +1,110 @@
+"""Logits processing: classifier-free guidance, temperature, top-k, top-p (pure functions).
+
+The order is LlamaGen's (SPEC §1.7): guidance on raw logits, then temperature, then top-k
+(ties with the k-th largest are kept), then top-p (tokens whose cumulative probability, sorted
+descending, exceeds p are dropped; the most likely token is always kept). The official LANTERN
+code applies top-p before top-k; the two orders agree whenever top_p = 1, which is every
+configuration the papers report.
+
+The same processing is applied to target and drafter logits, so the drafter's q and the target's
+p live on the same support.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lantern.decoding.config import SamplingConfig
+from lantern.errors import check
+
+
+def apply_cfg(logits: Tensor, scale: float, num_streams: int) -> Tensor:
+    """Combine the ``[cond; uncond]`` halves: ``l_u + s * (l_c - l_u)``.
+
+    logits: [S*B, ..., V] with S = ``num_streams`` (2 with guidance, 1 without). Returns [B, ..., V].
+    """
+    if num_streams == 1:
+        return logits
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + scale * (cond - uncond)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep logits >= the k-th largest along the last dim (ties kept); others become -inf."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter: drop tokens once the sorted cumulative probability exceeds ``p``."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum > p
+    # Shift right so the token that crosses p is kept, and the first token always survives.
+    drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
+    drop_sorted[..., 0] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def process_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """Temperature, top-k, top-p on (already guided) logits [..., V]. Greedy keeps logits as is."""
+    if cfg.greedy:
+        return logits
+    logits = logits / max(cfg.temperature, 1e-5)
+    logits = top_k_filter(logits, cfg.top_k)
+    return top_p_filter(logits, cfg.top_p)
+
+
+def one_hot(index: Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``F.one_hot(index, num_classes).to(dtype)`` without its host sync (it reads the indices'
+    min and max to validate them): a scatter of ones. index [...] -> [..., num_classes]."""
+    out = torch.zeros(*index.shape, num_classes, dtype=dtype, device=index.device)
+    return out.scatter_(-1, index[..., None], 1)
+
+
+def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """The distribution tokens are drawn from: softmax of processed logits, or one-hot argmax."""
+    if cfg.greedy:
+        return one_hot(logits.argmax(dim=-1), logits.shape[-1], logits.dtype)
+    return process_logits(logits.float(), cfg).softmax(dim=-1)
+
+
+def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling with one uniform per row; never returns a zero-probability token.
+
+    probs: [B, V] (need not be normalised); u: [B] in [0, 1). Returns [B] int64.
+    """
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
+    # Float round-off can push idx past the last positive entry; clamp to it.
+    last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(idx, last_positive)
+
+
+def draw_uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> Tensor:
+    """[B, n] uniforms, row b from ``generators[b]`` so each row's stream ignores the others."""
+    return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
+
+
+def make_generators(seeds: list[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
+    """One seeded generator per row."""
+    gens = []
+    for s in seeds:
+        g = torch.Generator(device=device)
+        g.manual_seed(int(s))
+        gens.append(g)
+    return gens
+
+
+def validate_sampling_for_vocab(cfg: SamplingConfig, vocab_size: int) -> None:
+    check(
+        cfg.top_k <= vocab_size,
+        f"top_k ({cfg.top_k}) is larger than the vocabulary ({vocab_size} image tokens)",
+    )

@@ -1,0 +1,2 @@
+"""Measuring runs: bench, quality metrics, demo, round traces.
+"""

@@ -1,0 +1,894 @@
+"""``lantern bench``: speed and quality of every method, side by side, in one process.
+
+Every method decodes the same labels with the same per-image seeds (``image_seed``), so rows of
+the table differ only by the decoding method:
+
+* **Speed** is measured at ``speed_batch_size`` (default 1, the latency setting speculative
+  decoding is for) on the first ``speed_images`` images. Each method gets an untimed warm-up,
+  then the methods run interleaved (``ar, sd, ..., ar, sd, ...``), ``repeats`` times, and the
+  median wall-clock is kept, so drift of a shared machine hits every method alike.
+* **Quality** is measured on ``num_images`` images per method, generated in batches (images do
+  not depend on the batch size: one ``torch.Generator`` per image). FID/KID/precision/recall and
+  class accuracy are computed in the feature space of a network lantern trained on the preset's
+  own images (``lantern.eval.metrics``); they are comparable between rows of one run, **not** with
+  published Inception FIDs. The run-to-run spread of AR itself (a second AR seed) is reported next
+  to them, so a method's loss can be read against the noise of the metric.
+* ``mean_accepted`` (tokens per target forward, tau) comes from the quality run (all images).
+
+Plots: an image grid per method, mean accepted length against LANTERN's delta and LANTERN++'s
+lambda, and quality against speed-up (plus the (k, delta) / (k, lambda) grid with ``--sweep``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lantern.decoding.config import SamplingConfig
+from lantern.errors import LanternError, check
+from lantern.pipeline import LANTERN_METHODS, METHODS, SJD_METHODS, MethodConfig, RunResult, run_conditions
+from lantern.targets.stack import Conditions, ModelStack, Stack, labels_for
+from lantern.validate import MAX_IMAGES
+
+DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
+DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
+CURVE_DELTAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+CURVE_LAMBDAS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+SWEEP_LANTERN = {"k": (10, 50, 128), "delta": (0.05, 0.1, 0.2, 0.4)}
+SWEEP_LANTERN_PP = {"k": (5, 10, 50), "lam": (2.0, 3.0, 5.0, 10.0)}
+QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
+GRID_COLUMNS = 8  # images per grid row for stacks without classes
+# The AR images a stack without a data set is compared with use seeds of image indices from here
+# on, never those of the benchmarked images.
+REFERENCE_SEED_OFFSET = 2_000_000
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row of the benchmark: a method name, its tree and relaxation overrides."""
+
+    method: str
+    tree: str | None = None  # None = the stack's default tree for the method
+    k: int | None = None
+    delta: float | None = None
+    lam: float | None = None
+    label: str = ""  # row name; defaults to the method
+    budget: str | None = None  # relaxed methods: "test" | "token" (None: the default)
+    coupling: str | None = None  # sjd-coupled*, gsd: --sjd-coupling (None: the default)
+    window: int | str | None = None  # sjd*, gsd: --sjd-window; pjd*: --pjd-window (None: default; "auto": timed)
+    context: int | None = None  # pjd*: --pjd-context (None: the default)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.method
+
+    def resolve(self, stack: Stack) -> MethodConfig:
+        tree = self.tree if self.tree is not None else stack.default_tree(self.method)
+        window = None if self.window == "auto" else self.window  # auto: the default, until resolve_auto_windows
+        sjd = self.method in SJD_METHODS
+        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget,
+                                    coupling=self.coupling, window=window if sjd else None,
+                                    pjd_window=None if sjd else window, pjd_context=self.context)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    methods: tuple[MethodSpec, ...] = tuple(MethodSpec(m) for m in DEFAULT_METHODS)
+    num_images: int = 200  # per method, for the quality metrics
+    speed_images: int = 8  # per method, timed
+    seed: int = 0
+    batch_size: int = 25  # quality generation
+    speed_batch_size: int = 1
+    repeats: int = 1
+    num_real: int = 1000  # held-out real images the generated sets are compared with (capped by the split)
+    curve_images: int = 16  # images per point of the tau-vs-delta / tau-vs-lambda curves (0 = no curves)
+    ar_spread: bool = True  # second AR seed: the metrics' run-to-run spread
+    sweep: bool = False
+    sweep_images: int = 100
+    # Extra batch sizes timed for throughput (images/s per method), e.g. (4, 16); each is timed on
+    # max(speed_images, batch) images so that at least one full batch runs.
+    throughput_batch_sizes: tuple[int, ...] = ()
+    compile: str | None = None  # lantern.decoding.compiling mode for every method (AR included); None = eager
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.methods]
+        check(len(names) > 0, "--methods needs at least one method")
+        check("ar" in names, "--methods must include ar (the speed-up baseline)")
+        check(len(set(names)) == len(names), f"--methods lists a method twice: {names}")
+        for m in self.methods:
+            check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
+        for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real"):
+            check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_images", "speed_images", "repeats", "curve_images", "sweep_images"):  # memory bombs
+            check(getattr(self, name) <= MAX_IMAGES,
+                  f"--{name.replace('_', '-')} must be at most {MAX_IMAGES} (one run), got {getattr(self, name)}")
+        check(self.num_images >= 2, f"--num-images must be >= 2 for FID, got {self.num_images}")
+        check(
+            self.speed_images <= self.num_images,
+            f"--speed-images ({self.speed_images}) must be <= --num-images ({self.num_images})",
+        )
+        check(self.curve_images >= 0, f"--curve-images must be >= 0, got {self.curve_images}")
+        check(all(isinstance(b, int) and b >= 1 for b in self.throughput_batch_sizes),
+              f"--speed-batch-size values must be integers >= 1, got {self.throughput_batch_sizes}")
+        check(self.sweep_images >= 2, f"--sweep-images must be >= 2, got {self.sweep_images}")
+        check(
+            not self.sweep or self.speed_images <= self.sweep_images,
+            f"--speed-images ({self.speed_images}) must be <= --sweep-images ({self.sweep_images})",
+        )
+
+
+@dataclass
+class BenchRow:
+    """One method's result; ``to_dict`` is an entry of ``bench.json``."""
+
+    method: str
+    base_method: str
+    tree: str
+    relaxation: dict[str, Any] | None
+    mean_accepted: float
+    target_forwards: float  # per image (prefill included)
+    wall_seconds: float  # median over repeats, for ``speed_images`` images
+    seconds_per_image: float
+    speedup_vs_ar: float
+    quality: dict[str, Any] = field(default_factory=dict)
+    num_images: int = 0
+    speed_images: int = 0
+    wall_seconds_repeats: list[float] = field(default_factory=list)
+    startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "quality"}
+        # Every metric (None without quality), except class accuracy where the stack has no classes.
+        d.update({k: self.quality.get(k) for k in QUALITY_KEYS if k in self.quality or not self.quality})
+        d.update({k: v for k, v in self.quality.items() if k not in QUALITY_KEYS})
+        return d
+
+
+@dataclass
+class BenchResult:
+    rows: list[BenchRow]
+    meta: dict[str, Any]
+    ar_spread: dict[str, float] | None  # |metric(AR seed s) - metric(AR seed s+1)|
+    curves: dict[str, list[dict[str, float]]]  # "delta" / "lambda" -> [{value, mean_accepted}]
+    sweep: list[BenchRow]
+    codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
+    labels: list[Any]  # the images' conditions: labels, or prompts
+    throughput: list[dict[str, Any]] = field(default_factory=list)  # per batch size and method
+
+
+def bench_labels(num_classes: int, n: int) -> list[int]:
+    """Labels cycle through the classes, so every class is equally represented."""
+    return labels_for(num_classes, n)
+
+
+def tree_label(method: MethodConfig) -> str:
+    t = method.tree
+    if method.jacobi is not None:
+        j = method.jacobi
+        return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
+    if method.pjd is not None:
+        return f"pjd:{method.pjd.window}/c{method.pjd.context}"
+    if t.kind == "none":
+        return "-"
+    if t.kind == "dynamic":
+        return f"dynamic:{t.total_tokens}/d{t.depth}/k{t.top_k}"
+    return t.spec
+
+
+QualityFn = Callable[[Tensor, list[Any]], dict[str, Any]]  # (codes, labels or prompts) -> metrics
+
+
+def run_bench(
+    stack: Stack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    quality: QualityFn | None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    throughput_methods: Mapping[int, Mapping[str, MethodConfig]] | None = None,
+    runner: BenchRunner | None = None,
+) -> BenchResult:
+    """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
+    skips the quality images (speed only: the rows then describe the timed images).
+    ``throughput_methods``: per throughput batch size, the methods to time there (``--tree auto``
+    picks trees per batch size); default: the latency rows' methods. ``runner``: how images are
+    decoded and timed (default: in this process; ``lantern.eval.ranks``: shared across ranks)."""
+    from tqdm.auto import tqdm
+
+    runner = runner or BenchRunner()
+    labels = stack.sample_conditions(config.num_images)
+    encoded = stack.encode(labels)
+    resolved = {m.name: m.resolve(stack) for m in config.methods}
+
+    # 1. Speed at the latency batch size (see time_methods).
+    startup: dict[str, float] = {}
+    speed = encoded.rows(0, config.speed_images)
+    speed_runs, walls = runner.time(stack, sampling, resolved, speed, config.seed, config.speed_batch_size,
+                                    config.repeats, progress, compile=config.compile, startup=startup)
+    ar_wall = statistics.median(walls["ar"])
+
+    # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
+    # (speed-only runs), the rows describe the timed images.
+    rows: list[BenchRow] = []
+    codes: dict[str, Tensor] = {}
+    for name, cfg in tqdm(resolved.items(), desc="quality", disable=not progress or quality is None):
+        if quality is None:
+            r, scores = speed_runs[name], {}
+        else:
+            r = runner.generate(stack, encoded, config.seed, sampling, cfg, config.batch_size)
+            scores = quality(r.codes, labels)
+        codes[name] = r.codes.cpu()
+        rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
+        rows[-1].wall_seconds_repeats = [round(w, 4) for w in walls[name]]
+        rows[-1].startup_seconds = round(startup.get(name, 0.0), 3)
+        log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
+            + (f", {_fmt_quality(scores)}" if scores else ""))
+
+    ar_spread = None
+    if config.ar_spread and quality is not None:
+        r2 = runner.generate(stack, encoded, config.seed + 1, sampling, resolved["ar"], config.batch_size)
+        q2 = quality(r2.codes, labels)
+        q1 = rows[[r.method for r in rows].index("ar")].quality
+        ar_spread = {k: abs(float(q1[k]) - float(q2[k])) for k in QUALITY_KEYS if q1.get(k) is not None}
+        ar_spread["seed"] = float(config.seed + 1)
+
+    curves = _curves(stack, sampling, config, resolved, encoded, progress, runner)
+    sweep = []
+    if config.sweep:
+        check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
+        assert quality is not None
+        sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress, runner)
+    per_batch = throughput_methods or {}
+    throughput = [point for batch in config.throughput_batch_sizes
+                  for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), encoded, config,
+                                                  batch, progress, runner)]
+    meta = _meta(stack, sampling, config, resolved)
+    return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
+
+
+def measure_throughput(
+    stack: Stack,
+    sampling: SamplingConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: Conditions,
+    config: BenchConfig,
+    batch_size: int,
+    progress: bool = False,
+    runner: BenchRunner | None = None,
+) -> list[dict[str, Any]]:
+    """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
+    max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
+    n = max(config.speed_images, batch_size)
+    index = torch.tensor([i % len(labels) for i in range(n)], device=labels.cond.device)
+    pool = Conditions(labels.cond[index], None if labels.mask is None else labels.mask[index])
+    _, walls = (runner or BenchRunner()).time(stack, sampling, resolved, pool, config.seed, batch_size,
+                                              config.repeats, progress, compile=config.compile)
+    ar_rate = n / statistics.median(walls["ar"])
+    out = []
+    for name in resolved:
+        rate = n / statistics.median(walls[name])
+        out.append({"batch_size": batch_size, "method": name, "images": n, "images_per_second": rate,
+                    "speedup_vs_ar": rate / ar_rate})
+    return out
+
+
+def time_methods(
+    stack: Stack,
+    sampling: SamplingConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: Sequence[Any] | Conditions,
+    seed: int,
+    batch_size: int = 1,
+    repeats: int = 1,
+    progress: bool = False,
+    compile: str | None = None,
+    startup: dict[str, float] | None = None,
+    indices: Sequence[int] | None = None,
+) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
+    """Wall-clock of every method on the same images: (last run per method, total per repeat).
+    ``indices``: each label's place in the whole request, which picks its seed (default 0, 1, ...).
+
+    A shared machine's speed drifts over minutes (other tenants, frequency), so timing method A for
+    a minute and then method B compares two machines. Instead the methods take turns image by
+    image (a chunk of ``batch_size`` images), in an order that rotates every chunk, so drift
+    and any effect of running right after a particular method hit every method alike. Every
+    method first decodes one untimed chunk of every chunk size the timing uses (allocator,
+    kernels, lazy loads, and with ``compile`` the graphs of those shapes); ``startup`` (if given)
+    receives each method's untimed seconds, i.e. its start-up and compilation cost. ``labels``:
+    the images' conditions (labels or prompts), or already encoded (``Stack.encode``).
+    """
+    from tqdm.auto import tqdm
+
+    from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
+    from lantern.pipeline import image_seed, prepare_method
+
+    check(len(labels) >= 1 and batch_size >= 1 and repeats >= 1,
+          f"time_methods needs labels, batch_size >= 1 and repeats >= 1 (got {len(labels)}, {batch_size}, {repeats})")
+    validate_sampling_for_vocab(sampling, stack.vocab_size)
+    device = stack.device
+    cond = labels if isinstance(labels, Conditions) else stack.encode(labels)
+    prepared = {name: prepare_method(stack, cfg, sampling, compile=compile) for name, cfg in resolved.items()}
+    chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
+    order = list(range(len(labels))) if indices is None else list(indices)
+    for name, parts in prepared.items():
+        t0 = time.perf_counter()
+        for size in sorted({hi - lo for lo, hi in chunks}):
+            warm = cond.rows(0, size)
+            parts.generate(warm.cond, make_generators([image_seed(seed + 7, i) for i in range(size)], device),
+                           cond_mask=warm.mask)
+        if startup is not None:
+            startup[name] = time.perf_counter() - t0
+    names = list(prepared)
+    walls = {name: [0.0] * repeats for name in names}
+    outputs: dict[str, list[Any]] = {name: [None] * len(chunks) for name in names}
+    with tqdm(total=repeats * len(chunks) * len(names), desc="speed", disable=not progress) as bar:
+        for rep in range(repeats):
+            for ci, (lo, hi) in enumerate(chunks):
+                shift = (rep * len(chunks) + ci) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    gens = make_generators([image_seed(seed, order[i]) for i in range(lo, hi)], device)
+                    t0 = time.perf_counter()
+                    chunk = cond.rows(lo, hi)
+                    outputs[name][ci] = prepared[name].generate(chunk.cond, gens, cond_mask=chunk.mask)
+                    walls[name][rep] += time.perf_counter() - t0
+                    bar.update(1)
+    runs = {
+        name: RunResult(
+            codes=torch.cat([o.codes for o in outputs[name]]),
+            output_stats=outputs[name],
+            wall_seconds=statistics.median(walls[name]),
+            method=prepared[name].method,
+        )
+        for name in names
+    }
+    return runs, walls
+
+
+class BenchRunner:
+    """How bench decodes and times images: in this process. ``lantern.eval.ranks.RankRunner``
+    shares them across the ranks of a ``torchrun`` job, with the same interface."""
+
+    def generate(self, stack: Stack, conditions: Conditions, seed: int, sampling: SamplingConfig,
+                 method: MethodConfig, batch_size: int) -> RunResult:
+        return run_conditions(stack, conditions, seed, sampling, method, batch_size)
+
+    def time(self, stack: Stack, sampling: SamplingConfig, resolved: Mapping[str, MethodConfig],
+             conditions: Conditions, seed: int, batch_size: int = 1, repeats: int = 1, progress: bool = False,
+             compile: str | None = None, startup: dict[str, float] | None = None,
+             ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
+        return time_methods(stack, sampling, resolved, conditions, seed, batch_size, repeats, progress, compile,
+                            startup)
+
+
+def _row(
+    name: str, r: RunResult, wall: float, ar_wall: float, config: BenchConfig, quality: dict[str, Any]
+) -> BenchRow:
+    stats = r.stats_dict()
+    relax = r.method.relaxation
+    return BenchRow(
+        method=name,
+        base_method=r.method.method,
+        tree=tree_label(r.method),
+        relaxation=None if relax is None else relax.to_dict(),
+        mean_accepted=float(stats["mean_accepted"]),
+        target_forwards=stats["target_forwards"] / stats["num_images"],
+        wall_seconds=wall,
+        seconds_per_image=wall / config.speed_images,
+        speedup_vs_ar=ar_wall / wall,
+        quality=quality,
+        num_images=int(stats["num_images"]),
+        speed_images=config.speed_images,
+    )
+
+
+def _curves(
+    stack: Stack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    resolved: Mapping[str, MethodConfig],
+    labels: Conditions,
+    progress: bool,
+    runner: BenchRunner | None = None,
+) -> dict[str, list[dict[str, float]]]:
+    """tau against LANTERN's delta and LANTERN++'s lambda, with each method's tree (cheap: no
+    quality metrics, batched). delta = 0 and lambda = 1 are exact speculative decoding."""
+    from tqdm.auto import tqdm
+
+    if config.curve_images == 0:
+        return {}
+    curve_labels = labels.rows(0, config.curve_images)
+    jobs: list[tuple[str, float, MethodConfig]] = []
+    by_base = {cfg.method: cfg for cfg in resolved.values()}
+    if "lantern" in by_base:
+        base = by_base["lantern"]
+        tree = base.tree.spec
+        budget = _budget_of(base)
+        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d, budget=budget)) for d in CURVE_DELTAS]
+    if "lantern++" in by_base:
+        base = by_base["lantern++"]
+        tree = base.tree.spec
+        budget = _budget_of(base)
+        jobs += [("lambda", x, MethodConfig.resolve("lantern++", tree, lam=x, budget=budget)) for x in CURVE_LAMBDAS]
+    out: dict[str, list[dict[str, float]]] = {}
+    for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
+        r = (runner or BenchRunner()).generate(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
+        out.setdefault(kind, []).append({"value": value, "mean_accepted": float(r.stats_dict()["mean_accepted"])})
+    return out
+
+
+def _budget_of(cfg: MethodConfig | None) -> str | None:
+    """The budget of a resolved relaxed method, for the curve and sweep points derived from it."""
+    return None if cfg is None or cfg.relaxation is None else cfg.relaxation.budget
+
+
+def _sweep(
+    stack: Stack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    quality: QualityFn,
+    resolved: Mapping[str, MethodConfig],
+    ar_wall: float,
+    progress: bool,
+    runner: BenchRunner | None = None,
+) -> list[BenchRow]:
+    """The (k, delta) and (k, lambda) grids: quality on ``sweep_images`` images, speed on the
+    speed images (each point timed against its own AR pass, image by image)."""
+    from tqdm.auto import tqdm
+
+    by_base = {cfg.method: cfg for cfg in resolved.values()}
+    specs: list[MethodSpec] = []
+    lantern_tree = by_base["lantern"].tree.spec if "lantern" in by_base else stack.default_tree("lantern")
+    pp_tree = by_base["lantern++"].tree.spec if "lantern++" in by_base else stack.default_tree("lantern++")
+    budget, pp_budget = _budget_of(by_base.get("lantern")), _budget_of(by_base.get("lantern++"))
+    for k in SWEEP_LANTERN["k"]:
+        for d in SWEEP_LANTERN["delta"]:
+            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}",
+                                    budget=budget))
+    for k in SWEEP_LANTERN_PP["k"]:
+        for lam in SWEEP_LANTERN_PP["lam"]:
+            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}",
+                                    budget=pp_budget))
+    labels = stack.sample_conditions(config.sweep_images)
+    encoded = stack.encode(labels)
+    speed_labels = encoded.rows(0, config.speed_images)
+    ar = resolved["ar"]
+    rows = []
+    runner = runner or BenchRunner()
+    sweep_config = replace(config, num_images=config.sweep_images)
+    for spec in tqdm(specs, desc="sweep", disable=not progress):
+        cfg = spec.resolve(stack)
+        # Each point is timed against its own AR pass, the two taking turns image by image.
+        _, walls = runner.time(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed,
+                               config.speed_batch_size)
+        ar_ref, fast = walls["ar"][0], walls[spec.name][0]
+        r = runner.generate(stack, encoded, config.seed, sampling, cfg, config.batch_size)
+        rows.append(_row(spec.name, r, fast, ar_ref, sweep_config, quality(r.codes, labels)))
+    return rows
+
+
+def _meta(
+    stack: Stack, sampling: SamplingConfig, config: BenchConfig, resolved: Mapping[str, MethodConfig]
+) -> dict[str, Any]:
+    return {
+        "model": str(stack.root),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(stack.device),
+        "dtype": str(stack.dtype).replace("torch.", ""),
+        "sampling": sampling.to_dict(),
+        "config": {k: v for k, v in asdict(config).items() if k != "methods"},
+        "methods": {name: cfg.to_dict() for name, cfg in resolved.items()},
+    }
+
+
+def machine_description() -> str:
+    """CPU model (or GPU name) and core count: enough to tell two benchmark machines apart."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()}"
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def _fmt_quality(q: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {_fmt(q.get(k))}" for k in QUALITY_KEYS)
+
+
+def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
+    head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", "FID", "KID", "prec", "recall", "class acc"]
+    body = [
+        [
+            r.method,
+            r.tree,
+            f"{r.mean_accepted:.2f}",
+            f"{r.target_forwards:.1f}",
+            f"{r.seconds_per_image:.3f}",
+            f"{r.speedup_vs_ar:.2f}x",
+            _fmt(r.quality.get("fid"), 2),
+            _fmt(r.quality.get("kid"), 4),
+            _fmt(r.quality.get("precision")),
+            _fmt(r.quality.get("recall")),
+            _fmt(r.quality.get("class_accuracy")),
+        ]
+        for r in rows
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*head), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    return "\n".join(lines + [fmt.format(*row) for row in body])
+
+
+def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per method, images/s (and speed-up vs AR) per batch size."""
+    batches = sorted({int(p["batch_size"]) for p in points})
+    methods = list(dict.fromkeys(str(p["method"]) for p in points))
+    cell = {(p["method"], p["batch_size"]): p for p in points}
+    head = ["method", *[f"batch {b}: images/s (x AR)" for b in batches]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        cells = [f"{cell[m, b]['images_per_second']:.2f} ({cell[m, b]['speedup_vs_ar']:.2f}x)"
+                 if (m, b) in cell else "-" for b in batches]
+        lines.append("| " + " | ".join([m, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(result: BenchResult, command: str) -> str:
+    m = result.meta
+    cfg = m["config"]
+    lines = [
+        f"# lantern bench: {m['model']}",
+        "",
+        f"- command: `{command}`",
+        f"- date: {m['date']}; machine: {m['machine']}; torch {m['torch']}, {m['threads']} threads, "
+        f"device {m['device']}, {m['dtype']}",
+        f"- sampling: {m['sampling']}",
+        f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
+        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded",
+        *(
+            [
+                f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "
+                f"seeds, against {m.get('num_real', '?')} real images of the training distribution",
+                f"- feature network: {m['feature_net']} (**not** Inception: numbers compare rows of this run only)",
+            ]
+            if "feature_net" in m
+            else ["- quality: not measured (`--no-quality`); tau and forwards describe the timed images"]
+        ),
+        "",
+        format_table(result.rows, markdown=True),
+        "",
+    ]
+    if any(r.startup_seconds for r in result.rows):
+        lines += ["Start-up (untimed first image per batch shape: allocation"
+                  + (", compilation" if cfg.get("compile") else "") + "): "
+                  + ", ".join(f"{r.method} {r.startup_seconds:.1f} s" for r in result.rows), ""]
+    if result.throughput:
+        lines += ["## Throughput", "", throughput_table(result.throughput), ""]
+    if result.ar_spread is not None:
+        spread = ", ".join(f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
+        lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
+    for kind, points in result.curves.items():
+        pts = ", ".join(f"{p['value']:g}: {p['mean_accepted']:.2f}" for p in points)
+        lines += [f"tau vs {kind}: {pts}", ""]
+    if result.sweep:
+        lines += ["## Sweep", "", format_table(result.sweep, markdown=True), ""]
+    return "\n".join(lines)
+
+
+def save_bench(
+    stack: Stack, result: BenchResult, out: str | os.PathLike[str], command: str
+) -> Path:
+    """bench.json (a list, one object per method), run.json (settings), bench.md and PNGs."""
+    from lantern.io import atomic_path, ensure_writable_dir, write_json
+
+    out = ensure_writable_dir(out, "--out")
+    write_json(out / "bench.json", [r.to_dict() for r in result.rows])
+    write_json(
+        out / "run.json",
+        {
+            "command": command,
+            **result.meta,
+            "ar_spread": result.ar_spread,
+            "curves": result.curves,
+            "sweep": [r.to_dict() for r in result.sweep],
+            "throughput": result.throughput,
+        },
+    )
+    with atomic_path(out / "bench.md") as tmp:
+        tmp.write_text(markdown_report(result, command))
+    _save_grids(stack, result, out)
+    _save_plots(result, out)
+    return out
+
+
+def _save_grids(stack: Stack, result: BenchResult, out: Path, per_class: int = 4) -> None:
+    """grid_<method>.png: ``per_class`` rows, one column per class (same seeds in every grid); for
+    prompt-conditioned stacks, ``per_class`` rows of ``GRID_COLUMNS`` images."""
+    from lantern.images import image_grid, save_png
+
+    columns = stack.num_classes or GRID_COLUMNS
+    n = min(per_class * columns, len(result.labels))
+    for name, codes in result.codes.items():
+        save_png(image_grid(stack.to_pil(codes[:n]), ncol=columns), out / f"grid_{_slug(name)}.png")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("++", "pp"))
+
+
+def _save_plots(result: BenchResult, out: Path) -> None:
+    os.environ.setdefault("MPLCONFIGDIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "lantern-mpl"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lantern.io import atomic_path
+
+    for kind, symbol in (("delta", "δ (LANTERN, absolute bound)"), ("lambda", "λ (LANTERN++, relative bound)")):
+        points = result.curves.get(kind)
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(4.5, 3.2), dpi=120)
+        ax.plot([p["value"] for p in points], [p["mean_accepted"] for p in points], "o-")
+        ax.set_xlabel(symbol)
+        ax.set_ylabel("mean accepted tokens / target forward")
+        ax.set_title(f"tau vs {kind} ({result.meta['model'].rsplit('/', 1)[-1]})", fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        with atomic_path(out / f"accept_vs_{kind}.png") as tmp:
+            fig.savefig(tmp, format="png")
+        plt.close(fig)
+
+    if not any(r.quality.get("fid") is not None for r in result.rows):
+        return  # speed-only run: no frontier to draw
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    for r in result.sweep:
+        if r.quality.get("fid") is not None:
+            colour = "tab:blue" if r.base_method == "lantern" else "tab:orange"
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
+    for r in result.rows:
+        if r.quality.get("fid") is not None:
+            token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
+            ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
+    if result.ar_spread is not None and "fid" in result.ar_spread:
+        ar = next(r for r in result.rows if r.method == "ar")
+        ax.axhspan(ar.quality["fid"] - result.ar_spread["fid"], ar.quality["fid"] + result.ar_spread["fid"],
+                   color="gray", alpha=0.15, label="AR seed-to-seed spread")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("wall-clock speed-up vs AR")
+    ax.set_ylabel(f"FID ({result.meta.get('feature_net_short', 'lantern feature net')})")
+    ax.set_title("quality vs speed (lower FID is better)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(out / "frontier.png") as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def parse_methods(
+    spec: str, trees: Mapping[str, str] | None = None, budget: str | None = None
+) -> tuple[MethodSpec, ...]:
+    """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
+    ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
+    run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
+    (``lantern/delta=0.2/budget=token``), and so does a Jacobi method's coupling
+    (``sjd-coupled/coupling=gumbel``), a Jacobi window (``sjd/window=8``, ``sjd/window=auto``) and PJD's
+    window and context (``pjd/window=4/context=8``, ``pjd/window=auto``);
+    ``budget`` (``--lantern-budget``) is the relaxed rows'
+    default budget."""
+    trees = trees or {}
+    entries = [m.strip() for m in spec.split(",") if m.strip()]
+    check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
+    out = []
+    for entry in entries:
+        head, *options = entry.split("/")
+        name, _, tree = head.partition("@")
+        check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
+        settings = _row_settings(entry, name, options, budget)
+        if tree:
+            check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
+        label = entry if tree or options else ""
+        if settings["budget"] is not None and "budget=" not in entry:  # rows say which budget they ran
+            label = f"{entry}/budget={settings['budget']}"
+        out.append(MethodSpec(name, tree=tree or trees.get(name), label=label, **settings))
+    return tuple(out)
+
+
+def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
+    """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
+    kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str,
+                                              "coupling": str, "window": _window_value, "context": int}
+    out: dict[str, Any] = {"budget": budget if name in LANTERN_METHODS else None}
+    for option in options:
+        key, eq, value = option.partition("=")
+        check(eq == "=" and key in kinds, f"--methods {entry!r}: expected /KEY=VALUE with KEY one of "
+                                          f"{', '.join(kinds)}, got {option!r}")
+        try:
+            out["lam" if key == "lambda" else key] = kinds[key](value)
+        except ValueError:
+            raise LanternError(f"--methods {entry!r}: {key} must be a number, got {value!r}") from None
+    return out
+
+
+def _window_value(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def resolve_auto_windows(
+    stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
+    **calibration: int,
+) -> tuple[BenchConfig, dict[str, Any]]:
+    """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
+    :func:`lantern.autotree.window.choose_window` times fastest at the speed batch size (``calibration``:
+    its ``images`` / ``passes``). Returns the new config and each row's choice (``to_dict``)."""
+    from lantern.autotree.window import choose_window
+
+    chosen: dict[str, Any] = {}
+    methods = []
+    for spec in config.methods:
+        if spec.window == "auto":
+            choice = choose_window(stack, spec.resolve(stack), sampling, seed=config.seed,
+                                   batch_size=config.speed_batch_size, **calibration)
+            log(f"window auto for {spec.name}: {choice.explanation}")
+            chosen[spec.name] = choice.to_dict()
+            spec = replace(spec, window=choice.window, label=spec.name)
+        methods.append(spec)
+    return replace(config, methods=tuple(methods)), chosen
+
+
+class QualityScorer:
+    """Decodes generated codes and scores them against a fixed reference set (features extracted
+    once): the stack's real images (its ``data.json``), or, for a stack without a data set (a t2i
+    or Chameleon folder), AR's own images at other seeds (``reference`` = ``"ar"``)."""
+
+    def __init__(self, stack: Stack, extractor: Any, real: Any, num_real: int, spec: str,
+                 reference: str = "data") -> None:
+        self.stack, self.extractor, self.real, self.num_real, self.spec = stack, extractor, real, num_real, spec
+        self.reference = reference
+
+    @classmethod
+    def build(
+        cls, stack: Stack, spec: str | None, num_real: int, progress: bool = False,
+        sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 25,
+    ) -> QualityScorer:
+        """``sampling``: how AR reference images are generated when the stack has no data set."""
+        from lantern.data.datasets import DATA_FILE
+        from lantern.eval.metrics import extract_features, load_feature_extractor, reference_images
+
+        spec = spec or str(stack.root)
+        extractor = load_feature_extractor(spec, device=stack.device)
+        if (stack.root / DATA_FILE).is_file():
+            images, _ = reference_images(stack)
+            images, reference = images[:num_real], "data"  # the split's first items keep classes balanced
+        else:
+            check(sampling is not None, f"{stack.root} has no {DATA_FILE}: its reference images are AR samples, "
+                                        "which need the run's sampling settings")
+            assert sampling is not None
+            images, reference = ar_reference_images(stack, sampling, num_real, seed, batch_size, progress), "ar"
+        real = extract_features(extractor, images, progress=progress, arg="real images")
+        return cls(stack, extractor, real, int(images.shape[0]), spec, reference)
+
+    @property
+    def description(self) -> str:
+        return str(self.extractor.name)
+
+    @torch.no_grad()
+    def images(self, codes: Tensor, batch_size: int = 100) -> Tensor:
+        parts = [self.stack.decode(codes[lo : lo + batch_size]).float().cpu()
+                 for lo in range(0, codes.shape[0], batch_size)]
+        return torch.cat(parts)
+
+    def __call__(self, codes: Tensor, labels: list[Any]) -> dict[str, Any]:
+        from lantern.eval.metrics import quality_metrics
+
+        classes = torch.tensor(labels) if self.stack.num_classes else None
+        q = quality_metrics(self.real, self.images(codes), classes, self.extractor)
+        out = {"fid": q.fid, "kid": q.kid_mean, "kid_std": q.kid_std, "precision": q.precision,
+               "recall": q.recall, "class_accuracy": q.class_accuracy, "feature_net": q.feature_net}
+        if classes is None:  # no classes: no class accuracy
+            del out["class_accuracy"]
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {"feature_net": self.description, "feature_net_spec": self.spec, "num_real": self.num_real,
+                "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description,
+                "reference": self.reference}
+
+
+def ar_reference_images(stack: Stack, sampling: SamplingConfig, n: int, seed: int, batch_size: int,
+                        progress: bool = False) -> Tensor:
+    """``n`` AR images [n, C, H, W] of the stack's measurement conditions, at seeds no benchmarked
+    image uses: the reference set of stacks without a data set."""
+    conditions = stack.encode(stack.sample_conditions(n))
+    r = run_conditions(stack, conditions, seed + REFERENCE_SEED_OFFSET, sampling, MethodConfig.resolve("ar"),
+                       batch_size, progress)
+    with torch.no_grad():
+        return torch.cat([stack.decode(r.codes[lo : lo + 100]).float().cpu() for lo in range(0, n, 100)])
+
+
+def resolve_auto_trees(
+    stack: Stack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    profile: str | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[BenchConfig, dict[str, Any]]:
+    """Replace ``tree="auto"`` by the tree :mod:`lantern.autotree.choose` picks for this device (one
+    device profile shared by every method). Returns the new config and, per method, the choice
+    (``to_dict``: choices list, predictions, explanation) for the run record."""
+    auto = [m for m in config.methods if m.tree == "auto"]
+    if not auto:
+        return config, {}
+    from lantern.autotree.choose import choose_trees
+
+    names = list(dict.fromkeys(m.method for m in auto))
+    chosen = choose_trees(stack, names, sampling, profile=profile, seed=config.seed,
+                          batch_size=config.speed_batch_size)
+    for name, choice in chosen.items():
+        log(f"--tree auto for {name}: {choice.explanation}")
+    methods = tuple(replace(m, tree=chosen[m.method].register()) if m.tree == "auto" else m for m in config.methods)
+    return replace(config, methods=methods), {name: c.to_dict() for name, c in chosen.items()}
+
+
+def parse_batch_sizes(spec: str | int) -> list[int]:
+    """``--speed-batch-size``: one size (latency rows) or a list ``1,4,16`` (the first gives the
+    latency rows, the others a throughput table)."""
+    try:
+        sizes = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    check(len(sizes) >= 1 and all(b >= 1 for b in sizes),
+          f"--speed-batch-size must be an integer >= 1 or a list like 1,4,16, got {spec!r}")
+    return sizes
+
+
+def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
+    trees: dict[str, str] = {}
+    for v in values:
+        if v.strip() == "auto":  # every speculative method
+            trees.update({m: "auto" for m in DRAFTER_METHODS})
+            continue
+        check("=" in v, f"--tree takes METHOD=TREE (e.g. lantern++=chain:5), got {v!r}")
+        method, tree = (x.strip() for x in v.split("=", 1))
+        check(method in DRAFTER_METHODS, f"--tree {v!r}: {method!r} does not draft a tree "
+                                          f"(methods with a drafter: {', '.join(DRAFTER_METHODS)})")
+        trees[method] = tree
+    return trees
+
+

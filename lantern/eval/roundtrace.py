@@ -1,0 +1,271 @@
+"""``lantern profile --trace``: where a decoding round's time goes, per method.
+
+Each method decodes the same images twice after an untimed warm-up:
+
+1. a **clocked** run (:class:`lantern.decoding.phases.PhaseClock`): exclusive wall time of every phase of
+   the round (target verify, drafter forwards, draft sampling, tree building, acceptance,
+   sampling, commit, the rest of propose) and "other" (the loop's own Python between phases);
+2. a **profiled** run (``torch.profiler``, CPU activity): every dispatched op (a top-level
+   ``aten::`` call, i.e. one kernel launch or more on a GPU) and every host synchronisation,
+   attributed to the innermost phase around it.
+
+Host syncs are the ops whose output size or value the host must wait for: ``item`` / ``int()`` /
+``bool()`` (``aten::_local_scalar_dense``), ``nonzero`` (also behind boolean-mask indexing),
+``masked_select``, ``unique``, and ``Tensor.tolist``, which dispatches no op and is counted by a
+wrapper installed for the profiled run only. On CUDA, ``torch.cuda.set_sync_debug_mode`` counts
+the syncs the driver actually saw as well.
+
+Times are per round (one target forward); the unit "AR step" is the round time of plain AR in
+the same run, so the table reads directly as "what a round costs in AR steps". The overhead of a
+round is everything but the target verify and the drafter forwards. Times on a shared machine
+drift; fractions and counts are the robust part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lantern.decoding.compiling import resolve_compile
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import GenerationOutput
+from lantern.decoding.phases import PHASES, PhaseClock, install_clock
+from lantern.decoding.sampling import make_generators
+from lantern.errors import check
+from lantern.outputs import OutputFolder
+from lantern.pipeline import MethodConfig, PreparedMethod, image_seed, prepare_method
+from lantern.targets.stack import ModelStack
+
+ROUND_PHASES = tuple(p for p in PHASES if p != "prefill") + ("other",)
+FORWARD_PHASES = ("verify", "drafter")  # the model forwards; everything else is loop overhead
+SYNC_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+    "aten::unique_dim", "aten::unique_consecutive", "lantern_sync::tolist",
+})
+
+
+@dataclass(frozen=True)
+class RoundTrace:
+    """One method's round: ms, dispatched ops and host syncs per round, by phase."""
+
+    method: str
+    tree: str
+    rounds: int  # loop iterations (one target forward each) over the traced images
+    tau: float  # tokens per target forward
+    ms: Mapping[str, float]  # per round, by phase (ROUND_PHASES)
+    ops: Mapping[str, float]  # per round, by phase
+    syncs: Mapping[str, float]  # per round, by phase
+    cuda_syncs: float | None = None  # per round, as seen by the CUDA sync debug mode
+
+    @property
+    def round_ms(self) -> float:
+        return sum(self.ms.values())
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.round_ms - sum(self.ms.get(p, 0.0) for p in FORWARD_PHASES)
+
+    def to_dict(self, ar_ms: float) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(round_ms=self.round_ms, round_ar_steps=self.round_ms / ar_ms, overhead_ms=self.overhead_ms,
+                 overhead_ar_steps=self.overhead_ms / ar_ms, ops_per_round=sum(self.ops.values()),
+                 syncs_per_round=sum(self.syncs.values()))
+        return d
+
+
+def trace_methods(
+    stack: ModelStack,
+    sampling: SamplingConfig,
+    methods: Mapping[str, MethodConfig],
+    labels: Sequence[int],
+    *,
+    seed: int = 0,
+    batch_size: int = 1,
+    compile: str | None = None,
+) -> list[RoundTrace]:
+    """Trace every method on the same ``labels`` (one batch of ``batch_size`` rows at a time).
+
+    With ``compile``, each compiled region shows as one ``Torch-Compiled Region`` op plus the
+    library kernels it calls (matmuls); its fused kernels are not counted."""
+    check("ar" in methods, "--trace needs ar among the methods: its round is the unit (an AR step)")
+    check(len(labels) >= 1, "--trace-images must be >= 1")
+    label_t = torch.tensor(list(labels), dtype=torch.long, device=stack.target.device)
+    stack.target.check_labels(label_t)
+    out = []
+    for name, cfg in methods.items():
+        prepared = prepare_method(stack, cfg, sampling, compile=compile)
+        size = min(batch_size, len(labels))  # warm-up (and compilation) at the traced batch shape
+        prepared.generate(label_t[:size], make_generators([image_seed(seed + 7, i) for i in range(size)],
+                                                          label_t.device))
+        out.append(_trace_one(name, prepared, label_t, seed, batch_size))
+    return out
+
+
+def _run(prepared: PreparedMethod, labels: torch.Tensor, seed: int, batch_size: int) -> list[GenerationOutput]:
+    outs = []
+    for lo in range(0, labels.shape[0], batch_size):
+        chunk = labels[lo : lo + batch_size]
+        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], labels.device)
+        outs.append(prepared.generate(chunk, gens))
+    return outs
+
+
+def _trace_one(name: str, prepared: PreparedMethod, labels: torch.Tensor, seed: int, batch_size: int) -> RoundTrace:
+    from lantern.eval.bench import tree_label
+
+    device = labels.device
+    clock = PhaseClock(device)
+    install_clock(clock)
+    try:
+        t0 = clock._now()
+        outs = _run(prepared, labels, seed, batch_size)
+        wall_ms = 1000.0 * (clock._now() - t0)
+    finally:
+        install_clock(None)
+    rounds = sum(o.stats.steps for o in outs)
+    check(rounds > 0, f"method {name}: no decoding rounds to trace")
+    ms = {p: clock.ms.get(p, 0.0) / rounds for p in PHASES if p != "prefill"}
+    ms["other"] = (wall_ms - sum(clock.ms.values())) / rounds
+    ops, syncs, cuda_syncs = count_ops(lambda: _run(prepared, labels, seed, batch_size), device)
+    tokens = sum(o.codes.numel() for o in outs)
+    forwards = sum(int(o.stats.target_forwards.sum()) for o in outs)
+    return RoundTrace(
+        method=name, tree=tree_label(prepared.method), rounds=rounds, tau=tokens / forwards, ms=ms,
+        ops={p: v / rounds for p, v in ops.items()}, syncs={p: v / rounds for p, v in syncs.items()},
+        cuda_syncs=None if cuda_syncs is None else cuda_syncs / rounds,
+    )
+
+
+@contextlib.contextmanager
+def _counted_tolist() -> Iterator[None]:
+    """Make ``Tensor.tolist`` visible to the profiler (it copies to the host without an op)."""
+    original = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> Any:
+        with torch.profiler.record_function("lantern_sync::tolist"):
+            return original(self)
+
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+
+def count_ops(
+    run: Callable[[], Any], device: torch.device
+) -> tuple[dict[str, float], dict[str, float], float | None]:
+    """(dispatched ops by phase, host syncs by phase, CUDA-observed syncs) while ``run()`` runs;
+    ops inside ``phase("prefill")`` are left out (they are not part of a round)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught, _counted_tolist():
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    ops = dict.fromkeys(ROUND_PHASES, 0.0)
+    syncs = dict.fromkeys(ROUND_PHASES, 0.0)
+    for event in prof.events():
+        is_op = event.name.startswith(("aten::", "Torch-Compiled Region"))
+        is_sync = event.name in SYNC_OPS
+        if not (is_op or is_sync):
+            continue
+        where, nested_op, nested_sync = _ancestry(event)
+        if where == "prefill":
+            continue
+        if is_op and not nested_op:
+            ops[where] += 1
+        if is_sync and not nested_sync:
+            syncs[where] += 1
+    cuda_syncs = float(sum("synchroniz" in str(w.message) for w in caught)) if cuda else None
+    return ops, syncs, cuda_syncs
+
+
+def _ancestry(event: Any) -> tuple[str, bool, bool]:
+    """(innermost phase or "other", has an aten:: ancestor, has a sync-op ancestor)."""
+    nested_op = nested_sync = False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("lantern::"):
+            return parent.name.removeprefix("lantern::"), nested_op, nested_sync
+        nested_op |= parent.name.startswith("aten::")
+        nested_sync |= parent.name in SYNC_OPS
+        parent = parent.cpu_parent
+    return "other", nested_op, nested_sync
+
+
+# ---- reports --------------------------------------------------------------------------------
+
+
+def _ar_ms(traces: Sequence[RoundTrace]) -> float:
+    return next(t for t in traces if t.method == "ar").round_ms
+
+
+def trace_dict(traces: Sequence[RoundTrace], meta: Mapping[str, Any]) -> dict[str, Any]:
+    ar_ms = _ar_ms(traces)
+    return {**meta, "ar_step_ms": ar_ms, "phases": list(ROUND_PHASES),
+            "methods": [t.to_dict(ar_ms) for t in traces]}
+
+
+def trace_markdown(traces: Sequence[RoundTrace]) -> str:
+    """Per method: round cost in AR steps, each phase's share of the round, overhead, ops, syncs."""
+    ar_ms = _ar_ms(traces)
+    shown = [p for p in ROUND_PHASES if any(t.ms.get(p, 0.0) > 0 for t in traces)]
+    head = ["method", "tree", "τ", "round (AR steps)", *[f"{p} %" for p in shown], "overhead (AR steps)",
+            "ops/round", "syncs/round"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in traces:
+        cells = [t.method, t.tree, f"{t.tau:.2f}", f"{t.round_ms / ar_ms:.2f}"]
+        cells += [f"{100 * t.ms.get(p, 0.0) / t.round_ms:.0f}" for p in shown]
+        cells += [f"{t.overhead_ms / ar_ms:.2f}", f"{sum(t.ops.values()):.0f}", f"{sum(t.syncs.values()):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"AR step = {ar_ms:.3f} ms (plain AR's round). Syncs by phase: "
+                 + "; ".join(f"{t.method}: " + ", ".join(f"{p} {v:.1f}" for p, v in t.syncs.items() if v)
+                             for t in traces))
+    return "\n".join(lines)
+
+
+def trace_meta(stack: ModelStack, sampling: SamplingConfig, labels: Sequence[int], batch_size: int,
+               model_name: str) -> dict[str, Any]:
+    from lantern.eval.bench import machine_description
+
+    return {"model": model_name, "device": str(stack.target.device), "dtype": str(stack.target.dtype),
+            "machine": machine_description(), "torch_threads": torch.get_num_threads(),
+            "sampling": sampling.to_dict(), "images": len(labels), "batch_size": batch_size,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: OutputFolder) -> int:
+    """``lantern profile --trace METHODS``: trace, print the table, write trace.json / trace.md
+    (all-or-nothing, into the checked ``--out``)."""
+    from lantern.eval.bench import bench_labels, parse_methods
+    from lantern.io import write_json
+
+    check(args.trace_images >= 1, f"--trace-images must be >= 1, got {args.trace_images}")
+    methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace)}
+    labels = bench_labels(stack.target.config.num_classes, args.trace_images)
+    traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size,
+                           compile=args.compile)
+    table = trace_markdown(traces)
+    meta = trace_meta(stack, sampling, labels, args.batch_size, str(args.model))
+    meta["compile"] = resolve_compile(args.compile, stack.target.device)
+    print(table)
+    with out.write() as folder:
+        write_json(folder / "trace.json", trace_dict(traces, meta))
+        (folder / "trace.md").write_text(table + "\n")
+    print(f"wrote {out.path / 'trace.json'} and {out.path / 'trace.md'}")
+    return 0

@@ -1,0 +1,354 @@
+"""Chameleon-family target adapter (Anole, Lumina-mGPT) for the one decoding loop.
+
+The loop sees what it sees for LlamaGen: B rows of image *codes*, a vocabulary of VQGAN codes,
+guided logits per tree node, hidden states ``[S*B, T, D]`` for an EAGLE drafter. Everything that
+is Chameleon-specific stays here:
+
+* **Prompts and guidance.** Conditional rows are ``head + prompt + tail + prefix`` (left-padded to
+  a common length, positions counted from each row's first real token); unconditional rows are the
+  layout's guidance context. Both are prefilled in one forward.
+* **Restricted vocabulary.** Logits come from the image rows of ``lm_head`` only
+  (``ChameleonLM.image_head``), so text and special tokens can never be sampled and top-k / top-p /
+  LANTERN's neighbour sets all live in code space.
+* **End-of-row tokens** (Lumina-mGPT). The model's sequence has a fixed new-line token after each
+  row of codes; the loop's does not. ``verify`` therefore expands the loop's tree: every node that
+  ends an image row gets a *shadow* child carrying the new-line token, the node's real children
+  hang under the shadow, positions count the inserted tokens, and the logits / hidden state that
+  predict the node's children are read at the shadow. ``commit`` keeps each accepted node's
+  shadow with it. The drafter and the acceptance rules never see a new-line token.
+* **Drafter context.** ``start`` hands the drafter the features of the image prefix only (the
+  same positions in conditional and unconditional rows, no padding); the prompt reaches the
+  drafter through the target's features there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lantern.decoding.cache import KVCache
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.pjd import commit_cells, grid_verify_mask, kept_offsets
+from lantern.decoding.sampling import apply_cfg
+from lantern.errors import LanternError, check
+from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.drafter import DrafterConfig
+
+
+def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
+    """Conditional contexts for text token lists: (ids [B, L] left-padded, mask [B, L] True = real)."""
+    check(len(token_lists) > 0, "no prompts to generate from")
+    rows = [[*layout.head, *map(int, t), *layout.tail, *layout.prefix] for t in token_lists]
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, length - len(r) :] = torch.tensor(r)
+        mask[i, length - len(r) :] = True
+    return ids, mask
+
+
+class ChameleonTarget:
+    """A Chameleon LM behind the loop's interface: ``start`` / ``verify`` / ``commit``."""
+
+    def __init__(self, model: ChameleonLM, layout: ImageLayout, sampling: SamplingConfig,
+                 max_tree_nodes: int = 1) -> None:
+        self.model = model
+        self.layout = layout
+        self.sampling = sampling
+        self.max_tree_nodes = max_tree_nodes
+        self.streams = 2 if sampling.use_cfg else 1
+        # What the loop and the drafter read (code space: the image rows of the LM head).
+        self.vocab_size, self.hidden_size, self.lm_head = model.num_codes, model.hidden_size, model.image_head
+        self.num_tokens, self.device = layout.num_tokens, model.device
+        self.prefix_len = len(layout.prefix)  # positions ``start`` hands the drafter (the image prefix)
+        self.cache: KVCache | None = None
+        self.forwards = 0
+        self.key_mask: Tensor | None = None  # [S*B, L] real prompt columns
+        self.pos_offset: Tensor | None = None  # [S*B] left padding of each row (position = slot - offset)
+        self.root_index: Tensor | None = None  # [B] code index of the pending root token
+        self._shadows: tuple[Tensor, Tensor] | None = None  # (row_end [B, T], shadow slot [B, T]) of the last verify
+        # PJD (verify_grid): each cache slot's grid key (2 * cell, + 1 for a new-line token; -1:
+        # prompt), and the last grid block's keys and new-line shadows (owner node [B, E], valid [B, E])
+        self.slot_cell: Tensor | None = None
+        self._grid: tuple[Tensor, Tensor, Tensor] | None = None
+        # What a drafter that reads the whole model sequence (LANTERN's released Chameleon drafters,
+        # lantern.drafters.released) needs beyond the loop's interface: the prefill's ids and features,
+        # each verified node's own feature (at a row end: the state at the code, not at its new-line),
+        # and the last committed path.
+        self.prefill: tuple[Tensor, Tensor] | None = None  # (ids [S*B, L], hidden [S*B, L, D])
+        self.node_hidden: Tensor | None = None  # [S*B, T, D]
+        self.last_path: Tensor | None = None  # [B, W]
+
+    # -- the three calls of the loop --------------------------------------------------------------
+
+    @torch.no_grad()
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill. cond: prompt contexts [B, L] (``encode_prompts``); cond_mask [B, L] (True = real).
+
+        Returns (guided logits for code 0 [B, V], hidden of the image prefix [S*B, P, D]).
+        """
+        check(cond.dim() == 2, f"Chameleon targets take token ids [B, L], got shape {tuple(cond.shape)}")
+        b, length = cond.shape
+        mask = torch.ones_like(cond, dtype=torch.bool) if cond_mask is None else cond_mask.bool()
+        prefix = torch.tensor(self.layout.prefix, device=cond.device)
+        p = len(self.layout.prefix)
+        check(
+            length >= p and bool((cond[:, -p:] == prefix).all()) and bool(mask[:, -p:].all()),
+            "every prompt context must end with the layout's image prefix (build them with encode_prompts)",
+        )
+        ids, mask = cond, mask
+        if self.streams == 2:
+            uncond = torch.tensor(self.layout.uncond, device=cond.device)
+            check(len(uncond) <= length, "prompt contexts are shorter than the guidance context")
+            u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
+            u_ids[:, length - len(uncond) :] = uncond
+            u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
+            u_mask[:, length - len(uncond) :] = True
+            ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
+        n_rows = ids.shape[0]
+        cfg = self.model.config
+        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, self._cache_len(length),
+                             self.model.head_dim, self.model.dtype, self.model.device)
+        self.key_mask = mask
+        self.pos_offset = (~mask).sum(1)
+        self.root_index = torch.zeros(b, dtype=torch.long, device=cond.device)
+        cols = torch.arange(length, device=cond.device)
+        positions = (cols[None, :] - self.pos_offset[:, None]).clamp(min=0)
+        causal = torch.ones(length, length, dtype=torch.bool, device=cond.device).tril()
+        attn = (causal[None] & mask[:, None, :]) | torch.eye(length, dtype=torch.bool, device=cond.device)
+        slots = cols.expand(n_rows, -1)
+        hidden = self.model.forward_cached(ids, positions, slots, attn, self.cache)
+        self.cache.lengths.fill_(length)
+        self.forwards += 1
+        self.prefill = (ids, hidden)
+        self.slot_cell = None
+        logits = apply_cfg(self.model.image_logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
+        return logits, hidden[:, length - p :]
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward over each row's tree of codes (node 0 = the pending root), with end-of-row
+        tokens inserted as shadow nodes. Returns (guided logits [B, T, V], hidden [S*B, T, D])."""
+        cache = self._cache()
+        assert self.root_index is not None and self.pos_offset is not None
+        s, (b, t) = self.streams, tokens.shape
+        if t > self.max_tree_nodes:
+            raise LanternError(f"tree of {t} nodes exceeds the {self.max_tree_nodes} the cache was sized for")
+        ids = self.model.code_to_bpe(tokens)
+        mask, model_depth = tree_mask, depth
+        row_end = torch.zeros(b, t, dtype=torch.bool, device=tokens.device)
+        if self.layout.eol is not None:
+            row_end = (self.root_index[:, None] + depth + 1) % self.layout.width == 0
+        e = int(row_end.sum(1).max())
+        read_at = torch.arange(t, device=tokens.device).expand(b, -1)
+        shadow_slot = torch.full((b, t), -1, dtype=torch.long, device=tokens.device)
+        if e > 0:
+            ids, mask, model_depth, shadow_slot = _expand_row_ends(ids, tree_mask, depth, row_end, e, self.layout.eol)
+            read_at = torch.where(row_end, shadow_slot, read_at)
+        self._shadows = (row_end, shadow_slot)
+        n = ids.shape[1]
+        lengths = cache.lengths  # [S*B]
+        slots = lengths[:, None] + torch.arange(n, device=tokens.device)
+        positions = lengths[:, None] - self.pos_offset[:, None] + model_depth.repeat(s, 1)
+        attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n)
+        hidden = self.model.forward_cached(ids.repeat(s, 1), positions, slots, attn, cache)
+        self.forwards += 1
+        self.node_hidden = hidden[:, :t]
+        idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+        hidden = hidden.gather(1, idx)  # [S*B, T, D]: the state that predicts each node's children
+        logits = apply_cfg(self.model.image_logits(hidden), self.sampling.cfg_scale, s)
+        return logits, hidden
+
+    def commit(self, path: Tensor, num_keep: Tensor) -> None:
+        """Keep tree nodes ``path[:, :num_keep]`` (root first), each with its end-of-row shadow."""
+        cache = self._cache()
+        assert self.root_index is not None and self._shadows is not None
+        row_end, shadow_slot = self._shadows
+        keep, count = path, num_keep
+        if bool(row_end.any()):
+            keep, count = _with_shadows(path, num_keep, row_end, shadow_slot)
+        cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
+        self.root_index = self.root_index + num_keep
+        self.last_path = path
+
+    @torch.no_grad()
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
+        """PJD's forward (``lantern.decoding.pjd``): codes [B, T] at image cells, in windows ``rows`` (-1 =
+        padding). Lumina-mGPT's new-line tokens: a node at a row's last cell (a chain root: a
+        stand-in or a flushed row end) gets a shadow carrying the new-line token one position
+        later, in its own window, and its logits are read there (as :meth:`verify` does). In the
+        mask, cells are doubled so a new-line token sits between its row's last cell and the next
+        row's first. Returns guided logits [B, T, V]."""
+        cache = self._cache()
+        assert self.pos_offset is not None and self.key_mask is not None
+        s, (b, t), width = self.streams, tokens.shape, self.layout.width
+        ids, keys, model_rows = self.model.code_to_bpe(tokens), 2 * cells, rows
+        positions = self.key_mask.shape[1] + cells + (cells // width if self.layout.eol is not None else 0)
+        read_at = torch.arange(t, device=tokens.device).expand(b, -1)
+        row_end = (rows >= 0) & (cells % width == width - 1) & (self.layout.eol is not None)
+        e = int(row_end.sum(1).max())
+        owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]  # [B, E]
+        valid = torch.arange(e, device=tokens.device)[None, :] < row_end.sum(1, keepdim=True)
+        if e > 0:
+            assert self.layout.eol is not None
+            ids = torch.cat([ids, torch.full_like(owner, self.layout.eol)], dim=1)
+            keys = torch.cat([keys, keys.gather(1, owner) + 1], dim=1)
+            model_rows = torch.cat([rows, torch.where(valid, rows.gather(1, owner), -1)], dim=1)
+            positions = torch.cat([positions, positions.gather(1, owner) + 1], dim=1)
+            shadow = t + torch.arange(e, device=tokens.device).expand(b, -1)
+            read_at = read_at.scatter(1, owner, torch.where(valid, shadow, owner))
+        if self.slot_cell is None:
+            self.slot_cell = torch.full((cache.rows, cache.max_len), -1, dtype=torch.long, device=tokens.device)
+        keys_s, lengths, n = keys.repeat(s, 1), cache.lengths, ids.shape[1]
+        mask = grid_verify_mask(self.slot_cell, lengths, keys_s, model_rows.repeat(s, 1), int(lengths.max()) + n)
+        prompt = self.key_mask.shape[1]
+        mask[:, :, :prompt] &= self.key_mask[:, None, :]  # left padding is never attended
+        slots = lengths[:, None] + torch.arange(n, device=tokens.device)
+        hidden = self.model.forward_cached(ids.repeat(s, 1), positions.repeat(s, 1) - self.pos_offset[:, None],
+                                           slots, mask, cache)
+        self.forwards += 1
+        self._grid = (keys_s, owner, valid)
+        idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+        return apply_cfg(self.model.image_logits(hidden.gather(1, idx)), self.sampling.cfg_scale, s)
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None:
+        """Keep block nodes ``keep[:, :num_keep]`` of the last grid block, each with its new-line
+        shadow, recording their grid keys in ``slot_cell``."""
+        cache = self._cache()
+        assert self._grid is not None and self.slot_cell is not None
+        keys_s, owner, valid = self._grid
+        b, e = owner.shape
+        t = keys_s.shape[1] - e
+        kept = torch.zeros(b, t + 1, dtype=torch.bool, device=keep.device)
+        j = torch.arange(keep.shape[1], device=keep.device)[None, :]
+        kept.scatter_(1, torch.where(j < num_keep[:, None], keep, t), True)  # column t: padding
+        kept = torch.cat([kept[:, :t], valid & kept.gather(1, owner)], dim=1)
+        offsets, count = kept_offsets(kept)
+        offsets_s, count_s = offsets.repeat(self.streams, 1), count.repeat(self.streams)
+        commit_cells(self.slot_cell, cache.lengths, keys_s, offsets_s, count_s)
+        cache.commit(offsets_s, count_s)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _cache_len(self, context: int) -> int:
+        return context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
+
+    def cache_bytes(self, batch: int, context: int) -> int:
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts of ``context`` tokens."""
+        m = self.model
+        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads, self._cache_len(context),
+                              m.head_dim, m.dtype)
+
+    def _max_model_tokens(self) -> int:
+        extra = self.layout.height if self.layout.eol is not None else 0
+        return self.layout.num_tokens + extra
+
+    def _cache(self) -> KVCache:
+        if self.cache is None:
+            raise RuntimeError("ChameleonTarget.start() must be called before verify/commit")
+        return self.cache
+
+    def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int) -> Tensor:
+        """[S*B, T, kv_len] bool: the row's real prefix columns, then its tree mask at its slots."""
+        assert self.key_mask is not None
+        kv_len = int(lengths.max()) + t
+        cols = torch.arange(kv_len, device=lengths.device)
+        rel = cols[None, :] - lengths[:, None]
+        prefix = rel < 0
+        prompt = self.key_mask.shape[1]
+        prefix[:, :prompt] &= self.key_mask  # left padding is never attended
+        in_tree = (rel >= 0) & (rel < t)
+        idx = rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1)
+        tree = torch.gather(tree_mask, 2, idx) & in_tree[:, None, :]
+        return prefix[:, None, :] | tree
+
+
+def _expand_row_ends(
+    ids: Tensor,  # [B, T] BPE ids of the nodes
+    tree_mask: Tensor,  # [B, T, T] ancestors and self
+    depth: Tensor,  # [B, T]
+    row_end: Tensor,  # [B, T] nodes whose code ends an image row
+    e: int,  # shadow slots per row (max number of row-end nodes)
+    eol: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Append a new-line shadow after every row-end node: (ids, mask, depth) over T + e model nodes,
+    and each node's shadow index (-1 for none). Rows with fewer row-end nodes get padding shadows
+    that attend only to themselves and are never kept."""
+    b, t = ids.shape
+    device = ids.device
+    # owner[b, j]: the node whose shadow sits at T + j (row-end nodes in node order), valid[b, j].
+    owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]
+    valid = torch.arange(e, device=device)[None, :] < row_end.sum(1, keepdim=True)
+    rank = row_end.long().cumsum(1) - 1
+    shadow_slot = torch.where(row_end, t + rank, torch.full_like(rank, -1))
+
+    eye_t = torch.eye(t, dtype=torch.bool, device=device)
+    owner_cols = owner[:, None, :].expand(-1, t, -1)  # [B, T, E]
+    # node i sees shadow j when owner(j) is a strict ancestor of i
+    node_to_shadow = tree_mask.gather(2, owner_cols) & ~eye_t[owner].transpose(1, 2) & valid[:, None, :]
+    shadow_rows = tree_mask.gather(1, owner[:, :, None].expand(-1, -1, t))  # [B, E, T] owner's ancestors + owner
+    shadow_to_node = shadow_rows & valid[:, :, None]
+    both_valid = valid[:, :, None] & valid[:, None, :]
+    shadow_to_shadow = shadow_rows.gather(2, owner[:, None, :].expand(-1, e, -1)) & both_valid
+    shadow_to_shadow |= torch.eye(e, dtype=torch.bool, device=device)  # padding shadows attend to themselves
+    mask = torch.cat(
+        [torch.cat([tree_mask, node_to_shadow], dim=2), torch.cat([shadow_to_node, shadow_to_shadow], dim=2)], dim=1
+    )
+    # a node's model depth counts the new-line tokens on its path (shadows of strict ancestors)
+    inserted = (tree_mask & ~eye_t & row_end[:, None, :]).sum(-1)
+    node_depth = depth + inserted
+    shadow_depth = torch.where(valid, node_depth.gather(1, owner) + 1, 0)
+    out_ids = torch.cat([ids, torch.full((b, e), eol, dtype=ids.dtype, device=device)], dim=1)
+    return out_ids, mask, torch.cat([node_depth, shadow_depth], dim=1), shadow_slot
+
+
+def _with_shadows(path: Tensor, num_keep: Tensor, row_end: Tensor, shadow_slot: Tensor) -> tuple[Tensor, Tensor]:
+    """Model-node offsets to keep: each kept path node followed by its shadow when it has one."""
+    b, w = path.shape
+    j = torch.arange(w, device=path.device)[None, :]
+    kept = (j < num_keep[:, None]) & (path >= 0)
+    node = path.clamp(min=0)
+    has_shadow = row_end.gather(1, node) & kept
+    pairs = torch.stack([torch.where(kept, node, -1), torch.where(has_shadow, shadow_slot.gather(1, node), -1)], dim=2)
+    flat = pairs.reshape(b, 2 * w)
+    order = torch.argsort((flat < 0).to(torch.int8), dim=1, stable=True)  # valid entries first, in order
+    keep = flat.gather(1, order)
+    return keep, num_keep + has_shadow.sum(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stacks and runs: a Chameleon model folder + the VQGAN + optional drafter / proximity table
+
+
+def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
+    """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
+    cfg = model.config
+    # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
+    sizes = {name: getattr(cfg, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                     "num_key_value_heads", "rms_norm_eps")}
+    return DrafterConfig(**{**sizes, "vocab_size": model.num_codes, "target_cls_token_num": len(layout.prefix),
+                            "block_size": layout.num_tokens, "rope_base": float(_rope_theta(cfg)), "rope": "1d",
+                            **overrides})
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4.x keeps rope_theta on the config
+    return float(params["rope_theta"]) if isinstance(params, dict) and "rope_theta" in params else float(cfg.rope_theta)
+
+
+def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: ImageLayout, path: object) -> None:
+    want = chameleon_drafter_config(model, layout)
+    problems = [
+        f"{name} {getattr(drafter, name)} (target needs {getattr(want, name)})"
+        for name in ("hidden_size", "vocab_size", "rope", "target_cls_token_num")
+        if getattr(drafter, name) != getattr(want, name)
+    ]
+    if drafter.block_size < layout.num_tokens:  # its RoPE table would run out before the image ends
+        problems.append(f"block_size {drafter.block_size} (the layout has {layout.num_tokens} image tokens)")
+    check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
+
+

@@ -1,0 +1,209 @@
+"""The Chameleon family's Stack: model folders (Anole, Lumina-mGPT), their VQGAN, prompt tokenizer and drafters."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lantern.decoding.cache import CachePool
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.drafting import DraftBackend
+from lantern.decoding.loop import Acceptance, Drafter, Target
+from lantern.decoding.pjd import GridJacobiDrafter
+from lantern.drafters.eagle import EagleBackend
+from lantern.errors import LanternError, check
+from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
+from lantern.models.drafter import EagleDrafterModel
+from lantern.pipeline import MethodConfig, PreparedMethod, RunResult, prepare_method, run_conditions
+from lantern.targets.checks import drafter_dtype
+from lantern.targets.stack import Conditions, StackFolder, check_condition_kind, prompts_for
+
+if TYPE_CHECKING:
+    from PIL import Image
+from lantern.targets.chameleon import ChameleonTarget, chameleon_drafter_config, encode_prompts
+
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2000, "top_p": 1.0, "cfg_scale": 3.0}  # Lumina / LANTERN defaults
+
+
+VQ_NAMES = ("vqgan.ckpt", "tokenizer/vqgan.ckpt")  # where a model folder may hold the VQGAN
+
+
+@dataclass
+class ChameleonStack(StackFolder):
+    """An Anole / Lumina-mGPT folder loaded: the :class:`~lantern.targets.stack.Stack` for Chameleon targets.
+
+    Conditions are prompts (the layout's template around the model's own tokenizer; CFG's
+    unconditional rows are the layout's guidance context, built by :class:`ChameleonTarget`),
+    images come from the VQGAN, drafters are lantern-trained EAGLE drafters with 1D RoPE or
+    LANTERN's released ones (``lantern.drafters.released``)."""
+
+    model: ChameleonLM
+    layout: ImageLayout
+    vq: Any  # lantern.models.chameleon_vq.ChameleonVQGAN, or None when only codes are wanted
+    tokenizer: Any  # a transformers tokenizer for the prompts
+
+    FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
+
+    kind = "chameleon"
+    num_classes = None
+    num_tokens: int = field(init=False)  # image codes (the layout's)
+    grid_width: int = field(init=False)  # codes per image row (row-end tokens not counted)
+    vocab_size: int = field(init=False)  # the VQGAN's codes
+
+    def __post_init__(self) -> None:
+        self.num_tokens, self.vocab_size = self.layout.num_tokens, self.model.num_codes
+        self.grid_width = self.layout.width
+
+    def network(self) -> torch.nn.Module:
+        return self.model
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
+        return [list(self.tokenizer(self.layout.format_prompt(p), add_special_tokens=False)["input_ids"])
+                for p in prompts]
+
+    def codebook(self) -> Tensor | None:
+        return None if self.vq is None else self.vq.codebook()
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.model.config
+        return {"family": "chameleon", "layout": self.layout.name, "dim": c.hidden_size,
+                "n_layer": c.num_hidden_layers, "block_size": self.layout.num_tokens, "vocab_size": self.vocab_size}
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        check(t5 is None, "--t5 is not used by Chameleon-family models (they read prompts with their own tokenizer)")
+        prompts = check_condition_kind(conditions, str, self.root)
+        ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout)
+        return Conditions(ids.to(self.device), mask.to(self.device))
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        return prompts_for(n)
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> ChameleonTarget:
+        check(compile is None, "--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+        return ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        probe = ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
+        return probe.cache_bytes(batch, conditions.cond.shape[1])
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        from lantern.drafters.released import load_chameleon_drafter
+
+        drafter = load_chameleon_drafter(path, self.model, self.layout)
+        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        """LANTERN's released drafters read the whole model sequence (row-end tokens included) through
+        the target; lantern's EAGLE drafters the image prefix's features, like LlamaGen's."""
+        if isinstance(drafter, ReleasedChameleonDrafter):
+            from lantern.drafters.released import ReleasedDrafterBackend
+
+            assert isinstance(target, ChameleonTarget)
+            return ReleasedDrafterBackend(drafter, head, sampling, target, 2 * slots)
+        context = len(self.layout.prefix) + self.layout.num_tokens + slots
+        return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.vq.decode_grid(codes.to(self.device), self.layout.height, self.layout.width)
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]:
+        from lantern.images import to_pil
+
+        return to_pil(self.decode(codes), "truncate")  # as Chameleon's _pil_from_chw_tensor
+
+
+def find_vq(root: Path, vq: str | os.PathLike[str] | None) -> Path:
+    if vq is not None:
+        path = Path(vq)
+        if path.is_dir():  # a folder (e.g. a Hub snapshot) holding the checkpoint
+            path = next((path / name for name in VQ_NAMES if (path / name).is_file()), path)
+        check(path.is_file(), f"--vq: no such file {path} (the Chameleon VQGAN checkpoint, vqgan.ckpt)")
+        return path
+    for name in VQ_NAMES:
+        if (root / name).is_file():
+            return root / name
+    raise LanternError(
+        f"--model {root} holds no {' or '.join(VQ_NAMES)}: pass --vq PATH (vqgan.ckpt from the Chameleon release, "
+        "with vqgan.yaml beside it)"
+    )
+
+
+def load_chameleon_stack(
+    model: str | os.PathLike[str],
+    layout: ImageLayout,
+    vq: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> ChameleonStack:
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon_vq import ChameleonVQGAN
+
+    root = Path(model)
+    vq_path = find_vq(root, vq)  # checked before the (large) target is read
+    tokenizer = load_prompt_tokenizer(root)
+    lm = load_chameleon(root, dtype=dtype, device=device)
+    vq_model = ChameleonVQGAN.from_checkpoint(vq_path).to(device).eval()
+    codes = vq_model.codebook().shape[0]
+    check(codes == lm.num_codes, f"--vq {vq_path} has {codes} codes, the target's image vocabulary {lm.num_codes}")
+    return ChameleonStack(root=root, model=lm, layout=layout, vq=vq_model, tokenizer=tokenizer)
+
+
+def load_prompt_tokenizer(root: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover
+        raise LanternError("Chameleon targets need transformers: pip install 'lantern[t2i]'") from e
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except (OSError, ValueError) as e:
+        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: {e}") from None
+
+
+def init_chameleon_drafter(model: ChameleonLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:
+    """A fresh drafter whose token embedding is the target's embedding of each code (EAGLE's start)."""
+    torch.manual_seed(seed)
+    drafter = EagleDrafterModel(chameleon_drafter_config(model, layout))
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(model.hf.model.embed_tokens.weight[model.image_ids].float())
+    return drafter
+
+
+def run_chameleon(stack: ChameleonStack, prompts: Sequence[str], seed: int, sampling: SamplingConfig,
+                  method: MethodConfig, batch_size: int = 8, progress: bool = False,
+                  drafter_dir: str | os.PathLike[str] | None = None, proximity: str | os.PathLike[str] | None = None,
+                  drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None) -> RunResult:
+    """One image per prompt: the shared run path (``pipeline.run_conditions``) under the name
+    earlier releases exported; ``drafter``: an already loaded drafter instead of a folder."""
+    prepared = prepare_method(stack, method, sampling, drafter_dir, proximity, drafter=drafter)
+    return run_conditions(stack, stack.encode(prompts), seed, sampling, method, batch_size, progress,
+                          prepared=prepared)
+
+
+def _parts(
+    lm: ChameleonLM,
+    layout: ImageLayout,
+    sampling: SamplingConfig,
+    method: MethodConfig,
+    drafter: EagleDrafterModel | ReleasedChameleonDrafter | None,
+    head: torch.nn.Linear,
+) -> tuple[ChameleonTarget, Drafter | GridJacobiDrafter | None]:
+    """A fresh target adapter and drafter for one batch, as the shared run path builds them
+    (``PreparedMethod.parts``), for a bare model and layout (tests drive the loop with these)."""
+    stack = ChameleonStack(root=Path("."), model=lm, layout=layout, vq=None, tokenizer=None)
+    prepared = PreparedMethod(stack, method, sampling, drafter if method.tree.kind != "none" else None, Acceptance())
+    target, draft = prepared.parts(head)
+    assert isinstance(target, ChameleonTarget)
+    return target, draft
