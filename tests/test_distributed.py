@@ -26,7 +26,7 @@ from lantern.distributed import DistContext, check_enough_items, shard
 from lantern.errors import LanternError
 from lantern.jobs import PAUSE_AFTER_ENV, write_npz
 from lantern.outputs import PAUSE_ENV
-from lantern.testing import make_random_stack
+from lantern.testing import make_random_stack, make_tiny_chameleon_folder
 from tests.test_t2i import t2i_stack, t5_dir  # noqa: F401  (fixtures: tiny t2i stack with drafter + T5)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,6 +150,20 @@ def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_images(tmp_path / "one", tmp_path / "two")
     assert json.loads((tmp_path / "two" / "run.json").read_text())["prompt_index"] == [0, 0, 1, 1]
+
+
+def test_two_processes_give_the_images_of_one_on_a_chameleon_folder(tmp_path: Path) -> None:
+    """The job path is the Stack's: a Lumina-layout folder (row-end tokens, its own prompt
+    tokenizer and VQGAN) shards like a LlamaGen stack, and its npz holds the same pixels."""
+    model = make_tiny_chameleon_folder(tmp_path / "lumina", "lumina-mgpt", 64)
+    args = ["--image-size", "64", "--prompt", "a red car", "--prompt", "a dog", "--prompt", "a lake",
+            "--method", "sjd-coupled", "--sjd-window", "4", "--batch-size", "2", "--seed", "4", "--save-npz"]
+    assert generate(model, tmp_path / "one", *args) == 0
+    proc = torchrun(["generate", "--model", str(model), "--out", str(tmp_path / "two"), *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_images(tmp_path / "one", tmp_path / "two")
+    run = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert [r["images"] for r in run["stats"]["ranks"]] == [2, 1] and run["layout"]["name"] == "lumina-mgpt"
 
 
 # ---- resumable jobs -------------------------------------------------------------------------

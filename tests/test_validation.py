@@ -203,18 +203,18 @@ def test_a_training_run_that_fails_before_its_first_checkpoint_removes_its_folde
 def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    import lantern.cli.main
+    import lantern.cli.tools
 
     def refused(args: object) -> int:
         raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
 
-    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", refused)
+    monkeypatch.setattr(lantern.cli.tools, "cmd_make_random_stack", refused)
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], f"Permission denied: {tmp_path / 'x'}", capsys)
 
     def out_of_memory(args: object) -> int:
         raise MemoryError()
 
-    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", out_of_memory)
+    monkeypatch.setattr(lantern.cli.tools, "cmd_make_random_stack", out_of_memory)
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], "out of memory; use a smaller --batch-size",
                capsys)
 
@@ -224,21 +224,21 @@ def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
     def cuda_out_of_memory(args: object) -> int:
         raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
 
-    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", cuda_out_of_memory)
+    monkeypatch.setattr(lantern.cli.tools, "cmd_make_random_stack", cuda_out_of_memory)
     fails_with(["make-random-stack", "--out", str(tmp_path / "s")], "out of memory; use a smaller --batch-size",
                capsys)
 
     def bug(args: object) -> int:
         raise ZeroDivisionError("a bug in lantern")
 
-    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", bug)
+    monkeypatch.setattr(lantern.cli.tools, "cmd_make_random_stack", bug)
     with pytest.raises(ZeroDivisionError):  # a bug is not dressed up as a user error
         main(["make-random-stack", "--out", str(tmp_path / "s")])
 
     def runtime_bug(args: object) -> int:
         raise RuntimeError("shape mismatch in lantern")
 
-    monkeypatch.setattr(lantern.cli.main, "cmd_make_random_stack", runtime_bug)
+    monkeypatch.setattr(lantern.cli.tools, "cmd_make_random_stack", runtime_bug)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["make-random-stack", "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s").exists()
