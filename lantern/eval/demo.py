@@ -84,11 +84,14 @@ def run_demo(
 def format_table(rows: list[MethodTiming]) -> str:
     from lantern.eval.bench import tree_label
 
-    head = (f"{'method':<10} {'tree':<22} {'mean accepted':>13} {'target forwards':>15} {'wall s':>8} "
+    trees = [tree_label(r.result.method) for r in rows]
+    m = max([10, *(len(r.method) for r in rows)])  # columns as wide as their longest entry
+    t = max([22, *(len(tree) for tree in trees)])
+    head = (f"{'method':<{m}} {'tree':<{t}} {'mean accepted':>13} {'target forwards':>15} {'wall s':>8} "
             f"{'speed-up':>9}")
     lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.method:<10} {tree_label(r.result.method):<22} {r.mean_accepted:>13.2f} "
+    for r, tree in zip(rows, trees, strict=True):
+        lines.append(f"{r.method:<{m}} {tree:<{t}} {r.mean_accepted:>13.2f} "
                      f"{r.target_forwards:>15d} {r.wall_seconds:>8.2f} {r.speedup_vs_ar:>8.2f}x")
     return "\n".join(lines)
 
