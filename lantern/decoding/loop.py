@@ -40,6 +40,45 @@ from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
 
+class Target(Protocol):
+    """What the loop needs from a target adapter (``LlamaGenTarget``, ``lantern.targets.chameleon.ChameleonTarget``).
+
+    The loop works in *code* space: ``vocab_size`` is the number of VQ codes, ``lm_head`` maps a
+    hidden state to code logits (the drafter shares it), ``num_tokens`` is the image's code count.
+    """
+
+    sampling: SamplingConfig
+    streams: int  # 2 with classifier-free guidance ([cond; uncond] rows), else 1
+    forwards: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def lm_head(self) -> torch.nn.Linear: ...
+
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
+
+
+class GridTarget(Target, Protocol):
+    """A target that can verify PJD's grid blocks (``lantern.decoding.pjd``): tokens at explicit image
+    cells, visibility from the row-causal mask, commits out of raster order."""
+
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor: ...
+
+    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A proposal for every row: tree nodes, their structure and the drafter's distributions."""
@@ -463,43 +502,3 @@ def _gather_path(hidden: Tensor, path: Tensor, streams: int) -> Tensor:
     """hidden [S*B, T, D], path [B, W] -> [S*B, W, D] features along each row's path."""
     idx = path.repeat(streams, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
     return hidden.gather(1, idx)
-
-
-
-class Target(Protocol):
-    """What the loop needs from a target adapter (``LlamaGenTarget``, ``lantern.targets.chameleon.ChameleonTarget``).
-
-    The loop works in *code* space: ``vocab_size`` is the number of VQ codes, ``lm_head`` maps a
-    hidden state to code logits (the drafter shares it), ``num_tokens`` is the image's code count.
-    """
-
-    sampling: SamplingConfig
-    streams: int  # 2 with classifier-free guidance ([cond; uncond] rows), else 1
-    forwards: int
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def lm_head(self) -> torch.nn.Linear: ...
-
-    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
-
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]: ...
-
-    def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
-
-
-class GridTarget(Target, Protocol):
-    """A target that can verify PJD's grid blocks (``lantern.decoding.pjd``): tokens at explicit image
-    cells, visibility from the row-causal mask, commits out of raster order."""
-
-    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor: ...
-
-    def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None: ...
