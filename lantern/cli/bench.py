@@ -14,11 +14,8 @@ import torch
 from lantern.cli.common import (
     MODEL_HELP,
     add_budget_arg,
-    add_chameleon_args,
-    add_compile_arg,
     add_overwrite_arg,
-    add_sampling_args,
-    add_trust_checkpoint_arg,
+    add_tool_args,
 )
 from lantern.errors import check
 from lantern.eval.bench import (
@@ -180,8 +177,5 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="output folder (default bench-<model>)")
     add_overwrite_arg(p)
     p.add_argument("--no-progress", action="store_true")
-    add_trust_checkpoint_arg(p)
-    add_compile_arg(p)
-    add_chameleon_args(p)
-    add_sampling_args(p)
+    add_tool_args(p)
     p.set_defaults(func=cmd_bench)

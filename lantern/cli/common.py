@@ -266,3 +266,12 @@ def layout_from_args(args: argparse.Namespace, root: Path) -> Any:
         raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
                            "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
     return chameleon_layout(root, args.layout, args.image_size)
+
+
+def add_tool_args(p: argparse.ArgumentParser) -> None:
+    """What every command that loads a model for measuring takes (demo, bench, profile): checkpoint
+    trust, compilation, the Chameleon layout flags and the sampling overrides."""
+    add_trust_checkpoint_arg(p)
+    add_compile_arg(p)
+    add_chameleon_args(p)
+    add_sampling_args(p)

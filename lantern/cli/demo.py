@@ -9,11 +9,8 @@ from typing import Any
 from lantern.cli.common import (
     MODEL_HELP,
     add_budget_arg,
-    add_chameleon_args,
-    add_compile_arg,
     add_overwrite_arg,
-    add_sampling_args,
-    add_trust_checkpoint_arg,
+    add_tool_args,
     check_auto_tree,
     check_compile,
     load_tool_stack,
@@ -52,10 +49,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
                    help="the window of the pjd* methods shown, or auto (timed on this device)")
     add_budget_arg(p)
     p.add_argument("--no-progress", action="store_true")
-    add_trust_checkpoint_arg(p)
-    add_compile_arg(p)
-    add_chameleon_args(p)
-    add_sampling_args(p)
+    add_tool_args(p)
     p.set_defaults(func=cmd_demo)
 
 

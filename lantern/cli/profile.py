@@ -6,11 +6,8 @@ import argparse
 
 from lantern.cli.common import (
     MODEL_HELP,
-    add_chameleon_args,
-    add_compile_arg,
     add_overwrite_arg,
-    add_sampling_args,
-    add_trust_checkpoint_arg,
+    add_tool_args,
     check_compile,
     load_tool_stack,
 )
@@ -42,10 +39,7 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
                         "phase; writes OUT/trace.json and OUT/trace.md")
     p.add_argument("--trace-images", type=int, default=2, help="images per method for --trace (default 2)")
     p.add_argument("--no-progress", action="store_true")
-    add_trust_checkpoint_arg(p)
-    add_compile_arg(p)
-    add_chameleon_args(p)
-    add_sampling_args(p)
+    add_tool_args(p)
     p.set_defaults(func=cmd_profile)
 
 
