@@ -127,7 +127,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         choices=["random", "repeat_horizon"],
         help="sjd*, gsd: new guesses are uniform random tokens, or repeat the token to their left (default random; "
-        "sjd-coupled*: repeat_horizon)",
+        "sjd-coupled* and the relaxed sjd-lantern*: repeat_horizon)",
     )
     p.add_argument(
         "--sjd-coupling",

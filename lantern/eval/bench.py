@@ -68,6 +68,7 @@ class MethodSpec:
     coupling: str | None = None  # sjd-coupled*, gsd: --sjd-coupling (None: the default)
     window: int | str | None = None  # sjd*, gsd: --sjd-window; pjd*: --pjd-window (None: default; "auto": timed)
     context: int | None = None  # pjd*: --pjd-context (None: the default)
+    init: str | None = None  # sjd*, gsd: --sjd-init (None: the method's default)
 
     @property
     def name(self) -> str:
@@ -78,7 +79,7 @@ class MethodSpec:
         window = None if self.window == "auto" else self.window  # auto: the default, until resolve_auto_windows
         sjd = self.method in SJD_METHODS
         return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget,
-                                    coupling=self.coupling, window=window if sjd else None,
+                                    coupling=self.coupling, window=window if sjd else None, init=self.init,
                                     pjd_window=None if sjd else window, pjd_context=self.context)
 
 
@@ -708,7 +709,8 @@ def parse_methods(
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
     run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
     (``lantern/delta=0.2/budget=token``), and so does a Jacobi method's coupling
-    (``sjd-coupled/coupling=gumbel``), a Jacobi window (``sjd/window=8``, ``sjd/window=auto``) and PJD's
+    (``sjd-coupled/coupling=gumbel``), a Jacobi window (``sjd/window=8``, ``sjd/window=auto``) and initial
+    guesses (``sjd-lantern/init=repeat_horizon``), and PJD's
     window and context (``pjd/window=4/context=8``, ``pjd/window=auto``);
     ``budget`` (``--lantern-budget``) is the relaxed rows'
     default budget."""
@@ -733,7 +735,8 @@ def parse_methods(
 def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
     """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
     kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str,
-                                              "coupling": str, "window": _window_value, "context": int}
+                                              "coupling": str, "window": _window_value, "context": int,
+                                              "init": str}
     out: dict[str, Any] = {"budget": budget if name in LANTERN_METHODS else None}
     for option in options:
         key, eq, value = option.partition("=")
