@@ -405,11 +405,9 @@ def _train(
     log = _run_steps(run, start_step, end, progress)
     steps_run = end - start_step
     if end < loop.steps:
-        _leave(accelerator)
         return TrainResult(out, {}, steps_run, resumed_from, finished=False, main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:  # process 0 alone evaluates and writes; the others are done
-        _leave(accelerator)
         return TrainResult(out, {}, steps_run, resumed_from, finished=True, main_process=False)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
@@ -418,16 +416,7 @@ def _train(
     prov = provenance(task, loop, metrics, command, time.time() - t0, resumed_from)
     task.save(unwrapped, out)
     write_json(out / PROVENANCE_FILE, {**prov, "processes": world})
-    _leave(accelerator)
     return TrainResult(out, metrics, steps_run, resumed_from, finished=True)
-
-
-def _leave(accelerator: Any) -> None:
-    """Every process waits for process 0's writes, then leaves the process group. A process that
-    exited with the gloo group still open while process 0 was still writing aborted in the group's
-    destructor ("terminate called without an active exception", once in a CI run under torchrun)."""
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # destroys the process group when there is one
 
 
 def _resume_from(run: _Run, existing: Path) -> int:
