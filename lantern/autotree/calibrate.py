@@ -12,6 +12,7 @@ from torch import Tensor
 from lantern.autotree.model import DEFAULT_PROBE_WIDTHS, SPECULATIVE_METHODS, AcceptanceModel, Choice, RoundRecord
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import Acceptance, Drafter, DraftTree, GenerationOutput, Target, generate
+from lantern.decoding.rng import RowRandom
 from lantern.decoding.trees import probe_choices, register_tree
 from lantern.errors import check
 from lantern.pipeline import MethodConfig, image_seed, prepare_method
@@ -41,8 +42,8 @@ class RecordingDrafter:
     def start(self, hidden: Tensor, root: Tensor) -> None:
         self.inner.start(hidden, root)
 
-    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
-        tree = self.inner.propose(generators, active, max_depth)
+    def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+        tree = self.inner.propose(rng, active, max_depth)
         self._last = (tree.tokens.cpu(), tree.buffers.children.cpu(), max_depth.cpu())
         return tree
 

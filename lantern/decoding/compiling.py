@@ -1,26 +1,36 @@
-"""Opt-in compilation of the decode engine's hot regions (``--compile``, ``compile=`` in the library).
+"""Opt-in compilation of the decode engine (``--compile``, ``compile=`` in the library).
 
-The compiled regions are pure, static-shape functions of tensors (gpt-fast's recipe):
+**One region per round.** Under ``compile`` the loop runs each decoding round as one compiled
+callable (:func:`round_fn`): the drafter's whole chain or tree (every feed and every level's
+draws, unrolled at trace time to the tree's static depth), the target verify with its tree mask,
+the acceptance rule, residual / bonus sampling, the cache commits of target and drafter and the
+bookkeeping (codes, lengths, root). That is what SGLang's EAGLE worker, vLLM's EAGLE proposer and
+TensorRT-LLM's one-model speculative worker capture in CUDA graphs; gpt-fast compiles the same
+kind of static-shape step. Everything inside is static-shape and sync-free: accepted lengths are
+index tensors over the tree's fixed width, finished rows compute and write nothing, random numbers
+come from a counter hash (``lantern.decoding.rng``), not from ``torch.Generator`` objects. The
+compiled round is built with ``fullgraph=True`` (a graph break is an error, not a silent slow
+path) and ``dynamic=False`` (one graph per method, tree and batch size). On CUDA ``auto`` picks
+``reduce-overhead``: the round is one CUDA-graph replay.
 
-* the target step (``lantern.targets.llamagen._verify_step``): embeddings, every layer with its cache
-  writes, the final norm, the LM head and CFG, for one tree shape. AR runs the same function
-  with a one-node tree, so speed-ups are measured against a compiled AR;
-* the drafter steps (``lantern.drafters.eagle._context_step`` / ``_feed_step``): the EAGLE layer, the
-  shared LM head and CFG, over preallocated buffers;
-* the fused acceptance (``lantern.decoding.loop._accept_core``): target probabilities, the (relaxed)
-  acceptance walk and the recovered / bonus sample, from uniforms drawn outside.
+The finer regions (:func:`step_fn`: the target step, the drafter steps, the fused acceptance) are
+inlined when they run inside a compiled round; they are compiled on their own only where a caller
+uses them outside the loop (the prefill, ``lantern profile``'s cost probes).
 
-Every region is compiled with ``fullgraph=True`` (a graph break is an error, not a silent slow
-path) and ``dynamic=False`` (one graph per shape: tree size, batch size). Random numbers are drawn
-outside, from each row's ``torch.Generator``, so compiled and eager decoding consume the same
-streams. Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs: one replay
-per step instead of hundreds of launches), ``max-autotune``. ``auto`` picks ``reduce-overhead``
-on CUDA and ``default`` elsewhere.
+**Start-up.** Each (method, tree, batch size) is traced and compiled once per process. Inductor's
+generated kernels are cached on disk (:func:`compile_cache_dir`: ``$LANTERN_COMPILE_CACHE``, else
+``$XDG_CACHE_HOME/lantern/compile`` or ``~/.cache/lantern/compile``), so a second run of the same
+command skips code generation and C++ compilation and pays only the trace.
+
+Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs), ``max-autotune``.
+``auto`` picks ``reduce-overhead`` on CUDA and ``default`` elsewhere.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +41,27 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # modes that capture CUDA graphs
 
 _compiled: dict[tuple[Callable[..., Any], str, str], Callable[..., Any]] = {}
+# Calls of compiled regions made by the engine since import (``lantern profile --trace`` reads the
+# difference across a round: its ``regions_per_round``).
+region_calls = 0
+
+
+def compile_cache_dir() -> Path:
+    """Where inductor's compiled artifacts persist across processes: ``$LANTERN_COMPILE_CACHE``,
+    else ``$XDG_CACHE_HOME/lantern/compile``, else ``~/.cache/lantern/compile``."""
+    if os.environ.get("LANTERN_COMPILE_CACHE"):
+        return Path(os.environ["LANTERN_COMPILE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lantern" / "compile"
+
+
+def _use_cache_dir() -> None:
+    """Point inductor's caches (FX graph and AOT-autograd caches, kernels) at :func:`compile_cache_dir`,
+    unless the user already set ``TORCHINDUCTOR_CACHE_DIR``."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = compile_cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
 def resolve_compile(mode: str | None, device: torch.device | str) -> str | None:
@@ -62,6 +93,7 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu") -> Cal
     """
     key = (fn, mode, device_type)
     if key not in _compiled:
+        _use_cache_dir()
         cfg: Any = torch._dynamo.config
         cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
@@ -74,20 +106,63 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu") -> Cal
 
 
 def step_fn(fn: Callable[..., Any], mode: str | None, device: torch.device) -> Callable[..., Any]:
-    """``fn`` itself (eager) or its compiled form; under CUDA graphs, outputs are cloned on return
-    (a later replay would overwrite them while the loop still reads them)."""
+    """``fn`` itself (eager, or inlined when traced inside a compiled round) or its compiled form."""
+    if mode is None or torch.compiler.is_compiling():
+        return fn
+    return _counted(compiled(fn, mode, device.type), uses_cuda_graphs(mode, device))
+
+
+def round_fn(
+    fn: Callable[..., Any], mode: str | None, device: torch.device, state: tuple[object, ...] = ()
+) -> Callable[..., Any]:
+    """A decoding round as one compiled region (``fn`` itself when ``mode`` is None).
+
+    state: the objects whose tensors the round mutates in place (target, drafter, random streams,
+    codes); under CUDA graphs their addresses are marked static, so that cudagraph trees replay
+    the round instead of skipping it for "mutated inputs".
+    """
     if mode is None:
         return fn
-    step = compiled(fn, mode, device.type)
-    if not uses_cuda_graphs(mode, device):
-        return step
+    graphs = uses_cuda_graphs(mode, device)
+    if graphs:
+        for tensor in _state_tensors(state):
+            mark_static(tensor)
+    return _counted(compiled(fn, mode, device.type), graphs)
+
+
+def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
+    """Count every call (``region_calls``); under CUDA graphs, open a new replay step and clone the
+    outputs on return (a later replay would overwrite them while the loop still reads them)."""
 
     def run(*args: Any) -> Any:
+        global region_calls
+        region_calls += 1
+        if not graphs:
+            return step(*args)
         torch.compiler.cudagraph_mark_step_begin()
         out = step(*args)
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
 
     return run
+
+
+def _state_tensors(objs: tuple[object, ...], depth: int = 3) -> list[torch.Tensor]:
+    """Tensors held by these objects, their attributes and containers, ``depth`` levels down."""
+    found: dict[int, torch.Tensor] = {}
+
+    def visit(obj: object, level: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif level > 0 and isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, level - 1)
+        elif level > 0 and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+            for value in vars(obj).values():
+                visit(value, level - 1)
+
+    for obj in objs:
+        visit(obj, depth)
+    return list(found.values())
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

@@ -9,9 +9,11 @@ a node names its parent by feed number (-1 = the root) and its ancestors by a ma
 feed numbers. Drafter K/V written while drafting are never committed, so nothing has to be rolled
 back: the next round's context pass overwrites them.
 
-Randomness: static trees sample children without replacement by an exponential race
-(``argtop-m(q / E)``, E ~ Exp(1), equivalent to Gumbel-top-k). Every row draws the same amount
-of noise per round whatever its batch-mates do, so its stream is independent of the batch.
+Randomness: static trees sample each node's m children without replacement, one after another
+by inverse CDF (draw from q, remove the drawn token, draw from the rest): the same law as EAGLE's
+Gumbel-top-k race, for m uniforms per node instead of V exponentials. Every row draws the same
+count per round (``TreeConfig``-fixed) from its own stream (``lantern.decoding.rng``) whatever its
+batch-mates do, so its codes are independent of the batch.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lantern.decoding.compiling import step_fn
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
-from lantern.decoding.sampling import apply_cfg, probs_from_logits, process_logits
+from lantern.decoding.rng import RowRandom
+from lantern.decoding.sampling import apply_cfg, one_hot, probs_from_logits, process_logits, sample_from_probs
 from lantern.decoding.trees import (
     StaticTree,
     TreeBuffers,
@@ -40,9 +42,11 @@ from lantern.errors import check
 
 
 class DraftBackend(Protocol):
-    forwards: int
+    forwards: int | Tensor
 
-    def start(self, hidden: Tensor, root: Tensor) -> None: ...
+    def start(self, hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
+        """path_width: the width of every round's commit (a backend may pad its first context to it)."""
+        ...
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None: ...
 
@@ -108,7 +112,7 @@ class TreeDrafter:
         self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None
 
     @property
-    def forwards(self) -> int:
+    def forwards(self) -> int | Tensor:
         return self.backend.forwards
 
     @property
@@ -121,8 +125,13 @@ class TreeDrafter:
         return self.tree.max_depth
 
     def start(self, hidden: Tensor, root: Tensor) -> None:
-        self.root = root
-        self.backend.start(hidden, root)
+        # A copy: the loop holds ``root`` too, and a compiled round must not see the two aliased in
+        # its first round only (dynamo guards on aliasing: that would be a second graph).
+        self.root = root.clone()
+        self.backend.start(hidden, root, path_width=self.tree.max_depth + 1)
+        if self.static is not None:  # schedules and buffers cost host syncs: built here, not in a round
+            self._level_plans(root.device)
+            self._static_batch(root.shape[0], root.device)
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         last = next_tokens.gather(1, (num_new - 1).clamp(min=0)[:, None])[:, 0]
@@ -130,16 +139,18 @@ class TreeDrafter:
         self.root = torch.where(num_new > 0, last, self.root)
         self.backend.commit(hidden, next_tokens, num_new)
 
-    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+    def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:
         assert self.root is not None
         root_logits = self.backend.begin()  # [B, V]
         if self.static is None:
             return self._dynamic(root_logits)
-        return self._static(root_logits, generators, active)
+        return self._static(root_logits, rng)
 
     # -- static trees (EAGLE-1 / LANTERN++), chains ------------------------------------------------
 
-    def _static(self, root_logits: Tensor, generators: list[torch.Generator] | None, active: Tensor) -> DraftTree:
+    def _static(self, root_logits: Tensor, rng: RowRandom | None) -> DraftTree:
+        """Unrolled level by level (a Python loop over the tree's static levels: under a compiled
+        round every level's feed and draws land in the one graph)."""
         st = self.static
         assert st is not None and self.root is not None
         b, t, v = root_logits.shape[0], st.num_nodes, root_logits.shape[-1]
@@ -148,10 +159,12 @@ class TreeDrafter:
         tokens[:, 0] = self.root
         sampled = not self.sampling.greedy
         q_draft = torch.zeros(b, t, v, device=device) if sampled else None
-        with phase("draft_sampling"):
-            noise = self._race_noise(generators, active, b, v, device) if sampled else None
-        noise_row = 0
-        for d, plan in enumerate(self._level_plans(device)):
+        plans = self._level_plans(device)
+        with phase("draft_sampling"):  # one fixed count per row and round: sum over levels of E * m
+            u = rng.uniform(sum(p.nodes.shape[0] * p.num_samples for p in plans if p is not None)) \
+                if sampled and rng is not None else None
+        offset = 0
+        for d, plan in enumerate(plans):
             if plan is None:
                 continue
             if d == 0:
@@ -160,12 +173,11 @@ class TreeDrafter:
                 parent = plan.parent_feed[None].expand(b, -1)
                 anc = plan.ancestors[None].expand(b, -1, -1)
                 logits = self.backend.feed(parent, tokens[:, plan.nodes], d, anc)
-            e = plan.nodes.shape[0]
+            e, m = plan.nodes.shape[0], plan.num_samples
             with phase("draft_sampling"):
-                level_noise = None if noise is None else noise[:, noise_row : noise_row + e]
-                noise_row += e
-                q, draws = step_fn(_draw_level, self.compile, device)(logits, level_noise, self.sampling,
-                                                                     plan.num_samples)
+                level_u = None if u is None else u[:, offset : offset + e * m].view(b, e, m)
+                offset += e * m
+                q, draws = _draw_level(logits, level_u, self.sampling, m)
                 if q_draft is not None:
                     q_draft[:, plan.nodes] = q
                 tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
@@ -215,18 +227,6 @@ class TreeDrafter:
         _SHARED_PLANS[key] = plans
         return plans
 
-    def _race_noise(
-        self, generators: list[torch.Generator] | None, active: Tensor, b: int, v: int, device: torch.device
-    ) -> Tensor:
-        """[B, n_expanded, V] Exp(1) noise, row b from its own generator. Finished rows draw too
-        (their codes are complete), which keeps the round free of a sync to find the active ones."""
-        assert self.static is not None and generators is not None
-        n_exp = sum(int(n.numel()) for n in self.static.expand_levels)
-        noise = torch.empty(b, n_exp, v, device=device)
-        for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g)
-        return noise
-
     def _static_batch(self, b: int, device: torch.device) -> TreeBuffers:
         cached = self._static_buffers
         if cached is None or cached.parents.shape[0] != b:
@@ -266,7 +266,7 @@ class TreeDrafter:
             pj = best // k  # index of the parent within the current frontier
             tok = child_tok.flatten(1).gather(1, best)
             flat = k + i * k * k + best
-            grow = torch.nn.functional.one_hot(i * k + pj, (i + 1) * k).bool()  # the parent itself
+            grow = one_hot(i * k + pj, (i + 1) * k, torch.bool)  # the parent itself
             inherited = ancestors.gather(1, pj[:, :, None].expand(-1, -1, ancestors.shape[2]))
             ancestors = torch.cat([inherited, torch.zeros(b, k, k, dtype=torch.bool, device=device)], 2) | grow
             feed_parent = i * k + pj
@@ -275,7 +275,8 @@ class TreeDrafter:
         with phase("tree"):
             sel, parents = dynamic_tree_select(scores, parent_flat, total)
             tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
-            buffers = tree_from_parents(parents)
+            # Static sizes (no sync): depth <= depth + 1, at most top_k children, at most total leaves.
+            buffers = tree_from_parents(parents, bounds=(depth + 1, min(k, total), total))
         return DraftTree(tokens=tokens, buffers=buffers, q_draft=None)
 
     def _log_q(self, logits: Tensor) -> Tensor:
@@ -283,15 +284,24 @@ class TreeDrafter:
 
 
 def _draw_level(
-    logits: Tensor, noise: Tensor | None, sampling: SamplingConfig, num_samples: int
+    logits: Tensor, u: Tensor | None, sampling: SamplingConfig, num_samples: int
 ) -> tuple[Tensor | None, Tensor]:
-    """One level's draws (a compiled region): q [B, E, V] (None for greedy) and the children's
-    tokens [B, E, m], sampled without replacement by the exponential race ``argtop-m(q / E)``, in
-    draw order; greedy drafts are the top-m logits."""
-    if noise is None:
+    """One level's draws: q [B, E, V] (None for greedy) and the children's tokens [B, E, m],
+    sampled from q without replacement in draw order (draw r by inverse CDF with uniform
+    ``u[..., r]`` from q with draws 0..r-1 removed: the law of EAGLE's Gumbel-top-k race);
+    greedy drafts are the top-m logits."""
+    if u is None:
         return None, logits.topk(num_samples, dim=-1).indices
     q = probs_from_logits(logits, sampling)
-    return q, (q / noise).topk(num_samples, dim=-1).indices
+    b, e, v = q.shape
+    rest = q.reshape(b * e, v)
+    draws = []
+    for r in range(num_samples):
+        x = sample_from_probs(rest, u[:, :, r].reshape(-1))  # [B*E]
+        draws.append(x.view(b, e))
+        if r + 1 < num_samples:
+            rest = rest.scatter(1, x[:, None], 0.0)
+    return q, torch.stack(draws, dim=-1)
 
 
 def _guided(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:

@@ -38,12 +38,16 @@ distribution. LANTERN's relaxation applies unchanged through the loop's ``Accept
 Greedy (temperature 0): guesses are argmax tokens and the loop's greedy verification keeps only
 guesses equal to the target's argmax, so SJD reproduces greedy AR token for token.
 
-Randomness: every row draws a fixed number of uniforms per round from its own
-``torch.Generator`` (L for the carried samples, or L * V for ``gumbel`` noise; L for ``random``
+Randomness: every row draws a fixed number of uniforms per round from its own stream
+(``lantern.decoding.rng``: L for the carried samples, or L * V for ``gumbel`` noise; L for ``random``
 initialisation), whatever its batch-mates do, so a row's codes do not depend on the batch (as in
 ``lantern.decoding.drafting``).
-Greedy decoding without generators uses private generators with a fixed seed: the output is
+Greedy decoding without generators uses private streams with a fixed seed: the output is
 greedy AR whatever the guesses, only the speed depends on them.
+
+Every round has the same shape (a compiled round is one graph, traced once): the first round
+carries over from all-zero logits with ``num_new`` 0, which keeps nothing and initialises the
+whole window.
 
 Deliberately left out: the reference code's ``jacobi_loop_interval`` (plain decoding near the start
 and end of the image) and its ``*sample*`` initialisations.
@@ -62,7 +66,8 @@ from lantern.decoding.acceptance import maximal_coupling
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
-from lantern.decoding.sampling import draw_uniforms, one_hot, probs_from_logits, sample_from_probs
+from lantern.decoding.rng import RowRandom
+from lantern.decoding.sampling import one_hot, probs_from_logits, sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
@@ -71,7 +76,7 @@ JACOBI_INITS = ("random", "repeat_horizon")
 # with the guess it replaces (SCD: ``maximal`` coupling or shared ``gumbel`` noise).
 COUPLINGS = ("independent", "maximal", "gumbel")
 DEFAULT_WINDOW = 16  # SJD's max_num_new_tokens (SPEC §6)
-GREEDY_INIT_SEED = 0  # seed of the private generators for random guesses when decoding greedily
+GREEDY_INIT_SEED = 0  # seed of the private streams for random guesses when decoding greedily
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ class JacobiDrafter:
         self.q: Tensor | None = None  # [B, L, V] (sampled decoding only)
         self._logits: Tensor | None = None  # [B, L+1, V] guided logits of the last verify forward
         self._num_new: Tensor | None = None  # [B] tokens the last round added (0: none yet / inactive)
-        self._own_generators: list[torch.Generator] = []
+        self._own_rng: RowRandom | None = None
         self._buffers: TreeBuffers | None = None
         self._first_new: Tensor | None = None  # [B] first freshly initialised slot of the current window
         # gumbel coupling: Exp(1) noise per open position, in a ring of L + 1 slots (position mod L+1)
@@ -173,10 +178,14 @@ class JacobiDrafter:
         self.canvas = torch.full((b, self.num_tokens + self.window), -1, dtype=torch.long, device=device)
         self.canvas[:, 0] = root
         self.n = torch.ones(b, dtype=torch.long, device=device)
-        self.q, self._logits = None, None
-        self._num_new = torch.zeros(b, dtype=torch.long, device=device)
-        self._own_generators = [torch.Generator(device=device).manual_seed(GREEDY_INIT_SEED) for _ in range(b)]
-        self._first_new = None
+        # The first round is shaped like every other (one compiled graph): it "carries over" from
+        # all-zero logits with num_new = L + 1, which keeps no guess and makes slot 0 the first new one.
+        self._logits = torch.zeros(b, self.window + 1, self.vocab_size, device=device)
+        self._num_new = torch.full((b,), self.window + 1, dtype=torch.long, device=device)
+        self.q = None if self.sampling.greedy else torch.zeros(b, self.window, self.vocab_size, device=device)
+        self._own_rng = RowRandom.from_seeds([GREEDY_INIT_SEED] * b, device)
+        self._first_new = torch.zeros(b, dtype=torch.long, device=device)
+        self._chain(b)  # built here: tree buffers cost host syncs
         self.redrawn = torch.zeros((), dtype=torch.long, device=device)
         self.kept = torch.zeros((), dtype=torch.long, device=device)
         if self.config.coupling == "gumbel" and not self.sampling.greedy:
@@ -198,16 +207,14 @@ class JacobiDrafter:
         self.n = self.n + num_new
         self._num_new = num_new
 
-    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+    def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:
         """The chain [root, window] per row; depth beyond ``max_depth`` is cut by the acceptance."""
         assert self.canvas is not None and self.n is not None and self._num_new is not None
-        gens = generators if generators is not None else self._own_generators
-        first_new = torch.zeros_like(self.n)  # [B] first window slot that needs a new guess
-        carried = None
+        gens = rng if rng is not None else self._own_rng
+        assert gens is not None
         with phase("draft_sampling"):
-            if self._logits is not None:
-                first_new = (self.window + 1 - self._num_new).clamp(0, self.window)
-                carried = self._carry_over(gens)
+            first_new = (self.window + 1 - self._num_new).clamp(0, self.window)  # [B] first slot needing a new guess
+            carried = self._carry_over(gens)
             self._initialise(first_new, gens)
         self._first_new = first_new
         slots = self.n[:, None] + torch.arange(self.window, device=self.n.device)  # [B, L] positions
@@ -222,7 +229,7 @@ class JacobiDrafter:
 
     # -- Jacobi carry-over and initialisation ------------------------------------------------------
 
-    def _carry_over(self, gens: list[torch.Generator]) -> Tensor | None:
+    def _carry_over(self, gens: RowRandom) -> Tensor | None:
         """Redraw y_j ~ p_j at every window node and write them over the guesses after each row's
         new tokens (per ``config.coupling``). Returns p at nodes 1..L [B, L, V] (the carried
         guesses' new q: each y_j is distributed as p_j whatever the coupling), None if greedy.
@@ -237,7 +244,7 @@ class JacobiDrafter:
         pos = n_old[:, None] + torch.arange(1, length + 1, device=logits.device)  # [B, L]
         # Positions below n are now known (accepted or recovered); only later guesses move.
         keep = (pos >= self.n[:, None]) & (self._num_new > 0)[:, None]
-        pos = pos.clamp(max=self.canvas.shape[1] - 1)
+        pos = pos.clamp(0, self.canvas.shape[1] - 1)  # the first round's positions lie before 0: kept by none
         old = self.canvas.gather(1, pos)  # [B, L] the guesses being replaced (-1: none yet)
         if self.sampling.greedy:
             p, y = None, logits.argmax(dim=-1)
@@ -246,17 +253,16 @@ class JacobiDrafter:
             y = self._redraw(p, old, pos, gens)
         self._count_stability(old, y, keep)
         self.canvas.scatter_(1, pos, torch.where(keep, y, old))
-        self._logits = None
         return p
 
-    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator]) -> Tensor:
+    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: RowRandom) -> Tensor:
         """New guesses [B, L] for positions ``pos`` [B, L] from p [B, L, V], replacing ``old``."""
         b, length, v = p.shape
         if self.config.coupling == "gumbel":
             return (p / self._shared_noise(pos, gens)).argmax(dim=-1)  # Gumbel-max as an exponential race
         # A fixed L uniforms per row and round (finished rows too: their codes are complete), so
         # batch-mates never shift a row's stream and no sync finds the active rows.
-        u = draw_uniforms(gens, length, p.device)
+        u = gens.uniform(length)
         if self.config.coupling == "independent":
             return sample_from_probs(p.reshape(b * length, v), u.reshape(-1)).view(b, length)
         assert self.q is not None
@@ -267,7 +273,7 @@ class JacobiDrafter:
                              u.reshape(-1))
         return y.view(b, length)
 
-    def _shared_noise(self, pos: Tensor, gens: list[torch.Generator]) -> Tensor:
+    def _shared_noise(self, pos: Tensor, gens: RowRandom) -> Tensor:
         """Exp(1) noise [B, L, V] for positions ``pos``: the same at a position in every round until
         it is decided, so ``argmax p / noise`` (Gumbel-max) only moves where p moved.
 
@@ -278,7 +284,7 @@ class JacobiDrafter:
         assert self._noise is not None and self._noise_pos is not None
         b, length = pos.shape
         v = self._noise.shape[-1]
-        fresh = -torch.log(draw_uniforms(gens, length * v, pos.device)).view(b, length, v)
+        fresh = gens.exponential(length * v).view(b, length, v)
         slot = pos % (length + 1)  # [B, L], distinct within a row
         stale = self._noise_pos.gather(1, slot) != pos  # [B, L]
         index = slot[:, :, None].expand(-1, -1, v)
@@ -297,7 +303,7 @@ class JacobiDrafter:
         self.redrawn = self.redrawn + carried.sum()
         self.kept = self.kept + (carried & (y == old)).sum()
 
-    def _initialise(self, first_new: Tensor, gens: list[torch.Generator]) -> None:
+    def _initialise(self, first_new: Tensor, gens: RowRandom) -> None:
         """New guesses in window slots >= first_new [B] (positions not predicted by any forward)."""
         assert self.canvas is not None and self.n is not None
         if self.config.init == "random":
@@ -305,10 +311,10 @@ class JacobiDrafter:
         else:
             self._initialise_repeat_horizon(first_new)
 
-    def _initialise_random(self, first_new: Tensor, gens: list[torch.Generator]) -> None:
+    def _initialise_random(self, first_new: Tensor, gens: RowRandom) -> None:
         assert self.canvas is not None and self.n is not None
         length, device = self.window, self.n.device
-        u = draw_uniforms(gens, length, device)  # L per row and round, used or not (batch independence)
+        u = gens.uniform(length)  # L per row and round, used or not (batch independence)
         tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)  # uniform over the vocabulary
         slot = torch.arange(length, device=device)[None, :]
         pos = self.n[:, None] + slot
@@ -319,8 +325,7 @@ class JacobiDrafter:
         """Copy the token one cell to the left (one row up at a row start), slot by slot, so a new
         guess may copy a new guess just made to its left."""
         assert self.canvas is not None and self.n is not None
-        lo = int(first_new.min())
-        for i in range(lo, self.window):
+        for i in range(self.window):  # every slot (masked): no sync to find the first new one
             pos = self.n + i  # [B]
             src = torch.where(pos % self.grid > 0, pos - 1, pos - self.grid)
             value = self.canvas.gather(1, src[:, None])[:, 0]

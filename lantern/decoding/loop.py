@@ -14,8 +14,13 @@ Every method is a configuration of this loop:
   chain with the same chain rule and commits tokens out of raster order (``Target.commit_grid``).
 
 Rows of a batch progress independently: each has its own committed length, its own tree depth cap
-near the end of the image, and its own ``torch.Generator`` — a row draws the same random numbers
-whether it runs alone or in a batch, so batching never changes a row's codes.
+near the end of the image, and its own random stream (``lantern.decoding.rng.RowRandom``: a counter
+hash of the row's seed, seeded from the row's ``torch.Generator``) — a row draws the same random
+numbers whether it runs alone or in a batch, so batching never changes a row's codes.
+
+Under ``compile`` a whole round (propose, verify, accept, commit, bookkeeping) is one compiled
+region (``lantern.decoding.compiling.round_fn``): the loop's Python runs once per round around it, and
+its one host sync is the termination test.
 
 State at the top of each iteration, per row: ``n`` image tokens are known, the first ``n - 1`` are
 in the target's KV cache and the last one (the *root*) is pending; the root is node 0 of the tree.
@@ -23,19 +28,21 @@ in the target's KV cache and the last one (the *root*) is pending; the root is n
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
-from lantern.decoding.compiling import resolve_compile, step_fn
+from lantern.decoding.compiling import resolve_compile, round_fn
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
 from lantern.decoding.phases import phase
 from lantern.decoding.pjd import GridBlock
-from lantern.decoding.sampling import draw_uniforms, probs_from_logits, sample_from_probs
+from lantern.decoding.rng import RowRandom
+from lantern.decoding.sampling import probs_from_logits, sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
@@ -49,7 +56,7 @@ class Target(Protocol):
 
     sampling: SamplingConfig
     streams: int  # 2 with classifier-free guidance ([cond; uncond] rows), else 1
-    forwards: int
+    forwards: int | Tensor  # model forwards so far (a device counter where a compiled round counts them)
 
     @property
     def vocab_size(self) -> int: ...
@@ -93,13 +100,14 @@ class DraftTree:
 class Drafter(Protocol):
     """What the loop needs from a drafter (EAGLE-style: it reads the target's hidden states)."""
 
-    forwards: int
+    forwards: int | Tensor
 
     def start(self, hidden: Tensor, root: Tensor) -> None:
         """hidden [S*B, L, D]: target features of the prefilled condition; root [B]: token 0."""
 
-    def propose(self, generators: list[torch.Generator] | None, active: Tensor, max_depth: Tensor) -> DraftTree:
-        """Draft a tree per row rooted at the pending token. active [B] bool; max_depth [B]."""
+    def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:
+        """Draft a tree per row rooted at the pending token. active [B] bool; max_depth [B];
+        rng: the rows' random streams (None: greedy)."""
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         """hidden [S*B, A, D]: target features along each row's accepted path (root first);
@@ -122,15 +130,14 @@ class GridDrafter(Protocol):
     the loop then runs :func:`_grid_round` (``Target.verify_grid`` / ``commit_grid``) instead of
     the raster round; raster-order drafters never pay for the grid."""
 
-    forwards: int
+    forwards: int | Tensor
 
     def start(self, hidden: Tensor, root: Tensor) -> None: ...
 
-    def propose_grid(self, generators: list[torch.Generator] | None) -> GridBlock: ...
+    def propose_grid(self, rng: RowRandom | None) -> GridBlock: ...
 
     def commit_grid(
-        self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor,
-        generators: list[torch.Generator] | None,
+        self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor, rng: RowRandom | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
 
 
@@ -194,6 +201,9 @@ class Acceptance:
             check(self.neighbours is not None, "relaxed acceptance needs a proximity table")
 
 
+_NO_PHASE = contextlib.nullcontext()
+
+
 def _root_only_tree(batch: int, device: torch.device) -> TreeBuffers:
     return tree_from_parents(torch.full((batch, 1), -1, dtype=torch.long, device=device))
 
@@ -212,8 +222,8 @@ def generate(
     """Generate ``target.num_tokens`` image tokens for each condition row.
 
     cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
-    sampling is greedy). compile: compile the fused acceptance (``lantern.decoding.compiling``; the target
-    and drafter compile their own steps, see their ``compile`` arguments).
+    sampling is greedy): each seeds its row's counter-based stream (``lantern.decoding.rng``) with one
+    draw. compile: run each round as one compiled region (``lantern.decoding.compiling.round_fn``).
     """
     # inference_mode rather than no_grad: no version counters or view tracking on the many small
     # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
@@ -241,11 +251,12 @@ def _generate(
         f"sampling needs one torch.Generator per row ({b}), got {0 if generators is None else len(generators)}",
     )
     acceptance = acceptance or Acceptance()
+    rng = None if generators is None else RowRandom.from_generators(generators, device)
 
     # 1. Prefill the condition; token 0 comes from its last position.
     with phase("prefill"):
         logits0, hidden0 = target.start(cond, cond_mask)
-        root = _sample(logits0, sampling, generators, torch.ones(b, dtype=torch.bool, device=device))
+        root = _sample(logits0, sampling, rng)
     # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
     # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.
     codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
@@ -257,21 +268,22 @@ def _generate(
     relaxed_total = torch.zeros((), dtype=torch.long, device=device)
     if drafter is not None:
         drafter.start(hidden0, root)
-    ar_tree = _root_only_tree(b, device)
     grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
+    # 2-5. The round: one compiled region under ``compile`` (eager otherwise).
+    step = round_fn(_grid_round if grid else _raster_round, compile, device, state=(target, drafter, rng, codes))
+    ar_tree = _root_only_tree(b, device)
 
     bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
     bar.update(b)
     # The one host sync of a round: whether any row still needs tokens.
     while bool((active := n < n_total).any()):
-        if grid:  # PJD: several image rows per round, committed out of raster order
-            assert isinstance(drafter, GridDrafter)
-            new, relaxed = _grid_round(cast(GridTarget, target), drafter, codes, generators, sampling, acceptance,
-                                       active, compile)
-            n = n + new
-        else:
-            new, root, n, relaxed = _raster_round(target, drafter, codes, n, root, generators, sampling,
-                                                  acceptance, active, ar_tree, compile)
+        with phase("round") if compile else _NO_PHASE:  # a compiled round's phases are inside it
+            if grid:  # PJD: several image rows per round, committed out of raster order
+                new, relaxed = step(target, drafter, codes, rng, sampling, acceptance, active)
+                n = n + new
+            else:
+                new, root, n, relaxed = step(target, drafter, codes, n, root, rng, sampling, acceptance, active,
+                                             ar_tree)
         forwards += active
         per_step.append(new)
         relaxed_total += relaxed
@@ -282,7 +294,7 @@ def _generate(
     if per_step:
         stats.tokens_per_step = list(torch.stack(per_step).cpu().unbind(0))
     if drafter is not None:
-        stats.drafter_forwards = drafter.forwards
+        stats.drafter_forwards = int(drafter.forwards)
     return GenerationOutput(codes=codes[:, :n_total], stats=stats)
 
 
@@ -292,15 +304,17 @@ def _raster_round(
     codes: Tensor,
     n: Tensor,
     root: Tensor,
-    generators: list[torch.Generator] | None,
+    rng: RowRandom | None,
     sampling: SamplingConfig,
     acceptance: Acceptance,
     active: Tensor,
     ar_tree: TreeBuffers,
-    compile: str | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One round in raster order (AR, SD, LANTERN, SJD): propose, verify, accept, commit.
-    Returns (new tokens [B], new root [B], n [B], relaxed-only accepts [])."""
+    Returns (new tokens [B], new root [B], n [B], relaxed-only accepts []).
+
+    Static shapes and no host sync, so that the whole round traces as one graph: accepted lengths
+    are index tensors over the tree's fixed width, finished rows compute and write nothing."""
     n_total = target.num_tokens
     # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
     max_depth = (n_total - n - 1).clamp(min=0)
@@ -309,22 +323,20 @@ def _raster_round(
         if drafter is None:
             tree = DraftTree(tokens=root[:, None], buffers=ar_tree)
         else:
-            tree = drafter.propose(generators, active, max_depth)
+            tree = drafter.propose(rng, active, max_depth)
     # 3. Verify: one target forward over every row's tree.
     with phase("verify"):
         logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
     # 4. Accept.
     with phase("accept"):
-        path, num_acc, next_token, relaxed = _accept(
-            logits, tree, max_depth, active, sampling, generators, acceptance, compile
-        )
+        path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, rng, acceptance)
         num_acc = torch.where(active, num_acc, 0)
     # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
     with phase("commit"):
         new = torch.where(active, num_acc + 1, 0)
         target.commit(path, new)
         # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
-        follow, path_hidden, root, n = step_fn(_advance, compile, target.device)(
+        follow, path_hidden, root, n = _advance(
             codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams
         )
         if drafter is not None:
@@ -338,28 +350,27 @@ def _grid_round(
     target: GridTarget,
     drafter: GridDrafter,
     codes: Tensor,
-    generators: list[torch.Generator] | None,
+    rng: RowRandom | None,
     sampling: SamplingConfig,
     acceptance: Acceptance,
     active: Tensor,
-    compile: str | None,
 ) -> tuple[Tensor, Tensor]:
     """One PJD round (``lantern.decoding.pjd``): the same steps over R chains per row, verified in one
     forward with the row-causal mask; each chain is accepted by the loop's chain rule on its own
     (the chains reshaped to rows). Returns (new tokens [B], relaxed-only accepts [])."""
     with phase("propose"):
-        block = drafter.propose_grid(generators)
+        block = drafter.propose_grid(rng)
     with phase("verify"):
         logits = target.verify_grid(block.tokens, block.cells, block.rows)
     with phase("accept"):
         b, r = block.max_depth.shape
         t = block.tokens.shape[1] // r
         u = None
-        if not sampling.greedy:  # a fixed count per row and round, from the row's own generator
+        if not sampling.greedy:  # a fixed count per row and round, from the row's own stream
             with phase("sampling"):
-                u = _uniforms(generators, active, r * (t + 1)).view(b * r, t + 1)
+                u = _uniforms(rng, r * (t + 1)).view(b * r, t + 1)
         buffers = block.buffers
-        _, num_acc, next_token, num_relaxed = step_fn(_accept_core, compile, logits.device)(
+        _, num_acc, next_token, num_relaxed = _accept_core(
             logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
             buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
             acceptance.relaxation, sampling,
@@ -367,31 +378,29 @@ def _grid_round(
         relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
     with phase("commit"):
         keep, num_keep, cells, vals, new = drafter.commit_grid(block, num_acc.view(b, r), next_token.view(b, r),
-                                                               logits, generators)
+                                                               logits, rng)
         target.commit_grid(keep, num_keep)
         codes.scatter_(1, cells, vals)
     return new, relaxed
 
 
-def _sample(
-    logits: Tensor, sampling: SamplingConfig, generators: list[torch.Generator] | None, active: Tensor
-) -> Tensor:
+def _sample(logits: Tensor, sampling: SamplingConfig, rng: RowRandom | None) -> Tensor:
     """One token per row from guided logits [B, V]: argmax (greedy) or inverse-CDF sampling."""
     with phase("sampling"):
         if sampling.greedy:
             return logits.argmax(dim=-1)
-        u = _uniforms(generators, active, 1)[:, 0]
+        u = _uniforms(rng, 1)[:, 0]
         return sample_from_probs(probs_from_logits(logits, sampling), u)
 
 
-def _uniforms(generators: list[torch.Generator] | None, active: Tensor, n: int) -> Tensor:
-    """[B, n] uniforms, row b from its own generator, so a row's stream ignores its batch-mates.
+def _uniforms(rng: RowRandom | None, n: int) -> Tensor:
+    """[B, n] uniforms, row b from its own stream, so a row's numbers ignore its batch-mates.
 
     Finished rows draw too: their codes are complete, so what they draw changes nothing, and
     drawing for every row keeps the round free of a host sync to find the active ones.
     """
-    assert generators is not None
-    return draw_uniforms(generators, n, active.device)
+    assert rng is not None
+    return rng.uniform(n)
 
 
 def _accept(
@@ -400,23 +409,20 @@ def _accept(
     max_depth: Tensor,  # [B]
     active: Tensor,  # [B]
     sampling: SamplingConfig,
-    generators: list[torch.Generator] | None,
+    rng: RowRandom | None,
     acceptance: Acceptance,
-    compile: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows []).
 
-    The random numbers are drawn here, eagerly, from each row's generator; everything else is
-    :func:`_accept_core`, the fused (optionally compiled) acceptance.
+    The random numbers come from the rows' streams; everything else is :func:`_accept_core`.
     """
     b, t = tree.tokens.shape
     u = None
     if not sampling.greedy:
         with phase("sampling"):  # AR draws one uniform per row, a tree T + 1 (see num_uniforms)
-            u = _uniforms(generators, active, 1 if t == 1 else t + 1)
+            u = _uniforms(rng, 1 if t == 1 else t + 1)
     buffers = tree.buffers
-    core = step_fn(_accept_core, compile, logits.device)
-    path, num_acc, next_token, num_relaxed = core(
+    path, num_acc, next_token, num_relaxed = _accept_core(
         logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
         acceptance.neighbours, acceptance.relaxation, sampling,
     )

@@ -21,7 +21,9 @@ from contextlib import AbstractContextManager
 
 import torch
 
-PHASES = ("prefill", "propose", "drafter", "draft_sampling", "tree", "verify", "accept", "sampling", "commit")
+# "round": a whole compiled round (one region; the other phases are inside it and not seen).
+PHASES = ("prefill", "propose", "drafter", "draft_sampling", "tree", "verify", "accept", "sampling", "commit",
+          "round")
 
 _NULL = contextlib.nullcontext()
 
@@ -78,6 +80,7 @@ def _traced(name: str) -> Iterator[None]:
 
 def phase(name: str) -> AbstractContextManager[None]:
     """Context manager marking one phase of the round (see the module docstring)."""
-    if _clock is None and not torch.autograd.profiler._is_profiler_enabled:
+    # Inside a compiled round there is nothing to time or label per phase: the round is one region.
+    if torch.compiler.is_compiling() or (_clock is None and not torch.autograd.profiler._is_profiler_enabled):
         return _NULL
     return _traced(name)

@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig
-from lantern.decoding.sampling import draw_uniforms, one_hot, probs_from_logits, sample_from_probs
+from lantern.decoding.rng import RowRandom
+from lantern.decoding.sampling import one_hot, probs_from_logits, sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
@@ -169,7 +170,7 @@ class GridJacobiDrafter:
     (SJD's rule) from each round's predictions, row by row as ``lantern.decoding.jacobi`` does.
 
     Randomness per batch row and round is a fixed count (``R * W`` initial guesses, ``R * (W + 2)``
-    acceptance, ``R * (W + 1)`` redraws) from the row's own generator, so a row's codes do not
+    acceptance, ``R * (W + 1)`` redraws) from the row's own stream (``lantern.decoding.rng``), so a row's codes do not
     depend on its batch.
     """
 
@@ -189,7 +190,7 @@ class GridJacobiDrafter:
         self.chains = grid_chains(config.window, config.context, width, height)
         self.known = self.flushed = self.canvas = self.drawn = torch.empty(0)
         self.q: Tensor | None = None
-        self._own_generators: list[torch.Generator] = []
+        self._own_rng: RowRandom | None = None
         self._buffers: TreeBuffers | None = None
 
     @property
@@ -207,7 +208,8 @@ class GridJacobiDrafter:
         self.canvas[:, 0] = root
         self.drawn = torch.zeros(b, n + 1, dtype=torch.bool, device=device)
         self.q = None if self.sampling.greedy else torch.zeros(b, n + 1, self.vocab_size, device=device)
-        self._own_generators = [torch.Generator(device=device).manual_seed(0) for _ in range(b)]
+        self._own_rng = RowRandom.from_seeds([0] * b, device)
+        self._chain(b * self.chains, device)  # built here: tree buffers cost host syncs
 
     # -- propose ------------------------------------------------------------------------------------
 
@@ -223,8 +225,9 @@ class GridJacobiDrafter:
         valid = torch.arange(r, device=known.device)[None, :] < wanted.sum(1, keepdim=True)
         return order, valid & opened.gather(1, order), valid & flush.gather(1, order)
 
-    def propose_grid(self, generators: list[torch.Generator] | None) -> GridBlock:
-        gens = generators if generators is not None else self._own_generators
+    def propose_grid(self, rng: RowRandom | None) -> GridBlock:
+        gens = rng if rng is not None else self._own_rng
+        assert gens is not None
         w, width, n = self.config.window, self.width, self.num_tokens
         row, decodes, flush = self._schedule()
         b, r = row.shape
@@ -258,9 +261,9 @@ class GridJacobiDrafter:
         return GridBlock(tokens, cells, rows, row, first, max_depth, commit_root, decodes, standin_real,
                          self._chain(b * r, row.device), q_draft)
 
-    def _initialise(self, cell: Tensor, usable: Tensor, gens: list[torch.Generator]) -> None:
+    def _initialise(self, cell: Tensor, usable: Tensor, gens: RowRandom) -> None:
         """Uniform random guesses (SJD's ``random`` init) at usable cells that have none yet."""
-        u = draw_uniforms(gens, cell.shape[1], cell.device)
+        u = gens.uniform(cell.shape[1])
         tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
         old = self.canvas.gather(1, cell)
         self.canvas.scatter_(1, cell, torch.where(usable & (old < 0), tokens, old))
@@ -274,8 +277,7 @@ class GridJacobiDrafter:
     # -- commit -------------------------------------------------------------------------------------
 
     def commit_grid(
-        self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor,
-        generators: list[torch.Generator] | None,
+        self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor, rng: RowRandom | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Record a round: ``num_acc`` / ``next_token`` [B, R] per chain, ``logits`` [B, T, V] guided.
 
@@ -300,11 +302,12 @@ class GridJacobiDrafter:
         self.flushed.scatter_(1, above, block.standin_real | self.flushed.gather(1, above))
         kept = torch.cat([block.commit_root[:, :, None], block.decodes[:, :, None] & (j[1:] <= a[:, :, None])], dim=2)
         keep, num_keep = kept_offsets(kept.view(b, -1))
-        gens = generators if generators is not None else self._own_generators
+        gens = rng if rng is not None else self._own_rng
+        assert gens is not None
         self._carry_over(block, new_cell, logits.view(b, r, w + 1, -1), gens)
         return keep, num_keep, cells, vals, torch.where(block.decodes, a + 1, 0).sum(1)
 
-    def _carry_over(self, block: GridBlock, new_cell: Tensor, logits: Tensor, gens: list[torch.Generator]) -> None:
+    def _carry_over(self, block: GridBlock, new_cell: Tensor, logits: Tensor, gens: RowRandom) -> None:
         """Redraw the guess at every cell a usable node predicted that is still unknown (Jacobi
         carry-over, per row as in ``lantern.decoding.jacobi``); its q becomes the node's p."""
         b, r, t, v = logits.shape
@@ -318,7 +321,7 @@ class GridJacobiDrafter:
             y = logits.argmax(dim=-1).view(b, -1)
         else:
             p = probs_from_logits(logits, self.sampling).view(b, r * t, v)
-            u = draw_uniforms(gens, r * t, logits.device)
+            u = gens.uniform(r * t)
             y = sample_from_probs(p.reshape(-1, v), u.view(-1)).view(b, -1)
             flat = carry.view(b, -1)
             index = cell[:, :, None].expand(-1, -1, v)

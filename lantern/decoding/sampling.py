@@ -88,11 +88,6 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last_positive)
 
 
-def draw_uniforms(generators: list[torch.Generator], n: int, device: torch.device) -> Tensor:
-    """[B, n] uniforms, row b from ``generators[b]`` so each row's stream ignores the others."""
-    return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
-
-
 def make_generators(seeds: list[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
     """One seeded generator per row."""
     gens = []

@@ -213,23 +213,30 @@ class TreeBuffers:
         )
 
 
-def tree_from_parents(parents: Tensor) -> TreeBuffers:
+def tree_from_parents(parents: Tensor, bounds: tuple[int, int, int] | None = None) -> TreeBuffers:
     """Build :class:`TreeBuffers` from parent arrays ``[T]`` or ``[B, T]`` (rows may differ).
 
     Requires ``parents[..., 0] == -1`` and ``0 <= parents[..., i] < i`` for ``i >= 1`` (parents
     precede children), which every builder here produces and which makes the ancestor closure a
-    fixed number of squarings. Costs two host syncs: one to validate, one to learn the output
-    sizes (C, P and Dmax depend on the trees).
+    fixed number of squarings. Without ``bounds`` it costs two host syncs: one to validate, one to
+    learn the output sizes (C, P and Dmax depend on the trees). ``bounds`` = (max depth, max
+    children, max leaves) that every tree of this kind respects (e.g. a dynamic tree's by its
+    top-k and depth): then the sizes are those bounds, nothing is read back and nothing is
+    validated, so a compiled round can build its trees inside the graph.
     """
-    parents = _checked_parents(parents)  # [B, T]
+    if bounds is None:
+        parents = _checked_parents(parents)  # [B, T]
     mask = _ancestor_mask(parents)  # [B, T, T]
     depth = mask.sum(dim=-1) - 1  # [B, T]
     is_child = _child_matrix(parents)  # [B, T, T], [b, p, c] = c is a child of p
     num_children = is_child.sum(dim=-1)  # [B, T]
     is_leaf = num_children == 0  # [B, T]
-    max_depth, max_children, max_leaves = torch.stack(
-        [depth.max(), num_children.max(), is_leaf.sum(dim=-1).max()]
-    ).tolist()
+    if bounds is None:
+        max_depth, max_children, max_leaves = torch.stack(
+            [depth.max(), num_children.max(), is_leaf.sum(dim=-1).max()]
+        ).tolist()
+    else:
+        max_depth, max_children, max_leaves = bounds
     return TreeBuffers(
         parents=parents,
         depth=depth,
@@ -289,13 +296,14 @@ def _child_matrix(parents: Tensor) -> Tensor:
 
 
 def _children(is_child: Tensor, width: int) -> Tensor:
-    """Pack each node's children, ascending, into ``[B, T, width]`` with -1 padding."""
+    """Pack each node's children, ascending, into ``[B, T, width]`` with -1 padding.
+
+    A scatter into a spare column (non-children land there), so the shape never depends on the data."""
     batch, num_nodes, _ = is_child.shape
-    slot = is_child.long().cumsum(dim=-1) - 1  # [B, T, T], sibling rank of c under p
-    children = torch.full((batch, num_nodes, width), -1, dtype=torch.long, device=is_child.device)
-    b, p, c = is_child.nonzero(as_tuple=True)
-    children[b, p, slot[b, p, c]] = c
-    return children
+    slot = torch.where(is_child, is_child.long().cumsum(dim=-1) - 1, width).clamp(max=width)  # [B, T, T]
+    node = torch.arange(num_nodes, device=is_child.device).expand(batch, num_nodes, -1)  # [B, T, T] = c
+    children = torch.full((batch, num_nodes, width + 1), -1, dtype=torch.long, device=is_child.device)
+    return children.scatter_(2, slot, torch.where(is_child, node, -1))[:, :, :width]
 
 
 def _retrieve(
@@ -307,9 +315,11 @@ def _retrieve(
     which is the official order for static trees and for sampled dynamic trees (SPEC §3.3-3.4).
     """
     batch, num_nodes = depth.shape  # [B, T]
-    paths = torch.full((batch, num_nodes, max_depth + 1), -1, dtype=torch.long, device=depth.device)
-    b, i, j = mask.nonzero(as_tuple=True)
-    paths[b, i, depth[b, j]] = j  # [B, T, Dmax+1], path of every node (leaf or not)
+    # paths[b, i, depth[b, j]] = j for every ancestor j of node i: a scatter, non-ancestors into a spare column
+    col = torch.where(mask, depth[:, None, :], max_depth + 1).clamp(max=max_depth + 1)  # [B, T, T]
+    node = torch.arange(num_nodes, device=depth.device).expand(batch, num_nodes, -1)
+    paths = torch.full((batch, num_nodes, max_depth + 2), -1, dtype=torch.long, device=depth.device)
+    paths = paths.scatter_(2, col, torch.where(mask, node, -1))[:, :, : max_depth + 1]  # [B, T, Dmax+1]
     key = paths.masked_fill(paths < 0, num_nodes).masked_fill(~is_leaf[..., None], num_nodes)
     order = _lexsort_rows(key)[:, :max_leaves]  # [B, P], non-leaf rows sort last
     rows = paths.gather(1, order[..., None].expand(-1, -1, max_depth + 1))  # [B, P, Dmax+1]
@@ -514,10 +524,11 @@ def dynamic_tree_select(
     )
     parent_flat = parent_flat.long()
     flat = torch.arange(num_flat, device=scores.device)  # [F]
-    check(
-        bool(((parent_flat >= 0) & (parent_flat - 1 < flat)).all()),
-        "parent_flat must be 0 (root) or 1 + the flat index of an earlier candidate",
-    )
+    if not torch.compiler.is_compiling():  # a value check (a host sync): the drafter's trees are valid by construction
+        check(
+            bool(((parent_flat >= 0) & (parent_flat - 1 < flat)).all()),
+            "parent_flat must be 0 (root) or 1 + the flat index of an earlier candidate",
+        )
     capped = _ancestor_min(scores.nan_to_num(nan=-torch.inf), parent_flat)  # [B, F]
     ranked = torch.argsort(capped, dim=1, descending=True, stable=True)  # [B, F], best first
     sel = ranked[:, :total_tokens].sort(dim=1).values  # [B, K]

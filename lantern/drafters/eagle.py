@@ -39,13 +39,20 @@ class EagleBackend:
         self.compile = resolve_compile(compile, model.device)
         self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.cache: KVCache | None = None
-        self.forwards = 0
+        self.forwards = torch.zeros((), dtype=torch.long, device=model.device)  # in place: see LlamaGenTarget
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # feats, tokens, counts
         self._hidden: Tensor | None = None  # [S*B, max_len, D] root + fed nodes' outputs
         self._fed = 0  # nodes fed since the context pass
         self._base: Tensor | None = None  # [S*B] committed length after the context pass
 
-    def start(self, hidden: Tensor, root: Tensor) -> None:
+    def start(self, hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
+        """hidden [S*B, L, D]: the condition's target features; root [B]: image token 0.
+
+        path_width: the width of every later round's commit (the accepted path, root included).
+        The condition's first L - 1 pairs are absorbed here (part of the prefill), and its last
+        pair is left pending, padded to ``path_width``: the first round's context pass then has
+        the shape of every other round's, so a compiled round is one graph from the first round on.
+        """
         cfg = self.model.config
         n, length, _ = hidden.shape
         static = self.compile is not None
@@ -53,10 +60,20 @@ class EagleBackend:
                                          self.model.dtype, self.model.device, static=static)
         self._hidden = self.cache_pool.buffer("drafter_hidden", (n, self.max_len, cfg.hidden_size), self.model.dtype,
                                               self.model.device, static=static)
-        b = root.shape[0]
-        tokens = torch.zeros(b, length, dtype=torch.long, device=root.device)
-        tokens[:, -1] = root  # condition positions pair with placeholder token 0 (SPEC §3.2)
-        self._pending = (hidden, tokens, torch.full((b,), length, dtype=torch.long, device=root.device))
+        b, device = root.shape[0], root.device
+        feats = hidden.to(self.model.dtype)
+        if length > 1:  # condition positions pair with placeholder token 0 (SPEC §3.2)
+            zeros = torch.zeros(b, length - 1, dtype=torch.long, device=device)
+            step_fn(_context_step, self.compile, self.model.device)(
+                self.model, self.lm_head, self.cache, self._hidden, feats[:, :-1], zeros,
+                torch.full((b,), length - 1, dtype=torch.long, device=device), self.streams, self.sampling.cfg_scale)
+            self.forwards += 1
+        width = max(path_width or 1, 1)
+        last = torch.zeros(n, width, feats.shape[-1], dtype=feats.dtype, device=device)
+        last[:, 0] = feats[:, -1]
+        tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+        tokens[:, 0] = root
+        self._pending = (last, tokens, torch.ones(b, dtype=torch.long, device=device))
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         self._pending = (hidden, next_tokens, num_new)

@@ -65,7 +65,7 @@ class OracleBackend:
 
     # -- the loop's bookkeeping -------------------------------------------------------------------
 
-    def start(self, hidden: Tensor, root: Tensor) -> None:
+    def start(self, hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
         """root [B]: image token 0 (the pending root). ``hidden`` is not needed by the oracle."""
         check(
             root.shape[0] == self.cond.shape[0],

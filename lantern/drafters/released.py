@@ -97,7 +97,7 @@ class ReleasedDrafterBackend:
 
     # -- DraftBackend -----------------------------------------------------------------------------
 
-    def start(self, hidden: Tensor, root: Tensor) -> None:
+    def start(self, hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
         """``hidden`` (the image prefix) is not used: the released drafters read the whole prompt."""
         assert self.target.prefill is not None and self.target.key_mask is not None
         ids, full = self.target.prefill

@@ -15,6 +15,11 @@ Host syncs are the ops whose output size or value the host must wait for: ``item
 wrapper installed for the profiled run only. On CUDA, ``torch.cuda.set_sync_debug_mode`` counts
 the syncs the driver actually saw as well.
 
+Under ``--compile`` a round is one compiled region (``lantern.decoding.compiling.round_fn``): its
+phases are inside the region, so the clock sees one phase, ``round``, and "other" is the loop's own
+Python around it. ``regions_per_round`` counts the compiled-region calls (graph replays on CUDA)
+per round: 1 when the whole round is one region, 0 in eager runs.
+
 Times are per round (one target forward); the unit "AR step" is the round time of plain AR in
 the same run, so the table reads directly as "what a round costs in AR steps". The overhead of a
 round is everything but the target verify and the drafter forwards. Times on a shared machine
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 
+from lantern.decoding import compiling
 from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import GenerationOutput
@@ -43,7 +49,9 @@ from lantern.pipeline import MethodConfig, PreparedMethod, image_seed, prepare_m
 from lantern.targets.stack import ModelStack
 
 ROUND_PHASES = tuple(p for p in PHASES if p != "prefill") + ("other",)
-FORWARD_PHASES = ("verify", "drafter")  # the model forwards; everything else is loop overhead
+# The model forwards; everything else is loop overhead. A compiled ``round`` holds the forwards
+# too (one region), so its overhead is the loop's Python around the region ("other").
+FORWARD_PHASES = ("verify", "drafter", "round")
 SYNC_OPS = frozenset({
     "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
     "aten::unique_dim", "aten::unique_consecutive", "lantern_sync::tolist",
@@ -62,6 +70,7 @@ class RoundTrace:
     ops: Mapping[str, float]  # per round, by phase
     syncs: Mapping[str, float]  # per round, by phase
     cuda_syncs: float | None = None  # per round, as seen by the CUDA sync debug mode
+    regions: float = 0.0  # compiled-region calls (CUDA-graph replays) per round; 0 when eager
 
     @property
     def round_ms(self) -> float:
@@ -75,7 +84,7 @@ class RoundTrace:
         d = asdict(self)
         d.update(round_ms=self.round_ms, round_ar_steps=self.round_ms / ar_ms, overhead_ms=self.overhead_ms,
                  overhead_ar_steps=self.overhead_ms / ar_ms, ops_per_round=sum(self.ops.values()),
-                 syncs_per_round=sum(self.syncs.values()))
+                 syncs_per_round=sum(self.syncs.values()), regions_per_round=self.regions)
         return d
 
 
@@ -123,9 +132,10 @@ def _trace_one(name: str, prepared: PreparedMethod, labels: torch.Tensor, seed: 
     clock = PhaseClock(device)
     install_clock(clock)
     try:
-        t0 = clock._now()
+        t0, calls0 = clock._now(), compiling.region_calls
         outs = _run(prepared, labels, seed, batch_size)
         wall_ms = 1000.0 * (clock._now() - t0)
+        calls = compiling.region_calls - calls0
     finally:
         install_clock(None)
     rounds = sum(o.stats.steps for o in outs)
@@ -138,7 +148,7 @@ def _trace_one(name: str, prepared: PreparedMethod, labels: torch.Tensor, seed: 
     return RoundTrace(
         method=name, tree=tree_label(prepared.method), rounds=rounds, tau=tokens / forwards, ms=ms,
         ops={p: v / rounds for p, v in ops.items()}, syncs={p: v / rounds for p, v in syncs.items()},
-        cuda_syncs=None if cuda_syncs is None else cuda_syncs / rounds,
+        cuda_syncs=None if cuda_syncs is None else cuda_syncs / rounds, regions=calls / rounds,
     )
 
 
@@ -225,12 +235,13 @@ def trace_markdown(traces: Sequence[RoundTrace]) -> str:
     ar_ms = _ar_ms(traces)
     shown = [p for p in ROUND_PHASES if any(t.ms.get(p, 0.0) > 0 for t in traces)]
     head = ["method", "tree", "τ", "round (AR steps)", *[f"{p} %" for p in shown], "overhead (AR steps)",
-            "ops/round", "syncs/round"]
+            "ops/round", "syncs/round", "regions/round"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in traces:
         cells = [t.method, t.tree, f"{t.tau:.2f}", f"{t.round_ms / ar_ms:.2f}"]
         cells += [f"{100 * t.ms.get(p, 0.0) / t.round_ms:.0f}" for p in shown]
-        cells += [f"{t.overhead_ms / ar_ms:.2f}", f"{sum(t.ops.values()):.0f}", f"{sum(t.syncs.values()):.1f}"]
+        cells += [f"{t.overhead_ms / ar_ms:.2f}", f"{sum(t.ops.values()):.0f}", f"{sum(t.syncs.values()):.1f}",
+                  f"{t.regions:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"AR step = {ar_ms:.3f} ms (plain AR's round). Syncs by phase: "

@@ -50,7 +50,9 @@ class LlamaGenTarget:
         # PJD only: the image cell each cache slot holds (-1: condition), and the last grid block's cells
         self.slot_cell: Tensor | None = None  # [S*B, S_max]
         self._grid_cells: Tensor | None = None  # [S*B, T]
-        self.forwards = 0  # model forward calls (prefill + verify), for stats
+        # Model forward calls (prefill + verify), for stats: a device counter, so that a compiled round
+        # counts in place instead of specialising on (and recompiling for) a Python int.
+        self.forwards = torch.zeros((), dtype=torch.long, device=model.device)
 
     # -- properties the loop and the drafter read --------------------------------------------------
 
@@ -120,7 +122,9 @@ class LlamaGenTarget:
             mask = mask & self.cond_mask[:, None, :] | eye
         hidden = model.forward_cached(h, pos, pos, mask, self.cache)
         self.cache.lengths.fill_(cls)
-        self.slot_cell = None
+        # PJD's slot -> image cell map, made here rather than on the first grid verify: every
+        # round then sees the same state (a compiled round is one graph from the first round on).
+        self.slot_cell = torch.full((n_rows, self.cache.max_len), -1, dtype=torch.long, device=h.device)
         self.forwards += 1
         logits = apply_cfg(model.logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
         return logits, hidden
@@ -155,8 +159,7 @@ class LlamaGenTarget:
         if tokens.shape[1] > self.max_tree_nodes:
             raise LanternError(f"grid block of {tokens.shape[1]} nodes exceeds the {self.max_tree_nodes} "
                                "the cache was sized for")
-        if self.slot_cell is None:
-            self.slot_cell = torch.full((cache.rows, cache.max_len), -1, dtype=torch.long, device=tokens.device)
+        assert self.slot_cell is not None
         self._grid_cells = cells.repeat(self.streams, 1)
         step = step_fn(_verify_grid_step, self.compile, self.device)
         logits = step(self.model, cache, self.cond_mask, self.slot_cell, tokens, self._grid_cells,

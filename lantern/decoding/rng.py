@@ -1,0 +1,101 @@
+"""Counter-based random numbers per batch row: pure tensor ops, the same eager, compiled and in a graph.
+
+Why not ``torch.Generator``: a decoding round is one compiled region (``lantern.decoding.compiling``),
+and generators are opaque to dynamo and inductor (they break the graph or fall back to unfused
+kernels) and cannot be replayed inside a CUDA graph unless registered. The fast engines draw from a
+stateless counter hash instead (vLLM's model runner v2 ``gumbel.py``: noise = f(request seed,
+position, token id); flashinfer's Philox ``seed, offset`` arguments). lantern does the same.
+
+The scheme: every row b has a 64-bit seed, folded into two 32-bit keys ``k0[b], k1[b]``. A draw is
+one call of :meth:`RowRandom.uniform` with a count n; calls are numbered ``c = 0, 1, ...`` by a
+device counter shared by the rows (every row makes the same calls, whatever its batch-mates do).
+Element i of call c in row b is
+
+    s0 = fmix32(k0 ^ mix(c)),  s1 = fmix32(k1 ^ s0)              (per row and call)
+    h  = fmix32((fmix32(i ^ s0) + s1) mod 2^32)                  (per element)
+    u  = (2 * (h >> 9) + 1) / 2^24                               (an odd multiple of 2^-24 in (0, 1))
+
+with MurmurHash3's 32-bit finaliser ``fmix32``. So a row's numbers depend only on (its seed, the
+call index, the element index): never on which rows share its batch, and identical on every
+device, eager or compiled (integer ops only; multiplications are split into 16-bit halves so that
+no product leaves int64 and nothing overflows). Two calls never share a shifted copy of one stream:
+the second key ``s1`` is added after a bijection of ``i ^ s0``, so equal outputs across calls are
+isolated 32-bit coincidences, not aligned runs. ``u`` is never 0 or 1, so ``-log(u)`` is a finite
+Exp(1) draw.
+
+A row's seed comes from its ``torch.Generator`` (one 62-bit draw, so a generator reused for a
+second call gives new images, as before) or from an integer directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), without an int64 product above 2^49."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's finaliser: a bijection of [0, 2^32) with full avalanche (int64 tensors)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniforms_at(k0: Tensor, k1: Tensor, call: Tensor, n: int) -> Tensor:
+    """The scheme of the module docstring: [B, n] float32 uniforms for keys k0, k1 [B] and a call
+    index ``call`` (a 0-d int64 tensor)."""
+    c = _mul32(call & _M32, 0x9E3779B1)  # spread consecutive call numbers
+    s0 = fmix32(k0 ^ c)[:, None]  # [B, 1]
+    s1 = fmix32(k1[:, None] ^ s0)
+    i = torch.arange(n, dtype=torch.int64, device=k0.device)[None, :]  # [1, n]
+    h = fmix32((fmix32(i ^ s0) + s1) & _M32)  # [B, n]
+    return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)
+
+
+class RowRandom:
+    """Per-row random streams for one decode (see the module docstring).
+
+    ``uniform(n)`` returns [B, n] uniforms in (0, 1) and advances the call counter in place, so the
+    counter is state a compiled round mutates like a KV cache (its address never changes).
+    """
+
+    def __init__(self, seeds: Tensor) -> None:
+        """seeds: [B] int64 (any values; only their low 62 bits matter)."""
+        seeds = seeds.long()
+        self.k0 = fmix32(seeds & _M32)
+        self.k1 = fmix32(((seeds >> 32) & _M32) ^ 0x5BD1E995)
+        self.calls = torch.zeros((), dtype=torch.int64, device=seeds.device)
+
+    @classmethod
+    def from_seeds(cls, seeds: list[int], device: torch.device | str) -> RowRandom:
+        return cls(torch.tensor([s & ((1 << 62) - 1) for s in seeds], dtype=torch.int64, device=device))
+
+    @classmethod
+    def from_generators(cls, generators: list[torch.Generator], device: torch.device | str) -> RowRandom:
+        """One 62-bit seed per row, drawn from the row's generator (so its state matters, and a
+        generator reused for another decode gives another stream)."""
+        seeds = [int(torch.randint(0, 1 << 62, (1,), generator=g, device=g.device)) for g in generators]
+        return cls.from_seeds(seeds, device)
+
+    @property
+    def rows(self) -> int:
+        return self.k0.shape[0]
+
+    def uniform(self, n: int) -> Tensor:
+        """[B, n] uniforms in (0, 1); the next call draws fresh ones."""
+        u = uniforms_at(self.k0, self.k1, self.calls, n)
+        self.calls.add_(1)
+        return u
+
+    def exponential(self, n: int) -> Tensor:
+        """[B, n] Exp(1) draws (``-log u``)."""
+        return -torch.log(self.uniform(n))
