@@ -222,7 +222,10 @@ def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[in
     t0 = time.perf_counter()
     output = generate_rows(parts, Conditions(request.cond[idx], mask), request.seed, indices)
     seconds = time.perf_counter() - t0
-    pixels = [np.asarray(img) for img in decode(output.codes)]
+    # One image at a time: the decoder's batched convolutions differ in their low bits with the batch
+    # size, which can move a pixel across a rounding step; a job's PNGs must not depend on how its
+    # images were batched or sharded over processes.
+    pixels = [np.asarray(img) for row in output.codes for img in decode(row[None])]
     return RoundPart(rank, indices, output.codes.cpu().numpy().astype(np.int64), pixels,
                      [int(f) for f in output.stats.target_forwards.tolist()], output.stats.drafter_forwards, seconds)
 

@@ -29,6 +29,7 @@ in the target's KV cache and the last one (the *root*) is pending; the root is n
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -195,6 +196,10 @@ class Acceptance:
 
     relaxation: RelaxationConfig | None = None
     neighbours: Tensor | None = None  # [V, K_max] latent proximity table
+    # Benchmarks only, never decoding: accept exactly this many drafts per round (along the tree's
+    # first path, capped by the image's end), whatever the rule says, so that a round's cost can be
+    # timed at a chosen acceptance on random weights (benchmarks/round_cost.py). The rule still runs.
+    fixed_accept: int | None = None
 
     def __post_init__(self) -> None:
         if self.relaxation is not None and not self.relaxation.is_exact and self.relaxation.uses_table:
@@ -250,40 +255,18 @@ def _generate(
         sampling.greedy or (generators is not None and len(generators) == b),
         f"sampling needs one torch.Generator per row ({b}), got {0 if generators is None else len(generators)}",
     )
-    acceptance = acceptance or Acceptance()
     rng = None if generators is None else RowRandom.from_generators(generators, device)
-
-    # 1. Prefill the condition; token 0 comes from its last position.
-    with phase("prefill"):
-        logits0, hidden0 = target.start(cond, cond_mask)
-        root = _sample(logits0, sampling, rng)
-    # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
-    # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.
-    codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
-    codes[:, 0] = root
-    n = torch.ones(b, dtype=torch.long, device=device)
+    # 1. Prefill.
+    decode = start_decode(target, cond, rng, drafter, acceptance, cond_mask, compile)
     # Per-round counters stay on the device; one host copy at the end, not one sync per round.
     forwards = torch.ones(b, dtype=torch.long, device=device)
     per_step: list[Tensor] = []
     relaxed_total = torch.zeros((), dtype=torch.long, device=device)
-    if drafter is not None:
-        drafter.start(hidden0, root)
-    grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
-    # 2-5. The round: one compiled region under ``compile`` (eager otherwise).
-    step = round_fn(_grid_round if grid else _raster_round, compile, device, state=(target, drafter, rng, codes))
-    ar_tree = _root_only_tree(b, device)
-
     bar = tqdm(total=b * n_total, disable=not progress, desc="tokens", unit="tok", leave=False)
     bar.update(b)
-    # The one host sync of a round: whether any row still needs tokens.
-    while bool((active := n < n_total).any()):
-        with phase("round") if compile else _NO_PHASE:  # a compiled round's phases are inside it
-            if grid:  # PJD: several image rows per round, committed out of raster order
-                new, relaxed = step(target, drafter, codes, rng, sampling, acceptance, active)
-                n = n + new
-            else:
-                new, root, n, relaxed = step(target, drafter, codes, n, root, rng, sampling, acceptance, active,
-                                             ar_tree)
+    # 2-5. Rounds. The one host sync of a round: whether any row still needs tokens.
+    while bool((active := decode.n < n_total).any()):
+        new, relaxed = decode.round(active)
         forwards += active
         per_step.append(new)
         relaxed_total += relaxed
@@ -295,7 +278,76 @@ def _generate(
         stats.tokens_per_step = list(torch.stack(per_step).cpu().unbind(0))
     if drafter is not None:
         stats.drafter_forwards = int(drafter.forwards)
-    return GenerationOutput(codes=codes[:, :n_total], stats=stats)
+    return GenerationOutput(codes=decode.codes[:, :n_total], stats=stats)
+
+
+@dataclass
+class Decode:
+    """A decode in progress (what :func:`start_decode` returns): the loop's state between rounds,
+    and the round itself (one compiled region under ``compile``). ``lantern.generate`` drives it to
+    the end of the image; ``benchmarks/round_cost.py`` times single rounds of it."""
+
+    target: Target
+    drafter: Drafter | GridDrafter | None
+    acceptance: Acceptance
+    rng: RowRandom | None
+    codes: Tensor  # [B, 2N]: codes in raster order, then a padding tail (see _write_codes)
+    n: Tensor  # [B] known tokens per row
+    root: Tensor  # [B] the pending token
+    compiled: bool
+    _step: Callable[..., tuple[Tensor, ...]]
+    _ar_tree: TreeBuffers
+
+    @property
+    def grid(self) -> bool:
+        return isinstance(self.drafter, GridDrafter)
+
+    def step_args(self, active: Tensor) -> tuple[object, ...]:
+        """The arguments of one call of the round function (:func:`_raster_round` / :func:`_grid_round`)."""
+        sampling = self.target.sampling
+        if self.grid:
+            return self.target, self.drafter, self.codes, self.rng, sampling, self.acceptance, active
+        return (self.target, self.drafter, self.codes, self.n, self.root, self.rng, sampling, self.acceptance, active,
+                self._ar_tree)
+
+    def round(self, active: Tensor) -> tuple[Tensor, Tensor]:
+        """One round for the rows that are ``active`` [B]: (new tokens [B], relaxed-only accepts [])."""
+        with phase("round") if self.compiled else _NO_PHASE:  # a compiled round's phases are inside it
+            out = self._step(*self.step_args(active))
+        if self.grid:  # PJD: several image rows per round, committed out of raster order
+            new, relaxed = out
+            self.n = self.n + new
+        else:
+            new, self.root, self.n, relaxed = out
+        return new, relaxed
+
+
+def start_decode(
+    target: Target,
+    cond: Tensor,
+    rng: RowRandom | None,
+    drafter: Drafter | GridDrafter | None = None,
+    acceptance: Acceptance | None = None,
+    cond_mask: Tensor | None = None,
+    compile: str | None = None,
+) -> Decode:
+    """Prefill the condition (token 0 comes from its last position) and set up the rounds;
+    ``compile``: a resolved mode of ``lantern.decoding.compiling`` (None: eager)."""
+    b, n_total, device = cond.shape[0], target.num_tokens, target.device
+    with phase("prefill"):
+        logits0, hidden0 = target.start(cond, cond_mask)
+        root = _sample(logits0, target.sampling, rng)
+    # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
+    # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.
+    codes = torch.full((b, 2 * n_total), -1, dtype=torch.long, device=device)
+    codes[:, 0] = root
+    if drafter is not None:
+        drafter.start(hidden0, root)
+    grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
+    step = round_fn(_grid_round if grid else _raster_round, compile, device, state=(target, drafter, rng, codes))
+    n = torch.ones(b, dtype=torch.long, device=device)
+    return Decode(target, drafter, acceptance or Acceptance(), rng, codes, n, root.clone(), compile is not None, step,
+                  _root_only_tree(b, device))
 
 
 def _raster_round(
@@ -426,8 +478,18 @@ def _accept(
         logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
         acceptance.neighbours, acceptance.relaxation, sampling,
     )
+    if acceptance.fixed_accept is not None:
+        path, num_acc = _fixed_path(buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
     relaxed = torch.where(active, num_relaxed, 0).sum()  # a device scalar: no sync
     return path, num_acc, next_token, relaxed
+
+
+def _fixed_path(retrieve: Tensor, max_depth: Tensor, accept: int, width: int) -> tuple[Tensor, Tensor]:
+    """The first root-to-leaf path cut after ``accept`` drafts (``Acceptance.fixed_accept``)."""
+    first = retrieve[:, 0, :width]  # [B, W]
+    num_acc = ((first[:, 1:] >= 0).sum(-1)).clamp(max=accept).minimum(max_depth)  # [B]
+    j = torch.arange(width, device=first.device)[None, :]
+    return torch.where(j <= num_acc[:, None], first, -1), num_acc
 
 
 def _accept_core(

@@ -1,0 +1,186 @@
+"""One compiled region per decoding round (``lantern.decoding.compiling.round_fn``).
+
+For every method the whole round — drafter chain or tree, verify, acceptance, residual sampling,
+the commits of target and drafter and the bookkeeping — must trace as one graph with no break
+(``torch._dynamo.explain``), compile with ``fullgraph=True``, and never recompile across rounds,
+accepted lengths, finished rows and images. The recompilation tests compile with dynamo's
+``eager`` backend: tracing and guards (what decides a recompilation) are dynamo's alone, and no
+C++ is generated, so the tests stay fast; inductor itself is exercised by the tests in
+tests/test_engine.py, tests/test_speculative.py and tests/test_sjd_coupled.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lantern.decoding import compiling, loop
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.rng import RowRandom
+from lantern.decoding.sampling import make_generators
+from lantern.pipeline import MethodConfig, PreparedMethod, prepare_method
+from lantern.targets.stack import ModelStack, load_stack
+from lantern.testing import make_random_stack
+
+# method -> MethodConfig.resolve keyword arguments, sized for the 4 x 4 random stack
+METHODS: dict[str, dict[str, Any]] = {
+    "ar": {},
+    "sd": {},  # EAGLE-2 dynamic tree
+    "lantern": {},  # dynamic tree, relaxed
+    "lantern++": {},  # static tree, relaxed
+    "sd-static": {},
+    "lantern-chain": {"tree": "chain:3"},
+    "sjd": {"window": 4},
+    "sjd-coupled": {"window": 4},
+    "sjd-coupled-lantern": {"window": 4},
+    "gsd": {"window": 4},
+    "pjd": {"pjd_window": 2, "pjd_context": 2},
+}
+SAMPLED = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
+GREEDY = SamplingConfig(temperature=0.0, cfg_scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> ModelStack:
+    return load_stack(make_random_stack(tmp_path_factory.mktemp("stack") / "random", seed=3, grid=4, vocab=64))
+
+
+def _method(name: str) -> MethodConfig:
+    kw = dict(METHODS[name])
+    return MethodConfig.resolve(name.removesuffix("-chain"), kw.pop("tree", None), **kw)
+
+
+def _decode(prepared: PreparedMethod, labels: list[int], seeds: list[int] | None) -> loop.Decode:
+    target, drafter = prepared.parts()
+    device = prepared.stack.device
+    rng = None if seeds is None else RowRandom.from_seeds(seeds, device)
+    return loop.start_decode(target, torch.tensor(labels, device=device), rng, drafter, prepared.acceptance)
+
+
+@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_round_is_one_graph(stack: ModelStack, name: str, sampling: SamplingConfig) -> None:
+    """``torch._dynamo.explain`` of a round: one graph, no graph break (so no host sync: with
+    dynamo's default ``capture_scalar_outputs=False`` an ``.item()`` would be a break)."""
+    prepared = prepare_method(stack, _method(name), sampling)
+    with torch.inference_mode():
+        decode = _decode(prepared, [0, 1, 2], None if sampling.greedy else [1, 2, 3])
+        fn = loop._grid_round if decode.grid else loop._raster_round
+        explained = torch._dynamo.explain(fn)(*decode.step_args(decode.n < prepared.stack.num_tokens))
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
+    assert explained.op_count > 50  # the forwards are in it, not only bookkeeping
+
+
+@pytest.fixture
+def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Compile rounds with dynamo's ``eager`` backend (fullgraph, static shapes, real guards)."""
+    made: dict[Any, Any] = {}
+
+    def compiled(fn: Any, mode: str, device_type: str = "cpu") -> Any:
+        if fn not in made:
+            made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+        return made[fn]
+
+    monkeypatch.setattr(compiling, "compiled", compiled)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_compiled_round_never_recompiles(stack: ModelStack, name: str, eager_backend: None) -> None:
+    """A decode compiles its round once, on the first round: no recompilation across rounds
+    (accepted lengths and finished rows vary: three labels, rows finishing at different rounds),
+    nor for a second image batch with other labels and seeds. One region call per round; the codes
+    equal the eager decode's."""
+    method = _method(name)
+    eager = prepare_method(stack, method, SAMPLED)
+    compiled = prepare_method(stack, method, SAMPLED, compile="default")
+    cond = torch.tensor([0, 1, 2])
+    before, calls = counters["stats"]["unique_graphs"], compiling.region_calls
+    first = compiled.generate(cond, make_generators([1, 2, 3]))
+    assert counters["stats"]["unique_graphs"] == before + 1
+    assert compiling.region_calls - calls == first.stats.steps  # one region per round, nothing else
+    second = compiled.generate(torch.tensor([3, 4, 5]), make_generators([7, 8, 9]))
+    assert counters["stats"]["unique_graphs"] == before + 1  # the same graph: no recompilation
+    assert torch.equal(first.codes, eager.generate(cond, make_generators([1, 2, 3])).codes)
+    assert torch.equal(second.codes, eager.generate(torch.tensor([3, 4, 5]), make_generators([7, 8, 9])).codes)
+    if name != "ar":  # rows really took different numbers of tokens per round (padding was exercised)
+        assert any(len(set(step.tolist())) > 1 for step in first.stats.tokens_per_step)
+
+
+@pytest.mark.parametrize("name", ["lantern++", "lantern", "sjd-coupled", "pjd"])
+def test_compiled_rows_independent_of_batch(stack: ModelStack, name: str, eager_backend: None) -> None:
+    """Under the counter-based random streams and a compiled round, a row's codes are the same
+    alone and inside a batch of 3 (whose other rows finish at other rounds)."""
+    prepared = prepare_method(stack, _method(name), SAMPLED, compile="default")
+    labels, seeds = [4, 5, 6], [11, 12, 13]
+    batch = prepared.generate(torch.tensor(labels), make_generators(seeds))
+    for i in range(3):
+        alone = prepared.generate(torch.tensor(labels[i : i + 1]), make_generators(seeds[i : i + 1]))
+        assert torch.equal(batch.codes[i], alone.codes[0]), i
+        assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
+
+
+def test_round_state_has_no_python_counters(stack: ModelStack) -> None:
+    """What a round mutates is tensors (counted in place), never Python ints that dynamo would
+    specialise on: the forward counters of target and drafter are device tensors."""
+    prepared = prepare_method(stack, _method("lantern++"), SAMPLED)
+    target, drafter = prepared.parts()
+    assert isinstance(target.forwards, torch.Tensor)
+    assert drafter is not None and isinstance(drafter.forwards, torch.Tensor)
+    out = prepared.generate(torch.tensor([0]), make_generators([0]))
+    assert out.stats.drafter_forwards > out.stats.steps  # a chain or tree: several drafter forwards per round
+
+
+def test_fixed_accept_override(stack: ModelStack) -> None:
+    """``Acceptance.fixed_accept`` (benchmarks only) makes every round accept exactly that many
+    drafts (capped at the image's end), whatever the drafter proposed."""
+    from dataclasses import replace
+
+    prepared = prepare_method(stack, _method("lantern-chain"), SAMPLED)
+    prepared.acceptance = replace(prepared.acceptance, fixed_accept=2)
+    out = prepared.generate(torch.tensor([0, 1]), make_generators([0, 1]))
+    n = prepared.stack.num_tokens
+    steps = torch.stack(out.stats.tokens_per_step)  # [rounds, B]
+    # 1 token from the prefill, then 3 per round until fewer than 3 remain
+    expected = [3] * ((n - 1) // 3) + ([(n - 1) % 3] if (n - 1) % 3 else [])
+    assert steps[:, 0].tolist() == expected and steps[:, 1].tolist() == expected
+
+
+def test_trace_counts_one_region_per_compiled_round(stack: ModelStack, eager_backend: None) -> None:
+    """``lantern profile --trace --compile``: ``regions_per_round`` is 1 for AR and a chain (the
+    issue allows 2); eager rounds have none."""
+    from lantern.eval.roundtrace import trace_markdown, trace_methods
+
+    methods = {"ar": MethodConfig.resolve("ar"), "sd": MethodConfig.resolve("sd", "chain:3")}
+    compiled = trace_methods(stack, SAMPLED, methods, [0, 1], batch_size=2, compile="default")
+    assert [t.regions for t in compiled] == [1.0, 1.0]
+    assert all(t.ms["round"] > 0 and t.ms["verify"] == 0 for t in compiled)  # the phases are inside the region
+    assert "| 1.0 |" in trace_markdown(compiled)
+    eager = trace_methods(stack, SAMPLED, methods, [0, 1], batch_size=2)
+    assert [t.regions for t in eager] == [0.0, 0.0] and all(t.ms["verify"] > 0 for t in eager)
+
+
+def test_compile_cache_dir_is_lanterns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Compiled artifacts persist under lantern's cache folder ($LANTERN_COMPILE_CACHE, else the
+    user cache directory), unless the user pointed inductor elsewhere."""
+    monkeypatch.setenv("LANTERN_COMPILE_CACHE", str(tmp_path / "c"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compiling.compile_cache_dir() == tmp_path / "c"
+    compiling._use_cache_dir()
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c") and (tmp_path / "c").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compiling._use_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("LANTERN_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiling.compile_cache_dir() == tmp_path / "xdg" / "lantern" / "compile"
