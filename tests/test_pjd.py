@@ -39,6 +39,9 @@ class _Token:
     token: int
     cell: int  # raster index; -1 for condition tokens
     sees: list[int] = field(default_factory=list)  # ids (indices into the row's history) it attended to
+    # never cached, in the history only because a cached token saw it (a new row's stand-in root):
+    # the reference computes it, later tokens never see it
+    ghost: bool = False
 
 
 class _Engine:

@@ -79,8 +79,8 @@ class _Recording(LlamaGenTarget):
 
 
 def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int) -> tuple[list[_Token], int, int]:
-    """Check every real node of batch row ``b`` against :func:`_reference`; returns (history,
-    nodes checked, rounds with several image rows)."""
+    """Check every real node of batch row ``b`` against :func:`_reference`; returns (the cached
+    tokens in commit order, nodes checked, rounds with several image rows)."""
     cls = model.config.cls_token_num
     history = [_Token(0, -1, list(range(i))) for i in range(cls)]
     checked = multi = 0
@@ -90,7 +90,7 @@ def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int)
         block: list[_Token] = []
         for i in real:
             cell, row = int(cells[b, i]), int(rows[b, i])
-            sees = [k for k, tok in enumerate(history) if tok.cell < cell]  # condition: cell -1
+            sees = [k for k, tok in enumerate(history) if tok.cell < cell and not tok.ghost]  # condition: cell -1
             sees += [len(history) + m for m, j in enumerate(real[: len(block)])
                      if int(rows[b, j]) == row and int(cells[b, j]) < cell]
             block.append(_Token(int(tokens[b, i]), cell, sees))
@@ -98,12 +98,18 @@ def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int)
             ref = _reference(model, label, history, block)
             assert torch.allclose(logits[b, real], ref, atol=1e-5), (len(history), real)
             checked += len(block)
-        base, kept = len(history), [int(x) for x in keep[b, : int(num_keep[b])]]
-        remap = {base + real.index(j): base + i for i, j in enumerate(kept)}
-        for j in kept:
-            tok = block[real.index(j)]
-            history.append(_Token(tok.token, tok.cell, [remap.get(s, s) for s in tok.sees]))
-    return history, checked, multi
+        # The kept tokens join the history with what they saw when computed. The first guess of a
+        # newly opened row saw its stand-in root, which is dropped (ZipAR's auxiliary token): its
+        # cached keys and values still depend on it, so the stand-in joins too, as a ghost.
+        base = len(history)
+        kept = [real.index(int(x)) for x in keep[b, : int(num_keep[b])]]
+        seen = sorted({s - base for m in kept for s in block[m].sees if s >= base} - set(kept))
+        remap = {base + m: base + i for i, m in enumerate(kept + seen)}
+        for i, m in enumerate(kept + seen):  # remap[s]: a token that saw an unlisted one fails here
+            tok = block[m]
+            sees = [remap[s] if s >= base else s for s in tok.sees]
+            history.append(_Token(tok.token, tok.cell, sees, ghost=i >= len(kept)))
+    return [tok for tok in history if not tok.ghost], checked, multi
 
 
 @torch.no_grad()

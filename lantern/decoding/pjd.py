@@ -26,7 +26,8 @@ The first token of a newly opened row has no in-row predecessor. As ZipAR's refe
 raster position just before the new row, dropped once the row has its first token), the root of
 a row with no known token is a *stand-in*: the last known token of the row above, at cell
 ``r * width - 1``. When the row above is complete the stand-in is that row's real last token at
-its real cell, so it is committed like any root; otherwise it is never committed. A complete row
+its real cell, so it is committed like any root; otherwise it is never committed (the row's first
+token, computed while it saw the stand-in, is cached with that dependency, as in ZipAR). A complete row
 whose last token is not yet cached (it was the chain's next token) gets a root-only *flush* chain
 when the row below already has tokens, so later rows see it (ZipAR's ``last_token_in_row_idx``).
 """
