@@ -100,9 +100,16 @@ HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None or 
 @pytest.mark.skipif(not HAS_CXX, reason="inductor's CPU backend needs a C++ compiler")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compiled_decoding_equals_eager(random_stack: Path, temperature: float) -> None:
-    """AR and LANTERN (a relaxed chain: draft sampling, drafter steps, fused acceptance) decode the
-    same codes compiled (fullgraph=True: a graph break would raise) as eager, for the same
-    generators; a second batch reuses the graphs (static shapes: no recompilation per image)."""
+    """AR and LANTERN (a relaxed chain: drafter steps, draft sampling, fused acceptance) with the
+    round compiled by inductor (fullgraph=True: a graph break would raise): one graph per method,
+    reused by a second batch (static shapes: no recompilation per image or per round).
+
+    Greedy: the codes equal eager decoding's token for token. Sampled: the same random numbers,
+    but inductor's fused kernels round differently from eager ones (logits differ by ~1e-5), so
+    a draw that lands that close to a top-k or CDF boundary can flip, and the row follows another
+    path from there. Sampled compiled decoding is therefore checked in distribution
+    (tests/test_speculative.py and tests/test_sjd_coupled.py run their chi-square tests compiled);
+    here most tokens must agree (a wrong round would agree on ~1/64)."""
     from torch._dynamo.utils import counters
 
     stack = load_stack(random_stack)
@@ -115,8 +122,12 @@ def test_compiled_decoding_equals_eager(random_stack: Path, temperature: float) 
         graphs = counters["stats"]["unique_graphs"]
         again = compiled.generate(cond, make_generators([1, 2, 3]))
         assert counters["stats"]["unique_graphs"] == graphs
-        assert torch.equal(first.codes, eager.codes) and torch.equal(again.codes, eager.codes)
-        assert first.stats.mean_accepted == eager.stats.mean_accepted
+        assert torch.equal(again.codes, first.codes)  # compiled decoding is deterministic
+        if temperature == 0:
+            assert torch.equal(first.codes, eager.codes)
+            assert first.stats.mean_accepted == eager.stats.mean_accepted
+        else:
+            assert float((first.codes == eager.codes).float().mean()) > 0.75
 
 
 def test_bad_compile_mode() -> None:

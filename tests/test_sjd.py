@@ -39,6 +39,7 @@ from lantern.decoding.acceptance import aggregated_mask, relaxed_mass
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
 from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput, generate
+from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators, probs_from_logits
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
@@ -77,12 +78,13 @@ def _generate(
     seeds: list[int] | None,
     drafter_cls: type[JacobiDrafter] = JacobiDrafter,
     acceptance: Acceptance | None = None,
+    compile: str | None = None,
 ) -> GenerationOutput:
     cfg = model.config
     drafter = drafter_cls(config, sampling, cfg.vocab_size, cfg.block_size)
-    target = LlamaGenTarget(model, sampling, max_tree_nodes=drafter.num_nodes)
+    target = LlamaGenTarget(model, sampling, max_tree_nodes=drafter.num_nodes, compile=compile)
     gens = None if seeds is None else make_generators(seeds)
-    return generate(target, labels, generators=gens, drafter=drafter, acceptance=acceptance)
+    return generate(target, labels, generators=gens, drafter=drafter, acceptance=acceptance, compile=compile)
 
 
 # ---- greedy SJD == greedy AR ----------------------------------------------------------------
@@ -214,7 +216,7 @@ def _jacobi_rounds() -> list[tuple[Tensor, Tensor, Tensor]]:
     model, s = _step_model(), STEP_SAMPLING
     drafter = JacobiDrafter(JacobiConfig(4, "random"), s, 6, 9)
     target = LlamaGenTarget(model, s, max_tree_nodes=drafter.num_nodes)
-    gens = make_generators([11, 12, 13])
+    gens = RowRandom.from_seeds([11, 12, 13], "cpu")
     logits0, hidden0 = target.start(STEP_LABELS)
     root = logits0.argmax(-1)
     drafter.start(hidden0, root)

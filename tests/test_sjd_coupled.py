@@ -37,7 +37,7 @@ from lantern.decoding.acceptance import maximal_coupling
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
 from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput
-from lantern.decoding.sampling import make_generators
+from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError
 from lantern.eval.bench import parse_methods, tree_label
 from lantern.pipeline import MethodConfig, run_generation
@@ -126,7 +126,7 @@ class _StickyCoupling(JacobiDrafter):
     """A deliberately broken coupling: every carried guess that its old q could have drawn is
     kept, so its law is the old q rather than p (while still tested as a draw from p)."""
 
-    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: list[torch.Generator]) -> Tensor:
+    def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: RowRandom) -> Tensor:
         y = super()._redraw(p, old, pos, gens)
         assert self.q is not None
         q_old = torch.cat([self.q[:, 1:], torch.zeros_like(self.q[:, :1])], dim=1)
@@ -141,6 +141,7 @@ DIST_RUNS = {  # name -> (init, window, coupling, drafter)
     "maximal-repeat": ("repeat_horizon", 4, "maximal", JacobiDrafter),
     "gumbel-2": ("random", 2, "gumbel", JacobiDrafter),
     "sticky": ("random", 4, "maximal", _StickyCoupling),
+    "maximal-compiled": ("random", 4, "maximal", JacobiDrafter),  # the round as one inductor region
 }
 DIST_TOKENS = 4
 
@@ -158,12 +159,12 @@ def _dist_run(name: str) -> tuple[GenerationOutput, float]:
             drafters.append(self)
 
     out = _generate(_dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init, coupling), list(range(DIST_ROWS)),
-                    _Kept)
+                    _Kept, compile="default" if name.endswith("-compiled") else None)
     (drafter,) = drafters
     return out, int(drafter.kept) / int(drafter.redrawn)
 
 
-@pytest.mark.parametrize("run", ["maximal", "gumbel", "maximal-repeat", "gumbel-2"])
+@pytest.mark.parametrize("run", ["maximal", "gumbel", "maximal-repeat", "gumbel-2", "maximal-compiled"])
 def test_coupled_sjd_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
     cells in the support, 6000 rows) at significance 0.001: a correct implementation fails with
@@ -206,7 +207,7 @@ def test_unchanged_prediction_keeps_the_draft(coupling: str) -> None:
     changes under independent redraws."""
     s = SamplingConfig(temperature=1.0)
     drafter = JacobiDrafter(JacobiConfig(6, "random", coupling), s, 8, 16)
-    gens = make_generators([5, 6])
+    gens = RowRandom.from_seeds([5, 6], "cpu")
     drafter.start(torch.zeros(2, 1, 4), torch.tensor([1, 2]))
     logits = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(0)).expand(2, 7, 8).contiguous()
     windows = []
