@@ -146,7 +146,7 @@ def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
     return run
 
 
-def _state_tensors(objs: tuple[object, ...], depth: int = 3) -> list[torch.Tensor]:
+def _state_tensors(objs: tuple[object, ...], depth: int = 4) -> list[torch.Tensor]:
     """Tensors held by these objects, their attributes and containers, ``depth`` levels down."""
     found: dict[int, torch.Tensor] = {}
 

@@ -136,7 +136,7 @@ class TreeDrafter:
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         last = next_tokens.gather(1, (num_new - 1).clamp(min=0)[:, None])[:, 0]
         assert self.root is not None
-        self.root = torch.where(num_new > 0, last, self.root)
+        self.root.copy_(torch.where(num_new > 0, last, self.root))  # in place: round state keeps its address
         self.backend.commit(hidden, next_tokens, num_new)
 
     def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:

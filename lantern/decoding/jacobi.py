@@ -194,7 +194,8 @@ class JacobiDrafter:
 
     def observe_verify(self, logits: Tensor) -> None:
         """Guided logits [B, L+1, V] of the verify forward: the predictions carried over."""
-        self._logits = logits
+        assert self._logits is not None
+        self._logits.copy_(logits)  # in place: a compiled round's state keeps its addresses
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         """next_tokens[:, :num_new] are each row's new known tokens (accepted guesses, then the
@@ -204,8 +205,8 @@ class JacobiDrafter:
         keep = j < num_new[:, None]
         pos = (self.n[:, None] + j).clamp(max=self.canvas.shape[1] - 1)
         self.canvas.scatter_(1, pos, torch.where(keep, next_tokens, self.canvas.gather(1, pos)))
-        self.n = self.n + num_new
-        self._num_new = num_new
+        self.n.add_(num_new)
+        self._num_new.copy_(num_new)
 
     def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:
         """The chain [root, window] per row; depth beyond ``max_depth`` is cut by the acceptance."""
@@ -216,13 +217,15 @@ class JacobiDrafter:
             first_new = (self.window + 1 - self._num_new).clamp(0, self.window)  # [B] first slot needing a new guess
             carried = self._carry_over(gens)
             self._initialise(first_new, gens)
-        self._first_new = first_new
+        assert self._first_new is not None
+        self._first_new.copy_(first_new)
         slots = self.n[:, None] + torch.arange(self.window, device=self.n.device)  # [B, L] positions
         guesses = self.canvas.gather(1, slots)
         root = self.canvas.gather(1, (self.n - 1)[:, None])
         q_draft = None
         if not self.sampling.greedy:
-            self.q = self._window_q(guesses, first_new, carried)
+            assert self.q is not None
+            self.q.copy_(self._window_q(guesses, first_new, carried))
             pad = torch.zeros_like(self.q[:, :1])  # node L has no child
             q_draft = torch.cat([self.q, pad], dim=1)  # node j's child (guess j) was drawn from q[:, j]
         return DraftTree(tokens=torch.cat([root, guesses], dim=1), buffers=self._chain(root.shape[0]), q_draft=q_draft)
@@ -300,8 +303,8 @@ class JacobiDrafter:
             return
         node = torch.arange(1, old.shape[1] + 1, device=old.device)[None, :]  # old window slot of each node
         carried = keep & (node < self._first_new[:, None])
-        self.redrawn = self.redrawn + carried.sum()
-        self.kept = self.kept + (carried & (y == old)).sum()
+        self.redrawn.add_(carried.sum())
+        self.kept.add_((carried & (y == old)).sum())
 
     def _initialise(self, first_new: Tensor, gens: RowRandom) -> None:
         """New guesses in window slots >= first_new [B] (positions not predicted by any forward)."""

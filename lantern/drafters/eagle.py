@@ -74,9 +74,16 @@ class EagleBackend:
         tokens = torch.zeros(b, width, dtype=torch.long, device=device)
         tokens[:, 0] = root
         self._pending = (last, tokens, torch.ones(b, dtype=torch.long, device=device))
+        self._base = torch.zeros(n, dtype=torch.long, device=device)
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
-        self._pending = (hidden, next_tokens, num_new)
+        pending = self._pending
+        if pending is not None and pending[0].shape == hidden.shape and pending[1].shape == next_tokens.shape:
+            # In place: a compiled round's state keeps its addresses (CUDA graphs replay on them).
+            for buf, new in zip(pending, (hidden, next_tokens, num_new), strict=True):
+                buf.copy_(new)
+        else:
+            self._pending = (hidden.clone(), next_tokens.clone(), num_new.clone())
 
     @torch.no_grad()
     def begin(self) -> Tensor:
@@ -88,7 +95,8 @@ class EagleBackend:
             logits = step(self.model, self.lm_head, self.cache, self._hidden, feats.to(self.model.dtype), tokens,
                           counts, self.streams, self.sampling.cfg_scale)[0]
         self.forwards += 1
-        self._base = self.cache.lengths.clone()
+        assert self._base is not None
+        self._base.copy_(self.cache.lengths)
         self._fed = 0
         return logits
 
