@@ -79,15 +79,18 @@ def test_every_round_is_one_graph(stack: ModelStack, name: str, sampling: Sampli
 
 @pytest.fixture
 def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Compile rounds with dynamo's ``eager`` backend (fullgraph, static shapes, real guards)."""
+    """Compile rounds with dynamo's ``eager`` backend (fullgraph, static shapes, every guard kept)."""
     made: dict[Any, Any] = {}
 
-    def compiled(fn: Any, mode: str, device_type: str = "cpu") -> Any:
+    def compiled(fn: Any, mode: str, device_type: str = "cpu", guards: bool = True) -> Any:
+        # Guards kept (round_fn skips them): a round that would need a second graph shows up as a
+        # recompilation here instead of silently reusing the first.
         if fn not in made:
             made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
         return made[fn]
 
     monkeypatch.setattr(compiling, "compiled", compiled)
+    monkeypatch.setattr(compiling, "_rounds", {})
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -126,6 +129,23 @@ def test_compiled_rows_independent_of_batch(stack: ModelStack, name: str, eager_
         alone = prepared.generate(torch.tensor(labels[i : i + 1]), make_generators(seeds[i : i + 1]))
         assert torch.equal(batch.codes[i], alone.codes[0]), i
         assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
+
+
+def test_one_compiled_round_per_fingerprint(stack: ModelStack, eager_backend: None) -> None:
+    """round_fn compiles a copy of the round per fingerprint of its state (guards are checked
+    once per decode, not per round): the same method and batch size reuse it image after image;
+    another batch size or method gets its own."""
+    prepared = prepare_method(stack, _method("lantern-chain"), SAMPLED, compile="default")
+    prepared.generate(torch.tensor([0]), make_generators([0]))
+    copies = len(compiling._rounds)
+    prepared.generate(torch.tensor([1]), make_generators([1]))
+    assert len(compiling._rounds) == copies
+    prepared.generate(torch.tensor([1, 2]), make_generators([1, 2]))
+    assert len(compiling._rounds) == copies + 1
+    prepare_method(stack, _method("sd-static"), SAMPLED, compile="default").generate(torch.tensor([1]),
+                                                                                        make_generators([1]))
+    assert len(compiling._rounds) == copies + 2
+    assert compiling._fingerprint([torch.zeros(2, 3)]) != compiling._fingerprint([torch.zeros(3, 2)])
 
 
 def test_round_state_has_no_python_counters(stack: ModelStack) -> None:

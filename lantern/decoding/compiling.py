@@ -29,6 +29,7 @@ Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs), `
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # modes that capture CUDA graphs
 
 _compiled: dict[tuple[Callable[..., Any], str, str], Callable[..., Any]] = {}
+_rounds: dict[tuple[object, ...], Callable[..., Any]] = {}  # round_fn's compiled copies, by fingerprint
 # Calls of compiled regions made by the engine since import (``lantern profile --trace`` reads the
 # difference across a round: its ``regions_per_round``).
 region_calls = 0
@@ -81,7 +83,7 @@ def uses_cuda_graphs(mode: str | None, device: torch.device) -> bool:
     return mode in _GRAPH_MODES and device.type == "cuda"
 
 
-def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu") -> Callable[..., Any]:
+def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu", guards: bool = True) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)``, built once per (fn, mode,
     device type).
 
@@ -89,7 +91,8 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu") -> Cal
     entries than dynamo's default 8, so the limit is raised. On a CPU, ``default`` mode also
     generates a C++ wrapper around the kernels (``cpp_wrapper``): the drafter's small graphs are
     bound by the per-kernel Python calls otherwise (measured: a photos LANTERN++ round 8.2 ->
-    6.1 ms, AR unchanged), for ~20 s more compilation.
+    6.1 ms, AR unchanged), for ~20 s more compilation. ``guards=False``: dynamo checks no guards
+    before a call (see :func:`round_fn`, which guards once per decode instead).
     """
     key = (fn, mode, device_type)
     if key not in _compiled:
@@ -97,12 +100,17 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu") -> Cal
         cfg: Any = torch._dynamo.config
         cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
+        options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode))
         if mode == "default" and device_type == "cpu":
-            _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
-        else:
-            _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False,
-                                           mode=None if mode == "default" else mode)
+            options["cpp_wrapper"] = True
+        if not guards:
+            options["guard_filter_fn"] = _no_guards
+        _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return _compiled[key]
+
+
+def _no_guards(entries: list[Any]) -> list[bool]:
+    return [False] * len(entries)
 
 
 def step_fn(fn: Callable[..., Any], mode: str | None, device: torch.device) -> Callable[..., Any]:
@@ -117,9 +125,20 @@ def round_fn(
 ) -> Callable[..., Any]:
     """A decoding round as one compiled region (``fn`` itself when ``mode`` is None).
 
-    state: the objects whose tensors the round mutates in place (target, drafter, random streams,
-    codes); under CUDA graphs their addresses are marked static, so that cudagraph trees replay
-    the round instead of skipping it for "mutated inputs".
+    state: everything the round reads besides its per-round tensors (target, drafter, random
+    streams, codes, acceptance and sampling settings).
+
+    **Guards once per decode, not once per round.** Before every call of a compiled function
+    dynamo evaluates its guards: a check of every tensor's shape, stride and dtype and of every
+    Python value the trace read. A round reaches the target, the drafter, their caches and every
+    parameter of both models, and the check cost ~0.9 ms per round on the CPU (7 % of a photos
+    LANTERN round; as much as a whole GPU round). So the round is compiled per *fingerprint* of
+    its state (:func:`_fingerprint`: the same facts, read once per decode), as a copy of ``fn``
+    with its own code object (dynamo keeps compiled entries per code object) and no guards.
+    A decode with another method, tree, batch size or model gets another copy.
+
+    Under CUDA graphs the addresses of the tensors the round mutates in place are marked static,
+    so that cudagraph trees replay the round instead of skipping it for "mutated inputs".
     """
     if mode is None:
         return fn
@@ -127,7 +146,35 @@ def round_fn(
     if graphs:
         for tensor in _state_tensors(state):
             mark_static(tensor)
-    return _counted(compiled(fn, mode, device.type), graphs)
+    key = (fn, mode, device.type, _fingerprint(state))
+    if key not in _rounds:
+        name = f"{fn.__name__}_{len(_rounds)}"
+        code = fn.__code__.replace(co_name=name, co_qualname=name)
+        copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+        _rounds[key] = _counted(compiled(copy, mode, device.type, guards=False), graphs)
+    return _rounds[key]
+
+
+def _fingerprint(obj: object, depth: int = 6) -> object:
+    """What a compiled round's trace depends on, as a hashable value: tensors by shape, stride,
+    dtype and device; modules by identity (their parameters are graph inputs); Python scalars,
+    strings and settings by value; objects by type and attributes, ``depth`` levels down. A
+    :class:`~lantern.decoding.cache.CachePool` is left out (it holds caches of other batches)."""
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad)
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
+        return obj
+    if isinstance(obj, torch.nn.Module) or callable(obj) or depth == 0:
+        return (type(obj).__qualname__, id(obj))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_fingerprint(x, depth - 1) for x in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _fingerprint(v, depth - 1)) for k, v in obj.items())
+    if type(obj).__name__ == "CachePool":
+        return "CachePool"
+    if hasattr(obj, "__dict__"):
+        return (type(obj).__qualname__, tuple((k, _fingerprint(v, depth - 1)) for k, v in vars(obj).items()))
+    return (type(obj).__qualname__, id(obj))
 
 
 def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:

@@ -344,10 +344,12 @@ def start_decode(
     if drafter is not None:
         drafter.start(hidden0, root)
     grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
-    step = round_fn(_grid_round if grid else _raster_round, compile, device, state=(target, drafter, rng, codes))
+    acceptance = acceptance or Acceptance()
+    ar_tree = _root_only_tree(b, device)
+    step = round_fn(_grid_round if grid else _raster_round, compile, device,
+                    state=(target, drafter, rng, codes, acceptance, target.sampling, ar_tree))
     n = torch.ones(b, dtype=torch.long, device=device)
-    return Decode(target, drafter, acceptance or Acceptance(), rng, codes, n, root.clone(), compile is not None, step,
-                  _root_only_tree(b, device))
+    return Decode(target, drafter, acceptance, rng, codes, n, root.clone(), compile is not None, step, ar_tree)
 
 
 def _raster_round(

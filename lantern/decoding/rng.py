@@ -6,22 +6,21 @@ kernels) and cannot be replayed inside a CUDA graph unless registered. The fast 
 stateless counter hash instead (vLLM's model runner v2 ``gumbel.py``: noise = f(request seed,
 position, token id); flashinfer's Philox ``seed, offset`` arguments). lantern does the same.
 
-The scheme: every row b has a 64-bit seed, folded into two 32-bit keys ``k0[b], k1[b]``. A draw is
-one call of :meth:`RowRandom.uniform` with a count n; calls are numbered ``c = 0, 1, ...`` by a
-device counter shared by the rows (every row makes the same calls, whatever its batch-mates do).
-Element i of call c in row b is
+The scheme: every row b has a 64-bit seed, folded into two 32-bit keys ``k0[b], k1[b]``. Its
+stream is numbered by a device counter ``e`` of the elements drawn so far (every row draws the same
+counts, whatever its batch-mates do, so one counter serves the batch), like Philox's offset.
+Element ``e`` of row b is
 
-    s0 = fmix32(k0 ^ mix(c)),  s1 = fmix32(k1 ^ s0)              (per row and call)
-    h  = fmix32((fmix32(i ^ s0) + s1) mod 2^32)                  (per element)
-    u  = (2 * (h >> 9) + 1) / 2^24                               (an odd multiple of 2^-24 in (0, 1))
+    h = fmix32(((fmix32(lo(e) ^ k0) + (hi(e) ^ k1)) mod 2^32)      lo / hi: e's 32-bit halves
+    u = (2 * (h >> 9) + 1) / 2^24                                 (an odd multiple of 2^-24 in (0, 1))
 
-with MurmurHash3's 32-bit finaliser ``fmix32``. So a row's numbers depend only on (its seed, the
-call index, the element index): never on which rows share its batch, and identical on every
-device, eager or compiled (integer ops only; multiplications are split into 16-bit halves so that
-no product leaves int64 and nothing overflows). Two calls never share a shifted copy of one stream:
-the second key ``s1`` is added after a bijection of ``i ^ s0``, so equal outputs across calls are
-isolated 32-bit coincidences, not aligned runs. ``u`` is never 0 or 1, so ``-log(u)`` is a finite
-Exp(1) draw.
+with MurmurHash3's 32-bit finaliser ``fmix32`` (a bijection with full avalanche). So a row's numbers
+depend only on (its seed, the element's index in its stream): never on which rows share its batch,
+and identical on every device, eager or compiled (integer ops only; multiplications are split
+into 16-bit halves so that no product leaves int64). For a fixed row the map e -> h is a keyed
+bijection (no repeats within 2^32 draws); two rows with different seeds are not shifted copies of
+each other, because the second key is added after the first bijection. ``u`` is never 0 or 1, so
+``-log(u)`` is a finite Exp(1) draw. About 45 elementwise ops per call, whatever its size.
 
 A row's seed comes from its ``torch.Generator`` (one 62-bit draw, so a generator reused for a
 second call gives new images, as before) or from an integer directly.
@@ -50,22 +49,20 @@ def fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
-def uniforms_at(k0: Tensor, k1: Tensor, call: Tensor, n: int) -> Tensor:
-    """The scheme of the module docstring: [B, n] float32 uniforms for keys k0, k1 [B] and a call
-    index ``call`` (a 0-d int64 tensor)."""
-    c = _mul32(call & _M32, 0x9E3779B1)  # spread consecutive call numbers
-    s0 = fmix32(k0 ^ c)[:, None]  # [B, 1]
-    s1 = fmix32(k1[:, None] ^ s0)
-    i = torch.arange(n, dtype=torch.int64, device=k0.device)[None, :]  # [1, n]
-    h = fmix32((fmix32(i ^ s0) + s1) & _M32)  # [B, n]
+def uniforms_at(k0: Tensor, k1: Tensor, offset: Tensor, n: int) -> Tensor:
+    """The scheme of the module docstring: [B, n] float32 uniforms, elements ``offset .. offset + n - 1``
+    of the streams keyed by k0, k1 [B] (``offset``: a 0-d int64 tensor)."""
+    e = offset + torch.arange(n, dtype=torch.int64, device=k0.device)  # [n] element indices
+    h = fmix32((e & _M32)[None, :] ^ k0[:, None])  # [B, n]
+    h = fmix32((h + (((e >> 32) & _M32)[None, :] ^ k1[:, None])) & _M32)
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)
 
 
 class RowRandom:
     """Per-row random streams for one decode (see the module docstring).
 
-    ``uniform(n)`` returns [B, n] uniforms in (0, 1) and advances the call counter in place, so the
-    counter is state a compiled round mutates like a KV cache (its address never changes).
+    ``uniform(n)`` returns [B, n] uniforms in (0, 1) and advances the element counter in place, so
+    the counter is state a compiled round mutates like a KV cache (its address never changes).
     """
 
     def __init__(self, seeds: Tensor) -> None:
@@ -73,7 +70,7 @@ class RowRandom:
         seeds = seeds.long()
         self.k0 = fmix32(seeds & _M32)
         self.k1 = fmix32(((seeds >> 32) & _M32) ^ 0x5BD1E995)
-        self.calls = torch.zeros((), dtype=torch.int64, device=seeds.device)
+        self.drawn = torch.zeros((), dtype=torch.int64, device=seeds.device)  # elements per row so far
 
     @classmethod
     def from_seeds(cls, seeds: list[int], device: torch.device | str) -> RowRandom:
@@ -92,8 +89,8 @@ class RowRandom:
 
     def uniform(self, n: int) -> Tensor:
         """[B, n] uniforms in (0, 1); the next call draws fresh ones."""
-        u = uniforms_at(self.k0, self.k1, self.calls, n)
-        self.calls.add_(1)
+        u = uniforms_at(self.k0, self.k1, self.drawn, n)
+        self.drawn.add_(n)
         return u
 
     def exponential(self, n: int) -> Tensor:
