@@ -55,7 +55,7 @@ if part startup; then  # cold (empty compile cache) then warm start-up, one meth
   CACHE=$(mktemp -d)
   for run in cold warm; do
     LANTERN_COMPILE_CACHE=$CACHE lantern bench --model photos --device "$DEVICE" --no-quality \
-      --methods ar,lantern++ --speed-images 1 --num-images 1 --repeats 1 --curve-images 0 --compile auto \
+      --methods ar,lantern++ --speed-images 1 --num-images 2 --repeats 1 --curve-images 0 --compile auto \
       --out "$OUT/startup-$run" --no-progress
   done
   rm -rf "$CACHE"

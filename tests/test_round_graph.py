@@ -190,14 +190,16 @@ def test_trace_counts_one_region_per_compiled_round(stack: ModelStack, eager_bac
 
 def test_compile_cache_dir_is_lanterns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Compiled artifacts persist under lantern's cache folder ($LANTERN_COMPILE_CACHE, else the
-    user cache directory), unless the user pointed inductor elsewhere."""
-    monkeypatch.setenv("LANTERN_COMPILE_CACHE", str(tmp_path / "c"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert compiling.compile_cache_dir() == tmp_path / "c"
-    compiling._use_cache_dir()
+    user cache directory), unless the user chose inductor's folder before importing lantern."""
     import os
 
+    monkeypatch.setenv("LANTERN_COMPILE_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/inductor/chose")  # inductor's default, say
+    monkeypatch.setattr(compiling, "_USER_CACHE_DIR", False)
+    assert compiling.compile_cache_dir() == tmp_path / "c"
+    compiling._use_cache_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c") and (tmp_path / "c").is_dir()
+    monkeypatch.setattr(compiling, "_USER_CACHE_DIR", True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     compiling._use_cache_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

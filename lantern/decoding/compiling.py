@@ -57,10 +57,15 @@ def compile_cache_dir() -> Path:
     return Path(base) / "lantern" / "compile"
 
 
+# Whether the user chose inductor's cache folder before lantern was imported (inductor writes its
+# default into the same variable the first time it compiles, so it is read here, at import).
+_USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+
+
 def _use_cache_dir() -> None:
     """Point inductor's caches (FX graph and AOT-autograd caches, kernels) at :func:`compile_cache_dir`,
-    unless the user already set ``TORCHINDUCTOR_CACHE_DIR``."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    unless the user chose ``TORCHINDUCTOR_CACHE_DIR`` (inductor reads the variable at every use)."""
+    if not _USER_CACHE_DIR:
         path = compile_cache_dir()
         path.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
