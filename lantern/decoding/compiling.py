@@ -108,7 +108,8 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu", guards
         options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode))
         if mode == "default" and device_type == "cpu":
             options["cpp_wrapper"] = True
-        if not guards:
+        if not guards and hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe"):
+            # guard_filter_fn came with these helpers (torch 2.7); older versions keep their guards.
             options["guard_filter_fn"] = _no_guards
         _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return _compiled[key]

@@ -75,6 +75,7 @@ class EagleBackend:
         tokens[:, 0] = root
         self._pending = (last, tokens, torch.ones(b, dtype=torch.long, device=device))
         self._base = torch.zeros(n, dtype=torch.long, device=device)
+        self._fed = 0  # (a backend reused for another decode starts like a new one: same fingerprint)
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         pending = self._pending
