@@ -119,7 +119,8 @@ def test_loop_equals_explicit_recomputation(window: int, context: int) -> None:
     logits equal the explicit recomputation, and the cache's slot cells are the commit history."""
     model, labels = _model(), [3, 7]
     s = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=1.0)  # cfg 1: guided logits are the model's
-    out, target = _run(model, labels, s, PJDConfig(window, context), [0, 1], target_cls=_Recording)
+    # seeds for which every setting commits out of raster order in both rows (the test's precondition)
+    out, target = _run(model, labels, s, PJDConfig(window, context), [4, 5], target_cls=_Recording)
     rounds = target.rounds  # type: ignore[attr-defined]
     cls = model.config.cls_token_num
     for b in range(2):
