@@ -295,12 +295,9 @@ class Decode:
     n: Tensor  # [B] known tokens per row
     root: Tensor  # [B] the pending token
     compiled: bool
+    grid: bool  # PJD: the drafter lays out image rows (checked once: a Protocol isinstance is slow)
     _step: Callable[..., tuple[Tensor, ...]]
     _ar_tree: TreeBuffers
-
-    @property
-    def grid(self) -> bool:
-        return isinstance(self.drafter, GridDrafter)
 
     def step_args(self, active: Tensor) -> tuple[object, ...]:
         """The arguments of one call of the round function (:func:`_raster_round` / :func:`_grid_round`)."""
@@ -349,7 +346,7 @@ def start_decode(
     step = round_fn(_grid_round if grid else _raster_round, compile, device,
                     state=(target, drafter, rng, codes, acceptance, target.sampling, ar_tree))
     n = torch.ones(b, dtype=torch.long, device=device)
-    return Decode(target, drafter, acceptance, rng, codes, n, root.clone(), compile is not None, step, ar_tree)
+    return Decode(target, drafter, acceptance, rng, codes, n, root.clone(), compile is not None, grid, step, ar_tree)
 
 
 def _raster_round(
