@@ -424,7 +424,7 @@ class PreparedMethod:
         head = head if head is not None else self.drafter_head(target.lm_head)
         backend = stack.draft_backend(self.drafter, head, self.sampling, target, tree.drafter_slots,
                                       compile=self.compile, cache_pool=self._caches)
-        return target, TreeDrafter(backend, tree, self.sampling, stack.vocab_size, compile=self.compile)
+        return target, TreeDrafter(backend, tree, self.sampling, stack.vocab_size)
 
     def generate(
         self,

@@ -145,7 +145,7 @@ def test_one_compiled_round_per_fingerprint(stack: ModelStack, eager_backend: No
     prepare_method(stack, _method("sd-static"), SAMPLED, compile="default").generate(torch.tensor([1]),
                                                                                         make_generators([1]))
     assert len(compiling._rounds) == copies + 2
-    assert compiling._fingerprint([torch.zeros(2, 3)]) != compiling._fingerprint([torch.zeros(3, 2)])
+    assert compiling._fingerprint([torch.zeros(2, 3)], []) != compiling._fingerprint([torch.zeros(3, 2)], [])
 
 
 def test_round_state_has_no_python_counters(stack: ModelStack) -> None:

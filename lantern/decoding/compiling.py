@@ -149,10 +149,10 @@ def round_fn(
     if mode is None:
         return fn
     graphs = uses_cuda_graphs(mode, device)
+    tensors: list[torch.Tensor] = []
+    key = (fn, mode, device.type, _fingerprint(state, tensors))
     if graphs:
-        for tensor in _state_tensors(state):
-            mark_static(tensor)
-    key = (fn, mode, device.type, _fingerprint(state))
+        mark_static(*tensors)
     if key not in _rounds:
         name = f"{fn.__name__}_{len(_rounds)}"
         code = fn.__code__.replace(co_name=name, co_qualname=name)
@@ -161,25 +161,27 @@ def round_fn(
     return _rounds[key]
 
 
-def _fingerprint(obj: object, depth: int = 6) -> object:
+def _fingerprint(obj: object, tensors: list[torch.Tensor], depth: int = 6) -> object:
     """What a compiled round's trace depends on, as a hashable value: tensors by shape, stride,
-    dtype and device; modules by identity (their parameters are graph inputs); Python scalars,
-    strings and settings by value; objects by type and attributes, ``depth`` levels down. A
+    dtype and device (and appended to ``tensors``: the state a round may mutate); modules by
+    identity (their parameters are graph inputs); Python scalars, strings and settings by value;
+    objects by type and attributes, ``depth`` levels down. A
     :class:`~lantern.decoding.cache.CachePool` is left out (it holds caches of other batches)."""
     if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
         return ("T", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad)
     if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
         return obj
     if isinstance(obj, torch.nn.Module) or callable(obj) or depth == 0:
         return (type(obj).__qualname__, id(obj))
     if isinstance(obj, (list, tuple)):
-        return tuple(_fingerprint(x, depth - 1) for x in obj)
+        return tuple(_fingerprint(x, tensors, depth - 1) for x in obj)
     if isinstance(obj, dict):
-        return tuple((k, _fingerprint(v, depth - 1)) for k, v in obj.items())
+        return tuple((k, _fingerprint(v, tensors, depth - 1)) for k, v in obj.items())
     if type(obj).__name__ == "CachePool":
         return "CachePool"
     if hasattr(obj, "__dict__"):
-        return (type(obj).__qualname__, tuple((k, _fingerprint(v, depth - 1)) for k, v in vars(obj).items()))
+        return (type(obj).__qualname__, tuple((k, _fingerprint(v, tensors, depth - 1)) for k, v in vars(obj).items()))
     return (type(obj).__qualname__, id(obj))
 
 
@@ -197,25 +199,6 @@ def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
 
     return run
-
-
-def _state_tensors(objs: tuple[object, ...], depth: int = 4) -> list[torch.Tensor]:
-    """Tensors held by these objects, their attributes and containers, ``depth`` levels down."""
-    found: dict[int, torch.Tensor] = {}
-
-    def visit(obj: object, level: int) -> None:
-        if isinstance(obj, torch.Tensor):
-            found[id(obj)] = obj
-        elif level > 0 and isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item, level - 1)
-        elif level > 0 and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-            for value in vars(obj).values():
-                visit(value, level - 1)
-
-    for obj in objs:
-        visit(obj, depth)
-    return list(found.values())
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

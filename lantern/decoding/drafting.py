@@ -94,7 +94,6 @@ class TreeDrafter:
         tree: TreeConfig,
         sampling: SamplingConfig,
         vocab_size: int,
-        compile: str | None = None,
     ) -> None:
         check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
         if tree.kind == "dynamic":
@@ -103,7 +102,6 @@ class TreeDrafter:
                 f"tree top_k ({tree.top_k}) is larger than the vocabulary ({vocab_size})",
             )
         self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
-        self.compile = compile  # a resolved lantern.decoding.compiling mode for the per-level draws
         self.static: StaticTree | None = None
         if tree.kind in ("static", "chain"):
             self.static = _named_static_tree(tree.choices_name)

@@ -28,7 +28,6 @@ in the target's KV cache and the last one (the *root*) is pending; the root is n
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -40,7 +39,7 @@ from tqdm.auto import tqdm
 from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
 from lantern.decoding.compiling import resolve_compile, round_fn
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
-from lantern.decoding.phases import phase
+from lantern.decoding.phases import NO_PHASE, phase
 from lantern.decoding.pjd import GridBlock
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import probs_from_logits, sample_from_probs
@@ -206,9 +205,6 @@ class Acceptance:
             check(self.neighbours is not None, "relaxed acceptance needs a proximity table")
 
 
-_NO_PHASE = contextlib.nullcontext()
-
-
 def _root_only_tree(batch: int, device: torch.device) -> TreeBuffers:
     return tree_from_parents(torch.full((batch, 1), -1, dtype=torch.long, device=device))
 
@@ -309,7 +305,7 @@ class Decode:
 
     def round(self, active: Tensor) -> tuple[Tensor, Tensor]:
         """One round for the rows that are ``active`` [B]: (new tokens [B], relaxed-only accepts [])."""
-        with phase("round") if self.compiled else _NO_PHASE:  # a compiled round's phases are inside it
+        with phase("round") if self.compiled else NO_PHASE:  # a compiled round's phases are inside it
             out = self._step(*self.step_args(active))
         if self.grid:  # PJD: several image rows per round, committed out of raster order
             new, relaxed = out

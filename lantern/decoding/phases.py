@@ -25,7 +25,7 @@ import torch
 PHASES = ("prefill", "propose", "drafter", "draft_sampling", "tree", "verify", "accept", "sampling", "commit",
           "round")
 
-_NULL = contextlib.nullcontext()
+NO_PHASE = contextlib.nullcontext()  # what ``phase`` returns when nothing is traced or timed
 
 
 class PhaseClock:
@@ -82,5 +82,5 @@ def phase(name: str) -> AbstractContextManager[None]:
     """Context manager marking one phase of the round (see the module docstring)."""
     # Inside a compiled round there is nothing to time or label per phase: the round is one region.
     if torch.compiler.is_compiling() or (_clock is None and not torch.autograd.profiler._is_profiler_enabled):
-        return _NULL
+        return NO_PHASE
     return _traced(name)
