@@ -41,9 +41,9 @@ from lantern.drafters.eagle import EagleBackend
 from lantern.eval.bench import machine_description
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig, llamagen_config
+from lantern.targets.base import inference_dtype
 from lantern.targets.checks import drafter_dtype
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.targets.stack import inference_dtype
 
 # tau measured on photos (README demo / benchmarks/RESULTS.md): tree -> tokens per round
 PHOTOS_TAU = {"chain:6": 4.84, "chain:8": 7.06, "chain:3": 2.64}

@@ -27,8 +27,8 @@ from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
 from lantern.eval.bench import machine_description
 from lantern.models.llamagen import LlamaGen, llamagen_config
+from lantern.targets.base import inference_dtype
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.targets.stack import inference_dtype
 
 POINTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 

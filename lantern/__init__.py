@@ -22,9 +22,11 @@ if TYPE_CHECKING:
     from lantern.decoding.jacobi import JacobiConfig
     from lantern.decoding.loop import Acceptance, Drafter, GenerationOutput, SpecStats, Target, generate
     from lantern.errors import LanternError
-    from lantern.pipeline import MethodConfig, RunResult, run_conditions, run_generation, run_generation_t2i
+    from lantern.methods import MethodConfig
+    from lantern.run import RunResult, run_conditions, run_generation, run_generation_t2i
+    from lantern.targets.base import Conditions, Stack
     from lantern.targets.chameleon_stack import ChameleonStack
-    from lantern.targets.stack import Conditions, ModelStack, Stack, load_stack
+    from lantern.targets.llamagen_stack import ModelStack, load_stack
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -34,8 +36,8 @@ _EXPORTS = {
         "lantern.decoding.loop": ("generate", "GenerationOutput", "SpecStats", "Drafter", "Acceptance", "Target"),
         "lantern.decoding.config": ("SamplingConfig", "TreeConfig", "RelaxationConfig"),
         "lantern.decoding.jacobi": ("JacobiConfig",),
-        "lantern.pipeline": ("MethodConfig", "RunResult", "run_generation", "run_generation_t2i", "run_conditions"),
-        "lantern.targets.stack": ("ModelStack", "load_stack", "Stack", "Conditions"),
+        "lantern.run": ("MethodConfig", "RunResult", "run_generation", "run_generation_t2i", "run_conditions"),
+        "lantern.targets.base": ("ModelStack", "load_stack", "Stack", "Conditions"),
         "lantern.targets.chameleon_stack": ("ChameleonStack",),
         "lantern.errors": ("LanternError",),
     }.items()

@@ -20,7 +20,8 @@ from torch import Tensor
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError
 from lantern.hub import resolve_location
-from lantern.pipeline import MethodConfig, RunResult
+from lantern.methods import MethodConfig
+from lantern.run import RunResult
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
@@ -80,7 +81,7 @@ def run_config(seed: int, batch_size: int, device: str, sampling: SamplingConfig
 def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
     """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``."""
     from lantern.models.chameleon import LAYOUTS, layout_by_name
-    from lantern.targets.stack import read_generation_settings
+    from lantern.targets.base import read_generation_settings
 
     name = layout if layout is not None else read_generation_settings(root).get("layout")
     if name is None:
@@ -123,7 +124,7 @@ class PipelineOutput:
 class Pipeline:
     """A loaded model and how to run it; call it with ``labels=`` (c2i) or ``prompts=`` (t2i, Chameleon)."""
 
-    stack: Any  # a lantern.targets.stack.Stack: ModelStack (LlamaGen c2i / t2i) or ChameleonStack
+    stack: Any  # a lantern.targets.base.Stack: ModelStack (LlamaGen c2i / t2i) or ChameleonStack
     device: str = "cpu"
     compile: str = "off"
     drafter: str | None = None
@@ -169,7 +170,7 @@ class Pipeline:
 
     def _run(self, conditions: list[Any], seed: int, sampling: SamplingConfig, method: MethodConfig,
              batch_size: int, num_per_label: int, progress: bool) -> RunResult:
-        from lantern.pipeline import run_conditions
+        from lantern.run import run_conditions
 
         t5 = self.t5_dir() if self.kind == "t2i" else None
         encoded = self.stack.encode(conditions, num_per_label, batch_size, t5=t5)
@@ -191,7 +192,8 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     ``bfloat16``, ``auto``) or a torch dtype."""
     from lantern.decoding.compiling import resolve_compile
     from lantern.models.chameleon import is_chameleon_folder
-    from lantern.targets.stack import inference_dtype, load_stack
+    from lantern.targets.base import inference_dtype
+    from lantern.targets.llamagen_stack import load_stack
     from lantern.validate import check_device
 
     check_device(device)
@@ -216,7 +218,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
                      layout: str | None = None, image_size: int | None = None,
                      vq: str | os.PathLike[str] | None = None) -> Any:
-    """The :class:`~lantern.targets.stack.Stack` of any model :func:`load` takes, on ``device``: what
+    """The :class:`~lantern.targets.base.Stack` of any model :func:`load` takes, on ``device``: what
     ``demo``, ``bench`` and ``profile`` run on."""
     return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq).stack
 

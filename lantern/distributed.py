@@ -4,7 +4,7 @@
 tell each its place through the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); a plain
 ``python -m lantern.cli`` sets none of them and is rank 0 of 1. The rule that shares out a
 request (:func:`shard`) depends only on the image count and the rank count, and every image keeps
-its own seed (``lantern.pipeline.image_seed`` of its place in the request), so the set of images
+its own seed (``lantern.run.image_seed`` of its place in the request), so the set of images
 is the same whatever the number of processes. Ranks exchange Python objects through
 ``torch.distributed`` (gloo on CPUs, NCCL on GPUs); rank 0 alone writes the outputs.
 """

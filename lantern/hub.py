@@ -14,7 +14,7 @@ from pathlib import Path
 from lantern.errors import LanternError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_PRESETS = ("digits", "photos")  # lantern.targets.stack.PRESETS, spelled here so this module imports no torch
+_PRESETS = ("digits", "photos")  # lantern.targets.base.PRESETS, spelled here so this module imports no torch
 
 
 def is_repo_id(text: str) -> bool:

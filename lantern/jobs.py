@@ -38,7 +38,8 @@ from lantern.errors import LanternError
 from lantern.outputs import OutputFolder, pause_for_tests, resume_folder
 
 if TYPE_CHECKING:
-    from lantern.pipeline import MethodConfig, PreparedMethod
+    from lantern.methods import MethodConfig
+    from lantern.run import PreparedMethod
 
 Decode = Callable[[Tensor], list[Any]]  # codes [b, T] -> PIL images
 
@@ -87,7 +88,7 @@ def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None
             record: dict[str, Any]) -> dict[str, Any] | None:
     """Generate the request across the ranks of ``ctx`` into ``out``; rank 0 returns ``run.json``'s
     content (``record`` plus the statistics), the other ranks None. ``parts``: the prepared method
-    (``lantern.pipeline.prepare_run``); ``decode``: codes [b, T] -> PIL images."""
+    (``lantern.run.prepare_run``); ``decode``: codes [b, T] -> PIL images."""
     n = len(request.names)
     check_enough_items(n, ctx)
     if not ctx.is_main:  # rank 0 opens the job; the others learn its verdict and finished images
@@ -212,8 +213,8 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
 
 def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
                   decode: Decode) -> RoundPart:
-    from lantern.pipeline import generate_rows
-    from lantern.targets.stack import Conditions
+    from lantern.run import generate_rows
+    from lantern.targets.base import Conditions
 
     if not indices:
         return RoundPart(rank, [], np.zeros((0, 0), np.int64), [], [], 0, 0.0)
@@ -236,7 +237,7 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
 
     from lantern.images import save_png
     from lantern.io import atomic_path
-    from lantern.pipeline import image_seed
+    from lantern.run import image_seed
 
     parts = [p for p in gathered if p.indices]
     if not parts:
@@ -312,7 +313,7 @@ def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, parts
     """run.json's totals (as ``RunResult.stats_dict``) over all images, and per rank for this run.
     ``wall_seconds``: this run's decode time; under several ranks, that of the slowest rank (the
     ranks decode in parallel); each rank's own sum is under ``ranks``."""
-    from lantern.pipeline import RunResult
+    from lantern.run import RunResult
 
     per_rank: dict[int, dict[str, Any]] = {}
     for p in parts:

@@ -15,7 +15,8 @@ import torch
 from lantern.decoding.config import SamplingConfig
 from lantern.io import write_json
 from lantern.models.drafter import EagleDrafterModel
-from lantern.targets.stack import PRESETS, PRESETS_DIR, load_stack
+from lantern.targets.base import PRESETS, PRESETS_DIR
+from lantern.targets.llamagen_stack import load_stack
 from lantern.train.heldout import drafter_agreement, encode_dataset, stack_dataset, target_statistics, unigram_bits
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from PIL import Image
 import lantern
 from lantern.cli.main import main
 from lantern.errors import LanternError
-from lantern.targets.stack import preset_dir
+from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
 

@@ -39,7 +39,7 @@ from lantern.decoding.trees import STATIC_TREES, canonical_choices, level_widths
 from lantern.drafters.oracle import make_oracle_drafter
 from lantern.errors import LanternError
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.targets.stack import load_stack
+from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 Choice = tuple[int, ...]
@@ -192,7 +192,7 @@ def test_falls_back_to_ar_when_speculation_loses() -> None:
     """Large batches make verify and drafting cost more than they save (rows x nodes): when even
     the best tree is predicted slower than AR, --tree auto answers plain AR (tree "ar"), and a
     drafter method resolved with it decodes as AR."""
-    from lantern.pipeline import AR_FALLBACK_TREE, MethodConfig
+    from lantern.methods import AR_FALLBACK_TREE, MethodConfig
 
     busy = CostModel(verify_ms=tuple(1.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(0.6,),
                      feed_ms=(0.6,), overhead_ms=(0.3, 0.0, 0.0), ar_step_ms=1.0)

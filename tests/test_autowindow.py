@@ -11,8 +11,8 @@ from lantern.autotree.window import AutoWindowChoice, WindowTrial, choose_window
 from lantern.cli.main import main
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import LanternError
-from lantern.pipeline import MethodConfig
-from lantern.targets.stack import load_stack
+from lantern.methods import MethodConfig
+from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack
 
 pytestmark = pytest.mark.usefixtures("one_thread")

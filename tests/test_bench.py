@@ -17,7 +17,7 @@ from PIL import Image
 from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.eval.bench import BenchConfig, MethodSpec, bench_labels, format_table, parse_methods, parse_tree_options
-from lantern.pipeline import MethodConfig
+from lantern.methods import MethodConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -186,8 +186,9 @@ def test_timed_images_are_the_quality_images() -> None:
 
     from lantern.decoding.config import SamplingConfig
     from lantern.eval.bench import time_methods
-    from lantern.pipeline import MethodConfig, run_generation
-    from lantern.targets.stack import load_stack
+    from lantern.methods import MethodConfig
+    from lantern.run import run_generation
+    from lantern.targets.llamagen_stack import load_stack
 
     stack = load_stack("digits")
     sampling = SamplingConfig(**stack.default_sampling())
@@ -206,7 +207,7 @@ def test_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     timing against AR and the quality function's numbers (a small grid here)."""
     import lantern.eval.bench as bench
     from lantern.decoding.config import SamplingConfig
-    from lantern.targets.stack import load_stack
+    from lantern.targets.llamagen_stack import load_stack
 
     monkeypatch.setattr(bench, "SWEEP_LANTERN", {"k": (10,), "delta": (0.05, 0.4)})
     monkeypatch.setattr(bench, "SWEEP_LANTERN_PP", {"k": (10,), "lam": (2.0,)})
@@ -250,7 +251,7 @@ def test_throughput_table_per_batch_size() -> None:
     max(speed_images, 2) images, each against AR at the same batch size; start-up is recorded."""
     import lantern.eval.bench as bench
     from lantern.decoding.config import SamplingConfig
-    from lantern.targets.stack import load_stack
+    from lantern.targets.llamagen_stack import load_stack
 
     assert bench.parse_batch_sizes("1,4,16") == [1, 4, 16] and bench.parse_batch_sizes(2) == [2]
     for bad in ("0", "a", "", "1,-4"):

@@ -29,6 +29,7 @@ from lantern.decoding.loop import DraftTree, GenerationOutput, generate
 from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
 from lantern.decoding.trees import tree_from_parents
 from lantern.errors import LanternError
+from lantern.methods import MethodConfig
 from lantern.models.chameleon import (
     ChameleonLM,
     ImageLayout,
@@ -38,7 +39,6 @@ from lantern.models.chameleon import (
     image_token_ids,
     lumina_layout,
 )
-from lantern.pipeline import MethodConfig
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
 from lantern.targets.chameleon_stack import _parts, init_chameleon_drafter
 from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_chameleon

@@ -176,9 +176,9 @@ def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
     (Measured: held-out top-1 0.06 -> 0.73, accept probability 0.38 -> 0.80, greedy tokens per
     forward 1.0 -> 2.0.)"""
     from lantern.decoding.config import SamplingConfig
+    from lantern.methods import MethodConfig
     from lantern.models.chameleon import layout_by_name
     from lantern.models.drafter import EagleDrafterModel
-    from lantern.pipeline import MethodConfig
     from lantern.targets.chameleon_stack import init_chameleon_drafter, load_chameleon_stack, run_chameleon
     from lantern.train.chameleon_drafter import teacher_forced_features, teacher_forced_metrics
     from lantern.train.drafter import _FrozenHead

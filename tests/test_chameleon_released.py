@@ -32,6 +32,7 @@ from lantern.decoding.loop import generate
 from lantern.decoding.sampling import apply_cfg, make_generators
 from lantern.drafters.released import ReleasedDrafterBackend, load_chameleon_drafter
 from lantern.errors import CheckpointError, LanternError
+from lantern.methods import MethodConfig
 from lantern.models.chameleon import ImageLayout
 from lantern.models.chameleon_drafter import (
     ReleasedChameleonDrafter,
@@ -40,7 +41,6 @@ from lantern.models.chameleon_drafter import (
     load_released_drafter,
     save_released_drafter,
 )
-from lantern.pipeline import MethodConfig
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
 from lantern.targets.chameleon_stack import _parts
 from lantern.testing import tiny_released_drafter

@@ -18,7 +18,7 @@ from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import generate
 from lantern.decoding.sampling import make_generators
 from lantern.models.llamagen import LlamaGen
-from lantern.pipeline import image_seed
+from lantern.run import image_seed
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import make_random_stack
 

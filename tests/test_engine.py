@@ -19,8 +19,9 @@ from lantern.decoding.phases import phase
 from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
 from lantern.eval.roundtrace import ROUND_PHASES, count_ops, trace_markdown, trace_methods
-from lantern.pipeline import MethodConfig, prepare_method
-from lantern.targets.stack import load_stack
+from lantern.methods import MethodConfig
+from lantern.run import prepare_method
+from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack
 
 

@@ -23,8 +23,9 @@ from lantern.decoding.config import RelaxationConfig, SamplingConfig
 from lantern.decoding.jacobi import JacobiConfig
 from lantern.decoding.loop import Acceptance
 from lantern.errors import LanternError
-from lantern.pipeline import MethodConfig, run_generation
-from lantern.targets.stack import load_stack
+from lantern.methods import MethodConfig
+from lantern.run import run_generation
+from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 F64 = torch.float64

@@ -14,7 +14,7 @@ import torch
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.sampling import make_generators
-from lantern.pipeline import MethodConfig
+from lantern.methods import MethodConfig
 from lantern.targets.chameleon import encode_prompts
 from lantern.targets.chameleon_stack import _parts as chameleon_parts
 

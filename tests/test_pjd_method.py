@@ -36,10 +36,11 @@ from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig
 from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
 from lantern.eval.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
+from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
-from lantern.pipeline import MethodConfig, run_generation
+from lantern.run import run_generation
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.targets.stack import load_stack
+from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 pytestmark = pytest.mark.usefixtures("one_thread")

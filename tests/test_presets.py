@@ -18,8 +18,9 @@ import torch
 from lantern.cli.main import main
 from lantern.decoding.config import SamplingConfig
 from lantern.models.drafter import EagleDrafterModel
+from lantern.targets.base import PRESETS, PRESETS_DIR
+from lantern.targets.llamagen_stack import load_stack
 from lantern.targets.proximity import ProximityTable, build_proximity
-from lantern.targets.stack import PRESETS, PRESETS_DIR, load_stack
 from lantern.train.heldout import drafter_agreement, encode_dataset, stack_dataset, target_statistics, unigram_bits
 
 # name: (image shape, held-out images, min PSNR dB, min bits saved vs unigram, min drafter top-1)

@@ -12,9 +12,10 @@ import torch
 
 from lantern.cli.main import main
 from lantern.errors import LanternError
-from lantern.pipeline import MethodConfig, load_acceptance
+from lantern.methods import MethodConfig
+from lantern.run import load_acceptance
+from lantern.targets.llamagen_stack import load_stack
 from lantern.targets.proximity import ProximityTable
-from lantern.targets.stack import load_stack
 
 torch.set_num_threads(1)
 RESIDUALS = ("paper", "official", "official-lumina")

@@ -23,8 +23,9 @@ from lantern.decoding import compiling, loop
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators
-from lantern.pipeline import MethodConfig, PreparedMethod, prepare_method
-from lantern.targets.stack import ModelStack, load_stack
+from lantern.methods import MethodConfig
+from lantern.run import PreparedMethod, prepare_method
+from lantern.targets.llamagen_stack import ModelStack, load_stack
 from lantern.testing import make_random_stack
 
 # method -> MethodConfig.resolve keyword arguments, sized for the 4 x 4 random stack

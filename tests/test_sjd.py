@@ -42,10 +42,11 @@ from lantern.decoding.loop import Acceptance, GenerationOutput, generate
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators, probs_from_logits
 from lantern.errors import LanternError
+from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
-from lantern.pipeline import MethodConfig, run_generation
+from lantern.run import run_generation
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.targets.stack import ModelStack, load_stack
+from lantern.targets.llamagen_stack import ModelStack, load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 F64 = torch.float64

@@ -40,8 +40,9 @@ from lantern.decoding.loop import Acceptance, GenerationOutput
 from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError
 from lantern.eval.bench import parse_methods, tree_label
-from lantern.pipeline import MethodConfig, run_generation
-from lantern.targets.stack import load_stack
+from lantern.methods import MethodConfig
+from lantern.run import run_generation
+from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]

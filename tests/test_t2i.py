@@ -33,13 +33,14 @@ from lantern.decoding.sampling import apply_cfg
 from lantern.drafters.oracle import make_oracle_drafter
 from lantern.errors import LanternError
 from lantern.io import check_state_dict, write_json
+from lantern.methods import MethodConfig
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, config_from_hf, hf_to_official, llamagen_config, official_to_hf
-from lantern.pipeline import MethodConfig, run_generation_t2i
+from lantern.run import run_generation_t2i
 from lantern.targets.checks import check_t2i_drafter_layout
 from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.llamagen_stack import check_target_architecture, load_stack
 from lantern.targets.proximity import build_proximity
-from lantern.targets.stack import check_target_architecture, load_stack
 from lantern.targets.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
 from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq
 

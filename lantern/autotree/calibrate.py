@@ -15,8 +15,9 @@ from lantern.decoding.loop import Acceptance, Drafter, DraftTree, GenerationOutp
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.trees import probe_choices, register_tree
 from lantern.errors import check
-from lantern.pipeline import MethodConfig, image_seed, prepare_method
-from lantern.targets.stack import Stack
+from lantern.methods import MethodConfig
+from lantern.run import image_seed, prepare_method
+from lantern.targets.base import Stack
 
 
 class RecordingDrafter:
@@ -124,7 +125,7 @@ def calibrate(
 ) -> AcceptanceModel:
     """Generate a few images with the method's acceptance rule and a probe tree; estimate a[d][r].
 
-    ``method`` is a method name or a resolved :class:`lantern.pipeline.MethodConfig`; only its
+    ``method`` is a method name or a resolved :class:`lantern.methods.MethodConfig`; only its
     acceptance rule (and relaxation parameters) matter, its tree is replaced by the probe.
     """
     from tqdm.auto import tqdm

@@ -45,8 +45,8 @@ from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATI
 from lantern.autotree.profile import DeviceProfile, ProfileSettings, load_profile, measure_profile
 from lantern.autotree.search import AutoTreeChoice, select_tree
 from lantern.decoding.config import SamplingConfig
-from lantern.pipeline import MethodConfig
-from lantern.targets.stack import Stack
+from lantern.methods import MethodConfig
+from lantern.targets.base import Stack
 
 # ============================================================================================
 # Acceptance model (pure)
@@ -150,7 +150,7 @@ def choose_trees(
 class StackWithTrees:
     """A stack whose :meth:`default_tree` answers from ``trees`` first, so code that asks the
     stack for a method's tree (``lantern demo``) uses trees chosen at run time; everything else is
-    the wrapped stack's (any :class:`~lantern.targets.stack.Stack`)."""
+    the wrapped stack's (any :class:`~lantern.targets.base.Stack`)."""
 
     def __init__(self, stack: Stack, trees: Mapping[str, str]) -> None:
         self.stack, self.trees = stack, dict(trees)

@@ -17,8 +17,9 @@ from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import GenerationOutput
 from lantern.decoding.trees import STATIC_TREES, chain_choices, register_tree
 from lantern.errors import LanternError, check
-from lantern.pipeline import MethodConfig, PreparedMethod, image_seed, prepare_method
-from lantern.targets.stack import Conditions, Stack
+from lantern.methods import MethodConfig
+from lantern.run import PreparedMethod, image_seed, prepare_method
+from lantern.targets.base import Conditions, Stack
 
 
 @dataclass(frozen=True)

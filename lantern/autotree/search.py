@@ -17,7 +17,7 @@ from lantern.decoding.trees import (
     tree_hash,
 )
 from lantern.errors import check
-from lantern.pipeline import AR_FALLBACK_TREE
+from lantern.methods import AR_FALLBACK_TREE
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class AutoTreeChoice:
     @property
     def tree_spec(self) -> str:
         """``--tree`` form of the chosen tree (``static:auto_*`` names need :meth:`register`), or
-        ``ar`` (:data:`lantern.pipeline.AR_FALLBACK_TREE`) when plain AR is predicted faster."""
+        ``ar`` (:data:`lantern.methods.AR_FALLBACK_TREE`) when plain AR is predicted faster."""
         return AR_FALLBACK_TREE if self.falls_back_to_ar else self.best.spec
 
     @property

@@ -26,8 +26,9 @@ from typing import Any
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
-from lantern.pipeline import PJD_METHODS, SJD_METHODS, MethodConfig, run_generation
-from lantern.targets.stack import ModelStack
+from lantern.methods import PJD_METHODS, SJD_METHODS, MethodConfig
+from lantern.run import run_generation
+from lantern.targets.llamagen_stack import ModelStack
 
 CANDIDATE_WINDOWS = (4, 8, 16, 32)
 PJD_CANDIDATE_WINDOWS = (2, 4, 8)  # a PJD window lives inside one image row

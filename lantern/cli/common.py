@@ -104,7 +104,7 @@ def choose_auto_tree(
 def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool:
     """True for ``--sjd-window auto`` / ``--pjd-window auto``; refuses it for methods without such a
     window, and for models it cannot calibrate (``unsupported``: what kind of model this is)."""
-    from lantern.pipeline import PJD_METHODS, SJD_METHODS
+    from lantern.methods import PJD_METHODS, SJD_METHODS
 
     auto = False
     for flag, window, methods in (("--sjd-window", args.sjd_window, SJD_METHODS),
@@ -154,7 +154,7 @@ def load_tool_stack(args: argparse.Namespace, device: str = "cpu") -> Any:
 
 
 def add_budget_arg(p: argparse.ArgumentParser) -> None:
-    from lantern.pipeline import BUDGETS, DEFAULT_BUDGET
+    from lantern.methods import BUDGETS, DEFAULT_BUDGET
 
     p.add_argument(
         "--lantern-budget", default=None, choices=BUDGETS,

@@ -60,7 +60,7 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
     per-method settings for run_demo and the auto choices for demo.json."""
     from lantern.api import resolve_method
     from lantern.autotree.window import choose_window
-    from lantern.pipeline import PJD_METHODS, SJD_METHODS
+    from lantern.methods import PJD_METHODS, SJD_METHODS
 
     settings: dict[str, dict[str, Any]] = {}
     chosen: dict[str, Any] = {}
@@ -90,8 +90,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from lantern.api import sampling_from
     from lantern.eval.demo import run_demo, save_demo
+    from lantern.methods import METHODS
     from lantern.outputs import OutputFolder
-    from lantern.pipeline import METHODS
 
     check_compile(args)
     from lantern.eval.demo import DEMO_PROMPT_IMAGES

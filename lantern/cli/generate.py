@@ -191,7 +191,7 @@ def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | Non
     from lantern.api import sampling_from
     from lantern.distributed import all_gather, process_group
     from lantern.jobs import JobRequest, check_same_job, run_job
-    from lantern.pipeline import prepare_run
+    from lantern.run import prepare_run
 
     sampling = sampling_from(stack, args)
     t5_dir = stack.t5_folder(args.t5) if stack.kind == "t2i" else None
@@ -250,7 +250,8 @@ def _generate_method(args: argparse.Namespace, stack: Any, sampling: Any, auto: 
 def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
     """generate's stack (any family) for ``--model``, with the family's flags checked first."""
     from lantern.models.chameleon import is_chameleon_folder
-    from lantern.targets.stack import inference_dtype, load_stack
+    from lantern.targets.base import inference_dtype
+    from lantern.targets.llamagen_stack import load_stack
 
     if is_chameleon_folder(args.model):
         return _load_chameleon_for_generate(args, text)
@@ -267,8 +268,8 @@ def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
 
 def _load_chameleon_for_generate(args: argparse.Namespace, text: bool) -> Any:
     """An Anole / Lumina-mGPT folder: prompts only, its own tokenizer, images through the VQGAN."""
+    from lantern.targets.base import inference_dtype
     from lantern.targets.chameleon_stack import load_chameleon_stack
-    from lantern.targets.stack import inference_dtype
 
     root = Path(args.model)
     if args.compile != "off":
@@ -307,7 +308,7 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method
     """What ``run.json`` records of a generate run: the conditions, seeds and settings (the
     statistics are added by the run)."""
     from lantern.api import run_config
-    from lantern.pipeline import image_seed
+    from lantern.run import image_seed
 
     return {
         "command": "generate",

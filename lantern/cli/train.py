@@ -204,7 +204,7 @@ def _add_train_target(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train_target(args: argparse.Namespace) -> int:
     from lantern.train.codes import load_code_dir
-    from lantern.train.target import TargetRecipe, target_config_for, train_target
+    from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
 
     loop = _loop(args)
     recipe = TargetRecipe(class_dropout=args.class_dropout)
@@ -349,8 +349,8 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
 
     from lantern.api import sampling_from
     from lantern.cli.common import layout_from_args
+    from lantern.targets.base import inference_dtype
     from lantern.targets.chameleon_stack import load_chameleon_stack
-    from lantern.targets.stack import inference_dtype
     from lantern.targets.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
     from lantern.train.loop import process_device

@@ -37,8 +37,10 @@ from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError, check
-from lantern.pipeline import LANTERN_METHODS, METHODS, SJD_METHODS, MethodConfig, RunResult, run_conditions
-from lantern.targets.stack import Conditions, ModelStack, Stack, labels_for
+from lantern.methods import LANTERN_METHODS, METHODS, SJD_METHODS, MethodConfig
+from lantern.run import RunResult, run_conditions
+from lantern.targets.base import Conditions, Stack, labels_for
+from lantern.targets.llamagen_stack import ModelStack
 from lantern.validate import MAX_IMAGES
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
@@ -312,7 +314,7 @@ def time_methods(
     from tqdm.auto import tqdm
 
     from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
-    from lantern.pipeline import image_seed, prepare_method
+    from lantern.run import image_seed, prepare_method
 
     check(len(labels) >= 1 and batch_size >= 1 and repeats >= 1,
           f"time_methods needs labels, batch_size >= 1 and repeats >= 1 (got {len(labels)}, {batch_size}, {repeats})")

@@ -23,8 +23,9 @@ from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, write_json
-from lantern.pipeline import RELAXED_RULE, RunResult
-from lantern.targets.stack import Stack
+from lantern.methods import RELAXED_RULE
+from lantern.run import RunResult
+from lantern.targets.base import Stack
 
 DEFAULT_METHODS = ("ar", "lantern++", "lantern", "sd")
 DEMO_PROMPT_IMAGES = 4  # default image count for stacks without classes (one per label otherwise)

@@ -237,7 +237,7 @@ class ClipFeatureExtractor(FeatureExtractor):
 
 def feature_net_dir(model: str | os.PathLike[str]) -> Path:
     """The lantern feature net folder of a preset name or stack folder (``STACK/features``)."""
-    from lantern.targets.stack import resolve_model_dir
+    from lantern.targets.llamagen_stack import resolve_model_dir
 
     root = resolve_model_dir(model)
     folder = root / FEATURES_DIR
@@ -270,7 +270,7 @@ def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.
 def _load_lantern_extractor(text: str) -> FeatureExtractor:
     from lantern.io import read_json_object
     from lantern.models.features import MODEL_TYPE
-    from lantern.targets.stack import PRESETS
+    from lantern.targets.base import PRESETS
 
     if text in PRESETS:
         return LanternFeatureExtractor.from_folder(feature_net_dir(text), text)
@@ -600,7 +600,7 @@ def reference_images(model: Any, num_samples: int | None = None, *, split: str |
                      seed: int | None = None) -> tuple[Tensor, Tensor]:
     """Real images ``[N, C, S, S]`` in ``[-1, 1]`` and labels ``[N]`` to compare a stack's samples with.
 
-    ``model``: a :class:`~lantern.targets.stack.ModelStack`, a preset name or a stack folder; its
+    ``model``: a :class:`~lantern.targets.llamagen_stack.ModelStack`, a preset name or a stack folder; its
     ``data.json`` names the data set the stack was trained on. The first ``num_samples`` items are
     returned (classes stay balanced). By default (``split=None``) this is a sample of the
     *training distribution* that the generator did not train on:
@@ -616,7 +616,7 @@ def reference_images(model: Any, num_samples: int | None = None, *, split: str |
     from lantern.data import batch_images, load_dataset
     from lantern.data.datasets import DATA_FILE
     from lantern.io import read_json_object
-    from lantern.targets.stack import resolve_model_dir
+    from lantern.targets.llamagen_stack import resolve_model_dir
 
     root = model.root if hasattr(model, "root") else resolve_model_dir(model)
     spec = read_json_object(Path(root) / DATA_FILE, "stack data description")

@@ -24,8 +24,9 @@ import torch
 from lantern.decoding.config import SamplingConfig
 from lantern.distributed import DistContext, all_gather, check_enough_items, shard
 from lantern.errors import LanternError
-from lantern.pipeline import MethodConfig, RunResult, run_conditions
-from lantern.targets.stack import Conditions, Stack
+from lantern.methods import MethodConfig
+from lantern.run import RunResult, run_conditions
+from lantern.targets.base import Conditions, Stack
 
 
 def check_bench_ranks(config: Any, ctx: DistContext) -> None:

@@ -44,9 +44,10 @@ from lantern.decoding.loop import GenerationOutput
 from lantern.decoding.phases import PHASES, PhaseClock, install_clock
 from lantern.decoding.sampling import make_generators
 from lantern.errors import check
+from lantern.methods import MethodConfig
 from lantern.outputs import OutputFolder
-from lantern.pipeline import MethodConfig, PreparedMethod, image_seed, prepare_method
-from lantern.targets.stack import ModelStack
+from lantern.run import PreparedMethod, image_seed, prepare_method
+from lantern.targets.llamagen_stack import ModelStack
 
 ROUND_PHASES = tuple(p for p in PHASES if p != "prefill") + ("other",)
 # The model forwards; everything else is loop overhead. A compiled ``round`` holds the forwards

@@ -18,12 +18,13 @@ from lantern.decoding.loop import Acceptance, Drafter, Target
 from lantern.decoding.pjd import GridJacobiDrafter
 from lantern.drafters.eagle import EagleBackend
 from lantern.errors import LanternError, check
+from lantern.methods import MethodConfig
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import EagleDrafterModel
-from lantern.pipeline import MethodConfig, PreparedMethod, RunResult, prepare_method, run_conditions
+from lantern.run import PreparedMethod, RunResult, prepare_method, run_conditions
+from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
 from lantern.targets.checks import drafter_dtype
-from lantern.targets.stack import Conditions, StackFolder, check_condition_kind, prompts_for
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -37,7 +38,7 @@ VQ_NAMES = ("vqgan.ckpt", "tokenizer/vqgan.ckpt")  # where a model folder may ho
 
 @dataclass
 class ChameleonStack(StackFolder):
-    """An Anole / Lumina-mGPT folder loaded: the :class:`~lantern.targets.stack.Stack` for Chameleon targets.
+    """An Anole / Lumina-mGPT folder loaded: the :class:`~lantern.targets.base.Stack` for Chameleon targets.
 
     Conditions are prompts (the layout's template around the model's own tokenizer; CFG's
     unconditional rows are the layout's guidance context, built by :class:`ChameleonTarget`),

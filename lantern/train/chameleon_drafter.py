@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
 from lantern.errors import check
+from lantern.methods import MethodConfig
 from lantern.models.drafter import EagleDrafterModel
-from lantern.pipeline import MethodConfig
 from lantern.targets.chameleon import ChameleonTarget, check_chameleon_drafter, encode_prompts
 from lantern.targets.chameleon_stack import ChameleonStack, init_chameleon_drafter, run_chameleon
 from lantern.train.drafter import (

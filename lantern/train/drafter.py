@@ -245,7 +245,7 @@ def _generate_codes(target: LlamaGen, count: int, sampling: SamplingConfig, seed
 
     from lantern.decoding.loop import generate
     from lantern.decoding.sampling import make_generators
-    from lantern.pipeline import image_seed
+    from lantern.run import image_seed
     from lantern.targets.llamagen import LlamaGenTarget
 
     labels = torch.arange(count) % target.config.num_classes

@@ -20,7 +20,7 @@ from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
-from lantern.targets.stack import ModelStack
+from lantern.targets.llamagen_stack import ModelStack
 
 
 def stack_dataset(stack: ModelStack, split: str, num_samples: int | None = None) -> Any:

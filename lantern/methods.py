@@ -1,0 +1,222 @@
+"""The decoding methods: names, defaults, and the one resolver from settings to a :class:`MethodConfig`.
+
+A *method* is a configuration of the one loop (``lantern.generate``):
+
+=================  ====================  ==========================================
+method             tree                  acceptance
+=================  ====================  ==========================================
+``ar``             none                  plain sampling
+``sd``             dynamic (EAGLE-2)     exact
+``sd-static``      naive_extend_57       exact
+``lantern``        dynamic (EAGLE-2)     relaxed, absolute delta (LANTERN)
+``lantern++``      naive_extend_57       relaxed, relative lambda (LANTERN++)
+``sjd``            chain of the window   exact (SJD: the target drafts for itself)
+``sjd-lantern``    chain of the window   relaxed, absolute delta
+``sjd-lantern++``  chain of the window   relaxed, relative lambda
+``sjd-coupled``    chain of the window   exact (SJD with coupled redraws: SCD)
+``sjd-coupled-*``  chain of the window   relaxed (``-lantern``: delta, ``-lantern++``: lambda)
+``gsd``            chain of the window   grouped (GSD: dynamic groups, no table)
+``pjd``            a chain per open row  SJD's rule per row (PJD: 2-D parallel Jacobi; lossy
+                                         unless ``--pjd-context`` = the row length)
+``pjd-lantern*``   a chain per open row  relaxed (``-lantern``: delta, ``-lantern++``: lambda)
+=================  ====================  ==========================================
+
+The SJD methods (``lantern.decoding.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
+length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
+``sjd-coupled*``), and the relaxed ones read the proximity table like LANTERN. The PJD methods
+(``lantern.decoding.pjd``) hold ``MethodConfig.pjd`` (window, context) instead; their tree is a chain of the
+window (each open row's chain), and the loop runs its grid round for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig
+from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
+from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
+from lantern.errors import check
+
+COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
+SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
+PJD_METHODS = ("pjd", "pjd-lantern", "pjd-lantern++")
+METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS, *PJD_METHODS)
+# Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda), or
+# GSD's grouped acceptance.
+RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++",
+                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++", "gsd": "gsd",
+                "pjd-lantern": "lantern", "pjd-lantern++": "lantern++"}
+LANTERN_METHODS = tuple(m for m, rule in RELAXED_RULE.items() if rule != "gsd")  # the ones --lantern-* tunes
+DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
+DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
+DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+# What the bound limits: each acceptance test (the paper's) or each emitted token
+# (docs/relaxation_budget.md). The default was chosen from tau measurements on the photos preset.
+BUDGETS = ("test", "token")
+DEFAULT_BUDGET = "test"
+DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
+# sjd-coupled*: the coupling and initialisation with the highest tau on the photos preset
+# (docs/DESIGN.md: 12 images, window 16: maximal 2.73 / gumbel 2.51 with random guesses,
+# maximal 3.25 / gumbel 2.85 with repeat_horizon; sjd 2.12 / 2.22).
+DEFAULT_COUPLING = "maximal"
+DEFAULT_COUPLED_INIT = "repeat_horizon"
+# sjd-lantern(++): a uniform random guess was never drawn from the model, so the relaxed test accepts
+# it with probability up to delta above p(x) and random codes enter the image (photos, 100 images:
+# FID 4.89 with random guesses, 0.77 with repeat_horizon, AR 1.17 +- 0.21; benchmarks/RESULTS.md).
+RELAXED_JACOBI_METHODS = ("sjd-lantern", "sjd-lantern++")
+DEFAULT_GSD_GROUP = 7  # GSD's released code: the tokens ranked within 7 places of the draft
+# The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
+# to turn it off): a drafter method with this tree decodes as plain AR.
+AR_FALLBACK_TREE = "ar"
+@dataclass(frozen=True)
+class MethodConfig:
+    """A decoding method: its tree and acceptance rule, resolved from a name plus overrides."""
+
+    method: str = "ar"
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    relaxation: RelaxationConfig | None = None
+    k_explicit: bool = False  # a default k larger than the proximity table is capped, an explicit one is an error
+    jacobi: JacobiConfig | None = None  # SJD methods only: window length and initialisation
+    pjd: PJDConfig | None = None  # PJD methods only: window and context
+
+    def __post_init__(self) -> None:
+        check(self.method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        check(
+            (self.tree.kind == "none") == (self.method == "ar"),
+            f"method {self.method!r} {'takes no' if self.method == 'ar' else 'needs a'} draft tree",
+        )
+        sjd = self.method in SJD_METHODS
+        check(
+            (self.jacobi is not None) == sjd,
+            f"method {self.method!r} {'needs' if sjd else 'takes no'} Jacobi settings (window, init)",
+        )
+        if self.jacobi is not None:  # SJD verifies its window as a chain, so the tree follows from it
+            coupled = self.method in COUPLED_METHODS
+            check(
+                self.method == "gsd" or (self.jacobi.coupling != "independent") == coupled,
+                f"method {self.method!r} needs coupling {'maximal or gumbel' if coupled else 'independent'}, "
+                f"got {self.jacobi.coupling!r}",
+            )
+            chain = TreeConfig(kind="chain", depth=self.jacobi.window)
+            check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
+        grid = self.method in PJD_METHODS
+        check((self.pjd is not None) == grid,
+              f"method {self.method!r} {'needs' if grid else 'takes no'} PJD settings (window, context)")
+        if self.pjd is not None:  # each open row's window is verified as a chain
+            chain = TreeConfig(kind="chain", depth=self.pjd.window)
+            check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.pjd.window} (its window)")
+
+    @classmethod
+    def resolve(
+        cls,
+        method: str,
+        tree: str | None = None,
+        k: int | None = None,
+        delta: float | None = None,
+        lam: float | None = None,
+        window: int | None = None,
+        init: str | None = None,
+        residual: str | None = None,
+        budget: str | None = None,
+        coupling: str | None = None,
+        group: int | None = None,
+        pjd_window: int | None = None,
+        pjd_context: int | None = None,
+    ) -> MethodConfig:
+        """Defaults per method (see the module table), with CLI-style overrides. ``residual``
+        (``--lantern-residual``): what a relaxed method continues with after a rejection;
+        ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses; ``group``
+        (``--gsd-group``): GSD's group width; ``pjd_window`` / ``pjd_context`` (``--pjd-window`` /
+        ``--pjd-context``): PJD's window and row-opening context."""
+        check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+        relaxation = _resolve_relaxation(method, k, delta, lam, residual, budget, group)
+        if method in PJD_METHODS:
+            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row")
+            check(window is None and init is None and coupling is None,
+                  f"--sjd-window / --sjd-init / --sjd-coupling are not used by {method} (it takes --pjd-window, "
+                  "--pjd-context)")
+            pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
+                            context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context)
+            chain = TreeConfig(kind="chain", depth=pjd.window)
+            return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, pjd=pjd)
+        check(pjd_window is None and pjd_context is None, f"--pjd-window / --pjd-context need --method "
+                                                          f"{' or '.join(PJD_METHODS)}")
+        if method in SJD_METHODS:
+            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
+            jacobi = JacobiConfig(
+                window=DEFAULT_JACOBI.window if window is None else window,
+                init=init if init is not None else _default_init(method),
+                coupling=_resolve_coupling(method, coupling),
+            )
+            chain = TreeConfig(kind="chain", depth=jacobi.window)
+            return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
+        check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
+        check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}")
+        if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
+            check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
+                  "--tree is only used with speculative methods")
+            return cls(method="ar")
+        default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
+        tree_cfg = TreeConfig.parse(tree or default_tree)
+        return cls(method=method, tree=tree_cfg, relaxation=relaxation, k_explicit=k is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+def _default_init(method: str) -> str:
+    if method in COUPLED_METHODS or method in RELAXED_JACOBI_METHODS:
+        return DEFAULT_COUPLED_INIT
+    return DEFAULT_JACOBI.init
+def _resolve_coupling(method: str, coupling: str | None) -> str:
+    """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); ``gsd``:
+    any coupling, independent by default (GSD's own SJD); the other SJD methods redraw
+    independently and take no coupling."""
+    if method == "gsd":
+        check(coupling is None or coupling in COUPLINGS,
+              f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+        return "independent" if coupling is None else coupling
+    if method not in COUPLED_METHODS:
+        check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}; {method} "
+                                "redraws its guesses independently")
+        return "independent"
+    choices = [c for c in COUPLINGS if c != "independent"]
+    check(coupling is None or coupling in choices,
+          f"--sjd-coupling must be one of {', '.join(choices)}, got {coupling!r}")
+    return DEFAULT_COUPLING if coupling is None else coupling
+def _resolve_relaxation(
+    method: str,
+    k: int | None,
+    delta: float | None,
+    lam: float | None,
+    residual: str | None = None,
+    budget: str | None = None,
+    group: int | None = None,
+) -> RelaxationConfig | None:
+    """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
+    rule = RELAXED_RULE.get(method)
+    if rule != "gsd":
+        check(group is None, f"--gsd-group needs --method gsd, got --method {method}")
+    if rule in (None, "gsd"):
+        check(
+            k is None and delta is None and lam is None and residual is None and budget is None,
+            f"--lantern-* options need a relaxed method ({', '.join(LANTERN_METHODS)})",
+        )
+    if rule is None:
+        return None
+    if rule == "gsd":
+        check(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
+              f"--gsd-group must be an integer >= 1, got {group!r}")
+        return RelaxationConfig(k=DEFAULT_GSD_GROUP if group is None else group, mode="group")
+    check(budget in (None, *BUDGETS), f"--lantern-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    budget = DEFAULT_BUDGET if budget is None else budget
+    if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
+        check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
+        base = replace(DEFAULT_LANTERN, delta=DEFAULT_LANTERN.delta if delta is None else delta)
+    else:
+        twin = method.removesuffix("++")
+        check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda")
+        base = replace(DEFAULT_LANTERN_PP, lam=DEFAULT_LANTERN_PP.lam if lam is None else lam)
+    check(residual is None or residual in RESIDUALS,
+          f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}")
+    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
+                   budget=budget)  # type: ignore[arg-type]

@@ -1,0 +1,295 @@
+"""What every model family shares: the :class:`Stack` protocol (the run path, ``demo``, ``bench``,
+``profile`` and ``--tree auto`` are written against it only), the conditions of a batch, and what
+every stack folder may hold besides its model: ``generation.json`` (sampling settings, recommended
+trees, layout), ``drafter/`` and ``proximity.safetensors``. The families: LlamaGen c2i / t2i in
+``lantern.targets.llamagen_stack``, Anole / Lumina-mGPT in ``lantern.targets.chameleon_stack``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from lantern.errors import LanternError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from lantern.decoding.cache import CachePool
+    from lantern.decoding.config import SamplingConfig
+    from lantern.decoding.drafting import DraftBackend
+    from lantern.decoding.loop import Target
+
+TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
+T5_DIR = "t5"  # text-to-image stacks: a local copy of the T5 encoder (google/flan-t5-xl)
+GENERATION_FILE = "generation.json"  # a stack's default sampling settings
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
+PRESETS = ("digits", "photos")
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """Encoded conditions of N images, in the form the stack's target ``start`` takes."""
+
+    cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon prompt ids
+    mask: Tensor | None = None  # [N, L] True = a real caption / prompt column; None for labels
+
+    def __len__(self) -> int:
+        return int(self.cond.shape[0])
+
+    def rows(self, lo: int, hi: int) -> Conditions:
+        return Conditions(self.cond[lo:hi], None if self.mask is None else self.mask[lo:hi])
+
+
+class Stack(Protocol):
+    """A loaded image generator of any model family, as the run path and the tools see it.
+
+    Implemented by :class:`ModelStack` (LlamaGen c2i and t2i) and
+    ``lantern.targets.chameleon_stack.ChameleonStack`` (Anole, Lumina-mGPT). Everything family-specific (the
+    condition format, CFG's unconditional branch, row-end tokens, the image tokenizer, which
+    drafter folders fit) stays behind these methods and the :class:`~lantern.decoding.loop.Target` that
+    :meth:`make_target` returns; the loop, acceptance rules, drafting and proximity tables work in
+    code space and are shared.
+    """
+
+    root: Path
+
+    @property
+    def kind(self) -> str:
+        """``c2i`` (class labels), ``t2i`` (prompts through T5) or ``chameleon`` (prompts, own tokenizer)."""
+        ...
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes a label may name; None for prompt-conditioned stacks (no class accuracy)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int: ...  # image codes per image
+
+    @property
+    def grid_width(self) -> int: ...  # image codes per image row (PJD's grid)
+
+    @property
+    def vocab_size(self) -> int: ...  # codes in the image vocabulary
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def drafter_dir(self) -> Path | None: ...
+
+    @property
+    def proximity_file(self) -> Path | None: ...
+
+    def default_sampling(self) -> dict[str, float]: ...
+
+    def default_tree(self, method: str) -> str | None: ...
+
+    def model_shape(self) -> dict[str, int | str]:
+        """What a device profile's costs depend on (``lantern profile`` refuses another shape)."""
+        ...
+
+    def codebook(self) -> Tensor | None:
+        """The tokenizer's code embeddings [V, D] (a proximity table is checked against them)."""
+        ...
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        """Labels or prompts, each ``repeats`` times in a row, checked and encoded on the device."""
+        ...
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        """``n`` conditions for measurements (profile, calibration, bench): labels cycling through
+        the classes, or fixed prompts."""
+        ...
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> Target:
+        """A fresh target adapter (CFG streams, cache, positions) for one batch."""
+        ...
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        """Bytes of the target's key/value cache for ``batch`` rows of ``conditions``."""
+        ...
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        """A drafter folder, checked against this target, on the device in the drafter's dtype."""
+        ...
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        """The drafter's scorer for one batch; ``slots``: cache entries beyond the condition and the
+        image (``TreeConfig.drafter_slots``)."""
+        ...
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """Images [N, C, H, W] in [-1, 1] of ``codes`` [N, T]."""
+        ...
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]: ...
+
+
+def labels_for(num_classes: int, n: int) -> list[int]:
+    """``n`` labels cycling through the classes, so every class is equally represented."""
+    return [i % num_classes for i in range(n)]
+
+
+MEASURE_PROMPTS = ("a photo of a red car", "a cat on a sofa", "a mountain lake at dawn", "a bowl of fruit")
+
+
+def prompts_for(n: int) -> list[str]:
+    """``n`` fixed prompts for measurements on prompt-conditioned stacks (cycled)."""
+    return [MEASURE_PROMPTS[i % len(MEASURE_PROMPTS)] for i in range(n)]
+
+
+@dataclass
+class StackFolder:
+    """What every stack reads from its folder, whatever the model family: the drafter and
+    proximity table found there, and ``generation.json``'s sampling settings and trees."""
+
+    root: Path
+
+    # Sampling settings of the family used where generation.json is silent (none for LlamaGen:
+    # SamplingConfig's defaults).
+    FAMILY_SAMPLING: ClassVar[dict[str, float]] = {}
+
+    @property
+    def drafter_dir(self) -> Path | None:
+        return existing_path(self.root / DRAFTER_DIR, folder=True)
+
+    @property
+    def proximity_file(self) -> Path | None:
+        return existing_path(self.root / PROXIMITY_FILE, folder=False)
+
+    def default_tree(self, method: str) -> str | None:
+        """The stack's recommended draft tree for ``method`` (``generation.json`` "trees"), or None.
+
+        Verify cost grows with tree size much faster on a CPU than on a GPU, so a stack meant for
+        CPUs can ship smaller trees than the paper's defaults."""
+        return read_generation_settings(self.root).get("trees", {}).get(method)
+
+    @property
+    def device(self) -> torch.device:
+        return self.network().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.network().dtype
+
+    def network(self) -> Any:
+        """The target network (the stack's device and dtype are its own)."""
+        raise NotImplementedError
+
+    def default_sampling(self) -> dict[str, float]:
+        """The stack's recommended sampling settings (``generation.json``, then the family's), or {}."""
+        raw = read_generation_settings(self.root)
+        values = dict(self.FAMILY_SAMPLING)
+        values.update({k: raw[k] for k in SAMPLING_KEYS if k in raw})
+        return values
+
+
+
+
+def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:
+    """``conditions`` as a list, all labels (``kind`` Integral: numpy integers too) or all prompts
+    (``kind`` str), else a one-line error."""
+    if all(isinstance(c, kind) and not isinstance(c, bool) for c in conditions):
+        return list(conditions)
+    if kind is Integral:
+        raise LanternError(f"prompts: {root} is a class-conditional model; pass labels (integers)")
+    raise LanternError(f"labels: {root} is a text-to-image model; pass prompts (strings)")
+
+
+def existing_path(path: Path, folder: bool) -> Path | None:
+    """``path`` when it exists as a folder (``folder``) or a file, else None."""
+    return path if (path.is_dir() if folder else path.is_file()) else None
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "cfg_scale")
+
+
+def read_generation_settings(root: Path) -> dict[str, Any]:
+    """``root/generation.json`` ({} when absent), checked field by field: errors name the file and
+    the field (``generation.json: trees.lantern++: ...``), not the command-line flag it stands in for."""
+    from lantern.decoding.config import SamplingConfig, TreeConfig
+    from lantern.io import read_json_object
+
+    path = root / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    raw = read_json_object(path, "generation settings")
+    sampling = {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+    for key, value in sampling.items():
+        kind = int if key == "top_k" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise LanternError(f"{path}: {key}: expected {'an integer' if key == 'top_k' else 'a number'}, "
+                               f"got {value!r}")
+    _with_source(path, "", lambda: SamplingConfig(**sampling))
+    trees = raw.get("trees", {})
+    if not isinstance(trees, dict):
+        raise LanternError(f"{path}: trees: expected an object mapping methods to --tree specs, got {trees!r}")
+    for method, spec in trees.items():
+        if not isinstance(spec, str):
+            raise LanternError(f"{path}: trees.{method}: expected a --tree spec string, got {spec!r}")
+        _with_source(path, f"trees.{method}: ", lambda spec=spec: TreeConfig.parse(spec))
+    if "layout" in raw and not isinstance(raw["layout"], str):
+        raise LanternError(f"{path}: layout: expected a layout name string, got {raw['layout']!r}")
+    return raw
+
+
+def _with_source(path: Path, field: str, build: Callable[[], object]) -> None:
+    """Run ``build``; a LanternError it raises is re-raised naming the file (and field) first."""
+    try:
+        build()
+    except LanternError as e:
+        raise LanternError(f"{path}: {field}{e}") from None
+
+
+
+
+
+
+
+
+
+
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def inference_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The target/drafter precision for ``--dtype``: a name, or ``auto``.
+
+    ``auto`` is bfloat16 where the hardware computes it natively (CUDA with bf16 support, CPUs
+    with AVX-512 BF16 / AMX, as oneDNN reports) and float32 elsewhere: emulated bf16 matmuls are
+    slower than float32 ones. At batch 1 the weights are read once per token, so halving them is
+    the cheapest speed-up there is; the embedded presets are stored in bfloat16 anyway.
+    """
+    if name != "auto":
+        if name not in DTYPES:
+            raise LanternError(f"--dtype must be auto, {', '.join(sorted(DTYPES))}; got {name!r}")
+        return DTYPES[name]
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if kind == "cpu":
+        try:
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            native = False
+        return torch.bfloat16 if native else torch.float32
+    return torch.float32
