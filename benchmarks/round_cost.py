@@ -37,12 +37,12 @@ from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.loop import Acceptance, start_decode
 from lantern.decoding.rng import RowRandom
+from lantern.drafters.checks import drafter_dtype
 from lantern.drafters.eagle import EagleBackend
 from lantern.eval.bench import machine_description
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig, llamagen_config
 from lantern.targets.base import inference_dtype
-from lantern.targets.checks import drafter_dtype
 from lantern.targets.llamagen import LlamaGenTarget
 
 # tau measured on photos (README demo / benchmarks/RESULTS.md): tree -> tokens per round

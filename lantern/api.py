@@ -20,27 +20,10 @@ from torch import Tensor
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError
 from lantern.hub import resolve_location
-from lantern.methods import MethodConfig
+from lantern.methods import METHOD_SETTINGS, MethodConfig, resolve_method
 from lantern.run import RunResult
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
-METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
-                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context")
-
-
-def resolve_method(stack: Any, method: str, tree: str | None = None, lantern_k: int | None = None,
-                   lantern_delta: float | None = None, lantern_lambda: float | None = None,
-                   lantern_residual: str | None = None, lantern_budget: str | None = None,
-                   sjd_window: int | None = None, sjd_init: str | None = None, sjd_coupling: str | None = None,
-                   gsd_group: int | None = None, pjd_window: int | None = None,
-                   pjd_context: int | None = None) -> MethodConfig:
-    """``method`` with the stack's recommended tree (``generation.json`` "trees") unless ``tree`` is
-    given (or ``stack`` is None), then the method's defaults for everything not overridden."""
-    if tree is None and stack is not None:
-        tree = stack.default_tree(method)
-    return MethodConfig.resolve(method, tree, lantern_k, lantern_delta, lantern_lambda, sjd_window, sjd_init,
-                                lantern_residual, lantern_budget, coupling=sjd_coupling, group=gsd_group,
-                                pjd_window=pjd_window, pjd_context=pjd_context)
 
 
 def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingConfig:
@@ -66,7 +49,7 @@ def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodCo
     if unknown:
         raise LanternError(f"unknown setting {unknown[0]!r} (expected one of "
                            f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)})")
-    method_cfg = resolve_method(stack, method, **{k: v for k, v in settings.items() if k in METHOD_SETTINGS})
+    method_cfg = resolve_method(method, stack, **{k: v for k, v in settings.items() if k in METHOD_SETTINGS})
     sampling = resolve_sampling(stack, **{k: v for k, v in settings.items() if k in SAMPLING_SETTINGS})
     return method_cfg, sampling
 
@@ -90,23 +73,6 @@ def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> 
             "(how its images are laid out: Anole 32 x 32 codes; Lumina-mGPT rows with new-line tokens)"
         )
     return layout_by_name(name, image_size)
-
-
-def encode_prompts_t5(stack: Any, t5_dir: Path, prompts: list[str], device: str, batch_size: int,
-                      num_per_prompt: int) -> Any:
-    """Left-padded T5 captions for every image (each prompt ``num_per_prompt`` times): a t2i
-    ``ModelStack.encode`` (``device``: the stack's)."""
-    return stack.encode(prompts, num_per_prompt, batch_size, t5=t5_dir)
-
-
-def decode_images(stack: Any, codes: Tensor) -> list[Any]:
-    """PIL images of ``codes`` [N, T], through the stack's own tokenizer (``Stack.to_pil``)."""
-    return stack.to_pil(codes)
-
-
-def t5_folder(stack: Any, t5: str | os.PathLike[str] | None) -> Path:
-    """``t5``, else the stack's t5/ folder; checked (config, tokenizer, weights, width) without loading it."""
-    return stack.t5_folder(t5)
 
 
 @dataclass
@@ -149,7 +115,7 @@ class Pipeline:
         check_image_total(len(conditions), num_per_label, "num_per_label")
         method_cfg, sampling = resolve_settings(self.stack, method, **settings)
         result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
-        return PipelineOutput(images=decode_images(self.stack, result.codes), codes=result.codes,
+        return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes,
                               stats=result.stats_dict(), config=run_config(seed, batch_size, self.device, sampling,
                                                                            result.method),
                               outputs=result.output_stats)
@@ -178,7 +144,7 @@ class Pipeline:
                               self.proximity, self.compile)
 
     def t5_dir(self) -> Path:
-        return t5_folder(self.stack, self.t5)
+        return self.stack.t5_folder(self.t5)
 
 
 def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",
@@ -204,7 +170,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
              for name, value in (("drafter", drafter), ("t5", t5), ("vq", vq))}
     prox = None if proximity is None else str(proximity)
     if is_chameleon_folder(root):
-        return _load_chameleon(Path(root), paths, layout, image_size, torch_dtype, device, compile, prox)
+        return _load_chameleon(Path(root), paths, tokenizer, layout, image_size, torch_dtype, device, compile, prox)
     for name, value in (("layout", layout), ("image_size", image_size), ("vq", vq)):
         if value is not None:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
@@ -223,14 +189,16 @@ def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtyp
     return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq).stack
 
 
-def _load_chameleon(root: Path, paths: dict[str, str | None], layout: str | None, image_size: int | None,
-                    dtype: torch.dtype, device: str, compile: str, proximity: str | None) -> Pipeline:
+def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
+                    image_size: int | None, dtype: torch.dtype, device: str, compile: str,
+                    proximity: str | None) -> Pipeline:
     from lantern.targets.chameleon_stack import load_chameleon_stack
 
     if compile != "off":
         raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
-    if paths["t5"] is not None:
-        raise LanternError("--t5 is not used by Chameleon-family models (they read prompts with their own "
-                           "tokenizer, and decode with --vq)")
+    for flag, value in (("--t5", paths["t5"]), ("--tokenizer", tokenizer)):
+        if value is not None:
+            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
+                               "tokenizer, and decode with --vq)")
     stack = load_chameleon_stack(root, chameleon_layout(root, layout, image_size), paths["vq"], dtype, device)
     return Pipeline(stack, device, compile, paths["drafter"], proximity, None)

@@ -30,6 +30,7 @@ window (each open row's chain), and the loop runs its grid round for them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -69,6 +70,8 @@ DEFAULT_GSD_GROUP = 7  # GSD's released code: the tokens ranked within 7 places 
 # The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
 # to turn it off): a drafter method with this tree decodes as plain AR.
 AR_FALLBACK_TREE = "ar"
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """A decoding method: its tree and acceptance rule, resolved from a name plus overrides."""
@@ -111,29 +114,31 @@ class MethodConfig:
     def resolve(
         cls,
         method: str,
-        tree: str | None = None,
-        k: int | None = None,
-        delta: float | None = None,
-        lam: float | None = None,
-        window: int | None = None,
-        init: str | None = None,
-        residual: str | None = None,
-        budget: str | None = None,
-        coupling: str | None = None,
-        group: int | None = None,
+        *,
+        tree: str | TreeConfig | None = None,
+        lantern_k: int | None = None,
+        lantern_delta: float | None = None,
+        lantern_lambda: float | None = None,
+        lantern_residual: str | None = None,
+        lantern_budget: str | None = None,
+        sjd_window: int | None = None,
+        sjd_init: str | None = None,
+        sjd_coupling: str | None = None,
+        gsd_group: int | None = None,
         pjd_window: int | None = None,
         pjd_context: int | None = None,
     ) -> MethodConfig:
-        """Defaults per method (see the module table), with CLI-style overrides. ``residual``
-        (``--lantern-residual``): what a relaxed method continues with after a rejection;
-        ``coupling`` (``--sjd-coupling``): how ``sjd-coupled*`` redraws its guesses; ``group``
-        (``--gsd-group``): GSD's group width; ``pjd_window`` / ``pjd_context`` (``--pjd-window`` /
-        ``--pjd-context``): PJD's window and row-opening context."""
+        """Defaults per method (see the module table), with the caller's settings (None: not given),
+        named as everywhere (:data:`METHOD_SETTINGS`). ``tree``: a ``--tree`` spec or a TreeConfig
+        (``--tree auto``'s pick carries its choices). Library code resolves through
+        :func:`resolve_method`, which adds the stack's recommended tree."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        relaxation = _resolve_relaxation(method, k, delta, lam, residual, budget, group)
+        k = lantern_k
+        relaxation = _resolve_relaxation(method, k, lantern_delta, lantern_lambda, lantern_residual, lantern_budget,
+                                         gsd_group)
         if method in PJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row")
-            check(window is None and init is None and coupling is None,
+            check(sjd_window is None and sjd_init is None and sjd_coupling is None,
                   f"--sjd-window / --sjd-init / --sjd-coupling are not used by {method} (it takes --pjd-window, "
                   "--pjd-context)")
             pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
@@ -145,28 +150,37 @@ class MethodConfig:
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
-                window=DEFAULT_JACOBI.window if window is None else window,
-                init=init if init is not None else _default_init(method),
-                coupling=_resolve_coupling(method, coupling),
+                window=DEFAULT_JACOBI.window if sjd_window is None else sjd_window,
+                init=sjd_init if sjd_init is not None else _default_init(method),
+                coupling=_resolve_coupling(method, sjd_coupling),
             )
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
-        check(window is None and init is None, f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
-        check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}")
+        check(sjd_window is None and sjd_init is None,
+              f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
+        check(sjd_coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}")
         if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
             check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
                   "--tree is only used with speculative methods")
             return cls(method="ar")
-        default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
-        tree_cfg = TreeConfig.parse(tree or default_tree)
+        if isinstance(tree, TreeConfig):
+            tree_cfg = tree
+        else:
+            default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
+            tree_cfg = TreeConfig.parse(tree or default_tree)
         return cls(method=method, tree=tree_cfg, relaxation=relaxation, k_explicit=k is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As run.json records it (lists, not tuples: equal to the file read back)."""
+        return json.loads(json.dumps(asdict(self)))
+
+
 def _default_init(method: str) -> str:
     if method in COUPLED_METHODS or method in RELAXED_JACOBI_METHODS:
         return DEFAULT_COUPLED_INIT
     return DEFAULT_JACOBI.init
+
+
 def _resolve_coupling(method: str, coupling: str | None) -> str:
     """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); ``gsd``:
     any coupling, independent by default (GSD's own SJD); the other SJD methods redraw
@@ -183,6 +197,8 @@ def _resolve_coupling(method: str, coupling: str | None) -> str:
     check(coupling is None or coupling in choices,
           f"--sjd-coupling must be one of {', '.join(choices)}, got {coupling!r}")
     return DEFAULT_COUPLING if coupling is None else coupling
+
+
 def _resolve_relaxation(
     method: str,
     k: int | None,
@@ -220,3 +236,38 @@ def _resolve_relaxation(
           f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}")
     return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
                    budget=budget)  # type: ignore[arg-type]
+
+
+# The method settings, each with one name everywhere: a Python keyword (``pipe(method="lantern",
+# lantern_delta=0.2)``, ``MethodConfig.resolve``), the CLI flag (the name with dashes:
+# ``--lantern-delta``) and the bench's row grammar (``lantern/lantern_delta=0.2``, or a short alias:
+# ``lantern/delta=0.2``, see SETTING_ALIASES).
+METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
+                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context")
+# The bench grammar's short keys. ``window`` is the method's own window: sjd_window or pjd_window.
+SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lantern_lambda",
+                   "residual": "lantern_residual", "budget": "lantern_budget", "init": "sjd_init",
+                   "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context"}
+
+
+def setting_name(method: str, key: str) -> str:
+    """The setting a bench-grammar key (a short alias or a full name) stands for in ``method``'s row."""
+    if key == "window":
+        return "pjd_window" if method in PJD_METHODS else "sjd_window"
+    name = SETTING_ALIASES.get(key, key)
+    check(name in METHOD_SETTINGS, f"unknown method setting {key!r} (expected one of "
+                                   f"{', '.join([*METHOD_SETTINGS, 'window', *SETTING_ALIASES])})")
+    return name
+
+
+def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodConfig:
+    """The one resolver every entrance uses (the API, the CLI, demo, bench, ``--tree auto``):
+    ``method`` with ``settings`` (:data:`METHOD_SETTINGS`; None = not given), the tree
+    recommended by ``stack`` (its ``generation.json`` "trees"; any object with ``default_tree``)
+    when none is given, then the method's defaults."""
+    unknown = sorted(set(settings) - set(METHOD_SETTINGS))
+    check(not unknown, f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})"
+          if unknown else "")
+    if settings.get("tree") is None and stack is not None:
+        settings["tree"] = stack.default_tree(method)
+    return MethodConfig.resolve(method, **settings)

@@ -25,10 +25,10 @@ from lantern.decoding.pjd import (
     grid_chains,
 )
 from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
+from lantern.drafters.checks import drafter_dtype
 from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.targets.base import Conditions, Stack
-from lantern.targets.checks import drafter_dtype
 from lantern.targets.llamagen_stack import ModelStack
 from lantern.targets.text import Captions
 from lantern.validate import check_batch_memory
@@ -38,16 +38,6 @@ def image_seed(seed: int, index: int) -> int:
     """Seed of image ``index`` in a run: independent of batch size, so batching never changes
     an image."""
     return (seed * 1_000_003 + index) % (2**63)
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclass
@@ -253,7 +243,7 @@ def prepare_method(
     compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.decoding.compiling``): the
     target step, the drafter steps and the acceptance run compiled, AR included.
     """
-    from lantern.targets.checks import check_tree_fits
+    from lantern.drafters.checks import check_tree_fits
 
     if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
         check_window_fits(method.jacobi, stack.num_tokens)
@@ -304,5 +294,3 @@ def load_acceptance(
           f"but the proximity table {table_path} holds K_max = {table.k_max}")
     neighbours = table.neighbours_for(relaxation.k + extra).to(device)
     return Acceptance(relaxation, neighbours), replace(method, relaxation=relaxation)
-
-

@@ -18,6 +18,7 @@ from PIL import Image
 import lantern
 from lantern.cli.main import main
 from lantern.errors import LanternError
+from lantern.methods import METHODS
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
@@ -49,7 +50,7 @@ def test_import_is_light_and_exports_the_building_blocks() -> None:
         lantern.nope  # noqa: B018
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "lantern", "lantern++", "sjd"])
+@pytest.mark.parametrize("method", METHODS)
 def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, tmp_path: Path) -> None:
     out = digits(labels=[3, 7], method=method, seed=0)
     codes, run = _cli("digits", tmp_path / "run", "--labels", "3,7", "--method", method)
@@ -60,7 +61,7 @@ def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, 
     assert out.config["sampling"]["cfg_scale"] == 3.0 and out.config["sampling"]["top_k"] == 100
     if method in ("sd", "lantern", "lantern++"):
         assert out.config["method"]["tree"] == {"kind": "chain", "name": "", "depth": 3, "top_k": 10,
-                                                "total_tokens": 58}
+                                                "total_tokens": 58, "choices": []}
     png = Image.open(tmp_path / "run" / "0001_label7.png")
     assert len(out.images) == 2 and np.array_equal(np.asarray(out.images[1]), np.asarray(png))
 

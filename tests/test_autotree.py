@@ -35,9 +35,10 @@ from lantern.autotree.search import select_tree
 from lantern.cli.main import main
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.sampling import make_generators
-from lantern.decoding.trees import STATIC_TREES, canonical_choices, level_widths, probe_choices, register_tree
+from lantern.decoding.trees import STATIC_TREES, canonical_choices, level_widths, probe_choices
 from lantern.drafters.oracle import make_oracle_drafter
 from lantern.errors import LanternError
+from lantern.methods import MethodConfig
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack, tiny_llamagen
@@ -52,15 +53,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _restore_static_trees() -> Iterator[None]:
-    """Trees registered by a test are process-global: remove them so other tests see the built-ins."""
-    before = set(STATIC_TREES)
-    yield
-    for name in set(STATIC_TREES) - before:
-        del STATIC_TREES[name]
 
 
 # ---- tree math --------------------------------------------------------------------------------
@@ -179,28 +171,30 @@ def test_choose_wide_tree_when_verify_cost_is_flat() -> None:
     assert best.tokens_per_round > max(c.tokens_per_round for c in choice.ranking if c.spec.startswith("chain:"))
     assert [c.tokens_per_second for c in choice.ranking[1:]] == sorted(
         (c.tokens_per_second for c in choice.ranking[1:]), reverse=True)
-    # A grown ("auto") tree becomes a usable --tree spec once registered.
+    # A grown ("auto") tree is no process-wide name: it runs through its config, which carries the shape.
     grown = next(c for c in choice.ranking if c.spec.startswith("static:auto_"))
     with pytest.raises(LanternError, match="unknown static tree"):
         TreeConfig.parse(grown.spec)
-    spec = dataclasses.replace(choice, best=grown).register()
-    assert spec == grown.spec
-    assert canonical_choices(STATIC_TREES[TreeConfig.parse(spec).name]) == grown.choices
+    tree = dataclasses.replace(choice, best=grown).tree
+    assert isinstance(tree, TreeConfig) and f"static:{tree.name}" == grown.spec
+    assert tree.choices == grown.choices and tree.num_nodes == grown.num_nodes
+    resolved = MethodConfig.resolve("lantern++", tree=tree)
+    assert resolved.tree == tree and resolved.to_dict()["tree"]["choices"] == [list(c) for c in grown.choices]
 
 
 def test_falls_back_to_ar_when_speculation_loses() -> None:
     """Large batches make verify and drafting cost more than they save (rows x nodes): when even
     the best tree is predicted slower than AR, --tree auto answers plain AR (tree "ar"), and a
     drafter method resolved with it decodes as AR."""
-    from lantern.methods import AR_FALLBACK_TREE, MethodConfig
+    from lantern.methods import AR_FALLBACK_TREE
 
     busy = CostModel(verify_ms=tuple(1.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(0.6,),
                      feed_ms=(0.6,), overhead_ms=(0.3, 0.0, 0.0), ar_step_ms=1.0)
     choice = select_tree(_acceptance(DEEP_RATES), busy, method="lantern++")
     assert choice.best.speedup < 1.0 and choice.falls_back_to_ar
-    assert choice.tree_spec == AR_FALLBACK_TREE == choice.register()
+    assert choice.tree_spec == AR_FALLBACK_TREE == choice.tree
     assert choice.explanation.startswith("plain AR")
-    assert MethodConfig.resolve("lantern++", choice.tree_spec).method == "ar"
+    assert MethodConfig.resolve("lantern++", tree=choice.tree_spec).method == "ar"
     cheap = CostModel(verify_ms=tuple(1.0 + 0.1 * (n - 1) for n in range(1, 65)), begin_ms=(0.05,),
                       feed_ms=(0.05,), overhead_ms=(0.05, 0.0, 0.0), ar_step_ms=1.0)
     kept = select_tree(_acceptance(DEEP_RATES), cheap, method="lantern++")
@@ -227,16 +221,18 @@ def test_interpolate_and_monotone_fit() -> None:
 # ---- calibration ------------------------------------------------------------------------------
 
 
-def test_probe_choices_and_registration() -> None:
+def test_probe_choices_and_trees_of_any_shape() -> None:
     assert probe_choices([3, 2, 1]) == [[0], [1], [2], [0, 0], [0, 1], [0, 0, 0]]
-    name = register_tree([[0], [1], [0, 0]], prefix="auto")
-    assert register_tree([[1], [0, 0], [0]], prefix="auto") == name  # same shape, same name
-    assert TreeConfig.parse(f"static:{name}").name == name
-    STATIC_TREES[name] = [[0]]
-    with pytest.raises(LanternError, match="already taken"):
-        register_tree([[0], [1], [0, 0]], prefix="auto")
+    tree = TreeConfig.from_choices([[0], [1], [0, 0]], prefix="auto")
+    assert TreeConfig.from_choices([[1], [0, 0], [0]], prefix="auto") == tree  # same shape, same tree
+    assert tree.name.startswith("auto_") and tree.num_nodes == 4 and tree.max_depth == 2
+    assert TreeConfig.from_choices([[0], [1], [1, 0]], prefix="auto").name != tree.name  # another shape
+    with pytest.raises(LanternError, match="unknown static tree"):  # no registry: the name alone is not a tree
+        TreeConfig.parse(f"static:{tree.name}")
+    with pytest.raises(TypeError):  # and the built-in table cannot be extended
+        STATIC_TREES[tree.name] = [[0]]  # type: ignore[index]
     with pytest.raises(LanternError, match="contiguous"):
-        register_tree([[0], [2]])
+        TreeConfig.from_choices([[0], [2]])
 
 
 def test_trials_and_rates_from_records() -> None:

@@ -192,7 +192,7 @@ def test_timed_images_are_the_quality_images() -> None:
 
     stack = load_stack("digits")
     sampling = SamplingConfig(**stack.default_sampling())
-    resolved = {"ar": MethodConfig.resolve("ar"), "lantern++": MethodConfig.resolve("lantern++", "chain:3")}
+    resolved = {"ar": MethodConfig.resolve("ar"), "lantern++": MethodConfig.resolve("lantern++", tree="chain:3")}
     labels = [0, 1, 2]
     runs, walls = time_methods(stack, sampling, resolved, labels, seed=3, batch_size=1, repeats=2)
     for name, cfg in resolved.items():
@@ -237,8 +237,9 @@ def test_method_rows_with_relaxation_settings() -> None:
                                        "lantern++@chain:3/lambda=2/k=5/budget=test", "lantern/budget=test"]
     assert (specs[1].delta, specs[1].budget) == (0.2, "token") and specs[0].budget is None
     assert (specs[2].tree, specs[2].lam, specs[2].k, specs[2].budget) == ("chain:3", 2.0, 5, "test")
-    resolved = MethodConfig.resolve(specs[1].method, "chain:3", specs[1].k, specs[1].delta, specs[1].lam,
-                                    budget=specs[1].budget)
+    resolved = MethodConfig.resolve(specs[1].method, tree="chain:3", lantern_k=specs[1].k,
+                                    lantern_delta=specs[1].delta, lantern_lambda=specs[1].lam,
+                                    lantern_budget=specs[1].budget)
     assert resolved.relaxation is not None and resolved.relaxation.budget == "token"
     with pytest.raises(LanternError, match="expected /KEY=VALUE"):
         parse_methods("ar,lantern/gamma=3")

@@ -40,8 +40,8 @@ from lantern.models.chameleon import (
     lumina_layout,
 )
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import _parts, init_chameleon_drafter
-from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_chameleon
+from lantern.targets.chameleon_stack import init_chameleon_drafter
+from lantern.testing import chameleon_parts, chi_square_pooled, chi_square_threshold, tiny_chameleon
 
 pytest.importorskip("transformers")  # part of the dev extra; CI installs it
 
@@ -244,10 +244,10 @@ def test_greedy_speculative_reproduces_ar(layout: str, cfg: float, batch: int, m
     prompts = PROMPTS[:batch]
     ids, mask = encode_prompts(prompts, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
-    resolved = MethodConfig.resolve(method, tree, lam=1.0 if method == "lantern++" else None,
-                                    window=4 if method == "sjd" else None)
+    resolved = MethodConfig.resolve(method, tree=tree, lantern_lambda=1.0 if method == "lantern++" else None,
+                                    sjd_window=4 if method == "sjd" else None)
     drafter = None if method == "sjd" else init_chameleon_drafter(_lm(), lay).eval()
-    target, draft = _parts(_lm(), lay, sampling, resolved, drafter, _lm().image_head)
+    target, draft = chameleon_parts(_lm(), lay, sampling, resolved, drafter, _lm().image_head)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
     assert torch.equal(out.codes, _greedy_ar(lay, cfg, prompts))
 
@@ -261,8 +261,8 @@ def test_greedy_coupled_sjd_reproduces_ar(layout: str, cfg: float, batch: int, c
     lay = LAYOUTS[layout]
     ids, mask = encode_prompts(PROMPTS[:batch], lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
-    resolved = MethodConfig.resolve("sjd-coupled", window=4, coupling=coupling)
-    target, draft = _parts(_lm(), lay, sampling, resolved, None, _lm().image_head)
+    resolved = MethodConfig.resolve("sjd-coupled", sjd_window=4, sjd_coupling=coupling)
+    target, draft = chameleon_parts(_lm(), lay, sampling, resolved, None, _lm().image_head)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
     assert torch.equal(out.codes, _greedy_ar(lay, cfg, PROMPTS[:batch]))
 
@@ -270,11 +270,11 @@ def test_greedy_coupled_sjd_reproduces_ar(layout: str, cfg: float, batch: int, c
 def test_sampled_coupled_sjd_rows_independent_of_batch() -> None:
     """Sampled coupled SJD on the Lumina layout: a row's codes do not depend on its batch-mates."""
     sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
-    resolved = MethodConfig.resolve("sjd-coupled", window=4, coupling="gumbel")
+    resolved = MethodConfig.resolve("sjd-coupled", sjd_window=4, sjd_coupling="gumbel")
 
     def run(prompts: list[list[int]], seeds: list[int]) -> Tensor:
         ids, mask = encode_prompts(prompts, LUMINA)
-        target, draft = _parts(_lm(), LUMINA, sampling, resolved, None, _lm().image_head)
+        target, draft = chameleon_parts(_lm(), LUMINA, sampling, resolved, None, _lm().image_head)
         return generate(target, ids, generators=make_generators(seeds), drafter=draft, cond_mask=mask).codes
 
     together = run(PROMPTS, [1, 2, 3])
@@ -326,13 +326,13 @@ def _dist_run(method: str) -> GenerationOutput:
         return generate(ChameleonTarget(lm, DIST_LAYOUT, DIST_SAMPLING), ids, generators=gens, cond_mask=mask)
     if method.startswith("sjd-coupled"):  # coupled SJD: its redraws cross the row end (a shadow node)
         coupling = method.split(":")[1]
-        resolved = MethodConfig.resolve("sjd-coupled", window=3, init="random", coupling=coupling)
-        target, draft = _parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, None, lm.image_head)
+        resolved = MethodConfig.resolve("sjd-coupled", sjd_window=3, sjd_init="random", sjd_coupling=coupling)
+        target, draft = chameleon_parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, None, lm.image_head)
         return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask)
     tree = {"sd": "chain:3", "sd-static": "static:mc_sim_7b_63"}[method]
-    resolved = MethodConfig.resolve("sd", tree)
+    resolved = MethodConfig.resolve("sd", tree=tree)
     drafter = init_chameleon_drafter(lm, DIST_LAYOUT, seed=1).eval()
-    target, draft = _parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, drafter, lm.image_head)
+    target, draft = chameleon_parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, drafter, lm.image_head)
     return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask)
 
 
@@ -460,7 +460,7 @@ def test_tree_exceeding_cache_is_refused() -> None:
 def test_unused_tree_config_is_rejected() -> None:
     assert TreeConfig.parse("chain:3").depth == 3  # sanity of the helper used above
     with pytest.raises(LanternError):
-        MethodConfig.resolve("sd", "chain:0")
+        MethodConfig.resolve("sd", tree="chain:0")
 
 
 def test_not_a_chameleon_folder(tmp_path: Path) -> None:

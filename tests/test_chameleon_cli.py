@@ -179,7 +179,8 @@ def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
     from lantern.methods import MethodConfig
     from lantern.models.chameleon import layout_by_name
     from lantern.models.drafter import EagleDrafterModel
-    from lantern.targets.chameleon_stack import init_chameleon_drafter, load_chameleon_stack, run_chameleon
+    from lantern.run import run_conditions
+    from lantern.targets.chameleon_stack import init_chameleon_drafter, load_chameleon_stack
     from lantern.train.chameleon_drafter import teacher_forced_features, teacher_forced_metrics
     from lantern.train.drafter import _FrozenHead
 
@@ -200,7 +201,7 @@ def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
         stack = load_chameleon_stack(folder, layout_by_name("lumina-mgpt", 64), dtype=torch.float32)
         fresh = _prompts(6, 1)
         sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
-        codes = run_chameleon(stack, fresh, 5, sampling, MethodConfig.resolve("ar")).codes
+        codes = run_conditions(stack, stack.encode(fresh), 5, sampling, MethodConfig()).codes
         feats = teacher_forced_features(stack, stack.tokenize(fresh), codes)
         head = _FrozenHead(stack.model.image_head)
         both = torch.cat([codes, codes])

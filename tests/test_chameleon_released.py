@@ -42,8 +42,7 @@ from lantern.models.chameleon_drafter import (
     save_released_drafter,
 )
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import _parts
-from lantern.testing import tiny_released_drafter
+from lantern.testing import chameleon_parts, tiny_released_drafter
 
 pytest.importorskip("transformers")
 
@@ -55,7 +54,8 @@ def _run(layout: ImageLayout, drafter: ReleasedChameleonDrafter | None, prompts:
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     if drafter is None:
         return generate(ChameleonTarget(_lm(), layout, sampling), ids, cond_mask=mask), None
-    target, draft = _parts(_lm(), layout, sampling, MethodConfig.resolve(method, tree), drafter, _lm().image_head)
+    target, draft = chameleon_parts(_lm(), layout, sampling, MethodConfig.resolve(method, tree=tree), drafter,
+                                    _lm().image_head)
     assert draft is not None
     backend = draft.backend  # type: ignore[attr-defined]
     assert isinstance(backend, ReleasedDrafterBackend)
@@ -128,12 +128,12 @@ def test_sampled_rows_do_not_depend_on_batch_mates() -> None:
     """LANTERN++ sampling with a released-layout drafter: a row's codes are the same alone and in a
     batch with other (differently padded) prompts, and a repeated run is identical."""
     sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
-    method = MethodConfig.resolve("sd-static", "static:mc_sim_7b_63")
+    method = MethodConfig.resolve("sd-static", tree="static:mc_sim_7b_63")
     drafter = tiny_released_drafter(_lm(), LUMINA.name)
 
     def run(prompts: list[list[int]], seeds: list[int]) -> Tensor:
         ids, mask = encode_prompts(prompts, LUMINA)
-        target, draft = _parts(_lm(), LUMINA, sampling, method, drafter, _lm().image_head)
+        target, draft = chameleon_parts(_lm(), LUMINA, sampling, method, drafter, _lm().image_head)
         return generate(target, ids, drafter=draft, cond_mask=mask, generators=make_generators(seeds, "cpu")).codes
 
     batch = run(PROMPTS, [5, 6, 7])
@@ -191,7 +191,8 @@ def test_drafter_sequence_equals_official_layout(layout: str, tree: str) -> None
     ids, mask = encode_prompts(PROMPTS, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     drafter = _trained_drafter(layout)  # long accepted runs: entries cross row ends in one commit
-    target, draft = _parts(_lm(), lay, sampling, MethodConfig.resolve("sd", tree), drafter, _lm().image_head)
+    method = MethodConfig.resolve("sd", tree=tree)
+    target, draft = chameleon_parts(_lm(), lay, sampling, method, drafter, _lm().image_head)
     backend = draft.backend  # type: ignore[union-attr]
     rounds = _record_context(backend)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
@@ -247,7 +248,8 @@ def test_draft_entries_equal_recomputation(layout: str) -> None:
     ids, mask = encode_prompts(PROMPTS, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     drafter = _trained_drafter(layout)
-    target, draft = _parts(_lm(), lay, sampling, MethodConfig.resolve("sd", "chain:3"), drafter, _lm().image_head)
+    method = MethodConfig.resolve("sd", tree="chain:3")
+    target, draft = chameleon_parts(_lm(), lay, sampling, method, drafter, _lm().image_head)
     backend = draft.backend  # type: ignore[union-attr]
     rounds = _record_context(backend)
     drafted: list[list[Tensor]] = []  # per round: root logits, then each depth's logits [B, V]

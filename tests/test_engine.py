@@ -61,7 +61,7 @@ def test_count_ops_attributes_ops_and_syncs_to_phases() -> None:
 def test_trace_methods_accounts_for_every_round(random_stack: Path) -> None:
     stack = load_stack(random_stack)
     sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
-    methods = {"ar": MethodConfig.resolve("ar"), "sd": MethodConfig.resolve("sd", "chain:3")}
+    methods = {"ar": MethodConfig.resolve("ar"), "sd": MethodConfig.resolve("sd", tree="chain:3")}
     traces = trace_methods(stack, sampling, methods, [0, 1], batch_size=2)
     ar, sd = traces
     n = stack.target.config.block_size
@@ -116,7 +116,7 @@ def test_compiled_decoding_equals_eager(random_stack: Path, temperature: float) 
     stack = load_stack(random_stack)
     sampling = SamplingConfig(temperature=temperature, top_k=8, cfg_scale=2.0)
     cond = torch.tensor([0, 1, 2])
-    for method in (MethodConfig.resolve("ar"), MethodConfig.resolve("lantern", "chain:3")):
+    for method in (MethodConfig.resolve("ar"), MethodConfig.resolve("lantern", tree="chain:3")):
         eager = prepare_method(stack, method, sampling).generate(cond, make_generators([1, 2, 3]))
         compiled = prepare_method(stack, method, sampling, compile="default")
         first = compiled.generate(cond, make_generators([1, 2, 3]))
@@ -148,7 +148,7 @@ def test_padding_never_changes_a_rows_codes(random_stack: Path, method: str, tre
     padding tail."""
     stack = load_stack(random_stack)
     sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
-    cfg = MethodConfig.resolve(method, tree, window=6 if method == "sjd" else None)
+    cfg = MethodConfig.resolve(method, tree=tree, sjd_window=6 if method == "sjd" else None)
     prepared = prepare_method(stack, cfg, sampling)
     seeds, labels = [21, 22, 23], torch.tensor([4, 5, 6])
     batch = prepared.generate(labels, make_generators(seeds))

@@ -102,7 +102,8 @@ def test_gsd_accepts_more_than_sjd() -> None:
     on the digits preset: 2.22 exact SJD, 2.70 with G = 3, 2.92 with G = 7)."""
     stack = load_stack("digits")
     s = SamplingConfig(**stack.default_sampling())
-    taus = {m: run_generation(stack, [0, 1], 0, s, MethodConfig.resolve(m, group=g), 2).stats_dict()["mean_accepted"]
+    taus = {m: run_generation(stack, [0, 1], 0, s, MethodConfig.resolve(m, gsd_group=g),
+                              2).stats_dict()["mean_accepted"]
             for m, g in (("sjd", None), ("gsd", 3), ("gsd", 7))}
     assert taus["gsd"] > taus["sjd"] + 0.3
 
@@ -132,7 +133,7 @@ def test_gsd_needs_no_proximity_table(tmp_path: Path) -> None:
     bare.mkdir()
     for part in ("target", "tokenizer"):
         (bare / part).symlink_to(root / part)
-    out = run_generation(load_stack(bare), [0], 0, SamplingConfig(), MethodConfig.resolve("gsd", window=4))
+    out = run_generation(load_stack(bare), [0], 0, SamplingConfig(), MethodConfig.resolve("gsd", sjd_window=4))
     assert out.codes.shape == (1, 64) and out.method.relaxation == RelaxationConfig(k=7, mode="group")
 
 
@@ -149,10 +150,10 @@ def test_cli_generate_gsd(tmp_path: Path) -> None:
 def test_gsd_takes_a_coupling() -> None:
     """GSD's own SJD redraws independently; coupled redraws (SCD) combine with its grouped rule."""
     assert MethodConfig.resolve("gsd").jacobi == JacobiConfig(coupling="independent")
-    gumbel = MethodConfig.resolve("gsd", coupling="gumbel", group=3)
+    gumbel = MethodConfig.resolve("gsd", sjd_coupling="gumbel", gsd_group=3)
     assert gumbel.jacobi == JacobiConfig(coupling="gumbel") and gumbel.relaxation == RelaxationConfig(k=3, mode="group")
     with pytest.raises(LanternError, match=r"--sjd-coupling must be one of independent, maximal, gumbel, got 'max'"):
-        MethodConfig.resolve("gsd", coupling="max")
+        MethodConfig.resolve("gsd", sjd_coupling="max")
 
 
 def test_bad_group_configs() -> None:

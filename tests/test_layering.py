@@ -1,13 +1,13 @@
 """The package's layers, read from the import statements of every module (lazy ones included).
 
-The rules (docs/DESIGN.md, "Layers"):
+The rules (README "Layout", docs/DESIGN.md "Layers"):
 
-* ``lantern.decoding`` (the loop, acceptance, trees, caches, sampling) imports nothing but itself
-  and the base utilities: no model family, no stack, no CLI;
-* ``lantern.models`` (the nn.Modules) imports nothing above the decoding cache and the base
-  utilities (errors, file reading, images);
-* no library module imports ``lantern.cli`` (the CLI is a thin layer on top);
-* ``lantern.eval`` never imports ``lantern.train``;
+* ``LAYERS`` lists the package bottom-up, as the README's layout section does; a module may import
+  from its own layer and the layers before it, never from a later one;
+* the engine stays model-free: ``lantern.models`` (the nn.Modules) uses only the KV cache of
+  ``lantern.decoding``;
+* no module imports a private name (``_x``) of another top-level package or module: what a layer
+  offers the layers above it is public;
 * no import circles: no module imports, at any depth and lazily or not, a module that imports it
   back. Imports under ``if TYPE_CHECKING:`` never run and are left out.
 """
@@ -21,8 +21,38 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The base utilities every layer may use: one-line errors, safe file reading, PNG helpers.
-BASE = ("lantern.errors", "lantern.io", "lantern.images")
+# Bottom-up, as in the README's layout section: (name, the modules and packages of that layer).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("utilities", ("lantern.errors", "lantern.io", "lantern.images", "lantern.outputs", "lantern.validate",
+                   "lantern.hub", "lantern.distributed")),
+    ("engine", ("lantern.decoding",)),
+    ("models", ("lantern.models",)),
+    ("drafters", ("lantern.drafters",)),
+    ("targets", ("lantern.targets",)),
+    ("methods", ("lantern.methods",)),
+    ("run", ("lantern.run", "lantern.jobs")),
+    ("api", ("lantern.api",)),
+    ("data", ("lantern.data",)),
+    ("autotree", ("lantern.autotree",)),
+    ("eval", ("lantern.eval",)),
+    ("train", ("lantern.train",)),
+    ("testing", ("lantern.testing",)),
+    ("cli", ("lantern.cli",)),
+    ("package", ("lantern",)),  # __init__: the public API, re-exported lazily
+)
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the most specific entry holding ``module``."""
+    best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+                if _inside(module, prefix)), default=None)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and to the README's layout)"
+    return best[1]
+
+
+def unit_of(module: str) -> str:
+    """The top-level package or module ``module`` belongs to (``lantern.decoding.loop`` -> ``lantern.decoding``)."""
+    return ".".join(module.split(".")[:2])
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -45,9 +75,19 @@ def _runtime_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
 
 def import_graph(root: Path, package: str = "lantern") -> dict[str, set[str]]:
     """module -> the package modules it imports (``from a import b`` is module ``a.b`` when it is one)."""
+    return _scan(root, package)[0]
+
+
+def private_imports(root: Path, package: str = "lantern") -> list[str]:
+    """``from lantern.x import _name`` where the importer is outside ``lantern.x``'s top-level unit."""
+    return _scan(root, package)[1]
+
+
+def _scan(root: Path, package: str) -> tuple[dict[str, set[str]], list[str]]:
     files = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for name, path in files.items():
+    private: list[str] = []
+    for name, path in sorted(files.items()):
         edges: set[str] = set()
         for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -56,8 +96,10 @@ def import_graph(root: Path, package: str = "lantern") -> dict[str, set[str]]:
                 for a in node.names:
                     sub = f"{node.module}.{a.name}"
                     edges.add(sub if sub in files else node.module)
+                    if a.name.startswith("_") and unit_of(node.module) != unit_of(name):
+                        private.append(f"{name} imports the private {node.module}.{a.name}")
         graph[name] = {e for e in edges if e != name}
-    return graph
+    return graph, private
 
 
 def _inside(module: str, package: str) -> bool:
@@ -68,16 +110,11 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
     out = []
     for mod, deps in sorted(graph.items()):
         for dep in sorted(deps):
-            if _inside(mod, "lantern.decoding") and not (_inside(dep, "lantern.decoding") or dep in BASE):
-                out.append(f"{mod} (decoding) imports {dep}")
-            if _inside(mod, "lantern.models") and not (
-                _inside(dep, "lantern.models") or dep in BASE or dep == "lantern.decoding.cache"
-            ):
+            if layer_of(dep) > layer_of(mod):
+                out.append(f"{mod} ({LAYERS[layer_of(mod)][0]}) imports {dep} (the later layer "
+                           f"{LAYERS[layer_of(dep)][0]})")
+            if _inside(mod, "lantern.models") and _inside(dep, "lantern.decoding") and dep != "lantern.decoding.cache":
                 out.append(f"{mod} (models) imports {dep}")
-            if _inside(dep, "lantern.cli") and not _inside(mod, "lantern.cli"):
-                out.append(f"{mod} (library) imports {dep}")
-            if _inside(mod, "lantern.eval") and _inside(dep, "lantern.train"):
-                out.append(f"{mod} (eval) imports {dep}")
     return out
 
 
@@ -120,10 +157,31 @@ def test_the_package_keeps_its_layers() -> None:
     graph = import_graph(ROOT)
     assert "lantern.decoding.loop" in graph and len(graph) > 40  # the walk saw the package
     assert violations(graph) == []
+    assert private_imports(ROOT) == []
 
 
 def test_the_package_has_no_import_circles() -> None:
     assert cycles(import_graph(ROOT)) == []
+
+
+def test_the_readme_lists_the_layers_in_order() -> None:
+    """The README's layout section names every top-level folder and module of a layer, in LAYERS' order."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[: layout.index("```", layout.index("```") + 3)]
+    positions = []
+    for _, prefixes in LAYERS[:-1]:
+        for prefix in prefixes:
+            name = prefix.split(".")[1]
+            is_package = (ROOT / "lantern" / name).is_dir()
+            token = f"{name}/" if is_package else f"{name}.py"
+            assert token in layout, f"README's layout does not mention {token}"
+            positions.append(layout.index(token))
+    order = [layer_of(f"lantern.{p.split('.')[1]}") for _, ps in LAYERS[:-1] for p in ps]
+    assert [o for _, o in sorted(zip(positions, order, strict=True))] == sorted(order)
+    on_disk = {p.stem for p in (ROOT / "lantern").iterdir()
+               if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file())) and p.stem != "__init__"}
+    assert on_disk == {p.split(".")[1] for _, ps in LAYERS[:-1] for p in ps}, "a top-level module is in no layer"
 
 
 def _fake_package(root: Path, modules: dict[str, str]) -> None:
@@ -137,20 +195,36 @@ def _fake_package(root: Path, modules: dict[str, str]) -> None:
     ("modules", "expected"),
     [
         ({"lantern/decoding/loop": "from lantern.models.llamagen import LlamaGen\n", "lantern/models/llamagen": ""},
-         ["lantern.decoding.loop (decoding) imports lantern.models.llamagen"]),
-        ({"lantern/bench": "def f():\n    from lantern.cli import main\n", "lantern/cli/__init__": ""},
-         ["lantern.bench (library) imports lantern.cli"]),
+         ["lantern.decoding.loop (engine) imports lantern.models.llamagen (the later layer models)"]),
+        ({"lantern/targets/stack": "def f():\n    from lantern.run import run_conditions\n", "lantern/run": ""},
+         ["lantern.targets.stack (targets) imports lantern.run (the later layer run)"]),
+        ({"lantern/drafters/eagle": "import lantern.targets.checks\n", "lantern/targets/checks": ""},
+         ["lantern.drafters.eagle (drafters) imports lantern.targets.checks (the later layer targets)"]),
+        ({"lantern/api": "def f():\n    from lantern.cli import main\n", "lantern/cli/__init__": ""},
+         ["lantern.api (api) imports lantern.cli (the later layer cli)"]),
         ({"lantern/eval/bench": "import lantern.train.loop\n", "lantern/train/loop": ""},
-         ["lantern.eval.bench (eval) imports lantern.train.loop"]),
+         ["lantern.eval.bench (eval) imports lantern.train.loop (the later layer train)"]),
+        ({"lantern/models/llamagen": "from lantern.decoding.loop import generate\n", "lantern/decoding/loop": ""},
+         ["lantern.models.llamagen (models) imports lantern.decoding.loop"]),
         ({"lantern/decoding/loop": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                    "    from lantern.models.llamagen import LlamaGen\n",
           "lantern/models/llamagen": ""}, []),
+        ({"lantern/run": "from lantern.targets.base import Stack\n", "lantern/targets/base": ""}, []),
     ],
 )
 def test_the_checker_sees_a_broken_layer(tmp_path: Path, modules: dict[str, str], expected: list[str]) -> None:
-    """Power check: each rule fires on a package that breaks it (lazy imports included), and only then."""
+    """Power check: a planted module that breaks a rule (lazy imports included) fails it, and only then."""
     _fake_package(tmp_path, {k.replace("/", "."): v for k, v in modules.items()})
     assert violations(import_graph(tmp_path)) == expected
+
+
+def test_the_checker_sees_a_private_import(tmp_path: Path) -> None:
+    _fake_package(tmp_path, {
+        "lantern.drafters.eagle": "from lantern.decoding.drafting import _guided\n",
+        "lantern.decoding.drafting": "_guided = 1\n",
+        "lantern.decoding.loop": "from lantern.decoding.drafting import _guided\n",  # same package: allowed
+    })
+    assert private_imports(tmp_path) == ["lantern.drafters.eagle imports the private lantern.decoding.drafting._guided"]
 
 
 def test_the_checker_sees_a_lazy_circle(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.sampling import make_generators
 from lantern.methods import MethodConfig
 from lantern.targets.chameleon import encode_prompts
-from lantern.targets.chameleon_stack import _parts as chameleon_parts
+from lantern.testing import chameleon_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

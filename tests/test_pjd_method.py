@@ -236,7 +236,7 @@ def test_chi_square_detects_a_broken_acceptance() -> None:
 
 
 def test_methods_resolve_and_round_trip() -> None:
-    m = MethodConfig.resolve("pjd-lantern++", pjd_window=2, pjd_context=3, lam=2.0)
+    m = MethodConfig.resolve("pjd-lantern++", pjd_window=2, pjd_context=3, lantern_lambda=2.0)
     assert m.pjd == PJDConfig(2, 3) and m.tree.depth == 2 and m.relaxation is not None and m.relaxation.lam == 2.0
     assert m.to_dict()["pjd"] == {"window": 2, "context": 3}
     assert MethodConfig.resolve("pjd").pjd == PJDConfig()

@@ -26,25 +26,26 @@ def test_official_residuals_take_k_plus_one_columns() -> None:
     table = ProximityTable.load(stack.proximity_file)
     codebook = stack.tokenizer.quantize.embedding.weight
     for residual, extra in (("paper", 0), ("official", 1), ("official-lumina", 1)):
-        method = MethodConfig.resolve("lantern", "chain:2", k=8, residual=residual)
+        method = MethodConfig.resolve("lantern", tree="chain:2", lantern_k=8, lantern_residual=residual)
         acceptance, resolved = load_acceptance(method, stack.proximity_file, codebook, torch.device("cpu"))
         assert resolved.relaxation is not None and resolved.relaxation.residual == residual
         assert acceptance.neighbours is not None and acceptance.neighbours.shape == (table.vocab_size, 8 + extra)
         assert torch.equal(acceptance.neighbours, table.neighbours[:, : 8 + extra].long())
     # the default k (1000) is capped so that k+1 columns still fit
-    _, capped = load_acceptance(MethodConfig.resolve("lantern", residual="official"), stack.proximity_file, codebook,
+    _, capped = load_acceptance(MethodConfig.resolve("lantern", lantern_residual="official"), stack.proximity_file,
+                                codebook,
                                 torch.device("cpu"))
     assert capped.relaxation is not None and capped.relaxation.k == table.k_max - 1
-    explicit = MethodConfig.resolve("lantern", k=table.k_max, residual="official")
+    explicit = MethodConfig.resolve("lantern", lantern_k=table.k_max, lantern_residual="official")
     with pytest.raises(LanternError, match=rf"removes k\+1 = {table.k_max + 1} neighbours.*K_max = {table.k_max}"):
         load_acceptance(explicit, stack.proximity_file, codebook, torch.device("cpu"))
 
 
 def test_residual_needs_a_relaxed_method() -> None:
     with pytest.raises(LanternError, match="--lantern-\\* options need a relaxed method"):
-        MethodConfig.resolve("sd", residual="official")
+        MethodConfig.resolve("sd", lantern_residual="official")
     with pytest.raises(LanternError, match="--lantern-residual must be one of paper, official, official-lumina"):
-        MethodConfig.resolve("lantern", residual="released")
+        MethodConfig.resolve("lantern", lantern_residual="released")
 
 
 def _generate(tmp_path: Path, residual: str, *extra: str) -> tuple[np.ndarray, dict]:

@@ -53,7 +53,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> ModelStack:
 
 def _method(name: str) -> MethodConfig:
     kw = dict(METHODS[name])
-    return MethodConfig.resolve(name.removesuffix("-chain"), kw.pop("tree", None), **kw)
+    return MethodConfig.resolve(name.removesuffix("-chain"), tree=kw.pop("tree", None), **kw)
 
 
 def _decode(prepared: PreparedMethod, labels: list[int], seeds: list[int] | None) -> loop.Decode:
@@ -180,7 +180,7 @@ def test_trace_counts_one_region_per_compiled_round(stack: ModelStack, eager_bac
     issue allows 2); eager rounds have none."""
     from lantern.eval.roundtrace import trace_markdown, trace_methods
 
-    methods = {"ar": MethodConfig.resolve("ar"), "sd": MethodConfig.resolve("sd", "chain:3")}
+    methods = {"ar": MethodConfig.resolve("ar"), "sd": MethodConfig.resolve("sd", tree="chain:3")}
     compiled = trace_methods(stack, SAMPLED, methods, [0, 1], batch_size=2, compile="default")
     assert [t.regions for t in compiled] == [1.0, 1.0]
     assert all(t.ms["round"] > 0 and t.ms["verify"] == 0 for t in compiled)  # the phases are inside the region

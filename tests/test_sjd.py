@@ -112,7 +112,7 @@ def _greedy_ar(path: str, batch: int) -> Tensor:
 def test_greedy_sjd_reproduces_ar(random_stack: Path, model: str, batch: int, init: str, window: int) -> None:
     path = str(random_stack) if model == "random" else "digits"
     stack = _stack(path)
-    method = MethodConfig.resolve("sjd", window=window, init=init)
+    method = MethodConfig.resolve("sjd", sjd_window=window, sjd_init=init)
     result = run_generation(stack, GREEDY_LABELS[batch], 0, _greedy(stack), method, batch)
     assert torch.equal(result.codes, _greedy_ar(path, batch))
     stats = result.stats_dict()
@@ -447,7 +447,7 @@ def test_bad_jacobi_config() -> None:
     with pytest.raises(LanternError, match=r"method 'sjd' needs Jacobi settings"):
         MethodConfig(method="sjd", tree=MethodConfig.resolve("sjd").tree)
     with pytest.raises(LanternError, match=r"needs tree chain:16"):
-        MethodConfig(method="sjd", tree=MethodConfig.resolve("sjd", window=4).tree, jacobi=JacobiConfig())
+        MethodConfig(method="sjd", tree=MethodConfig.resolve("sjd", sjd_window=4).tree, jacobi=JacobiConfig())
     with pytest.raises(LanternError, match=r"square token grid"):
         JacobiDrafter(JacobiConfig(4), SamplingConfig(), 16, 12)
 
@@ -459,8 +459,8 @@ def test_relaxed_sjd_needs_a_proximity_table(random_stack: Path, tmp_path: Path)
         (bare / part).symlink_to(random_stack / part)
     stack = load_stack(bare)
     with pytest.raises(LanternError, match=r"--method sjd-lantern needs a latent proximity table"):
-        run_generation(stack, [0], 0, SamplingConfig(), MethodConfig.resolve("sjd-lantern", window=4))
-    exact = run_generation(stack, [0], 0, SamplingConfig(), MethodConfig.resolve("sjd", window=4))
+        run_generation(stack, [0], 0, SamplingConfig(), MethodConfig.resolve("sjd-lantern", sjd_window=4))
+    exact = run_generation(stack, [0], 0, SamplingConfig(), MethodConfig.resolve("sjd", sjd_window=4))
     assert exact.codes.shape == (1, 64)  # exact SJD needs neither drafter nor table
 
 
@@ -472,5 +472,5 @@ def test_relaxed_jacobi_methods_start_from_drawn_guesses(method: str, init: str)
     benchmarks/RESULTS.md). So the relaxed SJD methods default to repeat_horizon; --sjd-init overrides."""
     resolved = MethodConfig.resolve(method)
     assert resolved.jacobi is not None and resolved.jacobi.init == init
-    forced = MethodConfig.resolve(method, init="random")
+    forced = MethodConfig.resolve(method, sjd_init="random")
     assert forced.jacobi is not None and forced.jacobi.init == "random"

@@ -73,7 +73,7 @@ def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
 def test_greedy_coupled_sjd_reproduces_ar(random_stack: Path, batch: int, cfg_scale: float, coupling: str) -> None:
     stack = _stack(str(random_stack))
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
-    method = MethodConfig.resolve("sjd-coupled", window=4, coupling=coupling)
+    method = MethodConfig.resolve("sjd-coupled", sjd_window=4, sjd_coupling=coupling)
     result = run_generation(stack, LABELS[batch], 0, s, method, batch)
     assert torch.equal(result.codes, _greedy_ar(str(random_stack), batch, cfg_scale))
     assert result.stats_dict()["target_forwards"] <= batch * stack.target.config.block_size
@@ -282,9 +282,9 @@ def test_bench_rows_per_coupling() -> None:
 
 
 def test_relaxed_coupled_methods_resolve() -> None:
-    m = MethodConfig.resolve("sjd-coupled-lantern++", lam=3.0, coupling="gumbel")
+    m = MethodConfig.resolve("sjd-coupled-lantern++", lantern_lambda=3.0, sjd_coupling="gumbel")
     assert m.jacobi == JacobiConfig(init="repeat_horizon", coupling="gumbel")  # the defaults measured best
-    assert MethodConfig.resolve("sjd-coupled", init="random").jacobi == JacobiConfig(coupling="maximal")
+    assert MethodConfig.resolve("sjd-coupled", sjd_init="random").jacobi == JacobiConfig(coupling="maximal")
     assert m.relaxation is not None and m.relaxation.mode == "relative" and m.relaxation.lam == 3.0
     m = MethodConfig.resolve("sjd-coupled-lantern")
     assert m.jacobi is not None and m.jacobi.coupling == "maximal"
@@ -296,7 +296,7 @@ def test_bad_coupling_values() -> None:
     with pytest.raises(LanternError, match=r"--sjd-coupling must be one of independent, maximal, gumbel, got 'max'"):
         JacobiConfig(coupling="max")
     with pytest.raises(LanternError, match=r"--sjd-coupling must be one of maximal, gumbel, got 'independent'"):
-        MethodConfig.resolve("sjd-coupled", coupling="independent")
+        MethodConfig.resolve("sjd-coupled", sjd_coupling="independent")
     with pytest.raises(LanternError, match=r"method 'sjd-coupled' needs coupling maximal or gumbel, got 'independent'"):
         MethodConfig(method="sjd-coupled", tree=MethodConfig.resolve("sjd").tree, jacobi=JacobiConfig())
     with pytest.raises(LanternError, match=r"method 'sjd' needs coupling independent, got 'gumbel'"):

@@ -23,12 +23,12 @@ from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
 from lantern.decoding.trees import static_tree, tree_from_parents
+from lantern.drafters.checks import check_drafter_matches_target, check_tree_fits
 from lantern.drafters.eagle import make_eagle_drafter
 from lantern.drafters.oracle import OracleBackend, make_oracle_drafter
 from lantern.errors import LanternError
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
-from lantern.targets.checks import check_drafter_matches_target, check_tree_fits
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_llamagen
 

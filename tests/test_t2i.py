@@ -30,6 +30,7 @@ from lantern.cli.main import main
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import generate
 from lantern.decoding.sampling import apply_cfg
+from lantern.drafters.checks import check_t2i_drafter_layout
 from lantern.drafters.oracle import make_oracle_drafter
 from lantern.errors import LanternError
 from lantern.io import check_state_dict, write_json
@@ -37,7 +38,6 @@ from lantern.methods import MethodConfig
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, config_from_hf, hf_to_official, llamagen_config, official_to_hf
 from lantern.run import run_generation_t2i
-from lantern.targets.checks import check_t2i_drafter_layout
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import check_target_architecture, load_stack
 from lantern.targets.proximity import build_proximity
@@ -247,7 +247,8 @@ def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, b
     assert ar.shape == (batch, 64)
     for method, tree, lam in [("sd", "chain:4", None), ("sd-static", None, None), ("sd", None, None),
                               ("lantern++", "chain:3", 1.0)]:
-        spec = run_generation_t2i(stack, caps, 0, s, MethodConfig.resolve(method, tree, lam=lam), batch_size=2)
+        spec = run_generation_t2i(stack, caps, 0, s, MethodConfig.resolve(method, tree=tree, lantern_lambda=lam),
+                                  batch_size=2)
         assert torch.equal(spec.codes, ar), (method, tree)
 
 
@@ -261,7 +262,7 @@ def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch:
     s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
     ar = run_generation_t2i(stack, caps, 0, s, MethodConfig.resolve("ar")).codes
     for method, coupling in [("sjd", None), ("sjd-coupled", "maximal"), ("sjd-coupled", "gumbel")]:
-        resolved = MethodConfig.resolve(method, window=4, coupling=coupling)
+        resolved = MethodConfig.resolve(method, sjd_window=4, sjd_coupling=coupling)
         spec = run_generation_t2i(stack, caps, 0, s, resolved, batch_size=2)
         assert torch.equal(spec.codes, ar), (method, coupling)
     one_row = MethodConfig.resolve("pjd", pjd_window=3, pjd_context=8)  # PJD, one row at a time: lossless
@@ -297,7 +298,7 @@ def test_padded_caption_slots_are_invisible(t2i_stack: Path, captions: Captions)
 def test_sampled_runs_do_not_depend_on_batch_size(t2i_stack: Path, captions: Captions) -> None:
     stack = load_stack(t2i_stack)
     s = SamplingConfig(top_k=40, cfg_scale=3.0)
-    m = MethodConfig.resolve("lantern++", "chain:3")
+    m = MethodConfig.resolve("lantern++", tree="chain:3")
     one = run_generation_t2i(stack, captions, 7, s, m, batch_size=1).codes
     three = run_generation_t2i(stack, captions, 7, s, m, batch_size=3).codes
     assert torch.equal(one, three)

@@ -25,8 +25,8 @@ from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQConfig, VQModel
 from lantern.train.codes import CodeSet, load_code_dir
-from lantern.train.loop import LoopConfig, batch_indices, latest_checkpoint, lr_lambda
 from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
+from lantern.train.loop import LoopConfig, batch_indices, latest_checkpoint, lr_lambda
 from lantern.train.tokenizer import TokenizerRecipe, psnr, train_tokenizer
 
 torch.set_num_threads(1)

@@ -13,9 +13,9 @@ from lantern.autotree.model import DEFAULT_PROBE_WIDTHS, SPECULATIVE_METHODS, Ac
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import Acceptance, Drafter, DraftTree, GenerationOutput, Target, generate
 from lantern.decoding.rng import RowRandom
-from lantern.decoding.trees import probe_choices, register_tree
+from lantern.decoding.trees import probe_choices
 from lantern.errors import check
-from lantern.methods import MethodConfig
+from lantern.methods import MethodConfig, resolve_method
 from lantern.run import image_seed, prepare_method
 from lantern.targets.base import Stack
 
@@ -74,10 +74,10 @@ def _accepted_ranks(tokens: Tensor, children: Tensor, next_tokens: Tensor, num_a
 
 
 def probe_tree(num_tokens: int, widths: Sequence[int] = DEFAULT_PROBE_WIDTHS) -> tuple[TreeConfig, list[list[int]]]:
-    """The registered probe tree (``static:probe_<hash>``), no deeper than the image allows."""
+    """The probe tree (``static:probe_<hash>``), no deeper than the image allows."""
     check(num_tokens >= 2, f"calibration needs an image of >= 2 tokens, got {num_tokens}")
     choices = probe_choices(list(widths)[: num_tokens - 1])
-    return TreeConfig.parse(f"static:{register_tree(choices, prefix='probe')}"), choices
+    return TreeConfig.from_choices(choices, prefix="probe"), choices
 
 
 def record_rounds(
@@ -160,7 +160,7 @@ def _method_config(method: str | MethodConfig) -> MethodConfig:
         check(isinstance(method, str), f"method must be a name or a MethodConfig, got {type(method).__name__}")
         check(method in SPECULATIVE_METHODS,
               f"--tree auto needs a speculative --method ({', '.join(SPECULATIVE_METHODS)}), got {method!r}")
-        cfg = MethodConfig.resolve(method)
+        cfg = resolve_method(method)
     check(cfg.method in SPECULATIVE_METHODS,
           f"--tree auto needs a speculative --method ({', '.join(SPECULATIVE_METHODS)}), got {cfg.method!r}")
     return cfg

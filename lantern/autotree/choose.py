@@ -35,8 +35,8 @@ Timings on a shared machine are noisy: the profile keeps medians, the cost model
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def choose_tree(
     used). ``profile``: a :class:`DeviceProfile`, a ``profile.json`` from ``lantern profile``, or
     None for a quick measurement now (~10-20 s on a CPU). Calibration generates
     ``calibration_labels`` (default: 4 labels spread over the classes) with a probe tree. The
-    chosen tree is registered, so ``choice.tree_spec`` can be passed to ``MethodConfig.resolve``.
+    chosen tree (with its choices) is ``choice.tree``, what the method is resolved with.
     """
     method_cfg = _method_config(method)
     rule = RULE_OF_METHOD[method_cfg.method]
@@ -117,7 +117,6 @@ def choose_tree(
     choice = select_tree(acceptance, profile.cost_model(rule), method=method_cfg.method, max_drafts=max_drafts,
                          max_depth=stack.num_tokens - 1)
     choice = replace(choice, profile_seconds=t1 - t0, calibration_seconds=t2 - t1)
-    choice.register()
     return choice
 
 
@@ -144,24 +143,3 @@ def choose_trees(
     chosen = {m: choose_tree(stack, m, sampling, profile=profile, seed=seed, batch_size=batch_size, progress=progress)
               for m in wanted}
     return {m: replace(c, profile_seconds=c.profile_seconds + seconds) for m, c in chosen.items()}  # shared
-
-
-@dataclass
-class StackWithTrees:
-    """A stack whose :meth:`default_tree` answers from ``trees`` first, so code that asks the
-    stack for a method's tree (``lantern demo``) uses trees chosen at run time; everything else is
-    the wrapped stack's (any :class:`~lantern.targets.base.Stack`)."""
-
-    def __init__(self, stack: Stack, trees: Mapping[str, str]) -> None:
-        self.stack, self.trees = stack, dict(trees)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stack, name)
-
-    def default_tree(self, method: str) -> str | None:
-        return self.trees.get(method) or self.stack.default_tree(method)
-
-
-def with_trees(stack: Stack, trees: Mapping[str, str]) -> StackWithTrees:
-    base = stack.stack if isinstance(stack, StackWithTrees) else stack
-    return StackWithTrees(base, trees)

@@ -15,9 +15,9 @@ from torch import Tensor
 from lantern.autotree.model import METHOD_OF_RULE, PROFILE_VERSION, CostModel, interpolate, non_decreasing
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import GenerationOutput
-from lantern.decoding.trees import STATIC_TREES, chain_choices, register_tree
+from lantern.decoding.trees import STATIC_TREES, chain_choices
 from lantern.errors import LanternError, check
-from lantern.methods import MethodConfig
+from lantern.methods import resolve_method
 from lantern.run import PreparedMethod, image_seed, prepare_method
 from lantern.targets.base import Conditions, Stack
 
@@ -327,7 +327,7 @@ def _measure_drafter(
     sees the same prefix (the cache's K/V past that length are ignored by the masks)."""
     device, b, vocab = stack.device, settings.batch_size, stack.vocab_size
     # Loaded and placed as prepare_method loads it for generation.
-    prepared = prepare_method(stack, MethodConfig.resolve("sd", "chain:1"), sampling, drafter_dir)
+    prepared = prepare_method(stack, resolve_method("sd", tree="chain:1"), sampling, drafter_dir)
     assert prepared.drafter is not None
     target = stack.make_target(sampling, 1)
     cond = _conditions(stack, b)
@@ -389,20 +389,20 @@ def _measure_loop(
     """Real generations: plain AR (the per-step baseline) and the overhead trees per rule."""
     cond = _conditions(stack, settings.batch_size)
     gens = [image_seed(settings.seed, i) for i in range(settings.batch_size)]
-    ar = prepare_method(stack, MethodConfig.resolve("ar"), sampling)
+    ar = prepare_method(stack, resolve_method("ar"), sampling)
     _timed_run(ar, cond, gens, sampling)  # warm-up (kernels, allocator), not used
     ar_wall, ar_out = _timed_run(ar, cond, gens, sampling)
     bar.update(1)
     ar_ms = ar_wall / (ar_out.stats.steps + 1)  # + 1: the prefill forward
     fits = {}
     for rule in rules:
-        base = prepare_method(stack, MethodConfig.resolve(METHOD_OF_RULE[rule], "chain:1"), sampling, drafter_dir,
+        base = prepare_method(stack, resolve_method(METHOD_OF_RULE[rule], tree="chain:1"), sampling, drafter_dir,
                               proximity)
         runs = []
         for spec, choices in _overhead_trees(stack):
             named = spec.startswith(("chain:", "static:"))
-            name = spec if named else f"static:{register_tree(choices, prefix='probe')}"
-            prepared = replace(base, method=replace(base.method, tree=TreeConfig.parse(name)))
+            tree = TreeConfig.parse(spec) if named else TreeConfig.from_choices(choices, prefix="probe")
+            prepared = replace(base, method=replace(base.method, tree=tree))
             wall, out = _timed_run(prepared, cond, gens, sampling)
             bar.update(1)
             runs.append(_overhead_run(spec, choices, wall, out, partial))

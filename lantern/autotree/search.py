@@ -7,22 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from lantern.autotree.model import DEFAULT_MAX_DRAFTS, AcceptanceModel, Choice, CostModel, Rates, greedy_trees
-from lantern.decoding.trees import (
-    BUILTIN_TREES,
-    STATIC_TREES,
-    canonical_choices,
-    chain_choices,
-    level_widths,
-    register_tree,
-    tree_hash,
-)
+from lantern.decoding.config import TreeConfig
+from lantern.decoding.trees import STATIC_TREES, canonical_choices, chain_choices, level_widths, tree_hash
 from lantern.errors import check
 from lantern.methods import AR_FALLBACK_TREE
 
 
 @dataclass(frozen=True)
 class TreeCandidate:
-    """One scored tree. ``spec`` is what ``--tree`` takes (``static:auto_*`` once registered)."""
+    """One scored tree. ``spec``: its ``--tree`` form (``static:auto_<hash>`` for a searched shape,
+    which only :attr:`config` can run: the shape rides in the config, not in a registry)."""
 
     spec: str
     choices: tuple[Choice, ...]
@@ -33,6 +27,13 @@ class TreeCandidate:
     @property
     def num_nodes(self) -> int:
         return len(self.choices) + 1
+
+    @property
+    def config(self) -> TreeConfig:
+        """The tree as the loop runs it."""
+        if self.spec.startswith("static:auto_"):
+            return TreeConfig.from_choices(self.choices, prefix="auto")
+        return TreeConfig.parse(self.spec)
 
     @property
     def depth(self) -> int:
@@ -86,21 +87,19 @@ class AutoTreeChoice:
 
     @property
     def tree_spec(self) -> str:
-        """``--tree`` form of the chosen tree (``static:auto_*`` names need :meth:`register`), or
-        ``ar`` (:data:`lantern.methods.AR_FALLBACK_TREE`) when plain AR is predicted faster."""
+        """``--tree`` form of the chosen tree (for display and records), or ``ar``
+        (:data:`lantern.methods.AR_FALLBACK_TREE`) when plain AR is predicted faster."""
         return AR_FALLBACK_TREE if self.falls_back_to_ar else self.best.spec
+
+    @property
+    def tree(self) -> TreeConfig | str:
+        """What to resolve the method with (``tree=``): the chosen tree's config, which carries its
+        choices, or ``ar`` when plain AR is predicted faster."""
+        return AR_FALLBACK_TREE if self.falls_back_to_ar else self.best.config
 
     @property
     def choices(self) -> list[list[int]]:
         return [list(c) for c in self.best.choices]
-
-    def register(self) -> str:
-        """Make ``tree_spec`` resolvable in this process (a no-op for chains and named trees)."""
-        if (self.best.spec.startswith("static:") and not self.falls_back_to_ar
-                and self.tree_spec[7:] not in STATIC_TREES):
-            name = register_tree(self.best.choices, prefix="auto")
-            check(f"static:{name}" == self.tree_spec, f"registered {name}, expected {self.tree_spec}")
-        return self.tree_spec
 
     def candidate(self, spec: str) -> TreeCandidate | None:
         """The scored candidate for a chain or named tree spec (e.g. ``chain:3``), if scored."""
@@ -144,7 +143,7 @@ def candidate_trees(rates: Rates, max_drafts: int, max_depth: int) -> list[tuple
 
     for n in range(1, 9):
         add(f"chain:{n}", chain_choices(n))
-    for name in sorted(BUILTIN_TREES):
+    for name in sorted(STATIC_TREES):
         add(f"static:{name}", STATIC_TREES[name])
     for tree in greedy_trees(rates, max_drafts):
         add(f"static:auto_{tree_hash(tree)}", tree)
@@ -160,7 +159,7 @@ def select_tree(
     max_depth: int = 1 << 30,
 ) -> AutoTreeChoice:
     """Score every candidate (:func:`candidate_trees`) by predicted tokens per second; best first.
-    Pure: an ``auto`` tree is only registered by :meth:`AutoTreeChoice.register`."""
+    Pure."""
     check(max_drafts >= 1, f"max_drafts must be >= 1, got {max_drafts}")
     scored = []
     for spec, choices in candidate_trees(acceptance.rates, max_drafts, max_depth):

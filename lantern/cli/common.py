@@ -59,17 +59,17 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
             raise LanternError(f"{flag}: {e}") from None
 
 
-def method_from_args(args: argparse.Namespace, stack: Any, tree: str | None = None) -> Any:
+def method_from_args(args: argparse.Namespace, stack: Any, tree: Any = None) -> Any:
     """``--method`` with its flags, resolved by the library. ``tree``: auto's choice; with --tree auto
     and no choice yet, the method's own default tree (what choose_tree starts from)."""
-    from lantern.api import METHOD_SETTINGS, resolve_method
+    from lantern.methods import METHOD_SETTINGS, resolve_method
 
     settings = {name: getattr(args, name) for name in METHOD_SETTINGS}
     settings["tree"] = tree if tree is not None else None if args.tree == "auto" else args.tree
     for name in ("sjd_window", "pjd_window"):
         if settings[name] == "auto":  # measured later (choose_auto_window); resolve with the default first
             settings[name] = None
-    return resolve_method(None if args.tree == "auto" and tree is None else stack, args.method, **settings)
+    return resolve_method(args.method, None if args.tree == "auto" and tree is None else stack, **settings)
 
 
 def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
@@ -195,11 +195,11 @@ def read_prompt_args(args: argparse.Namespace) -> list[str] | None:
 
 
 def check_model_condition(stack: Any, model: str, text: bool) -> None:
-    """Labels need a class-conditional target, prompts a text-to-image one."""
-    kind = stack.target.config.model_type
-    if text and kind != "t2i":
+    """Labels need a class-conditional target, prompts a text-to-image one (LlamaGen t2i, Chameleon)."""
+    kind = stack.kind
+    if text and kind == "c2i":
         raise LanternError(f"--prompt/--prompts: {model} is a class-conditional model; pass --labels")
-    if not text and kind == "t2i":
+    if not text and kind != "c2i":
         raise LanternError(f"--labels: {model} is a text-to-image model; pass --prompt TEXT or --prompts FILE")
 
 

@@ -58,9 +58,8 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
     """``lantern demo --sjd-window N|auto`` / ``--pjd-window N|auto``: the window of every SJD- or
     PJD-family method in the demo (auto: timed per method, as ``generate`` does). Returns the
     per-method settings for run_demo and the auto choices for demo.json."""
-    from lantern.api import resolve_method
     from lantern.autotree.window import choose_window
-    from lantern.methods import PJD_METHODS, SJD_METHODS
+    from lantern.methods import PJD_METHODS, SJD_METHODS, resolve_method
 
     settings: dict[str, dict[str, Any]] = {}
     chosen: dict[str, Any] = {}
@@ -75,7 +74,7 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
         for m in targets:
             window = value
             if value == "auto":
-                choice = choose_window(stack, resolve_method(stack, m), sampling, seed=args.seed,
+                choice = choose_window(stack, resolve_method(m, stack), sampling, seed=args.seed,
                                        batch_size=args.batch_size)
                 print(f"{flag} auto [{m}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
                 chosen[m], window = choice.to_dict(), choice.window
@@ -112,19 +111,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n = (stack.num_classes or DEMO_PROMPT_IMAGES) if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
+    trees: dict[str, Any] = {}
     if args.tree is not None:
-        from lantern.autotree.choose import choose_trees, with_trees
+        from lantern.autotree.choose import choose_trees
 
         if auto:
             auto_trees = choose_trees(stack, methods, sampling, profile=args.profile, seed=args.seed,
                                       batch_size=args.batch_size, progress=not args.no_progress)
             for choice in auto_trees.values():
                 print(f"--tree auto [{choice.method}]: {choice.explanation}")
-            trees = {m: c.tree_spec for m, c in auto_trees.items()}
+            trees = {m: c.tree for m, c in auto_trees.items()}
         else:
             trees = {m: args.tree for m in methods if m not in ("ar", "gsd") and not m.startswith(("sjd", "pjd"))}
-        stack = with_trees(stack, trees)
     windows, auto_windows = _demo_windows(stack, sampling, methods, args)
+    for method, tree in trees.items():  # a method's tree rides in its settings, like its window
+        windows[method] = {**windows.get(method, {}), "tree": tree}
     rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                     repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
                     compile=args.compile, settings=windows)

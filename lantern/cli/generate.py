@@ -30,7 +30,7 @@ from lantern.errors import LanternError
 
 if TYPE_CHECKING:
     from lantern.outputs import OutputFolder
-from lantern.cli.common import add_sampling_args, add_trust_checkpoint_arg, layout_from_args
+from lantern.cli.common import add_sampling_args, add_trust_checkpoint_arg
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -240,7 +240,7 @@ def _generate_method(args: argparse.Namespace, stack: Any, sampling: Any, auto: 
     if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
         choice = choose_auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
                             args.drafter, args.proximity, not args.no_progress)
-        method, extra["auto_tree"] = method_from_args(args, stack, choice.tree_spec), choice.to_dict()
+        method, extra["auto_tree"] = method_from_args(args, stack, choice.tree), choice.to_dict()
     if auto_window:  # time the candidate windows, then run with the fastest
         window = choose_auto_window(stack, method, sampling, args)
         method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
@@ -248,41 +248,20 @@ def _generate_method(args: argparse.Namespace, stack: Any, sampling: Any, auto: 
 
 
 def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
-    """generate's stack (any family) for ``--model``, with the family's flags checked first."""
+    """generate's stack (any family) for ``--model``, loaded as ``lantern.load`` loads it."""
+    from lantern.api import load
     from lantern.models.chameleon import is_chameleon_folder
-    from lantern.targets.base import inference_dtype
-    from lantern.targets.llamagen_stack import load_stack
 
-    if is_chameleon_folder(args.model):
-        return _load_chameleon_for_generate(args, text)
-    for name in ("layout", "image_size", "vq"):
-        if getattr(args, name) is not None:
-            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
-                               "Lumina-mGPT)")
-    stack = load_stack(args.model, args.tokenizer, dtype=inference_dtype(args.dtype, args.device))
-    check_model_condition(stack, args.model, text)
-    stack.target.to(args.device)
-    stack.tokenizer.to(args.device)
-    return stack
-
-
-def _load_chameleon_for_generate(args: argparse.Namespace, text: bool) -> Any:
-    """An Anole / Lumina-mGPT folder: prompts only, its own tokenizer, images through the VQGAN."""
-    from lantern.targets.base import inference_dtype
-    from lantern.targets.chameleon_stack import load_chameleon_stack
-
-    root = Path(args.model)
-    if args.compile != "off":
-        raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
-    if not text:
-        raise LanternError(f"--labels: {root} is a text-to-image Chameleon model; pass --prompt TEXT or --prompts FILE")
-    for flag, value in (("--t5", args.t5), ("--tokenizer", args.tokenizer)):
-        if value is not None:
-            raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
-                               "tokenizer, and decode with --vq)")
-    check_auto_window(args, "Chameleon-family")
-    layout = layout_from_args(args, root)
-    return load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, args.device), args.device)
+    if is_chameleon_folder(args.model):  # refused before the (large) model is read
+        check_auto_window(args, "Chameleon-family")
+        if not text:
+            raise LanternError(f"--labels: {args.model} is a text-to-image Chameleon model; pass --prompt TEXT or "
+                               "--prompts FILE")
+    pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
+                tokenizer=args.tokenizer, t5=args.t5, vq=args.vq, layout=args.layout, image_size=args.image_size,
+                proximity=args.proximity)
+    check_model_condition(pipe.stack, args.model, text)
+    return pipe.stack
 
 
 def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,

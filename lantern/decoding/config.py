@@ -7,7 +7,8 @@ offending field, so a bad value fails where the user typed it and not deep insid
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any, Literal, get_args
 
@@ -154,7 +155,10 @@ class TreeConfig:
 
     * ``none``: no drafter (plain AR decoding, one token per target forward).
     * ``chain``: ``depth`` drafts in a line (sampled from the drafter).
-    * ``static``: a named EAGLE-1 tree (``name``), children sampled without replacement.
+    * ``static``: an EAGLE-1 tree, children sampled without replacement: a named one of
+      :data:`lantern.decoding.trees.STATIC_TREES`, or any shape (``--tree auto``'s pick, a probe
+      tree) built with :meth:`from_choices`. The tree's ``choices`` ride in the config itself, so a
+      tree is parsed once and no process-wide registry is needed.
     * ``dynamic``: EAGLE-2 tree of ``total_tokens`` drafted nodes chosen by cumulative drafter
       log-probability, expanded ``depth`` times with ``top_k`` children each (deterministic drafts).
     """
@@ -164,6 +168,8 @@ class TreeConfig:
     depth: int = 4
     top_k: int = 10
     total_tokens: int = 58
+    # Static trees: each draft's path from the root, as child ranks (EAGLE's ``choices``).
+    choices: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         check(self.kind in ("none", "chain", "static", "dynamic"), f"unknown tree kind {self.kind!r}")
@@ -172,6 +178,25 @@ class TreeConfig:
         check(self.total_tokens >= 1, f"tree total_tokens must be >= 1, got {self.total_tokens}")
         if self.kind == "static":
             check(bool(self.name), "a static tree needs a name, e.g. 'static:naive_extend_57'")
+            if not self.choices:  # a named tree: its choices from the built-in table
+                from lantern.decoding.trees import STATIC_TREES
+
+                check(self.name in STATIC_TREES,
+                      f"unknown static tree {self.name!r}; known: {', '.join(sorted(STATIC_TREES))}")
+                object.__setattr__(self, "choices", tuple(tuple(c) for c in STATIC_TREES[self.name]))
+        else:
+            check(not self.choices, f"a {self.kind} tree takes no choices")
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]], prefix: str = "auto") -> TreeConfig:
+        """A static tree of any shape, named ``PREFIX_<hash of the shape>`` (its ``--tree`` form,
+        ``static:PREFIX_<hash>``, is for display and records only: run.json holds the choices)."""
+        from lantern.decoding.trees import canonical_choices, tree_hash
+
+        check(isinstance(prefix, str) and prefix.isidentifier(),
+              f"tree name prefix must be an identifier, got {prefix!r}")
+        nodes = canonical_choices(choices)
+        return cls(kind="static", name=f"{prefix}_{tree_hash(nodes)}", choices=nodes)
 
     @classmethod
     def parse(cls, spec: str, **dynamic: int) -> TreeConfig:
@@ -191,14 +216,7 @@ class TreeConfig:
             check(n >= 1, f"--tree chain:N needs N >= 1, got {spec!r}")
             return cls(kind="chain", depth=n)
         if spec.startswith("static:"):
-            from lantern.decoding.trees import STATIC_TREES
-
-            name = spec.split(":", 1)[1]
-            check(
-                name in STATIC_TREES,
-                f"unknown static tree {name!r}; known: {', '.join(sorted(STATIC_TREES))}",
-            )
-            return cls(kind="static", name=name)
+            return cls(kind="static", name=spec.split(":", 1)[1])
         raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}")
 
     @property
@@ -211,9 +229,19 @@ class TreeConfig:
 
     @property
     def choices_name(self) -> str:
-        """What :func:`lantern.decoding.trees.resolve_tree_choices` takes for a chain or static tree."""
+        """A name unique to a chain or static tree's shape (built-in names are fixed, others end in
+        the shape's hash): the key of the drafters' per-process plan caches."""
         check(self.kind in ("chain", "static"), f"a {self.kind} tree has no fixed choices")
         return self.name if self.kind == "static" else f"chain:{self.depth}"
+
+    def fixed_choices(self) -> list[list[int]]:
+        """A chain or static tree's choices (a fresh list: safe to mutate)."""
+        check(self.kind in ("chain", "static"), f"a {self.kind} tree has no fixed choices")
+        if self.kind == "chain":
+            from lantern.decoding.trees import chain_choices
+
+            return chain_choices(self.depth)
+        return [list(c) for c in self.choices]
 
     # Sizes, computed here once for every caller (caches, checks, drafters); chains are counted,
     # never built: ``chain:100000``'s choices alone would take tens of GB.
@@ -248,12 +276,12 @@ class TreeConfig:
         included), the nodes fed in one round, and the bonus token."""
         return self.max_depth + 1 + self.fed_per_round + 1
 
-    def _static_choices(self) -> list[list[int]]:
-        from lantern.decoding.trees import resolve_tree_choices
-
-        return resolve_tree_choices(self.name)
+    def _static_choices(self) -> tuple[tuple[int, ...], ...]:
+        return self.choices
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["choices"] = [list(c) for c in self.choices]  # JSON's shape
+        return d
 
 

@@ -34,7 +34,6 @@ from lantern.decoding.trees import (
     StaticTree,
     TreeBuffers,
     dynamic_tree_select,
-    resolve_tree_choices,
     static_tree,
     tree_from_parents,
 )
@@ -75,14 +74,14 @@ class _LevelPlan:
 
 # Static trees' schedules and buffers depend only on the tree (and batch size / device): built once
 # per process, not per image (building them costs host syncs: sizes, nonzero). Tree names are
-# unique per shape (registered trees are named by their hash), so the name is the key.
+# unique per shape (other trees are named by their hash), so the name is the key.
 _SHARED_PLANS: dict[tuple[str, str], list[_LevelPlan | None]] = {}
 _SHARED_BUFFERS: dict[tuple[str, int, str], TreeBuffers] = {}
 
 
 @functools.cache
-def _named_static_tree(name: str) -> StaticTree:
-    return static_tree(resolve_tree_choices(name))
+def _static_tree_of(tree: TreeConfig) -> StaticTree:
+    return static_tree(tree.fixed_choices())
 
 
 class TreeDrafter:
@@ -104,7 +103,7 @@ class TreeDrafter:
         self.backend, self.tree, self.sampling, self.vocab_size = backend, tree, sampling, vocab_size
         self.static: StaticTree | None = None
         if tree.kind in ("static", "chain"):
-            self.static = _named_static_tree(tree.choices_name)
+            self.static = _static_tree_of(tree)
         self.root: Tensor | None = None
         self._static_buffers: TreeBuffers | None = None
         self._plans: tuple[torch.device, list[_LevelPlan | None]] | None = None

@@ -17,8 +17,9 @@ Pure functions of the tree: no model code lives here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from lantern.errors import LanternError, check
 
 # Named static trees, copied from the official choices.py (SPEC §3.4). ``medusa_2_7b_63`` is
 # left out: its exact list is in neither the spec nor the public EAGLE choices.py.
-STATIC_TREES: dict[str, list[list[int]]] = {
+_NAMED_TREES: dict[str, list[list[int]]] = {
     "mc_sim_7b_63": [
         [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
         [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
@@ -62,6 +63,8 @@ STATIC_TREES: dict[str, list[list[int]]] = {
     "cpu_6": [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
     "cpu_9": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]],
 }
+# Read-only: a tree of another shape is a TreeConfig.from_choices value, never a process-wide name.
+STATIC_TREES: Mapping[str, list[list[int]]] = MappingProxyType(_NAMED_TREES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,11 +96,6 @@ def resolve_tree_choices(name: str) -> list[list[int]]:
             f"unknown tree {name!r}; known: {', '.join(sorted(STATIC_TREES))}, or 'chain:N'"
         )
     return [list(choice) for choice in STATIC_TREES[name]]
-
-
-# Names of the trees above, fixed at import: trees registered later (:func:`register_tree`) are
-# run-time additions and are not offered as named candidates by the tree search.
-BUILTIN_TREES: frozenset[str] = frozenset(STATIC_TREES)
 
 
 def probe_choices(widths: Sequence[int]) -> list[list[int]]:
@@ -145,27 +143,6 @@ def tree_hash(choices: Sequence[Sequence[int]]) -> str:
 
     text = ";".join(",".join(map(str, c)) for c in canonical_choices(choices))
     return hashlib.sha1(text.encode()).hexdigest()[:8]
-
-
-def register_tree(choices: Sequence[Sequence[int]], prefix: str = "auto") -> str:
-    """Add a custom static tree to :data:`STATIC_TREES` as ``PREFIX_<hash>`` and return the name.
-
-    After this, ``static:NAME`` works wherever a tree spec is accepted (``TreeConfig.parse``,
-    the drafter, the cache sizing) in *this process*; record the choices next to any output that
-    names the tree. Registering the same shape twice returns the same name.
-    """
-    check(
-        isinstance(prefix, str) and prefix.isidentifier(),
-        f"tree name prefix must be an identifier, got {prefix!r}",
-    )
-    nodes = canonical_choices(choices)
-    name = f"{prefix}_{tree_hash(nodes)}"
-    existing = STATIC_TREES.get(name)
-    if existing is not None:
-        check(canonical_choices(existing) == nodes, f"tree name {name!r} is already taken by another tree")
-        return name
-    STATIC_TREES[name] = [list(c) for c in nodes]
-    return name
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from lantern.decoding.compiling import resolve_compile, step_fn
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.drafting import TreeDrafter, _guided
 from lantern.decoding.phases import phase
+from lantern.drafters.checks import check_drafter_matches_target
 from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
-from lantern.targets.checks import check_drafter_matches_target
 
 
 class EagleBackend:

@@ -30,6 +30,7 @@ and ``(f(new-line), next code)``; the target adapter hands out both features
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -37,11 +38,14 @@ from torch import Tensor, nn
 from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.sampling import apply_cfg
+from lantern.drafters.checks import check_chameleon_drafter
 from lantern.errors import check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter, is_released_drafter_folder, load_released_drafter
 from lantern.models.drafter import EagleDrafterModel
-from lantern.targets.chameleon import ChameleonTarget, check_chameleon_drafter
+
+if TYPE_CHECKING:  # the adapter whose node_hidden this backend reads; drafters sit below targets
+    from lantern.targets.chameleon import ChameleonTarget
 
 LAYOUT_NAMES = {"anole": "Anole", "lumina-mgpt": "Lumina-mGPT"}
 

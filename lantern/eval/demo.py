@@ -17,13 +17,12 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from lantern.api import resolve_method
 from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, write_json
-from lantern.methods import RELAXED_RULE
+from lantern.methods import RELAXED_RULE, resolve_method
 from lantern.run import RunResult
 from lantern.targets.base import Stack
 
@@ -66,7 +65,7 @@ def run_demo(
     labels = stack.sample_conditions(num_images)
     # --lantern-budget applies to the relaxed methods only
     settings = settings or {}
-    configs = {m: resolve_method(stack, m, lantern_budget=budget if m in RELAXED_RULE else None, **settings.get(m, {}))
+    configs = {m: resolve_method(m, stack, lantern_budget=budget if m in RELAXED_RULE else None, **settings.get(m, {}))
                for m in methods}
 
     from lantern.eval.bench import time_methods

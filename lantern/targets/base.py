@@ -200,8 +200,6 @@ class StackFolder:
         return values
 
 
-
-
 def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:
     """``conditions`` as a list, all labels (``kind`` Integral: numpy integers too) or all prompts
     (``kind`` str), else a one-line error."""
@@ -255,16 +253,6 @@ def _with_source(path: Path, field: str, build: Callable[[], object]) -> None:
         build()
     except LanternError as e:
         raise LanternError(f"{path}: {field}{e}") from None
-
-
-
-
-
-
-
-
-
-
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -24,7 +24,6 @@ is Chameleon-specific stays here:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,7 +34,6 @@ from lantern.decoding.pjd import commit_cells, grid_verify_mask, kept_offsets
 from lantern.decoding.sampling import apply_cfg
 from lantern.errors import LanternError, check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
-from lantern.models.drafter import DrafterConfig
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -322,33 +320,3 @@ def _with_shadows(path: Tensor, num_keep: Tensor, row_end: Tensor, shadow_slot: 
 
 # ----------------------------------------------------------------------------------------------
 # Stacks and runs: a Chameleon model folder + the VQGAN + optional drafter / proximity table
-
-
-def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
-    """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
-    cfg = model.config
-    # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
-    sizes = {name: getattr(cfg, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                     "num_key_value_heads", "rms_norm_eps")}
-    return DrafterConfig(**{**sizes, "vocab_size": model.num_codes, "target_cls_token_num": len(layout.prefix),
-                            "block_size": layout.num_tokens, "rope_base": float(_rope_theta(cfg)), "rope": "1d",
-                            **overrides})
-
-
-def _rope_theta(cfg: Any) -> float:
-    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4.x keeps rope_theta on the config
-    return float(params["rope_theta"]) if isinstance(params, dict) and "rope_theta" in params else float(cfg.rope_theta)
-
-
-def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: ImageLayout, path: object) -> None:
-    want = chameleon_drafter_config(model, layout)
-    problems = [
-        f"{name} {getattr(drafter, name)} (target needs {getattr(want, name)})"
-        for name in ("hidden_size", "vocab_size", "rope", "target_cls_token_num")
-        if getattr(drafter, name) != getattr(want, name)
-    ]
-    if drafter.block_size < layout.num_tokens:  # its RoPE table would run out before the image ends
-        problems.append(f"block_size {drafter.block_size} (the layout has {layout.num_tokens} image tokens)")
-    check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
-
-

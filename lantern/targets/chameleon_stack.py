@@ -14,21 +14,19 @@ from torch import Tensor
 from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import DraftBackend
-from lantern.decoding.loop import Acceptance, Drafter, Target
-from lantern.decoding.pjd import GridJacobiDrafter
+from lantern.decoding.loop import Target
+from lantern.drafters.checks import drafter_dtype
 from lantern.drafters.eagle import EagleBackend
 from lantern.errors import LanternError, check
-from lantern.methods import MethodConfig
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import EagleDrafterModel
-from lantern.run import PreparedMethod, RunResult, prepare_method, run_conditions
 from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
-from lantern.targets.checks import drafter_dtype
 
 if TYPE_CHECKING:
     from PIL import Image
-from lantern.targets.chameleon import ChameleonTarget, chameleon_drafter_config, encode_prompts
+from lantern.drafters.checks import chameleon_drafter_config
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
 
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2000, "top_p": 1.0, "cfg_scale": 3.0}  # Lumina / LANTERN defaults
 
@@ -180,31 +178,3 @@ def init_chameleon_drafter(model: ChameleonLM, layout: ImageLayout, seed: int = 
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(model.hf.model.embed_tokens.weight[model.image_ids].float())
     return drafter
-
-
-def run_chameleon(stack: ChameleonStack, prompts: Sequence[str], seed: int, sampling: SamplingConfig,
-                  method: MethodConfig, batch_size: int = 8, progress: bool = False,
-                  drafter_dir: str | os.PathLike[str] | None = None, proximity: str | os.PathLike[str] | None = None,
-                  drafter: EagleDrafterModel | ReleasedChameleonDrafter | None = None) -> RunResult:
-    """One image per prompt: the shared run path (``pipeline.run_conditions``) under the name
-    earlier releases exported; ``drafter``: an already loaded drafter instead of a folder."""
-    prepared = prepare_method(stack, method, sampling, drafter_dir, proximity, drafter=drafter)
-    return run_conditions(stack, stack.encode(prompts), seed, sampling, method, batch_size, progress,
-                          prepared=prepared)
-
-
-def _parts(
-    lm: ChameleonLM,
-    layout: ImageLayout,
-    sampling: SamplingConfig,
-    method: MethodConfig,
-    drafter: EagleDrafterModel | ReleasedChameleonDrafter | None,
-    head: torch.nn.Linear,
-) -> tuple[ChameleonTarget, Drafter | GridJacobiDrafter | None]:
-    """A fresh target adapter and drafter for one batch, as the shared run path builds them
-    (``PreparedMethod.parts``), for a bare model and layout (tests drive the loop with these)."""
-    stack = ChameleonStack(root=Path("."), model=lm, layout=layout, vq=None, tokenizer=None)
-    prepared = PreparedMethod(stack, method, sampling, drafter if method.tree.kind != "none" else None, Acceptance())
-    target, draft = prepared.parts(head)
-    assert isinstance(target, ChameleonTarget)
-    return target, draft

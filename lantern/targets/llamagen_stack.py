@@ -152,8 +152,8 @@ class ModelStack(StackFolder):
         return LlamaGenTarget(self.target, sampling, max_tree_nodes=max_tree_nodes).cache_bytes(batch)
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        from lantern.drafters.checks import check_drafter_matches_target, check_t2i_drafter_layout, drafter_dtype
         from lantern.models.drafter import EagleDrafterModel
-        from lantern.targets.checks import check_drafter_matches_target, check_t2i_drafter_layout, drafter_dtype
 
         dtype = drafter_dtype(self.dtype, self.device)
         drafter = EagleDrafterModel.from_pretrained(path).to(self.device, dtype).eval()
@@ -178,12 +178,16 @@ class ModelStack(StackFolder):
         from lantern.images import to_pil
 
         return to_pil(self.decode(codes))
+
+
 def preset_dir(name: str) -> Path:
     path = PRESETS_DIR / name
     if not (path / TARGET_DIR).is_dir():
         raise LanternError(f"the embedded preset {name!r} is not installed (expected {path}); "
                            "reinstall lantern or train it with scripts/train_preset.sh")
     return path
+
+
 def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     """A stack folder path, or an embedded preset name (a folder of that name in the working
     directory is not taken for the preset: write ``./digits`` for that)."""
@@ -199,6 +203,8 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     return path
 HF_LLAMAGEN_ARCHITECTURES = (["LlamaForCausalLM"],)  # LANTERN's HF ports of LlamaGen (SPEC §1.5)
 HF_LLAMAGEN_MODEL_TYPES = (None, "llama")
+
+
 def check_target_architecture(target_dir: Path) -> None:
     """Refuse a target folder of another model family before trying to load its weights.
 
@@ -226,6 +232,8 @@ def check_target_architecture(target_dir: Path) -> None:
         f"a lantern LlamaGen folder (model_type {MODEL_TYPE!r}) or LANTERN's HF port "
         "(architectures ['LlamaForCausalLM'])"
     )
+
+
 def load_stack(
     model: str | os.PathLike[str],
     tokenizer: str | os.PathLike[str] | None = None,

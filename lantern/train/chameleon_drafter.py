@@ -32,11 +32,13 @@ from torch import Tensor, nn
 
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
+from lantern.drafters.checks import check_chameleon_drafter
 from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.models.drafter import EagleDrafterModel
-from lantern.targets.chameleon import ChameleonTarget, check_chameleon_drafter, encode_prompts
-from lantern.targets.chameleon_stack import ChameleonStack, init_chameleon_drafter, run_chameleon
+from lantern.run import run_conditions
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon_stack import ChameleonStack, init_chameleon_drafter
 from lantern.train.drafter import (
     TRAINING_INFO_FILE,
     DrafterBatch,
@@ -161,8 +163,8 @@ def train_chameleon_drafter(
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
     check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
     all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
-    result = run_chameleon(stack, all_prompts, loop.seed, sampling, MethodConfig.resolve("ar"),
-                           batch_size=batch_size, progress=progress and launched_as_main())
+    result = run_conditions(stack, stack.encode(all_prompts), loop.seed, sampling, MethodConfig(), batch_size,
+                            progress=progress and launched_as_main())
     token_lists = stack.tokenize(all_prompts)
     feats: list[tuple[Tensor, Tensor]] = []
     for lo in range(0, len(all_prompts), batch_size):

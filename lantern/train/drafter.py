@@ -415,7 +415,7 @@ def initial_drafter(target: LlamaGen, recipe: DrafterRecipe, seed: int = 0,
     The official LANTERN code loads ``lm_head.weight`` into the table for single-file HF ports
     (SPEC §3.1 quirk); we take the target's input table, the natural reading of EAGLE.
     """
-    from lantern.targets.checks import check_drafter_matches_target
+    from lantern.drafters.checks import check_drafter_matches_target
 
     if initial is not None:
         model = copy.deepcopy(initial).float()

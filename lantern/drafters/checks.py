@@ -8,10 +8,13 @@ the image can never be fully accepted). Each check raises :class:`LanternError` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lantern.decoding.config import TreeConfig
 from lantern.errors import check
+from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
 
@@ -77,3 +80,31 @@ def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtyp
     (measured on the photos preset: 237 vs 175 us of matmuls per drafter step).
     """
     return torch.float32 if device.type == "cpu" else target_dtype
+
+
+def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
+    """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
+    cfg = model.config
+    # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
+    sizes = {name: getattr(cfg, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                     "num_key_value_heads", "rms_norm_eps")}
+    return DrafterConfig(**{**sizes, "vocab_size": model.num_codes, "target_cls_token_num": len(layout.prefix),
+                            "block_size": layout.num_tokens, "rope_base": float(_rope_theta(cfg)), "rope": "1d",
+                            **overrides})
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4.x keeps rope_theta on the config
+    return float(params["rope_theta"]) if isinstance(params, dict) and "rope_theta" in params else float(cfg.rope_theta)
+
+
+def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: ImageLayout, path: object) -> None:
+    want = chameleon_drafter_config(model, layout)
+    problems = [
+        f"{name} {getattr(drafter, name)} (target needs {getattr(want, name)})"
+        for name in ("hidden_size", "vocab_size", "rope", "target_cls_token_num")
+        if getattr(drafter, name) != getattr(want, name)
+    ]
+    if drafter.block_size < layout.num_tokens:  # its RoPE table would run out before the image ends
+        problems.append(f"block_size {drafter.block_size} (the layout has {layout.num_tokens} image tokens)")
+    check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
