@@ -1,4 +1,4 @@
-"""Tests for lantern.decoding.trees: the SPEC §3.4 vector, slow Python references, EAGLE-2 selection."""
+"""Tests for lantern.decoding.trees: a hand-derived buffer vector, slow Python references, EAGLE-2 selection."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def random_parents(rng: random.Random, num_nodes: int, reach: int) -> list[int]:
 
 
 def ref_official_tree_indices(choices: list[list[int]], topk: int = 10) -> list[int]:
-    """Port of the official loop (SPEC §3.4): a parent-change counter accumulated over depths."""
+    """Port of the official loop ([LANTERN code]): a parent-change counter accumulated over depths."""
     nodes = sorted(choices, key=lambda c: (len(c), c))
     depth_counts = [sum(len(c) == d for c in nodes) for d in range(1, len(nodes[-1]) + 1)]
     out = [0] * (len(nodes) + 1)
@@ -311,7 +311,7 @@ def test_official_tree_indices_needs_topk_above_ranks() -> None:
 
 
 def eagle_flat_layout(gen: torch.Generator, top_k: int, depth: int) -> tuple[Tensor, Tensor]:
-    """Simulate EAGLE-2's flat candidate layout with random drafter log-probs (SPEC §3.3).
+    """Simulate EAGLE-2's flat candidate layout with random drafter log-probs ([EAGLE code]).
 
     Level 1 occupies flat [0, k); iteration i's children occupy [k + k²·i, k + k²·(i+1)), in
     blocks of k per expanded frontier node; the frontier is the top-k of those k² scores.
