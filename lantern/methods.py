@@ -49,14 +49,14 @@ RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "
                 "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++", "gsd": "gsd",
                 "pjd-lantern": "lantern", "pjd-lantern++": "lantern++"}
 LANTERN_METHODS = tuple(m for m, rule in RELAXED_RULE.items() if rule != "gsd")  # the ones --lantern-* tunes
-DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen (SPEC §3.4)
-DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # SPEC §4.6 code defaults
-DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # SPEC §5 run.sh (k, λ) = (10, 5)
+DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen ([LANTERN code])
+DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # [LANTERN code] defaults
+DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # [LANTERN code] run.sh (k, λ) = (10, 5)
 # What the bound limits: each acceptance test (the paper's) or each emitted token
 # (docs/relaxation_budget.md). The default was chosen from tau measurements on the photos preset.
 BUDGETS = ("test", "token")
 DEFAULT_BUDGET = "test"
-DEFAULT_JACOBI = JacobiConfig()  # SPEC §6: window 16, random initialisation
+DEFAULT_JACOBI = JacobiConfig()  # [SJD code]: window 16, random initialisation
 # sjd-coupled*: the coupling and initialisation with the highest tau on the photos preset
 # (docs/DESIGN.md: 12 images, window 16: maximal 2.73 / gumbel 2.51 with random guesses,
 # maximal 3.25 / gumbel 2.85 with repeat_horizon; sjd 2.12 / 2.22).

@@ -2,7 +2,7 @@
 
 Three kinds of evidence:
 
-* Slow scalar oracles (plain Python floats and loops, written from SPEC §2.2 / §4.2-§4.4) that
+* Slow scalar oracles (plain Python floats and loops, written from [EAGLE] / [LANTERN] / [LANTERN code]) that
   the vectorised library must match exactly, given the same uniforms.
 * Exact output distributions of the *library* on small vocabularies, obtained by integrating
   over its uniforms: each candidate test is ``u < a``, so ``a`` is found by bisecting that
@@ -70,7 +70,7 @@ def relative(k: int, lam: float, residual: str = "paper") -> RelaxationConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# Slow scalar oracles (SPEC §2.2, §4.2-§4.4)
+# Slow scalar oracles ([EAGLE], [LANTERN], [LANTERN code])
 # --------------------------------------------------------------------------------------------
 
 
@@ -89,7 +89,7 @@ def o_relaxed(r: list[float], x: int, nbr: list[list[int]], cfg) -> tuple[float,
 
 
 def o_residual(r, x, p_tilde, agg, q_j, nbr, cfg) -> list[float]:
-    """The residual after rejecting x, written from the SPEC §4.4 formulas and table."""
+    """The residual after rejecting x, written from [LANTERN] and the [LANTERN code] residuals."""
     v_size = len(r)
     mode = "paper" if cfg is None or cfg.is_exact else cfg.residual
     if mode == "paper":
@@ -361,7 +361,7 @@ def test_sample_from_probs_never_returns_zero_mass() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Aggregation and residuals: SPEC §4.4 worked example, oracles, properties
+# Aggregation and residuals: a worked example (by hand), oracles, properties
 # --------------------------------------------------------------------------------------------
 
 EX_P = torch.tensor([[0.30, 0.05, 0.10, 0.20, 0.25, 0.10]], dtype=F64)
@@ -372,7 +372,7 @@ EX_NBR = torch.tensor([[1, 2, 3, 4, 5], [2, 4, 0, 3, 5], [0, 1, 3, 4, 5],
 
 
 def test_worked_example_aggregation() -> None:
-    """SPEC §4.4: c = [.10, .35, .65]; δ=0.4 -> A = {1, 2, 4}, p̃ = .40; λ=3 -> p̃ = .15."""
+    """Worked example: c = [.10, .35, .65]; δ=0.4 -> A = {1, 2, 4}, p̃ = .40; λ=3 -> p̃ = .15."""
     p_tilde, m_len = relaxed_mass(EX_P, EX_X, EX_NBR, absolute(3, 0.4))
     assert m_len.tolist() == [2] and p_tilde.item() == pytest.approx(0.40)
     mask = aggregated_mask(EX_X, m_len, EX_NBR, 6)
@@ -393,7 +393,7 @@ def test_worked_example_aggregation() -> None:
     ],
 )
 def test_worked_example_residuals(residual: str, q: Tensor | None, expected: list[float]) -> None:
-    """SPEC §4.4 table (δ = 0.4, k = 3): paper-consistent and official residuals."""
+    """Worked example (δ = 0.4, k = 3): paper-consistent and official residuals."""
     cfg = absolute(3, 0.4, residual)
     p_tilde, m_len = relaxed_mass(EX_P, EX_X, EX_NBR, cfg)
     out = rejection_residual(EX_P, EX_X, p_tilde, m_len, q, EX_NBR, cfg)
@@ -402,7 +402,7 @@ def test_worked_example_residuals(residual: str, q: Tensor | None, expected: lis
 
 
 def test_worked_example_rounded_numbers() -> None:
-    """The rounded numbers printed in SPEC §4.4."""
+    """The worked example's numbers, rounded as computed by hand."""
     cfg = absolute(3, 0.4, "official")
     p_tilde, m_len = relaxed_mass(EX_P, EX_X, EX_NBR, cfg)
     out = rejection_residual(EX_P, EX_X, p_tilde, m_len, EX_Q, EX_NBR, cfg)
@@ -414,7 +414,7 @@ def test_worked_example_rounded_numbers() -> None:
 @pytest.mark.parametrize("residual", ["paper", "official", "official-lumina"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_building_blocks_match_oracle(residual: str, sampled: bool) -> None:
-    """relaxed_mass and rejection_residual equal the scalar SPEC formulas on random inputs."""
+    """relaxed_mass and rejection_residual equal the scalar oracle formulas on random inputs."""
     g = torch.Generator().manual_seed(7)
     b, v = 64, 7
     r, q = rand_dist(g, b, v), rand_dist(g, b, v)
@@ -543,7 +543,7 @@ def test_multi_candidate_level_tv_bound(cfg) -> None:
 def test_sampled_relaxed_level_matches_oracle(residual: str, cfg_of) -> None:
     """Static siblings drawn without replacement (1 and 3 draws), every residual mode: the
     library's exact output distribution equals the scalar oracle averaged over draw orders, and
-    every test's relaxed target is within the per-test bound (SPEC §4.5)."""
+    every test's relaxed target is within the per-test bound ([LANTERN])."""
     cfg = cfg_of(residual)
     g = torch.Generator().manual_seed(5)
     p, q, nbr = rand_dist(g, 6, sharpness=3.0), rand_dist(g, 6, sharpness=2.0), rand_neighbours(g, 6)
@@ -560,7 +560,7 @@ def test_sampled_relaxed_level_matches_oracle(residual: str, cfg_of) -> None:
 
 
 def test_sampled_marginal_can_exceed_delta() -> None:
-    """NOTE (documents a limit, SPEC §4.5): with *sampled* drafts the per-test bound holds for
+    """NOTE (documents a limit, docs/relaxation_budget.md): with *sampled* drafts the per-test bound holds for
     each relaxed target p̃_x, but the realised output mixes targets over the drawn x, and its TV
     to p can exceed δ. Here tokens 0 and 1 are each other's nearest neighbour; whichever is drawn
     absorbs the other's mass, and both are drawn often, so token 2 loses 0.18 > δ = 0.1."""
@@ -609,7 +609,7 @@ CONFIGS = [None, absolute(2, 0.25), relative(3, 4.0), absolute(2, 0.3, "official
 @pytest.mark.parametrize("sampled", [False, True])
 def test_verify_tree_sampled_matches_scalar_oracle(cfg, sampled: bool) -> None:
     """Same inputs and uniforms -> the same path, token, relaxed count and bonus flag as a
-    Python-loop implementation of SPEC §2.2 / §4.3 / §4.4 (random trees, depth caps, duplicates)."""
+    Python-loop implementation of [EAGLE] / [LANTERN] (random trees, depth caps, duplicates)."""
     d = random_batch(11)
     q = d["q"] if sampled else None
     res = run_batch(d, q, cfg)
@@ -989,7 +989,7 @@ def test_greedy_shape_mismatch() -> None:
 
 def test_paper_residual_empty_falls_back_to_previous_residual() -> None:
     """A(x) covering all of r's mass leaves an empty residual; the paper mode then keeps the
-    previous r (in-support), never uniform over the vocabulary (SPEC §4.4 last row)."""
+    previous r (in-support), never uniform over the vocabulary (the [LANTERN code]'s fallback)."""
     r = torch.tensor([[0.5, 0.5, 0.0]], dtype=F64)
     nbr = torch.tensor([[1, 2], [0, 2], [0, 1]])
     cfg = absolute(1, 0.5)

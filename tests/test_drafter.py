@@ -44,7 +44,7 @@ def _official_state(cfg: dict[str, int]) -> dict[str, torch.Tensor]:
 
 
 def test_official_key_set() -> None:
-    """Our module's parameter names and shapes equal the official checkpoint's (SPEC §3.1)."""
+    """Our module's parameter names and shapes equal the official checkpoint's ([LANTERN code])."""
     model = EagleDrafterModel(DrafterConfig.from_official(OFFICIAL_CONFIG))
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert ours == {k: tuple(v.shape) for k, v in _official_state(OFFICIAL_CONFIG).items()}

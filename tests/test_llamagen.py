@@ -28,7 +28,7 @@ def _meta_state(name: str, **kw: object) -> dict[str, tuple[int, ...]]:
     [("GPT-B", 12, 768, 2048), ("GPT-L", 24, 1024, 2816), ("GPT-XL", 36, 1280, 3584)],
 )
 def test_official_key_set_and_shapes(name: str, n_layer: int, dim: int, ffn: int) -> None:
-    """Keys and shapes of SPEC §1.5 (c2i, 256 px); built on meta, nothing allocated."""
+    """Official keys and shapes ([LlamaGen code], c2i, 256 px); built on meta, nothing allocated."""
     shapes = _meta_state(name)
     expected = {
         "cls_embedding.embedding_table.weight": (1001, dim),
@@ -55,7 +55,7 @@ def test_t2i_keys_and_large_configs() -> None:
     assert shapes["cls_embedding.cap_proj.fc2.weight"] == (1280, 1280)
     assert shapes["cls_embedding.uncond_embedding"] == (120, 2048)
     assert "cls_embedding.embedding_table.weight" not in shapes
-    # GPT-3B: head_dim 100, FFN 8704 (SPEC §1.2 table).
+    # GPT-3B: head_dim 100, FFN 8704 ([LlamaGen code] gpt.py).
     s3b = _meta_state("GPT-3B")
     assert s3b["layers.0.feed_forward.w1.weight"] == (8704, 3200)
     assert llamagen_config("GPT-3B").head_dim == 100
@@ -145,7 +145,7 @@ def test_checkpoint_with_missing_or_misshaped_keys(tmp_path) -> None:
 
 
 def test_rope_table_and_condition_quirk() -> None:
-    """Condition rows of the 2D table are zeros, so condition q and k are exactly 0 (SPEC §1.3)."""
+    """Condition rows of the 2D table are zeros, so condition q and k are exactly 0 ([LlamaGen code] gpt.py)."""
     cfg = LlamaGenConfig(dim=64, n_layer=1, n_head=2, vocab_size=32, block_size=16, cls_token_num=3, multiple_of=32)
     table = rope_table_2d(cfg)  # [3 + 16, 16, 2]
     assert table.shape == (19, 16, 2)

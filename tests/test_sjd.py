@@ -270,7 +270,7 @@ def _mixture_bound(p: Tensor, q: Tensor, nbr: Tensor, cfg: RelaxationConfig) -> 
     t = p̃_x, c = t(x) - p(x), A = A(x) and R = norm(max(p - q, 0)), the emitted law given x
     differs from the exact rule's by (as measures weighted by q(x)) 0 if q(x) <= p(x), q(x) - p(x)
     if q(x) <= t(x), else at most c + (q(x) - t(x))·R(A∖x); summing over x bounds TV(output, p).
-    It is tight on SPEC §4.5's counterexample (2/11 there)."""
+    It is tight on test_acceptance's test_sampled_marginal_can_exceed_delta (2/11 there)."""
     v = p.shape[0]
     total, residual = 0.0, (p - q).clamp(min=0)
     residual = residual / residual.sum() if float(residual.sum()) > 0 else residual
@@ -293,10 +293,10 @@ def test_relaxed_jacobi_step_within_bound(cfg: RelaxationConfig) -> None:
     """Relaxed SJD, one step, exact (no sampling).
 
     A random guess x (one-hot q) is tested against p̃_x, so the emitted token's law is p̃_x,
-    within TV δ of p (absolute) or (λ-1)·p(x) (relative): SPEC §4.5's per-step bound, checked for
+    within TV δ of p (absolute) or (λ-1)·p(x) (relative): [LANTERN]'s per-step bound, checked for
     every token a random guess can take. A carried guess (q = the previous round's p) is tested
     against p̃_x for the x it drew: each p̃_x obeys the same bound, but the emitted law mixes them
-    over x ~ q and can exceed δ (SPEC §4.5, test_acceptance's
+    over x ~ q and can exceed δ (docs/relaxation_budget.md, test_acceptance's
     test_sampled_marginal_can_exceed_delta; here 0.105 and 0.111 > δ = 0.1 on two rows), so there
     we check the derived mixture bound (0.127, 0.111: tight on the second row)."""
     nbr = rand_neighbours(torch.Generator().manual_seed(9), 6)

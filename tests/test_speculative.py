@@ -37,7 +37,7 @@ TREES = {
     "naive57": TreeConfig.parse("static:naive_extend_57"),
     "mcsim": TreeConfig.parse("static:mc_sim_7b_63"),
     "dyn_small": TreeConfig(kind="dynamic", depth=3, top_k=4, total_tokens=20),
-    "dyn_default": TreeConfig.parse("dynamic"),  # 58 nodes, depth 4, top_k 10 (SPEC §3.3)
+    "dyn_default": TreeConfig.parse("dynamic"),  # 58 nodes, depth 4, top_k 10 ([LANTERN code])
 }
 # Greedy oracle: the target's argmax path is always drafted, so each step yields depth + 1 tokens
 # but near the image's end. Measured on the 64-token test model: 4.57 (chain:4), 5.33 (static

@@ -1,4 +1,4 @@
-"""LlamaGen text-to-image: T5 front end (left padding, SPEC §1.4), decoding from captions, the CLI's
+"""LlamaGen text-to-image: T5 front end (left padding, [LlamaGen code]), decoding from captions, the CLI's
 --prompt/--prompts, bad input, and checkpoint layouts of the real GPT-XL T2I sizes (on ``meta``).
 
 Everything runs offline on tiny random models built here: a one-layer T5 encoder with a word-level
@@ -122,7 +122,7 @@ def captions(t2i_stack: Path) -> Captions:
     return load_t5(t2i_stack / "t5", MAXLEN).encode(PROMPTS)
 
 
-# ---- the T5 front end: left padding (SPEC §1.4) ---------------------------------------------
+# ---- the T5 front end: left padding ([LlamaGen code]) ---------------------------------------
 
 
 def test_left_padding_follows_llamagen(t5_dir: Path, captions: Captions) -> None:
@@ -439,7 +439,7 @@ XL = dict(n_layer=36, dim=1280, ffn=3584, caption_dim=2048, cls=120, vocab=16384
 
 
 def _official_t2i_keys() -> dict[str, tuple[int, ...]]:
-    """SPEC §1.5: the 'model' keys of t2i_XL_stage1_256.pt / t2i_XL_stage2_512.pt."""
+    """[LlamaGen code]: the 'model' keys of t2i_XL_stage1_256.pt / t2i_XL_stage2_512.pt."""
     d, f, v = XL["dim"], XL["ffn"], XL["vocab"]
     keys = {
         "cls_embedding.cap_proj.fc1.weight": (d, XL["caption_dim"]),
@@ -463,7 +463,7 @@ def _official_t2i_keys() -> dict[str, tuple[int, ...]]:
 
 
 def _hf_port_keys() -> dict[str, tuple[int, ...]]:
-    """SPEC §1.5: LANTERN's HF port (jadohu/LlamaGen-T2I, LlamaGen-T2I-2), LlamaForCausalLM names."""
+    """[LANTERN code]: LANTERN's HF port (jadohu/LlamaGen-T2I, LlamaGen-T2I-2), LlamaForCausalLM names."""
     d, f, v = XL["dim"], XL["ffn"], XL["vocab"]
     keys = {
         "model.cls_embedding.cap_proj.fc1.weight": (d, XL["caption_dim"]),
@@ -525,7 +525,7 @@ def test_gpt_xl_t2i_checkpoint_layouts(block_size: int, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("input_type,block_size", [("t2i", 256), ("t2i2", 1024)])
 def test_official_t2i_drafters_fit_their_stage(input_type: str, block_size: int) -> None:
-    """LANTERN's llamagen_drafter (t2i) / llamagen2_drafter (t2i2) folders: SPEC §3.1 keys, and they
+    """LANTERN's llamagen_drafter (t2i) / llamagen2_drafter (t2i2) folders: [LANTERN code] keys, and they
     are accepted for the target of their own stage only."""
     raw = {"hidden_size": 1280, "intermediate_size": 3584, "num_attention_heads": 20, "num_key_value_heads": 20,
            "num_hidden_layers": 1, "vocab_size": 16384, "rms_norm_eps": 1e-6, "input_type": input_type}

@@ -1,4 +1,4 @@
-"""Tests for lantern.decoding.trees: the SPEC §3.4 vector, slow Python references, EAGLE-2 selection."""
+"""Tests for lantern.decoding.trees: a hand-derived buffer vector, slow Python references, EAGLE-2 selection."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from lantern.decoding.trees import (
 )
 from lantern.errors import LanternError
 
-SPEC_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+HAND_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 # --------------------------------------------------------------------------------------------
 # Slow references
@@ -86,7 +86,7 @@ def random_parents(rng: random.Random, num_nodes: int, reach: int) -> list[int]:
 
 
 def ref_official_tree_indices(choices: list[list[int]], topk: int = 10) -> list[int]:
-    """Port of the official loop (SPEC §3.4): a parent-change counter accumulated over depths."""
+    """Port of the official loop ([LANTERN code]): a parent-change counter accumulated over depths."""
     nodes = sorted(choices, key=lambda c: (len(c), c))
     depth_counts = [sum(len(c) == d for c in nodes) for d in range(1, len(nodes[-1]) + 1)]
     out = [0] * (len(nodes) + 1)
@@ -109,19 +109,19 @@ def ref_official_tree_indices(choices: list[list[int]], topk: int = 10) -> list[
 
 
 def test_spec_vector() -> None:
-    tree = static_tree(SPEC_CHOICES)
-    assert official_tree_indices(SPEC_CHOICES).tolist() == [0, 1, 2, 11, 12, 21, 31]
+    tree = static_tree(HAND_CHOICES)
+    assert official_tree_indices(HAND_CHOICES).tolist() == [0, 1, 2, 11, 12, 21, 31]
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert tree.buffers.depth[0].tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert tree.buffers.retrieve[0].tolist() == [[0, 1, 3, 6], [0, 1, 4, -1], [0, 2, 5, -1]]
     rows = ["".join(str(int(x)) for x in row) for row in tree.buffers.mask[0]]
     assert rows == ["1000000", "1100000", "1010000", "1101000", "1100100", "1010010", "1101001"]
-    assert official_p_indices(SPEC_CHOICES).tolist() == [-1, 0, 0, 0, 0, 1, 0]
-    assert official_b_indices(SPEC_CHOICES) == [[], [], [1], [], [3], [], []]
+    assert official_p_indices(HAND_CHOICES).tolist() == [-1, 0, 0, 0, 0, 1, 0]
+    assert official_b_indices(HAND_CHOICES) == [[], [], [1], [], [3], [], []]
 
 
 def test_spec_vector_drafter_schedule() -> None:
-    tree = static_tree(SPEC_CHOICES)
+    tree = static_tree(HAND_CHOICES)
     assert tree.choices == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert tree.rank.tolist() == [0, 0, 1, 0, 1, 0, 0]
@@ -311,7 +311,7 @@ def test_official_tree_indices_needs_topk_above_ranks() -> None:
 
 
 def eagle_flat_layout(gen: torch.Generator, top_k: int, depth: int) -> tuple[Tensor, Tensor]:
-    """Simulate EAGLE-2's flat candidate layout with random drafter log-probs (SPEC §3.3).
+    """Simulate EAGLE-2's flat candidate layout with random drafter log-probs ([EAGLE code]).
 
     Level 1 occupies flat [0, k); iteration i's children occupy [k + k²·i, k + k²·(i+1)), in
     blocks of k per expanded frontier node; the frontier is the top-k of those k² scores.

@@ -56,7 +56,7 @@ def _codes(n: int = 2, count: int = 16, seed: int = 2) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------
-# Official key layout (SPEC §1.6), checked on the meta device without allocating weights
+# Official key layout ([LlamaGen code] vq_model.py), checked on the meta device without allocating weights
 # ------------------------------------------------------------------------------------------
 
 
@@ -75,7 +75,7 @@ def _wb(prefix: str) -> list[str]:
 
 
 def _expected_vq16_keys() -> set[str]:
-    """The VQ-16 key list written out from SPEC §1.6, independently of the model code."""
+    """The VQ-16 key list written out from [LlamaGen code] vq_model.py, independently of the model code."""
     keys = _wb("encoder.conv_in") + _wb("encoder.norm_out") + _wb("encoder.conv_out")
     enc_shortcut = {(2, 0), (4, 0)}  # 128->256 and 256->512
     for i in range(5):

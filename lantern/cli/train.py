@@ -288,7 +288,7 @@ def _recipe(args: argparse.Namespace) -> Any:
 
 def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-drafter", help="train an EAGLE drafter for a target",
-                       description="SmoothL1(features) + w * soft-CE(logits) with input-feature noise (SPEC 3.2); "
+                       description="SmoothL1(features) + w * soft-CE(logits) with input-feature noise (EAGLE/LANTERN); "
                                    "reports held-out top-1/top-3 agreement and the mean accepted length.")
     p.add_argument("--target", required=True, help="target model folder (or stack folder)")
     p.add_argument("--data", required=True, help="folder written by `lantern make-drafter-data`")

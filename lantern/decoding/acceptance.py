@@ -3,16 +3,16 @@
 No model, no cache, no hidden state and no global random numbers: every function takes
 probabilities, tokens, tree structure and pre-drawn uniforms, and returns tensors.
 
-Glossary (the names follow the papers; SPEC §2, §4, §5):
+Glossary (the names follow the papers; docs/REFERENCES.md):
 
 * ``p_target``: the target model's next-token distribution at a tree node, after CFG and the
-  logits processor (SPEC §1.7). It is "p" in Leviathan et al. 2023 (Algorithm 1), Chen et al.
+  logits processor ([LlamaGen code] generate.py). It is "p" in Leviathan et al. 2023 (Algorithm 1), Chen et al.
   2023 and LANTERN (Jang et al., ICLR 2025).
 * ``q_draft``: the drafter's distribution at a node, from which that node's children were drawn
   ("q" in the same papers). ``None`` means deterministic drafts (EAGLE-2 top-k), for which q is a
   point mass: NOTE: as in EAGLE and LANTERN (``qx = 1.0``), such drafts are tested with q(x) = 1.
 * residual ``r``: the distribution a candidate is tested against. It starts as ``p_target`` at
-  the node and is updated after every rejected sibling (SPEC §2.2).
+  the node and is updated after every rejected sibling ([EAGLE code] evaluate_posterior).
 * accepted: a drafted token that passed its test ``u < min(1, p̃(x) / q(x))``.
 * relaxed-accepted: an accepted token that the exact rule would have rejected with the same
   uniform (``u >= min(1, r(x) / q(x))``). This is LANTERN's gain.
@@ -23,12 +23,12 @@ Glossary (the names follow the papers; SPEC §2, §4, §5):
 * aggregated set ``A(x) = {x} ∪ {N_0 .. N_{m_len-1}}``: x plus the longest proximity-ordered
   prefix of its k nearest latent neighbours ``N = neighbours[x, :k]`` whose cumulative residual
   mass stays within the bound: δ (``mode="absolute"``, LANTERN) or (λ-1)·r(x)
-  (``mode="relative"``, LANTERN++). SPEC §4.2.
+  (``mode="relative"``, LANTERN++). [LANTERN], [LANTERN++].
 * relaxed mass ``p̃(x) = r(A(x)) = r(x) + Σ_{t < m_len} r(N_t)``. The relaxed target ``p̃_x``
-  moves the mass of A(x)∖{x} onto x, so ``TV(r, p̃_x) = p̃(x) - r(x) <= bound`` (SPEC §4.2, §4.5).
+  moves the mass of A(x)∖{x} onto x, so ``TV(r, p̃_x) = p̃(x) - r(x) <= bound`` ([LANTERN]; docs/relaxation_budget.md).
 
 NOTE: the relaxation is applied to the *current residual* r, not to the node's original
-p_target. This is what the official code does (SPEC §4.7.7), and it keeps the per-test TV bound
+p_target. This is what the [LANTERN code] does, and it keeps the per-test TV bound
 relative to the distribution actually being sampled.
 
 Uniforms: verification takes ``uniforms [B, U]`` with ``U >= T + 1`` (see :func:`num_uniforms`).
@@ -119,7 +119,7 @@ def relaxed_mass(
     cfg: RelaxationConfig | None,
     bound: Tensor | None = None,  # [B] neighbour-mass bound replacing cfg's (the token budget's cap)
 ) -> tuple[Tensor, Tensor]:
-    """LANTERN's aggregation (SPEC §4.2): ``(p̃(x) [B], m_len [B])`` (GSD's: see below).
+    """LANTERN's aggregation ([LANTERN]): ``(p̃(x) [B], m_len [B])`` (GSD's: see below).
 
     ``m_len`` is the length of the longest prefix of ``neighbours[x, :k]`` whose cumulative mass
     ``c_t`` stays <= the bound (0..k), and ``p̃(x) = r(x) + c_{m_len-1}`` (``r(x)`` if m_len = 0).
@@ -168,7 +168,7 @@ def _paper_residual(
     agg: Tensor | None,  # [B, V] A(x)∖{x}, None for the exact rule
     q_j: Tensor | None,  # [B, V] conditional draft distribution, None for deterministic drafts
 ) -> Tensor:
-    """``norm(max(p̃_x - q_j, 0))`` (SPEC §4.4 "paper-consistent"); exact when ``agg`` is None.
+    """``norm(max(p̃_x - q_j, 0))`` (the residual of [LANTERN]'s relaxed target); exact when ``agg`` is None.
 
     Deterministic drafts (q a point mass at x) reduce it to ``norm(r with A(x) zeroed)``.
     NOTE: a rejection implies positive residual mass, so an all-zero residual only arises from
@@ -193,7 +193,7 @@ def _official_residual(
     neighbours: Tensor,  # [V, K]
     cfg: RelaxationConfig,
 ) -> Tensor:
-    """The released code's residual (SPEC §4.4 table), for comparison runs only.
+    """The released code's residual ([LANTERN code] ea_model_*.py), for comparison runs only.
 
     Where an aggregation happened (m_len >= 1) it removes ``neighbours[x, :k+1]``: from r
     (LlamaGen dynamic, Lumina static) or from q_j (LlamaGen static). Otherwise it is the exact
@@ -222,7 +222,7 @@ def rejection_residual(
     neighbours: Tensor | None,  # [V, K]
     cfg: RelaxationConfig | None,
 ) -> Tensor:
-    """The residual after rejecting x (SPEC §2.2 exact; §4.4 ``cfg.residual`` modes). [B, V].
+    """The residual after rejecting x ([EAGLE] exact; ``cfg.residual`` modes). [B, V].
 
     Exact rule (``cfg`` None or exact): ``norm(r with x zeroed)`` for deterministic drafts,
     ``norm(max(r - q_j, 0))`` for sampled ones.
@@ -259,7 +259,7 @@ def maximal_coupling(
     return torch.where(u < a, x, sample_from_probs(residual, rest))
 
 
-# ---- sampled verification (SPEC §2.2 (a)/(b), §4.3, §4.4) -----------------------------------
+# ---- sampled verification ([EAGLE], [EAGLE-2], [LANTERN]) -----------------------------------
 
 
 def _active_relaxation(
@@ -335,7 +335,7 @@ def _valid_children(
 
 
 def _conditional_draft(q_rest: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    """q_j = norm(q with earlier-drawn siblings zeroed) [B, V] and q_j(x) [B] (SPEC §2.2 (b))."""
+    """q_j = norm(q with earlier-drawn siblings zeroed) [B, V] and q_j(x) [B] ([EAGLE code])."""
     total = q_rest.sum(-1, keepdim=True)  # [B, 1]
     q_j = torch.where(total > 0, q_rest / total.clamp(min=torch.finfo(q_rest.dtype).tiny), 0.0)
     return q_j, q_j.gather(-1, x[:, None]).squeeze(-1)
@@ -474,7 +474,7 @@ def verify_tree_sampled(
     relaxation: RelaxationConfig | None = None,
     levels: int | None = None,  # the trees' depth if known (TreeBuffers.max_depth): saves a host sync
 ) -> VerifyResult:
-    """Verify a draft tree per row by (relaxed) speculative sampling (SPEC §2.2, §4.3, §4.4).
+    """Verify a draft tree per row by (relaxed) speculative sampling ([EAGLE], [EAGLE-2], [LANTERN]).
 
     Walk down from the root level by level. At each node, r := p_target there; its children are
     tested in sibling order, deterministic drafts (``q_draft`` None) with probability
@@ -591,7 +591,7 @@ def verify_chain_sampled(
     return VerifyResult(path, num_accepted, next_token, num_relaxed, ~rejected)
 
 
-# ---- greedy verification (SPEC §2.2 greedy, §4.3) -------------------------------------------
+# ---- greedy verification ([EAGLE code], [LANTERN code]) -------------------------------------
 
 
 def _check_greedy_inputs(logits: Tensor, tokens: Tensor, retrieve: Tensor, max_depth: Tensor) -> None:
@@ -626,7 +626,7 @@ def _greedy_node_ok(
 ) -> tuple[Tensor, Tensor]:
     """(ok [B, T], exact_ok [B, T]): is each node's token its parent's (relaxed) argmax?
 
-    Relaxed (SPEC §4.3): ``p = softmax(logits)`` with no temperature or top-k, and the token wins
+    Relaxed ([LANTERN code]): ``p = softmax(logits)`` with no temperature or top-k, and the token wins
     when it is the first-index argmax of ``p'`` with ``p'(x) := p(x) + c_m``. The exact verdict
     on the raw logits is OR-ed in, so softmax round-off can never make relaxation stricter.
     """
@@ -652,7 +652,7 @@ def verify_tree_greedy(
     neighbours: Tensor | None = None,  # [V, K] proximity table
     relaxation: RelaxationConfig | None = None,
 ) -> VerifyResult:
-    """Greedy (temperature 0) verification, path by path (SPEC §2.2 greedy, §4.3). No randomness.
+    """Greedy (temperature 0) verification, path by path ([EAGLE code], [LANTERN code]). No randomness.
 
     A drafted token is accepted when it is its parent's argmax (relaxed: of ``p'``); each path's
     accepted length is its all-accepted prefix; the best path is the first longest one, and

@@ -68,7 +68,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class RelaxationConfig:
-    """LANTERN's relaxed acceptance (SPEC §4).
+    """LANTERN's relaxed acceptance ([LANTERN], [LANTERN++]).
 
     A drafted token x is credited with the target mass of the longest proximity-ordered prefix of
     its ``k`` nearest latent neighbours whose cumulative mass stays within a bound:
@@ -83,7 +83,7 @@ class RelaxationConfig:
 
     ``delta = 0``, ``lam = 1`` or ``k = 0`` reduce exactly to the exact (lossless) rule.
     ``residual`` chooses what happens after a rejection: ``paper`` continues with the residual of
-    the relaxed target (SPEC §4.4); ``official`` reproduces the released LlamaGen code and
+    the relaxed target ([LANTERN]); ``official`` reproduces the released LlamaGen code and
     ``official-lumina`` the released Lumina-mGPT code, for comparison only.
 
     ``budget`` says what the bound limits (docs/relaxation_budget.md):

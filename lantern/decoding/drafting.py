@@ -1,6 +1,6 @@
 """Drafting: build a tree of proposals per row from a backend that scores tree nodes.
 
-The tree logic (chain / static EAGLE-1 / dynamic EAGLE-2, SPEC §3.3-3.4) lives in
+The tree logic (chain / static EAGLE-1 [EAGLE] / dynamic [EAGLE-2]) lives in
 :class:`TreeDrafter` and is written once. What scores a node is a :class:`DraftBackend`: the EAGLE
 drafter (:class:`EagleBackend`), or, in tests, an oracle that runs the target itself.
 
@@ -238,7 +238,7 @@ class TreeDrafter:
     # -- dynamic trees (EAGLE-2 / LANTERN) --------------------------------------------------------
 
     def _dynamic(self, root_logits: Tensor) -> DraftTree:
-        """EAGLE-2 (SPEC §3.3): expand the top_k frontier ``depth`` times by cumulative log q, then
+        """[EAGLE-2] ([LANTERN code]): expand the top_k frontier ``depth`` times by cumulative log q, then
         keep the ``total_tokens`` best nodes. Drafts are deterministic (q = point mass)."""
         assert self.root is not None
         k, depth = self.tree.top_k, self.tree.depth

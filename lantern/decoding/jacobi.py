@@ -1,6 +1,6 @@
 """Speculative Jacobi Decoding (SJD, Teng et al. 2024, arXiv 2410.01699) as a drafter of the one loop.
 
-SJD needs no trained drafter: the target drafts for itself (SPEC §6). Each row keeps a window of
+SJD needs no trained drafter: the target drafts for itself ([SJD]). Each row keeps a window of
 ``L`` guesses for the tokens after its pending root. One target forward over ``[root, window]``
 (a chain tree) gives the target's distribution p_j at every window position; the window is then
 verified left to right by the loop's own ``verify_tree_sampled``, which is exactly SJD's
@@ -31,7 +31,7 @@ decided; until then it is only redrawn. When tested, x_j follows its q_j given e
 at earlier positions (carried samples are functions of p_j, which depends only on earlier
 positions, and of randomness no earlier test used; initial guesses are uniform, or a
 deterministic copy of an earlier guess, for which a one-hot q *is* the conditional law). That is
-all the standard chain argument (SPEC §2.1) needs, so the output follows the target's
+all the standard chain argument ([Leviathan23], [Chen23]) needs, so the output follows the target's
 distribution. LANTERN's relaxation applies unchanged through the loop's ``Acceptance`` (methods
 ``sjd-lantern`` / ``sjd-lantern++``).
 
@@ -75,7 +75,7 @@ JACOBI_INITS = ("random", "repeat_horizon")
 # How a carried guess is redrawn from one iteration to the next: independently (SJD), or coupled
 # with the guess it replaces (SCD: ``maximal`` coupling or shared ``gumbel`` noise).
 COUPLINGS = ("independent", "maximal", "gumbel")
-DEFAULT_WINDOW = 16  # SJD's max_num_new_tokens (SPEC §6)
+DEFAULT_WINDOW = 16  # SJD's max_num_new_tokens ([SJD code])
 GREEDY_INIT_SEED = 0  # seed of the private streams for random guesses when decoding greedily
 
 

@@ -363,7 +363,7 @@ def _raster_round(
     Static shapes and no host sync, so that the whole round traces as one graph: accepted lengths
     are index tensors over the tree's fixed width, finished rows compute and write nothing."""
     n_total = target.num_tokens
-    # Drafts deeper than the image's remaining tokens could never be used (SPEC §8.6).
+    # Drafts deeper than the image's remaining tokens could never be used ([LANTERN code] drafts them anyway).
     max_depth = (n_total - n - 1).clamp(min=0)
     # 2. Propose.
     with phase("propose"):

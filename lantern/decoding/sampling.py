@@ -1,6 +1,6 @@
 """Logits processing: classifier-free guidance, temperature, top-k, top-p (pure functions).
 
-The order is LlamaGen's (SPEC §1.7): guidance on raw logits, then temperature, then top-k
+The order is LlamaGen's ([LlamaGen code] generate.py): guidance on raw logits, then temperature, then top-k
 (ties with the k-th largest are kept), then top-p (tokens whose cumulative probability, sorted
 descending, exceeds p are dropped; the most likely token is always kept). The official LANTERN
 code applies top-p before top-k; the two orders agree whenever top_p = 1, which is every

@@ -6,11 +6,11 @@ the attention mask, the rotary depth, the children lists and the root-to-leaf pa
 from that array by :func:`tree_from_parents`, so static trees (EAGLE-1, LANTERN++) and dynamic
 trees (EAGLE-2, LANTERN) share one code path.
 
-Static trees are named lists of "choices" (SPEC §3.4): a node is the list of sibling ranks from the
+Static trees are named lists of "choices" ([LANTERN code] choices.py): a node is the list of sibling ranks from the
 root, ``[a, b]`` being the b-th child of the root's a-th child. :func:`static_tree` turns one into
 the target-side buffers plus the drafter-side schedule (which nodes to expand at each level and
 where each drawn sample lands). :func:`dynamic_tree_select` is the pure selection step of the
-EAGLE-2 builder (SPEC §3.3 step 3).
+EAGLE-2 builder ([EAGLE-2]; [LANTERN code] topK_genrate).
 
 Pure functions of the tree: no model code lives here.
 """
@@ -26,8 +26,8 @@ from torch import Tensor
 
 from lantern.errors import LanternError, check
 
-# Named static trees, copied from the official choices.py (SPEC §3.4). ``medusa_2_7b_63`` is
-# left out: its exact list is in neither the spec nor the public EAGLE choices.py.
+# Named static trees, copied from the official choices.py ([LANTERN code]). ``medusa_2_7b_63`` is
+# left out: its exact list was not available to us (only its node counts) and is not in the public EAGLE choices.py.
 _NAMED_TREES: dict[str, list[list[int]]] = {
     "mc_sim_7b_63": [
         [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -289,7 +289,7 @@ def _retrieve(
     """Root-to-leaf paths, one row per leaf, sorted lexicographically with -1 as +inf.
 
     Sorting by node index is sorting by sibling rank (siblings are numbered in rank order),
-    which is the official order for static trees and for sampled dynamic trees (SPEC §3.3-3.4).
+    which is the official order for static trees and for sampled dynamic trees ([EAGLE code], [LANTERN code]).
     """
     batch, num_nodes = depth.shape  # [B, T]
     # paths[b, i, depth[b, j]] = j for every ancestor j of node i: a scatter, non-ancestors into a spare column
@@ -326,7 +326,7 @@ class StaticTree:
     expands the nodes ``expand_levels[d]`` (depth d, with children) and draws
     ``num_samples[d]`` children from each without replacement; node n (depth >= 1) is then the
     sample in row ``sample_row[n]`` and column ``rank[n]`` of level ``depth[n] - 1``. Parents are
-    indexed explicitly, so no prefix property of the tree is assumed (SPEC §8.9).
+    indexed explicitly, so no prefix property of the tree is assumed (utils_c.py of the [LANTERN code] assumes one).
     """
 
     choices: list[tuple[int, ...]]  # sorted by (len, lexicographic), root excluded
@@ -435,7 +435,7 @@ def _sorted_choices(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
 
 
 def official_tree_indices(choices: Sequence[Sequence[int]] | str, topk: int = 10) -> Tensor:
-    """SPEC §3.4 ``tree_indices`` [T]: ``1 + topk * row(parent) + rank`` (root 0).
+    """[LANTERN code] ``tree_indices`` [T]: ``1 + topk * row(parent) + rank`` (root 0).
 
     Indexes the official flat candidate vector ``[root, S_0(topk), S_1(topk), ...]``, where row r
     is the r-th node with children in sorted order (root = row 0), counted across depths.
@@ -453,12 +453,12 @@ def official_tree_indices(choices: Sequence[Sequence[int]] | str, topk: int = 10
 
 
 def official_p_indices(choices: Sequence[Sequence[int]] | str) -> Tensor:
-    """SPEC §3.4 ``p_indices`` [T] (before re-indexing by retrieve): equal to ``sample_row``."""
+    """[LANTERN code] ``p_indices`` [T] (before re-indexing by retrieve): equal to ``sample_row``."""
     return static_tree(choices).sample_row.clone()
 
 
 def official_b_indices(choices: Sequence[Sequence[int]] | str) -> list[list[int]]:
-    """SPEC §3.4 ``b_indices`` (before re-indexing by retrieve): each node's earlier siblings."""
+    """[LANTERN code] ``b_indices`` (before re-indexing by retrieve): each node's earlier siblings."""
     tree = static_tree(choices)
     siblings = tree.buffers.children[0, tree.parents.clamp(min=0)]  # [T, C]
     earlier = (siblings >= 0) & (siblings < torch.arange(tree.num_nodes)[:, None])  # [T, C]
@@ -474,7 +474,7 @@ def official_b_indices(choices: Sequence[Sequence[int]] | str) -> list[list[int]
 def dynamic_tree_select(
     scores: Tensor, parent_flat: Tensor, total_tokens: int
 ) -> tuple[Tensor, Tensor]:
-    """Keep the ``total_tokens`` best drafted candidates and return them as a tree (SPEC §3.3).
+    """Keep the ``total_tokens`` best drafted candidates and return them as a tree ([EAGLE-2]).
 
     ``scores [B, F]`` are cumulative drafter log-probs in the EAGLE flat order and
     ``parent_flat [B, F]`` is 1 + the flat index of each candidate's parent (0 = root), with

@@ -62,7 +62,7 @@ class EagleBackend:
                                               self.model.device, static=static)
         b, device = root.shape[0], root.device
         feats = hidden.to(self.model.dtype)
-        if length > 1:  # condition positions pair with placeholder token 0 (SPEC §3.2)
+        if length > 1:  # condition positions pair with placeholder token 0 ([LANTERN code] ea_model_llamagen.py)
             zeros = torch.zeros(b, length - 1, dtype=torch.long, device=device)
             step_fn(_context_step, self.compile, self.model.device)(
                 self.model, self.lm_head, self.cache, self._hidden, feats[:, :-1], zeros,

@@ -1,4 +1,4 @@
-"""EAGLE drafter (Li et al., 2024) as used by LANTERN for LlamaGen (SPEC §3.1).
+"""EAGLE drafter (Li et al., 2024) as used by LANTERN for LlamaGen ([LANTERN code] cnets_llamagen.py).
 
 One decoder layer over ``fc([embed(x_{t+1}); f_t])``, where ``f_t`` is the target's last hidden
 state after its final norm. Layer 0 has no input norm; there is no final norm; logits come from the

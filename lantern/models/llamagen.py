@@ -1,6 +1,6 @@
 """LlamaGen GPT (Sun et al., 2024), checkpoint-compatible with the official and HF-port weights.
 
-Architecture per SPEC §1.2-1.5: pre-norm Llama blocks (RMSNorm in fp32, fused ``wqkv``, SwiGLU),
+Architecture per [LlamaGen code] gpt.py: pre-norm Llama blocks (RMSNorm in fp32, fused ``wqkv``, SwiGLU),
 interleaved 2D RoPE whose first ``cls_token_num`` rows are zeros (so condition positions get
 q = k = 0 and act only through their values — the checkpoints were trained that way), class
 (c2i) or T5-caption (t2i) conditioning. Parameter names equal the official ``gpt.py`` keys, so
@@ -125,7 +125,7 @@ class LlamaGenConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-# Named configs (SPEC §1.2). Training-time dropout values are LlamaGen's defaults.
+# Named configs ([LlamaGen code] gpt.py). Training-time dropout values are LlamaGen's defaults.
 GPT_CONFIGS: dict[str, dict[str, int]] = {
     "GPT-B": dict(n_layer=12, n_head=12, dim=768),
     "GPT-L": dict(n_layer=24, n_head=16, dim=1024),
@@ -153,7 +153,7 @@ def rope_table_2d(cfg: LlamaGenConfig, extra_rows: int = 0) -> Tensor:
     """[cls + N + extra, head_dim/2, 2] (cos, sin) table; condition and extra rows are zeros.
 
     Cell (r, c) gets angles [r*w_0 .. r*w_{h/2-1}, c*w_0 .. c*w_{h/2-1}], w_j = base^(-2j/h),
-    h = head_dim/2 (SPEC §1.3). The zero rows reproduce LlamaGen's condition-token quirk; the extra
+    h = head_dim/2 ([LlamaGen code] gpt.py). The zero rows reproduce LlamaGen's condition-token quirk; the extra
     zero rows give finished rows of a batch a harmless position past the grid.
     """
     half = cfg.head_dim // 2
@@ -507,7 +507,7 @@ def caption_columns(cond_mask: Tensor, length: int) -> Tensor:
 
 
 def official_state_dict(obj: Any, source: str = "checkpoint") -> dict[str, Tensor]:
-    """Weights of an official LlamaGen checkpoint container (SPEC §1.5); ``source`` names it in errors."""
+    """Weights of an official LlamaGen checkpoint container ([LlamaGen code]); ``source`` names it in errors."""
     if isinstance(obj, Mapping):
         for key in ("model", "module", "state_dict"):
             if key in obj and isinstance(obj[key], Mapping):
@@ -531,7 +531,7 @@ _HF_LAYER = {
 
 
 def hf_to_official(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str, Tensor]:
-    """Map HF-port keys to official names (SPEC §1.5); q/k/v are concatenated into ``wqkv``.
+    """Map HF-port keys to official names ([LANTERN code]); q/k/v are concatenated into ``wqkv``.
 
     LANTERN keeps LlamaGen's interleaved RoPE on the HF weights, so no permutation is needed.
     Unknown keys are kept as they are, so the strict check reports them.
@@ -594,7 +594,7 @@ def official_to_hf(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str
 
 
 def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
-    """LlamaGenConfig from the HF-port ``config.json`` attributes (SPEC §1.5)."""
+    """LlamaGenConfig from the HF-port ``config.json`` attributes ([LANTERN code])."""
     try:
         dim, n_layer, n_head = raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"]
     except KeyError as e:

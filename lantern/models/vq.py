@@ -1,7 +1,7 @@
 """LlamaGen's VQ image tokenizer (VQ-16 / VQ-8), written to load the official checkpoints strictly.
 
 The module tree mirrors ``FoundationVision/LlamaGen`` ``tokenizer/tokenizer_image/vq_model.py``
-(SPEC §1.6) so that ``state_dict()`` keys are exactly the official ones: an official
+([LlamaGen code]) so that ``state_dict()`` keys are exactly the official ones: an official
 ``vq_ds16_*.pt`` file loads with ``strict=True`` and any drift in the architecture shows up as a
 :class:`~lantern.errors.CheckpointError` naming the keys, not as silently wrong images.
 

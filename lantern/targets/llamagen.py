@@ -4,7 +4,7 @@ The loop works on B image rows. The adapter owns everything model-specific (STYL
 classifier-free guidance as a ``[cond; uncond]`` doubling of the model batch (S = 2 streams, or
 S = 1 when ``cfg_scale == 1``), the static KV cache and its per-row lengths, rotary positions
 (prefix length + tree depth) and the attention mask ``[prefix | tree]``. Guided logits are formed
-once per tree node, before any acceptance rule sees them (SPEC §7).
+once per tree node, before any acceptance rule sees them, as in [LANTERN code] ea_model_llamagen.py.
 
 Hidden states are returned for both streams, ``[S*B, T, D]`` in ``[cond; uncond]`` order,
 because an EAGLE drafter runs one stream per CFG row as well.

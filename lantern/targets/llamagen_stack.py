@@ -201,7 +201,7 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     if not path.is_dir():
         raise LanternError(f"--model: {path} is not a folder")
     return path
-HF_LLAMAGEN_ARCHITECTURES = (["LlamaForCausalLM"],)  # LANTERN's HF ports of LlamaGen (SPEC §1.5)
+HF_LLAMAGEN_ARCHITECTURES = (["LlamaForCausalLM"],)  # LANTERN's HF ports of LlamaGen ([LANTERN code] README)
 HF_LLAMAGEN_MODEL_TYPES = (None, "llama")
 
 

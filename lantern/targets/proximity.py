@@ -1,10 +1,10 @@
-"""Latent proximity table: each visual token's nearest other tokens in the VQ codebook (SPEC §4.1).
+"""Latent proximity table: each visual token's nearest other tokens in the VQ codebook ([LANTERN], [LANTERN code]).
 
 LANTERN's relaxed acceptance credits a drafted token with the target mass of its latent
-neighbours (SPEC §4.2), so it needs, for every token, the other tokens in order of codebook
+neighbours ([LANTERN]), so it needs, for every token, the other tokens in order of codebook
 distance. The official code stores the full V×(V-1) uint16 argsort (512 MiB for V = 16384) at a
 hard-coded path. We store only the ``K_max`` nearest as int32, built in chunks so a V×V matrix is
-never held, in one safetensors file whose header records what it was built from (SPEC §8.4):
+never held, in one safetensors file whose header records what it was built from:
 
 * ``codebook_sha256``: sha256 of the *raw* codebook (``quantize.embedding.weight``) as float32
   little-endian contiguous bytes, checked against the tokenizer when the table is loaded;
@@ -204,7 +204,7 @@ def build_proximity(
     chunk_size: int = 1024,
     progress: bool = False,
 ) -> ProximityTable:
-    """The ``k_max`` nearest other entries of every codebook row, nearest first (SPEC §4.1).
+    """The ``k_max`` nearest other entries of every codebook row, nearest first ([LANTERN code] generate_codebook.py).
 
     Works on ``chunk_size`` rows at a time (peak memory ~ a few chunk×V float64 matrices) and
     computes in float64 so the ranking does not depend on summation order. ``normalize`` ranks

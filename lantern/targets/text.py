@@ -2,7 +2,7 @@
 
 LlamaGen T2I conditions on the encoder of ``google/flan-t5-xl``: the prompt is tokenized into
 ``max_length`` (= the target's ``cls_token_num``, 120) slots, right-padded by the tokenizer, and
-encoded with the padding masked out. LlamaGen then *left*-pads the result (SPEC §1.4): each row's
+encoded with the padding masked out. LlamaGen then *left*-pads the result ([LlamaGen code] sample_t2i.py): each row's
 valid embeddings move to the end of the 120 slots, in order, the padded slots become exact zeros
 and the mask is flipped to match. The target only ever sees this left-padded form, and the
 unconditional CFG row (the stored ``uncond_embedding``) reuses the same mask (``LlamaGenTarget``).
@@ -39,7 +39,7 @@ _WEIGHT_FILES = (
 
 @dataclass(frozen=True)
 class Captions:
-    """Left-padded caption embeddings and their mask, one row per image (SPEC §1.4)."""
+    """Left-padded caption embeddings and their mask, one row per image ([LlamaGen code] sample_t2i.py)."""
 
     embeddings: Tensor  # [B, L, C]; the valid rows sit at the end, padded rows are exactly 0
     mask: Tensor  # [B, L] bool, True = a valid caption token
@@ -145,7 +145,7 @@ def check_t5_folder(path: str | os.PathLike[str], caption_dim: int | None = None
 
 
 class T5Encoder:
-    """Prompts -> left-padded caption embeddings [B, max_length, d_model] and mask (SPEC §1.4)."""
+    """Prompts -> left-padded caption embeddings [B, max_length, d_model] and mask ([LlamaGen code] sample_t2i.py)."""
 
     def __init__(self, tokenizer: Any, model: torch.nn.Module, max_length: int = T5_MAX_LENGTH) -> None:
         check(max_length >= 1, f"T5 max_length must be >= 1, got {max_length}")

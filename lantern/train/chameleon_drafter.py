@@ -1,7 +1,7 @@
 """EAGLE drafters for Chameleon-family targets (Anole, Lumina-mGPT), trained on self-distilled images.
 
 LANTERN trains its Lumina-mGPT / Anole drafters on sequences the target generated itself, plus an
-unconditional copy (SPEC §3.2). Here:
+unconditional copy ([LANTERN code] generate_train_data.py). Here:
 
 1. the target samples ``num_per_prompt`` images per prompt (plain AR, the run's sampling settings);
 2. one teacher-forced pass per batch through :class:`lantern.targets.chameleon.ChameleonTarget` (the chain
@@ -184,6 +184,6 @@ def train_chameleon_drafter(
 
 
 def default_loop(**overrides: Any) -> LoopConfig:
-    """LANTERN's drafter optimiser settings (SPEC §3.2: AdamW lr 1e-4, betas (0.9, 0.95), grad clip
+    """LANTERN's drafter optimiser settings ([LANTERN code]: AdamW lr 1e-4, betas (0.9, 0.95), grad clip
     by value 0.5), with lantern's loop defaults elsewhere."""
     return replace(LoopConfig(lr=1e-4, beta1=0.9, beta2=0.95, grad_clip=0.5, clip_mode="value"), **overrides)

@@ -1,4 +1,4 @@
-"""EAGLE drafter training for LANTERN (SPEC §3.1-3.2): feature data, the recipe and the trainer.
+"""EAGLE drafter training for LANTERN ([EAGLE], [LANTERN code]): feature data, the recipe and the trainer.
 
 Two stages, as in the official code:
 
@@ -298,7 +298,7 @@ def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, ba
 
 @dataclass(frozen=True)
 class DrafterRecipe:
-    """LANTERN / EAGLE drafter loss and augmentation (SPEC §3.2).
+    """LANTERN / EAGLE drafter loss and augmentation ([EAGLE code], [LANTERN code]).
 
     ``noise_width`` w: uniform noise U(-w/2, w/2) is added to the *input* features only. The
     official code draws ``(U(0,1) - 0.5) * 0.2 * 512 / L`` (L the sequence length, an EAGLE quirk),
@@ -363,7 +363,7 @@ class DrafterLosses:
 
 def drafter_losses(pred: Tensor, batch: DrafterBatch, logits_fn: Callable[[Tensor], Tensor],
                    recipe: DrafterRecipe) -> DrafterLosses:
-    """SPEC §3.2: masked-mean SmoothL1 (beta 1, mean over D) plus soft CE to softmax(lm_head(f_{t+1})),
+    """[LANTERN code] main.py: masked-mean SmoothL1 (beta 1, mean over D) plus soft CE to softmax(lm_head(f_{t+1})),
     both divided by (number of loss positions + 1e-5) as in the official code."""
     m = batch.loss_mask
     denom = m.sum() + 1e-5
@@ -413,7 +413,7 @@ def initial_drafter(target: LlamaGen, recipe: DrafterRecipe, seed: int = 0,
     (seeded, without touching the global RNG) whose token table is the target's.
 
     The official LANTERN code loads ``lm_head.weight`` into the table for single-file HF ports
-    (SPEC §3.1 quirk); we take the target's input table, the natural reading of EAGLE.
+    ([LANTERN code] cnets_llamagen.py); we take the target's input table, the natural reading of EAGLE.
     """
     from lantern.drafters.checks import check_drafter_matches_target
 
