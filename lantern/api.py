@@ -192,10 +192,9 @@ def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtyp
 def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
                     image_size: int | None, dtype: torch.dtype, device: str, compile: str,
                     proximity: str | None) -> Pipeline:
-    from lantern.targets.chameleon_stack import load_chameleon_stack
+    from lantern.targets.chameleon_stack import check_not_compiled, load_chameleon_stack
 
-    if compile != "off":
-        raise LanternError("--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+    check_not_compiled(compile)
     for flag, value in (("--t5", paths["t5"]), ("--tokenizer", tokenizer)):
         if value is not None:
             raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "

@@ -88,7 +88,7 @@ class ChameleonStack(StackFolder):
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> ChameleonTarget:
-        check(compile is None, "--compile is implemented for LlamaGen targets only, not Chameleon-family models")
+        check_not_compiled(compile)
         return ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
 
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
@@ -122,6 +122,11 @@ class ChameleonStack(StackFolder):
         from lantern.images import to_pil
 
         return to_pil(self.decode(codes), "truncate")  # as Chameleon's _pil_from_chw_tensor
+
+
+def check_not_compiled(compile: str | None) -> None:
+    """Chameleon rounds run eager: refuse a ``--compile`` mode (None and "off" are eager)."""
+    check(compile in (None, "off"), "--compile is implemented for LlamaGen targets only, not Chameleon-family models")
 
 
 def find_vq(root: Path, vq: str | os.PathLike[str] | None) -> Path:
