@@ -35,7 +35,9 @@ from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig
 from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
-from lantern.eval.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
+from lantern.eval.bench import BenchConfig, resolve_auto_windows
+from lantern.eval.methods_grammar import parse_methods
+from lantern.eval.report import tree_label
 from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
 from lantern.run import run_generation
