@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -630,7 +630,3 @@ def _config_from_json(raw: Mapping[str, Any]) -> LlamaGenConfig:
     d = {k: v for k, v in raw.items() if k != "model_type"}
     d["model_type"] = d.pop("architecture", "c2i")
     return LlamaGenConfig.from_dict(d)
-
-
-def with_block_size(cfg: LlamaGenConfig, block_size: int) -> LlamaGenConfig:
-    return replace(cfg, block_size=block_size)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +176,3 @@ def train_chameleon_drafter(
     task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe or DrafterRecipe(),
                                 loop.seed, initial, data_id)
     return train(task, loop, options)
-
-
-def default_loop(**overrides: Any) -> LoopConfig:
-    """LANTERN's drafter optimiser settings (SPEC §3.2: AdamW lr 1e-4, betas (0.9, 0.95), grad clip
-    by value 0.5), with lantern's loop defaults elsewhere."""
-    return replace(LoopConfig(lr=1e-4, beta1=0.9, beta2=0.95, grad_clip=0.5, clip_mode="value"), **overrides)
