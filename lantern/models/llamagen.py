@@ -433,7 +433,7 @@ class LlamaGen(nn.Module):
     # -- model folders --------------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | os.PathLike[str], extra_files: Mapping[str, Any] | None = None) -> Path:
-        config = {"model_type": MODEL_TYPE, **_config_json(self.config)}
+        config = {"model_type": MODEL_TYPE, **config_json(self.config)}
         return save_model_folder(directory, config, self.state_dict(), extra_files)
 
     @classmethod
@@ -620,7 +620,8 @@ def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
     )
 
 
-def _config_json(cfg: LlamaGenConfig) -> dict[str, Any]:
+def config_json(cfg: LlamaGenConfig) -> dict[str, Any]:
+    """``cfg`` as a model folder's config.json stores it (the architecture under ``"architecture"``)."""
     d = cfg.to_dict()
     d["architecture"] = d.pop("model_type")  # "model_type" names the folder kind at top level
     return d

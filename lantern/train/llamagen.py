@@ -107,9 +107,9 @@ class TargetTask(TrainTask):
         unwrapped.save_pretrained(out)
 
     def config_dict(self) -> dict[str, Any]:
-        from lantern.models.llamagen import _config_json
+        from lantern.models.llamagen import config_json
 
-        return {"model": _config_json(self.model.config), "recipe": asdict(self.recipe),
+        return {"model": config_json(self.model.config), "recipe": asdict(self.recipe),
                 "data": self.data.meta, "eval_data_fingerprint": self.eval_data.fingerprint()}
 
     def data_fingerprint(self) -> str:
