@@ -39,7 +39,7 @@ from lantern.decoding.loop import Acceptance, start_decode
 from lantern.decoding.rng import RowRandom
 from lantern.drafters.checks import drafter_dtype
 from lantern.drafters.eagle import EagleBackend
-from lantern.eval.bench import machine_description
+from lantern.eval.report import machine_description
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig, llamagen_config
 from lantern.targets.base import inference_dtype

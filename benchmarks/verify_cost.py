@@ -25,7 +25,7 @@ import torch
 
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
-from lantern.eval.bench import machine_description
+from lantern.eval.report import machine_description
 from lantern.models.llamagen import LlamaGen, llamagen_config
 from lantern.targets.base import inference_dtype
 from lantern.targets.llamagen import LlamaGenTarget

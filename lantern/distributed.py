@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,8 +130,3 @@ def agree(error: str | None, ctx: DistContext) -> None:
     errors = [e for e in all_gather(error, ctx) if e is not None]
     if errors:
         raise LanternError(errors[0])
-
-
-def concat_in_rank_order(parts: Sequence[Sequence[Any]]) -> list[Any]:
-    """Rank 0's, then rank 1's, ... items: the request order under :func:`shard`."""
-    return [item for part in parts for item in part]

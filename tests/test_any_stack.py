@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# What the commands write for a preset (lantern.eval.demo.save_demo, lantern.eval.bench.save_bench with the
+# What the commands write for a preset (lantern.eval.demo.save_demo, lantern.eval.report.save_bench with the
 # tau curves off, lantern.autotree.profile.save_profile).
 DEMO_FILES = {"demo.json", "demo.md", "demo_grid.png"}
 PROFILE_FILES = {"profile.json", "verify_cost.png"}

@@ -16,7 +16,9 @@ from PIL import Image
 
 from lantern.cli.main import main
 from lantern.errors import LanternError
-from lantern.eval.bench import BenchConfig, MethodSpec, bench_labels, format_table, parse_methods, parse_tree_options
+from lantern.eval.bench import BenchConfig, bench_labels
+from lantern.eval.methods_grammar import MethodSpec, parse_batch_sizes, parse_methods, parse_tree_options
+from lantern.eval.report import BenchRow, format_table, throughput_table
 from lantern.methods import MethodConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,8 +122,6 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
 
 def test_format_table_lists_every_row(rows: list[dict]) -> None:
     assert bench_labels(3, 7) == [0, 1, 2, 0, 1, 2, 0]
-    from lantern.eval.bench import BenchRow
-
     objs = [BenchRow(r["method"], r["base_method"], r["tree"], r["relaxation"], r["mean_accepted"],
                      r["target_forwards"], r["wall_seconds"], r["seconds_per_image"], r["speedup_vs_ar"],
                      {k: r[k] for k in ("fid", "kid", "precision", "recall", "class_accuracy")}) for r in rows]
@@ -235,11 +235,17 @@ def test_method_rows_with_relaxation_settings() -> None:
     specs = parse_methods("ar,lantern/delta=0.2/budget=token,lantern++@chain:3/lambda=2/k=5,lantern", budget="test")
     assert [s.name for s in specs] == ["ar", "lantern/delta=0.2/budget=token",
                                        "lantern++@chain:3/lambda=2/k=5/budget=test", "lantern/budget=test"]
-    assert (specs[1].delta, specs[1].budget) == (0.2, "token") and specs[0].budget is None
-    assert (specs[2].tree, specs[2].lam, specs[2].k, specs[2].budget) == ("chain:3", 2.0, 5, "test")
-    resolved = MethodConfig.resolve(specs[1].method, tree="chain:3", lantern_k=specs[1].k,
-                                    lantern_delta=specs[1].delta, lantern_lambda=specs[1].lam,
-                                    lantern_budget=specs[1].budget)
+    assert specs[1].settings == {"lantern_delta": 0.2, "lantern_budget": "token"} and specs[0].settings == {}
+    assert specs[2].tree == "chain:3"
+    assert specs[2].settings == {"lantern_lambda": 2.0, "lantern_k": 5, "lantern_budget": "test"}
+    # the short aliases and the full names (the API's keywords, the CLI's flags) are one vocabulary
+    assert parse_methods("lantern/lantern_delta=0.2/lantern_budget=token")[0].settings == specs[1].settings
+    from lantern.targets.llamagen_stack import load_stack
+
+    stack = load_stack("digits")
+    resolved = specs[1].resolve(stack)
+    assert resolved == MethodConfig.resolve("lantern", tree=stack.default_tree("lantern"), lantern_delta=0.2,
+                                            lantern_budget="token")
     assert resolved.relaxation is not None and resolved.relaxation.budget == "token"
     with pytest.raises(LanternError, match="expected /KEY=VALUE"):
         parse_methods("ar,lantern/gamma=3")
@@ -254,10 +260,10 @@ def test_throughput_table_per_batch_size() -> None:
     from lantern.decoding.config import SamplingConfig
     from lantern.targets.llamagen_stack import load_stack
 
-    assert bench.parse_batch_sizes("1,4,16") == [1, 4, 16] and bench.parse_batch_sizes(2) == [2]
+    assert parse_batch_sizes("1,4,16") == [1, 4, 16] and parse_batch_sizes(2) == [2]
     for bad in ("0", "a", "", "1,-4"):
         with pytest.raises(LanternError, match="--speed-batch-size must be"):
-            bench.parse_batch_sizes(bad)
+            parse_batch_sizes(bad)
     stack = load_stack("digits")
     sampling = SamplingConfig(**stack.default_sampling())
     config = BenchConfig(methods=parse_methods("ar,lantern++"), num_images=2, speed_images=1, curve_images=0,
@@ -267,5 +273,5 @@ def test_throughput_table_per_batch_size() -> None:
                                                                                        (2, "lantern++", 2)]
     assert result.throughput[0]["speedup_vs_ar"] == 1.0 and result.throughput[1]["images_per_second"] > 0
     assert all(r.startup_seconds > 0 for r in result.rows)
-    table = bench.throughput_table(result.throughput)
+    table = throughput_table(result.throughput)
     assert "| lantern++ | " in table and "batch 2: images/s" in table

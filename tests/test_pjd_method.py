@@ -35,7 +35,9 @@ from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig
 from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
-from lantern.eval.bench import BenchConfig, parse_methods, resolve_auto_windows, tree_label
+from lantern.eval.bench import BenchConfig, resolve_auto_windows
+from lantern.eval.methods_grammar import parse_methods
+from lantern.eval.report import tree_label
 from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
 from lantern.run import run_generation
@@ -281,7 +283,8 @@ def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
 
 def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> None:
     specs = parse_methods("pjd/window=3/context=2,pjd/window=auto,sjd/window=8,ar")
-    assert specs[0].window == 3 and specs[0].context == 2 and specs[0].name == "pjd/window=3/context=2"
+    assert specs[0].window == 3 and specs[0].settings == {"pjd_window": 3, "pjd_context": 2}
+    assert specs[0].name == "pjd/window=3/context=2"
     stack = load_stack(random_stack)
     assert tree_label(specs[0].resolve(stack)) == "pjd:3/c2"
     config, chosen = resolve_auto_windows(stack, SamplingConfig(top_k=20), BenchConfig(methods=specs),

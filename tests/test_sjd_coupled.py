@@ -39,7 +39,8 @@ from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput
 from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError
-from lantern.eval.bench import parse_methods, tree_label
+from lantern.eval.methods_grammar import parse_methods
+from lantern.eval.report import tree_label
 from lantern.methods import MethodConfig
 from lantern.run import run_generation
 from lantern.targets.llamagen_stack import load_stack

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQConfig, VQModel
 from lantern.train.codes import CodeSet, load_code_dir
 from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
-from lantern.train.loop import LoopConfig, batch_indices, latest_checkpoint, lr_lambda
+from lantern.train.loop import LoopConfig, RunOptions, batch_indices, latest_checkpoint, lr_lambda
 from lantern.train.tokenizer import TokenizerRecipe, psnr, train_tokenizer
 
 torch.set_num_threads(1)
@@ -138,8 +139,8 @@ def _loop(**kw) -> LoopConfig:  # noqa: ANN003
 def test_tokenizer_trains_loads_and_reports(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=8)
-    result = train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(steps=40), tmp_path / "tok",
-                             progress=False, command="test")
+    result = train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(steps=40),
+                             RunOptions(tmp_path / "tok", progress=False, command="test"))
     assert result.finished
     vq = VQModel.from_pretrained(tmp_path / "tok")
     assert vq.config.codebook_size == 64
@@ -162,11 +163,12 @@ def test_tokenizer_resume_is_exact(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=4)  # restarts cross the checkpoint boundary
     cfg, loop = VQConfig(**TINY_VQ), _loop(precision="bf16")
-    train_tokenizer(cfg, train, test, recipe, loop, tmp_path / "full", progress=False)
-    stopped = train_tokenizer(cfg, train, test, recipe, loop, tmp_path / "part", progress=False, stop_after=8)
+    part = RunOptions(tmp_path / "part", progress=False)
+    train_tokenizer(cfg, train, test, recipe, loop, RunOptions(tmp_path / "full", progress=False))
+    stopped = train_tokenizer(cfg, train, test, recipe, loop, replace(part, stop_after=8))
     assert not stopped.finished and not (tmp_path / "part" / "model.safetensors").exists()
     assert latest_checkpoint(tmp_path / "part").name == "step-00000008"
-    resumed = train_tokenizer(cfg, train, test, recipe, loop, tmp_path / "part", progress=False, resume=True)
+    resumed = train_tokenizer(cfg, train, test, recipe, loop, replace(part, resume=True))
     assert resumed.resumed_from == 8 and resumed.steps_run == 4
     _assert_same_weights(tmp_path / "full", tmp_path / "part")
 
@@ -174,18 +176,18 @@ def test_tokenizer_resume_is_exact(folder: Path, tmp_path: Path) -> None:
 def test_resume_with_incompatible_config_names_the_field(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=4)
-    train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(), tmp_path / "r", progress=False, stop_after=4)
+    run = RunOptions(tmp_path / "r", progress=False)
+    resume = replace(run, resume=True)
+    train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(), replace(run, stop_after=4))
     with pytest.raises(LanternError, match=r"loop.lr: checkpoint 0.002, now 0.001"):
-        train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(lr=1e-3), tmp_path / "r", progress=False,
-                        resume=True)
+        train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(lr=1e-3), resume)
     other = VQConfig(**{**TINY_VQ, "codebook_size": 32})
     with pytest.raises(LanternError, match=r"task.model.codebook_size: checkpoint 64, now 32"):
-        train_tokenizer(other, train, test, recipe, _loop(), tmp_path / "r", progress=False, resume=True)
+        train_tokenizer(other, train, test, recipe, _loop(), resume)
     with pytest.raises(LanternError, match="already holds training checkpoints; pass --resume"):
-        train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(), tmp_path / "r", progress=False)
+        train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(), run)
     # checkpoint_every may change on resume: it does not change the result
-    train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(checkpoint_every=6), tmp_path / "r",
-                    progress=False, resume=True)
+    train_tokenizer(VQConfig(**TINY_VQ), train, test, recipe, _loop(checkpoint_every=6), resume)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def test_target_learns_beats_unigram_and_loads(tmp_path: Path) -> None:
     train, test = _pattern_codes(96), _pattern_codes(24, seed=1)
     result = train_target(_tiny_target_config(train), train, test, TargetRecipe(class_dropout=0.1),
                           _loop(steps=120, batch_size=16, lr=3e-3, warmup_steps=10, checkpoint_every=60),
-                          tmp_path / "t", progress=False)
+                          RunOptions(tmp_path / "t", progress=False))
     m = result.metrics
     # The unigram baseline is ~4.4 bits (11 distinct frequent tokens + noise); the motif makes most
     # tokens predictable, so a trained model must be far below it.
@@ -230,9 +232,9 @@ def test_target_resume_is_exact_with_class_dropout(tmp_path: Path) -> None:
     cfg = target_config_for(train, dim=32, n_layer=2, n_head=2, multiple_of=16)  # with dropout 0.1
     loop = _loop(steps=10, batch_size=8, checkpoint_every=3, precision="bf16")
     recipe = TargetRecipe(class_dropout=0.5)
-    train_target(cfg, train, test, recipe, loop, tmp_path / "full", progress=False)
-    train_target(cfg, train, test, recipe, loop, tmp_path / "part", progress=False, stop_after=6)
-    train_target(cfg, train, test, recipe, loop, tmp_path / "part", progress=False, resume=True)
+    train_target(cfg, train, test, recipe, loop, RunOptions(tmp_path / "full", progress=False))
+    train_target(cfg, train, test, recipe, loop, RunOptions(tmp_path / "part", progress=False, stop_after=6))
+    train_target(cfg, train, test, recipe, loop, RunOptions(tmp_path / "part", progress=False, resume=True))
     _assert_same_weights(tmp_path / "full", tmp_path / "part")
 
 
@@ -240,10 +242,11 @@ def test_target_rejects_codes_that_do_not_fit(tmp_path: Path) -> None:
     train = _pattern_codes(8)
     cfg = target_config_for(train, dim=32, n_layer=1, n_head=2, multiple_of=16, vocab_size=16)
     with pytest.raises(LanternError, match="32-entry codebook but the model's vocab_size is 16"):
-        train_target(cfg, train, train, TargetRecipe(), _loop(), tmp_path / "x", progress=False)
+        train_target(cfg, train, train, TargetRecipe(), _loop(), RunOptions(tmp_path / "x", progress=False))
     bad = CodeSet(train.codes, train.labels + 5, train.meta)
     with pytest.raises(LanternError, match="label 5 is outside the model's 3 classes"):
-        train_target(_tiny_target_config(train), bad, train, TargetRecipe(), _loop(), tmp_path / "y", progress=False)
+        train_target(_tiny_target_config(train), bad, train, TargetRecipe(), _loop(),
+                     RunOptions(tmp_path / "y", progress=False))
 
 
 def test_codeset_round_trip_and_unigram(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ from lantern.train.drafter import (
     teacher_forced_batch,
     train_drafter,
 )
-from lantern.train.loop import LoopConfig
+from lantern.train.loop import LoopConfig, RunOptions
 
 V, N, C = 64, 16, 4  # vocabulary, image tokens (4x4), classes
 
@@ -224,8 +224,8 @@ def test_training_layout_equals_inference(cls: int) -> None:
 
 def test_micro_training_beats_the_untrained_drafter(world: World) -> None:
     before = evaluate_drafter(initial_drafter(world.target, DrafterRecipe(), seed=0), world.target, world.test)
-    result = train_drafter(world.target, world.train, world.test, DrafterRecipe(), loop_config(), world.root / "run",
-                           progress=False)
+    result = train_drafter(world.target, world.train, world.test, DrafterRecipe(), loop_config(),
+                           RunOptions(world.root / "run", progress=False))
     assert result.finished and result.steps_run == 150
     drafter = EagleDrafterModel.from_pretrained(world.root / "run")
     after = evaluate_drafter(drafter, world.target, world.test)
@@ -245,10 +245,11 @@ def _final_state(out: Path) -> dict[str, Tensor]:
 def test_exact_resume(world: World, tmp_path: Path) -> None:
     loop = loop_config(steps=12, checkpoint_every=4, warmup_steps=3, precision="bf16")
     args = (world.target, world.train, world.test, DrafterRecipe(), loop)
-    train_drafter(*args, tmp_path / "straight", progress=False, eval_generation=False)
-    part = train_drafter(*args, tmp_path / "split", progress=False, eval_generation=False, stop_after=8)
+    split = RunOptions(tmp_path / "split", progress=False)
+    train_drafter(*args, RunOptions(tmp_path / "straight", progress=False), eval_generation=False)
+    part = train_drafter(*args, replace(split, stop_after=8), eval_generation=False)
     assert not part.finished
-    rest = train_drafter(*args, tmp_path / "split", progress=False, eval_generation=False, resume=True)
+    rest = train_drafter(*args, replace(split, resume=True), eval_generation=False)
     assert rest.resumed_from == 8 and rest.steps_run == 4
     a, b = _final_state(tmp_path / "straight"), _final_state(tmp_path / "split")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -256,11 +257,11 @@ def test_exact_resume(world: World, tmp_path: Path) -> None:
 
 def test_resume_with_another_recipe_fails(world: World, tmp_path: Path) -> None:
     loop = loop_config(steps=8, checkpoint_every=4)
-    train_drafter(world.target, world.train, world.test, DrafterRecipe(), loop, tmp_path, progress=False,
-                  eval_generation=False, stop_after=4)
+    train_drafter(world.target, world.train, world.test, DrafterRecipe(), loop,
+                  RunOptions(tmp_path, progress=False, stop_after=4), eval_generation=False)
     with pytest.raises(LanternError, match="p_weight"):
-        train_drafter(world.target, world.train, world.test, DrafterRecipe(p_weight=0.2), loop, tmp_path,
-                      progress=False, eval_generation=False, resume=True)
+        train_drafter(world.target, world.train, world.test, DrafterRecipe(p_weight=0.2), loop,
+                      RunOptions(tmp_path, progress=False, resume=True), eval_generation=False)
 
 
 def test_data_from_another_target_is_refused(world: World) -> None:

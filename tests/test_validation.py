@@ -19,6 +19,7 @@ from lantern.decoding.config import TreeConfig
 from lantern.drafters.checks import check_tree_fits
 from lantern.errors import LanternError
 from lantern.testing import make_random_stack
+from lantern.train.loop import RunOptions
 from lantern.validate import check_batch_memory, check_device
 
 
@@ -179,24 +180,25 @@ def test_training_out_is_checked_first_and_not_left_empty(tmp_path: Path, capsys
 def test_a_training_run_that_fails_before_its_first_checkpoint_removes_its_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(task: object, loop: object, out: Path, **kwargs: object) -> None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "train_config.json").write_text("{}")
-        if kwargs.get("resume"):  # a resumable run: a checkpoint exists when it fails
-            (Path(out) / "checkpoints" / "step-00000002").mkdir(parents=True)
-            (Path(out) / "checkpoints" / "step-00000002" / lantern.train.loop.STATE_FILE).write_text("{}")
+    def failing(task: object, loop: object, options: RunOptions) -> None:
+        out = Path(options.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text("{}")
+        if options.resume:  # a resumable run: a checkpoint exists when it fails
+            (out / "checkpoints" / "step-00000002").mkdir(parents=True)
+            (out / "checkpoints" / "step-00000002" / lantern.train.loop.STATE_FILE).write_text("{}")
         raise LanternError("diverged")
 
     monkeypatch.setattr(lantern.train.loop, "_train", failing)
     with pytest.raises(LanternError):
-        lantern.train.loop.train(None, None, tmp_path / "fresh")  # type: ignore[arg-type]
+        lantern.train.loop.train(None, None, RunOptions(tmp_path / "fresh"))  # type: ignore[arg-type]
     assert not (tmp_path / "fresh").exists()
     with pytest.raises(LanternError):
-        lantern.train.loop.train(None, None, tmp_path / "kept", resume=True)  # type: ignore[arg-type]
+        lantern.train.loop.train(None, None, RunOptions(tmp_path / "kept", resume=True))  # type: ignore[arg-type]
     assert (tmp_path / "kept" / "checkpoints").is_dir()  # something to --resume from: kept
     (tmp_path / "theirs").mkdir()
     with pytest.raises(LanternError):
-        lantern.train.loop.train(None, None, tmp_path / "theirs")  # type: ignore[arg-type]
+        lantern.train.loop.train(None, None, RunOptions(tmp_path / "theirs"))  # type: ignore[arg-type]
     assert (tmp_path / "theirs").is_dir()  # not created by this run: never removed
 
 

@@ -18,20 +18,9 @@ from lantern.cli.common import (
     add_tool_args,
 )
 from lantern.errors import check
-from lantern.eval.bench import (
-    BenchConfig,
-    QualityScorer,
-    _fmt,
-    format_table,
-    parse_batch_sizes,
-    parse_methods,
-    parse_tree_options,
-    resolve_auto_trees,
-    resolve_auto_windows,
-    run_bench,
-    save_bench,
-    throughput_table,
-)
+from lantern.eval.bench import BenchConfig, QualityScorer, resolve_auto_trees, resolve_auto_windows, run_bench
+from lantern.eval.methods_grammar import parse_batch_sizes, parse_methods, parse_tree_options
+from lantern.eval.report import format_cell, format_table, save_bench, throughput_table
 
 
 def bench_config(args: Any) -> BenchConfig:
@@ -122,7 +111,7 @@ def cmd_bench(args: Any) -> int:
         print(throughput_table(result.throughput))
     if result.ar_spread is not None:
         print("AR seed-to-seed spread: " + ", ".join(
-            f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
+            f"{k} {format_cell(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
 

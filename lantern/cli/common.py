@@ -256,8 +256,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale; 1 = off (default 1)")
 
 
-def layout_from_args(args: argparse.Namespace, root: Path) -> Any:
-    from lantern.api import chameleon_layout
+def check_chameleon_model(root: Path) -> None:
+    """``--model`` of a command that only runs Chameleon-family models (train-chameleon-drafter)."""
     from lantern.models.chameleon import is_chameleon_folder
 
     if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
@@ -265,7 +265,6 @@ def layout_from_args(args: argparse.Namespace, root: Path) -> Any:
     if not is_chameleon_folder(root):
         raise LanternError(f"--model {root} is not a Chameleon-family model folder (no config.json with "
                            "model_type 'chameleon': an Anole or Lumina-mGPT folder in the transformers format)")
-    return chameleon_layout(root, args.layout, args.image_size)
 
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:

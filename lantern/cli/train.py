@@ -77,6 +77,14 @@ def _loop(args: argparse.Namespace) -> Any:
     )
 
 
+def _run_options(args: argparse.Namespace) -> Any:
+    """--out, --resume, --no-progress and --stop-after as the trainers' :class:`RunOptions`."""
+    from lantern.train.loop import RunOptions
+
+    return RunOptions(args.out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after,
+                      command=_command())
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("images")
     g.add_argument("--data", required=True, help="photos | digits | a folder of .png/.jpg images")
@@ -144,8 +152,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     config = VQConfig(codebook_size=args.codebook_size, codebook_embed_dim=args.codebook_dim, ch=args.ch,
                       ch_mult=args.ch_mult, z_channels=args.z_channels, num_res_blocks=args.num_res_blocks,
                       norm_groups=args.norm_groups, in_channels=train.channels)
-    result = train_tokenizer(config, train, test, recipe, loop, args.out, resume=args.resume,
-                             progress=not args.no_progress, stop_after=args.stop_after, command=_command())
+    result = train_tokenizer(config, train, test, recipe, loop, _run_options(args))
     return _report("tokenizer", result)
 
 
@@ -212,8 +219,7 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     config = target_config_for(train, dim=args.dim, n_layer=args.n_layer, n_head=args.n_head,
                                multiple_of=args.multiple_of, class_dropout_prob=args.class_dropout,
                                token_dropout_p=args.dropout, resid_dropout_p=args.dropout, ffn_dropout_p=args.dropout)
-    result = train_target(config, train, test, recipe, loop, args.out, init_std=args.init_std, resume=args.resume,
-                          progress=not args.no_progress, stop_after=args.stop_after, command=_command())
+    result = train_target(config, train, test, recipe, loop, _run_options(args), init_std=args.init_std)
     return _report("target", result)
 
 
@@ -312,8 +318,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if not data.is_dir():
         raise LanternError(f"--data: no such folder {data} (make it with `lantern make-drafter-data`)")
     result = train_drafter(target, DrafterData.load(data / "train"), DrafterData.load(data / "test"), recipe, loop,
-                           args.out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after,
-                           command=_command(), eval_generation=not args.no_eval_generation)
+                           _run_options(args), eval_generation=not args.no_eval_generation)
     return _report("drafter", result)
 
 
@@ -347,10 +352,8 @@ def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
 def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lantern.api import sampling_from
-    from lantern.cli.common import layout_from_args
-    from lantern.targets.base import inference_dtype
-    from lantern.targets.chameleon_stack import load_chameleon_stack
+    from lantern.api import load_model_stack, sampling_from
+    from lantern.cli.common import check_chameleon_model
     from lantern.targets.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
     from lantern.train.loop import process_device
@@ -361,13 +364,13 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     check_device(args.device)
     device = process_device(args.device)
     prompts = read_prompts(args.prompts)
-    root = Path(args.model)
-    layout = layout_from_args(args, root)
-    stack = load_chameleon_stack(root, layout, args.vq, inference_dtype(args.dtype, device), device)
+    check_chameleon_model(Path(args.model))
+    stack = load_model_stack(args.model, device=str(device), dtype=args.dtype, layout=args.layout,
+                             image_size=args.image_size, vq=args.vq)
     result = train_chameleon_drafter(
-        stack, prompts, args.out, loop, sampling=sampling_from(stack, args), num_per_prompt=args.num_per_prompt,
-        eval_prompts=args.eval_prompts, recipe=recipe, batch_size=args.gen_batch_size, resume=args.resume,
-        progress=not args.no_progress, stop_after=args.stop_after, command=_command(),
+        stack, prompts, loop, _run_options(args), sampling=sampling_from(stack, args),
+        num_per_prompt=args.num_per_prompt, eval_prompts=args.eval_prompts, recipe=recipe,
+        batch_size=args.gen_batch_size,
     )
     return _report("drafter", result)
 
@@ -412,9 +415,7 @@ def cmd_train_features(args: argparse.Namespace) -> int:
                                             seed=args.data_seed + 1, num_samples=len(test))
     config = feature_config_for(train, widths=args.widths, blocks_per_stage=args.blocks_per_stage,
                                 feature_dim=args.feature_dim, norm_groups=args.norm_groups)
-    result = train_features(config, train, test, recipe, loop, args.out, resume=args.resume,
-                            progress=not args.no_progress, stop_after=args.stop_after, command=_command(),
-                            extra_eval=extra)
+    result = train_features(config, train, test, recipe, loop, _run_options(args), extra_eval=extra)
     return _report("feature net", result)
 
 

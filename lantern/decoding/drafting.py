@@ -301,7 +301,8 @@ def _draw_level(
     return q, torch.stack(draws, dim=-1)
 
 
-def _guided(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
+def guided_logits(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
+    """``lm_head`` of ``hidden`` in float32, classifier-free guided over ``streams`` (:func:`apply_cfg`)."""
     return apply_cfg(lm_head(hidden.to(lm_head.weight.dtype)).float(), cfg_scale, streams)
 
 

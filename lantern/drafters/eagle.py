@@ -8,7 +8,8 @@ from torch import Tensor
 from lantern.decoding.cache import CachePool, KVCache
 from lantern.decoding.compiling import resolve_compile, step_fn
 from lantern.decoding.config import SamplingConfig, TreeConfig
-from lantern.decoding.drafting import TreeDrafter, _guided
+from lantern.decoding.drafting import TreeDrafter
+from lantern.decoding.drafting import guided_logits as _guided
 from lantern.decoding.phases import phase
 from lantern.drafters.checks import check_drafter_matches_target
 from lantern.errors import check

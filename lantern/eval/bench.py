@@ -17,72 +17,40 @@ the table differ only by the decoding method:
 
 Plots: an image grid per method, mean accepted length against LANTERN's delta and LANTERN++'s
 lambda, and quality against speed-up (plus the (k, delta) / (k, lambda) grid with ``--sweep``).
+
+The ``--methods`` grammar is :mod:`lantern.eval.methods_grammar`; the tables, ``bench.md`` and the
+PNGs are written by :mod:`lantern.eval.report`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig
-from lantern.errors import LanternError, check
-from lantern.methods import LANTERN_METHODS, METHODS, SJD_METHODS, MethodConfig
+from lantern.errors import check
+from lantern.eval.methods_grammar import DEFAULT_METHODS, MethodSpec
+from lantern.eval.report import QUALITY_KEYS, BenchResult, BenchRow, format_quality, machine_description, tree_label
+from lantern.methods import METHODS, MethodConfig, resolve_method, setting_name
 from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack, labels_for
 from lantern.targets.llamagen_stack import ModelStack
 from lantern.validate import MAX_IMAGES
 
-DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
-DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
 CURVE_DELTAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 CURVE_LAMBDAS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 SWEEP_LANTERN = {"k": (10, 50, 128), "delta": (0.05, 0.1, 0.2, 0.4)}
 SWEEP_LANTERN_PP = {"k": (5, 10, 50), "lam": (2.0, 3.0, 5.0, 10.0)}
-QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
-GRID_COLUMNS = 8  # images per grid row for stacks without classes
 # The AR images a stack without a data set is compared with use seeds of image indices from here
 # on, never those of the benchmarked images.
 REFERENCE_SEED_OFFSET = 2_000_000
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """One row of the benchmark: a method name, its tree and relaxation overrides."""
-
-    method: str
-    tree: str | None = None  # None = the stack's default tree for the method
-    k: int | None = None
-    delta: float | None = None
-    lam: float | None = None
-    label: str = ""  # row name; defaults to the method
-    budget: str | None = None  # relaxed methods: "test" | "token" (None: the default)
-    coupling: str | None = None  # sjd-coupled*, gsd: --sjd-coupling (None: the default)
-    window: int | str | None = None  # sjd*, gsd: --sjd-window; pjd*: --pjd-window (None: default; "auto": timed)
-    context: int | None = None  # pjd*: --pjd-context (None: the default)
-    init: str | None = None  # sjd*, gsd: --sjd-init (None: the method's default)
-
-    @property
-    def name(self) -> str:
-        return self.label or self.method
-
-    def resolve(self, stack: Stack) -> MethodConfig:
-        tree = self.tree if self.tree is not None else stack.default_tree(self.method)
-        window = None if self.window == "auto" else self.window  # auto: the default, until resolve_auto_windows
-        sjd = self.method in SJD_METHODS
-        return MethodConfig.resolve(self.method, tree, self.k, self.delta, self.lam, budget=self.budget,
-                                    coupling=self.coupling, window=window if sjd else None, init=self.init,
-                                    pjd_window=None if sjd else window, pjd_context=self.context)
 
 
 @dataclass(frozen=True)
@@ -131,62 +99,9 @@ class BenchConfig:
         )
 
 
-@dataclass
-class BenchRow:
-    """One method's result; ``to_dict`` is an entry of ``bench.json``."""
-
-    method: str
-    base_method: str
-    tree: str
-    relaxation: dict[str, Any] | None
-    mean_accepted: float
-    target_forwards: float  # per image (prefill included)
-    wall_seconds: float  # median over repeats, for ``speed_images`` images
-    seconds_per_image: float
-    speedup_vs_ar: float
-    quality: dict[str, Any] = field(default_factory=dict)
-    num_images: int = 0
-    speed_images: int = 0
-    wall_seconds_repeats: list[float] = field(default_factory=list)
-    startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "quality"}
-        # Every metric (None without quality), except class accuracy where the stack has no classes.
-        d.update({k: self.quality.get(k) for k in QUALITY_KEYS if k in self.quality or not self.quality})
-        d.update({k: v for k, v in self.quality.items() if k not in QUALITY_KEYS})
-        return d
-
-
-@dataclass
-class BenchResult:
-    rows: list[BenchRow]
-    meta: dict[str, Any]
-    ar_spread: dict[str, float] | None  # |metric(AR seed s) - metric(AR seed s+1)|
-    curves: dict[str, list[dict[str, float]]]  # "delta" / "lambda" -> [{value, mean_accepted}]
-    sweep: list[BenchRow]
-    codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
-    labels: list[Any]  # the images' conditions: labels, or prompts
-    throughput: list[dict[str, Any]] = field(default_factory=list)  # per batch size and method
-
-
 def bench_labels(num_classes: int, n: int) -> list[int]:
     """Labels cycle through the classes, so every class is equally represented."""
     return labels_for(num_classes, n)
-
-
-def tree_label(method: MethodConfig) -> str:
-    t = method.tree
-    if method.jacobi is not None:
-        j = method.jacobi
-        return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
-    if method.pjd is not None:
-        return f"pjd:{method.pjd.window}/c{method.pjd.context}"
-    if t.kind == "none":
-        return "-"
-    if t.kind == "dynamic":
-        return f"dynamic:{t.total_tokens}/d{t.depth}/k{t.top_k}"
-    return t.spec
 
 
 QualityFn = Callable[[Tensor, list[Any]], dict[str, Any]]  # (codes, labels or prompts) -> metrics
@@ -236,7 +151,7 @@ def run_bench(
         rows[-1].wall_seconds_repeats = [round(w, 4) for w in walls[name]]
         rows[-1].startup_seconds = round(startup.get(name, 0.0), 3)
         log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
-            + (f", {_fmt_quality(scores)}" if scores else ""))
+            + (f", {format_quality(scores)}" if scores else ""))
 
     ar_spread = None
     if config.ar_spread and quality is not None:
@@ -415,14 +330,14 @@ def _curves(
     by_base = {cfg.method: cfg for cfg in resolved.values()}
     if "lantern" in by_base:
         base = by_base["lantern"]
-        tree = base.tree.spec
         budget = _budget_of(base)
-        jobs += [("delta", d, MethodConfig.resolve("lantern", tree, delta=d, budget=budget)) for d in CURVE_DELTAS]
+        jobs += [("delta", d, resolve_method("lantern", tree=base.tree, lantern_delta=d, lantern_budget=budget))
+                 for d in CURVE_DELTAS]
     if "lantern++" in by_base:
         base = by_base["lantern++"]
-        tree = base.tree.spec
         budget = _budget_of(base)
-        jobs += [("lambda", x, MethodConfig.resolve("lantern++", tree, lam=x, budget=budget)) for x in CURVE_LAMBDAS]
+        jobs += [("lambda", x, resolve_method("lantern++", tree=base.tree, lantern_lambda=x, lantern_budget=budget))
+                 for x in CURVE_LAMBDAS]
     out: dict[str, list[dict[str, float]]] = {}
     for kind, value, cfg in tqdm(jobs, desc="tau curves", disable=not progress):
         r = (runner or BenchRunner()).generate(stack, curve_labels, config.seed, sampling, cfg, config.batch_size)
@@ -451,17 +366,19 @@ def _sweep(
 
     by_base = {cfg.method: cfg for cfg in resolved.values()}
     specs: list[MethodSpec] = []
-    lantern_tree = by_base["lantern"].tree.spec if "lantern" in by_base else stack.default_tree("lantern")
-    pp_tree = by_base["lantern++"].tree.spec if "lantern++" in by_base else stack.default_tree("lantern++")
+    lantern_tree = by_base["lantern"].tree if "lantern" in by_base else None  # None: the stack's default
+    pp_tree = by_base["lantern++"].tree if "lantern++" in by_base else None
     budget, pp_budget = _budget_of(by_base.get("lantern")), _budget_of(by_base.get("lantern++"))
     for k in SWEEP_LANTERN["k"]:
         for d in SWEEP_LANTERN["delta"]:
-            specs.append(MethodSpec("lantern", lantern_tree, k=k, delta=d, label=f"lantern k={k} delta={d}",
-                                    budget=budget))
+            specs.append(MethodSpec("lantern", lantern_tree, {"lantern_k": k, "lantern_delta": d,
+                                                              "lantern_budget": budget},
+                                    label=f"lantern k={k} delta={d}"))
     for k in SWEEP_LANTERN_PP["k"]:
         for lam in SWEEP_LANTERN_PP["lam"]:
-            specs.append(MethodSpec("lantern++", pp_tree, k=k, lam=lam, label=f"lantern++ k={k} lambda={lam}",
-                                    budget=pp_budget))
+            specs.append(MethodSpec("lantern++", pp_tree, {"lantern_k": k, "lantern_lambda": lam,
+                                                           "lantern_budget": pp_budget},
+                                    label=f"lantern++ k={k} lambda={lam}"))
     labels = stack.sample_conditions(config.sweep_images)
     encoded = stack.encode(labels)
     speed_labels = encoded.rows(0, config.speed_images)
@@ -497,264 +414,6 @@ def _meta(
     }
 
 
-def machine_description() -> str:
-    """CPU model (or GPU name) and core count: enough to tell two benchmark machines apart."""
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()}"
-
-
-# ---- output ---------------------------------------------------------------------------------
-
-
-def _fmt(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}" if math.isfinite(v) else str(v)
-    return str(v)
-
-
-def _fmt_quality(q: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k} {_fmt(q.get(k))}" for k in QUALITY_KEYS)
-
-
-def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
-    head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", "FID", "KID", "prec", "recall", "class acc"]
-    body = [
-        [
-            r.method,
-            r.tree,
-            f"{r.mean_accepted:.2f}",
-            f"{r.target_forwards:.1f}",
-            f"{r.seconds_per_image:.3f}",
-            f"{r.speedup_vs_ar:.2f}x",
-            _fmt(r.quality.get("fid"), 2),
-            _fmt(r.quality.get("kid"), 4),
-            _fmt(r.quality.get("precision")),
-            _fmt(r.quality.get("recall")),
-            _fmt(r.quality.get("class_accuracy")),
-        ]
-        for r in rows
-    ]
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return "\n".join(lines)
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    lines = [fmt.format(*head), "-" * (sum(widths) + 2 * (len(widths) - 1))]
-    return "\n".join(lines + [fmt.format(*row) for row in body])
-
-
-def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown: one row per method, images/s (and speed-up vs AR) per batch size."""
-    batches = sorted({int(p["batch_size"]) for p in points})
-    methods = list(dict.fromkeys(str(p["method"]) for p in points))
-    cell = {(p["method"], p["batch_size"]): p for p in points}
-    head = ["method", *[f"batch {b}: images/s (x AR)" for b in batches]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in methods:
-        cells = [f"{cell[m, b]['images_per_second']:.2f} ({cell[m, b]['speedup_vs_ar']:.2f}x)"
-                 if (m, b) in cell else "-" for b in batches]
-        lines.append("| " + " | ".join([m, *cells]) + " |")
-    return "\n".join(lines)
-
-
-def markdown_report(result: BenchResult, command: str) -> str:
-    m = result.meta
-    cfg = m["config"]
-    lines = [
-        f"# lantern bench: {m['model']}",
-        "",
-        f"- command: `{command}`",
-        f"- date: {m['date']}; machine: {m['machine']}; torch {m['torch']}, {m['threads']} threads, "
-        f"device {m['device']}, {m['dtype']}",
-        f"- sampling: {m['sampling']}",
-        f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
-        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded",
-        *(
-            [
-                f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "
-                f"seeds, against {m.get('num_real', '?')} real images of the training distribution",
-                f"- feature network: {m['feature_net']} (**not** Inception: numbers compare rows of this run only)",
-            ]
-            if "feature_net" in m
-            else ["- quality: not measured (`--no-quality`); tau and forwards describe the timed images"]
-        ),
-        "",
-        format_table(result.rows, markdown=True),
-        "",
-    ]
-    if any(r.startup_seconds for r in result.rows):
-        lines += ["Start-up (untimed first image per batch shape: allocation"
-                  + (", compilation" if cfg.get("compile") else "") + "): "
-                  + ", ".join(f"{r.method} {r.startup_seconds:.1f} s" for r in result.rows), ""]
-    if result.throughput:
-        lines += ["## Throughput", "", throughput_table(result.throughput), ""]
-    if result.ar_spread is not None:
-        spread = ", ".join(f"{k} {_fmt(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
-        lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
-    for kind, points in result.curves.items():
-        pts = ", ".join(f"{p['value']:g}: {p['mean_accepted']:.2f}" for p in points)
-        lines += [f"tau vs {kind}: {pts}", ""]
-    if result.sweep:
-        lines += ["## Sweep", "", format_table(result.sweep, markdown=True), ""]
-    return "\n".join(lines)
-
-
-def save_bench(
-    stack: Stack, result: BenchResult, out: str | os.PathLike[str], command: str
-) -> Path:
-    """bench.json (a list, one object per method), run.json (settings), bench.md and PNGs."""
-    from lantern.io import atomic_path, ensure_writable_dir, write_json
-
-    out = ensure_writable_dir(out, "--out")
-    write_json(out / "bench.json", [r.to_dict() for r in result.rows])
-    write_json(
-        out / "run.json",
-        {
-            "command": command,
-            **result.meta,
-            "ar_spread": result.ar_spread,
-            "curves": result.curves,
-            "sweep": [r.to_dict() for r in result.sweep],
-            "throughput": result.throughput,
-        },
-    )
-    with atomic_path(out / "bench.md") as tmp:
-        tmp.write_text(markdown_report(result, command))
-    _save_grids(stack, result, out)
-    _save_plots(result, out)
-    return out
-
-
-def _save_grids(stack: Stack, result: BenchResult, out: Path, per_class: int = 4) -> None:
-    """grid_<method>.png: ``per_class`` rows, one column per class (same seeds in every grid); for
-    prompt-conditioned stacks, ``per_class`` rows of ``GRID_COLUMNS`` images."""
-    from lantern.images import image_grid, save_png
-
-    columns = stack.num_classes or GRID_COLUMNS
-    n = min(per_class * columns, len(result.labels))
-    for name, codes in result.codes.items():
-        save_png(image_grid(stack.to_pil(codes[:n]), ncol=columns), out / f"grid_{_slug(name)}.png")
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("++", "pp"))
-
-
-def _save_plots(result: BenchResult, out: Path) -> None:
-    os.environ.setdefault("MPLCONFIGDIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "lantern-mpl"))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lantern.io import atomic_path
-
-    for kind, symbol in (("delta", "δ (LANTERN, absolute bound)"), ("lambda", "λ (LANTERN++, relative bound)")):
-        points = result.curves.get(kind)
-        if not points:
-            continue
-        fig, ax = plt.subplots(figsize=(4.5, 3.2), dpi=120)
-        ax.plot([p["value"] for p in points], [p["mean_accepted"] for p in points], "o-")
-        ax.set_xlabel(symbol)
-        ax.set_ylabel("mean accepted tokens / target forward")
-        ax.set_title(f"tau vs {kind} ({result.meta['model'].rsplit('/', 1)[-1]})", fontsize=9)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        with atomic_path(out / f"accept_vs_{kind}.png") as tmp:
-            fig.savefig(tmp, format="png")
-        plt.close(fig)
-
-    if not any(r.quality.get("fid") is not None for r in result.rows):
-        return  # speed-only run: no frontier to draw
-    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
-    for r in result.sweep:
-        if r.quality.get("fid") is not None:
-            colour = "tab:blue" if r.base_method == "lantern" else "tab:orange"
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
-    for r in result.rows:
-        if r.quality.get("fid") is not None:
-            token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
-            ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
-                        textcoords="offset points")
-    if result.ar_spread is not None and "fid" in result.ar_spread:
-        ar = next(r for r in result.rows if r.method == "ar")
-        ax.axhspan(ar.quality["fid"] - result.ar_spread["fid"], ar.quality["fid"] + result.ar_spread["fid"],
-                   color="gray", alpha=0.15, label="AR seed-to-seed spread")
-        ax.legend(fontsize=7)
-    ax.set_xlabel("wall-clock speed-up vs AR")
-    ax.set_ylabel(f"FID ({result.meta.get('feature_net_short', 'lantern feature net')})")
-    ax.set_title("quality vs speed (lower FID is better)", fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    with atomic_path(out / "frontier.png") as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
-
-
-def parse_methods(
-    spec: str, trees: Mapping[str, str] | None = None, budget: str | None = None
-) -> tuple[MethodSpec, ...]:
-    """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
-    ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
-    run can compare trees for the same method. Relaxation settings follow as ``/KEY=VALUE``
-    (``lantern/delta=0.2/budget=token``), and so does a Jacobi method's coupling
-    (``sjd-coupled/coupling=gumbel``), a Jacobi window (``sjd/window=8``, ``sjd/window=auto``) and initial
-    guesses (``sjd-lantern/init=repeat_horizon``), and PJD's
-    window and context (``pjd/window=4/context=8``, ``pjd/window=auto``);
-    ``budget`` (``--lantern-budget``) is the relaxed rows'
-    default budget."""
-    trees = trees or {}
-    entries = [m.strip() for m in spec.split(",") if m.strip()]
-    check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
-    out = []
-    for entry in entries:
-        head, *options = entry.split("/")
-        name, _, tree = head.partition("@")
-        check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
-        settings = _row_settings(entry, name, options, budget)
-        if tree:
-            check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
-        label = entry if tree or options else ""
-        if settings["budget"] is not None and "budget=" not in entry:  # rows say which budget they ran
-            label = f"{entry}/budget={settings['budget']}"
-        out.append(MethodSpec(name, tree=tree or trees.get(name), label=label, **settings))
-    return tuple(out)
-
-
-def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
-    """The ``/KEY=VALUE`` relaxation settings of one ``--methods`` entry as MethodSpec fields."""
-    kinds: dict[str, Callable[[str], Any]] = {"k": int, "delta": float, "lambda": float, "budget": str,
-                                              "coupling": str, "window": _window_value, "context": int,
-                                              "init": str}
-    out: dict[str, Any] = {"budget": budget if name in LANTERN_METHODS else None}
-    for option in options:
-        key, eq, value = option.partition("=")
-        check(eq == "=" and key in kinds, f"--methods {entry!r}: expected /KEY=VALUE with KEY one of "
-                                          f"{', '.join(kinds)}, got {option!r}")
-        try:
-            out["lam" if key == "lambda" else key] = kinds[key](value)
-        except ValueError:
-            raise LanternError(f"--methods {entry!r}: {key} must be a number, got {value!r}") from None
-    return out
-
-
-def _window_value(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def resolve_auto_windows(
     stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
     **calibration: int,
@@ -772,9 +431,34 @@ def resolve_auto_windows(
                                    batch_size=config.speed_batch_size, **calibration)
             log(f"window auto for {spec.name}: {choice.explanation}")
             chosen[spec.name] = choice.to_dict()
-            spec = replace(spec, window=choice.window, label=spec.name)
+            window = {setting_name(spec.method, "window"): choice.window}
+            spec = replace(spec.with_settings(**window), label=spec.name)
         methods.append(spec)
     return replace(config, methods=tuple(methods)), chosen
+
+
+def resolve_auto_trees(
+    stack: Stack,
+    sampling: SamplingConfig,
+    config: BenchConfig,
+    profile: str | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[BenchConfig, dict[str, Any]]:
+    """Replace ``tree="auto"`` by the tree :mod:`lantern.autotree.choose` picks for this device (one
+    device profile shared by every method). Returns the new config and, per method, the choice
+    (``to_dict``: choices list, predictions, explanation) for the run record."""
+    auto = [m for m in config.methods if m.tree == "auto"]
+    if not auto:
+        return config, {}
+    from lantern.autotree.choose import choose_trees
+
+    names = list(dict.fromkeys(m.method for m in auto))
+    chosen = choose_trees(stack, names, sampling, profile=profile, seed=config.seed,
+                          batch_size=config.speed_batch_size)
+    for name, choice in chosen.items():
+        log(f"--tree auto for {name}: {choice.explanation}")
+    methods = tuple(replace(m, tree=chosen[m.method].tree) if m.tree == "auto" else m for m in config.methods)
+    return replace(config, methods=methods), {name: c.to_dict() for name, c in chosen.items()}
 
 
 class QualityScorer:
@@ -841,59 +525,7 @@ def ar_reference_images(stack: Stack, sampling: SamplingConfig, n: int, seed: in
     """``n`` AR images [n, C, H, W] of the stack's measurement conditions, at seeds no benchmarked
     image uses: the reference set of stacks without a data set."""
     conditions = stack.encode(stack.sample_conditions(n))
-    r = run_conditions(stack, conditions, seed + REFERENCE_SEED_OFFSET, sampling, MethodConfig.resolve("ar"),
+    r = run_conditions(stack, conditions, seed + REFERENCE_SEED_OFFSET, sampling, MethodConfig(),
                        batch_size, progress)
     with torch.no_grad():
         return torch.cat([stack.decode(r.codes[lo : lo + 100]).float().cpu() for lo in range(0, n, 100)])
-
-
-def resolve_auto_trees(
-    stack: Stack,
-    sampling: SamplingConfig,
-    config: BenchConfig,
-    profile: str | None = None,
-    log: Callable[[str], None] = print,
-) -> tuple[BenchConfig, dict[str, Any]]:
-    """Replace ``tree="auto"`` by the tree :mod:`lantern.autotree.choose` picks for this device (one
-    device profile shared by every method). Returns the new config and, per method, the choice
-    (``to_dict``: choices list, predictions, explanation) for the run record."""
-    auto = [m for m in config.methods if m.tree == "auto"]
-    if not auto:
-        return config, {}
-    from lantern.autotree.choose import choose_trees
-
-    names = list(dict.fromkeys(m.method for m in auto))
-    chosen = choose_trees(stack, names, sampling, profile=profile, seed=config.seed,
-                          batch_size=config.speed_batch_size)
-    for name, choice in chosen.items():
-        log(f"--tree auto for {name}: {choice.explanation}")
-    methods = tuple(replace(m, tree=chosen[m.method].register()) if m.tree == "auto" else m for m in config.methods)
-    return replace(config, methods=methods), {name: c.to_dict() for name, c in chosen.items()}
-
-
-def parse_batch_sizes(spec: str | int) -> list[int]:
-    """``--speed-batch-size``: one size (latency rows) or a list ``1,4,16`` (the first gives the
-    latency rows, the others a throughput table)."""
-    try:
-        sizes = [int(x) for x in str(spec).split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    check(len(sizes) >= 1 and all(b >= 1 for b in sizes),
-          f"--speed-batch-size must be an integer >= 1 or a list like 1,4,16, got {spec!r}")
-    return sizes
-
-
-def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
-    trees: dict[str, str] = {}
-    for v in values:
-        if v.strip() == "auto":  # every speculative method
-            trees.update({m: "auto" for m in DRAFTER_METHODS})
-            continue
-        check("=" in v, f"--tree takes METHOD=TREE (e.g. lantern++=chain:5), got {v!r}")
-        method, tree = (x.strip() for x in v.split("=", 1))
-        check(method in DRAFTER_METHODS, f"--tree {v!r}: {method!r} does not draft a tree "
-                                          f"(methods with a drafter: {', '.join(DRAFTER_METHODS)})")
-        trees[method] = tree
-    return trees
-
-

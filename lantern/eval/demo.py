@@ -82,7 +82,7 @@ def run_demo(
 
 
 def format_table(rows: list[MethodTiming]) -> str:
-    from lantern.eval.bench import tree_label
+    from lantern.eval.report import tree_label
 
     trees = [tree_label(r.result.method) for r in rows]
     m = max([10, *(len(r.method) for r in rows)])  # columns as wide as their longest entry

@@ -127,7 +127,7 @@ def _run(prepared: PreparedMethod, labels: torch.Tensor, seed: int, batch_size: 
 
 
 def _trace_one(name: str, prepared: PreparedMethod, labels: torch.Tensor, seed: int, batch_size: int) -> RoundTrace:
-    from lantern.eval.bench import tree_label
+    from lantern.eval.report import tree_label
 
     device = labels.device
     clock = PhaseClock(device)
@@ -253,7 +253,7 @@ def trace_markdown(traces: Sequence[RoundTrace]) -> str:
 
 def trace_meta(stack: ModelStack, sampling: SamplingConfig, labels: Sequence[int], batch_size: int,
                model_name: str) -> dict[str, Any]:
-    from lantern.eval.bench import machine_description
+    from lantern.eval.report import machine_description
 
     return {"model": model_name, "device": str(stack.target.device), "dtype": str(stack.target.dtype),
             "machine": machine_description(), "torch_threads": torch.get_num_threads(),
@@ -264,7 +264,8 @@ def trace_meta(stack: ModelStack, sampling: SamplingConfig, labels: Sequence[int
 def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: OutputFolder) -> int:
     """``lantern profile --trace METHODS``: trace, print the table, write trace.json / trace.md
     (all-or-nothing, into the checked ``--out``)."""
-    from lantern.eval.bench import bench_labels, parse_methods
+    from lantern.eval.bench import bench_labels
+    from lantern.eval.methods_grammar import parse_methods
     from lantern.io import write_json
 
     check(args.trace_images >= 1, f"--trace-images must be >= 1, got {args.trace_images}")

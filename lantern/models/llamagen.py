@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -433,7 +433,7 @@ class LlamaGen(nn.Module):
     # -- model folders --------------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | os.PathLike[str], extra_files: Mapping[str, Any] | None = None) -> Path:
-        config = {"model_type": MODEL_TYPE, **_config_json(self.config)}
+        config = {"model_type": MODEL_TYPE, **config_json(self.config)}
         return save_model_folder(directory, config, self.state_dict(), extra_files)
 
     @classmethod
@@ -620,7 +620,8 @@ def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
     )
 
 
-def _config_json(cfg: LlamaGenConfig) -> dict[str, Any]:
+def config_json(cfg: LlamaGenConfig) -> dict[str, Any]:
+    """``cfg`` as a model folder's config.json stores it (the architecture under ``"architecture"``)."""
     d = cfg.to_dict()
     d["architecture"] = d.pop("model_type")  # "model_type" names the folder kind at top level
     return d
@@ -630,7 +631,3 @@ def _config_from_json(raw: Mapping[str, Any]) -> LlamaGenConfig:
     d = {k: v for k, v in raw.items() if k != "model_type"}
     d["model_type"] = d.pop("architecture", "c2i")
     return LlamaGenConfig.from_dict(d)
-
-
-def with_block_size(cfg: LlamaGenConfig, block_size: int) -> LlamaGenConfig:
-    return replace(cfg, block_size=block_size)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,7 @@ from lantern.train.drafter import (
     state_fingerprint,
     teacher_forced_batch,
 )
-from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, launched_as_main, train
+from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, launched_as_main, train
 
 
 @torch.no_grad()
@@ -152,19 +150,18 @@ def teacher_forced_metrics(drafter: EagleDrafterModel, head: nn.Module, hidden: 
 
 
 def train_chameleon_drafter(
-    stack: ChameleonStack, prompts: Sequence[str], out: str | os.PathLike[str], loop: LoopConfig, *,
+    stack: ChameleonStack, prompts: Sequence[str], loop: LoopConfig, options: RunOptions, *,
     sampling: SamplingConfig, num_per_prompt: int = 1, eval_prompts: int = 1, recipe: DrafterRecipe | None = None,
-    initial: EagleDrafterModel | None = None, batch_size: int = 8, resume: bool = False, progress: bool = True,
-    stop_after: int | None = None, command: str | None = None,
+    initial: EagleDrafterModel | None = None, batch_size: int = 8,
 ) -> TrainResult:
     """Self-distil images for ``prompts`` (the last ``eval_prompts`` held out), extract features,
-    train; the result in ``out`` loads with ``EagleDrafterModel.from_pretrained``. Data-parallel,
+    train; the result in ``options.out`` loads with ``EagleDrafterModel.from_pretrained``. Data-parallel,
     every process self-distils all images (deterministic: the same on each), then trains its slice."""
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
     check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
     all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
     result = run_conditions(stack, stack.encode(all_prompts), loop.seed, sampling, MethodConfig(), batch_size,
-                            progress=progress and launched_as_main())
+                            progress=options.progress and launched_as_main())
     token_lists = stack.tokenize(all_prompts)
     feats: list[tuple[Tensor, Tensor]] = []
     for lo in range(0, len(all_prompts), batch_size):
@@ -180,10 +177,4 @@ def train_chameleon_drafter(
     data_id = hashlib.sha256(codes.numpy().tobytes() + repr(list(prompts)).encode()).hexdigest()
     task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe or DrafterRecipe(),
                                 loop.seed, initial, data_id)
-    return train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
-
-
-def default_loop(**overrides: Any) -> LoopConfig:
-    """LANTERN's drafter optimiser settings ([LANTERN code]: AdamW lr 1e-4, betas (0.9, 0.95), grad clip
-    by value 0.5), with lantern's loop defaults elsewhere."""
-    return replace(LoopConfig(lr=1e-4, beta1=0.9, beta2=0.95, grad_clip=0.5, clip_mode="value"), **overrides)
+    return train(task, loop, options)

@@ -44,7 +44,7 @@ from lantern.io import atomic_path, ensure_writable_dir, read_json, write_json
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, causal_mask
 from lantern.train.codes import CodeSet
-from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, step_generator, train
 
 DATA_FORMAT = "lantern-drafter-data"
 DATA_VERSION = 1
@@ -595,17 +595,13 @@ def train_drafter(
     test_data: DrafterData,
     recipe: DrafterRecipe | None,
     loop: LoopConfig,
-    out: str | os.PathLike[str],
+    options: RunOptions,
     *,
-    resume: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-    command: str | None = None,
     eval_generation: bool = True,
     initial: EagleDrafterModel | None = None,
 ) -> TrainResult:
-    """Train (or resume) a drafter into ``out``; the final folder loads with
+    """Train (or resume) a drafter into ``options.out``; the final folder loads with
     :meth:`EagleDrafterModel.from_pretrained`. The target is only read (lm_head, evaluation)."""
     task = DrafterTask(target, train_data, test_data, recipe, seed=loop.seed, initial=initial,
                        eval_generation=eval_generation)
-    return train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+    return train(task, loop, options)

@@ -19,7 +19,6 @@ classifier head on that embedding.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from torch import Tensor, nn
 
 from lantern.errors import check
 from lantern.models.features import FeatureNet, FeatureNetConfig
-from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, step_generator, train
 
 # ----------------------------------------------------------------------------------------------
 # Training
@@ -192,17 +191,13 @@ def train_features(
     eval_data: Any,
     recipe: FeatureRecipe,
     loop: LoopConfig,
-    out: str | os.PathLike[str],
+    options: RunOptions,
     *,
-    resume: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-    command: str | None = None,
     extra_eval: Mapping[str, Any] | None = None,
 ) -> TrainResult:
-    """Train a :class:`FeatureNet` into ``out``; final metrics hold ``test_accuracy`` (held-out split)
+    """Train a :class:`FeatureNet` into ``options.out``; final metrics hold ``test_accuracy`` (held-out split)
     and ``NAME_accuracy`` for every ``extra_eval`` data set."""
     torch.manual_seed(loop.seed)  # the initial weights are a function of the seed
     model = FeatureNet(config)
     task = FeatureTask(model, data, eval_data, recipe, loop.seed, extra_eval)
-    return train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+    return train(task, loop, options)

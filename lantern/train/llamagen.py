@@ -15,7 +15,6 @@ token of a unigram model fitted on the training codes, plus the mean probability
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from torch import Tensor, nn
 from lantern.errors import check
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig
 from lantern.train.codes import CodeSet
-from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, step_generator, train
 
 
 @dataclass(frozen=True)
@@ -108,9 +107,9 @@ class TargetTask(TrainTask):
         unwrapped.save_pretrained(out)
 
     def config_dict(self) -> dict[str, Any]:
-        from lantern.models.llamagen import _config_json
+        from lantern.models.llamagen import config_json
 
-        return {"model": _config_json(self.model.config), "recipe": asdict(self.recipe),
+        return {"model": config_json(self.model.config), "recipe": asdict(self.recipe),
                 "data": self.data.meta, "eval_data_fingerprint": self.eval_data.fingerprint()}
 
     def data_fingerprint(self) -> str:
@@ -131,15 +130,11 @@ def train_target(
     eval_data: CodeSet,
     recipe: TargetRecipe,
     loop: LoopConfig,
-    out: str | os.PathLike[str],
+    options: RunOptions,
     *,
     init_std: float = 0.02,
-    resume: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-    command: str | None = None,
 ) -> TrainResult:
     model = LlamaGen(config)
     model.init_weights(std=init_std, zero_output=True, seed=loop.seed)
     task = TargetTask(model, data, eval_data, recipe, loop.seed)
-    return train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+    return train(task, loop, options)

@@ -329,30 +329,35 @@ class TrainResult:
     main_process: bool = True  # False on the other processes of a data-parallel run (no metrics)
 
 
-def train(
-    task: TrainTask,
-    loop: LoopConfig,
-    out: str | os.PathLike[str],
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-    command: str | None = None,
-) -> TrainResult:
-    """Run (or resume) ``task`` into ``out``; returns final held-out metrics.
+@dataclass(frozen=True)
+class RunOptions:
+    """Where one training run writes and how it runs, shared by every trainer (``lantern train ...``).
 
     ``stop_after`` ends this process after that many global steps (after any checkpoint due at
-    that step), as if it had been killed: a later ``resume=True`` call continues exactly. A run
-    that fails before its first checkpoint removes the ``out`` folder it created: there is
+    that step), as if it had been killed: a later ``resume=True`` run continues exactly.
+    ``command`` is recorded in the provenance (default: this process's ``sys.argv``).
+    """
+
+    out: str | os.PathLike[str]
+    resume: bool = False
+    progress: bool = True
+    stop_after: int | None = None
+    command: str | None = None
+
+
+def train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult:
+    """Run (or resume) ``task`` into ``options.out``; returns final held-out metrics.
+
+    A run that fails before its first checkpoint removes the ``out`` folder it created: there is
     nothing in it to resume. Under ``accelerate launch``/``torchrun`` only process 0 evaluates
     and writes; the others return with ``main_process=False`` and no metrics.
     """
-    created = not Path(out).exists()
+    created = not Path(options.out).exists()
     try:
-        return _train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+        return _train(task, loop, options)
     except BaseException:
-        if created and latest_checkpoint(Path(out)) is None:
-            shutil.rmtree(out, ignore_errors=True)
+        if created and latest_checkpoint(Path(options.out)) is None:
+            shutil.rmtree(options.out, ignore_errors=True)
         raise
 
 
@@ -367,19 +372,11 @@ class _Run:
     parts: _TrainingState
 
 
-def _train(
-    task: TrainTask,
-    loop: LoopConfig,
-    out: str | os.PathLike[str],
-    *,
-    resume: bool,
-    progress: bool,
-    stop_after: int | None,
-    command: str | None,
-) -> TrainResult:
+def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult:
     from accelerate import Accelerator
 
-    out = ensure_writable_dir(out)
+    out = ensure_writable_dir(options.out)
+    resume, stop_after = options.resume, options.stop_after
     accelerator = _make_accelerator(Accelerator, loop.precision)
     world = accelerator.num_processes
     check(loop.batch_size % world == 0, f"--batch-size {loop.batch_size} (the global batch) must be divisible by "
@@ -402,7 +399,7 @@ def _train(
     check(task.num_examples() >= 1, f"{task.kind} training: the training set is empty")
     t0 = time.time()
     end = loop.steps if stop_after is None else min(loop.steps, stop_after)
-    log = _run_steps(run, start_step, end, progress)
+    log = _run_steps(run, start_step, end, options.progress)
     steps_run = end - start_step
     if end < loop.steps:
         return TrainResult(out, {}, steps_run, resumed_from, finished=False, main_process=accelerator.is_main_process)
@@ -413,7 +410,7 @@ def _train(
     unwrapped.eval()
     metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
     metrics["final_train_loss"] = log.get("loss", float("nan"))
-    prov = provenance(task, loop, metrics, command, time.time() - t0, resumed_from)
+    prov = provenance(task, loop, metrics, options.command, time.time() - t0, resumed_from)
     task.save(unwrapped, out)
     write_json(out / PROVENANCE_FILE, {**prov, "processes": world})
     return TrainResult(out, metrics, steps_run, resumed_from, finished=True)

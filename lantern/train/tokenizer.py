@@ -17,7 +17,6 @@ broadcast, so the processes cannot drift apart by a rounding difference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from torch import Tensor, nn
 
 from lantern.errors import check
 from lantern.models.vq import VQConfig, VQModel
-from lantern.train.loop import BatchPart, LoopConfig, TrainResult, TrainTask, step_generator, train
+from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, step_generator, train
 
 
 @dataclass(frozen=True)
@@ -172,17 +171,12 @@ def train_tokenizer(
     eval_data: Any,
     recipe: TokenizerRecipe,
     loop: LoopConfig,
-    out: str | os.PathLike[str],
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-    command: str | None = None,
+    options: RunOptions,
 ) -> TrainResult:
     torch.manual_seed(loop.seed)  # the initial weights are a function of the seed
     model = VQModel(config)
     task = TokenizerTask(model, data, eval_data, recipe, loop.seed)
-    result = train(task, loop, out, resume=resume, progress=progress, stop_after=stop_after, command=command)
+    result = train(task, loop, options)
     if result.finished and result.main_process:
         assert math.isfinite(result.metrics["psnr"])
     return result

@@ -1,0 +1,278 @@
+"""``lantern bench``'s results and how they are written: the rows (:class:`BenchRow`), the tables,
+``bench.md``, ``bench.json`` / ``run.json``, the image grids and the plots (:func:`save_bench`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lantern.methods import MethodConfig
+from lantern.targets.base import Stack
+
+QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
+GRID_COLUMNS = 8  # images per grid row for stacks without classes
+
+
+@dataclass
+class BenchRow:
+    """One method's result; ``to_dict`` is an entry of ``bench.json``."""
+
+    method: str
+    base_method: str
+    tree: str
+    relaxation: dict[str, Any] | None
+    mean_accepted: float
+    target_forwards: float  # per image (prefill included)
+    wall_seconds: float  # median over repeats, for ``speed_images`` images
+    seconds_per_image: float
+    speedup_vs_ar: float
+    quality: dict[str, Any] = field(default_factory=dict)
+    num_images: int = 0
+    speed_images: int = 0
+    wall_seconds_repeats: list[float] = field(default_factory=list)
+    startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "quality"}
+        # Every metric (None without quality), except class accuracy where the stack has no classes.
+        d.update({k: self.quality.get(k) for k in QUALITY_KEYS if k in self.quality or not self.quality})
+        d.update({k: v for k, v in self.quality.items() if k not in QUALITY_KEYS})
+        return d
+
+
+@dataclass
+class BenchResult:
+    rows: list[BenchRow]
+    meta: dict[str, Any]
+    ar_spread: dict[str, float] | None  # |metric(AR seed s) - metric(AR seed s+1)|
+    curves: dict[str, list[dict[str, float]]]  # "delta" / "lambda" -> [{value, mean_accepted}]
+    sweep: list[BenchRow]
+    codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
+    labels: list[Any]  # the images' conditions: labels, or prompts
+    throughput: list[dict[str, Any]] = field(default_factory=list)  # per batch size and method
+
+
+def tree_label(method: MethodConfig) -> str:
+    t = method.tree
+    if method.jacobi is not None:
+        j = method.jacobi
+        return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
+    if method.pjd is not None:
+        return f"pjd:{method.pjd.window}/c{method.pjd.context}"
+    if t.kind == "none":
+        return "-"
+    if t.kind == "dynamic":
+        return f"dynamic:{t.total_tokens}/d{t.depth}/k{t.top_k}"
+    return t.spec
+
+
+def machine_description() -> str:
+    """CPU model (or GPU name) and core count: enough to tell two benchmark machines apart."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()}"
+
+
+def format_cell(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def format_quality(q: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {format_cell(q.get(k))}" for k in QUALITY_KEYS)
+
+
+def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
+    head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", "FID", "KID", "prec", "recall", "class acc"]
+    body = [
+        [
+            r.method,
+            r.tree,
+            f"{r.mean_accepted:.2f}",
+            f"{r.target_forwards:.1f}",
+            f"{r.seconds_per_image:.3f}",
+            f"{r.speedup_vs_ar:.2f}x",
+            format_cell(r.quality.get("fid"), 2),
+            format_cell(r.quality.get("kid"), 4),
+            format_cell(r.quality.get("precision")),
+            format_cell(r.quality.get("recall")),
+            format_cell(r.quality.get("class_accuracy")),
+        ]
+        for r in rows
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*head), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    return "\n".join(lines + [fmt.format(*row) for row in body])
+
+
+def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per method, images/s (and speed-up vs AR) per batch size."""
+    batches = sorted({int(p["batch_size"]) for p in points})
+    methods = list(dict.fromkeys(str(p["method"]) for p in points))
+    cell = {(p["method"], p["batch_size"]): p for p in points}
+    head = ["method", *[f"batch {b}: images/s (x AR)" for b in batches]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        cells = [f"{cell[m, b]['images_per_second']:.2f} ({cell[m, b]['speedup_vs_ar']:.2f}x)"
+                 if (m, b) in cell else "-" for b in batches]
+        lines.append("| " + " | ".join([m, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(result: BenchResult, command: str) -> str:
+    m = result.meta
+    cfg = m["config"]
+    lines = [
+        f"# lantern bench: {m['model']}",
+        "",
+        f"- command: `{command}`",
+        f"- date: {m['date']}; machine: {m['machine']}; torch {m['torch']}, {m['threads']} threads, "
+        f"device {m['device']}, {m['dtype']}",
+        f"- sampling: {m['sampling']}",
+        f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
+        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded",
+        *(
+            [
+                f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "
+                f"seeds, against {m.get('num_real', '?')} real images of the training distribution",
+                f"- feature network: {m['feature_net']} (**not** Inception: numbers compare rows of this run only)",
+            ]
+            if "feature_net" in m
+            else ["- quality: not measured (`--no-quality`); tau and forwards describe the timed images"]
+        ),
+        "",
+        format_table(result.rows, markdown=True),
+        "",
+    ]
+    if any(r.startup_seconds for r in result.rows):
+        lines += ["Start-up (untimed first image per batch shape: allocation"
+                  + (", compilation" if cfg.get("compile") else "") + "): "
+                  + ", ".join(f"{r.method} {r.startup_seconds:.1f} s" for r in result.rows), ""]
+    if result.throughput:
+        lines += ["## Throughput", "", throughput_table(result.throughput), ""]
+    if result.ar_spread is not None:
+        spread = ", ".join(f"{k} {format_cell(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
+        lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
+    for kind, points in result.curves.items():
+        pts = ", ".join(f"{p['value']:g}: {p['mean_accepted']:.2f}" for p in points)
+        lines += [f"tau vs {kind}: {pts}", ""]
+    if result.sweep:
+        lines += ["## Sweep", "", format_table(result.sweep, markdown=True), ""]
+    return "\n".join(lines)
+
+
+def save_bench(
+    stack: Stack, result: BenchResult, out: str | os.PathLike[str], command: str
+) -> Path:
+    """bench.json (a list, one object per method), run.json (settings), bench.md and PNGs."""
+    from lantern.io import atomic_path, ensure_writable_dir, write_json
+
+    out = ensure_writable_dir(out, "--out")
+    write_json(out / "bench.json", [r.to_dict() for r in result.rows])
+    write_json(
+        out / "run.json",
+        {
+            "command": command,
+            **result.meta,
+            "ar_spread": result.ar_spread,
+            "curves": result.curves,
+            "sweep": [r.to_dict() for r in result.sweep],
+            "throughput": result.throughput,
+        },
+    )
+    with atomic_path(out / "bench.md") as tmp:
+        tmp.write_text(markdown_report(result, command))
+    _save_grids(stack, result, out)
+    _save_plots(result, out)
+    return out
+
+
+def _save_grids(stack: Stack, result: BenchResult, out: Path, per_class: int = 4) -> None:
+    """grid_<method>.png: ``per_class`` rows, one column per class (same seeds in every grid); for
+    prompt-conditioned stacks, ``per_class`` rows of ``GRID_COLUMNS`` images."""
+    from lantern.images import image_grid, save_png
+
+    columns = stack.num_classes or GRID_COLUMNS
+    n = min(per_class * columns, len(result.labels))
+    for name, codes in result.codes.items():
+        save_png(image_grid(stack.to_pil(codes[:n]), ncol=columns), out / f"grid_{_slug(name)}.png")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("++", "pp"))
+
+
+def _save_plots(result: BenchResult, out: Path) -> None:
+    os.environ.setdefault("MPLCONFIGDIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "lantern-mpl"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lantern.io import atomic_path
+
+    for kind, symbol in (("delta", "δ (LANTERN, absolute bound)"), ("lambda", "λ (LANTERN++, relative bound)")):
+        points = result.curves.get(kind)
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(4.5, 3.2), dpi=120)
+        ax.plot([p["value"] for p in points], [p["mean_accepted"] for p in points], "o-")
+        ax.set_xlabel(symbol)
+        ax.set_ylabel("mean accepted tokens / target forward")
+        ax.set_title(f"tau vs {kind} ({result.meta['model'].rsplit('/', 1)[-1]})", fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        with atomic_path(out / f"accept_vs_{kind}.png") as tmp:
+            fig.savefig(tmp, format="png")
+        plt.close(fig)
+
+    if not any(r.quality.get("fid") is not None for r in result.rows):
+        return  # speed-only run: no frontier to draw
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    for r in result.sweep:
+        if r.quality.get("fid") is not None:
+            colour = "tab:blue" if r.base_method == "lantern" else "tab:orange"
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
+    for r in result.rows:
+        if r.quality.get("fid") is not None:
+            token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
+            ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
+    if result.ar_spread is not None and "fid" in result.ar_spread:
+        ar = next(r for r in result.rows if r.method == "ar")
+        ax.axhspan(ar.quality["fid"] - result.ar_spread["fid"], ar.quality["fid"] + result.ar_spread["fid"],
+                   color="gray", alpha=0.15, label="AR seed-to-seed spread")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("wall-clock speed-up vs AR")
+    ax.set_ylabel(f"FID ({result.meta.get('feature_net_short', 'lantern feature net')})")
+    ax.set_title("quality vs speed (lower FID is better)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(out / "frontier.png") as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
