@@ -8,8 +8,7 @@ from torch import Tensor
 from lantern.decoding.cache import CachePool, KVCache
 from lantern.decoding.compiling import resolve_compile, step_fn
 from lantern.decoding.config import SamplingConfig, TreeConfig
-from lantern.decoding.drafting import TreeDrafter
-from lantern.decoding.drafting import guided_logits as _guided
+from lantern.decoding.drafting import TreeDrafter, guided_logits
 from lantern.decoding.phases import phase
 from lantern.drafters.checks import check_drafter_matches_target
 from lantern.errors import check
@@ -143,7 +142,7 @@ def _context_step(
     last = (counts_s - 1).clamp(min=0)
     root = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))  # [N, 1, D]
     hidden_buf.index_copy_(1, torch.zeros(1, dtype=torch.long, device=root.device), root)  # in place, no view
-    return (_guided(lm_head, root, cfg_scale, streams)[:, 0],)
+    return (guided_logits(lm_head, root, cfg_scale, streams)[:, 0],)
 
 
 def _feed_step(
@@ -169,7 +168,7 @@ def _feed_step(
     mask = (rel < 0)[:, None, :] | (tree_cols.gather(2, cols) & (rel >= 0)[:, None, :])  # [N, E, S]
     out = model(feats, tokens, positions, mask, cache, slots)
     hidden_buf.index_copy_(1, slots[0] - base[0] + 1, out)  # feed indices are the same in every row
-    return (_guided(lm_head, out, cfg_scale, streams),)
+    return (guided_logits(lm_head, out, cfg_scale, streams),)
 
 
 def _fed_columns(ancestors: Tensor, f_prev: int, width: int) -> Tensor:
