@@ -37,7 +37,7 @@ from typing import Any
 from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
-from lantern.errors import check
+from lantern.errors import LanternError, check
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
 SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
@@ -266,8 +266,8 @@ def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodCon
     recommended by ``stack`` (its ``generation.json`` "trees"; any object with ``default_tree``)
     when none is given, then the method's defaults."""
     unknown = sorted(set(settings) - set(METHOD_SETTINGS))
-    check(not unknown, f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})"
-          if unknown else "")
+    if unknown:
+        raise LanternError(f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})")
     if settings.get("tree") is None and stack is not None:
         settings["tree"] = stack.default_tree(method)
     return MethodConfig.resolve(method, **settings)
