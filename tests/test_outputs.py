@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lantern.targets.base
+import lantern.targets.llamagen_stack
 from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.outputs import PAUSE_ENV, OutputFolder, staging_name
@@ -140,7 +140,7 @@ def _forbid_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def load_stack(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(lantern.targets.base, "load_stack", load_stack)
+    monkeypatch.setattr(lantern.targets.llamagen_stack, "load_stack", load_stack)
 
 
 @pytest.mark.parametrize("command", [

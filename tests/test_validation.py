@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import lantern.targets.base
+import lantern.targets.llamagen_stack
 import lantern.train.loop
 import lantern.validate
 from lantern.cli.main import main
@@ -146,7 +146,7 @@ def test_demo_bench_profile_counts_and_flags_fail_before_loading(
     def load_stack(*args: object, **kwargs: object) -> None:
         raise AssertionError("loaded before the arguments were checked")
 
-    monkeypatch.setattr(lantern.targets.base, "load_stack", load_stack)
+    monkeypatch.setattr(lantern.targets.llamagen_stack, "load_stack", load_stack)
     fails_with([argv[0], "--model", "digits", *argv[1:], "--out", str(tmp_path / "o"), "--no-progress"], message,
                capsys)
     assert not (tmp_path / "o").exists()
