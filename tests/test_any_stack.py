@@ -18,7 +18,6 @@ import pytest
 from lantern.cli.main import main
 from lantern.decoding.config import TreeConfig
 from lantern.testing import make_tiny_chameleon_folder
-from tests.test_t2i import t2i_stack, t5_dir  # noqa: F401  (module fixtures: a tiny t2i stack, drafter, table)
 
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
@@ -74,7 +73,7 @@ def _json(path: Path) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["lumina", "anole", "t2i"])
-def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The preset's files; AR is the baseline (one token per forward); the drafted method ran its
     tree over the same number of images."""
     out = tmp_path / "demo"
@@ -92,7 +91,7 @@ def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thr
 
 
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
-def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """bench.json has one row per method with a preset's fields (no class accuracy: no classes);
     FID / KID / precision / recall are computed against AR images at other seeds (run.json says
     so)."""
@@ -116,7 +115,7 @@ def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_th
 
 
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
-def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """A quick device profile: verify costs from 1 token up to --max-tokens, drafter costs, an
     overhead fit per acceptance rule the folder supports (it has a proximity table)."""
     out = tmp_path / "profile"
@@ -132,7 +131,7 @@ def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_
 
 
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
-def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """``--tree auto`` measures, calibrates on the model's own prompts and decodes with the tree it
     chose: run.json records the choice, and the method ran with that tree (or plain AR when the
     choice is AR)."""

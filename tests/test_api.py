@@ -20,7 +20,6 @@ from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
-from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
 
 CONFIG_KEYS = ("seed", "batch_size", "device", "sampling", "method")
 
@@ -91,19 +90,6 @@ def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
 
 
 # ---- other model families through the same call -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def t2i_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
-    from lantern.testing import tiny_vq
-    from tests.test_t2i import _t2i_target, _write_tiny_t5
-
-    root = tmp_path_factory.mktemp("t2i") / "stack"
-    _t2i_target().save_pretrained(root / "target")
-    tiny_vq(0, 256).save_pretrained(root / "tokenizer")
-    _write_tiny_t5(root / "t5")
-    return root
 
 
 def test_t2i_stack_from_prompts_equals_cli(t2i_stack: Path, tmp_path: Path) -> None:

@@ -45,15 +45,6 @@ from lantern.testing import make_random_stack, tiny_llamagen
 Choice = tuple[int, ...]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small models on a shared 2-core CPU: one intra-op thread avoids stalls at thread barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(autouse=True)
 def _restore_static_trees() -> Iterator[None]:
     """Trees registered by a test are process-global: remove them so other tests see the built-ins."""

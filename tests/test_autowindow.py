@@ -15,8 +15,6 @@ from lantern.methods import MethodConfig
 from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:

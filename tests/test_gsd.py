@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sjd import assert_rows_independent
+from conftest import assert_rows_independent
 from torch import Tensor
 
 from lantern.cli.main import main
@@ -31,9 +31,6 @@ from lantern.testing import make_random_stack, tiny_llamagen
 F64 = torch.float64
 P = torch.tensor([0.30, 0.05, 0.12, 0.20, 0.25, 0.08], dtype=F64)  # ranks: 0, 4, 3, 2, 5, 1 (no ties)
 Q = torch.tensor([0.05, 0.30, 0.30, 0.05, 0.25, 0.05], dtype=F64)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def group(x: int, width: int, p: Tensor = P) -> set[int]:

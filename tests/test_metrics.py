@@ -35,8 +35,6 @@ from lantern.eval.metrics import (
 )
 from lantern.models.features import FeatureNet
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def digits() -> tuple:

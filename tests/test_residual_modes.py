@@ -17,7 +17,6 @@ from lantern.run import load_acceptance
 from lantern.targets.llamagen_stack import load_stack
 from lantern.targets.proximity import ProximityTable
 
-torch.set_num_threads(1)
 RESIDUALS = ("paper", "official", "official-lumina")
 
 

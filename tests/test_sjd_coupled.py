@@ -20,15 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sjd import _generate, _stack, assert_rows_independent
-from test_speculative import (
+from conftest import (
     DIST_LABEL,
     DIST_ROWS,
     DIST_SAMPLING,
-    _chi_square,
-    _chi_square_threshold,
-    _dist_model,
-    _exact_joint,
+    assert_rows_independent,
+    cached_stack,
+    chi_square,
+    dist_model,
+    exact_joint,
+    generate_jacobi,
 )
 from torch import Tensor
 
@@ -43,12 +44,9 @@ from lantern.eval.bench import parse_methods, tree_label
 from lantern.methods import MethodConfig
 from lantern.run import run_generation
 from lantern.targets.llamagen_stack import load_stack
-from lantern.testing import make_random_stack, tiny_llamagen
+from lantern.testing import chi_square_threshold, make_random_stack, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +62,14 @@ LABELS = {1: [5], 3: [0, 3, 7]}
 @cache
 def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
-    return run_generation(_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
+    return run_generation(cached_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
 
 
 @pytest.mark.parametrize("coupling", COUPLINGS)
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_coupled_sjd_reproduces_ar(random_stack: Path, batch: int, cfg_scale: float, coupling: str) -> None:
-    stack = _stack(str(random_stack))
+    stack = cached_stack(str(random_stack))
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
     method = MethodConfig.resolve("sjd-coupled", window=4, coupling=coupling)
     result = run_generation(stack, LABELS[batch], 0, s, method, batch)
@@ -159,8 +157,8 @@ def _dist_run(name: str) -> tuple[GenerationOutput, float]:
             super().start(hidden, root)
             drafters.append(self)
 
-    out = _generate(_dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init, coupling), list(range(DIST_ROWS)),
-                    _Kept, compile="default" if name.endswith("-compiled") else None)
+    out = generate_jacobi(dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init, coupling),
+                          list(range(DIST_ROWS)), _Kept, compile="default" if name.endswith("-compiled") else None)
     (drafter,) = drafters
     return out, int(drafter.kept) / int(drafter.redrawn)
 
@@ -172,14 +170,14 @@ def test_coupled_sjd_matches_target_distribution(run: str) -> None:
     probability 0.1 % per test (fixed seeds: the outcome is deterministic). With window 4 the
     tokens 1..3 are decided by tests of guesses that were redrawn by the coupling at least once
     (measured chi2: 58, 66, 52 and 67 against a threshold of 109)."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
     out, keep_rate = _dist_run(run)
     codes = out.codes[:, :DIST_TOKENS]
     cell = (codes * 6 ** torch.arange(DIST_TOKENS - 1, -1, -1)).sum(1)
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
-    stat, df = _chi_square(codes, p)
+    stat, df = chi_square(codes, p)
     assert df >= 30
-    assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     assert out.stats.mean_accepted > 1.3  # guesses were accepted: the speculative path ran
     assert keep_rate > 0.5  # and the coupling did keep carried guesses
 
@@ -187,9 +185,9 @@ def test_coupled_sjd_matches_target_distribution(run: str) -> None:
 def test_chi_square_detects_a_broken_coupling() -> None:
     """Power: the same test rejects a coupling whose draws follow the old q instead of p
     (measured chi2 1865 against a threshold of 109)."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
-    stat, df = _chi_square(_dist_run("sticky")[0].codes[:, :DIST_TOKENS], p)
-    assert stat > _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    stat, df = chi_square(_dist_run("sticky")[0].codes[:, :DIST_TOKENS], p)
+    assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
 def test_coupling_keeps_drafts_between_iterations() -> None:
@@ -271,7 +269,7 @@ def test_bench_rows_per_coupling() -> None:
     specs = parse_methods("ar,sjd-coupled,sjd-coupled/coupling=gumbel,gsd/coupling=maximal", budget="token")
     assert [s.name for s in specs] == ["ar", "sjd-coupled", "sjd-coupled/coupling=gumbel", "gsd/coupling=maximal"]
     assert [s.budget for s in specs] == [None, None, None, None]  # no LANTERN rule: no budget
-    stack = _stack("digits")
+    stack = cached_stack("digits")
     labels = [tree_label(s.resolve(stack)) for s in specs]
     assert labels == ["-", "jacobi:16/repeat_horizon/maximal", "jacobi:16/repeat_horizon/gumbel",
                       "jacobi:16/random/maximal"]

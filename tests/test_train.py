@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from conftest import image_folder
 from safetensors.torch import load_file, save_file
 
 from lantern.cli.main import main
@@ -25,36 +25,17 @@ from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQConfig, VQModel
 from lantern.train.codes import CodeSet, load_code_dir
-from lantern.train.loop import LoopConfig, batch_indices, latest_checkpoint, lr_lambda
 from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
+from lantern.train.loop import LoopConfig, batch_indices, latest_checkpoint, lr_lambda
 from lantern.train.tokenizer import TokenizerRecipe, psnr, train_tokenizer
-
-torch.set_num_threads(1)
 
 TINY_VQ = dict(codebook_size=64, codebook_embed_dim=8, ch=16, ch_mult=(1, 2), z_channels=16, num_res_blocks=1,
                norm_groups=8)
 
 
-def _image_folder(root: Path, n: int = 12, size: int = 16) -> Path:
-    """Smooth coloured blobs: learnable in a few steps, different per image."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    lines = []
-    for i in range(n):
-        cx, cy, r = rng.uniform(0.2, 0.8, 3)
-        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (0.05 + 0.1 * r))
-        color = rng.uniform(0, 255, 3)
-        pixels = (blob[..., None] * color).astype(np.uint8)
-        Image.fromarray(pixels).save(root / f"img{i:02d}.png")
-        lines.append(f"img{i:02d}.png,{i % 3}")
-    (root / "labels.csv").write_text("\n".join(lines) + "\n")
-    return root
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _image_folder(tmp_path_factory.mktemp("images") / "imgs")
+    return image_folder(tmp_path_factory.mktemp("images") / "imgs")
 
 
 def _datasets(folder: Path):  # noqa: ANN202
@@ -324,7 +305,7 @@ def test_killed_training_resumes_to_the_same_weights(folder: Path, tmp_path: Pat
     args = ["-m", "lantern.cli", "train-tokenizer", "--data", str(folder), "--codebook-size", "64", "--ch", "16",
             "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8", "--steps", "200", "--batch-size", "4",
             "--checkpoint-every", "5", "--eval-images", "2", "--no-progress", "--precision", "fp32"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ)
     cwd = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, *args, "--out", str(tmp_path / "killed")], env=env, cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -333,7 +333,6 @@ def eagle_flat_layout(gen: torch.Generator, top_k: int, depth: int) -> tuple[Ten
     return torch.cat(scores), torch.cat(parent_flat)
 
 
-
 def brute_force_select(scores: list[float], parent_flat: list[int], k: int) -> list[int]:
     """Best ancestor-closed subset of size k by total score (every subset tried)."""
     best, best_total = None, -math.inf
