@@ -290,6 +290,7 @@ def relaxation_case(draw):
     return r, q, x, rand_neighbours(g, v), draw(st.integers(0, v - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(case=relaxation_case(), delta=st.floats(0.0, 1.0), lam=st.floats(1.0, 20.0))
 def test_relaxation_properties(case, delta: float, lam: float) -> None:
@@ -321,6 +322,7 @@ def test_relaxation_properties(case, delta: float, lam: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", EXACT_CONFIGS)
 def test_lossless_deterministic_drafts(cfg) -> None:
     """δ = 0 / λ = 1 / k = 0 / no relaxation: a 3-candidate deterministic level outputs exactly p."""
@@ -345,6 +347,7 @@ def test_lossless_sampled_without_replacement(cfg) -> None:
         assert torch.allclose(dist, p, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [absolute(3, 0.15), absolute(5, 0.4), relative(3, 2.0), relative(5, 6.0)])
 def test_one_relaxed_test_is_within_bound(cfg) -> None:
     """One deterministic draft x: the output is exactly the relaxed target p̃_x, so
@@ -363,6 +366,7 @@ def test_one_relaxed_test_is_within_bound(cfg) -> None:
             assert tv(dist, p) <= bound + 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [absolute(2, 0.1), absolute(4, 0.3), relative(3, 3.0)])
 def test_multi_candidate_level_tv_bound(cfg) -> None:
     """Three deterministic siblings (paper residual). Bound, derived by induction over the tests:
@@ -386,6 +390,7 @@ def test_multi_candidate_level_tv_bound(cfg) -> None:
             assert tv(dist, p) <= (cfg.lam - 1) * sum(p[x].item() for x in xs) + 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["paper", "official", "official-lumina"])
 @pytest.mark.parametrize("cfg_of", [lambda res: absolute(3, 0.2, res), lambda res: relative(4, 3.0, res)])
 def test_sampled_relaxed_level_matches_oracle(residual: str, cfg_of) -> None:

@@ -72,7 +72,7 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("kind", ["lumina", "anole", "t2i"])
+@pytest.mark.parametrize("kind", [*(pytest.param(k, marks=pytest.mark.slow) for k in ("lumina", "anole")), "t2i"])
 def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The preset's files; AR is the baseline (one token per forward); the drafted method ran its
     tree over the same number of images."""
@@ -90,6 +90,7 @@ def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None
     assert rows["sd"]["mean_accepted"] >= 1.0 and rows["sd"]["target_forwards"] <= rows["ar"]["target_forwards"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
 def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """bench.json has one row per method with a preset's fields (no class accuracy: no classes);
@@ -114,6 +115,7 @@ def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Non
     assert run["methods"]["sd"]["tree"] == CHAIN_2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
 def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """A quick device profile: verify costs from 1 token up to --max-tokens, drafter costs, an
@@ -130,6 +132,7 @@ def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> N
     assert profile["prefix_tokens"] == TOKENS[kind] // 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
 def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """``--tree auto`` measures, calibrates on the model's own prompts and decodes with the tree it

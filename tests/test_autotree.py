@@ -277,6 +277,7 @@ def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_stack(tmp_path_factory.mktemp("stack") / "random", seed=2)
 
 
+@pytest.mark.slow
 def test_calibration_predicts_its_own_probe_run(random_stack: Path) -> None:
     """calibrate() end to end (the EAGLE drafter, the method's relaxed rule): the model's predicted
     tokens per round for the probe tree agree with what the probe run measured."""
@@ -312,6 +313,7 @@ def random_profile(random_stack: Path, tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
+@pytest.mark.slow
 def test_profile_cli_writes_json_and_png(random_profile: Path) -> None:
     raw = json.loads((random_profile / "profile.json").read_text())
     for key in ("device", "torch_threads", "machine", "cpu", "date", "sampling", "batch_size", "streams"):
@@ -337,6 +339,7 @@ def test_profile_cli_writes_json_and_png(random_profile: Path) -> None:
     assert not list(random_profile.glob(".*.tmp"))  # atomic writes leave no temporaries
 
 
+@pytest.mark.slow
 def test_generate_tree_auto_with_saved_profile(random_stack: Path, random_profile: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "gen"
@@ -358,6 +361,7 @@ def test_generate_tree_auto_with_saved_profile(random_stack: Path, random_profil
     assert len(list(out.glob("0*.png"))) == 2
 
 
+@pytest.mark.slow
 def test_profile_of_another_precision_is_refused(random_stack: Path, random_profile: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """bf16 and float32 forwards have different cost curves: a float32 profile must not pick a
@@ -370,6 +374,7 @@ def test_profile_of_another_precision_is_refused(random_stack: Path, random_prof
     assert "--profile was measured for a model of shape" in err and "'dtype': 'bfloat16'" in err
 
 
+@pytest.mark.slow
 def test_generate_tree_auto_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The whole chain on the embedded preset: quick profile, calibration, search, generation."""
     out = tmp_path / "digits"
@@ -403,6 +408,7 @@ def test_bad_input_exits_2_naming_the_argument(argv: list[str], needle: str, tmp
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_profile_for_another_model_is_refused(random_profile: Path, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"

@@ -44,6 +44,7 @@ def test_choose_window_measures_every_candidate(random_stack: Path) -> None:
         choose_window(stack, MethodConfig.resolve("ar"), SamplingConfig())
 
 
+@pytest.mark.slow
 def test_cli_auto_window_is_recorded(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
     rc = main(["generate", "--model", str(random_stack), "--labels", "1", "--method", "gsd", "--sjd-window", "auto",

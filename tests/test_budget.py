@@ -165,6 +165,7 @@ def grid_case(seed: int, sampled: bool, m: int):
     return p, None, nbr, *deterministic_orders(xs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["absolute", "relative"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_token_budget_bounds_every_emitted_token(mode: str, sampled: bool) -> None:

@@ -311,6 +311,7 @@ def _dist_run(method: str) -> GenerationOutput:
     return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "sd", "sd-static", "sjd-coupled:maximal", "sjd-coupled:gumbel"])
 def test_exact_sampling_matches_target_distribution(method: str) -> None:
     """Chi-square goodness of fit of codes 0..2 (216 cells, 4^3 = 64 under top-k 4) against the
@@ -328,6 +329,7 @@ def test_exact_sampling_matches_target_distribution(method: str) -> None:
         assert out.stats.mean_accepted > 1.2  # drafts were accepted: the speculative path ran
 
 
+@pytest.mark.slow
 def test_chi_square_has_power() -> None:
     """The same speculative samples are rejected against a slightly different target (guidance
     2.5 instead of 2.0), so the test above can fail."""

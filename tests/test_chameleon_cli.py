@@ -163,6 +163,7 @@ def _prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(TINY_WORDS) for _ in range(rng.randint(1, 5))) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_trained_drafter_beats_its_initialisation(folder: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """``train-chameleon-drafter`` on self-distilled images: held-out top-1 and accept probability

@@ -119,6 +119,7 @@ def test_more_processes_than_images_is_refused_before_loading(
 # ---- two processes give the images of one ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "lantern++"])
 def test_two_processes_give_the_images_of_one(stack: Path, tmp_path: Path, method: str) -> None:
     args = ["--labels", LABELS, "--method", method, "--batch-size", "2", "--seed", "4"]
@@ -140,6 +141,7 @@ def test_two_processes_give_the_images_of_one(stack: Path, tmp_path: Path, metho
     assert not np.array_equal(arr[0], arr[1])  # distinct images: the order is checked, not a constant
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_path: Path) -> None:
     args = ["--prompt", "a red car", "--prompt", "dog on the beach", "--num-per-prompt", "2", "--method",
             "lantern++", "--batch-size", "3", "--seed", "1"]
@@ -150,6 +152,7 @@ def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_
     assert json.loads((tmp_path / "two" / "run.json").read_text())["prompt_index"] == [0, 0, 1, 1]
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_images_of_one_on_a_chameleon_folder(tmp_path: Path) -> None:
     """The job path is the Stack's: a Lumina-layout folder (row-end tokens, its own prompt
     tokenizer and VQGAN) shards like a LlamaGen stack, and its npz holds the same pixels."""
@@ -184,6 +187,7 @@ def _killed_after(stack: Path, out: Path, images: int, *extra: str) -> None:
     proc.communicate(timeout=60)
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_without_redoing_finished_images(
     stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -238,6 +242,7 @@ def test_a_killed_job_resumes_without_redoing_finished_images(
 # ---- bench across ranks ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))

@@ -94,6 +94,7 @@ def test_one_gsd_test_exactly(x: int, width: int, q: str) -> None:
 # ---- through the loop -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gsd_accepts_more_than_sjd() -> None:
     """Same model, seeds and window: grouped acceptance decides more tokens per forward (measured
     on the digits preset: 2.22 exact SJD, 2.70 with G = 3, 2.92 with G = 7)."""
@@ -104,6 +105,7 @@ def test_gsd_accepts_more_than_sjd() -> None:
     assert taus["gsd"] > taus["sjd"] + 0.3
 
 
+@pytest.mark.slow
 def test_greedy_gsd_is_lossy_but_decodes() -> None:
     """Greedy GSD accepts a draft whose group outweighs the argmax, so its codes leave AR's
     (measured: 26 % of the codes agree on digits); every code is a real token."""

@@ -210,6 +210,7 @@ def _killed_generate(stack: Path, out: Path, sig: signal.Signals, *extra: str) -
     return proc.returncode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_sigint_and_sigterm_during_the_write_phase_leave_nothing(
     stack: Path, tmp_path: Path, sig: signal.Signals, code: int
@@ -219,6 +220,7 @@ def test_sigint_and_sigterm_during_the_write_phase_leave_nothing(
     assert listing(tmp_path) == []  # no --out, no staging folder
 
 
+@pytest.mark.slow
 def test_sigkill_during_an_overwrite_keeps_the_old_run_intact_and_the_next_run_cleans_up(
     stack: Path, tmp_path: Path, used_out: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
 ) -> None:

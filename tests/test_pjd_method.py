@@ -215,6 +215,7 @@ def _dist_run(width: int, broken: bool = False) -> GenerationOutput:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [3, 4])
 def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
@@ -231,6 +232,7 @@ def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
     assert out.stats.mean_accepted > 1.15
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_broken_acceptance() -> None:
     """Power: the same test rejects PJD that tests its guesses against the wrong q (measured
     chi2 814 against a threshold of 109)."""
@@ -274,6 +276,7 @@ def test_choose_pjd_window_measures_windows_within_a_row(random_stack: Path) -> 
     assert chosen.pjd == PJDConfig(choice.window, 4) and chosen.tree.depth == choice.window
 
 
+@pytest.mark.slow
 def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
@@ -286,6 +289,7 @@ def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
     assert run["auto_window"]["window"] in (2, 4, 8)
 
 
+@pytest.mark.slow
 def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> None:
     specs = parse_methods("pjd/window=3/context=2,pjd/window=auto,sjd/window=8,ar")
     assert specs[0].window == 3 and specs[0].context == 2 and specs[0].name == "pjd/window=3/context=2"
@@ -302,6 +306,7 @@ def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> No
         parse_methods("pjd/window=wide")
 
 
+@pytest.mark.slow
 def test_demo_takes_windows_and_auto(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``lantern demo --pjd-window auto``: the auto choice (its timing is choose_window's, tested

@@ -53,6 +53,7 @@ def _generate(tmp_path: Path, residual: str, *extra: str) -> tuple[np.ndarray, d
     return np.load(out / "codes.npy"), json.loads((out / "run.json").read_text())
 
 
+@pytest.mark.slow
 def test_each_residual_runs_end_to_end_and_differs_only_when_relaxed(tmp_path: Path) -> None:
     stack = load_stack("digits")
     size, vocab = stack.target.config.block_size, stack.target.config.vocab_size

@@ -81,7 +81,7 @@ def _greedy_ar(path: str, batch: int) -> Tensor:
 @pytest.mark.parametrize("window", [1, 4, 16])
 @pytest.mark.parametrize("init", ["random", "repeat_horizon"])
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("model", ["random", "digits"])
+@pytest.mark.parametrize("model", ["random", pytest.param("digits", marks=pytest.mark.slow)])
 def test_greedy_sjd_reproduces_ar(random_stack: Path, model: str, batch: int, init: str, window: int) -> None:
     path = str(random_stack) if model == "random" else "digits"
     stack = cached_stack(path)
@@ -133,6 +133,7 @@ def _dist_run(name: str) -> GenerationOutput:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["random-4", "repeat-4", "random-2"])
 def test_sjd_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
@@ -151,6 +152,7 @@ def test_sjd_matches_target_distribution(run: str) -> None:
     assert out.stats.mean_accepted > 1.3  # guesses were accepted: the speculative path ran
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_wrong_jacobi_q() -> None:
     """Power: the same test rejects an SJD whose carried q is off by one node (measured chi2
     1741 against a threshold of 109)."""
@@ -159,6 +161,7 @@ def test_chi_square_detects_a_wrong_jacobi_q() -> None:
     assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
+@pytest.mark.slow
 def test_carried_q_raises_acceptance() -> None:
     """Testing carried guesses with the q they were drawn from accepts more than treating them as
     fixed tokens (measured 1.51 vs 1.25 tokens per forward; same seeds, 6000 rows)."""
@@ -261,6 +264,7 @@ def _mixture_bound(p: Tensor, q: Tensor, nbr: Tensor, cfg: RelaxationConfig) -> 
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", RELAXED, ids=["delta0.1", "delta0.3", "lambda3"])
 def test_relaxed_jacobi_step_within_bound(cfg: RelaxationConfig) -> None:
     """Relaxed SJD, one step, exact (no sampling).
@@ -293,8 +297,8 @@ def test_relaxed_jacobi_step_within_bound(cfg: RelaxationConfig) -> None:
 # ---- batching, stats ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("relaxed", [False, True])
-@pytest.mark.parametrize("init", ["random", "repeat_horizon"])
+@pytest.mark.parametrize("relaxed", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("init", ["random", pytest.param("repeat_horizon", marks=pytest.mark.slow)])
 def test_rows_independent_of_batch(init: str, relaxed: bool) -> None:
     """A row gives the same codes, in the same number of forwards, alone and in a batch of 3."""
     model = tiny_llamagen(seed=7)
@@ -306,6 +310,7 @@ def test_rows_independent_of_batch(init: str, relaxed: bool) -> None:
     assert_rows_independent(model, s, JacobiConfig(8, init), acceptance)
 
 
+@pytest.mark.slow
 def test_digits_mean_accepted_and_stats() -> None:
     """Default preset sampling (top-k 100, CFG 3): SJD gets more than one token per forward
     (measured 2.2 with window 16 over 4 images), and the stats add up."""
@@ -337,6 +342,7 @@ def test_cli_generate_sjd(tmp_path: Path) -> None:
     assert (out / "0000_label3.png").is_file()
 
 
+@pytest.mark.slow
 def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
     rc = main(["generate", "--model", "digits", "--labels", "2", "--method", "sjd-lantern++", "--lantern-lambda",
                "3", "--out", str(tmp_path / "o"), "--no-progress"])

@@ -44,6 +44,9 @@ TREES = {
 # depth 5), 4.4 (dynamic depth 3), 5.1 (dynamic default); bounds keep a margin.
 ORACLE_MIN_MEAN_ACCEPTED = {"chain4": 3.5, "naive57": 3.5, "mcsim": 3.5, "dyn_small": 3.0, "dyn_default": 3.5}
 LABELS = {1: [5], 3: [0, 3, 7]}
+# greedy == AR: every tree and batch in the full suite; the fast tier (-m "not slow") runs a chain and a
+# dynamic tree on a batch of 3
+FAST_TREES = [t if t in ("chain4", "dyn_small") else pytest.param(t, marks=pytest.mark.slow) for t in TREES]
 
 
 @cache
@@ -88,8 +91,8 @@ def _run(
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("tree", FAST_TREES)
 def test_greedy_oracle_reproduces_ar(tree: str, batch: int, cfg_scale: float) -> None:
     s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
     out = _run("oracle", TREES[tree], torch.tensor(LABELS[batch]), s)
@@ -98,8 +101,8 @@ def test_greedy_oracle_reproduces_ar(tree: str, batch: int, cfg_scale: float) ->
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("tree", FAST_TREES)
 def test_greedy_random_eagle_reproduces_ar(tree: str, batch: int, cfg_scale: float) -> None:
     s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
     out = _run("eagle", TREES[tree], torch.tensor(LABELS[batch]), s)
@@ -153,7 +156,8 @@ def _dist_run(name: str) -> GenerationOutput:
     return _run("oracle", tree, labels, DIST_SAMPLING, seeds, model=model, logit_scale=logit_scale)
 
 
-@pytest.mark.parametrize("run", [*DIST_RUNS, *COMPILED_DIST_RUNS])
+@pytest.mark.parametrize("run", [run if run == "ar" else pytest.param(run, marks=pytest.mark.slow)
+                                 for run in [*DIST_RUNS, *COMPILED_DIST_RUNS]])
 def test_speculative_sampling_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law, at significance 0.001.
 
@@ -174,6 +178,7 @@ def test_speculative_sampling_matches_target_distribution(run: str) -> None:
         assert out.stats.mean_accepted > 1.3  # drafts were accepted: the speculative path ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "wrong",
     [
@@ -311,8 +316,8 @@ def test_commit_equals_sequential_decoding() -> None:
 # ---- rows of a batch are independent --------------------------------------------------------
 
 
-@pytest.mark.parametrize("tree", ["mcsim", "dyn_small"])
-@pytest.mark.parametrize("drafter", ["eagle", "oracle"])
+@pytest.mark.parametrize("tree", ["mcsim", pytest.param("dyn_small", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("drafter", [pytest.param("eagle", marks=pytest.mark.slow), "oracle"])
 def test_rows_independent_of_batch(drafter: str, tree: str) -> None:
     """Each row gives the same codes (and takes the same steps) alone as in a batch."""
     s = SamplingConfig(temperature=1.0, top_k=20, cfg_scale=2.0)

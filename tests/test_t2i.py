@@ -180,8 +180,8 @@ def test_cached_logits_match_uncached_forward_with_caption_mask(captions: Captio
     assert (cached - full).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("cfg_scale", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
     """Greedy SD with the stack's (random) EAGLE drafter on chain, static and dynamic trees, and
     greedy LANTERN++ with lambda = 1 (the exact rule), equal greedy AR token for token."""
@@ -196,8 +196,8 @@ def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, b
         assert torch.equal(spec.codes, ar), (method, tree)
 
 
-@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("cfg_scale", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
     """Greedy SJD, coupled SJD (both couplings) and PJD with one row at a time on captions equal
     greedy AR token for token."""
@@ -213,7 +213,7 @@ def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch:
     assert torch.equal(run_generation_t2i(stack, caps, 0, s, one_row, batch_size=2).codes, ar)
 
 
-@pytest.mark.parametrize("tree", ["chain:4", "static:naive_extend_57"])
+@pytest.mark.parametrize("tree", ["chain:4", pytest.param("static:naive_extend_57", marks=pytest.mark.slow)])
 def test_greedy_oracle_accepts_many_and_reproduces_ar(captions: Captions, tree: str) -> None:
     """A drafter that is the target itself (uncached, masked forward) gets long paths accepted:
     multi-token commits under the caption mask still give AR's codes."""
@@ -239,6 +239,7 @@ def test_padded_caption_slots_are_invisible(t2i_stack: Path, captions: Captions)
     assert not torch.equal(a[0], c[0])  # the mask is used: unmasking the zero slots changes row 0
 
 
+@pytest.mark.slow
 def test_sampled_runs_do_not_depend_on_batch_size(t2i_stack: Path, captions: Captions) -> None:
     stack = load_stack(t2i_stack)
     s = SamplingConfig(top_k=40, cfg_scale=3.0)
@@ -260,6 +261,7 @@ def test_captions_must_fit_the_target(t2i_stack: Path, captions: Captions) -> No
 # ---- command line ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_prompts_write_images_and_run_json(t2i_stack: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["generate", "--model", str(t2i_stack), "--seed", "3", "--top-k", "40", "--cfg-scale", "2",

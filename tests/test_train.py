@@ -116,6 +116,7 @@ def _loop(**kw) -> LoopConfig:  # noqa: ANN003
     return LoopConfig(**base)
 
 
+@pytest.mark.slow
 def test_tokenizer_trains_loads_and_reports(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=8)
@@ -139,6 +140,7 @@ def test_tokenizer_trains_loads_and_reports(folder: Path, tmp_path: Path) -> Non
     assert log[-1]["recon"] < log[0]["recon"]
 
 
+@pytest.mark.slow
 def test_tokenizer_resume_is_exact(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=4)  # restarts cross the checkpoint boundary
@@ -191,6 +193,7 @@ def _tiny_target_config(codes: CodeSet):  # noqa: ANN202
                              resid_dropout_p=0.0, ffn_dropout_p=0.0)
 
 
+@pytest.mark.slow
 def test_target_learns_beats_unigram_and_loads(tmp_path: Path) -> None:
     train, test = _pattern_codes(96), _pattern_codes(24, seed=1)
     result = train_target(_tiny_target_config(train), train, test, TargetRecipe(class_dropout=0.1),
@@ -249,6 +252,7 @@ def test_codeset_round_trip_and_unigram(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_tokenizer_codes_target_chain(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     common = ["--data", str(folder), "--labels-file", str(folder / "labels.csv"), "--no-progress"]
     tiny = ["--codebook-size", "64", "--ch", "16", "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8"]
@@ -300,6 +304,7 @@ def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_killed_training_resumes_to_the_same_weights(folder: Path, tmp_path: Path) -> None:
     """A real SIGKILL mid-run: the last complete checkpoint is intact and resuming matches."""
     args = ["-m", "lantern.cli", "train-tokenizer", "--data", str(folder), "--codebook-size", "64", "--ch", "16",

@@ -160,6 +160,7 @@ def single(inputs: dict[str, list[str]], tmp_path_factory: pytest.TempPathFactor
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train-tokenizer", "train-target", "train-drafter", "train-chameleon-drafter",
                                      "train-features"])
 def test_two_processes_reach_the_single_process_weights(command: str, inputs: dict[str, list[str]],
@@ -185,6 +186,7 @@ def test_tolerance_separates_a_different_data_order(inputs: dict[str, list[str]]
     assert _max_excess(single["train-features"], tmp_path / "other") > 1e-3
 
 
+@pytest.mark.slow
 def test_resume_under_two_processes_and_across_process_counts(inputs: dict[str, list[str]], single: dict[str, Path],
                                                               tmp_path: Path) -> None:
     """The tokenizer (checkpointed usage counts, codebook restarts at steps 2, 4, 6 around the
@@ -208,6 +210,7 @@ def test_resume_under_two_processes_and_across_process_counts(inputs: dict[str, 
     assert _max_excess(single["train-tokenizer"], tmp_path / "one") <= 0
 
 
+@pytest.mark.slow
 def test_global_batch_not_divisible_by_the_processes(inputs: dict[str, list[str]], tmp_path: Path) -> None:
     args = [*inputs["train-features"], *LOOP, "--out", str(tmp_path / "odd")]
     proc = _launch([*args[: args.index("--batch-size") + 1], "5", *args[args.index("--batch-size") + 2 :]])

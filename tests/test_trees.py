@@ -204,6 +204,7 @@ def test_input_order_does_not_matter() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 10**6), min_size=0, max_size=24), st.integers(1, 24))
 def test_tree_from_parents_matches_reference(draws: list[int], reach: int) -> None:
