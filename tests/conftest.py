@@ -1,17 +1,538 @@
-"""Fixtures shared by test modules."""
+"""What test modules share: one intra-op thread for the session, fixtures, and plain helpers.
+
+Test modules never import each other; what two of them use lives here (helpers are imported as
+``from conftest import ...``), or in :mod:`lantern.testing` when it is useful outside the tests.
+"""
 
 from __future__ import annotations
 
+import itertools
+import random
+import shutil
+import sys
+import types
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
+from torch import Tensor
 
-from lantern.testing import single_thread
+from lantern.decoding.acceptance import num_uniforms, verify_chain_sampled, verify_tree_sampled
+from lantern.decoding.cache import KVCache
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.loop import Acceptance, GenerationOutput, generate
+from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.drafter import DrafterConfig, EagleDrafterModel
+from lantern.models.llamagen import LlamaGen
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.llamagen import LlamaGenTarget
+from lantern.targets.llamagen_stack import ModelStack, load_stack
+from lantern.targets.proximity import build_proximity
+from lantern.testing import chi_square_pooled, single_thread, tiny_chameleon, tiny_llamagen, tiny_vq
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> Iterator[None]:
+    """Every test runs on one intra-op thread, and so does every process a test starts (they inherit
+    ``OMP_NUM_THREADS``): the models are tiny, so threads only add synchronisation, and on a busy
+    shared CPU a thread barrier can stall every small op (observed: 0.3 s runs taking 20 s on 2
+    busy cores)."""
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# Acceptance (test_acceptance.py, test_budget.py, test_sjd.py): scalar oracles ([LANTERN], [EAGLE]), random
+# inputs and trees, and the exact output distribution of the library's verifier
+# --------------------------------------------------------------------------------------------------
+
+
+REJECT = 1.0 - 2.0**-53  # the largest double below 1: fails every test with probability < 1
+
+
+def o_residual(r, x, p_tilde, agg, q_j, nbr, cfg) -> list[float]:
+    """The residual after rejecting x, written from [LANTERN] and the [LANTERN code] residuals."""
+    v_size = len(r)
+    mode = "paper" if cfg is None or cfg.is_exact else cfg.residual
+    if mode == "paper":
+        rt = [0.0 if i in agg else r[i] for i in range(v_size)]
+        rt[x] = p_tilde
+        if q_j is None:
+            v = [0.0 if i == x else rt[i] for i in range(v_size)]
+        else:
+            v = [max(rt[i] - q_j[i], 0.0) for i in range(v_size)]
+        fallback = list(r)
+    else:
+        drop = set(nbr[x][: cfg.k + 1]) if agg else set()
+        if q_j is None:
+            v = [0.0 if (i in drop or i == x) else r[i] for i in range(v_size)]
+        elif mode == "official-lumina":
+            v = [max((0.0 if i in drop else r[i]) - q_j[i], 0.0) for i in range(v_size)]
+        else:
+            v = [max(r[i] - (0.0 if i in drop else q_j[i]), 0.0) for i in range(v_size)]
+        fallback = [1.0 / v_size] * v_size
+    s = sum(v)
+    return [vi / s for vi in v] if s > 0 else fallback
+
+
+def o_sample(probs: list[float], u: float) -> int:
+    total, cdf = 0.0, []
+    for pr in probs:
+        total += pr
+        cdf.append(total)
+    target = u * total
+    first = next((i for i, c in enumerate(cdf) if c > target), len(probs))
+    return min(first, max(i for i, pr in enumerate(probs) if pr > 0))
+
+
+def draw_orders(q: list[float], m: int):
+    """Every ordered draw of m distinct tokens without replacement from q, with its probability."""
+    for order in itertools.permutations(range(len(q)), m):
+        w, rest = 1.0, 1.0
+        for x in order:
+            w, rest = (w * q[x] / rest if rest > 0 else 0.0), rest - q[x]
+        if w > 0:
+            yield list(order), w
+
+
+def rand_dist(g: torch.Generator, *shape: int, sharpness: float = 2.0) -> Tensor:
+    w = torch.rand(*shape, generator=g, dtype=F64) ** sharpness
+    return w / w.sum(-1, keepdim=True)
+
+
+def rand_neighbours(g: torch.Generator, v_size: int) -> Tensor:
+    """[V, V-1] random proximity order per token, self excluded."""
+    rows = []
+    for i in range(v_size):
+        others = torch.tensor([j for j in range(v_size) if j != i])
+        rows.append(others[torch.randperm(v_size - 1, generator=g)])
+    return torch.stack(rows)
+
+
+def tree_arrays(parents: list[int]) -> dict[str, list]:
+    """children (sibling order = node order), depth and root->leaf paths of a parent list."""
+    t = len(parents)
+    children = [[n for n in range(t) if parents[n] == i] for i in range(t)]
+    depth = [0] * t
+    for n in range(1, t):
+        depth[n] = depth[parents[n]] + 1
+    paths = []
+    for leaf in (n for n in range(t) if not children[n]):
+        path = [leaf]
+        while path[-1] != 0:
+            path.append(parents[path[-1]])
+        paths.append(path[::-1])
+    return {"children": children, "depth": depth, "paths": paths}
+
+
+def pad(rows: list[list[int]], width: int) -> list[list[int]]:
+    return [row + [-1] * (width - len(row)) for row in rows]
+
+
+def batch_trees(trees: list[dict[str, list]]) -> dict[str, Tensor]:
+    """Stack per-row trees of equal node count into children [B,T,C], depth [B,T], retrieve."""
+    c = max(1, max(len(ch) for tr in trees for ch in tr["children"]))
+    d = max(max(tr["depth"]) for tr in trees)
+    p = max(len(tr["paths"]) for tr in trees)
+    children = torch.tensor([pad(tr["children"], c) for tr in trees])
+    retrieve = torch.tensor([pad(tr["paths"], d + 1) + [[-1] * (d + 1)] * (p - len(tr["paths"])) for tr in trees])
+    return {"children": children, "depth": torch.tensor([tr["depth"] for tr in trees]), "retrieve": retrieve}
+
+
+def one_level_tree(orders: Tensor) -> dict[str, Tensor]:
+    """Root 0 with children 1..m carrying tokens orders[b] (in sibling order)."""
+    b, m = orders.shape
+    children = torch.full((b, m + 1, m), -1)
+    children[:, 0] = torch.arange(1, m + 1)
+    depth = torch.ones(b, m + 1, dtype=torch.long)
+    depth[:, 0] = 0
+    tokens = torch.cat([torch.zeros(b, 1, dtype=torch.long), orders], 1)
+    return {"children": children, "depth": depth, "tokens": tokens}
+
+
+def measure_first_token(
+    p: Tensor, orders: Tensor, weights: Tensor, q: Tensor | None, nbr, cfg, iters: int = 56
+) -> Tensor:
+    """Exact distribution [V] of the first output token of verify_tree_sampled on a one-level tree.
+
+    p: [V] target at the root; orders: [n, m] sibling tokens of each draw order; weights: [n]
+    their probabilities. Each candidate's acceptance probability a_j is the supremum of the
+    uniforms it accepts (bisected with earlier candidates forced to reject); the recovered token's
+    CDF boundaries are bisected on the last uniform. Precision ~2^-iters.
+    """
+    n, m = orders.shape
+    v = p.numel()
+    per = m + v - 1  # rows per order: m acceptance bisections, V-1 CDF boundaries
+    tree = one_level_tree(orders.repeat_interleave(per, 0))
+    rows = n * per
+    slot = torch.arange(per).repeat(n)  # [R]
+    is_acc = slot < m
+    p_target = p.expand(rows, m + 1, v)
+    q_draft = None if q is None else q.expand(rows, m + 1, v)
+    lo, hi = torch.zeros(rows, dtype=F64), torch.ones(rows, dtype=F64)
+    node = (slot + 1).clamp(max=m)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        u = torch.full((rows, num_uniforms(m + 1)), REJECT, dtype=F64)
+        u[:, -1] = torch.where(is_acc, 0.5, mid)
+        u[is_acc, node[is_acc]] = mid[is_acc]
+        res = verify_tree_sampled(p_target, tree["tokens"], tree["children"], tree["depth"],
+                                  torch.ones(rows, dtype=torch.long), u, q_draft, nbr, cfg)
+        pred = torch.where(is_acc, res.path[:, 1] == node,
+                           (res.num_accepted == 0) & (res.next_token <= slot - m))
+        lo, hi = torch.where(pred, mid, lo), torch.where(pred, hi, mid)
+    a = lo.view(n, per)[:, :m]  # [n, m] acceptance probabilities
+    bounds = torch.cat([torch.zeros(n, 1, dtype=F64), lo.view(n, per)[:, m:], torch.ones(n, 1, dtype=F64)], 1)
+    reach = torch.cat([torch.ones(n, 1, dtype=F64), torch.cumprod(1 - a, 1)], 1)  # [n, m+1]
+    dist = reach[:, -1:] * bounds.diff(dim=1)  # [n, V] recovered-token mass
+    dist = dist.scatter_add(1, orders, reach[:, :-1] * a)
+    return (weights[:, None] * dist).sum(0)
+
+
+def deterministic_orders(xs: list[int]) -> tuple[Tensor, Tensor]:
+    return torch.tensor([xs]), torch.ones(1, dtype=F64)
+
+
+def sampled_orders(q: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    pairs = list(draw_orders(q.tolist(), m))
+    return torch.tensor([o for o, _ in pairs]), torch.tensor([w for _, w in pairs], dtype=F64)
+
+
+def tv(a, b) -> float:
+    return 0.5 * float((torch.as_tensor(a, dtype=F64) - torch.as_tensor(b, dtype=F64)).abs().sum())
+
+
+def random_parents(rng: random.Random, t: int) -> list[int]:
+    return [-1] + [rng.randrange(0, n) for n in range(1, t)]
+
+
+def random_batch(seed: int, b: int = 48, t: int = 9, v: int = 5):
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    trees = [tree_arrays(random_parents(rng, t)) for _ in range(b)]
+    bt = batch_trees(trees)
+    tokens = torch.randint(0, v, (b, t), generator=g)  # small V: duplicate siblings happen
+    return {
+        "trees": trees, **bt, "tokens": tokens,
+        "p": rand_dist(g, b, t, v, sharpness=3.0), "q": rand_dist(g, b, t, v, sharpness=2.0),
+        "u": torch.rand(b, num_uniforms(t), generator=g, dtype=F64),
+        "max_depth": torch.randint(1, t, (b,), generator=g), "nbr": rand_neighbours(g, v),
+    }
+
+
+def check_chain_equals_tree_walk(cfg, sampled: bool) -> None:
+    """The all-depths-at-once chain verifier gives exactly the general walk's path, token,
+    relaxed count and bonus flag for the same uniforms: random chains of 1-8 drafts, depth caps
+    from 0 to past the end, a vocabulary of 5 so drafts repeat, and drafts q could not draw."""
+    g = torch.Generator().manual_seed(5)
+    b, v = 64, 5
+    nbr = rand_neighbours(g, v)
+    checked = 0
+    for t in range(2, 10):
+        tree = batch_trees([tree_arrays([-1, *range(t - 1)])] * b)
+        tokens = torch.randint(0, v, (b, t), generator=g)
+        p_t = rand_dist(g, b, t, v, sharpness=3.0)
+        q = rand_dist(g, b, t, v, sharpness=2.0) if sampled else None
+        if q is not None:  # some drafts the drafter could never have drawn (q = 0 at the draft)
+            zero = torch.rand(b, t - 1, generator=g) < 0.15
+            q[:, :-1].scatter_(2, tokens[:, 1:, None], torch.where(zero[:, :, None], 0.0, q[:, :-1].gather(
+                2, tokens[:, 1:, None])))
+        u = torch.rand(b, num_uniforms(t), generator=g, dtype=F64)
+        max_depth = torch.randint(0, t + 1, (b,), generator=g)
+        ref = verify_tree_sampled(p_t, tokens, tree["children"], tree["depth"], max_depth, u, q, nbr, cfg)
+        got = verify_chain_sampled(p_t, tokens, max_depth, u, q, nbr, cfg)
+        for name in ("path", "num_accepted", "next_token", "num_relaxed", "is_bonus"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (t, name)
+        checked += int((ref.num_accepted > 0).sum()) + int((~ref.is_bonus).sum())
+    assert checked > 200  # both accepts and rejections were exercised
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact sampling (test_speculative.py, test_sjd*.py, test_pjd_method.py): a 3x3 model whose joint law
+# of the first image tokens is enumerated exactly, and a chi-square test against it
+# --------------------------------------------------------------------------------------------------
+
+DIST_ROWS = 6000  # samples per run, one generator per row (seeded by row index)
+DIST_SAMPLING = SamplingConfig(temperature=1.0, top_k=4, cfg_scale=2.0)
+DIST_LABEL = 3
+
+
+@cache
+def dist_model() -> LlamaGen:
+    """6 image tokens, a 3x3 grid: the joint of 4 tokens has 6^4 cells, 4^4 = 256 under top-k."""
+    return tiny_llamagen(seed=3, logit_std=0.4, vocab_size=6, block_size=9, dim=16, n_layer=1, n_head=2, multiple_of=16)
+
+
+@torch.no_grad()
+def exact_joint(model: LlamaGen, sampling: SamplingConfig, k: int) -> Tensor:
+    """p(x_0..x_{k-1}) [V^k] (row-major in x_0..x_{k-1}) by enumerating every prefix with full
+    uncached forwards, guided and processed exactly as the loop's p."""
+    v = model.config.vocab_size
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = torch.zeros(1, 0, dtype=torch.long)  # [V^t, t]
+    for _ in range(k):
+        n = prefixes.shape[0]
+        logits = model(torch.full((n,), DIST_LABEL), prefixes)[0][:, -1]
+        if sampling.use_cfg:
+            uncond = model(model.null_condition(n), prefixes)[0][:, -1]
+            logits = apply_cfg(torch.cat([logits, uncond]), sampling.cfg_scale, 2)
+        p = probs_from_logits(logits, sampling).double()  # [n, V]
+        joint = (joint[:, None] * p).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(v, 0), torch.arange(v).repeat(n)[:, None]], dim=1)
+    return joint
+
+
+def chi_square(codes: Tensor, p: Tensor) -> tuple[float, int]:
+    return chi_square_pooled(codes, p, dist_model().config.vocab_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Jacobi decoding (test_sjd.py, test_sjd_coupled.py, test_gsd.py, test_pjd_method.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@cache
+def cached_stack(path: str) -> ModelStack:
+    return load_stack(path)
+
+
+def generate_jacobi(
+    model: LlamaGen,
+    labels: Tensor,
+    sampling: SamplingConfig,
+    config: JacobiConfig,
+    seeds: list[int] | None,
+    drafter_cls: type[JacobiDrafter] = JacobiDrafter,
+    acceptance: Acceptance | None = None,
+    compile: str | None = None,
+) -> GenerationOutput:
+    cfg = model.config
+    drafter = drafter_cls(config, sampling, cfg.vocab_size, cfg.block_size)
+    target = LlamaGenTarget(model, sampling, max_tree_nodes=drafter.num_nodes, compile=compile)
+    gens = None if seeds is None else make_generators(seeds)
+    return generate(target, labels, generators=gens, drafter=drafter, acceptance=acceptance, compile=compile)
+
+
+def assert_rows_independent(
+    model: LlamaGen, s: SamplingConfig, config: JacobiConfig, acceptance: Acceptance | None
+) -> GenerationOutput:
+    """Each of 3 rows gives the same codes, in the same number of forwards, alone and in the
+    batch, and the rows did drift apart. Returns the batched run."""
+    labels, seeds = [4, 5, 6], [1, 2, 3]
+    batch = generate_jacobi(model, torch.tensor(labels), s, config, seeds, acceptance=acceptance)
+    for i in range(3):
+        alone = generate_jacobi(model, torch.tensor(labels[i : i + 1]), s, config, seeds[i : i + 1],
+                                acceptance=acceptance)
+        assert torch.equal(batch.codes[i], alone.codes[0]), i
+        assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
+    assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
+    return batch
+
+
+# --------------------------------------------------------------------------------------------------
+# PJD's explicit recomputation (test_pjd.py, test_pjd_method.py)
+# --------------------------------------------------------------------------------------------------
+
+PJD_WIDTH = 4  # a 4 x 4 image (block_size 16)
+
+
+def pjd_model() -> LlamaGen:
+    return tiny_llamagen(seed=11, vocab_size=32, block_size=PJD_WIDTH * PJD_WIDTH, dim=32, n_layer=2, n_head=2,
+                         multiple_of=16)
+
+
+@dataclass
+class PJDToken:
+    token: int
+    cell: int  # raster index; -1 for condition tokens
+    sees: list[int] = field(default_factory=list)  # ids (indices into the row's history) it attended to
+    # never cached, in the history only because a cached token saw it (a new row's stand-in root):
+    # the reference computes it, later tokens never see it
+    ghost: bool = False
+
+
+def pjd_reference(model: LlamaGen, label: int, history: list[PJDToken], block: list[PJDToken]) -> Tensor:
+    """Logits [len(block), V] of the block by one forward over condition + history + block, every
+    token attending to exactly its recorded ``sees`` (and itself), at its image position."""
+    cls = model.config.cls_token_num
+    seq = history + block
+    n = len(seq)
+    mask = torch.zeros(1, n, n, dtype=torch.bool)
+    for i, tok in enumerate(seq):
+        mask[0, i, tok.sees] = True
+        mask[0, i, i] = True
+    h_cond = model.embed_condition(torch.tensor([label]))
+    h_img = model.tok_embeddings(torch.tensor([[t.token for t in seq[cls:]]]))
+    positions = torch.tensor([[*range(cls), *[cls + t.cell for t in seq[cls:]]]])
+    cache = KVCache(model.config.n_layer, 1, model.config.kv_heads, n, model.config.head_dim)
+    hidden = model.forward_cached(torch.cat([h_cond, h_img], dim=1), positions, torch.arange(n)[None], mask, cache)
+    return model.logits(hidden)[0, len(history):]
+
+
+# --------------------------------------------------------------------------------------------------
+# Chameleon-family layouts, tiny model and greedy AR reference (test_chameleon*.py, test_pjd_chameleon.py)
+# --------------------------------------------------------------------------------------------------
+
+LUMINA = ImageLayout(name="lumina-mgpt", height=3, width=3, prefix=(8197, 8805, 8805), uncond=(8197, 8805, 8805),
+                     eol=8803)
+ANOLE = ImageLayout(name="anole", height=3, width=3)
+CHAMELEON_LAYOUTS = {"lumina": LUMINA, "anole": ANOLE}
+CHAMELEON_PROMPTS = [[101, 102, 103], [150], [120, 121]]
+
+
+@cache
+def chameleon_lm(seed: int = 0, num_codes: int = 16, logit_std: float = 0.3) -> ChameleonLM:
+    return ChameleonLM(tiny_chameleon(seed=seed, num_codes=num_codes, logit_std=logit_std))
+
+
+def chameleon_greedy_ar(layout: ImageLayout, cfg: float, prompts: list[list[int]] = CHAMELEON_PROMPTS) -> Tensor:
+    ids, mask = encode_prompts(prompts, layout)
+    sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
+    return generate(ChameleonTarget(chameleon_lm(), layout, sampling), ids, cond_mask=mask).codes
+
+
+# --------------------------------------------------------------------------------------------------
+# Text-to-image: a tiny T5 folder and T2I stack (test_t2i.py, test_api.py, test_any_stack.py,
+# test_distributed.py)
+# --------------------------------------------------------------------------------------------------
+
+T5_MAXLEN = 12  # caption slots: T5 max_length = the target's cls_token_num (120 in LlamaGen T2I)
+T5_DIM = 32  # T5 d_model = the target's caption_dim (2048 for flan-t5-xl)
+T5_WORDS = "a photo of cat dog red car on the beach with blue sky and mountains house in snow painting".split()
+
+
+def write_tiny_t5(path: Path) -> Path:
+    """A random one-layer T5 encoder and a word-level tokenizer (pad 0, </s> 1, unk 2) saved as a
+    transformers folder, like a local copy of google/flan-t5-xl."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(T5_WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(path))
+    cfg = transformers.T5Config(
+        vocab_size=len(vocab), d_model=T5_DIM, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.T5EncoderModel(cfg).eval().save_pretrained(str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models: intra-op threads only add synchronisation on a shared 2-core machine. A module
-    opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    with single_thread():
-        yield
+def t5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_t5(tmp_path_factory.mktemp("t5") / "flan-t5-tiny")
+
+
+def tiny_t2i_target(seed: int = 3) -> LlamaGen:
+    return tiny_llamagen(seed, model_type="t2i", cls_token_num=T5_MAXLEN, caption_dim=T5_DIM, block_size=64)
+
+
+@pytest.fixture(scope="module")
+def t2i_stack(tmp_path_factory: pytest.TempPathFactory, t5_dir: Path) -> Path:
+    """target/ (t2i), tokenizer/, drafter/ (random EAGLE), proximity table and t5/."""
+    root = tmp_path_factory.mktemp("t2i") / "stack"
+    target = tiny_t2i_target()
+    target.save_pretrained(root / "target")
+    vq = tiny_vq(0, 256)
+    vq.save_pretrained(root / "tokenizer")
+    torch.manual_seed(5)
+    EagleDrafterModel(DrafterConfig.for_target(target.config)).save_pretrained(root / "drafter")
+    build_proximity(vq.quantize.embedding.weight.detach(), k_max=64).save(root / "proximity.safetensors")
+    shutil.copytree(t5_dir, root / "t5")
+    return root
+
+
+# --------------------------------------------------------------------------------------------------
+# Files (test_train*.py, test_safety.py, test_chameleon_vq.py, test_drafter.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def image_folder(root: Path, n: int = 12, size: int = 16) -> Path:
+    """Smooth coloured blobs: learnable in a few steps, different per image."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    lines = []
+    for i in range(n):
+        cx, cy, r = rng.uniform(0.2, 0.8, 3)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (0.05 + 0.1 * r))
+        color = rng.uniform(0, 255, 3)
+        pixels = (blob[..., None] * color).astype(np.uint8)
+        Image.fromarray(pixels).save(root / f"img{i:02d}.png")
+        lines.append(f"img{i:02d}.png,{i % 3}")
+    (root / "labels.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def fake_class(module: str, name: str) -> type:
+    """A class pickled under ``module.name`` (a module that is not installed here)."""
+
+    class Fake:
+        def __init__(self) -> None:
+            self.best_model_path = "/somewhere/last.ckpt"
+
+    Fake.__module__, Fake.__qualname__, Fake.__name__ = module, name, name
+    return Fake
+
+
+def save_with_fake_modules(classes: list[type], save: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run ``save()`` while each class's module (and its parents) are importable, then remove them."""
+    with monkeypatch.context() as m:
+        for cls in classes:
+            parts = cls.__module__.split(".")
+            for i in range(1, len(parts) + 1):
+                name = ".".join(parts[:i])
+                if name not in sys.modules:
+                    m.setitem(sys.modules, name, types.ModuleType(name))
+            setattr(sys.modules[cls.__module__], cls.__name__, cls)
+        result = save()
+    assert all(c.__module__ not in sys.modules for c in classes)
+    return result
+
+
+OFFICIAL_DRAFTER_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "rope_scaling": None,
+    "input_type": "t2i",
+}
+
+
+def official_drafter_state(cfg: dict[str, int]) -> dict[str, torch.Tensor]:
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "embed_tokens.weight": (v, d),
+        "fc.weight": (d, 2 * d),
+        "fc.bias": (d,),
+        **{f"layers.0.self_attn.{p}_proj.weight": (d, d) for p in "qkvo"},
+        "layers.0.mlp.gate_proj.weight": (f, d),
+        "layers.0.mlp.up_proj.weight": (f, d),
+        "layers.0.mlp.down_proj.weight": (d, f),
+        "layers.0.post_attention_layernorm.weight": (d,),
+    }
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}

@@ -16,11 +16,25 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from collections import Counter
 
 import pytest
 import torch
+from conftest import (
+    REJECT,
+    check_chain_equals_tree_walk,
+    deterministic_orders,
+    draw_orders,
+    measure_first_token,
+    o_residual,
+    o_sample,
+    one_level_tree,
+    rand_dist,
+    rand_neighbours,
+    random_batch,
+    sampled_orders,
+    tv,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -31,7 +45,6 @@ from lantern.decoding.acceptance import (
     rejection_residual,
     relaxed_mass,
     sample_from_probs,
-    verify_chain_sampled,
     verify_tree_greedy,
     verify_tree_sampled,
 )
@@ -39,18 +52,6 @@ from lantern.decoding.config import RelaxationConfig
 from lantern.errors import LanternError
 
 F64 = torch.float64
-REJECT = 1.0 - 2.0**-53  # the largest double below 1: fails every test with probability < 1
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add synchronisation, which stalls badly when
-    the machine is busy (measured 10x slower at load 4 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 EXACT_CONFIGS = [
@@ -70,7 +71,7 @@ def relative(k: int, lam: float, residual: str = "paper") -> RelaxationConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# Slow scalar oracles ([EAGLE], [LANTERN], [LANTERN code])
+# Slow scalar oracles ([EAGLE], [LANTERN], [LANTERN code]; o_residual and o_sample are in conftest.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -86,41 +87,6 @@ def o_relaxed(r: list[float], x: int, nbr: list[list[int]], cfg) -> tuple[float,
         c += r[t]
         agg.append(t)
     return r[x] + c, agg
-
-
-def o_residual(r, x, p_tilde, agg, q_j, nbr, cfg) -> list[float]:
-    """The residual after rejecting x, written from [LANTERN] and the [LANTERN code] residuals."""
-    v_size = len(r)
-    mode = "paper" if cfg is None or cfg.is_exact else cfg.residual
-    if mode == "paper":
-        rt = [0.0 if i in agg else r[i] for i in range(v_size)]
-        rt[x] = p_tilde
-        if q_j is None:
-            v = [0.0 if i == x else rt[i] for i in range(v_size)]
-        else:
-            v = [max(rt[i] - q_j[i], 0.0) for i in range(v_size)]
-        fallback = list(r)
-    else:
-        drop = set(nbr[x][: cfg.k + 1]) if agg else set()
-        if q_j is None:
-            v = [0.0 if (i in drop or i == x) else r[i] for i in range(v_size)]
-        elif mode == "official-lumina":
-            v = [max((0.0 if i in drop else r[i]) - q_j[i], 0.0) for i in range(v_size)]
-        else:
-            v = [max(r[i] - (0.0 if i in drop else q_j[i]), 0.0) for i in range(v_size)]
-        fallback = [1.0 / v_size] * v_size
-    s = sum(v)
-    return [vi / s for vi in v] if s > 0 else fallback
-
-
-def o_sample(probs: list[float], u: float) -> int:
-    total, cdf = 0.0, []
-    for pr in probs:
-        total += pr
-        cdf.append(total)
-    target = u * total
-    first = next((i for i, c in enumerate(cdf) if c > target), len(probs))
-    return min(first, max(i for i, pr in enumerate(probs) if pr > 0))
 
 
 def o_level(r, xs, q, nbr, cfg):
@@ -157,16 +123,6 @@ def o_first_token(r, xs, q, nbr, cfg) -> list[float]:
     for w, j in accepts:
         out[xs[j]] += w
     return out
-
-
-def draw_orders(q: list[float], m: int):
-    """Every ordered draw of m distinct tokens without replacement from q, with its probability."""
-    for order in itertools.permutations(range(len(q)), m):
-        w, rest = 1.0, 1.0
-        for x in order:
-            w, rest = (w * q[x] / rest if rest > 0 else 0.0), rest - q[x]
-        if w > 0:
-            yield list(order), w
 
 
 def o_verify_row(p, tokens, children, depth, max_depth, u, q, nbr, cfg):
@@ -225,116 +181,8 @@ def o_greedy_row(logits, tokens, paths, max_depth, nbr, cfg):
     return [0] + best[1 : best_len + 1], argmax(logits[best[best_len]])
 
 
-# --------------------------------------------------------------------------------------------
-# Helpers: random inputs, trees, exact measurement of the library
-# --------------------------------------------------------------------------------------------
-
-
-def rand_dist(g: torch.Generator, *shape: int, sharpness: float = 2.0) -> Tensor:
-    w = torch.rand(*shape, generator=g, dtype=F64) ** sharpness
-    return w / w.sum(-1, keepdim=True)
-
-
-def rand_neighbours(g: torch.Generator, v_size: int) -> Tensor:
-    """[V, V-1] random proximity order per token, self excluded."""
-    rows = []
-    for i in range(v_size):
-        others = torch.tensor([j for j in range(v_size) if j != i])
-        rows.append(others[torch.randperm(v_size - 1, generator=g)])
-    return torch.stack(rows)
-
-
-def tree_arrays(parents: list[int]) -> dict[str, list]:
-    """children (sibling order = node order), depth and root->leaf paths of a parent list."""
-    t = len(parents)
-    children = [[n for n in range(t) if parents[n] == i] for i in range(t)]
-    depth = [0] * t
-    for n in range(1, t):
-        depth[n] = depth[parents[n]] + 1
-    paths = []
-    for leaf in (n for n in range(t) if not children[n]):
-        path = [leaf]
-        while path[-1] != 0:
-            path.append(parents[path[-1]])
-        paths.append(path[::-1])
-    return {"children": children, "depth": depth, "paths": paths}
-
-
-def pad(rows: list[list[int]], width: int) -> list[list[int]]:
-    return [row + [-1] * (width - len(row)) for row in rows]
-
-
-def batch_trees(trees: list[dict[str, list]]) -> dict[str, Tensor]:
-    """Stack per-row trees of equal node count into children [B,T,C], depth [B,T], retrieve."""
-    c = max(1, max(len(ch) for tr in trees for ch in tr["children"]))
-    d = max(max(tr["depth"]) for tr in trees)
-    p = max(len(tr["paths"]) for tr in trees)
-    children = torch.tensor([pad(tr["children"], c) for tr in trees])
-    retrieve = torch.tensor([pad(tr["paths"], d + 1) + [[-1] * (d + 1)] * (p - len(tr["paths"])) for tr in trees])
-    return {"children": children, "depth": torch.tensor([tr["depth"] for tr in trees]), "retrieve": retrieve}
-
-
-def one_level_tree(orders: Tensor) -> dict[str, Tensor]:
-    """Root 0 with children 1..m carrying tokens orders[b] (in sibling order)."""
-    b, m = orders.shape
-    children = torch.full((b, m + 1, m), -1)
-    children[:, 0] = torch.arange(1, m + 1)
-    depth = torch.ones(b, m + 1, dtype=torch.long)
-    depth[:, 0] = 0
-    tokens = torch.cat([torch.zeros(b, 1, dtype=torch.long), orders], 1)
-    return {"children": children, "depth": depth, "tokens": tokens}
-
-
-def measure_first_token(
-    p: Tensor, orders: Tensor, weights: Tensor, q: Tensor | None, nbr, cfg, iters: int = 56
-) -> Tensor:
-    """Exact distribution [V] of the first output token of verify_tree_sampled on a one-level tree.
-
-    p: [V] target at the root; orders: [n, m] sibling tokens of each draw order; weights: [n]
-    their probabilities. Each candidate's acceptance probability a_j is the supremum of the
-    uniforms it accepts (bisected with earlier candidates forced to reject); the recovered token's
-    CDF boundaries are bisected on the last uniform. Precision ~2^-iters.
-    """
-    n, m = orders.shape
-    v = p.numel()
-    per = m + v - 1  # rows per order: m acceptance bisections, V-1 CDF boundaries
-    tree = one_level_tree(orders.repeat_interleave(per, 0))
-    rows = n * per
-    slot = torch.arange(per).repeat(n)  # [R]
-    is_acc = slot < m
-    p_target = p.expand(rows, m + 1, v)
-    q_draft = None if q is None else q.expand(rows, m + 1, v)
-    lo, hi = torch.zeros(rows, dtype=F64), torch.ones(rows, dtype=F64)
-    node = (slot + 1).clamp(max=m)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        u = torch.full((rows, num_uniforms(m + 1)), REJECT, dtype=F64)
-        u[:, -1] = torch.where(is_acc, 0.5, mid)
-        u[is_acc, node[is_acc]] = mid[is_acc]
-        res = verify_tree_sampled(p_target, tree["tokens"], tree["children"], tree["depth"],
-                                  torch.ones(rows, dtype=torch.long), u, q_draft, nbr, cfg)
-        pred = torch.where(is_acc, res.path[:, 1] == node,
-                           (res.num_accepted == 0) & (res.next_token <= slot - m))
-        lo, hi = torch.where(pred, mid, lo), torch.where(pred, hi, mid)
-    a = lo.view(n, per)[:, :m]  # [n, m] acceptance probabilities
-    bounds = torch.cat([torch.zeros(n, 1, dtype=F64), lo.view(n, per)[:, m:], torch.ones(n, 1, dtype=F64)], 1)
-    reach = torch.cat([torch.ones(n, 1, dtype=F64), torch.cumprod(1 - a, 1)], 1)  # [n, m+1]
-    dist = reach[:, -1:] * bounds.diff(dim=1)  # [n, V] recovered-token mass
-    dist = dist.scatter_add(1, orders, reach[:, :-1] * a)
-    return (weights[:, None] * dist).sum(0)
-
-
-def deterministic_orders(xs: list[int]) -> tuple[Tensor, Tensor]:
-    return torch.tensor([xs]), torch.ones(1, dtype=F64)
-
-
-def sampled_orders(q: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    pairs = list(draw_orders(q.tolist(), m))
-    return torch.tensor([o for o, _ in pairs]), torch.tensor([w for _, w in pairs], dtype=F64)
-
-
-def tv(a, b) -> float:
-    return 0.5 * float((torch.as_tensor(a, dtype=F64) - torch.as_tensor(b, dtype=F64)).abs().sum())
+# The scalar oracles test_budget.py shares (o_residual, o_sample), random inputs and trees, and
+# the exact measurement of the library (measure_first_token) are in conftest.py.
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,6 +290,7 @@ def relaxation_case(draw):
     return r, q, x, rand_neighbours(g, v), draw(st.integers(0, v - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(case=relaxation_case(), delta=st.floats(0.0, 1.0), lam=st.floats(1.0, 20.0))
 def test_relaxation_properties(case, delta: float, lam: float) -> None:
@@ -473,6 +322,7 @@ def test_relaxation_properties(case, delta: float, lam: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", EXACT_CONFIGS)
 def test_lossless_deterministic_drafts(cfg) -> None:
     """δ = 0 / λ = 1 / k = 0 / no relaxation: a 3-candidate deterministic level outputs exactly p."""
@@ -497,6 +347,7 @@ def test_lossless_sampled_without_replacement(cfg) -> None:
         assert torch.allclose(dist, p, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [absolute(3, 0.15), absolute(5, 0.4), relative(3, 2.0), relative(5, 6.0)])
 def test_one_relaxed_test_is_within_bound(cfg) -> None:
     """One deterministic draft x: the output is exactly the relaxed target p̃_x, so
@@ -515,6 +366,7 @@ def test_one_relaxed_test_is_within_bound(cfg) -> None:
             assert tv(dist, p) <= bound + 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [absolute(2, 0.1), absolute(4, 0.3), relative(3, 3.0)])
 def test_multi_candidate_level_tv_bound(cfg) -> None:
     """Three deterministic siblings (paper residual). Bound, derived by induction over the tests:
@@ -538,6 +390,7 @@ def test_multi_candidate_level_tv_bound(cfg) -> None:
             assert tv(dist, p) <= (cfg.lam - 1) * sum(p[x].item() for x in xs) + 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["paper", "official", "official-lumina"])
 @pytest.mark.parametrize("cfg_of", [lambda res: absolute(3, 0.2, res), lambda res: relative(4, 3.0, res)])
 def test_sampled_relaxed_level_matches_oracle(residual: str, cfg_of) -> None:
@@ -580,23 +433,6 @@ def test_sampled_marginal_can_exceed_delta() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def random_parents(rng: random.Random, t: int) -> list[int]:
-    return [-1] + [rng.randrange(0, n) for n in range(1, t)]
-
-
-def random_batch(seed: int, b: int = 48, t: int = 9, v: int = 5):
-    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    trees = [tree_arrays(random_parents(rng, t)) for _ in range(b)]
-    bt = batch_trees(trees)
-    tokens = torch.randint(0, v, (b, t), generator=g)  # small V: duplicate siblings happen
-    return {
-        "trees": trees, **bt, "tokens": tokens,
-        "p": rand_dist(g, b, t, v, sharpness=3.0), "q": rand_dist(g, b, t, v, sharpness=2.0),
-        "u": torch.rand(b, num_uniforms(t), generator=g, dtype=F64),
-        "max_depth": torch.randint(1, t, (b,), generator=g), "nbr": rand_neighbours(g, v),
-    }
-
-
 def run_batch(d: dict, q: Tensor | None, cfg):
     return verify_tree_sampled(d["p"], d["tokens"], d["children"], d["depth"], d["max_depth"], d["u"], q, d["nbr"], cfg)
 
@@ -634,27 +470,7 @@ def test_verify_chain_sampled_equals_the_tree_walk(cfg, sampled: bool) -> None:
     relaxed count and bonus flag for the same uniforms: random chains of 1-8 drafts, depth caps
     from 0 to past the end, a vocabulary of 5 so drafts repeat, and drafts q could not draw
     (LANTERN's rules and GSD's group rule)."""
-    g = torch.Generator().manual_seed(5)
-    b, v = 64, 5
-    nbr = rand_neighbours(g, v)
-    checked = 0
-    for t in range(2, 10):
-        tree = batch_trees([tree_arrays([-1, *range(t - 1)])] * b)
-        tokens = torch.randint(0, v, (b, t), generator=g)
-        p_t = rand_dist(g, b, t, v, sharpness=3.0)
-        q = rand_dist(g, b, t, v, sharpness=2.0) if sampled else None
-        if q is not None:  # some drafts the drafter could never have drawn (q = 0 at the draft)
-            zero = torch.rand(b, t - 1, generator=g) < 0.15
-            q[:, :-1].scatter_(2, tokens[:, 1:, None], torch.where(zero[:, :, None], 0.0, q[:, :-1].gather(
-                2, tokens[:, 1:, None])))
-        u = torch.rand(b, num_uniforms(t), generator=g, dtype=F64)
-        max_depth = torch.randint(0, t + 1, (b,), generator=g)
-        ref = verify_tree_sampled(p_t, tokens, tree["children"], tree["depth"], max_depth, u, q, nbr, cfg)
-        got = verify_chain_sampled(p_t, tokens, max_depth, u, q, nbr, cfg)
-        for name in ("path", "num_accepted", "next_token", "num_relaxed", "is_bonus"):
-            assert torch.equal(getattr(got, name), getattr(ref, name)), (t, name)
-        checked += int((ref.num_accepted > 0).sum()) + int((~ref.is_bonus).sum())
-    assert checked > 200  # both accepts and rejections were exercised
+    check_chain_equals_tree_walk(cfg, sampled)
 
 
 def test_verify_tree_sampled_edge_cases() -> None:

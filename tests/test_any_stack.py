@@ -18,7 +18,6 @@ import pytest
 from lantern.cli.main import main
 from lantern.decoding.config import TreeConfig
 from lantern.testing import make_tiny_chameleon_folder
-from tests.test_t2i import t2i_stack, t5_dir  # noqa: F401  (module fixtures: a tiny t2i stack, drafter, table)
 
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
@@ -33,7 +32,7 @@ BENCH_FILES = {"bench.json", "bench.md", "run.json", "grid_ar.png", "grid_sd.png
 BENCH_ROW_FIELDS = {"method", "base_method", "tree", "relaxation", "mean_accepted", "target_forwards", "wall_seconds",
                     "seconds_per_image", "speedup_vs_ar", "num_images", "speed_images", "wall_seconds_repeats",
                     "startup_seconds", "fid", "kid", "precision", "recall", "kid_std", "feature_net"}
-CHAIN_2 = asdict(TreeConfig.parse("chain:2"))
+CHAIN_2 = TreeConfig.parse("chain:2").to_dict()  # as run.json records it
 TOKENS = {"lumina": 16, "anole": 1024, "t2i": 64}  # image tokens of each tiny model
 PIXELS = {"lumina": 8, "t2i": 32}  # image side of each tiny model
 
@@ -73,8 +72,8 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("kind", ["lumina", "anole", "t2i"])
-def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+@pytest.mark.parametrize("kind", [*(pytest.param(k, marks=pytest.mark.slow) for k in ("lumina", "anole")), "t2i"])
+def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The preset's files; AR is the baseline (one token per forward); the drafted method ran its
     tree over the same number of images."""
     out = tmp_path / "demo"
@@ -91,8 +90,9 @@ def test_demo(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thr
     assert rows["sd"]["mean_accepted"] >= 1.0 and rows["sd"]["target_forwards"] <= rows["ar"]["target_forwards"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
-def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """bench.json has one row per method with a preset's fields (no class accuracy: no classes);
     FID / KID / precision / recall are computed against AR images at other seeds (run.json says
     so)."""
@@ -115,8 +115,9 @@ def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_th
     assert run["methods"]["sd"]["tree"] == CHAIN_2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
-def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """A quick device profile: verify costs from 1 token up to --max-tokens, drafter costs, an
     overhead fit per acceptance rule the folder supports (it has a proximity table)."""
     out = tmp_path / "profile"
@@ -131,8 +132,9 @@ def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_
     assert profile["prefix_tokens"] == TOKENS[kind] // 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lumina", "t2i"])
-def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path: Path, one_thread: None) -> None:
+def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """``--tree auto`` measures, calibrates on the model's own prompts and decodes with the tree it
     chose: run.json records the choice, and the method ran with that tree (or plain AR when the
     choice is AR)."""

@@ -21,7 +21,6 @@ from lantern.errors import LanternError
 from lantern.methods import METHODS
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
-from tests.test_sjd import _one_thread  # noqa: F401  (autouse: one intra-op thread on the shared CPU)
 
 CONFIG_KEYS = ("seed", "batch_size", "device", "sampling", "method")
 
@@ -50,7 +49,8 @@ def test_import_is_light_and_exports_the_building_blocks() -> None:
         lantern.nope  # noqa: B018
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [m if m == "sd" else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in METHODS])
 def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, tmp_path: Path) -> None:
     out = digits(labels=[3, 7], method=method, seed=0)
     codes, run = _cli("digits", tmp_path / "run", "--labels", "3,7", "--method", method)
@@ -66,6 +66,7 @@ def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, 
     assert len(out.images) == 2 and np.array_equal(np.asarray(out.images[1]), np.asarray(png))
 
 
+@pytest.mark.slow
 def test_overrides_match_the_cli_flags(digits: lantern.Pipeline, tmp_path: Path) -> None:
     settings = dict(temperature=0.5, top_k=7, cfg_scale=1.5, tree="chain:2", lantern_delta=0.2, lantern_k=5)
     out = digits(labels=[1], method="lantern", seed=4, batch_size=1, num_per_label=2, **settings)
@@ -94,19 +95,6 @@ def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
 # ---- other model families through the same call -------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def t2i_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
-    from lantern.testing import tiny_vq
-    from tests.test_t2i import _t2i_target, _write_tiny_t5
-
-    root = tmp_path_factory.mktemp("t2i") / "stack"
-    _t2i_target().save_pretrained(root / "target")
-    tiny_vq(0, 256).save_pretrained(root / "tokenizer")
-    _write_tiny_t5(root / "t5")
-    return root
-
-
 def test_t2i_stack_from_prompts_equals_cli(t2i_stack: Path, tmp_path: Path) -> None:
     out = lantern.load(t2i_stack)(prompts=["a red car", "dog"], seed=2)
     codes, run = _cli(str(t2i_stack), tmp_path / "run", "--prompt", "a red car", "--prompt", "dog", "--seed", "2")
@@ -117,7 +105,7 @@ def test_t2i_stack_from_prompts_equals_cli(t2i_stack: Path, tmp_path: Path) -> N
         lantern.load(t2i_stack)(labels=[1])
 
 
-@pytest.mark.parametrize("layout, size", [("lumina-mgpt", 64), ("anole", None)])
+@pytest.mark.parametrize("layout, size", [("lumina-mgpt", 64), pytest.param("anole", None, marks=pytest.mark.slow)])
 def test_chameleon_folders_from_prompts_equal_cli(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
                                                   layout: str, size: int | None) -> None:
     pytest.importorskip("transformers")
@@ -159,6 +147,7 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
+@pytest.mark.slow
 def test_repo_ids_resolve_from_the_offline_cache(hub_cache: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     digits = preset_dir("digits")

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,13 +45,6 @@ from lantern.testing import make_random_stack, tiny_llamagen
 Choice = tuple[int, ...]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small models on a shared 2-core CPU: one intra-op thread avoids stalls at thread barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- tree math --------------------------------------------------------------------------------
@@ -282,6 +274,7 @@ def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_stack(tmp_path_factory.mktemp("stack") / "random", seed=2)
 
 
+@pytest.mark.slow
 def test_calibration_predicts_its_own_probe_run(random_stack: Path) -> None:
     """calibrate() end to end (the EAGLE drafter, the method's relaxed rule): the model's predicted
     tokens per round for the probe tree agree with what the probe run measured."""
@@ -317,6 +310,7 @@ def random_profile(random_stack: Path, tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
+@pytest.mark.slow
 def test_profile_cli_writes_json_and_png(random_profile: Path) -> None:
     raw = json.loads((random_profile / "profile.json").read_text())
     for key in ("device", "torch_threads", "machine", "cpu", "date", "sampling", "batch_size", "streams"):
@@ -342,6 +336,7 @@ def test_profile_cli_writes_json_and_png(random_profile: Path) -> None:
     assert not list(random_profile.glob(".*.tmp"))  # atomic writes leave no temporaries
 
 
+@pytest.mark.slow
 def test_generate_tree_auto_with_saved_profile(random_stack: Path, random_profile: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "gen"
@@ -363,6 +358,7 @@ def test_generate_tree_auto_with_saved_profile(random_stack: Path, random_profil
     assert len(list(out.glob("0*.png"))) == 2
 
 
+@pytest.mark.slow
 def test_profile_of_another_precision_is_refused(random_stack: Path, random_profile: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """bf16 and float32 forwards have different cost curves: a float32 profile must not pick a
@@ -375,6 +371,7 @@ def test_profile_of_another_precision_is_refused(random_stack: Path, random_prof
     assert "--profile was measured for a model of shape" in err and "'dtype': 'bfloat16'" in err
 
 
+@pytest.mark.slow
 def test_generate_tree_auto_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The whole chain on the embedded preset: quick profile, calibration, search, generation."""
     out = tmp_path / "digits"
@@ -408,6 +405,7 @@ def test_bad_input_exits_2_naming_the_argument(argv: list[str], needle: str, tmp
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_profile_for_another_model_is_refused(random_profile: Path, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"

@@ -15,8 +15,6 @@ from lantern.methods import MethodConfig
 from lantern.targets.llamagen_stack import load_stack
 from lantern.testing import make_random_stack
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -46,6 +44,7 @@ def test_choose_window_measures_every_candidate(random_stack: Path) -> None:
         choose_window(stack, MethodConfig.resolve("ar"), SamplingConfig())
 
 
+@pytest.mark.slow
 def test_cli_auto_window_is_recorded(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
     rc = main(["generate", "--model", str(random_stack), "--labels", "1", "--method", "gsd", "--sjd-window", "auto",

@@ -55,6 +55,7 @@ def rows(bench_dir: Path) -> list[dict]:
     return json.loads((bench_dir / "bench.json").read_text())
 
 
+@pytest.mark.slow
 def test_bench_json_is_a_list_with_one_object_per_method(rows: list[dict]) -> None:
     assert isinstance(rows, list)
     assert [r["method"] for r in rows] == METHODS
@@ -71,6 +72,7 @@ def test_bench_json_is_a_list_with_one_object_per_method(rows: list[dict]) -> No
         assert "lantern feature net" in r["feature_net"]
 
 
+@pytest.mark.slow
 def test_ar_row_is_the_baseline(rows: list[dict]) -> None:
     ar = rows[0]
     # digits: 8x8 = 64 tokens; AR takes one target forward per token (the prefill yields token 0).
@@ -80,6 +82,7 @@ def test_ar_row_is_the_baseline(rows: list[dict]) -> None:
     assert ar["tree"] == "-" and ar["relaxation"] is None
 
 
+@pytest.mark.slow
 def test_speculative_rows_accept_more_than_one_token(rows: list[dict]) -> None:
     for r in rows[1:]:
         assert r["mean_accepted"] > 1.0, r
@@ -93,6 +96,7 @@ def test_speculative_rows_accept_more_than_one_token(rows: list[dict]) -> None:
     assert relax["lantern++"]["mode"] == "relative" and relax["lantern++"]["lam"] == 5.0
 
 
+@pytest.mark.slow
 def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
     run = json.loads((bench_dir / "run.json").read_text())
     assert run["command"].startswith("lantern bench")
@@ -120,6 +124,7 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
         assert im.width > 10 * 32 and im.height > 2 * 32
 
 
+@pytest.mark.slow
 def test_format_table_lists_every_row(rows: list[dict]) -> None:
     assert bench_labels(3, 7) == [0, 1, 2, 0, 1, 2, 0]
     objs = [BenchRow(r["method"], r["base_method"], r["tree"], r["relaxation"], r["mean_accepted"],
@@ -178,6 +183,7 @@ def test_method_at_tree_rows() -> None:
         parse_methods("ar,sjd@chain:3")
 
 
+@pytest.mark.slow
 def test_timed_images_are_the_quality_images() -> None:
     """The speed pass decodes image i with image i's seed, one image at a time and in a rotating
     method order; the codes must equal a plain batched run's (batching and turn-taking change
@@ -202,6 +208,7 @@ def test_timed_images_are_the_quality_images() -> None:
     assert runs["lantern++"].stats_dict()["mean_accepted"] > 1.0
 
 
+@pytest.mark.slow
 def test_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """--sweep: one row per (k, delta) and (k, lambda) point, each with its relaxation, its own
     timing against AR and the quality function's numbers (a small grid here)."""
@@ -253,6 +260,7 @@ def test_method_rows_with_relaxation_settings() -> None:
         parse_methods("ar,lantern/delta=big")
 
 
+@pytest.mark.slow
 def test_throughput_table_per_batch_size() -> None:
     """--speed-batch-size 1,2: latency rows at batch 1, and images/s of every method at batch 2 on
     max(speed_images, 2) images, each against AR at the same batch size; start-up is recorded."""

@@ -18,13 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from torch import Tensor
-
-from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
-from lantern.decoding.budget import TokenBudget
-from lantern.decoding.config import RelaxationConfig
-from lantern.errors import LanternError
-from tests.test_acceptance import (
+from conftest import (
+    check_chain_equals_tree_walk,
     deterministic_orders,
     measure_first_token,
     o_residual,
@@ -35,19 +30,15 @@ from tests.test_acceptance import (
     sampled_orders,
     tv,
 )
-from tests.test_acceptance import test_verify_chain_sampled_equals_the_tree_walk as chain_equals_tree_walk
+from torch import Tensor
+
+from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.decoding.budget import TokenBudget
+from lantern.decoding.config import RelaxationConfig
+from lantern.errors import LanternError
 
 F64 = torch.float64
 TOL = 1e-9
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def config(mode: str, k: int, bound: float, budget: str) -> RelaxationConfig:
@@ -174,6 +165,7 @@ def grid_case(seed: int, sampled: bool, m: int):
     return p, None, nbr, *deterministic_orders(xs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["absolute", "relative"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_token_budget_bounds_every_emitted_token(mode: str, sampled: bool) -> None:
@@ -260,7 +252,7 @@ def test_budget_cap_and_spending() -> None:
 )
 def test_chain_verifier_equals_the_tree_walk_under_token_budget(cfg, sampled: bool) -> None:
     """The all-depths-at-once chain verifier (SJD's) gives exactly the general walk's result."""
-    chain_equals_tree_walk(cfg, sampled)
+    check_chain_equals_tree_walk(cfg, sampled)
 
 
 @pytest.mark.parametrize("sampled", [False, True])

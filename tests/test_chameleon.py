@@ -16,12 +16,12 @@ as the public inference code does:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ANOLE, CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, LUMINA, chameleon_greedy_ar, chameleon_lm
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
@@ -41,28 +41,9 @@ from lantern.models.chameleon import (
 )
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
 from lantern.targets.chameleon_stack import init_chameleon_drafter
-from lantern.testing import chameleon_parts, chi_square_pooled, chi_square_threshold, tiny_chameleon
+from lantern.testing import chameleon_parts, chi_square_pooled, chi_square_threshold
 
 pytest.importorskip("transformers")  # part of the dev extra; CI installs it
-
-LUMINA = ImageLayout(name="lumina-mgpt", height=3, width=3, prefix=(8197, 8805, 8805), uncond=(8197, 8805, 8805),
-                     eol=8803)
-ANOLE = ImageLayout(name="anole", height=3, width=3)
-LAYOUTS = {"lumina": LUMINA, "anole": ANOLE}
-PROMPTS = [[101, 102, 103], [150], [120, 121]]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@cache
-def _lm(seed: int = 0, num_codes: int = 16, logit_std: float = 0.3) -> ChameleonLM:
-    return ChameleonLM(tiny_chameleon(seed=seed, num_codes=num_codes, logit_std=logit_std))
 
 
 # -- reference: transformers' forward over full sequences ------------------------------------------
@@ -89,23 +70,17 @@ def _greedy_reference(lm: ChameleonLM, layout: ImageLayout, text: list[int], cfg
     return codes
 
 
-def _greedy_ar(layout: ImageLayout, cfg: float, prompts: list[list[int]] = PROMPTS) -> Tensor:
-    ids, mask = encode_prompts(prompts, layout)
-    sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
-    return generate(ChameleonTarget(_lm(), layout, sampling), ids, cond_mask=mask).codes
-
-
 # -- cache and tree attention ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 def test_cached_decoding_equals_full_recomputation(layout: str, cfg: float) -> None:
     """Left-padded batch, cached AR = transformers' forward per prompt (new-line tokens included)."""
-    lay = LAYOUTS[layout]
-    codes = _greedy_ar(lay, cfg)
-    for row, text in enumerate(PROMPTS):
-        assert codes[row].tolist() == _greedy_reference(_lm(), lay, text, cfg)
+    lay = CHAMELEON_LAYOUTS[layout]
+    codes = chameleon_greedy_ar(lay, cfg)
+    for row, text in enumerate(CHAMELEON_PROMPTS):
+        assert codes[row].tolist() == _greedy_reference(chameleon_lm(), lay, text, cfg)
 
 
 def _random_tree(t: int, seed: int) -> Tensor:
@@ -127,9 +102,9 @@ def _path(parents: list[int], node: int) -> list[int]:
 def test_tree_attention_equals_causal_paths(start_codes: int, cfg: float) -> None:
     """Every node's verify logits = full recomputation along its root path (Lumina: new-line
     shadows inserted wherever a path crosses a row end), for two rows at different offsets."""
-    lm, lay = _lm(), LUMINA
+    lm, lay = chameleon_lm(), LUMINA
     sampling = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=cfg)
-    ids, mask = encode_prompts(PROMPTS[:2], lay)
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS[:2], lay)
     target = ChameleonTarget(lm, lay, sampling, max_tree_nodes=12)
     logits0, _ = target.start(ids, mask)
     g = torch.Generator().manual_seed(start_codes)
@@ -150,16 +125,16 @@ def test_tree_attention_equals_causal_paths(start_codes: int, cfg: float) -> Non
         known = prefix[b, :start_codes].tolist()
         for node in range(t):
             codes = known + [int(tokens[b, i]) for i in [0, *_path(parents[b].tolist(), node)]]
-            ref = _reference_logits(lm, lay, PROMPTS[b], codes, cfg)
+            ref = _reference_logits(lm, lay, CHAMELEON_PROMPTS[b], codes, cfg)
             torch.testing.assert_close(logits[b, node], ref, atol=2e-4, rtol=1e-4)
 
 
 def test_commit_then_decode_equals_sequential() -> None:
     """Keep a 3-node path that crosses a row end, then verify again: the cache holds exactly the
     sequence (codes and the new-line token) that sequential decoding would have built."""
-    lm, lay, cfg = _lm(), LUMINA, 3.0
+    lm, lay, cfg = chameleon_lm(), LUMINA, 3.0
     sampling = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=cfg)
-    ids, mask = encode_prompts(PROMPTS[:1], lay)
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS[:1], lay)
     target = ChameleonTarget(lm, lay, sampling, max_tree_nodes=8)
     target.start(ids, mask)
     # chain root(code 0) -> a -> b -> c; codes 0..2 fill row 0, so c starts row 1 after a new-line
@@ -170,7 +145,7 @@ def test_commit_then_decode_equals_sequential() -> None:
     target.commit(torch.tensor([[0, 1, 2, 3]]), torch.tensor([4]))
     root = tree_from_parents(torch.full((1, 1), -1))
     logits, _ = target.verify(torch.tensor([[5]]), root.mask, root.depth)
-    ref = _reference_logits(lm, lay, PROMPTS[0], [3, 7, 1, 12, 5], cfg)
+    ref = _reference_logits(lm, lay, CHAMELEON_PROMPTS[0], [3, 7, 1, 12, 5], cfg)
     torch.testing.assert_close(logits[0, 0], ref, atol=2e-4, rtol=1e-4)
 
 
@@ -218,20 +193,20 @@ class _OracleChain:
             self.seqs[row].extend(int(x) for x in next_tokens[row, : int(num_new[row])])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 def test_greedy_oracle_speculative_reproduces_ar(layout: str, cfg: float) -> None:
-    lay = LAYOUTS[layout]
-    ids, mask = encode_prompts(PROMPTS, lay)
+    lay = CHAMELEON_LAYOUTS[layout]
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
-    drafter = _OracleChain(_lm(), lay, PROMPTS, cfg, depth=4, wrong_every=5)
-    target = ChameleonTarget(_lm(), lay, sampling, max_tree_nodes=5)
+    drafter = _OracleChain(chameleon_lm(), lay, CHAMELEON_PROMPTS, cfg, depth=4, wrong_every=5)
+    target = ChameleonTarget(chameleon_lm(), lay, sampling, max_tree_nodes=5)
     out = generate(target, ids, drafter=drafter, cond_mask=mask)
-    assert torch.equal(out.codes, _greedy_ar(lay, cfg))
+    assert torch.equal(out.codes, chameleon_greedy_ar(lay, cfg))
     assert out.stats.mean_accepted > 2.0  # long accepted runs really happened
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize(
@@ -240,31 +215,31 @@ def test_greedy_oracle_speculative_reproduces_ar(layout: str, cfg: float) -> Non
 )
 def test_greedy_speculative_reproduces_ar(layout: str, cfg: float, batch: int, method: str, tree: str | None) -> None:
     """A random EAGLE drafter (or SJD) with exact greedy acceptance must give AR's codes."""
-    lay = LAYOUTS[layout]
-    prompts = PROMPTS[:batch]
+    lay = CHAMELEON_LAYOUTS[layout]
+    prompts = CHAMELEON_PROMPTS[:batch]
     ids, mask = encode_prompts(prompts, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     resolved = MethodConfig.resolve(method, tree=tree, lantern_lambda=1.0 if method == "lantern++" else None,
                                     sjd_window=4 if method == "sjd" else None)
-    drafter = None if method == "sjd" else init_chameleon_drafter(_lm(), lay).eval()
-    target, draft = chameleon_parts(_lm(), lay, sampling, resolved, drafter, _lm().image_head)
+    drafter = None if method == "sjd" else init_chameleon_drafter(chameleon_lm(), lay).eval()
+    target, draft = chameleon_parts(chameleon_lm(), lay, sampling, resolved, drafter, chameleon_lm().image_head)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
-    assert torch.equal(out.codes, _greedy_ar(lay, cfg, prompts))
+    assert torch.equal(out.codes, chameleon_greedy_ar(lay, cfg, prompts))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("coupling", ["maximal", "gumbel"])
 def test_greedy_coupled_sjd_reproduces_ar(layout: str, cfg: float, batch: int, coupling: str) -> None:
     """Coupled SJD's greedy codes equal AR's (Lumina's row ends are shadow nodes in its chains)."""
-    lay = LAYOUTS[layout]
-    ids, mask = encode_prompts(PROMPTS[:batch], lay)
+    lay = CHAMELEON_LAYOUTS[layout]
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS[:batch], lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     resolved = MethodConfig.resolve("sjd-coupled", sjd_window=4, sjd_coupling=coupling)
-    target, draft = chameleon_parts(_lm(), lay, sampling, resolved, None, _lm().image_head)
+    target, draft = chameleon_parts(chameleon_lm(), lay, sampling, resolved, None, chameleon_lm().image_head)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
-    assert torch.equal(out.codes, _greedy_ar(lay, cfg, PROMPTS[:batch]))
+    assert torch.equal(out.codes, chameleon_greedy_ar(lay, cfg, CHAMELEON_PROMPTS[:batch]))
 
 
 def test_sampled_coupled_sjd_rows_independent_of_batch() -> None:
@@ -274,12 +249,12 @@ def test_sampled_coupled_sjd_rows_independent_of_batch() -> None:
 
     def run(prompts: list[list[int]], seeds: list[int]) -> Tensor:
         ids, mask = encode_prompts(prompts, LUMINA)
-        target, draft = chameleon_parts(_lm(), LUMINA, sampling, resolved, None, _lm().image_head)
+        target, draft = chameleon_parts(chameleon_lm(), LUMINA, sampling, resolved, None, chameleon_lm().image_head)
         return generate(target, ids, generators=make_generators(seeds), drafter=draft, cond_mask=mask).codes
 
-    together = run(PROMPTS, [1, 2, 3])
+    together = run(CHAMELEON_PROMPTS, [1, 2, 3])
     for i in range(3):
-        assert torch.equal(together[i], run(PROMPTS[i : i + 1], [i + 1])[0]), i
+        assert torch.equal(together[i], run(CHAMELEON_PROMPTS[i : i + 1], [i + 1])[0]), i
 
 
 # -- exact sampling reproduces the target distribution ---------------------------------------------
@@ -294,7 +269,7 @@ DIST_PROMPT = [101, 102]
 
 @cache
 def _dist_lm() -> ChameleonLM:
-    return _lm(seed=5, num_codes=6, logit_std=0.2)
+    return chameleon_lm(seed=5, num_codes=6, logit_std=0.2)
 
 
 @torch.no_grad()
@@ -336,6 +311,7 @@ def _dist_run(method: str) -> GenerationOutput:
     return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "sd", "sd-static", "sjd-coupled:maximal", "sjd-coupled:gumbel"])
 def test_exact_sampling_matches_target_distribution(method: str) -> None:
     """Chi-square goodness of fit of codes 0..2 (216 cells, 4^3 = 64 under top-k 4) against the
@@ -353,6 +329,7 @@ def test_exact_sampling_matches_target_distribution(method: str) -> None:
         assert out.stats.mean_accepted > 1.2  # drafts were accepted: the speculative path ran
 
 
+@pytest.mark.slow
 def test_chi_square_has_power() -> None:
     """The same speculative samples are rejected against a slightly different target (guidance
     2.5 instead of 2.0), so the test above can fail."""
@@ -405,7 +382,7 @@ def test_real_size_keys_and_shapes_on_meta() -> None:
 
 
 def test_vocabulary_map_is_honoured() -> None:
-    lm = _lm()
+    lm = chameleon_lm()
     vocab_map = lm.config.vocabulary_map
     for code in (0, 7, 15):
         assert int(lm.image_ids[code]) == vocab_map[code_token_name(code)]
@@ -443,14 +420,14 @@ def test_bad_layouts_and_vocabularies() -> None:
 
 
 def test_prompt_context_must_end_with_prefix() -> None:
-    target = ChameleonTarget(_lm(), LUMINA, SamplingConfig(temperature=0.0, top_k=0))
+    target = ChameleonTarget(chameleon_lm(), LUMINA, SamplingConfig(temperature=0.0, top_k=0))
     with pytest.raises(LanternError, match="image prefix"):
         target.start(torch.tensor([[0, 101, 102]]))
 
 
 def test_tree_exceeding_cache_is_refused() -> None:
-    target = ChameleonTarget(_lm(), ANOLE, SamplingConfig(temperature=0.0, top_k=0), max_tree_nodes=2)
-    ids, mask = encode_prompts(PROMPTS[:1], ANOLE)
+    target = ChameleonTarget(chameleon_lm(), ANOLE, SamplingConfig(temperature=0.0, top_k=0), max_tree_nodes=2)
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS[:1], ANOLE)
     target.start(ids, mask)
     buffers = tree_from_parents(torch.tensor([[-1, 0, 1]]))
     with pytest.raises(LanternError, match="exceeds"):

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_chameleon import ANOLE, LAYOUTS, LUMINA, PROMPTS, _lm, _one_thread  # noqa: F401 (autouse fixture)
+from conftest import ANOLE, CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, LUMINA, chameleon_lm
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig
@@ -46,6 +46,10 @@ from lantern.testing import chameleon_parts, tiny_released_drafter
 
 pytest.importorskip("transformers")
 
+# The tests that need a drafter trained here (_trained_drafter: seconds per layout) run the Lumina layout in
+# the fast tier (pytest -m "not slow"), both layouts in the full suite.
+TRAINED_LAYOUTS = ["lumina", pytest.param("anole", marks=pytest.mark.slow)]
+
 
 def _run(layout: ImageLayout, drafter: ReleasedChameleonDrafter | None, prompts: list[list[int]], cfg: float,
          method: str = "sd", tree: str | None = "dynamic") -> tuple[Any, ReleasedDrafterBackend | None]:
@@ -53,9 +57,9 @@ def _run(layout: ImageLayout, drafter: ReleasedChameleonDrafter | None, prompts:
     ids, mask = encode_prompts(prompts, layout)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     if drafter is None:
-        return generate(ChameleonTarget(_lm(), layout, sampling), ids, cond_mask=mask), None
-    target, draft = chameleon_parts(_lm(), layout, sampling, MethodConfig.resolve(method, tree=tree), drafter,
-                                    _lm().image_head)
+        return generate(ChameleonTarget(chameleon_lm(), layout, sampling), ids, cond_mask=mask), None
+    target, draft = chameleon_parts(chameleon_lm(), layout, sampling, MethodConfig.resolve(method, tree=tree), drafter,
+                                    chameleon_lm().image_head)
     assert draft is not None
     backend = draft.backend  # type: ignore[attr-defined]
     assert isinstance(backend, ReleasedDrafterBackend)
@@ -110,16 +114,16 @@ def test_released_7b_keys_and_shapes_on_meta(layout: str) -> None:
 # -- greedy = AR ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("method,tree", [("sd", "dynamic"), ("sd-static", "static:mc_sim_7b_63"), ("sd", "chain:4")])
 def test_greedy_with_released_drafter_reproduces_ar(layout: str, cfg: float, batch: int, method: str,
                                                     tree: str) -> None:
-    lay = LAYOUTS[layout]
-    drafter = tiny_released_drafter(_lm(), lay.name)
-    out, backend = _run(lay, drafter, PROMPTS[:batch], cfg, method, tree)
-    ar, _ = _run(lay, None, PROMPTS[:batch], cfg)
+    lay = CHAMELEON_LAYOUTS[layout]
+    drafter = tiny_released_drafter(chameleon_lm(), lay.name)
+    out, backend = _run(lay, drafter, CHAMELEON_PROMPTS[:batch], cfg, method, tree)
+    ar, _ = _run(lay, None, CHAMELEON_PROMPTS[:batch], cfg)
     assert torch.equal(out.codes, ar.codes)
     assert backend is not None and backend.forwards > 0
 
@@ -129,17 +133,17 @@ def test_sampled_rows_do_not_depend_on_batch_mates() -> None:
     batch with other (differently padded) prompts, and a repeated run is identical."""
     sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
     method = MethodConfig.resolve("sd-static", tree="static:mc_sim_7b_63")
-    drafter = tiny_released_drafter(_lm(), LUMINA.name)
+    drafter = tiny_released_drafter(chameleon_lm(), LUMINA.name)
 
     def run(prompts: list[list[int]], seeds: list[int]) -> Tensor:
         ids, mask = encode_prompts(prompts, LUMINA)
-        target, draft = chameleon_parts(_lm(), LUMINA, sampling, method, drafter, _lm().image_head)
+        target, draft = chameleon_parts(chameleon_lm(), LUMINA, sampling, method, drafter, chameleon_lm().image_head)
         return generate(target, ids, drafter=draft, cond_mask=mask, generators=make_generators(seeds, "cpu")).codes
 
-    batch = run(PROMPTS, [5, 6, 7])
-    assert torch.equal(batch, run(PROMPTS, [5, 6, 7]))
-    for i in range(len(PROMPTS)):
-        assert torch.equal(run([PROMPTS[i]], [5 + i])[0], batch[i])
+    batch = run(CHAMELEON_PROMPTS, [5, 6, 7])
+    assert torch.equal(batch, run(CHAMELEON_PROMPTS, [5, 6, 7]))
+    for i in range(len(CHAMELEON_PROMPTS)):
+        assert torch.equal(run([CHAMELEON_PROMPTS[i]], [5 + i])[0], batch[i])
 
 
 # -- the drafter's input sequence ------------------------------------------------------------------
@@ -151,7 +155,7 @@ def _reference_entries(layout: ImageLayout, text: list[int], codes: list[int], s
     sequence (conditional: head + prompt + tail + prefix; unconditional: the guidance context),
     then the codes' BPE ids with a new-line token after each row (Lumina-mGPT); entry p =
     (feature of token p, BPE id of token p+1, position p)."""
-    lm = _lm()
+    lm = chameleon_lm()
     bpe = lm.code_to_bpe(torch.tensor(codes)).tolist()
     seq = layout.sequence(text, bpe)
     if stream == 1:
@@ -182,24 +186,25 @@ def _record_context(backend: ReleasedDrafterBackend) -> list[list[tuple[Tensor, 
     return rounds
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("tree", ["dynamic", "chain:2"])
+@pytest.mark.parametrize("layout", TRAINED_LAYOUTS)
+@pytest.mark.parametrize("tree", [pytest.param("dynamic", marks=pytest.mark.slow), "chain:2"])
 def test_drafter_sequence_equals_official_layout(layout: str, tree: str) -> None:
     """Every round's absorbed entries continue the reference sequence exactly, for both streams
     of every row (left-padded prompts of different lengths, guidance on)."""
-    lay, cfg = LAYOUTS[layout], 3.0
-    ids, mask = encode_prompts(PROMPTS, lay)
+    lay, cfg = CHAMELEON_LAYOUTS[layout], 3.0
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     drafter = _trained_drafter(layout)  # long accepted runs: entries cross row ends in one commit
     method = MethodConfig.resolve("sd", tree=tree)
-    target, draft = chameleon_parts(_lm(), lay, sampling, method, drafter, _lm().image_head)
+    target, draft = chameleon_parts(chameleon_lm(), lay, sampling, method, drafter, chameleon_lm().image_head)
     backend = draft.backend  # type: ignore[union-attr]
     rounds = _record_context(backend)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
     assert len(rounds) >= 2 and out.stats.mean_accepted > 1.5, (len(rounds), out.stats.mean_accepted)
-    b = len(PROMPTS)
+    b = len(CHAMELEON_PROMPTS)
     for n in range(2 * b):
-        ref_tok, ref_feat, ref_pos = _reference_entries(lay, PROMPTS[n % b], out.codes[n % b].tolist(), n // b)
+        prompt = CHAMELEON_PROMPTS[n % b]
+        ref_tok, ref_feat, ref_pos = _reference_entries(lay, prompt, out.codes[n % b].tolist(), n // b)
         done = 0
         for rows in rounds:  # the sequence so far is a prefix of the reference after every round
             tok, feat, pos = rows[n]
@@ -229,7 +234,7 @@ def _uncached_chain(drafter: ReleasedChameleonDrafter, layout: ImageLayout, entr
         pos = torch.cat([pos, pos[-1:] + 1])
         return last
 
-    bpe = _lm().code_to_bpe(torch.tensor(chain)).tolist()
+    bpe = chameleon_lm().code_to_bpe(torch.tensor(chain)).tolist()
     outs = []
     for i in range(len(chain) + 1):
         if layout.eol is not None and (root_index + i + 1) % layout.width == 0:
@@ -239,17 +244,17 @@ def _uncached_chain(drafter: ReleasedChameleonDrafter, layout: ImageLayout, entr
     return [*outs, last_output()]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", TRAINED_LAYOUTS)
 @torch.no_grad()
 def test_draft_entries_equal_recomputation(layout: str) -> None:
     """Every round's drafted chain (positions, new-line steps across row ends, cache masks) gives
     the logits that full recomputation over the reference sequence plus the chain gives."""
-    lay, cfg = LAYOUTS[layout], 3.0
-    ids, mask = encode_prompts(PROMPTS, lay)
+    lay, cfg = CHAMELEON_LAYOUTS[layout], 3.0
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS, lay)
     sampling = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg)
     drafter = _trained_drafter(layout)
     method = MethodConfig.resolve("sd", tree="chain:3")
-    target, draft = chameleon_parts(_lm(), lay, sampling, method, drafter, _lm().image_head)
+    target, draft = chameleon_parts(chameleon_lm(), lay, sampling, method, drafter, chameleon_lm().image_head)
     backend = draft.backend  # type: ignore[union-attr]
     rounds = _record_context(backend)
     drafted: list[list[Tensor]] = []  # per round: root logits, then each depth's logits [B, V]
@@ -271,8 +276,8 @@ def test_draft_entries_equal_recomputation(layout: str) -> None:
 
     backend.begin, backend.feed = spy_begin, spy_feed  # type: ignore[method-assign]
     out = generate(target, ids, drafter=draft, cond_mask=mask)
-    b = len(PROMPTS)
-    refs = [_reference_entries(lay, PROMPTS[n % b], out.codes[n % b].tolist(), n // b) for n in range(2 * b)]
+    b = len(CHAMELEON_PROMPTS)
+    refs = [_reference_entries(lay, CHAMELEON_PROMPTS[n % b], out.codes[n % b].tolist(), n // b) for n in range(2 * b)]
     done = [0] * (2 * b)
     checked = 0
     for r, rows in enumerate(rounds):
@@ -284,7 +289,7 @@ def test_draft_entries_equal_recomputation(layout: str) -> None:
                 chain = [int(c[row]) for c in chains[r][1:]]
                 heads.append(_uncached_chain(drafter, lay, entries, int(chains[r][0][row]), chain))
             for depth, logits in enumerate(drafted[r]):
-                ref = apply_cfg(_lm().image_head(torch.stack([heads[0][depth], heads[1][depth]])), cfg, 2)[0]
+                ref = apply_cfg(chameleon_lm().image_head(torch.stack([heads[0][depth], heads[1][depth]])), cfg, 2)[0]
                 torch.testing.assert_close(logits[row], ref, atol=2e-4, rtol=1e-4)
                 checked += 1
     assert checked >= 3 * len(rounds)
@@ -292,7 +297,7 @@ def test_draft_entries_equal_recomputation(layout: str) -> None:
 
 # -- a drafter trained on the reference layout drafts well ----------------------------------------
 
-TRAIN_PROMPTS = [*PROMPTS, [104, 151], [105], [106, 152, 107, 108]]  # left padding of 0..3 columns
+TRAIN_PROMPTS = [*CHAMELEON_PROMPTS, [104, 151], [105], [106, 152, 107, 108]]  # left padding of 0..3 columns
 
 
 def _train_entries(layout: ImageLayout, cfg: float) -> list[tuple[Tensor, ...]]:
@@ -312,10 +317,10 @@ def _train_entries(layout: ImageLayout, cfg: float) -> list[tuple[Tensor, ...]]:
 def _trained_drafter(layout_key: str, steps: int = 150) -> ReleasedChameleonDrafter:
     """EAGLE's objective (SmoothL1 on the next feature + 0.1 x cross-entropy of its logits) over
     the image part of the reference sequences, full causal attention, as the official trainer."""
-    lay = LAYOUTS[layout_key]
+    lay = CHAMELEON_LAYOUTS[layout_key]
     data = _train_entries(lay, cfg=3.0)
     torch.manual_seed(0)
-    model = tiny_released_drafter(_lm(), lay.name, seed=1).train()
+    model = tiny_released_drafter(chameleon_lm(), lay.name, seed=1).train()
     model.embed_tokens.weight.requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     with torch.enable_grad():  # callers may run under no_grad
@@ -325,7 +330,7 @@ def _trained_drafter(layout_key: str, steps: int = 150) -> ReleasedChameleonDraf
 
 def _fit(model: ReleasedChameleonDrafter, opt: torch.optim.Optimizer, data: list[tuple[Tensor, ...]],
          steps: int) -> None:
-    head = _lm().image_head
+    head = chameleon_lm().image_head
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.zeros(())
@@ -340,11 +345,12 @@ def _fit(model: ReleasedChameleonDrafter, opt: torch.optim.Optimizer, data: list
         opt.step()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", TRAINED_LAYOUTS)
 def test_trained_released_layout_drafter_beats_untrained(layout: str) -> None:
-    lay = LAYOUTS[layout]
+    lay = CHAMELEON_LAYOUTS[layout]
     trained, _ = _run(lay, _trained_drafter(layout), TRAIN_PROMPTS, 3.0, "sd", "chain:4")
-    untrained, _ = _run(lay, tiny_released_drafter(_lm(), lay.name, seed=1), TRAIN_PROMPTS, 3.0, "sd", "chain:4")
+    untrained_drafter = tiny_released_drafter(chameleon_lm(), lay.name, seed=1)
+    untrained, _ = _run(lay, untrained_drafter, TRAIN_PROMPTS, 3.0, "sd", "chain:4")
     ar, _ = _run(lay, None, TRAIN_PROMPTS, 3.0)
     assert torch.equal(trained.codes, ar.codes)
     tau, tau0 = trained.stats.mean_accepted, untrained.stats.mean_accepted
@@ -355,24 +361,24 @@ def test_trained_released_layout_drafter_beats_untrained(layout: str) -> None:
 
 
 @pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
 def test_folder_round_trip(tmp_path: Path, layout: str, weights: str) -> None:
-    lay = LAYOUTS[layout]
-    drafter = tiny_released_drafter(_lm(), lay.name)
+    lay = CHAMELEON_LAYOUTS[layout]
+    drafter = tiny_released_drafter(chameleon_lm(), lay.name)
     save_released_drafter(drafter, tmp_path / "d", weights)
-    loaded = load_chameleon_drafter(tmp_path / "d", _lm(), lay)
+    loaded = load_chameleon_drafter(tmp_path / "d", chameleon_lm(), lay)
     assert isinstance(loaded, ReleasedChameleonDrafter) and loaded.config == drafter.config
     for k, v in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
 def test_wrong_release_is_refused(tmp_path: Path) -> None:
-    save_released_drafter(tiny_released_drafter(_lm(), "lumina-mgpt"), tmp_path / "lumina")
+    save_released_drafter(tiny_released_drafter(chameleon_lm(), "lumina-mgpt"), tmp_path / "lumina")
     with pytest.raises(LanternError, match=r"Lumina-mGPT release's drafter .* layout is anole"):
-        load_chameleon_drafter(tmp_path / "lumina", _lm(), ANOLE)
-    save_released_drafter(tiny_released_drafter(_lm(), "anole"), tmp_path / "anole")
+        load_chameleon_drafter(tmp_path / "lumina", chameleon_lm(), ANOLE)
+    save_released_drafter(tiny_released_drafter(chameleon_lm(), "anole"), tmp_path / "anole")
     with pytest.raises(LanternError, match=r"Anole release's drafter .* layout is lumina-mgpt"):
-        load_chameleon_drafter(tmp_path / "anole", _lm(), LUMINA)
+        load_chameleon_drafter(tmp_path / "anole", chameleon_lm(), LUMINA)
 
 
 def test_wrong_size_is_refused(tmp_path: Path) -> None:
@@ -381,7 +387,7 @@ def test_wrong_size_is_refused(tmp_path: Path) -> None:
     wide = ReleasedChameleonDrafter(cfg)
     save_released_drafter(wide, tmp_path / "d")
     with pytest.raises(LanternError, match=r"vocab_size 4096 \(target has 8832\); hidden_size 64 \(target has 32\)"):
-        load_chameleon_drafter(tmp_path / "d", _lm(), ANOLE)
+        load_chameleon_drafter(tmp_path / "d", chameleon_lm(), ANOLE)
 
 
 def _write(tmp_path: Path, state: dict[str, Tensor], config: dict[str, Any]) -> Path:
@@ -397,7 +403,7 @@ def _write(tmp_path: Path, state: dict[str, Tensor], config: dict[str, Any]) -> 
 
 
 def test_bad_folders_give_specific_errors(tmp_path: Path) -> None:
-    good = tiny_released_drafter(_lm(), "anole")
+    good = tiny_released_drafter(chameleon_lm(), "anole")
     save_released_drafter(good, tmp_path / "good")
     import json
 
@@ -422,6 +428,7 @@ def test_bad_folders_give_specific_errors(tmp_path: Path) -> None:
         load_released_drafter(tmp_path / "nothing")
 
 
+@pytest.mark.slow
 def test_released_drafter_through_lantern_load(tmp_path: Path) -> None:
     """``lantern.load(folder, drafter=RELEASED_FOLDER)``: the Python API drafts with a released-layout
     drafter (drafter forwards happen) and, greedy, decodes exactly AR's codes."""

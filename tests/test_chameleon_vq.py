@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from conftest import fake_class, save_with_fake_modules
 
 from lantern.errors import CheckpointError, LanternError
 from lantern.io import LanternWarning
@@ -229,41 +227,15 @@ def test_from_checkpoint_round_trip(tiny: ChameleonVQGAN, tmp_path: Path) -> Non
     assert torch.equal(loaded.encode(_images()), tiny.encode(_images()))
 
 
-def _fake_class(module: str, name: str) -> type:
-    """A class pickled under ``module.name`` (a module that is not installed here)."""
-
-    class Fake:
-        def __init__(self) -> None:
-            self.best_model_path = "/somewhere/last.ckpt"
-
-    Fake.__module__, Fake.__qualname__, Fake.__name__ = module, name, name
-    return Fake
-
-
-def _save_with_fake_modules(classes: list[type], save: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Run ``save()`` while each class's module (and its parents) are importable, then remove them."""
-    with monkeypatch.context() as m:
-        for cls in classes:
-            parts = cls.__module__.split(".")
-            for i in range(1, len(parts) + 1):
-                name = ".".join(parts[:i])
-                if name not in sys.modules:
-                    m.setitem(sys.modules, name, types.ModuleType(name))
-            setattr(sys.modules[cls.__module__], cls.__name__, cls)
-        result = save()
-    assert all(c.__module__ not in sys.modules for c in classes)
-    return result
-
-
 def test_from_checkpoint_reads_lightning_callbacks_without_lightning(tiny: ChameleonVQGAN, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # A Lightning file pickles ModelCheckpoint (as a dict key before Lightning 1.5, else as an object) and
     # an AttributeDict of hyper-parameters: allowed by name, rebuilt inert, without pytorch_lightning.
-    callback = _fake_class("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint")
+    callback = fake_class("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint")
     hparams = type("AttributeDict", (dict,), {"__module__": "pytorch_lightning.utilities.parsing"})
     extra = {"callbacks": {callback: {"best_model_score": torch.tensor(0.5)}}, "objects": [callback()],
              "hyper_parameters": hparams(embed_dim=8), "pytorch-lightning_version": "1.4.2"}
-    ckpt = _save_with_fake_modules([callback, hparams], lambda: _write_release(tmp_path / "l", _lightning_state(tiny),
+    ckpt = save_with_fake_modules([callback, hparams], lambda: _write_release(tmp_path / "l", _lightning_state(tiny),
                                                                                 extra), monkeypatch)
     loaded = ChameleonVQGAN.from_checkpoint(ckpt, dtype=torch.float64)
     assert loaded.quant_conv.weight.dtype == torch.float64
@@ -273,8 +245,8 @@ def test_from_checkpoint_reads_lightning_callbacks_without_lightning(tiny: Chame
 
 def test_from_checkpoint_refuses_other_classes_unless_trusted(tiny: ChameleonVQGAN, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    other = _fake_class("fake_lightning_callbacks", "ModelCheckpoint")
-    ckpt = _save_with_fake_modules([other], lambda: _write_release(tmp_path / "l", _lightning_state(tiny),
+    other = fake_class("fake_lightning_callbacks", "ModelCheckpoint")
+    ckpt = save_with_fake_modules([other], lambda: _write_release(tmp_path / "l", _lightning_state(tiny),
                                                                     {"callbacks": [other()]}), monkeypatch)
     with pytest.raises(LanternError, match=r"vqgan\.ckpt contains a pickled fake_lightning_callbacks\."
                                            r"ModelCheckpoint.*--trust-checkpoint"):

@@ -126,6 +126,7 @@ def test_missing_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "--model: no such model folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_and_core_import_without_extras() -> None:
     """``import lantern`` pulls in no optional extras (transformers, accelerate, pytest)."""
     code = (
@@ -139,6 +140,7 @@ def test_console_script_and_core_import_without_extras() -> None:
     assert res.returncode == 0 and "generate" in res.stdout
 
 
+@pytest.mark.slow
 def test_speculative_methods_from_the_cli(stack: Path, tmp_path: Path) -> None:
     """Greedy: every method (the stack's own drafter and proximity table) reproduces AR's codes."""
     base = [
@@ -168,6 +170,7 @@ def test_speculative_methods_from_the_cli(stack: Path, tmp_path: Path) -> None:
     assert lantern["k"] == 64 and lantern["delta"] == 0.1  # default k = 1000 capped at K_max = 64
 
 
+@pytest.mark.slow
 def test_build_proximity_cli(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from lantern.models.vq import VQModel
     from lantern.targets.proximity import ProximityTable
@@ -220,6 +223,7 @@ def test_build_proximity_cli(stack: Path, tmp_path: Path, capsys: pytest.Capture
     assert "codebook" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lantern", "lantern++", "sjd-lantern"])
 def test_lantern_budget_is_recorded(stack: Path, tmp_path: Path, method: str) -> None:
     """--lantern-budget token reaches the acceptance rule's config and run.json; with an exact

@@ -42,6 +42,7 @@ def items(ds, order) -> dict[int, tuple[torch.Tensor, int]]:
     return {i: ds[i] for i in order}
 
 
+@pytest.mark.slow
 def test_photos_deterministic_in_any_order(photos: PhotoDataset) -> None:
     other = load_dataset("photos", num_samples=44, image_size=32)
     forward = items(photos, range(len(photos)))
@@ -143,6 +144,7 @@ def test_photos_fingerprint_and_describe(photos: PhotoDataset) -> None:
     assert load_dataset(**desc).fingerprint() == fp
 
 
+@pytest.mark.slow
 def test_import_is_lazy() -> None:
     code = (
         "import sys, lantern.data; "

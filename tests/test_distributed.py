@@ -27,9 +27,7 @@ from lantern.errors import LanternError
 from lantern.jobs import PAUSE_AFTER_ENV, write_npz
 from lantern.outputs import PAUSE_ENV
 from lantern.testing import make_random_stack, make_tiny_chameleon_folder
-from tests.test_t2i import t2i_stack, t5_dir  # noqa: F401  (fixtures: tiny t2i stack with drafter + T5)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[1]
 LABELS = "0,1,2,3,4"  # 5 images on 2 ranks: shards of 3 and 2
 FINAL = ["0000_label0.png", "0001_label1.png", "0002_label2.png", "0003_label3.png", "0004_label4.png", "codes.npy",
@@ -43,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", PAUSE_ENV)}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return {**env, "PYTHONPATH": str(REPO)}
 
 
 def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess[str]:
@@ -121,6 +119,7 @@ def test_more_processes_than_images_is_refused_before_loading(
 # ---- two processes give the images of one ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "lantern++"])
 def test_two_processes_give_the_images_of_one(stack: Path, tmp_path: Path, method: str) -> None:
     args = ["--labels", LABELS, "--method", method, "--batch-size", "2", "--seed", "4"]
@@ -142,7 +141,8 @@ def test_two_processes_give_the_images_of_one(stack: Path, tmp_path: Path, metho
     assert not np.array_equal(arr[0], arr[1])  # distinct images: the order is checked, not a constant
 
 
-def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.slow
+def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_path: Path) -> None:
     args = ["--prompt", "a red car", "--prompt", "dog on the beach", "--num-per-prompt", "2", "--method",
             "lantern++", "--batch-size", "3", "--seed", "1"]
     assert generate(t2i_stack, tmp_path / "one", *args) == 0
@@ -152,6 +152,7 @@ def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_
     assert json.loads((tmp_path / "two" / "run.json").read_text())["prompt_index"] == [0, 0, 1, 1]
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_images_of_one_on_a_chameleon_folder(tmp_path: Path) -> None:
     """The job path is the Stack's: a Lumina-layout folder (row-end tokens, its own prompt
     tokenizer and VQGAN) shards like a LlamaGen stack, and its npz holds the same pixels."""
@@ -186,6 +187,7 @@ def _killed_after(stack: Path, out: Path, images: int, *extra: str) -> None:
     proc.communicate(timeout=60)
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_without_redoing_finished_images(
     stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -240,6 +242,7 @@ def test_a_killed_job_resumes_without_redoing_finished_images(
 # ---- bench across ranks ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))

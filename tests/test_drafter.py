@@ -7,54 +7,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import OFFICIAL_DRAFTER_CONFIG, official_drafter_state
 from safetensors.torch import save_file
 
 from lantern.errors import CheckpointError
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 
-OFFICIAL_CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 1,
-    "vocab_size": 128,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 2048,
-    "rope_scaling": None,
-    "input_type": "t2i",
-}
-
-
-def _official_state(cfg: dict[str, int]) -> dict[str, torch.Tensor]:
-    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    shapes = {
-        "embed_tokens.weight": (v, d),
-        "fc.weight": (d, 2 * d),
-        "fc.bias": (d,),
-        **{f"layers.0.self_attn.{p}_proj.weight": (d, d) for p in "qkvo"},
-        "layers.0.mlp.gate_proj.weight": (f, d),
-        "layers.0.mlp.up_proj.weight": (f, d),
-        "layers.0.mlp.down_proj.weight": (d, f),
-        "layers.0.post_attention_layernorm.weight": (d,),
-    }
-    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-
 
 def test_official_key_set() -> None:
     """Our module's parameter names and shapes equal the official checkpoint's ([LANTERN code])."""
-    model = EagleDrafterModel(DrafterConfig.from_official(OFFICIAL_CONFIG))
+    model = EagleDrafterModel(DrafterConfig.from_official(OFFICIAL_DRAFTER_CONFIG))
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert ours == {k: tuple(v.shape) for k, v in _official_state(OFFICIAL_CONFIG).items()}
+    assert ours == {k: tuple(v.shape) for k, v in official_drafter_state(OFFICIAL_DRAFTER_CONFIG).items()}
     assert model.config.target_cls_token_num == 120 and model.config.block_size == 256
 
 
 @pytest.mark.parametrize("fmt", ["bin", "safetensors"])
 def test_official_folder_loads_with_embeddings_from_the_checkpoint(tmp_path: Path, fmt: str) -> None:
-    state = _official_state(OFFICIAL_CONFIG)
-    (tmp_path / "config.json").write_text(json.dumps(OFFICIAL_CONFIG))
+    state = official_drafter_state(OFFICIAL_DRAFTER_CONFIG)
+    (tmp_path / "config.json").write_text(json.dumps(OFFICIAL_DRAFTER_CONFIG))
     if fmt == "bin":
         torch.save(state, tmp_path / "pytorch_model.bin")
     else:
@@ -65,9 +36,9 @@ def test_official_folder_loads_with_embeddings_from_the_checkpoint(tmp_path: Pat
 
 
 def test_official_folder_with_missing_key(tmp_path: Path) -> None:
-    state = _official_state(OFFICIAL_CONFIG)
+    state = official_drafter_state(OFFICIAL_DRAFTER_CONFIG)
     del state["fc.bias"]
-    (tmp_path / "config.json").write_text(json.dumps(OFFICIAL_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(OFFICIAL_DRAFTER_CONFIG))
     torch.save(state, tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="missing keys: fc.bias"):
         EagleDrafterModel.from_pretrained(tmp_path)

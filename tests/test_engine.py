@@ -58,6 +58,7 @@ def test_count_ops_attributes_ops_and_syncs_to_phases() -> None:
     assert sum(syncs.values()) == syncs["accept"] + syncs["commit"]  # nothing from prefill
 
 
+@pytest.mark.slow
 def test_trace_methods_accounts_for_every_round(random_stack: Path) -> None:
     stack = load_stack(random_stack)
     sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
@@ -74,6 +75,7 @@ def test_trace_methods_accounts_for_every_round(random_stack: Path) -> None:
     assert table.count("\n| ") == 2 and "| ar | - | 1.00 | 1.00 |" in table
 
 
+@pytest.mark.slow
 def test_cli_trace_writes_its_tables(random_stack: Path, tmp_path: Path) -> None:
     """``lantern profile --trace``: the table printed is the one written, all-or-nothing into --out;
     a used --out is refused before anything is traced."""
@@ -98,6 +100,7 @@ def test_cli_trace_writes_its_tables(random_stack: Path, tmp_path: Path) -> None
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None or shutil.which("clang++") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_CXX, reason="inductor's CPU backend needs a C++ compiler")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compiled_decoding_equals_eager(random_stack: Path, temperature: float) -> None:

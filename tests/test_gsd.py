@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sjd import assert_rows_independent
+from conftest import assert_rows_independent
 from torch import Tensor
 
 from lantern.cli.main import main
@@ -31,9 +31,6 @@ from lantern.testing import make_random_stack, tiny_llamagen
 F64 = torch.float64
 P = torch.tensor([0.30, 0.05, 0.12, 0.20, 0.25, 0.08], dtype=F64)  # ranks: 0, 4, 3, 2, 5, 1 (no ties)
 Q = torch.tensor([0.05, 0.30, 0.30, 0.05, 0.25, 0.05], dtype=F64)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def group(x: int, width: int, p: Tensor = P) -> set[int]:
@@ -97,6 +94,7 @@ def test_one_gsd_test_exactly(x: int, width: int, q: str) -> None:
 # ---- through the loop -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gsd_accepts_more_than_sjd() -> None:
     """Same model, seeds and window: grouped acceptance decides more tokens per forward (measured
     on the digits preset: 2.22 exact SJD, 2.70 with G = 3, 2.92 with G = 7)."""
@@ -108,6 +106,7 @@ def test_gsd_accepts_more_than_sjd() -> None:
     assert taus["gsd"] > taus["sjd"] + 0.3
 
 
+@pytest.mark.slow
 def test_greedy_gsd_is_lossy_but_decodes() -> None:
     """Greedy GSD accepts a draft whose group outweighs the argmax, so its codes leave AR's
     (measured: 26 % of the codes agree on digits); every code is a real token."""

@@ -84,6 +84,7 @@ def _empirical_joint(codes: torch.Tensor, v: int) -> torch.Tensor:
     return torch.bincount(codes[:, 0] * v + codes[:, 1], minlength=v * v).reshape(v, v).double() / codes.shape[0]
 
 
+@pytest.mark.slow
 def test_exact_rule_matches_ar_distribution(model: LlamaGen) -> None:
     """delta = 0: chi-square of the (x0, x1) joint against the exact AR joint, cells with expected
     count < 5 merged; threshold at the 0.999 quantile (false-positive rate 1e-3, fixed seeds)."""
@@ -103,6 +104,7 @@ def test_exact_rule_matches_ar_distribution(model: LlamaGen) -> None:
     assert chi2 < threshold, (chi2, threshold)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delta", [0.05, 0.15])
 def test_lantern_stays_within_its_bound(model: LlamaGen, delta: float) -> None:
     v = model.config.vocab_size
@@ -129,6 +131,7 @@ def _run_once(model: LlamaGen, relaxation: RelaxationConfig, tree: TreeConfig) -
     return _run(model, relaxation, tree, TOKEN_ROWS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [DYNAMIC, STATIC], ids=["deterministic", "sampled"])
 def test_token_budget_keeps_the_first_tokens_within_delta(model: LlamaGen, tree: TreeConfig) -> None:
     """Token budget, δ = 0.3, three siblings at the first level (deterministic top-3, or drawn

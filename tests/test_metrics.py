@@ -35,8 +35,6 @@ from lantern.eval.metrics import (
 )
 from lantern.models.features import FeatureNet
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def digits() -> tuple:
@@ -149,6 +147,7 @@ def test_precision_recall_duplicates_are_inside() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_corrupted_digits_score_worse(digits: tuple, digits_features: Features) -> None:
     extractor, images, labels = digits
     # Reference: the first 250 test digits; clean: the other 250 (same distribution, other images).
@@ -172,6 +171,7 @@ def test_corrupted_digits_score_worse(digits: tuple, digits_features: Features) 
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["digits", "photos"])
 def test_committed_feature_nets_classify(preset: str) -> None:
     extractor = load_feature_extractor(preset)

@@ -192,13 +192,21 @@ def test_a_folder_filled_meanwhile_is_not_merged_into(tmp_path: Path) -> None:
     assert listing(tmp_path) == ["out"] and listing(tmp_path / "out") == ["theirs.txt"]
 
 
+def _sigint_as_ctrl_c() -> None:
+    """In the child before exec: SIGINT back to its default, so Python turns it into Ctrl-C even when
+    pytest itself ignores it (an ignored signal stays ignored across exec, and a background job of a
+    non-interactive shell, e.g. ``pytest &`` or ``nohup``, starts with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _killed_generate(stack: Path, out: Path, sig: signal.Signals, *extra: str) -> int:
     """``lantern generate`` in a subprocess, paused mid-write (PNGs written, codes.npy not), killed with ``sig``."""
     marker = out.parent / f"paused-{sig.name}"
     env = {**os.environ, PAUSE_ENV: str(marker), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "lantern.cli", "generate", "--model", str(stack), "--labels", "0,1,2,3", "--out",
-         str(out), "--no-progress", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+         str(out), "--no-progress", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=_sigint_as_ctrl_c)
     deadline = time.monotonic() + 240
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
@@ -210,6 +218,7 @@ def _killed_generate(stack: Path, out: Path, sig: signal.Signals, *extra: str) -
     return proc.returncode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_sigint_and_sigterm_during_the_write_phase_leave_nothing(
     stack: Path, tmp_path: Path, sig: signal.Signals, code: int
@@ -219,6 +228,7 @@ def test_sigint_and_sigterm_during_the_write_phase_leave_nothing(
     assert listing(tmp_path) == []  # no --out, no staging folder
 
 
+@pytest.mark.slow
 def test_sigkill_during_an_overwrite_keeps_the_old_run_intact_and_the_next_run_cleans_up(
     stack: Path, tmp_path: Path, used_out: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
 ) -> None:

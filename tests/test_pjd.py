@@ -11,37 +11,15 @@ batch whose rows progress differently; with one row at a time the result is plai
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
+from conftest import PJD_WIDTH, PJDToken, pjd_model, pjd_reference
 from torch import Tensor
 
 from lantern.decoding.cache import KVCache
 from lantern.decoding.pjd import PJDConfig, active_rows, check_pjd_fits, commit_cells, grid_positions, grid_verify_mask
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
-from lantern.testing import tiny_llamagen
-
-WIDTH = 4  # a 4 x 4 image (block_size 16)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _model() -> LlamaGen:
-    return tiny_llamagen(seed=11, vocab_size=32, block_size=WIDTH * WIDTH, dim=32, n_layer=2, n_head=2,
-                         multiple_of=16)
-
-
-@dataclass
-class _Token:
-    token: int
-    cell: int  # raster index; -1 for condition tokens
-    sees: list[int] = field(default_factory=list)  # ids (indices into the row's history) it attended to
-    # never cached, in the history only because a cached token saw it (a new row's stand-in root):
-    # the reference computes it, later tokens never see it
-    ghost: bool = False
 
 
 class _Engine:
@@ -64,31 +42,13 @@ class _Engine:
         kv_len = int(lengths.max()) + t
         mask = grid_verify_mask(self.slot_cell, lengths, cells, rows, kv_len)
         slots = lengths[:, None] + torch.arange(t)
-        positions = grid_positions(cells, self.cls, WIDTH)
+        positions = grid_positions(cells, self.cls, PJD_WIDTH)
         hidden = self.model.forward_cached(self.model.tok_embeddings(tokens), positions, slots, mask, self.cache)
         return self.model.logits(hidden)
 
     def commit(self, cells: Tensor, keep: Tensor, num_keep: Tensor) -> None:
         commit_cells(self.slot_cell, self.cache.lengths, cells, keep, num_keep)
         self.cache.commit(keep, num_keep)
-
-
-def _reference(model: LlamaGen, label: int, history: list[_Token], block: list[_Token]) -> Tensor:
-    """Logits [len(block), V] of the block by one forward over condition + history + block, every
-    token attending to exactly its recorded ``sees`` (and itself), at its image position."""
-    cls = model.config.cls_token_num
-    seq = history + block
-    n = len(seq)
-    mask = torch.zeros(1, n, n, dtype=torch.bool)
-    for i, tok in enumerate(seq):
-        mask[0, i, tok.sees] = True
-        mask[0, i, i] = True
-    h_cond = model.embed_condition(torch.tensor([label]))
-    h_img = model.tok_embeddings(torch.tensor([[t.token for t in seq[cls:]]]))
-    positions = torch.tensor([[*range(cls), *[cls + t.cell for t in seq[cls:]]]])
-    cache = KVCache(model.config.n_layer, 1, model.config.kv_heads, n, model.config.head_dim)
-    hidden = model.forward_cached(torch.cat([h_cond, h_img], dim=1), positions, torch.arange(n)[None], mask, cache)
-    return model.logits(hidden)[0, len(history):]
 
 
 # Per round and row: the window of each active image row as (row, first cell of the window,
@@ -106,16 +66,16 @@ def test_out_of_order_commits_equal_explicit_recomputation() -> None:
     """Four rounds, two batch rows progressing differently, up to three image rows verified in one
     forward, commits that leave holes in earlier rows: every block token's logits equal the
     explicit recomputation over exactly what it may see (to float round-off)."""
-    model, labels = _model(), torch.tensor([3, 7])
+    model, labels = pjd_model(), torch.tensor([3, 7])
     engine = _Engine(model, labels)
     cls, g = model.config.cls_token_num, torch.Generator().manual_seed(0)
-    history: list[list[_Token]] = [[_Token(0, -1, list(range(i))) for i in range(cls)] for _ in range(2)]
+    history: list[list[PJDToken]] = [[PJDToken(0, -1, list(range(i))) for i in range(cls)] for _ in range(2)]
     checked = 0
     for plan in ROUNDS:
         t = max(sum(w[2] for w, _ in plan[b]) for b in range(2))
         tokens, cells = torch.zeros(2, t, dtype=torch.long), torch.zeros(2, t, dtype=torch.long)
         rows = torch.full((2, t), -1, dtype=torch.long)
-        blocks: list[list[_Token]] = [[], []]
+        blocks: list[list[PJDToken]] = [[], []]
         for b in range(2):
             for (row, start, length), _ in plan[b]:
                 for cell in range(start, start + length):
@@ -125,11 +85,11 @@ def test_out_of_order_commits_equal_explicit_recomputation() -> None:
                     sees = [k for k, tok in enumerate(history[b]) if tok.cell < cell]  # condition: cell -1
                     sees += [len(history[b]) + j for j, o in enumerate(blocks[b]) if o.cell < cell
                              and int(rows[b, j]) == row]
-                    blocks[b].append(_Token(int(tokens[b, i]), cell, sees))
+                    blocks[b].append(PJDToken(int(tokens[b, i]), cell, sees))
         logits = engine.verify(tokens, cells, rows)
         keep_lists = []
         for b in range(2):
-            ref = _reference(model, int(labels[b]), history[b], blocks[b])
+            ref = pjd_reference(model, int(labels[b]), history[b], blocks[b])
             assert torch.allclose(logits[b, : len(blocks[b])], ref, atol=1e-5), (plan, b)
             checked += len(blocks[b])
             offset, keep = 0, []
@@ -145,7 +105,7 @@ def test_out_of_order_commits_equal_explicit_recomputation() -> None:
             remap = {base + j: base + i for i, j in enumerate(keep_lists[b])}
             for j in keep_lists[b]:
                 tok = blocks[b][j]
-                history[b].append(_Token(tok.token, tok.cell, [remap.get(s, s) for s in tok.sees]))
+                history[b].append(PJDToken(tok.token, tok.cell, [remap.get(s, s) for s in tok.sees]))
     assert checked >= 20
     assert torch.equal(engine.cache.lengths, torch.tensor([cls + 13, cls + 10]))  # the rows drifted apart
 
@@ -154,14 +114,14 @@ def test_out_of_order_commits_equal_explicit_recomputation() -> None:
 def test_one_row_at_a_time_is_plain_ar() -> None:
     """Committing whole windows of one row at a time in raster order, the grid forward gives the
     model's own uncached causal logits: positions and mask reduce to raster-order AR."""
-    model, label = _model(), torch.tensor([5])
-    tokens = torch.randint(0, 32, (1, WIDTH * WIDTH), generator=torch.Generator().manual_seed(1))
+    model, label = pjd_model(), torch.tensor([5])
+    tokens = torch.randint(0, 32, (1, PJD_WIDTH * PJD_WIDTH), generator=torch.Generator().manual_seed(1))
     full = model(label, tokens)[0][0]  # [n+1, V]: row i predicts image token i
     engine = _Engine(model, label)
-    for row in range(WIDTH):
+    for row in range(PJD_WIDTH):
         for start, length in ((0, 3), (3, 1)):  # two windows per row
-            cells = row * WIDTH + torch.arange(start, start + length)[None]
-            logits = engine.verify(tokens[:, cells[0]], cells, cells // WIDTH)
+            cells = row * PJD_WIDTH + torch.arange(start, start + length)[None]
+            logits = engine.verify(tokens[:, cells[0]], cells, cells // PJD_WIDTH)
             assert torch.allclose(logits[0], full[cells[0] + 1], atol=1e-5), (row, start)
             engine.commit(cells, torch.arange(length)[None], torch.tensor([length]))
 
@@ -177,8 +137,8 @@ def test_mask_by_hand() -> None:
     # cell 5 sees the committed cells before it in raster order (0, 1, 4), not cell 9, nor row 0's window
     assert mask[0, 2].tolist() == [True, True, True, True, False, False, False, True, False]
     assert mask[0, 3].tolist() == [False] * 8 + [True]  # padding: itself only
-    assert grid_positions(torch.tensor([0, 3, 4, 9]), 1, WIDTH).tolist() == [1, 4, 5, 10]
-    assert grid_positions(torch.tensor([0, 3, 4, 9]), 3, WIDTH, row_ends=True).tolist() == [3, 6, 8, 14]
+    assert grid_positions(torch.tensor([0, 3, 4, 9]), 1, PJD_WIDTH).tolist() == [1, 4, 5, 10]
+    assert grid_positions(torch.tensor([0, 3, 4, 9]), 3, PJD_WIDTH, row_ends=True).tolist() == [3, 6, 8, 14]
 
 
 def test_zipar_activation() -> None:

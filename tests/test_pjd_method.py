@@ -21,10 +21,19 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-import test_speculative as spec
 import torch
-from test_pjd import _model, _reference, _Token
-from test_sjd import _stack
+from conftest import (
+    DIST_LABEL,
+    DIST_ROWS,
+    DIST_SAMPLING,
+    PJDToken,
+    cached_stack,
+    chi_square,
+    dist_model,
+    exact_joint,
+    pjd_model,
+    pjd_reference,
+)
 from torch import Tensor
 
 import lantern
@@ -43,9 +52,7 @@ from lantern.models.llamagen import LlamaGen
 from lantern.run import run_generation
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import load_stack
-from lantern.testing import make_random_stack, tiny_llamagen
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from lantern.testing import chi_square_threshold, make_random_stack, tiny_llamagen
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +88,24 @@ class _Recording(LlamaGenTarget):
         super().commit_grid(keep, num_keep)
 
 
-def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int) -> tuple[list[_Token], int, int]:
-    """Check every real node of batch row ``b`` against :func:`_reference`; returns (the cached
+def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int) -> tuple[list[PJDToken], int, int]:
+    """Check every real node of batch row ``b`` against :func:`pjd_reference`; returns (the cached
     tokens in commit order, nodes checked, rounds with several image rows)."""
     cls = model.config.cls_token_num
-    history = [_Token(0, -1, list(range(i))) for i in range(cls)]
+    history = [PJDToken(0, -1, list(range(i))) for i in range(cls)]
     checked = multi = 0
     for tokens, cells, rows, logits, keep, num_keep in rounds:
         real = [i for i in range(tokens.shape[1]) if int(rows[b, i]) >= 0]
         multi += len({int(rows[b, i]) for i in real}) > 1
-        block: list[_Token] = []
+        block: list[PJDToken] = []
         for i in real:
             cell, row = int(cells[b, i]), int(rows[b, i])
             sees = [k for k, tok in enumerate(history) if tok.cell < cell and not tok.ghost]  # condition: cell -1
             sees += [len(history) + m for m, j in enumerate(real[: len(block)])
                      if int(rows[b, j]) == row and int(cells[b, j]) < cell]
-            block.append(_Token(int(tokens[b, i]), cell, sees))
+            block.append(PJDToken(int(tokens[b, i]), cell, sees))
         if block:
-            ref = _reference(model, label, history, block)
+            ref = pjd_reference(model, label, history, block)
             assert torch.allclose(logits[b, real], ref, atol=1e-5), (len(history), real)
             checked += len(block)
         # The kept tokens join the history with what they saw when computed. The first guess of a
@@ -111,7 +118,7 @@ def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int)
         for i, m in enumerate(kept + seen):  # remap[s]: a token that saw an unlisted one fails here
             tok = block[m]
             sees = [remap[s] if s >= base else s for s in tok.sees]
-            history.append(_Token(tok.token, tok.cell, sees, ghost=i >= len(kept)))
+            history.append(PJDToken(tok.token, tok.cell, sees, ghost=i >= len(kept)))
     return [tok for tok in history if not tok.ghost], checked, multi
 
 
@@ -120,7 +127,7 @@ def _replay_row(model: LlamaGen, label: int, rounds: list[list[Tensor]], b: int)
 def test_loop_equals_explicit_recomputation(window: int, context: int) -> None:
     """Two sampled rows of a 4 x 4 image decoded by PJD in the real loop; every verified node's
     logits equal the explicit recomputation, and the cache's slot cells are the commit history."""
-    model, labels = _model(), [3, 7]
+    model, labels = pjd_model(), [3, 7]
     s = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=1.0)  # cfg 1: guided logits are the model's
     # seeds for which every setting commits out of raster order in both rows (the test's precondition)
     out, target = _run(model, labels, s, PJDConfig(window, context), [4, 5], target_cls=_Recording)
@@ -161,13 +168,13 @@ LABELS = {1: [5], 3: [0, 3, 7]}
 @cache
 def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
-    return run_generation(_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
+    return run_generation(cached_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_one_row_at_a_time_reproduces_ar(random_stack: Path, batch: int, cfg_scale: float) -> None:
-    stack = _stack(str(random_stack))  # an 8 x 8 image
+    stack = cached_stack(str(random_stack))  # an 8 x 8 image
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
     method = MethodConfig.resolve("pjd", pjd_window=3, pjd_context=8)
     result = run_generation(stack, LABELS[batch], 0, s, method, batch)
@@ -194,9 +201,9 @@ DIST_TOKENS = 4
 
 @cache
 def _grid_dist_model(width: int) -> LlamaGen:
-    """The 3 x 3 model of test_speculative.py, or a 4 x 4 one like it (same V = 6)."""
+    """The 3 x 3 model of test_speculative.py (conftest.dist_model), or a 4 x 4 one like it (same V = 6)."""
     if width == 3:
-        return spec._dist_model()
+        return dist_model()
     return tiny_llamagen(seed=3, logit_std=0.4, vocab_size=6, block_size=16, dim=16, n_layer=1, n_head=2,
                          multiple_of=16)
 
@@ -204,12 +211,13 @@ def _grid_dist_model(width: int) -> LlamaGen:
 @cache
 def _dist_run(width: int, broken: bool = False) -> GenerationOutput:
     # window 2 on a 3 x 3 image, 3 on a 4 x 4 one; context = the row length: one row at a time
-    rows = spec.DIST_ROWS
-    out, _ = _run(_grid_dist_model(width), [spec.DIST_LABEL] * rows, spec.DIST_SAMPLING, PJDConfig(width - 1, width),
+    rows = DIST_ROWS
+    out, _ = _run(_grid_dist_model(width), [DIST_LABEL] * rows, DIST_SAMPLING, PJDConfig(width - 1, width),
                   list(range(rows)), _WrongQ if broken else GridJacobiDrafter)
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [3, 4])
 def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
@@ -217,21 +225,22 @@ def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
     test (fixed seeds: deterministic). 3 x 3: token 3 opens row 1 through a root that is the row
     above's real last token, and is tested as a fresh guess of the new row; 4 x 4: row 0's third
     token is often a carried guess (drawn from the previous round's p and tested with it)."""
-    p = spec._exact_joint(_grid_dist_model(width), spec.DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(_grid_dist_model(width), DIST_SAMPLING, DIST_TOKENS)
     out = _dist_run(width)
-    stat, df = spec._chi_square(out.codes[:, :DIST_TOKENS], p)
+    stat, df = chi_square(out.codes[:, :DIST_TOKENS], p)
     assert df >= 30
-    assert stat < spec._chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     # guesses were accepted: the Jacobi path ran (measured 1.20 and 1.35; a row's last token is never a guess)
     assert out.stats.mean_accepted > 1.15
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_broken_acceptance() -> None:
     """Power: the same test rejects PJD that tests its guesses against the wrong q (measured
     chi2 814 against a threshold of 109)."""
-    p = spec._exact_joint(_grid_dist_model(4), spec.DIST_SAMPLING, DIST_TOKENS)
-    stat, df = spec._chi_square(_dist_run(4, broken=True).codes[:, :DIST_TOKENS], p)
-    assert stat > spec._chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    p = exact_joint(_grid_dist_model(4), DIST_SAMPLING, DIST_TOKENS)
+    stat, df = chi_square(_dist_run(4, broken=True).codes[:, :DIST_TOKENS], p)
+    assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
 # ---- configuration and bad input -------------------------------------------------------------
@@ -269,6 +278,7 @@ def test_choose_pjd_window_measures_windows_within_a_row(random_stack: Path) -> 
     assert chosen.pjd == PJDConfig(choice.window, 4) and chosen.tree.depth == choice.window
 
 
+@pytest.mark.slow
 def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
@@ -281,6 +291,7 @@ def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
     assert run["auto_window"]["window"] in (2, 4, 8)
 
 
+@pytest.mark.slow
 def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> None:
     specs = parse_methods("pjd/window=3/context=2,pjd/window=auto,sjd/window=8,ar")
     assert specs[0].window == 3 and specs[0].settings == {"pjd_window": 3, "pjd_context": 2}
@@ -298,6 +309,7 @@ def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> No
         parse_methods("pjd/window=wide")
 
 
+@pytest.mark.slow
 def test_demo_takes_windows_and_auto(random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``lantern demo --pjd-window auto``: the auto choice (its timing is choose_window's, tested

@@ -57,6 +57,7 @@ def test_preset_folders_record_provenance() -> None:
             assert len(step["data_fingerprint"]) == 64 and step["git_commit"] and step["metrics"]
 
 
+@pytest.mark.slow
 def test_codes_decode_to_images_of_the_right_size_and_quality(preset) -> None:  # noqa: ANN001
     name, stack, codes, _, psnr, _ = preset
     shape, _, min_psnr, *_ = EXPECT[name]
@@ -66,6 +67,7 @@ def test_codes_decode_to_images_of_the_right_size_and_quality(preset) -> None:  
     assert float(psnr.mean()) >= min_psnr, f"{name}: held-out PSNR {float(psnr.mean()):.2f} dB"
 
 
+@pytest.mark.slow
 def test_target_beats_the_unigram_baseline(preset) -> None:  # noqa: ANN001
     name, stack, codes, labels, _, train_codes = preset
     margin = EXPECT[name][3]
@@ -78,6 +80,7 @@ def test_target_beats_the_unigram_baseline(preset) -> None:  # noqa: ANN001
     assert 0.05 < stats["mean_top1_prob_sampling"] < 0.9
 
 
+@pytest.mark.slow
 def test_drafter_agrees_with_the_target(preset) -> None:  # noqa: ANN001
     name, stack, codes, labels, *_ = preset
     drafter = EagleDrafterModel.from_pretrained(stack.drafter_dir).float()
@@ -91,6 +94,7 @@ def test_drafter_agrees_with_the_target(preset) -> None:  # noqa: ANN001
     assert trained["top1"] > base["top1"] + 0.2 and trained["accept_prob"] > base["accept_prob"] + 0.1
 
 
+@pytest.mark.slow
 def test_proximity_table_matches_the_tokenizer(preset) -> None:  # noqa: ANN001
     name, stack, *_ = preset
     table = ProximityTable.load(stack.proximity_file)
@@ -101,6 +105,7 @@ def test_proximity_table_matches_the_tokenizer(preset) -> None:  # noqa: ANN001
     assert torch.equal(rebuilt.neighbours, table.neighbours)
 
 
+@pytest.mark.slow
 def test_generate_uses_the_presets_own_drafter_and_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for method in ("sd", "lantern", "lantern++"):
         assert main(["generate", "--model", "digits", "--labels", "3,7", "--method", method, "--out",
@@ -115,6 +120,7 @@ def test_generate_uses_the_presets_own_drafter_and_table(tmp_path: Path, capsys:
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_demo_prints_the_table_and_writes_the_grid(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["demo", "--model", "digits", "--num-images", "4", "--methods", "ar,lantern++", "--out",
                  str(tmp_path), "--no-progress"]) == 0

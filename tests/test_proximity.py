@@ -45,6 +45,7 @@ def brute_force(codebook: Tensor, rows: list[int], k: int, metric: str = "l2") -
     return torch.stack(out)
 
 
+@pytest.mark.slow
 def test_full_size_build_matches_brute_force() -> None:
     """V = 16384, C = 8 (LlamaGen VQ-16), K_max = 1024: sampled rows equal brute force, and the
     build stays well within a minute on 2 CPU cores (measured ~8 s)."""

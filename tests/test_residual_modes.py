@@ -17,7 +17,6 @@ from lantern.run import load_acceptance
 from lantern.targets.llamagen_stack import load_stack
 from lantern.targets.proximity import ProximityTable
 
-torch.set_num_threads(1)
 RESIDUALS = ("paper", "official", "official-lumina")
 
 
@@ -55,6 +54,7 @@ def _generate(tmp_path: Path, residual: str, *extra: str) -> tuple[np.ndarray, d
     return np.load(out / "codes.npy"), json.loads((out / "run.json").read_text())
 
 
+@pytest.mark.slow
 def test_each_residual_runs_end_to_end_and_differs_only_when_relaxed(tmp_path: Path) -> None:
     stack = load_stack("digits")
     size, vocab = stack.target.config.block_size, stack.target.config.vocab_size

@@ -91,6 +91,7 @@ def test_fmix32_is_a_bijection_on_a_sample() -> None:
     assert int(fmix32(torch.tensor([1]))) == 0x514E28B7  # MurmurHash3 fmix32(1), the reference value
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 def test_compiled_uniforms_equal_eager_bit_for_bit() -> None:
     """Integer ops only: inductor's kernels give exactly the eager numbers."""

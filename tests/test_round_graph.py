@@ -63,6 +63,7 @@ def _decode(prepared: PreparedMethod, labels: list[int], seeds: list[int] | None
     return loop.start_decode(target, torch.tensor(labels, device=device), rng, drafter, prepared.acceptance)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_round_is_one_graph(stack: ModelStack, name: str, sampling: SamplingConfig) -> None:
@@ -97,6 +98,7 @@ def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(METHODS))
 def test_compiled_round_never_recompiles(stack: ModelStack, name: str, eager_backend: None) -> None:
     """A decode compiles its round once, on the first round: no recompilation across rounds
@@ -119,6 +121,7 @@ def test_compiled_round_never_recompiles(stack: ModelStack, name: str, eager_bac
         assert any(len(set(step.tolist())) > 1 for step in first.stats.tokens_per_step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lantern++", "lantern", "sjd-coupled", "pjd"])
 def test_compiled_rows_independent_of_batch(stack: ModelStack, name: str, eager_backend: None) -> None:
     """Under the counter-based random streams and a compiled round, a row's codes are the same
@@ -132,6 +135,7 @@ def test_compiled_rows_independent_of_batch(stack: ModelStack, name: str, eager_
         assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
 
 
+@pytest.mark.slow
 def test_one_compiled_round_per_fingerprint(stack: ModelStack, eager_backend: None) -> None:
     """round_fn compiles a copy of the round per fingerprint of its state (guards are checked
     once per decode, not per round): the same method and batch size reuse it image after image;
@@ -175,6 +179,7 @@ def test_fixed_accept_override(stack: ModelStack) -> None:
     assert steps[:, 0].tolist() == expected and steps[:, 1].tolist() == expected
 
 
+@pytest.mark.slow
 def test_trace_counts_one_region_per_compiled_round(stack: ModelStack, eager_backend: None) -> None:
     """``lantern profile --trace --compile``: ``regions_per_round`` is 1 for AR and a chain (the
     issue allows 2); eager rounds have none."""

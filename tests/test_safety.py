@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import OFFICIAL_DRAFTER_CONFIG, fake_class, image_folder, official_drafter_state, save_with_fake_modules
 from safetensors.torch import save_file
-from test_chameleon_vq import _fake_class, _save_with_fake_modules
-from test_drafter import OFFICIAL_CONFIG, _official_state
-from test_train import _image_folder
 
 from lantern.cli.main import main
 from lantern.errors import LanternError
@@ -29,8 +27,6 @@ from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
 from lantern.targets.proximity import ProximityTable, build_proximity
 from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq, tiny_vq_config
-
-torch.set_num_threads(1)
 
 
 class Payload:
@@ -113,7 +109,7 @@ def test_lightning_checkpoint_layout_loads_without_a_flag(tmp_path: Path, monkey
     """A full Lightning training checkpoint (as taming-transformers VQGANs are saved) feeds
     ``build-proximity`` without Lightning installed and without --trust-checkpoint."""
     vq = tiny_vq()
-    callback = _fake_class("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint")
+    callback = fake_class("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint")
     hparams = type("AttributeDict", (dict,), {"__module__": "pytorch_lightning.utilities.parsing"})
     ckpt = {"epoch": 12, "global_step": 40000, "pytorch-lightning_version": "1.4.2", "state_dict": vq.state_dict(),
             "callbacks": {callback: {"best_model_score": torch.tensor(0.1), "best_model_path": "/x/last.ckpt"}},
@@ -122,7 +118,7 @@ def test_lightning_checkpoint_layout_loads_without_a_flag(tmp_path: Path, monkey
             "native_amp_scaling_state": {"scale": 65536.0}, "hparams_name": "kwargs",
             "hyper_parameters": hparams(embed_dim=8, n_embed=256)}
     path = tmp_path / "vqgan.ckpt"
-    _save_with_fake_modules([callback, hparams], lambda: torch.save(ckpt, path), monkeypatch)
+    save_with_fake_modules([callback, hparams], lambda: torch.save(ckpt, path), monkeypatch)
     loaded = load_checkpoint(path)
     assert loaded["hyper_parameters"] == {"embed_dim": 8, "n_embed": 256} and loaded["epoch"] == 12
     out = tmp_path / "prox.safetensors"
@@ -180,8 +176,8 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_official_drafter_bin_refuses_the_payload(stack: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     drafter = tmp_path / "drafter"
-    path = _evil(drafter / "pytorch_model.bin", _official_state(OFFICIAL_CONFIG))
-    (drafter / "config.json").write_text(json.dumps(OFFICIAL_CONFIG))
+    path = _evil(drafter / "pytorch_model.bin", official_drafter_state(OFFICIAL_DRAFTER_CONFIG))
+    (drafter / "config.json").write_text(json.dumps(OFFICIAL_DRAFTER_CONFIG))
     out = tmp_path / "out"
     assert main(["generate", "--model", str(stack), "--labels", "1", "--method", "sd", "--drafter", str(drafter),
                  "--out", str(out), "--no-progress"]) == 2
@@ -244,7 +240,7 @@ TRAIN_ARGS = ["train-tokenizer", "--codebook-size", "16", "--ch", "16", "--ch-mu
 def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(image folder, a training --out stopped after its step-4 checkpoint)."""
     root = tmp_path_factory.mktemp("train")
-    images = _image_folder(root / "imgs")
+    images = image_folder(root / "imgs")
     assert main([*TRAIN_ARGS, "--data", str(images), "--out", str(root / "run"), "--stop-after", "4"]) == 0
     return images, root / "run"
 

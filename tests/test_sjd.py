@@ -5,9 +5,9 @@ Evidence, as for the other speculative methods (tests/test_speculative.py, test_
 * greedy SJD reproduces greedy AR token for token (random tiny stack and the ``digits`` preset,
   batch 1 and 3, both initialisations, windows 1, 4 and 16);
 * exact SJD samples the target's distribution: chi-square of the joint law of the first 4 image
-  tokens against an exact enumeration (reusing test_speculative's model and helpers), with a
-  power check that a wrong Jacobi q is detected;
-* one Jacobi acceptance step, computed exactly (no sampling, test_acceptance's bisection over the
+  tokens against an exact enumeration (test_speculative's model and helpers, from conftest.py),
+  with a power check that a wrong Jacobi q is detected;
+* one Jacobi acceptance step, computed exactly (no sampling, conftest.py's bisection over the
   uniforms): lossless without relaxation, and within LANTERN's per-step bound with it;
 * rows are independent of their batch-mates; stats, CLI and bad options.
 """
@@ -16,21 +16,25 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from test_acceptance import measure_first_token, rand_neighbours, sampled_orders, tv
-from test_speculative import (
+from conftest import (
     DIST_LABEL,
     DIST_ROWS,
     DIST_SAMPLING,
-    _chi_square,
-    _chi_square_threshold,
-    _dist_model,
-    _exact_joint,
+    assert_rows_independent,
+    cached_stack,
+    chi_square,
+    dist_model,
+    exact_joint,
+    generate_jacobi,
+    measure_first_token,
+    rand_neighbours,
+    sampled_orders,
+    tv,
 )
 from torch import Tensor
 
@@ -38,54 +42,23 @@ from lantern.cli.main import main
 from lantern.decoding.acceptance import aggregated_mask, relaxed_mass
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
 from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
-from lantern.decoding.loop import Acceptance, GenerationOutput, generate
+from lantern.decoding.loop import Acceptance, GenerationOutput
 from lantern.decoding.rng import RowRandom
-from lantern.decoding.sampling import make_generators, probs_from_logits
+from lantern.decoding.sampling import probs_from_logits
 from lantern.errors import LanternError
 from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
 from lantern.run import run_generation
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import ModelStack, load_stack
-from lantern.testing import make_random_stack, tiny_llamagen
+from lantern.testing import chi_square_threshold, make_random_stack, tiny_llamagen
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: intra-op threads only add synchronisation on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_stack(tmp_path_factory.mktemp("sjd") / "random", seed=2)
-
-
-@cache
-def _stack(path: str) -> ModelStack:
-    return load_stack(path)
-
-
-def _generate(
-    model: LlamaGen,
-    labels: Tensor,
-    sampling: SamplingConfig,
-    config: JacobiConfig,
-    seeds: list[int] | None,
-    drafter_cls: type[JacobiDrafter] = JacobiDrafter,
-    acceptance: Acceptance | None = None,
-    compile: str | None = None,
-) -> GenerationOutput:
-    cfg = model.config
-    drafter = drafter_cls(config, sampling, cfg.vocab_size, cfg.block_size)
-    target = LlamaGenTarget(model, sampling, max_tree_nodes=drafter.num_nodes, compile=compile)
-    gens = None if seeds is None else make_generators(seeds)
-    return generate(target, labels, generators=gens, drafter=drafter, acceptance=acceptance, compile=compile)
 
 
 # ---- greedy SJD == greedy AR ----------------------------------------------------------------
@@ -101,17 +74,17 @@ def _greedy(stack: ModelStack) -> SamplingConfig:
 
 @cache
 def _greedy_ar(path: str, batch: int) -> Tensor:
-    stack = _stack(path)
+    stack = cached_stack(path)
     return run_generation(stack, GREEDY_LABELS[batch], 0, _greedy(stack), MethodConfig.resolve("ar"), batch).codes
 
 
 @pytest.mark.parametrize("window", [1, 4, 16])
 @pytest.mark.parametrize("init", ["random", "repeat_horizon"])
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("model", ["random", "digits"])
+@pytest.mark.parametrize("model", ["random", pytest.param("digits", marks=pytest.mark.slow)])
 def test_greedy_sjd_reproduces_ar(random_stack: Path, model: str, batch: int, init: str, window: int) -> None:
     path = str(random_stack) if model == "random" else "digits"
-    stack = _stack(path)
+    stack = cached_stack(path)
     method = MethodConfig.resolve("sjd", sjd_window=window, sjd_init=init)
     result = run_generation(stack, GREEDY_LABELS[batch], 0, _greedy(stack), method, batch)
     assert torch.equal(result.codes, _greedy_ar(path, batch))
@@ -155,11 +128,12 @@ DIST_TOKENS = 4  # the joint law of image tokens 0..3 of the 3x3 image
 def _dist_run(name: str) -> GenerationOutput:
     init, window, drafter_cls = DIST_RUNS[name]
     labels = torch.full((DIST_ROWS,), DIST_LABEL)
-    return _generate(
-        _dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init), list(range(DIST_ROWS)), drafter_cls
+    return generate_jacobi(
+        dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init), list(range(DIST_ROWS)), drafter_cls
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["random-4", "repeat-4", "random-2"])
 def test_sjd_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
@@ -167,25 +141,27 @@ def test_sjd_matches_target_distribution(run: str) -> None:
     implementation is 0.1 % per test (fixed seeds, so the outcome is deterministic). Tokens 1..3
     are decided by Jacobi tests of random guesses (one-hot q) and of carried samples (q = the
     previous round's p), so both halves of the rule are exercised."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
     out = _dist_run(run)
     codes = out.codes[:, :DIST_TOKENS]
     cell = (codes * 6 ** torch.arange(DIST_TOKENS - 1, -1, -1)).sum(1)
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
-    stat, df = _chi_square(codes, p)
+    stat, df = chi_square(codes, p)
     assert df >= 30
-    assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     assert out.stats.mean_accepted > 1.3  # guesses were accepted: the speculative path ran
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_wrong_jacobi_q() -> None:
     """Power: the same test rejects an SJD whose carried q is off by one node (measured chi2
     1741 against a threshold of 109)."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
-    stat, df = _chi_square(_dist_run("shifted-q").codes[:, :DIST_TOKENS], p)
-    assert stat > _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    stat, df = chi_square(_dist_run("shifted-q").codes[:, :DIST_TOKENS], p)
+    assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
+@pytest.mark.slow
 def test_carried_q_raises_acceptance() -> None:
     """Testing carried guesses with the q they were drawn from accepts more than treating them as
     fixed tokens (measured 1.51 vs 1.25 tokens per forward; same seeds, 6000 rows)."""
@@ -288,6 +264,7 @@ def _mixture_bound(p: Tensor, q: Tensor, nbr: Tensor, cfg: RelaxationConfig) -> 
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", RELAXED, ids=["delta0.1", "delta0.3", "lambda3"])
 def test_relaxed_jacobi_step_within_bound(cfg: RelaxationConfig) -> None:
     """Relaxed SJD, one step, exact (no sampling).
@@ -320,8 +297,8 @@ def test_relaxed_jacobi_step_within_bound(cfg: RelaxationConfig) -> None:
 # ---- batching, stats ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("relaxed", [False, True])
-@pytest.mark.parametrize("init", ["random", "repeat_horizon"])
+@pytest.mark.parametrize("relaxed", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("init", ["random", pytest.param("repeat_horizon", marks=pytest.mark.slow)])
 def test_rows_independent_of_batch(init: str, relaxed: bool) -> None:
     """A row gives the same codes, in the same number of forwards, alone and in a batch of 3."""
     model = tiny_llamagen(seed=7)
@@ -333,21 +310,7 @@ def test_rows_independent_of_batch(init: str, relaxed: bool) -> None:
     assert_rows_independent(model, s, JacobiConfig(8, init), acceptance)
 
 
-def assert_rows_independent(
-    model: LlamaGen, s: SamplingConfig, config: JacobiConfig, acceptance: Acceptance | None
-) -> GenerationOutput:
-    """Each of 3 rows gives the same codes, in the same number of forwards, alone and in the
-    batch, and the rows did drift apart. Returns the batched run."""
-    labels, seeds = [4, 5, 6], [1, 2, 3]
-    batch = _generate(model, torch.tensor(labels), s, config, seeds, acceptance=acceptance)
-    for i in range(3):
-        alone = _generate(model, torch.tensor(labels[i : i + 1]), s, config, seeds[i : i + 1], acceptance=acceptance)
-        assert torch.equal(batch.codes[i], alone.codes[0]), i
-        assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
-    assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
-    return batch
-
-
+@pytest.mark.slow
 def test_digits_mean_accepted_and_stats() -> None:
     """Default preset sampling (top-k 100, CFG 3): SJD gets more than one token per forward
     (measured 2.2 with window 16 over 4 images), and the stats add up."""
@@ -379,6 +342,7 @@ def test_cli_generate_sjd(tmp_path: Path) -> None:
     assert (out / "0000_label3.png").is_file()
 
 
+@pytest.mark.slow
 def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
     rc = main(["generate", "--model", "digits", "--labels", "2", "--method", "sjd-lantern++", "--lantern-lambda",
                "3", "--out", str(tmp_path / "o"), "--no-progress"])

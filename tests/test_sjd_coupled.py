@@ -20,15 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sjd import _generate, _stack, assert_rows_independent
-from test_speculative import (
+from conftest import (
     DIST_LABEL,
     DIST_ROWS,
     DIST_SAMPLING,
-    _chi_square,
-    _chi_square_threshold,
-    _dist_model,
-    _exact_joint,
+    assert_rows_independent,
+    cached_stack,
+    chi_square,
+    dist_model,
+    exact_joint,
+    generate_jacobi,
 )
 from torch import Tensor
 
@@ -44,12 +45,9 @@ from lantern.eval.report import tree_label
 from lantern.methods import MethodConfig
 from lantern.run import run_generation
 from lantern.targets.llamagen_stack import load_stack
-from lantern.testing import make_random_stack, tiny_llamagen
+from lantern.testing import chi_square_threshold, make_random_stack, tiny_llamagen
 
 COUPLINGS = ["maximal", "gumbel"]
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +63,14 @@ LABELS = {1: [5], 3: [0, 3, 7]}
 @cache
 def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
-    return run_generation(_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
+    return run_generation(cached_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
 
 
 @pytest.mark.parametrize("coupling", COUPLINGS)
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_coupled_sjd_reproduces_ar(random_stack: Path, batch: int, cfg_scale: float, coupling: str) -> None:
-    stack = _stack(str(random_stack))
+    stack = cached_stack(str(random_stack))
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
     method = MethodConfig.resolve("sjd-coupled", sjd_window=4, sjd_coupling=coupling)
     result = run_generation(stack, LABELS[batch], 0, s, method, batch)
@@ -160,12 +158,13 @@ def _dist_run(name: str) -> tuple[GenerationOutput, float]:
             super().start(hidden, root)
             drafters.append(self)
 
-    out = _generate(_dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init, coupling), list(range(DIST_ROWS)),
-                    _Kept, compile="default" if name.endswith("-compiled") else None)
+    out = generate_jacobi(dist_model(), labels, DIST_SAMPLING, JacobiConfig(window, init, coupling),
+                          list(range(DIST_ROWS)), _Kept, compile="default" if name.endswith("-compiled") else None)
     (drafter,) = drafters
     return out, int(drafter.kept) / int(drafter.redrawn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["maximal", "gumbel", "maximal-repeat", "gumbel-2", "maximal-compiled"])
 def test_coupled_sjd_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
@@ -173,26 +172,28 @@ def test_coupled_sjd_matches_target_distribution(run: str) -> None:
     probability 0.1 % per test (fixed seeds: the outcome is deterministic). With window 4 the
     tokens 1..3 are decided by tests of guesses that were redrawn by the coupling at least once
     (measured chi2: 58, 66, 52 and 67 against a threshold of 109)."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
     out, keep_rate = _dist_run(run)
     codes = out.codes[:, :DIST_TOKENS]
     cell = (codes * 6 ** torch.arange(DIST_TOKENS - 1, -1, -1)).sum(1)
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
-    stat, df = _chi_square(codes, p)
+    stat, df = chi_square(codes, p)
     assert df >= 30
-    assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     assert out.stats.mean_accepted > 1.3  # guesses were accepted: the speculative path ran
     assert keep_rate > 0.5  # and the coupling did keep carried guesses
 
 
+@pytest.mark.slow
 def test_chi_square_detects_a_broken_coupling() -> None:
     """Power: the same test rejects a coupling whose draws follow the old q instead of p
     (measured chi2 1865 against a threshold of 109)."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
-    stat, df = _chi_square(_dist_run("sticky")[0].codes[:, :DIST_TOKENS], p)
-    assert stat > _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    stat, df = chi_square(_dist_run("sticky")[0].codes[:, :DIST_TOKENS], p)
+    assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
+@pytest.mark.slow
 def test_coupling_keeps_drafts_between_iterations() -> None:
     """Same model, seeds and window: the share of carried guesses that come out unchanged when
     redrawn (measured 0.28 independent, 0.69 maximal, 0.62 gumbel over ~45k redraws)."""
@@ -226,8 +227,8 @@ def test_unchanged_prediction_keeps_the_draft(coupling: str) -> None:
 # ---- batching -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("relaxed", [False, True])
-@pytest.mark.parametrize("coupling", COUPLINGS)
+@pytest.mark.parametrize("relaxed", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("coupling", ["maximal", pytest.param("gumbel", marks=pytest.mark.slow)])
 def test_rows_independent_of_batch(coupling: str, relaxed: bool) -> None:
     """A row gives the same codes, in the same number of forwards, alone and in a batch of 3."""
     model = tiny_llamagen(seed=7)
@@ -242,6 +243,7 @@ def test_rows_independent_of_batch(coupling: str, relaxed: bool) -> None:
 # ---- CLI and bad options --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_cli_generate_coupled_sjd(tmp_path: Path, coupling: str) -> None:
     out = tmp_path / "out"
@@ -254,6 +256,7 @@ def test_cli_generate_coupled_sjd(tmp_path: Path, coupling: str) -> None:
     assert run["stats"]["mean_accepted"] > 1.0
 
 
+@pytest.mark.slow
 def test_relaxation_applies_to_coupled_sjd() -> None:
     """The relaxed forms accept drafts the exact rule rejects and decide more tokens per forward
     (measured on digits, 2 images: 2.61 exact, 3.11 sjd-coupled-lantern, 3.05 -lantern++)."""
@@ -272,7 +275,7 @@ def test_bench_rows_per_coupling() -> None:
     specs = parse_methods("ar,sjd-coupled,sjd-coupled/coupling=gumbel,gsd/coupling=maximal", budget="token")
     assert [s.name for s in specs] == ["ar", "sjd-coupled", "sjd-coupled/coupling=gumbel", "gsd/coupling=maximal"]
     assert [s.settings.get("lantern_budget") for s in specs] == [None] * 4  # no LANTERN rule: no budget
-    stack = _stack("digits")
+    stack = cached_stack("digits")
     labels = [tree_label(s.resolve(stack)) for s in specs]
     assert labels == ["-", "jacobi:16/repeat_horizon/maximal", "jacobi:16/repeat_horizon/gumbel",
                       "jacobi:16/random/maximal"]

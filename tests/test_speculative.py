@@ -11,17 +11,17 @@ All models are tiny and random, on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import cache
 
 import pytest
 import torch
+from conftest import DIST_LABEL, DIST_ROWS, DIST_SAMPLING, chi_square, dist_model, exact_joint
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.loop import GenerationOutput, generate
-from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.decoding.sampling import make_generators
 from lantern.decoding.trees import static_tree, tree_from_parents
 from lantern.drafters.checks import check_drafter_matches_target, check_tree_fits
 from lantern.drafters.eagle import make_eagle_drafter
@@ -30,7 +30,7 @@ from lantern.errors import LanternError
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.testing import chi_square_pooled, chi_square_threshold, tiny_llamagen
+from lantern.testing import chi_square_threshold, tiny_llamagen
 
 TREES = {
     "chain4": TreeConfig.parse("chain:4"),
@@ -44,16 +44,9 @@ TREES = {
 # depth 5), 4.4 (dynamic depth 3), 5.1 (dynamic default); bounds keep a margin.
 ORACLE_MIN_MEAN_ACCEPTED = {"chain4": 3.5, "naive57": 3.5, "mcsim": 3.5, "dyn_small": 3.0, "dyn_default": 3.5}
 LABELS = {1: [5], 3: [0, 3, 7]}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models run faster on one intra-op thread, and a shared CPU's load cannot then stall
-    every small op at a thread barrier (observed: 0.3 s runs taking 20 s on 2 busy cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# greedy == AR: every tree and batch in the full suite; the fast tier (-m "not slow") runs a chain and a
+# dynamic tree on a batch of 3
+FAST_TREES = [t if t in ("chain4", "dyn_small") else pytest.param(t, marks=pytest.mark.slow) for t in TREES]
 
 
 @cache
@@ -98,8 +91,8 @@ def _run(
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("tree", FAST_TREES)
 def test_greedy_oracle_reproduces_ar(tree: str, batch: int, cfg_scale: float) -> None:
     s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
     out = _run("oracle", TREES[tree], torch.tensor(LABELS[batch]), s)
@@ -108,8 +101,8 @@ def test_greedy_oracle_reproduces_ar(tree: str, batch: int, cfg_scale: float) ->
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("tree", FAST_TREES)
 def test_greedy_random_eagle_reproduces_ar(tree: str, batch: int, cfg_scale: float) -> None:
     s = SamplingConfig(temperature=0, cfg_scale=cfg_scale)
     out = _run("eagle", TREES[tree], torch.tensor(LABELS[batch]), s)
@@ -119,42 +112,7 @@ def test_greedy_random_eagle_reproduces_ar(tree: str, batch: int, cfg_scale: flo
 
 # ---- exact speculative sampling reproduces p ------------------------------------------------
 
-DIST_ROWS = 6000  # samples per run, one generator per row (seeded by row index)
 DIST_TOKENS = 4  # the joint law of the first 4 image tokens is compared (of a 3x3 image)
-DIST_SAMPLING = SamplingConfig(temperature=1.0, top_k=4, cfg_scale=2.0)
-DIST_LABEL = 3
-
-
-@cache
-def _dist_model() -> LlamaGen:
-    """6 image tokens, a 3x3 grid: the joint of 4 tokens has 6^4 cells, 4^4 = 256 under top-k."""
-    return tiny_llamagen(seed=3, logit_std=0.4, vocab_size=6, block_size=9, dim=16, n_layer=1, n_head=2, multiple_of=16)
-
-
-@torch.no_grad()
-def _exact_joint(model: LlamaGen, sampling: SamplingConfig, k: int) -> Tensor:
-    """p(x_0..x_{k-1}) [V^k] (row-major in x_0..x_{k-1}) by enumerating every prefix with full
-    uncached forwards, guided and processed exactly as the loop's p."""
-    v = model.config.vocab_size
-    joint = torch.ones(1, dtype=torch.float64)
-    prefixes = torch.zeros(1, 0, dtype=torch.long)  # [V^t, t]
-    for _ in range(k):
-        n = prefixes.shape[0]
-        logits = model(torch.full((n,), DIST_LABEL), prefixes)[0][:, -1]
-        if sampling.use_cfg:
-            uncond = model(model.null_condition(n), prefixes)[0][:, -1]
-            logits = apply_cfg(torch.cat([logits, uncond]), sampling.cfg_scale, 2)
-        p = probs_from_logits(logits, sampling).double()  # [n, V]
-        joint = (joint[:, None] * p).reshape(-1)
-        prefixes = torch.cat([prefixes.repeat_interleave(v, 0), torch.arange(v).repeat(n)[:, None]], dim=1)
-    return joint
-
-
-def _chi_square(codes: Tensor, p: Tensor) -> tuple[float, int]:
-    return chi_square_pooled(codes, p, _dist_model().config.vocab_size)
-
-
-_chi_square_threshold = chi_square_threshold
 
 
 # name -> (tree, oracle logit_scale). 0.6: q is a flatter copy of p, so drafts get rejected and
@@ -181,7 +139,7 @@ COMPILED_DIST_RUNS = {
 
 @cache
 def _dist_run(name: str) -> GenerationOutput:
-    model, labels = _dist_model(), torch.full((DIST_ROWS,), DIST_LABEL)
+    model, labels = dist_model(), torch.full((DIST_ROWS,), DIST_LABEL)
     seeds = list(range(DIST_ROWS))
     if name in COMPILED_DIST_RUNS:
         tree = COMPILED_DIST_RUNS[name]
@@ -198,7 +156,8 @@ def _dist_run(name: str) -> GenerationOutput:
     return _run("oracle", tree, labels, DIST_SAMPLING, seeds, model=model, logit_scale=logit_scale)
 
 
-@pytest.mark.parametrize("run", [*DIST_RUNS, *COMPILED_DIST_RUNS])
+@pytest.mark.parametrize("run", [run if run == "ar" else pytest.param(run, marks=pytest.mark.slow)
+                                 for run in [*DIST_RUNS, *COMPILED_DIST_RUNS]])
 def test_speculative_sampling_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law, at significance 0.001.
 
@@ -207,18 +166,19 @@ def test_speculative_sampling_matches_target_distribution(run: str) -> None:
     a thousand seed choices, bad luck). The power test below shows the same data rejects a
     slightly wrong target.
     """
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
     out = _dist_run(run)
     codes = out.codes[:, :DIST_TOKENS]
     cell = (codes * 6 ** torch.arange(DIST_TOKENS - 1, -1, -1)).sum(1)
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
-    stat, df = _chi_square(codes, p)
+    stat, df = chi_square(codes, p)
     assert df >= 30  # enough cells for a meaningful test
-    assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     if not run.startswith("ar"):
         assert out.stats.mean_accepted > 1.3  # drafts were accepted: the speculative path ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "wrong",
     [
@@ -233,8 +193,8 @@ def test_chi_square_has_power(wrong: SamplingConfig) -> None:
     """The speculative samples are rejected when compared with a wrong target distribution
     (measured statistics are 2.4-170x the threshold), so the test above can fail meaningfully."""
     codes = _dist_run("static-flat-q").codes[:, :DIST_TOKENS]
-    stat, df = _chi_square(codes, _exact_joint(_dist_model(), wrong, DIST_TOKENS))
-    assert stat > _chi_square_threshold(df)
+    stat, df = chi_square(codes, exact_joint(dist_model(), wrong, DIST_TOKENS))
+    assert stat > chi_square_threshold(df)
 
 
 # ---- tree attention == causal attention along each path -------------------------------------
@@ -356,8 +316,8 @@ def test_commit_equals_sequential_decoding() -> None:
 # ---- rows of a batch are independent --------------------------------------------------------
 
 
-@pytest.mark.parametrize("tree", ["mcsim", "dyn_small"])
-@pytest.mark.parametrize("drafter", ["eagle", "oracle"])
+@pytest.mark.parametrize("tree", ["mcsim", pytest.param("dyn_small", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("drafter", [pytest.param("eagle", marks=pytest.mark.slow), "oracle"])
 def test_rows_independent_of_batch(drafter: str, tree: str) -> None:
     """Each row gives the same codes (and takes the same steps) alone as in a batch."""
     s = SamplingConfig(temperature=1.0, top_k=20, cfg_scale=2.0)

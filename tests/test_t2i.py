@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import T5_DIM, T5_MAXLEN, T5_WORDS, tiny_t2i_target
 from PIL import Image
 
 from lantern.cli.main import main
@@ -40,13 +41,9 @@ from lantern.models.llamagen import LlamaGen, config_from_hf, hf_to_official, ll
 from lantern.run import run_generation_t2i
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import check_target_architecture, load_stack
-from lantern.targets.proximity import build_proximity
 from lantern.targets.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
-from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq
+from lantern.testing import make_random_stack
 
-MAXLEN = 12  # caption slots: T5 max_length = the target's cls_token_num (120 in LlamaGen T2I)
-D_T5 = 32  # T5 d_model = the target's caption_dim (2048 for flan-t5-xl)
-WORDS = "a photo of cat dog red car on the beach with blue sky and mountains house in snow painting".split()
 PROMPTS = [
     "A photo of a  CAT",  # 6 tokens with </s>: 6 padded slots
     "a red car on the beach with blue sky and mountains and a house in the snow",  # truncated to 12
@@ -55,71 +52,19 @@ PROMPTS = [
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread_offline() -> Iterator[None]:
-    """One intra-op thread (tiny models; a busy shared CPU), and no hub look-ups: every model here
-    is a local folder."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _offline() -> Iterator[None]:
+    """No hub look-ups: every model here is a local folder."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         yield
-    torch.set_num_threads(before)
 
 
 # ---- tiny T5 folder and T2I stack ------------------------------------------------------------
 
 
-def _write_tiny_t5(path: Path) -> Path:
-    """A random one-layer T5 encoder and a word-level tokenizer (pad 0, </s> 1, unk 2) saved as a
-    transformers folder, like a local copy of google/flan-t5-xl."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.save_pretrained(str(path))
-    cfg = transformers.T5Config(
-        vocab_size=len(vocab), d_model=D_T5, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )
-    torch.manual_seed(0)
-    transformers.T5EncoderModel(cfg).eval().save_pretrained(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def t5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_tiny_t5(tmp_path_factory.mktemp("t5") / "flan-t5-tiny")
-
-
-def _t2i_target(seed: int = 3) -> LlamaGen:
-    return tiny_llamagen(seed, model_type="t2i", cls_token_num=MAXLEN, caption_dim=D_T5, block_size=64)
-
-
-@pytest.fixture(scope="module")
-def t2i_stack(tmp_path_factory: pytest.TempPathFactory, t5_dir: Path) -> Path:
-    """target/ (t2i), tokenizer/, drafter/ (random EAGLE), proximity table and t5/."""
-    root = tmp_path_factory.mktemp("t2i") / "stack"
-    target = _t2i_target()
-    target.save_pretrained(root / "target")
-    vq = tiny_vq(0, 256)
-    vq.save_pretrained(root / "tokenizer")
-    torch.manual_seed(5)
-    EagleDrafterModel(DrafterConfig.for_target(target.config)).save_pretrained(root / "drafter")
-    build_proximity(vq.quantize.embedding.weight.detach(), k_max=64).save(root / "proximity.safetensors")
-    shutil.copytree(t5_dir, root / "t5")
-    return root
-
-
 @pytest.fixture(scope="module")
 def captions(t2i_stack: Path) -> Captions:
-    return load_t5(t2i_stack / "t5", MAXLEN).encode(PROMPTS)
+    return load_t5(t2i_stack / "t5", T5_MAXLEN).encode(PROMPTS)
 
 
 # ---- the T5 front end: left padding ([LlamaGen code]) ---------------------------------------
@@ -132,11 +77,11 @@ def test_left_padding_follows_llamagen(t5_dir: Path, captions: Captions) -> None
 
     tok = AutoTokenizer.from_pretrained(str(t5_dir))
     enc = T5EncoderModel.from_pretrained(str(t5_dir)).eval()
-    batch = tok([normalize_prompt(p) for p in PROMPTS], max_length=MAXLEN, padding="max_length", truncation=True,
+    batch = tok([normalize_prompt(p) for p in PROMPTS], max_length=T5_MAXLEN, padding="max_length", truncation=True,
                 add_special_tokens=True, return_tensors="pt")
     mask = batch["attention_mask"]
-    assert mask.sum(1).tolist() == [6, MAXLEN, 2]  # right-padded, the long prompt truncated
-    assert batch["input_ids"][0, 5] == 1 and batch["input_ids"][2].tolist()[:3] == [WORDS.index("dog") + 3, 1, 0]
+    assert mask.sum(1).tolist() == [6, T5_MAXLEN, 2]  # right-padded, the long prompt truncated
+    assert batch["input_ids"][0, 5] == 1 and batch["input_ids"][2].tolist()[:3] == [T5_WORDS.index("dog") + 3, 1, 0]
     with torch.no_grad():
         emb = enc(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
     flipped = torch.flip(mask, dims=[-1])
@@ -145,7 +90,7 @@ def test_left_padding_follows_llamagen(t5_dir: Path, captions: Captions) -> None
         expect = torch.cat([emb[r, v:], emb[r, :v]]) * flipped[r, :, None]
         assert torch.allclose(captions.embeddings[r], expect, atol=1e-6)
         assert torch.equal(captions.mask[r], flipped[r].bool())
-        assert torch.count_nonzero(captions.embeddings[r, : MAXLEN - v]) == 0  # padded slots exactly 0
+        assert torch.count_nonzero(captions.embeddings[r, : T5_MAXLEN - v]) == 0  # padded slots exactly 0
 
 
 def test_left_pad_handles_either_padding_side() -> None:
@@ -160,7 +105,7 @@ def test_left_pad_handles_either_padding_side() -> None:
 
 
 def test_encoding_is_independent_of_batch_and_case(t2i_stack: Path, captions: Captions) -> None:
-    enc = load_t5(t2i_stack / "t5", MAXLEN)
+    enc = load_t5(t2i_stack / "t5", T5_MAXLEN)
     alone = enc.encode(["dog"])
     assert torch.allclose(alone.embeddings[0], captions.embeddings[2], atol=1e-5)
     assert torch.equal(alone.mask[0], captions.mask[2])
@@ -188,7 +133,7 @@ def test_read_prompts(tmp_path: Path) -> None:
 
 
 def test_t5_folder_checks(tmp_path: Path, t5_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert check_t5_folder(t5_dir, caption_dim=D_T5)["model_type"] == "t5"
+    assert check_t5_folder(t5_dir, caption_dim=T5_DIM)["model_type"] == "t5"
     with pytest.raises(LanternError, match=r"d_model 32, but the target's caption projection expects 2048"):
         check_t5_folder(t5_dir, caption_dim=2048)
     with pytest.raises(LanternError, match="--t5: no such folder"):
@@ -205,7 +150,7 @@ def test_t5_folder_checks(tmp_path: Path, t5_dir: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(lantern.targets.text.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LanternError, match=r"need the transformers package.*lantern\[t2i\]"):
-        lantern.targets.text.load_t5(t5_dir, MAXLEN)
+        lantern.targets.text.load_t5(t5_dir, T5_MAXLEN)
 
 
 # ---- decoding from captions -----------------------------------------------------------------
@@ -214,7 +159,7 @@ def test_t5_folder_checks(tmp_path: Path, t5_dir: Path, monkeypatch: pytest.Monk
 def test_cached_logits_match_uncached_forward_with_caption_mask(captions: Captions) -> None:
     """The p every method samples from: prefill + chunked verify/commit with the caption mask equals
     the uncached causal pass that hides padded caption columns (CFG with the stored uncond rows)."""
-    model = _t2i_target()
+    model = tiny_t2i_target()
     sampling = SamplingConfig(cfg_scale=3.0)
     cond, mask = captions.embeddings, captions.mask
     codes = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
@@ -235,8 +180,8 @@ def test_cached_logits_match_uncached_forward_with_caption_mask(captions: Captio
     assert (cached - full).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("cfg_scale", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
     """Greedy SD with the stack's (random) EAGLE drafter on chain, static and dynamic trees, and
     greedy LANTERN++ with lambda = 1 (the exact rule), equal greedy AR token for token."""
@@ -252,8 +197,8 @@ def test_greedy_speculative_reproduces_ar(t2i_stack: Path, captions: Captions, b
         assert torch.equal(spec.codes, ar), (method, tree)
 
 
-@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("cfg_scale", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch: int, cfg_scale: float) -> None:
     """Greedy SJD, coupled SJD (both couplings) and PJD with one row at a time on captions equal
     greedy AR token for token."""
@@ -269,11 +214,11 @@ def test_greedy_jacobi_reproduces_ar(t2i_stack: Path, captions: Captions, batch:
     assert torch.equal(run_generation_t2i(stack, caps, 0, s, one_row, batch_size=2).codes, ar)
 
 
-@pytest.mark.parametrize("tree", ["chain:4", "static:naive_extend_57"])
+@pytest.mark.parametrize("tree", ["chain:4", pytest.param("static:naive_extend_57", marks=pytest.mark.slow)])
 def test_greedy_oracle_accepts_many_and_reproduces_ar(captions: Captions, tree: str) -> None:
     """A drafter that is the target itself (uncached, masked forward) gets long paths accepted:
     multi-token commits under the caption mask still give AR's codes."""
-    model = _t2i_target()
+    model = tiny_t2i_target()
     s = SamplingConfig(temperature=0, cfg_scale=3.0)
     cond, mask = captions.embeddings, captions.mask
     ar = generate(LlamaGenTarget(model, s), cond, cond_mask=mask).codes
@@ -295,6 +240,7 @@ def test_padded_caption_slots_are_invisible(t2i_stack: Path, captions: Captions)
     assert not torch.equal(a[0], c[0])  # the mask is used: unmasking the zero slots changes row 0
 
 
+@pytest.mark.slow
 def test_sampled_runs_do_not_depend_on_batch_size(t2i_stack: Path, captions: Captions) -> None:
     stack = load_stack(t2i_stack)
     s = SamplingConfig(top_k=40, cfg_scale=3.0)
@@ -316,6 +262,7 @@ def test_captions_must_fit_the_target(t2i_stack: Path, captions: Captions) -> No
 # ---- command line ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_prompts_write_images_and_run_json(t2i_stack: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["generate", "--model", str(t2i_stack), "--seed", "3", "--top-k", "40", "--cfg-scale", "2",
@@ -327,12 +274,12 @@ def test_cli_prompts_write_images_and_run_json(t2i_stack: Path, tmp_path: Path) 
     assert Image.open(out / "0000_prompt0.png").size == (32, 32)
     run = json.loads((out / "run.json").read_text())
     assert run["prompts"] == [PROMPTS[0].strip(), PROMPTS[2]] and run["prompt_index"] == [0, 0, 1, 1]
-    assert run["t5"] == str(t2i_stack / "t5") and run["t5_max_length"] == MAXLEN
+    assert run["t5"] == str(t2i_stack / "t5") and run["t5_max_length"] == T5_MAXLEN
     assert "labels" not in run and run["method"]["method"] == "sd-static"
     codes = np.load(out / "codes.npy")
     # The same codes as the library call with the same captions and per-image seeds.
     stack = load_stack(t2i_stack)
-    caps = load_t5(t2i_stack / "t5", MAXLEN).encode([PROMPTS[0], PROMPTS[2]], batch_size=3).repeat_interleave(2)
+    caps = load_t5(t2i_stack / "t5", T5_MAXLEN).encode([PROMPTS[0], PROMPTS[2]], batch_size=3).repeat_interleave(2)
     expect = run_generation_t2i(stack, caps, 3, SamplingConfig(top_k=40, cfg_scale=2.0),
                                 MethodConfig.resolve("sd-static")).codes
     assert np.array_equal(codes, expect.numpy())
@@ -353,7 +300,7 @@ def test_cli_prompts_write_images_and_run_json(t2i_stack: Path, tmp_path: Path) 
 def _bad_t5(tmp_path: Path, t2i_stack: Path) -> Path:
     bad = tmp_path / "bert"
     shutil.copytree(t2i_stack / "t5", bad)
-    write_json(bad / "config.json", {"model_type": "bert", "hidden_size": D_T5})
+    write_json(bad / "config.json", {"model_type": "bert", "hidden_size": T5_DIM})
     return bad
 
 

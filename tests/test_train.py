@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from conftest import image_folder
 from safetensors.torch import load_file, save_file
 
 from lantern.cli.main import main
@@ -30,32 +30,13 @@ from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
 from lantern.train.loop import LoopConfig, RunOptions, batch_indices, latest_checkpoint, lr_lambda
 from lantern.train.tokenizer import TokenizerRecipe, psnr, train_tokenizer
 
-torch.set_num_threads(1)
-
 TINY_VQ = dict(codebook_size=64, codebook_embed_dim=8, ch=16, ch_mult=(1, 2), z_channels=16, num_res_blocks=1,
                norm_groups=8)
 
 
-def _image_folder(root: Path, n: int = 12, size: int = 16) -> Path:
-    """Smooth coloured blobs: learnable in a few steps, different per image."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    lines = []
-    for i in range(n):
-        cx, cy, r = rng.uniform(0.2, 0.8, 3)
-        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (0.05 + 0.1 * r))
-        color = rng.uniform(0, 255, 3)
-        pixels = (blob[..., None] * color).astype(np.uint8)
-        Image.fromarray(pixels).save(root / f"img{i:02d}.png")
-        lines.append(f"img{i:02d}.png,{i % 3}")
-    (root / "labels.csv").write_text("\n".join(lines) + "\n")
-    return root
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _image_folder(tmp_path_factory.mktemp("images") / "imgs")
+    return image_folder(tmp_path_factory.mktemp("images") / "imgs")
 
 
 def _datasets(folder: Path):  # noqa: ANN202
@@ -136,6 +117,7 @@ def _loop(**kw) -> LoopConfig:  # noqa: ANN003
     return LoopConfig(**base)
 
 
+@pytest.mark.slow
 def test_tokenizer_trains_loads_and_reports(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=8)
@@ -159,6 +141,7 @@ def test_tokenizer_trains_loads_and_reports(folder: Path, tmp_path: Path) -> Non
     assert log[-1]["recon"] < log[0]["recon"]
 
 
+@pytest.mark.slow
 def test_tokenizer_resume_is_exact(folder: Path, tmp_path: Path) -> None:
     train, test = _datasets(folder)
     recipe = TokenizerRecipe(restart_every=3, eval_images=4)  # restarts cross the checkpoint boundary
@@ -212,6 +195,7 @@ def _tiny_target_config(codes: CodeSet):  # noqa: ANN202
                              resid_dropout_p=0.0, ffn_dropout_p=0.0)
 
 
+@pytest.mark.slow
 def test_target_learns_beats_unigram_and_loads(tmp_path: Path) -> None:
     train, test = _pattern_codes(96), _pattern_codes(24, seed=1)
     result = train_target(_tiny_target_config(train), train, test, TargetRecipe(class_dropout=0.1),
@@ -271,6 +255,7 @@ def test_codeset_round_trip_and_unigram(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_tokenizer_codes_target_chain(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     common = ["--data", str(folder), "--labels-file", str(folder / "labels.csv"), "--no-progress"]
     tiny = ["--codebook-size", "64", "--ch", "16", "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8"]
@@ -322,12 +307,13 @@ def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_killed_training_resumes_to_the_same_weights(folder: Path, tmp_path: Path) -> None:
     """A real SIGKILL mid-run: the last complete checkpoint is intact and resuming matches."""
     args = ["-m", "lantern.cli", "train-tokenizer", "--data", str(folder), "--codebook-size", "64", "--ch", "16",
             "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8", "--steps", "200", "--batch-size", "4",
             "--checkpoint-every", "5", "--eval-images", "2", "--no-progress", "--precision", "fp32"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ)
     cwd = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, *args, "--out", str(tmp_path / "killed")], env=env, cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

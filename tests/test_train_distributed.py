@@ -27,12 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import image_folder
 from safetensors.torch import load_file
-from test_train import _image_folder
 
 from lantern.cli.main import main
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-4, 1e-4
@@ -57,7 +55,7 @@ def _launch(args: list[str], launcher: str = "torchrun") -> subprocess.Completed
         # torchrun, which lantern runs on gloo when there is no GPU.
         head = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, *head, "-m", "lantern.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
@@ -127,7 +125,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     from lantern.testing import make_tiny_chameleon_folder
 
     root = tmp_path_factory.mktemp("inputs")
-    images = _image_folder(root / "images")
+    images = image_folder(root / "images")
     data = ["--data", str(images), "--labels-file", str(images / "labels.csv")]
     target, ddata = _drafter_inputs(root)
     chameleon = make_tiny_chameleon_folder(root / "chameleon")
@@ -162,6 +160,7 @@ def single(inputs: dict[str, list[str]], tmp_path_factory: pytest.TempPathFactor
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train-tokenizer", "train-target", "train-drafter", "train-chameleon-drafter",
                                      "train-features"])
 def test_two_processes_reach_the_single_process_weights(command: str, inputs: dict[str, list[str]],
@@ -187,6 +186,7 @@ def test_tolerance_separates_a_different_data_order(inputs: dict[str, list[str]]
     assert _max_excess(single["train-features"], tmp_path / "other") > 1e-3
 
 
+@pytest.mark.slow
 def test_resume_under_two_processes_and_across_process_counts(inputs: dict[str, list[str]], single: dict[str, Path],
                                                               tmp_path: Path) -> None:
     """The tokenizer (checkpointed usage counts, codebook restarts at steps 2, 4, 6 around the
@@ -210,6 +210,7 @@ def test_resume_under_two_processes_and_across_process_counts(inputs: dict[str, 
     assert _max_excess(single["train-tokenizer"], tmp_path / "one") <= 0
 
 
+@pytest.mark.slow
 def test_global_batch_not_divisible_by_the_processes(inputs: dict[str, list[str]], tmp_path: Path) -> None:
     args = [*inputs["train-features"], *LOOP, "--out", str(tmp_path / "odd")]
     proc = _launch([*args[: args.index("--batch-size") + 1], "5", *args[args.index("--batch-size") + 2 :]])

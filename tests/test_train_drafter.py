@@ -222,6 +222,7 @@ def test_training_layout_equals_inference(cls: int) -> None:
 # ---- training --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_micro_training_beats_the_untrained_drafter(world: World) -> None:
     before = evaluate_drafter(initial_drafter(world.target, DrafterRecipe(), seed=0), world.target, world.test)
     result = train_drafter(world.target, world.train, world.test, DrafterRecipe(), loop_config(),

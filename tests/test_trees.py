@@ -204,6 +204,7 @@ def test_input_order_does_not_matter() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 10**6), min_size=0, max_size=24), st.integers(1, 24))
 def test_tree_from_parents_matches_reference(draws: list[int], reach: int) -> None:
@@ -331,7 +332,6 @@ def eagle_flat_layout(gen: torch.Generator, top_k: int, depth: int) -> tuple[Ten
         best = cu.topk(top_k).indices
         frontier, frontier_scores = base + best, cu[best]
     return torch.cat(scores), torch.cat(parent_flat)
-
 
 
 def brute_force_select(scores: list[float], parent_flat: list[int], k: int) -> list[int]:
