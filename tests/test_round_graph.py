@@ -36,10 +36,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "lantern++": {},  # static tree, relaxed
     "sd-static": {},
     "lantern-chain": {"tree": "chain:3"},
-    "sjd": {"window": 4},
-    "sjd-coupled": {"window": 4},
-    "sjd-coupled-lantern": {"window": 4},
-    "gsd": {"window": 4},
+    "sjd": {"sjd_window": 4},
+    "sjd-coupled": {"sjd_window": 4},
+    "sjd-coupled-lantern": {"sjd_window": 4},
+    "gsd": {"sjd_window": 4},
     "pjd": {"pjd_window": 2, "pjd_context": 2},
 }
 SAMPLED = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
