@@ -24,6 +24,12 @@ Glossary (the names follow the papers; docs/REFERENCES.md):
   prefix of its k nearest latent neighbours ``N = neighbours[x, :k]`` whose cumulative residual
   mass stays within the bound: δ (``mode="absolute"``, LANTERN) or (λ-1)·r(x)
   (``mode="relative"``, LANTERN++). [LANTERN], [LANTERN++].
+* drawn / undrawn: a draft is *drawn* when a model proposed it from a distribution (a drafter's
+  sample or top-k, a Jacobi redraw from the target's own prediction); an *undrawn* guess is a
+  model-free fill (SJD / PJD initialisation: uniform noise, or a copy of a neighbouring token).
+  Only drawn drafts get the relaxed credit; an undrawn guess x is tested exactly, so it is
+  accepted with exactly p(x) (its q is a point mass) and random codes cannot enter the image at up
+  to δ above their probability. ``relaxable`` [B, T] marks the drawn nodes (None: all of them).
 * relaxed mass ``p̃(x) = r(A(x)) = r(x) + Σ_{t < m_len} r(N_t)``. The relaxed target ``p̃_x``
   moves the mass of A(x)∖{x} onto x, so ``TV(r, p̃_x) = p̃(x) - r(x) <= bound`` ([LANTERN]; docs/relaxation_budget.md).
 
@@ -142,6 +148,21 @@ def relaxed_mass(
     m_len = within.sum(-1)  # [B]
     c_m = c.gather(-1, (m_len - 1).clamp(min=0)[:, None]).squeeze(-1)  # [B]
     return r_x + torch.where(m_len > 0, c_m, torch.zeros_like(c_m)), m_len
+
+
+def drawn_credit(
+    p_tilde: Tensor,  # [B] relaxed mass
+    m_len: Tensor,  # [B] aggregated prefix length
+    r_x: Tensor,  # [B] exact mass r(x)
+    relaxable: Tensor | None,  # [B] bool: x was drawn from a model distribution (None: all were)
+    cfg: RelaxationConfig | None,
+) -> tuple[Tensor, Tensor]:
+    """``(p̃(x), m_len)`` with the relaxed credit kept for drawn drafts only: an undrawn guess gets
+    ``(r(x), 0)``, i.e. the exact test and (through m_len = 0) the exact residual. GSD's group rule
+    is left as its paper has it (every draft is credited with its group)."""
+    if relaxable is None or cfg is None or cfg.is_exact or cfg.mode == "group":
+        return p_tilde, m_len
+    return torch.where(relaxable, p_tilde, r_x), torch.where(relaxable, m_len, torch.zeros_like(m_len))
 
 
 def aggregated_mask(x: Tensor, m_len: Tensor, neighbours: Tensor, vocab_size: int) -> Tensor:
@@ -359,6 +380,7 @@ def _test_candidate(
     neighbours: Tensor | None,
     relax: RelaxationConfig | None,
     budget: TokenBudget | None = None,  # the level's token budget (relax.budget == "token")
+    relaxable: Tensor | None = None,  # [B] bool: x was drawn from a model distribution (None: yes)
 ) -> _Test:
     """One candidate test: accept with min(1, p̃(x)/q_j(x)), else update the residual.
 
@@ -378,6 +400,7 @@ def _test_candidate(
         p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B], [B]
     else:
         p_tilde, m_len = _budgeted_mass(r, x, neighbours, relax, budget.cap(relax, x, q_x), q_rest is not None)
+    p_tilde, m_len = drawn_credit(p_tilde, m_len, r_x, relaxable, relax)
     u = u.to(p_tilde.dtype)
     accepted = testing & (u < (p_tilde / q_test).clamp(max=1.0))
     rejected = testing & ~accepted
@@ -438,6 +461,7 @@ def _verify_level(
     active: Tensor,  # [B] rows still walking down the tree
     neighbours: Tensor | None,
     relax: RelaxationConfig | None,
+    kid_relaxable: Tensor | None = None,  # [B, C] bool: each child was drawn from a model distribution
 ) -> _Level:
     """Test the children of each row's current node in sibling order; stop at the first accept."""
     child = torch.full_like(kids[:, 0], -1)  # [B]
@@ -449,7 +473,8 @@ def _verify_level(
         x = kid_tokens[:, j].clamp(min=0)  # [B]
         testing = active & valid[:, j] & (child < 0)
         if _any(testing):  # else every row accepted an earlier sibling or has no usable one here
-            test = _test_candidate(r, q_node, x, testing, u[:, j], neighbours, relax, budget)
+            drawn = None if kid_relaxable is None else kid_relaxable[:, j]
+            test = _test_candidate(r, q_node, x, testing, u[:, j], neighbours, relax, budget, drawn)
             r, rejected, budget = test.residual, rejected | test.rejected, test.budget
             relaxed_only = relaxed_only | test.relaxed_only
             child = torch.where(test.accepted, kids[:, j], child)
@@ -473,6 +498,7 @@ def verify_tree_sampled(
     neighbours: Tensor | None = None,  # [V, K] proximity table (int32 or int64)
     relaxation: RelaxationConfig | None = None,
     levels: int | None = None,  # the trees' depth if known (TreeBuffers.max_depth): saves a host sync
+    relaxable: Tensor | None = None,  # [B, T] bool: node n was drawn from a model distribution (None: all)
 ) -> VerifyResult:
     """Verify a draft tree per row by (relaxed) speculative sampling ([EAGLE], [EAGLE-2], [LANTERN]).
 
@@ -482,7 +508,8 @@ def verify_tree_sampled(
     rejection updates r (:func:`rejection_residual`); the first acceptance moves to that child.
     If every child is rejected the recovered token is drawn from r; at a node without valid
     children the bonus token is drawn from fresh p_target. Without relaxation the output is
-    exactly distributed as p_target (lossless).
+    exactly distributed as p_target (lossless), and so is every undrawn guess's position
+    (``relaxable`` False: tested exactly).
     """
     _check_sampled_inputs(p_target, tokens, children, depth, max_depth, uniforms, q_draft)
     b, _, v = p_target.shape
@@ -507,7 +534,9 @@ def verify_tree_sampled(
         kid_tokens, valid = _valid_children(kids, tokens, depth, max_depth)
         u = uniforms.gather(1, kids.clamp(min=0))  # [B, C]
         q_node = None if q_draft is None else q_draft[rows, cur]
-        out = _verify_level(p_target[rows, cur], q_node, kids, kid_tokens, valid, u, active, neighbours, relax)
+        kid_relaxable = None if relaxable is None else relaxable.gather(1, kids.clamp(min=0))
+        out = _verify_level(p_target[rows, cur], q_node, kids, kid_tokens, valid, u, active, neighbours, relax,
+                            kid_relaxable)
         moved = active & (out.child >= 0)
         stopped = active & ~moved
         final_r = torch.where(stopped[:, None], out.residual, final_r)
@@ -530,6 +559,7 @@ def verify_chain_sampled(
     q_draft: Tensor | None = None,  # [B, T, V]: node d's child was drawn from q_draft[:, d]
     neighbours: Tensor | None = None,
     relaxation: RelaxationConfig | None = None,
+    relaxable: Tensor | None = None,  # [B, T] bool: node d was drawn from a model distribution (None: all)
 ) -> VerifyResult:
     """:func:`verify_tree_sampled` for a chain (one child per node), with every depth at once.
 
@@ -560,6 +590,7 @@ def verify_chain_sampled(
     usable = (depth[None, :] <= max_depth[:, None]).reshape(b * d) & (q_x > 0)  # tested at all
     q_test = torch.where(q_x > 0, draft_mass(q_j, r, x, relax), 1.0)  # q_j(x), or q_j(G(x)) (group rule)
     q_x = torch.where(q_x > 0, q_x, torch.ones_like(q_x))
+    rule = relax  # the credit rule (below, ``relax`` becomes the residual's rule)
     # Each chain node has one child, so a token budget is a fresh one per test (docs/relaxation_budget.md).
     if relax is not None and uses_token_budget(relax):
         cap = TokenBudget.start(r).cap(relax, x, q_x)
@@ -567,6 +598,8 @@ def verify_chain_sampled(
         relax = relax if q_draft is None else None  # rejected sampled drafts take the exact residual
     else:
         p_tilde, m_len = relaxed_mass(r, x, neighbours, relax)  # [B*D]
+    drawn = None if relaxable is None else relaxable[:, 1:].reshape(b * d)
+    p_tilde, m_len = drawn_credit(p_tilde, m_len, r_x, drawn, rule)
     u = uniforms[:, 1:t].to(dtype).reshape(b * d)
     accepted = usable & (u < (p_tilde / q_test).clamp(max=1.0))
     exact = u < (r_x / q_x).clamp(max=1.0)
@@ -623,8 +656,10 @@ def _greedy_node_ok(
     parent: Tensor,  # [B, T]
     neighbours: Tensor | None,
     relax: RelaxationConfig | None,
+    relaxable: Tensor | None = None,  # [B, T] bool: drawn from a model distribution (None: all)
 ) -> tuple[Tensor, Tensor]:
-    """(ok [B, T], exact_ok [B, T]): is each node's token its parent's (relaxed) argmax?
+    """(ok [B, T], exact_ok [B, T]): is each node's token its parent's (relaxed) argmax? An undrawn
+    guess (``relaxable`` False) must be the exact argmax.
 
     Relaxed ([LANTERN code]): ``p = softmax(logits)`` with no temperature or top-k, and the token wins
     when it is the first-index argmax of ``p'`` with ``p'(x) := p(x) + c_m``. The exact verdict
@@ -641,6 +676,8 @@ def _greedy_node_ok(
     p_tilde, _ = relaxed_mass(p_parent, x, neighbours, relax)  # [B*T]
     boosted = p_parent.scatter(1, x[:, None], p_tilde[:, None])  # [B*T, V] p' (neighbours keep mass)
     relaxed_ok = (boosted.argmax(-1) == x).reshape(b, t)
+    if relaxable is not None and relax.mode != "group":
+        relaxed_ok = relaxed_ok & relaxable
     return exact_ok | relaxed_ok, exact_ok
 
 
@@ -651,6 +688,7 @@ def verify_tree_greedy(
     max_depth: Tensor,  # [B] deepest usable node depth per row
     neighbours: Tensor | None = None,  # [V, K] proximity table
     relaxation: RelaxationConfig | None = None,
+    relaxable: Tensor | None = None,  # [B, T] bool: node n was drawn from a model distribution (None: all)
 ) -> VerifyResult:
     """Greedy (temperature 0) verification, path by path ([EAGLE code], [LANTERN code]). No randomness.
 
@@ -662,7 +700,7 @@ def verify_tree_greedy(
     b, t, v = logits.shape
     relax = _active_relaxation(relaxation, neighbours, v)
     tokens, retrieve = tokens.long(), retrieve.long()
-    ok, exact_ok = _greedy_node_ok(logits, tokens, _parents_from_paths(retrieve, t), neighbours, relax)
+    ok, exact_ok = _greedy_node_ok(logits, tokens, _parents_from_paths(retrieve, t), neighbours, relax, relaxable)
     child = retrieve[:, :, 1:]  # [B, P, D]
     safe = child.clamp(min=0).flatten(1)  # [B, P*D]
     d = torch.arange(1, child.shape[2] + 1, device=logits.device)  # [D] depth of each position

@@ -228,7 +228,11 @@ class JacobiDrafter:
             self.q.copy_(self._window_q(guesses, first_new, carried))
             pad = torch.zeros_like(self.q[:, :1])  # node L has no child
             q_draft = torch.cat([self.q, pad], dim=1)  # node j's child (guess j) was drawn from q[:, j]
-        return DraftTree(tokens=torch.cat([root, guesses], dim=1), buffers=self._chain(root.shape[0]), q_draft=q_draft)
+        # Carried guesses were drawn from the target's predictions; new ones are model-free fills,
+        # which a relaxed rule must test exactly (lantern.decoding.acceptance: drawn / undrawn).
+        drawn = torch.arange(self.window + 1, device=self.n.device)[None, :] <= first_new[:, None]
+        return DraftTree(tokens=torch.cat([root, guesses], dim=1), buffers=self._chain(root.shape[0]), q_draft=q_draft,
+                         relaxable=drawn)
 
     # -- Jacobi carry-over and initialisation ------------------------------------------------------
 

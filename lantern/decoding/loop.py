@@ -95,6 +95,9 @@ class DraftTree:
     # [B, T, V] drafter distribution at each node from which its children were drawn (in sibling
     # order, without replacement); None for deterministic (top-k) drafts, where q is a point mass.
     q_draft: Tensor | None = None
+    # [B, T] bool: node n's token was drawn from a model distribution, so a relaxed rule may credit
+    # it; False for model-free guesses (Jacobi initialisation), which are tested exactly. None: all.
+    relaxable: Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -420,7 +423,7 @@ def _grid_round(
         _, num_acc, next_token, num_relaxed = _accept_core(
             logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
             buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
-            acceptance.relaxation, sampling,
+            acceptance.relaxation, sampling, block.relaxable.view(b * r, t),
         )
         relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
     with phase("commit"):
@@ -471,7 +474,7 @@ def _accept(
     buffers = tree.buffers
     path, num_acc, next_token, num_relaxed = _accept_core(
         logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
-        acceptance.neighbours, acceptance.relaxation, sampling,
+        acceptance.neighbours, acceptance.relaxation, sampling, tree.relaxable,
     )
     if acceptance.fixed_accept is not None:
         path, num_acc = _fixed_path(buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
@@ -499,6 +502,7 @@ def _accept_core(
     neighbours: Tensor | None,
     relaxation: RelaxationConfig | None,
     sampling: SamplingConfig,
+    relaxable: Tensor | None = None,  # [B, T] bool: drawn from a model distribution (None: every node)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
     b, t, _ = logits.shape
@@ -508,14 +512,16 @@ def _accept_core(
             return zero[:, None], zero, logits[:, 0].argmax(dim=-1), zero
         return zero[:, None], zero, sample_from_probs(probs_from_logits(logits[:, 0], sampling), u[:, -1]), zero
     if u is None:
-        res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation)
+        res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation,
+                                 relaxable=relaxable)
     elif children.shape[-1] == 1:  # a chain (every node has at most one child): all depths at once
         p_target = probs_from_logits(logits, sampling)
-        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation)
+        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation, relaxable)
     else:
         p_target = probs_from_logits(logits, sampling)
         res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,
-                                  neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1)
+                                  neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1,
+                                  relaxable=relaxable)
     return res.path, res.num_accepted, res.next_token, res.num_relaxed
 
 

@@ -149,6 +149,7 @@ class GridBlock:
     standin_real: Tensor  # [B, R] the root is the row above's real, uncached last token
     buffers: TreeBuffers  # chain buffers for B * R chains of W + 1 nodes
     q_draft: Tensor | None  # [B * R, W + 1, V] law each guess was drawn from (None: greedy)
+    relaxable: Tensor  # [B, T] bool: the guess was drawn from a prediction (False: a model-free fill)
 
 
 def grid_chains(window: int, context: int, width: int, height: int) -> int:
@@ -259,8 +260,12 @@ class GridJacobiDrafter:
                                   one_hot(guesses.view(b, -1), self.vocab_size))
             q_guess = q_guess.view(b * r, w, -1)
             q_draft = torch.cat([q_guess, torch.zeros_like(q_guess[:, :1])], dim=1)  # node j's child ~ q[:, j]
+        # Guesses drawn from an earlier round's prediction may take a relaxed rule's credit; fills
+        # (uniform noise) are tested exactly (lantern.decoding.acceptance: drawn / undrawn).
+        drawn = self.drawn.gather(1, cell.view(b, -1)).view(b, r, w)
+        relaxable = torch.cat([torch.ones_like(drawn[:, :, :1]), drawn], dim=2).view(b, -1)
         return GridBlock(tokens, cells, rows, row, first, max_depth, commit_root, decodes, standin_real,
-                         self._chain(b * r, row.device), q_draft)
+                         self._chain(b * r, row.device), q_draft, relaxable)
 
     def _initialise(self, cell: Tensor, usable: Tensor, gens: RowRandom) -> None:
         """Uniform random guesses (SJD's ``random`` init) at usable cells that have none yet."""
@@ -327,7 +332,7 @@ class GridJacobiDrafter:
             flat = carry.view(b, -1)
             index = cell[:, :, None].expand(-1, -1, v)
             self.q.scatter_(1, index, torch.where(flat[:, :, None], p.to(self.q.dtype), self.q.gather(1, index)))
-            self.drawn.scatter_(1, cell, flat | self.drawn.gather(1, cell))
+        self.drawn.scatter_(1, cell, carry.view(b, -1) | self.drawn.gather(1, cell))  # greedy too: argmax draws
         self.canvas.scatter_(1, cell, torch.where(carry.view(b, -1), y, old))
 
 
