@@ -66,6 +66,8 @@ DEFAULT_COUPLED_INIT = "repeat_horizon"
 # it with probability up to delta above p(x) and random codes enter the image (photos, 100 images:
 # FID 4.89 with random guesses, 0.77 with repeat_horizon, AR 1.17 +- 0.21; benchmarks/RESULTS.md).
 RELAXED_JACOBI_METHODS = ("sjd-lantern", "sjd-lantern++")
+# pjd*: the first guess of a cell (lantern.decoding.pjd.PJD_INITS), chosen from tau on the photos preset.
+DEFAULT_PJD_INIT = "random"
 DEFAULT_GSD_GROUP = 7  # GSD's released code: the tokens ranked within 7 places of the draft
 # The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
 # to turn it off): a drafter method with this tree decodes as plain AR.
@@ -127,6 +129,7 @@ class MethodConfig:
         gsd_group: int | None = None,
         pjd_window: int | None = None,
         pjd_context: int | None = None,
+        pjd_init: str | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with the caller's settings (None: not given),
         named as everywhere (:data:`METHOD_SETTINGS`). ``tree``: a ``--tree`` spec or a TreeConfig
@@ -142,11 +145,12 @@ class MethodConfig:
                   f"--sjd-window / --sjd-init / --sjd-coupling are not used by {method} (it takes --pjd-window, "
                   "--pjd-context)")
             pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
-                            context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context)
+                            context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context,
+                            init=DEFAULT_PJD_INIT if pjd_init is None else pjd_init)
             chain = TreeConfig(kind="chain", depth=pjd.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, pjd=pjd)
-        check(pjd_window is None and pjd_context is None, f"--pjd-window / --pjd-context need --method "
-                                                          f"{' or '.join(PJD_METHODS)}")
+        check(pjd_window is None and pjd_context is None and pjd_init is None,
+              f"--pjd-window / --pjd-context / --pjd-init need --method {' or '.join(PJD_METHODS)}")
         if method in SJD_METHODS:
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
             jacobi = JacobiConfig(
@@ -243,20 +247,20 @@ def _resolve_relaxation(
 # ``--lantern-delta``) and the bench's row grammar (``lantern/lantern_delta=0.2``, or a short alias:
 # ``lantern/delta=0.2``, see SETTING_ALIASES).
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
-                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context")
-# The bench grammar's short keys. ``window`` is the method's own window: sjd_window or pjd_window.
+                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context", "pjd_init")
+# The bench grammar's short keys. ``window`` and ``init`` are the method's own: sjd_* or pjd_*.
 SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lantern_lambda",
-                   "residual": "lantern_residual", "budget": "lantern_budget", "init": "sjd_init",
+                   "residual": "lantern_residual", "budget": "lantern_budget",
                    "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context"}
 
 
 def setting_name(method: str, key: str) -> str:
     """The setting a bench-grammar key (a short alias or a full name) stands for in ``method``'s row."""
-    if key == "window":
-        return "pjd_window" if method in PJD_METHODS else "sjd_window"
+    if key in ("window", "init"):  # the method's own window and initialisation
+        return f"pjd_{key}" if method in PJD_METHODS else f"sjd_{key}"
     name = SETTING_ALIASES.get(key, key)
     check(name in METHOD_SETTINGS, f"unknown method setting {key!r} (expected one of "
-                                   f"{', '.join([*METHOD_SETTINGS, 'window', *SETTING_ALIASES])})")
+                                   f"{', '.join([*METHOD_SETTINGS, 'window', 'init', *SETTING_ALIASES])})")
     return name
 
 

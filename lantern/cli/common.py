@@ -29,6 +29,9 @@ def add_pjd_args(p: argparse.ArgumentParser) -> None:
                    help="pjd*: known tokens row r needs before row r + 1 opens, 1 .. the row length (default 8; the "
                         "row length decodes one row at a time, losslessly). A quality knob: smaller is faster and "
                         "further from the model, so it has no auto")
+    p.add_argument("--pjd-init", default=None, choices=["random", "row_above"],
+                   help="pjd*: a cell's first guess: uniform noise, or the token of the cell above (a new row "
+                        "continues the one above it; else the cell to the left) (default random)")
 
 
 def int_list(text: str) -> list[int]:

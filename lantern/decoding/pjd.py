@@ -51,18 +51,27 @@ DEFAULT_PJD_WINDOW = 4
 DEFAULT_PJD_CONTEXT = 8
 
 
+# How a cell's first guess is made, before any forward predicted it: uniform noise (SJD's
+# ``random``), or the token of the cell above (``row_above``: images are 2-D, and a new row's best
+# cheap guess is the row it continues), falling back to the cell to the left, then to noise.
+PJD_INITS = ("random", "row_above")
+
+
 @dataclass(frozen=True)
 class PJDConfig:
     """``window``: drafts per active row and round; ``context``: committed tokens row r needs
-    before row r + 1 opens (``context`` >= the row length: one row at a time, which is lossless)."""
+    before row r + 1 opens (``context`` >= the row length: one row at a time, which is lossless);
+    ``init``: how a cell's first guess is made (:data:`PJD_INITS`)."""
 
     window: int = DEFAULT_PJD_WINDOW
     context: int = DEFAULT_PJD_CONTEXT
+    init: str = "random"
 
     def __post_init__(self) -> None:
         for flag, value in (("--pjd-window", self.window), ("--pjd-context", self.context)):
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                   f"{flag} must be an integer >= 1, got {value!r}")
+        check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -268,11 +277,25 @@ class GridJacobiDrafter:
                          self._chain(b * r, row.device), q_draft, relaxable)
 
     def _initialise(self, cell: Tensor, usable: Tensor, gens: RowRandom) -> None:
-        """Uniform random guesses (SJD's ``random`` init) at usable cells that have none yet."""
+        """First guesses at usable cells that have none yet (``PJDConfig.init``): uniform noise, or
+        the token above (else to the left; else noise). The noise is drawn either way, so a row's
+        stream advances the same whatever its batch-mates hold."""
         u = gens.uniform(cell.shape[1])
-        tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
-        old = self.canvas.gather(1, cell)
-        self.canvas.scatter_(1, cell, torch.where(usable & (old < 0), tokens, old))
+        noise = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
+        if self.config.init == "random":
+            old = self.canvas.gather(1, cell)
+            self.canvas.scatter_(1, cell, torch.where(usable & (old < 0), noise, old))
+            return
+        b, w = cell.shape[0], self.config.window
+        cells, fill, noise = cell.view(b, -1, w), usable.view(b, -1, w), noise.view(b, -1, w)
+        for i in range(w):  # slot by slot along each chain: a guess may copy the one just made to its left
+            c = cells[:, :, i]
+            above = self.canvas.gather(1, (c - self.width).clamp(min=0))
+            left = self.canvas.gather(1, (c - 1).clamp(min=0))
+            guess = torch.where((c % self.width > 0) & (left >= 0), left, noise[:, :, i])
+            guess = torch.where((c >= self.width) & (above >= 0), above, guess)
+            old = self.canvas.gather(1, c)
+            self.canvas.scatter_(1, c, torch.where(fill[:, :, i] & (old < 0), guess, old))
 
     def _chain(self, chains: int, device: torch.device) -> TreeBuffers:
         if self._buffers is None or self._buffers.parents.shape[0] != chains:

@@ -80,14 +80,14 @@ def parse_methods(
 _VALUE_KINDS: dict[str, Callable[[str], Any]] = {
     "lantern_k": int, "lantern_delta": float, "lantern_lambda": float, "lantern_residual": str,
     "lantern_budget": str, "sjd_window": lambda text: _window_value(text), "sjd_init": str, "sjd_coupling": str,
-    "gsd_group": int, "pjd_window": lambda text: _window_value(text), "pjd_context": int,
+    "gsd_group": int, "pjd_window": lambda text: _window_value(text), "pjd_context": int, "pjd_init": str,
 }
 
 
 def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
     """The ``/KEY=VALUE`` settings of one ``--methods`` entry, by their full names; KEY is a full
     name (``lantern_delta``) or a short alias (``delta``, ``lambda``, ``window``: SETTING_ALIASES)."""
-    keys = sorted({*SETTING_ALIASES, "window", *_VALUE_KINDS})
+    keys = sorted({*SETTING_ALIASES, "window", "init", *_VALUE_KINDS})
     out: dict[str, Any] = {"lantern_budget": budget} if name in LANTERN_METHODS and budget is not None else {}
     for option in options:
         key, eq, value = option.partition("=")
