@@ -248,9 +248,10 @@ def test_chi_square_detects_a_broken_acceptance() -> None:
 
 def test_methods_resolve_and_round_trip() -> None:
     m = MethodConfig.resolve("pjd-lantern++", pjd_window=2, pjd_context=3, lantern_lambda=2.0)
-    assert m.pjd == PJDConfig(2, 3) and m.tree.depth == 2 and m.relaxation is not None and m.relaxation.lam == 2.0
-    assert m.to_dict()["pjd"] == {"window": 2, "context": 3}
-    assert MethodConfig.resolve("pjd").pjd == PJDConfig()
+    assert m.pjd == PJDConfig(2, 3, "row_above") and m.tree.depth == 2  # row_above: the measured default
+    assert m.relaxation is not None and m.relaxation.lam == 2.0
+    assert m.to_dict()["pjd"] == {"window": 2, "context": 3, "init": "row_above"}
+    assert MethodConfig.resolve("pjd", pjd_init="random").pjd == PJDConfig()
 
 
 def test_python_api_errors_and_run(random_stack: Path) -> None:
@@ -261,7 +262,7 @@ def test_python_api_errors_and_run(random_stack: Path) -> None:
         pipe(labels=[1], method="pjd", pjd_context=-1)
     out = pipe(labels=[1, 2], method="pjd", pjd_window=2, pjd_context=4, temperature=0.0)
     ar = pipe(labels=[1, 2], method="ar", temperature=0.0)
-    assert out.config["method"]["pjd"] == {"window": 2, "context": 4}
+    assert out.config["method"]["pjd"] == {"window": 2, "context": 4, "init": "row_above"}
     assert out.codes.shape == ar.codes.shape
 
 
@@ -275,7 +276,7 @@ def test_choose_pjd_window_measures_windows_within_a_row(random_stack: Path) -> 
     assert [t.window for t in choice.trials] == [2, 4]  # a window longer than the row is never tried
     assert all(t.tokens_per_forward >= 1.0 and t.ms_per_token > 0 for t in choice.trials)
     chosen = with_window(method, choice.window)
-    assert chosen.pjd == PJDConfig(choice.window, 4) and chosen.tree.depth == choice.window
+    assert chosen.pjd == PJDConfig(choice.window, 4, "row_above") and chosen.tree.depth == choice.window
 
 
 @pytest.mark.slow
@@ -287,7 +288,7 @@ def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
     assert rc == 0
     assert "--pjd-window auto [pjd]: window " in capsys.readouterr().out
     run = json.loads((out / "run.json").read_text())
-    assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4}
+    assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4, "init": "row_above"}
     assert run["auto_window"]["window"] in (2, 4, 8)
 
 

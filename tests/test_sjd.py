@@ -376,7 +376,7 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "pjd", "--pjd-window", "9"], r"--pjd-window \(9\) must be at most the image row length \(8\)"),
         (["--method", "pjd", "--pjd-context", "12"], r"--pjd-context \(12\) must be at most the image row length"),
         (["--method", "pjd", "--pjd-context", "wide"], r"--pjd-context must be an integer >= 1, got 'wide'"),
-        (["--method", "sjd", "--pjd-window", "2"], r"--pjd-window / --pjd-context need --method pjd"),
+        (["--method", "sjd", "--pjd-window", "2"], r"--pjd-window / --pjd-context / --pjd-init need --method pjd"),
         (["--method", "pjd", "--sjd-window", "2"], r"--sjd-window / --sjd-init / --sjd-coupling are not used by pjd"),
         (["--method", "pjd", "--sjd-coupling", "gumbel"], r"are not used by pjd"),
         (["--method", "pjd", "--tree", "chain:3"], r"--tree is not used by pjd"),

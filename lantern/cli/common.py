@@ -31,7 +31,7 @@ def add_pjd_args(p: argparse.ArgumentParser) -> None:
                         "further from the model, so it has no auto")
     p.add_argument("--pjd-init", default=None, choices=["random", "row_above"],
                    help="pjd*: a cell's first guess: uniform noise, or the token of the cell above (a new row "
-                        "continues the one above it; else the cell to the left) (default random)")
+                        "continues the one above it; else the cell to the left) (default row_above)")
 
 
 def int_list(text: str) -> list[int]:
