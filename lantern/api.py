@@ -106,19 +106,37 @@ class Pipeline:
                  seed: int = 0, batch_size: int = 8, num_per_label: int = 1, progress: bool = False,
                  **settings: Any) -> PipelineOutput:
         """Generate ``num_per_label`` images per label or prompt; ``settings``: the CLI's sampling,
-        method and tree options (``temperature``, ``top_k``, ``tree``, ``lantern_lambda``, ...)."""
+        method and tree options (``temperature``, ``top_k``, ``tree``, ``lantern_lambda``, ...).
+        ``tree="auto"`` measures this device first: the fastest drafter tree, or for the Jacobi
+        methods the fastest window (recorded in ``config`` as ``auto_tree`` / ``auto_window``)."""
         from lantern.validate import check_count, check_image_total
 
         check_count(num_per_label, "num_per_label")
         check_count(batch_size, "batch_size")
         conditions = self._check_conditions(labels, prompts)
         check_image_total(len(conditions), num_per_label, "num_per_label")
-        method_cfg, sampling = resolve_settings(self.stack, method, **settings)
+        if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
+            method_cfg, sampling, auto = self._auto(method, settings, seed, batch_size, progress)
+        else:
+            (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
         result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
         return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes,
-                              stats=result.stats_dict(), config=run_config(seed, batch_size, self.device, sampling,
-                                                                           result.method),
+                              stats=result.stats_dict(), config={**run_config(seed, batch_size, self.device, sampling,
+                                                                             result.method), **auto},
                               outputs=result.output_stats)
+
+    def _auto(self, method: str, settings: dict[str, Any], seed: int, batch_size: int,
+              progress: bool) -> tuple[MethodConfig, SamplingConfig, dict[str, Any]]:
+        """``tree="auto"``: the method with the tree or window measured fastest here (``choose_auto``)."""
+        from lantern.autotree.choose import choose_auto
+
+        rest = {k: v for k, v in settings.items() if k != "tree"}
+        _, sampling = resolve_settings(self.stack, method, **rest)  # checks every setting first
+        method_settings = {k: v for k, v in rest.items() if k in METHOD_SETTINGS}
+        method_cfg, record = choose_auto(self.stack, method, sampling, method_settings, seed=seed,
+                                         batch_size=batch_size, drafter_dir=self.drafter, proximity=self.proximity,
+                                         progress=progress)
+        return method_cfg, sampling, record
 
     def _check_conditions(self, labels: list[int] | None, prompts: list[str] | None) -> list[Any]:
         from lantern.targets.text import check_prompts

@@ -45,6 +45,7 @@ from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATI
 from lantern.autotree.profile import DeviceProfile, ProfileSettings, load_profile, measure_profile
 from lantern.autotree.search import AutoTreeChoice, select_tree
 from lantern.decoding.config import SamplingConfig
+from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.targets.base import Stack
 
@@ -143,3 +144,35 @@ def choose_trees(
     chosen = {m: choose_tree(stack, m, sampling, profile=profile, seed=seed, batch_size=batch_size, progress=progress)
               for m in wanted}
     return {m: replace(c, profile_seconds=c.profile_seconds + seconds) for m, c in chosen.items()}  # shared
+
+
+def choose_auto(
+    stack: Stack,
+    method: str,
+    sampling: SamplingConfig,
+    settings: dict[str, Any],
+    *,
+    seed: int = 0,
+    batch_size: int = 1,
+    drafter_dir: str | None = None,
+    proximity: str | None = None,
+    progress: bool = False,
+) -> tuple[MethodConfig, dict[str, Any]]:
+    """``tree="auto"`` for any method: a drafter method's tree (:func:`choose_tree`), or a Jacobi
+    method's window (``lantern.autotree.window.choose_window``: SJD's, PJD's), measured on this
+    device at this batch size. ``settings``: the method's other settings. Returns the method
+    resolved with the choice and what run.json records of it (``auto_tree`` or ``auto_window``)."""
+    from lantern.autotree.window import choose_window, with_window
+    from lantern.methods import PJD_METHODS, SJD_METHODS, resolve_method
+
+    if method in SJD_METHODS or method in PJD_METHODS:
+        base = resolve_method(method, stack, **settings)
+        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size)
+        return with_window(base, window.window), {"auto_window": window.to_dict()}
+    check(method in SPECULATIVE_METHODS,
+          f"tree auto needs a method with a tree or a window ({', '.join(SPECULATIVE_METHODS)}, sjd*, pjd*), "
+          f"got {method}")
+    start = resolve_method(method, None, **settings)  # the method's own default tree, what the search starts from
+    choice = choose_tree(stack, start, sampling, seed=seed, batch_size=batch_size, drafter_dir=drafter_dir,
+                         proximity=proximity, progress=progress)
+    return resolve_method(method, stack, **{**settings, "tree": choice.tree}), {"auto_tree": choice.to_dict()}

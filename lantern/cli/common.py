@@ -75,6 +75,21 @@ def method_from_args(args: argparse.Namespace, stack: Any, tree: Any = None) -> 
     return resolve_method(args.method, None if args.tree == "auto" and tree is None else stack, **settings)
 
 
+def window_as_tree(args: argparse.Namespace) -> None:
+    """``--tree auto`` on a Jacobi method (sjd*, gsd, pjd*) means its window: ``--sjd-window auto`` /
+    ``--pjd-window auto`` (the window is what these methods' verify chain is made of)."""
+    from lantern.methods import PJD_METHODS, SJD_METHODS
+
+    if args.tree != "auto" or args.method not in (*SJD_METHODS, *PJD_METHODS):
+        return
+    name = "pjd_window" if args.method in PJD_METHODS else "sjd_window"
+    if getattr(args, name) is not None and getattr(args, name) != "auto":
+        raise LanternError(f"--tree auto chooses {args.method}'s window; it cannot be combined with "
+                           f"--{name.replace('_', '-')} {getattr(args, name)}")
+    setattr(args, name, "auto")
+    args.tree = None
+
+
 def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
     """True for ``--tree auto``; refuses it for methods without a drafter tree, and --profile without it."""
     if tree != "auto":

@@ -25,6 +25,7 @@ from lantern.cli.common import (
     read_prompt_args,
     resolve_hub_args,
     window_arg,
+    window_as_tree,
 )
 from lantern.errors import LanternError
 
@@ -173,6 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       "--num-per-label / --num-per-prompt")
     check_enough_items(len(prompts if prompts is not None else args.labels) * args.num_per_label, ctx)
     resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
+    window_as_tree(args)
     auto = check_auto_tree(args.tree, [args.method], args.profile)
     args.device = ctx.device(args.device)
     stack = _load_generate_stack(args, prompts is not None)
