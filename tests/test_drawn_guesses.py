@@ -30,6 +30,8 @@ RULES = {
     "lantern/official": RelaxationConfig(k=3, delta=0.25, mode="absolute", residual="official"),
 }
 G = 400  # grid points per uniform: frequencies are exact to within 1 / G
+# The tree verifier equals the chain one on chains (tests/test_acceptance.py): its runs are the slow tier.
+VERIFIES = ["chain", pytest.param("tree", marks=pytest.mark.slow)]
 
 
 def _grid_chain(relaxable: bool, relaxation: RelaxationConfig, verify: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +57,7 @@ def _grid_chain(relaxable: bool, relaxation: RelaxationConfig, verify: str) -> t
     return accepted, torch.where(accepted, X, res.next_token)
 
 
-@pytest.mark.parametrize("verify", ["chain", "tree"])
+@pytest.mark.parametrize("verify", VERIFIES)
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_an_undrawn_guess_is_accepted_with_exactly_p(rule: str, verify: str) -> None:
     accepted, emitted = _grid_chain(relaxable=False, relaxation=RULES[rule], verify=verify)
@@ -64,7 +66,7 @@ def test_an_undrawn_guess_is_accepted_with_exactly_p(rule: str, verify: str) -> 
     assert torch.allclose(law, P, atol=2.0 / G), (rule, law)
 
 
-@pytest.mark.parametrize("verify", ["chain", "tree"])
+@pytest.mark.parametrize("verify", VERIFIES)
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_power_the_same_guess_drawn_is_credited(rule: str, verify: str) -> None:
     """Power check: had the guess been drawn (relaxable), the relaxed rule accepts it measurably

@@ -12,14 +12,13 @@ import lantern
 from lantern.cli.main import main
 from lantern.testing import make_random_stack
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_stack(tmp_path_factory.mktemp("treeauto") / "random", seed=3)
 
 
+@pytest.mark.slow  # times four windows
 def test_python_tree_auto_picks_and_records_the_sjd_window(random_stack: Path) -> None:
     pipe = lantern.load(str(random_stack))
     out = pipe(labels=[1, 2], method="sjd-coupled", tree="auto", seed=4, top_k=20)
@@ -30,6 +29,7 @@ def test_python_tree_auto_picks_and_records_the_sjd_window(random_stack: Path) -
     assert torch.equal(out.codes, same.codes)  # the chosen window, run as if given by hand
 
 
+@pytest.mark.slow  # times three windows
 def test_cli_tree_auto_on_pjd_is_its_window(random_stack: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
