@@ -166,6 +166,9 @@ def choose_auto(
     from lantern.methods import PJD_METHODS, SJD_METHODS, resolve_method
 
     if method in SJD_METHODS or method in PJD_METHODS:
+        check(stack.kind == "c2i", f"tree auto times {method}'s windows on class labels; pass sjd_window / "
+                                   f"pjd_window for {'text-to-image' if stack.kind == 't2i' else 'Chameleon-family'} "
+                                   "models")
         base = resolve_method(method, stack, **settings)
         window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size)
         return with_window(base, window.window), {"auto_window": window.to_dict()}
