@@ -252,7 +252,7 @@ class TreeConfig:
             return 1
         if self.kind == "dynamic":
             return self.total_tokens + 1
-        return self.depth + 1 if self.kind == "chain" else len(self._static_choices()) + 1
+        return self.depth + 1 if self.kind == "chain" else len(self.choices) + 1
 
     @cached_property
     def max_depth(self) -> int:
@@ -261,7 +261,7 @@ class TreeConfig:
             return 0
         if self.kind == "dynamic":
             return self.depth + 1  # level 1 from the root, then ``depth`` expansions
-        return self.depth if self.kind == "chain" else max(len(c) for c in self._static_choices())
+        return self.depth if self.kind == "chain" else max(len(c) for c in self.choices)
 
     @property
     def fed_per_round(self) -> int:
@@ -275,9 +275,6 @@ class TreeConfig:
         """Drafter cache entries beyond the condition and the image: one accepted path (root
         included), the nodes fed in one round, and the bonus token."""
         return self.max_depth + 1 + self.fed_per_round + 1
-
-    def _static_choices(self) -> tuple[tuple[int, ...], ...]:
-        return self.choices
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
