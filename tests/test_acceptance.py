@@ -45,10 +45,10 @@ from lantern.decoding.acceptance import (
     rejection_residual,
     relaxed_mass,
     sample_from_probs,
-    verify_tree_greedy,
     verify_tree_sampled,
 )
 from lantern.decoding.config import RelaxationConfig
+from lantern.decoding.greedy import verify_tree_greedy
 from lantern.errors import LanternError
 
 F64 = torch.float64

@@ -32,9 +32,10 @@ from conftest import (
 )
 from torch import Tensor
 
-from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.budget import TokenBudget
 from lantern.decoding.config import RelaxationConfig
+from lantern.decoding.greedy import verify_tree_greedy
 from lantern.errors import LanternError
 
 F64 = torch.float64

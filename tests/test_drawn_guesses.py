@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.config import RelaxationConfig
+from lantern.decoding.greedy import verify_tree_greedy
 from lantern.decoding.trees import tree_from_parents
 
 P = torch.tensor([0.10, 0.30, 0.20, 0.15, 0.25], dtype=torch.float64)  # target at the guess's position

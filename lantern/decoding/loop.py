@@ -36,9 +36,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_greedy, verify_tree_sampled
+from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.compiling import resolve_compile, round_fn
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.greedy import verify_tree_greedy
 from lantern.decoding.phases import NO_PHASE, phase
 from lantern.decoding.pjd import GridBlock
 from lantern.decoding.rng import RowRandom
