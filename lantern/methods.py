@@ -16,6 +16,7 @@ method             tree                  acceptance
 ``sjd-coupled``    chain of the window   exact (SJD with coupled redraws: SCD)
 ``sjd-coupled-*``  chain of the window   relaxed (``-lantern``: delta, ``-lantern++``: lambda)
 ``gsd``            chain of the window   grouped (GSD: dynamic groups, no table)
+``sjd-pac``        chain + K-ary subtree exact (SJD-PAC: coupled redraws + proactive drafting)
 ``pjd``            a chain per open row  SJD's rule per row (PJD: 2-D parallel Jacobi; lossy
                                          unless ``--pjd-context`` = the row length)
 ``pjd-lantern*``   a chain per open row  relaxed (``-lantern``: delta, ``-lantern++``: lambda)
@@ -23,7 +24,9 @@ method             tree                  acceptance
 
 The SJD methods (``lantern.decoding.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
 length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
-``sjd-coupled*``), and the relaxed ones read the proximity table like LANTERN. The PJD methods
+``sjd-coupled*`` and ``sjd-pac``), and the relaxed ones read the proximity table like LANTERN.
+``sjd-pac`` (``lantern.decoding.pac``) also holds ``MethodConfig.pac`` (the K-ary subtree's width and
+depth); its tree is the chain plus that subtree. The PJD methods
 (``lantern.decoding.pjd``) hold ``MethodConfig.pjd`` (window, context) instead; their tree is a chain of the
 window (each open row's chain), and the loop runs its grid round for them.
 """
@@ -36,11 +39,13 @@ from typing import Any
 
 from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
+from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
 from lantern.errors import LanternError, check
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
-SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd")
+PAC_METHODS = ("sjd-pac",)  # SJD-PAC: coupled redraws (AC) and a K-ary subtree (PD); lantern.decoding.pac
+SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd", *PAC_METHODS)
 PJD_METHODS = ("pjd", "pjd-lantern", "pjd-lantern++")
 METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS, *PJD_METHODS)
 # Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda), or
@@ -85,6 +90,7 @@ class MethodConfig:
     k_explicit: bool = False  # a default k larger than the proximity table is capped, an explicit one is an error
     jacobi: JacobiConfig | None = None  # SJD methods only: window length and initialisation
     pjd: PJDConfig | None = None  # PJD methods only: window and context
+    pac: PACConfig | None = None  # sjd-pac only: proactive drafting's subtree (width K, depth D)
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -97,15 +103,22 @@ class MethodConfig:
             (self.jacobi is not None) == sjd,
             f"method {self.method!r} {'needs' if sjd else 'takes no'} Jacobi settings (window, init)",
         )
+        pac = self.method in PAC_METHODS
+        check((self.pac is not None) == pac,
+              f"method {self.method!r} {'needs' if pac else 'takes no'} proactive drafting settings (width, depth)")
         if self.jacobi is not None:  # SJD verifies its window as a chain, so the tree follows from it
             coupled = self.method in COUPLED_METHODS
             check(
-                self.method == "gsd" or (self.jacobi.coupling != "independent") == coupled,
+                self.method in ("gsd", *PAC_METHODS) or (self.jacobi.coupling != "independent") == coupled,
                 f"method {self.method!r} needs coupling {'maximal or gumbel' if coupled else 'independent'}, "
                 f"got {self.jacobi.coupling!r}",
             )
-            chain = TreeConfig(kind="chain", depth=self.jacobi.window)
-            check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
+            if self.pac is not None:  # the chain plus proactive drafting's subtree
+                check(self.tree == self.pac.tree(self.jacobi.window),
+                      f"method {self.method!r} needs the SJD-PAC tree of its window, width and depth")
+            else:
+                chain = TreeConfig(kind="chain", depth=self.jacobi.window)
+                check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
         grid = self.method in PJD_METHODS
         check((self.pjd is not None) == grid,
               f"method {self.method!r} {'needs' if grid else 'takes no'} PJD settings (window, context)")
@@ -131,6 +144,8 @@ class MethodConfig:
         pjd_window: int | None = None,
         pjd_context: int | None = None,
         pjd_init: str | None = None,
+        pac_width: int | None = None,
+        pac_depth: int | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with the caller's settings (None: not given),
         named as everywhere (:data:`METHOD_SETTINGS`). ``tree``: a ``--tree`` spec or a TreeConfig
@@ -138,6 +153,8 @@ class MethodConfig:
         :func:`resolve_method`, which adds the stack's recommended tree."""
         check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
         k = lantern_k
+        check(method in PAC_METHODS or (pac_width is None and pac_depth is None),
+              f"--pac-width / --pac-depth need --method {' or '.join(PAC_METHODS)}")
         relaxation = _resolve_relaxation(method, k, lantern_delta, lantern_lambda, lantern_residual, lantern_budget,
                                          gsd_group)
         if method in PJD_METHODS:
@@ -159,11 +176,17 @@ class MethodConfig:
                 init=sjd_init if sjd_init is not None else _default_init(method),
                 coupling=_resolve_coupling(method, sjd_coupling),
             )
+            if method in PAC_METHODS:
+                pac = PACConfig(width=DEFAULT_PAC_WIDTH if pac_width is None else pac_width,
+                                depth=DEFAULT_PAC_DEPTH if pac_depth is None else pac_depth)
+                return cls(method=method, tree=pac.tree(jacobi.window), relaxation=relaxation, k_explicit=k is not None,
+                           jacobi=jacobi, pac=pac)
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(sjd_window is None and sjd_init is None,
               f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
-        check(sjd_coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}")
+        check(sjd_coupling is None,
+              f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd', *PAC_METHODS))}")
         if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
             check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
                   "--tree is only used with speculative methods")
@@ -181,22 +204,25 @@ class MethodConfig:
 
 
 def _default_init(method: str) -> str:
-    if method in COUPLED_METHODS or method in RELAXED_JACOBI_METHODS:
+    if method in COUPLED_METHODS or method in RELAXED_JACOBI_METHODS or method in PAC_METHODS:
         return DEFAULT_COUPLED_INIT
     return DEFAULT_JACOBI.init
 
 
 def _resolve_coupling(method: str, coupling: str | None) -> str:
     """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); ``gsd``:
-    any coupling, independent by default (GSD's own SJD); the other SJD methods redraw
+    any coupling, independent by default (GSD's own SJD); ``sjd-pac``: any coupling, maximal by
+    default (its adaptive continuation; the others for ablations); the other SJD methods redraw
     independently and take no coupling."""
-    if method == "gsd":
+    if method in ("gsd", *PAC_METHODS):
         check(coupling is None or coupling in COUPLINGS,
               f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
-        return "independent" if coupling is None else coupling
+        if coupling is None:
+            return "independent" if method == "gsd" else DEFAULT_COUPLING
+        return coupling
     if method not in COUPLED_METHODS:
-        check(coupling is None, f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd'))}; {method} "
-                                "redraws its guesses independently")
+        takers = " or ".join((*COUPLED_METHODS, "gsd", *PAC_METHODS))
+        check(coupling is None, f"--sjd-coupling needs --method {takers}; {method} redraws its guesses independently")
         return "independent"
     choices = [c for c in COUPLINGS if c != "independent"]
     check(coupling is None or coupling in choices,
@@ -248,11 +274,13 @@ def _resolve_relaxation(
 # ``--lantern-delta``) and the bench's row grammar (``lantern/lantern_delta=0.2``, or a short alias:
 # ``lantern/delta=0.2``, see SETTING_ALIASES).
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
-                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context", "pjd_init")
+                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context", "pjd_init",
+                   "pac_width", "pac_depth")
 # The bench grammar's short keys. ``window`` and ``init`` are the method's own: sjd_* or pjd_*.
 SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lantern_lambda",
                    "residual": "lantern_residual", "budget": "lantern_budget",
-                   "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context"}
+                   "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context",
+                   "width": "pac_width", "depth": "pac_depth"}
 
 
 def setting_name(method: str, key: str) -> str:

@@ -19,6 +19,7 @@ from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.jacobi import JacobiDrafter, check_window_fits
 from lantern.decoding.loop import Acceptance, Drafter, GenerationOutput, SpecStats, Target, generate
+from lantern.decoding.pac import PACDrafter
 from lantern.decoding.pjd import (
     GridJacobiDrafter,
     check_pjd_fits,
@@ -196,6 +197,10 @@ class PreparedMethod:
             return stack.make_target(self.sampling, grid.num_nodes, compile=self.compile,
                                      cache_pool=self._caches), grid
         target = stack.make_target(self.sampling, tree.num_nodes, compile=self.compile, cache_pool=self._caches)
+        if self.method.pac is not None:  # SJD-PAC: SJD's chain plus proactive drafting's subtree
+            assert self.method.jacobi is not None
+            return target, PACDrafter(self.method.jacobi, self.method.pac, self.sampling, stack.vocab_size,
+                                      stack.num_tokens)
         if self.method.jacobi is not None:
             return target, JacobiDrafter(self.method.jacobi, self.sampling, stack.vocab_size, stack.num_tokens)
         if self.drafter is None:

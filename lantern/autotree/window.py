@@ -80,7 +80,8 @@ def with_window(method: MethodConfig, window: int) -> MethodConfig:
     if method.pjd is not None:
         return replace(method, pjd=replace(method.pjd, window=window), tree=chain)
     assert method.jacobi is not None
-    return replace(method, jacobi=replace(method.jacobi, window=window), tree=chain)
+    tree = chain if method.pac is None else method.pac.tree(window)  # sjd-pac: the chain plus its subtree
+    return replace(method, jacobi=replace(method.jacobi, window=window), tree=tree)
 
 
 def choose_window(

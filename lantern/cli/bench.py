@@ -134,7 +134,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
                    help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
                         "METHOD/KEY=VALUE... a row with those settings (keys k, delta, lambda, budget; coupling for "
-                        "sjd-coupled* and gsd), e.g. lantern/delta=0.2/budget=token or sjd-coupled/coupling=gumbel "
+                        "sjd-coupled*, gsd and sjd-pac; width, depth for sjd-pac), e.g. "
+                        "lantern/delta=0.2/budget=token or sjd-coupled/coupling=gumbel "
                         "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "

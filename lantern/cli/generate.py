@@ -79,14 +79,16 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "--method",
         default="ar",
         choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++",
-                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "pjd", "pjd-lantern",
-                 "pjd-lantern++"],
+                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "sjd-pac", "pjd",
+                 "pjd-lantern", "pjd-lantern++"],
         help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
         "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
         "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
         "lantern's / lantern++'s relaxed acceptance; sjd-coupled: SJD with coupled redraws (SCD), exact; "
         "sjd-coupled-lantern / sjd-coupled-lantern++: the same, relaxed; gsd: SJD with grouped speculative "
-        "decoding's relaxed acceptance (no table); pjd: parallel Jacobi decoding (several image rows per "
+        "decoding's relaxed acceptance (no table); sjd-pac: SJD-PAC, coupled SJD (adaptive continuation) that "
+        "also verifies K candidates at the first D - 1 positions (proactive drafting), exact; pjd: parallel "
+        "Jacobi decoding (several image rows per "
         "forward; lossy unless --pjd-context is the row length); pjd-lantern / pjd-lantern++: the same, relaxed",
     )
     p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
@@ -128,15 +130,22 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         choices=["random", "repeat_horizon"],
         help="sjd*, gsd: new guesses are uniform random tokens, or repeat the token to their left (default random; "
-        "sjd-coupled* and the relaxed sjd-lantern*: repeat_horizon)",
+        "sjd-coupled*, sjd-pac and the relaxed sjd-lantern*: repeat_horizon)",
     )
     p.add_argument(
         "--sjd-coupling",
         default=None,
         choices=["independent", "maximal", "gumbel"],
         help="sjd-coupled*: redraw each open guess coupled with the one it replaces: maximal coupling, or the "
-        "same Gumbel noise per position (default maximal); gsd: also independent (its default)",
+        "same Gumbel noise per position (default maximal); gsd: also independent (its default); sjd-pac: any "
+        "(default maximal, its adaptive continuation)",
     )
+    p.add_argument("--pac-width", type=int, default=None,
+                   help="sjd-pac: proactive drafting's K, candidates at each tree position (default 4)")
+    p.add_argument("--pac-depth", type=int, default=None,
+                   help="sjd-pac: proactive drafting's tree depth D counting its root: K candidates at the D - 1 "
+                        "positions after it (default 3); the round verifies the window's chain plus "
+                        "K + ... + K^(D-1) - (D - 1) more nodes")
     p.add_argument(
         "--gsd-group", type=int, default=None,
         help="gsd: a draft is credited with the tokens ranked within G places of it in the target's distribution "

@@ -25,6 +25,8 @@ stays lossless (methods ``sjd-coupled``, and with LANTERN's relaxation ``sjd-cou
 ``sjd-coupled-lantern++``). NOTE: the SCD reference code keeps the old q for a guess its coupling
 kept; the guess's law is p_j, not q_j, so we test it with q = p_j (with the old q, a random
 guess x that the next forward predicts unchanged would be emitted with probability p(x)^2).
+SJD-PAC's adaptive continuation is the maximal coupling; its proactive drafting is a subclass
+(``lantern.decoding.pac``, method ``sjd-pac``).
 
 Why this is exact (without relaxation): a guess is tested once, at the round its position is
 decided; until then it is only redrawn. When tested, x_j follows its q_j given everything decided
@@ -245,7 +247,7 @@ class JacobiDrafter:
         """
         assert self.canvas is not None and self.n is not None and self._logits is not None
         assert self._num_new is not None
-        logits = self._logits[:, 1:]  # [B, L, V] predictions for positions n_old+1 .. n_old+L
+        logits = self._predictions()  # [B, L, V] predictions for positions n_old+1 .. n_old+L
         b, length, _ = logits.shape
         n_old = self.n - self._num_new
         pos = n_old[:, None] + torch.arange(1, length + 1, device=logits.device)  # [B, L]
@@ -261,6 +263,12 @@ class JacobiDrafter:
         self._count_stability(old, y, keep)
         self.canvas.scatter_(1, pos, torch.where(keep, y, old))
         return p
+
+    def _predictions(self) -> Tensor:
+        """[B, L, V] the last verify forward's logits that predicted positions n_old+1 .. n_old+L:
+        nodes 1..L of the chain (``lantern.decoding.pac`` picks them in its tree)."""
+        assert self._logits is not None
+        return self._logits[:, 1:]
 
     def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: RowRandom) -> Tensor:
         """New guesses [B, L] for positions ``pos`` [B, L] from p [B, L, V], replacing ``old``."""

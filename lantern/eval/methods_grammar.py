@@ -54,7 +54,7 @@ def parse_methods(
     setting's name or short alias (``lantern/lantern_delta=0.2``, ``lantern/delta=0.2/budget=token``,
     ``lantern.methods.SETTING_ALIASES``), as a relaxation's, a Jacobi method's coupling
     (``sjd-coupled/coupling=gumbel``), a Jacobi window (``sjd/window=8``, ``sjd/window=auto``) and initial
-    guesses (``sjd-lantern/init=repeat_horizon``), and PJD's
+    guesses (``sjd-lantern/init=repeat_horizon``), SJD-PAC's subtree (``sjd-pac/width=3/depth=2``), and PJD's
     window and context (``pjd/window=4/context=8``, ``pjd/window=auto``);
     ``budget`` (``--lantern-budget``) is the relaxed rows'
     default budget."""
@@ -81,6 +81,7 @@ _VALUE_KINDS: dict[str, Callable[[str], Any]] = {
     "lantern_k": int, "lantern_delta": float, "lantern_lambda": float, "lantern_residual": str,
     "lantern_budget": str, "sjd_window": lambda text: _window_value(text), "sjd_init": str, "sjd_coupling": str,
     "gsd_group": int, "pjd_window": lambda text: _window_value(text), "pjd_context": int, "pjd_init": str,
+    "pac_width": int, "pac_depth": int,
 }
 
 

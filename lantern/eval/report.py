@@ -64,7 +64,8 @@ def tree_label(method: MethodConfig) -> str:
     t = method.tree
     if method.jacobi is not None:
         j = method.jacobi
-        return f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
+        label = f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
+        return label if method.pac is None else f"{label}/pd{method.pac.width}x{method.pac.depth}"
     if method.pjd is not None:
         return f"pjd:{method.pjd.window}/c{method.pjd.context}"
     if t.kind == "none":
