@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import shutil
 import sys
 import types
@@ -23,6 +24,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from lantern.cli.main import main
 from lantern.decoding.acceptance import num_uniforms, verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
@@ -536,3 +538,17 @@ def official_drafter_state(cfg: dict[str, int]) -> dict[str, torch.Tensor]:
         "layers.0.post_attention_layernorm.weight": (d,),
     }
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def assert_cli_error(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """`lantern generate` with ``extra`` options exits 2 with one line matching ``message`` and
+    writes no codes."""
+    out = tmp_path / "o"
+    rc = main(["generate", "--model", model, "--labels", "0", "--out", str(out), "--no-progress", *extra])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lantern: error: ")
+    assert re.search(message, err), err
+    assert not (out / "codes.npy").exists()

@@ -15,7 +15,6 @@ Evidence, as for the other speculative methods (tests/test_speculative.py, test_
 from __future__ import annotations
 
 import json
-import re
 from functools import cache
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from conftest import (
     DIST_LABEL,
     DIST_ROWS,
     DIST_SAMPLING,
+    assert_cli_error,
     assert_rows_independent,
     cached_stack,
     chi_square,
@@ -387,20 +387,6 @@ def test_cli_bad_sjd_options(
     random_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
     assert_cli_error(str(random_stack), tmp_path, capsys, extra, message)
-
-
-def assert_cli_error(
-    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
-) -> None:
-    """`lantern generate` with ``extra`` options exits 2 with one line matching ``message`` and
-    writes no codes."""
-    out = tmp_path / "o"
-    rc = main(["generate", "--model", model, "--labels", "0", "--out", str(out), "--no-progress", *extra])
-    assert rc == 2
-    err = capsys.readouterr().err
-    assert err.startswith("lantern: error: ")
-    assert re.search(message, err), err
-    assert not (out / "codes.npy").exists()
 
 
 def test_bad_jacobi_config() -> None:

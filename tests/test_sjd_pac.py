@@ -25,17 +25,19 @@ from typing import Any
 
 import pytest
 import torch
-from test_chameleon import LAYOUTS, PROMPTS, _lm
-from test_chameleon import _greedy_ar as _chameleon_ar
-from test_sjd import _stack, assert_cli_error
-from test_speculative import (
+from conftest import (
+    CHAMELEON_LAYOUTS,
+    CHAMELEON_PROMPTS,
     DIST_LABEL,
     DIST_ROWS,
     DIST_SAMPLING,
-    _chi_square,
-    _chi_square_threshold,
-    _dist_model,
-    _exact_joint,
+    assert_cli_error,
+    cached_stack,
+    chameleon_greedy_ar,
+    chameleon_lm,
+    chi_square,
+    dist_model,
+    exact_joint,
 )
 from torch import Tensor
 from torch._dynamo.utils import counters
@@ -57,9 +59,7 @@ from lantern.run import prepare_method, run_generation
 from lantern.targets.chameleon import encode_prompts
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import ModelStack, load_stack
-from lantern.testing import chameleon_parts, make_random_stack, tiny_llamagen
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from lantern.testing import chameleon_parts, chi_square_threshold, make_random_stack, tiny_llamagen
 
 F64 = torch.float64
 
@@ -149,7 +149,7 @@ LABELS = {1: [5], 3: [0, 3, 7]}
 @cache
 def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
-    return run_generation(_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
+    return run_generation(cached_stack(path), LABELS[batch], 0, s, MethodConfig.resolve("ar"), batch).codes
 
 
 @pytest.mark.parametrize("shape", [(4, 4, 3), (6, 3, 4), (2, 2, 3)], ids=["w4-K4-D3", "w6-K3-D4", "w2-K2-D3"])
@@ -158,7 +158,7 @@ def _greedy_ar(path: str, batch: int, cfg_scale: float) -> Tensor:
 def test_greedy_sjd_pac_reproduces_ar(random_stack: Path, batch: int, cfg_scale: float,
                                       shape: tuple[int, int, int]) -> None:
     window, width, depth = shape
-    stack = _stack(str(random_stack))
+    stack = cached_stack(str(random_stack))
     s = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
     method = MethodConfig.resolve("sjd-pac", sjd_window=window, pac_width=width, pac_depth=depth)
     result = run_generation(stack, LABELS[batch], 0, s, method, batch)
@@ -166,6 +166,7 @@ def test_greedy_sjd_pac_reproduces_ar(random_stack: Path, batch: int, cfg_scale:
     assert result.stats_dict()["target_forwards"] <= batch * stack.target.config.block_size
 
 
+@pytest.mark.slow
 def test_greedy_sjd_pac_on_digits() -> None:
     """A trained model: greedy SJD-PAC is greedy AR and decides more tokens per forward than greedy
     sjd-coupled (measured 3.12 vs 2.65 on 3 images)."""
@@ -181,13 +182,13 @@ def test_greedy_sjd_pac_on_digits() -> None:
 @pytest.mark.parametrize("layout", ["lumina", "anole"])
 def test_greedy_sjd_pac_on_chameleon_reproduces_ar(layout: str) -> None:
     """The Chameleon family (Lumina's row ends are shadow nodes): greedy SJD-PAC is greedy AR."""
-    lay = LAYOUTS[layout]
-    ids, mask = encode_prompts(PROMPTS[:3], lay)
+    lay = CHAMELEON_LAYOUTS[layout]
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS[:3], lay)
     s = SamplingConfig(temperature=0.0, top_k=0, cfg_scale=3.0)
     method = MethodConfig.resolve("sjd-pac", sjd_window=4, pac_width=3, pac_depth=3)
-    target, draft = chameleon_parts(_lm(), lay, s, method, None, _lm().image_head)
+    target, draft = chameleon_parts(chameleon_lm(), lay, s, method, None, chameleon_lm().image_head)
     out = generate(target, ids, drafter=draft, cond_mask=mask)
-    assert torch.equal(out.codes, _chameleon_ar(lay, 3.0, PROMPTS[:3]))
+    assert torch.equal(out.codes, chameleon_greedy_ar(lay, 3.0, CHAMELEON_PROMPTS[:3]))
 
 
 # ---- sampled SJD-PAC follows the target's distribution --------------------------------------
@@ -231,12 +232,13 @@ def _dist_run(name: str) -> tuple[GenerationOutput, float]:
     config, pac, drafter_cls = DIST_RUNS[name]
     _Recorder.off_chain = 0
     labels = torch.full((DIST_ROWS,), DIST_LABEL)
-    out = _generate(_dist_model(), labels, DIST_SAMPLING, config, pac, list(range(DIST_ROWS)), drafter_cls)
+    out = _generate(dist_model(), labels, DIST_SAMPLING, config, pac, list(range(DIST_ROWS)), drafter_cls)
     rounds = int(sum(int((step > 0).sum()) for step in out.stats.tokens_per_step))
     return out, _Recorder.off_chain / rounds
 
 
-@pytest.mark.parametrize("run", ["K3-D3", "K4-D3-repeat", "K2-D4-independent"])
+@pytest.mark.parametrize("run", [pytest.param("K3-D3", marks=pytest.mark.slow), "K4-D3-repeat",
+                                 pytest.param("K2-D4-independent", marks=pytest.mark.slow)])
 def test_sjd_pac_matches_target_distribution(run: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
     cells in the support, 6000 rows) at significance 0.001: a correct implementation fails with
@@ -245,14 +247,14 @@ def test_sjd_pac_matches_target_distribution(run: str) -> None:
     good share of the rounds end on a sibling's path, so the sibling tests and the carry-over from
     a sibling's descendants are exercised. Measured chi2 58.7, 68.9, 73.2 (threshold 108.6, 67 dof);
     rounds ending on a sibling 24 %, 24 %, 16 %."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
     out, off_chain = _dist_run(run)
     codes = out.codes[:, :DIST_TOKENS]
     cell = (codes * 6 ** torch.arange(DIST_TOKENS - 1, -1, -1)).sum(1)
     assert bool((p[cell] > 0).all()), "a sample fell outside the top-k support"
-    stat, df = _chi_square(codes, p)
+    stat, df = chi_square(codes, p)
     assert df >= 30
-    assert stat < _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
     assert out.stats.mean_accepted > 1.5  # guesses were accepted: the speculative path ran
     assert off_chain > 0.1, off_chain  # and accepted paths went through siblings
 
@@ -264,11 +266,11 @@ def test_chi_square_detects_a_wrong_sibling_law() -> None:
     For the record (not a test): siblings drawn as the reference code draws them, without
     replacement from norm(max(p - q_old, 0)), and tested as draws from p, measured chi2 119 on the
     same runs: the reference's sibling law is not the one its test assumes (lantern.decoding.pac)."""
-    p = _exact_joint(_dist_model(), DIST_SAMPLING, DIST_TOKENS)
+    p = exact_joint(dist_model(), DIST_SAMPLING, DIST_TOKENS)
     out, off_chain = _dist_run("top-siblings")
-    stat, df = _chi_square(out.codes[:, :DIST_TOKENS], p)
+    stat, df = chi_square(out.codes[:, :DIST_TOKENS], p)
     assert off_chain > 0.1
-    assert stat > _chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
 # ---- batching -------------------------------------------------------------------------------
@@ -304,6 +306,7 @@ def _pac_method() -> MethodConfig:
     return MethodConfig.resolve("sjd-pac", sjd_window=4, pac_width=3, pac_depth=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
 def test_round_is_one_graph(small_stack: ModelStack, sampling: SamplingConfig) -> None:
     """``torch._dynamo.explain`` of a round (as tests/test_round_graph.py): one graph, no break."""
@@ -334,6 +337,7 @@ def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_round_never_recompiles(small_stack: ModelStack, eager_backend: None) -> None:
     """``compile="default"``: one graph for the decode, one region call per round, no recompilation
     for a second batch, and the eager codes."""
@@ -353,6 +357,7 @@ def test_compiled_round_never_recompiles(small_stack: ModelStack, eager_backend:
 # ---- speed, settings, CLI -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_more_tokens_per_forward_than_coupled_sjd() -> None:
     """digits, preset sampling, same seeds (measured 2.63 sjd-pac vs 2.45 sjd-coupled, 1.83 sjd)."""
     stack = load_stack("digits")
@@ -378,7 +383,7 @@ def test_settings_resolve() -> None:
 
 def test_bench_rows() -> None:
     specs = parse_methods("ar,sjd-pac,sjd-pac/width=2/depth=4/window=8")
-    stack = _stack("digits")
+    stack = cached_stack("digits")
     assert [tree_label(s.resolve(stack)) for s in specs] == [
         "-", "jacobi:16/repeat_horizon/maximal/pd4x3", "jacobi:8/repeat_horizon/maximal/pd2x4"]
 
