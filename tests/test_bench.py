@@ -12,13 +12,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.eval.bench import BenchConfig, bench_labels
 from lantern.eval.methods_grammar import MethodSpec, parse_batch_sizes, parse_methods, parse_tree_options
-from lantern.eval.report import BenchRow, format_table, throughput_table
+from lantern.eval.report import ARSpread, BenchRow, format_table, t975, throughput_table
 from lantern.methods import MethodConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,7 +103,20 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
     assert run["command"].startswith("lantern bench")
     assert run["sampling"]["cfg_scale"] == 3.0 and run["dtype"] == "float32"
     assert run["num_real"] == 100 and run["feature_net"].startswith("lantern feature net")
-    assert set(run["ar_spread"]) >= {"fid", "kid", "precision", "recall", "class_accuracy"}
+    spread = run["ar_spread"]
+    assert spread["seeds"] == [0, 1, 2, 3, 4]  # --ar-seeds default 5, from --seed 0
+    assert set(spread["values"]) == {"fid", "kid", "precision", "recall", "class_accuracy"}
+    ar = rows[0]
+    for key, values in spread["values"].items():
+        assert len(values) == 5 and values[0] == pytest.approx(ar[key])  # seed 0 is the table's AR row
+        lo, hi = spread["interval95"][key]
+        assert lo <= min(values) and max(values) <= hi
+    assert len(set(spread["values"]["fid"])) == 5  # the seeds differ
+    assert ar["outside_ar_spread"] == []
+    for r in rows:  # each row's verdict is its metrics against the interval
+        out = [k for k in ("fid", "precision", "recall", "class_accuracy")
+               if not spread["interval95"][k][0] <= r[k] <= spread["interval95"][k][1]]
+        assert r["outside_ar_spread"] == out, r["method"]
     # tau curves: delta 0 and lambda 1 are the exact rule, so they agree with each other only if the
     # trees agree; both must at least be >= 1 and non-trivially increase at the loosest setting.
     for kind in ("delta", "lambda"):
@@ -115,6 +129,8 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
         assert f"| {r['method']} |" in md
         assert f"{r['mean_accepted']:.2f}" in md
     assert "not** Inception" in md
+    assert "AR's spread over 5 seeds (0, 1, 2, 3, 4), 95 % prediction interval" in md
+    assert "| vs AR spread |" in md
     names = ["grid_ar.png", "grid_sd.png", "grid_lantern.png", "grid_lanternpp.png", "accept_vs_delta.png",
              "accept_vs_lambda.png", "frontier.png"]
     for name in names:
@@ -227,7 +243,7 @@ def test_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         return {"fid": float(codes.shape[0])}
 
     config = BenchConfig(methods=parse_methods("ar,lantern,lantern++"), num_images=4, speed_images=1,
-                         batch_size=4, curve_images=0, ar_spread=False, sweep=True, sweep_images=3)
+                         batch_size=4, curve_images=0, ar_seeds=1, sweep=True, sweep_images=3)
     result = bench.run_bench(stack, sampling, config, quality, progress=False, log=lambda _: None)
     assert [r.method for r in result.sweep] == ["lantern k=10 delta=0.05", "lantern k=10 delta=0.4",
                                                 "lantern++ k=10 lambda=2.0"]
@@ -275,7 +291,7 @@ def test_throughput_table_per_batch_size() -> None:
     stack = load_stack("digits")
     sampling = SamplingConfig(**stack.default_sampling())
     config = BenchConfig(methods=parse_methods("ar,lantern++"), num_images=2, speed_images=1, curve_images=0,
-                         ar_spread=False, throughput_batch_sizes=(2,))
+                         ar_seeds=1, throughput_batch_sizes=(2,))
     result = bench.run_bench(stack, sampling, config, None, progress=False, log=lambda _: None)
     assert [(p["batch_size"], p["method"], p["images"]) for p in result.throughput] == [(2, "ar", 2),
                                                                                        (2, "lantern++", 2)]
@@ -283,3 +299,31 @@ def test_throughput_table_per_batch_size() -> None:
     assert all(r.startup_seconds > 0 for r in result.rows)
     table = throughput_table(result.throughput)
     assert "| lantern++ | " in table and "batch 2: images/s" in table
+
+
+def test_ar_spread_interval_is_a_t_prediction_interval() -> None:
+    spread = ARSpread((0, 1, 2, 3, 4), {"fid": [1.0, 2.0, 3.0, 4.0, 5.0], "precision": [0.5] * 5})
+    half = 2.776 * math.sqrt(2.5) * math.sqrt(1.2)  # t(0.975, 4) * s * sqrt(1 + 1/n)
+    assert spread.interval("fid") == pytest.approx((3.0 - half, 3.0 + half))
+    assert spread.interval("precision") == (0.5, 0.5)  # no spread: only the observed value is inside
+    assert spread.outside({"fid": 3.0 + half + 1e-6, "precision": 0.5, "recall": 0.1}) == ["fid"]
+    assert spread.outside({"fid": 3.0, "precision": 0.6}) == ["precision"]
+    assert spread.outside({"fid": 3.0, "precision": 0.5, "kid": 99.0}) == []  # KID is not judged
+    assert (t975(1), t975(4), t975(30), t975(200)) == (12.706, 2.776, 2.042, 2.042)
+
+
+def test_ar_spread_covers_one_more_seed_95_percent_of_the_time() -> None:
+    """A method that is AR (its metric drawn like another seed's) falls outside about 5 % of the
+    time on one metric. 4000 trials, fixed seed: the observed rate is checked within [0.035,
+    0.065] (the binomial's ±4.3 sd: a false alarm has probability < 1e-4). Power: a method shifted
+    by 4 AR standard deviations falls outside in more than half the trials."""
+    g = torch.Generator().manual_seed(0)
+    trials = 4000
+    draws = torch.randn(trials, 6, generator=g, dtype=torch.float64)
+    outside = shifted = 0
+    for row in draws.tolist():
+        spread = ARSpread((0, 1, 2, 3, 4), {"fid": row[:5]})
+        outside += bool(spread.outside({"fid": row[5]}))
+        shifted += bool(spread.outside({"fid": row[5] + 4.0}))
+    assert 0.035 <= outside / trials <= 0.065
+    assert shifted / trials > 0.5

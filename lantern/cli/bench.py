@@ -20,7 +20,7 @@ from lantern.cli.common import (
 from lantern.errors import check
 from lantern.eval.bench import BenchConfig, QualityScorer, resolve_auto_trees, resolve_auto_windows, run_bench
 from lantern.eval.methods_grammar import parse_batch_sizes, parse_methods, parse_tree_options
-from lantern.eval.report import format_cell, format_table, save_bench, throughput_table
+from lantern.eval.report import format_table, save_bench, throughput_table
 
 
 def bench_config(args: Any) -> BenchConfig:
@@ -41,7 +41,7 @@ def bench_config(args: Any) -> BenchConfig:
         repeats=args.repeats,
         num_real=args.num_real,
         curve_images=args.curve_images,
-        ar_spread=not args.no_ar_spread,
+        ar_seeds=1 if args.no_ar_spread else args.ar_seeds,
         sweep=args.sweep,
         sweep_images=args.sweep_images,
     )
@@ -110,8 +110,7 @@ def cmd_bench(args: Any) -> int:
     if result.throughput:
         print(throughput_table(result.throughput))
     if result.ar_spread is not None:
-        print("AR seed-to-seed spread: " + ", ".join(
-            f"{k} {format_cell(v, 4)}" for k, v in result.ar_spread.items() if k != "seed"))
+        print(f"AR's spread over {len(result.ar_spread.seeds)} seeds (95 % interval): {result.ar_spread.describe()}")
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
 
@@ -155,7 +154,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "torchscript:FILE (e.g. clean-fid's Inception) or clip:DIR (a local CLIP vision model)")
     p.add_argument("--curve-images", type=int, default=16,
                    help="images per point of the tau-vs-delta/lambda curves (0 = skip; default 16)")
-    p.add_argument("--no-ar-spread", action="store_true", help="skip the second AR seed (metric spread)")
+    p.add_argument("--ar-seeds", type=int, default=5,
+                   help="AR's quality at this many seeds (--seed, --seed + 1, ...): a 95 %% prediction interval per "
+                        "metric, and each row marked within it or not (default 5; 1 = no spread)")
+    p.add_argument("--no-ar-spread", action="store_true", help="the same as --ar-seeds 1: AR at one seed only")
     p.add_argument("--no-quality", action="store_true",
                    help="speed only: no quality images or metrics (rows describe the timed images)")
     p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")

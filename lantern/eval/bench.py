@@ -11,8 +11,9 @@ the table differ only by the decoding method:
   not depend on the batch size: one ``torch.Generator`` per image). FID/KID/precision/recall and
   class accuracy are computed in the feature space of a network lantern trained on the preset's
   own images (``lantern.eval.metrics``); they are comparable between rows of one run, **not** with
-  published Inception FIDs. The run-to-run spread of AR itself (a second AR seed) is reported next
-  to them, so a method's loss can be read against the noise of the metric.
+  published Inception FIDs. AR's own spread (``ar_seeds`` seeds, a 95 % prediction interval per
+  metric: :class:`lantern.eval.report.ARSpread`) is reported next to them, and each row says
+  whether its FID, precision, recall and class accuracy fall inside it.
 * ``mean_accepted`` (tokens per target forward, tau) comes from the quality run (all images).
 
 Plots: an image grid per method, mean accepted length against LANTERN's delta and LANTERN++'s
@@ -37,7 +38,15 @@ from torch import Tensor
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.eval.methods_grammar import DEFAULT_METHODS, MethodSpec
-from lantern.eval.report import QUALITY_KEYS, BenchResult, BenchRow, format_quality, machine_description, tree_label
+from lantern.eval.report import (
+    QUALITY_KEYS,
+    ARSpread,
+    BenchResult,
+    BenchRow,
+    format_quality,
+    machine_description,
+    tree_label,
+)
 from lantern.methods import METHODS, MethodConfig, resolve_method, setting_name
 from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack, labels_for
@@ -64,7 +73,7 @@ class BenchConfig:
     repeats: int = 1
     num_real: int = 1000  # held-out real images the generated sets are compared with (capped by the split)
     curve_images: int = 16  # images per point of the tau-vs-delta / tau-vs-lambda curves (0 = no curves)
-    ar_spread: bool = True  # second AR seed: the metrics' run-to-run spread
+    ar_seeds: int = 5  # AR's quality at seeds seed..seed+n-1: the metrics' spread (1 = none)
     sweep: bool = False
     sweep_images: int = 100
     # Extra batch sizes timed for throughput (images/s per method), e.g. (4, 16); each is timed on
@@ -79,7 +88,8 @@ class BenchConfig:
         check(len(set(names)) == len(names), f"--methods lists a method twice: {names}")
         for m in self.methods:
             check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
-        for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real"):
+        for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real",
+                     "ar_seeds"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("num_images", "speed_images", "repeats", "curve_images", "sweep_images"):  # memory bombs
             check(getattr(self, name) <= MAX_IMAGES,
@@ -154,12 +164,11 @@ def run_bench(
             + (f", {format_quality(scores)}" if scores else ""))
 
     ar_spread = None
-    if config.ar_spread and quality is not None:
-        r2 = runner.generate(stack, encoded, config.seed + 1, sampling, resolved["ar"], config.batch_size)
-        q2 = quality(r2.codes, labels)
-        q1 = rows[[r.method for r in rows].index("ar")].quality
-        ar_spread = {k: abs(float(q1[k]) - float(q2[k])) for k in QUALITY_KEYS if q1.get(k) is not None}
-        ar_spread["seed"] = float(config.seed + 1)
+    if config.ar_seeds > 1 and quality is not None:
+        ar_spread = _ar_spread(stack, sampling, config, quality, resolved["ar"], encoded, labels,
+                               rows[[r.method for r in rows].index("ar")].quality, runner, progress)
+        for row in rows:
+            row.outside_ar_spread = ar_spread.outside(row.quality)
 
     curves = _curves(stack, sampling, config, resolved, encoded, progress, runner)
     sweep = []
@@ -173,6 +182,22 @@ def run_bench(
                                                   batch, progress, runner)]
     meta = _meta(stack, sampling, config, resolved)
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
+
+
+def _ar_spread(
+    stack: Stack, sampling: SamplingConfig, config: BenchConfig, quality: QualityFn, ar: MethodConfig,
+    encoded: Any, labels: list[Any], first: Mapping[str, Any], runner: BenchRunner, progress: bool,
+) -> ARSpread:
+    """AR's metrics at seeds ``seed`` (the table's AR row, ``first``) .. ``seed + ar_seeds - 1``,
+    on the same labels: how much the metrics move when only the sampling noise changes."""
+    from tqdm.auto import tqdm
+
+    seeds = tuple(range(config.seed, config.seed + config.ar_seeds))
+    runs = [first]
+    for seed in tqdm(seeds[1:], desc="AR seeds", disable=not progress):
+        runs.append(quality(runner.generate(stack, encoded, seed, sampling, ar, config.batch_size).codes, labels))
+    values = {k: [float(q[k]) for q in runs] for k in QUALITY_KEYS if first.get(k) is not None}
+    return ARSpread(seeds, values)
 
 
 def measure_throughput(

@@ -18,6 +18,13 @@ from lantern.methods import MethodConfig
 from lantern.targets.base import Stack
 
 QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
+# The metrics a method must keep inside AR's spread to count as "within AR's quality" (KID is
+# FID's unbiased cousin and adds nothing to the verdict).
+SPREAD_KEYS = ("fid", "precision", "recall", "class_accuracy")
+# Student's t, two-sided 95 % (the 0.975 quantile), by degrees of freedom 1..30; beyond 30 the
+# 30-df value (slightly wider than the normal 1.96, so never narrower than it should be).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 GRID_COLUMNS = 8  # images per grid row for stacks without classes
 
 
@@ -39,6 +46,7 @@ class BenchRow:
     speed_images: int = 0
     wall_seconds_repeats: list[float] = field(default_factory=list)
     startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
+    outside_ar_spread: list[str] | None = None  # SPREAD_KEYS outside AR's interval (None: no spread measured)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "quality"}
@@ -48,11 +56,56 @@ class BenchRow:
         return d
 
 
+def t975(df: int) -> float:
+    """Student's t 0.975 quantile with ``df`` degrees of freedom (a 95 % two-sided interval)."""
+    return _T975[min(df, len(_T975)) - 1]
+
+
+@dataclass(frozen=True)
+class ARSpread:
+    """AR's quality at several seeds: the noise a method's metrics are read against.
+
+    ``interval(key)`` is a 95 % prediction interval for the metric of one more AR run, mean ±
+    t(0.975, n - 1) · s · sqrt(1 + 1/n) over the n seeds (Student's t, metrics roughly normal across
+    seeds), widened to the observed range; a method is *within AR's spread* on a metric when its
+    value lies inside. With 5 seeds the interval is about ±3 standard deviations, so a method
+    that is AR in disguise falls outside on a given metric about 5 % of the time."""
+
+    seeds: tuple[int, ...]
+    values: dict[str, list[float]]  # metric -> its value at each seed, in ``seeds`` order
+
+    def interval(self, key: str) -> tuple[float, float]:
+        v = self.values[key]
+        n = len(v)
+        mean = sum(v) / n
+        sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1))
+        half = t975(n - 1) * sd * math.sqrt(1 + 1 / n)
+        return min(mean - half, *v), max(mean + half, *v)
+
+    def outside(self, quality: Mapping[str, Any]) -> list[str]:
+        """The :data:`SPREAD_KEYS` whose value in ``quality`` falls outside AR's interval."""
+        out = []
+        for key in SPREAD_KEYS:
+            if key in self.values and quality.get(key) is not None:
+                lo, hi = self.interval(key)
+                if not lo <= float(quality[key]) <= hi:
+                    out.append(key)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seeds": list(self.seeds), "values": self.values,
+                "interval95": {k: [round(x, 6) for x in self.interval(k)] for k in self.values}}
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {format_cell(lo, 4)}..{format_cell(hi, 4)}"
+                         for k in self.values for lo, hi in [self.interval(k)])
+
+
 @dataclass
 class BenchResult:
     rows: list[BenchRow]
     meta: dict[str, Any]
-    ar_spread: dict[str, float] | None  # |metric(AR seed s) - metric(AR seed s+1)|
+    ar_spread: ARSpread | None  # AR's metrics at several seeds (None: one seed, or no quality)
     curves: dict[str, list[dict[str, float]]]  # "delta" / "lambda" -> [{value, mean_accepted}]
     sweep: list[BenchRow]
     codes: dict[str, Tensor]  # method -> [num_images, N] codes (for the grids)
@@ -104,6 +157,9 @@ def format_quality(q: Mapping[str, Any]) -> str:
 
 def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
     head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", "FID", "KID", "prec", "recall", "class acc"]
+    spread = any(r.outside_ar_spread is not None for r in rows)
+    if spread:
+        head.append("vs AR spread")
     body = [
         [
             r.method,
@@ -117,6 +173,7 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
             format_cell(r.quality.get("precision")),
             format_cell(r.quality.get("recall")),
             format_cell(r.quality.get("class_accuracy")),
+            *([_spread_cell(r)] if spread else []),
         ]
         for r in rows
     ]
@@ -128,6 +185,14 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
     fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [fmt.format(*head), "-" * (sum(widths) + 2 * (len(widths) - 1))]
     return "\n".join(lines + [fmt.format(*row) for row in body])
+
+
+def _spread_cell(r: BenchRow) -> str:
+    """"within", or the metrics outside AR's 95 % interval ("out: fid, prec")."""
+    if r.outside_ar_spread is None or r.method == "ar":
+        return "-"
+    short = {"fid": "FID", "precision": "prec", "recall": "recall", "class_accuracy": "acc"}
+    return "within" if not r.outside_ar_spread else "out: " + ", ".join(short[k] for k in r.outside_ar_spread)
 
 
 def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
@@ -176,8 +241,10 @@ def markdown_report(result: BenchResult, command: str) -> str:
     if result.throughput:
         lines += ["## Throughput", "", throughput_table(result.throughput), ""]
     if result.ar_spread is not None:
-        spread = ", ".join(f"{k} {format_cell(v, 4)}" for k, v in result.ar_spread.items() if k != "seed")
-        lines += [f"AR run-to-run spread (seed {cfg['seed']} vs {int(result.ar_spread['seed'])}): {spread}", ""]
+        s = result.ar_spread
+        lines += [f"AR's spread over {len(s.seeds)} seeds ({', '.join(map(str, s.seeds))}), 95 % prediction "
+                  f"interval per metric: {s.describe()}. \"vs AR spread\": a row is within when FID, "
+                  "precision, recall and class accuracy all fall inside.", ""]
     for kind, points in result.curves.items():
         pts = ", ".join(f"{p['value']:g}: {p['mean_accepted']:.2f}" for p in points)
         lines += [f"tau vs {kind}: {pts}", ""]
@@ -199,7 +266,7 @@ def save_bench(
         {
             "command": command,
             **result.meta,
-            "ar_spread": result.ar_spread,
+            "ar_spread": None if result.ar_spread is None else result.ar_spread.to_dict(),
             "curves": result.curves,
             "sweep": [r.to_dict() for r in result.sweep],
             "throughput": result.throughput,
@@ -264,10 +331,10 @@ def _save_plots(result: BenchResult, out: Path) -> None:
             ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
             ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
                         textcoords="offset points")
-    if result.ar_spread is not None and "fid" in result.ar_spread:
-        ar = next(r for r in result.rows if r.method == "ar")
-        ax.axhspan(ar.quality["fid"] - result.ar_spread["fid"], ar.quality["fid"] + result.ar_spread["fid"],
-                   color="gray", alpha=0.15, label="AR seed-to-seed spread")
+    if result.ar_spread is not None and "fid" in result.ar_spread.values:
+        lo, hi = result.ar_spread.interval("fid")
+        ax.axhspan(lo, hi, color="gray", alpha=0.15,
+                   label=f"AR, {len(result.ar_spread.seeds)} seeds: 95 % interval")
         ax.legend(fontsize=7)
     ax.set_xlabel("wall-clock speed-up vs AR")
     ax.set_ylabel(f"FID ({result.meta.get('feature_net_short', 'lantern feature net')})")
