@@ -327,3 +327,39 @@ def test_ar_spread_covers_one_more_seed_95_percent_of_the_time() -> None:
         shifted += bool(spread.outside({"fid": row[5] + 4.0}))
     assert 0.035 <= outside / trials <= 0.065
     assert shifted / trials > 0.5
+
+
+@pytest.mark.slow
+def test_combine_bench_takes_speed_from_one_run_and_quality_from_the_other(tmp_path: Path) -> None:
+    """benchmarks/combine_bench.py: speed columns from the --speed run, tau and metrics from the
+    --quality run, each row judged against the quality run's AR interval."""
+    import subprocess
+    import sys
+
+    def write(folder: Path, rows: list[dict], run: dict) -> Path:
+        folder.mkdir()
+        (folder / "bench.json").write_text(json.dumps(rows))
+        (folder / "run.json").write_text(json.dumps(run))
+        return folder
+
+    def row(method: str, tau: float, speedup: float, fid: float | None, prec: float | None) -> dict:
+        return {"method": method, "base_method": method, "tree": "-", "relaxation": None, "mean_accepted": tau,
+                "target_forwards": 64 / tau, "wall_seconds": 1 / speedup, "seconds_per_image": 0.5 / speedup,
+                "speedup_vs_ar": speedup, "num_images": 200, "speed_images": 2, "wall_seconds_repeats": [1.0],
+                "startup_seconds": 0.0, "outside_ar_spread": None, "fid": fid, "kid": None, "precision": prec,
+                "recall": None, "class_accuracy": None}
+
+    speed = write(tmp_path / "s", [row("ar", 1.0, 1.0, None, None), row("sjd", 2.5, 1.75, None, None)],
+                  {"command": "lantern bench --no-quality"})
+    spread = {"seeds": [0, 1, 2], "values": {"fid": [1.0, 1.1, 1.2], "precision": [0.6, 0.61, 0.62]}}
+    quality = write(tmp_path / "q", [row("ar", 1.0, 1.0, 1.0, 0.6), row("sjd", 2.2, 9.9, 1.1, 0.3)],
+                    {"command": "lantern bench", "model": "digits", "ar_spread": spread})
+    out = tmp_path / "c"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "combine_bench.py"
+    subprocess.run([sys.executable, str(script), "--speed", str(speed), "--quality", str(quality), "--out", str(out)],
+                   check=True, capture_output=True, env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
+    md = (out / "bench.md").read_text()
+    # sjd: tau 2.20 and FID 1.10 from the quality run, 1.75x from the speed run; precision 0.3 is
+    # outside AR's interval (0.6 .. 0.62, t(0.975, 2) = 4.303 wide), FID inside.
+    assert "| sjd | - | 2.20 | 29.1 | 0.286 | 1.75x | 1.10 | - | 0.300 | - | - | out: prec |" in md
+    assert "lantern bench --no-quality" in md and (out / "frontier.png").stat().st_size > 0

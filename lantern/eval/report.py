@@ -275,7 +275,7 @@ def save_bench(
     with atomic_path(out / "bench.md") as tmp:
         tmp.write_text(markdown_report(result, command))
     _save_grids(stack, result, out)
-    _save_plots(result, out)
+    save_plots(result, out)
     return out
 
 
@@ -294,7 +294,9 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("++", "pp"))
 
 
-def _save_plots(result: BenchResult, out: Path) -> None:
+def save_plots(result: BenchResult, out: Path) -> None:
+    """accept_vs_delta.png / accept_vs_lambda.png (the tau curves) and frontier.png (speed-up
+    against FID, AR's interval as a band), each where the result has the data."""
     os.environ.setdefault("MPLCONFIGDIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "lantern-mpl"))
     import matplotlib
 
@@ -328,7 +330,11 @@ def _save_plots(result: BenchResult, out: Path) -> None:
     for r in result.rows:
         if r.quality.get("fid") is not None:
             token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="tab:green" if token else "black")
+            # A row outside AR's spread on any judged metric is drawn hollow, whatever its FID.
+            hollow = bool(r.outside_ar_spread)
+            colour = "tab:green" if token else "black"
+            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="none" if hollow else colour,
+                       edgecolors=colour, linewidths=1.2)
             ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
                         textcoords="offset points")
     if result.ar_spread is not None and "fid" in result.ar_spread.values:
@@ -338,7 +344,9 @@ def _save_plots(result: BenchResult, out: Path) -> None:
         ax.legend(fontsize=7)
     ax.set_xlabel("wall-clock speed-up vs AR")
     ax.set_ylabel(f"FID ({result.meta.get('feature_net_short', 'lantern feature net')})")
-    ax.set_title("quality vs speed (lower FID is better)", fontsize=9)
+    ax.set_title("quality vs speed (lower FID is better)" + (
+        "\nhollow: outside AR's spread (FID, precision, recall or class accuracy)"
+        if result.ar_spread is not None else ""), fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(out / "frontier.png") as tmp:
