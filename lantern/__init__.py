@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lantern.version import DISTRIBUTION, __version__
+
 if TYPE_CHECKING:
     from lantern.api import Pipeline, PipelineOutput, load, resolve_settings
     from lantern.decoding.config import RelaxationConfig, SamplingConfig, TreeConfig
@@ -45,6 +47,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "DISTRIBUTION",
+    "__version__",
     "Acceptance",
     "ChameleonStack",
     "Conditions",

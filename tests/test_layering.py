@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom-up, as in the README's layout section: (name, the modules and packages of that layer).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("utilities", ("lantern.errors", "lantern.io", "lantern.images", "lantern.outputs", "lantern.validate",
-                   "lantern.hub", "lantern.distributed")),
+                   "lantern.hub", "lantern.distributed", "lantern.version")),
     ("engine", ("lantern.decoding",)),
     ("models", ("lantern.models",)),
     ("drafters", ("lantern.drafters",)),
@@ -96,7 +96,8 @@ def _scan(root: Path, package: str) -> tuple[dict[str, set[str]], list[str]]:
                 for a in node.names:
                     sub = f"{node.module}.{a.name}"
                     edges.add(sub if sub in files else node.module)
-                    if a.name.startswith("_") and unit_of(node.module) != unit_of(name):
+                    dunder = a.name.startswith("__") and a.name.endswith("__")  # __version__ is public
+                    if a.name.startswith("_") and not dunder and unit_of(node.module) != unit_of(name):
                         private.append(f"{name} imports the private {node.module}.{a.name}")
         graph[name] = {e for e in edges if e != name}
     return graph, private

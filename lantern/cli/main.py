@@ -18,10 +18,12 @@ from lantern.cli.generate import add_generate
 from lantern.cli.profile import add_profile
 from lantern.cli.tools import add_build_proximity, add_make_random_stack
 from lantern.errors import LanternError
+from lantern.version import DISTRIBUTION, __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
+    parser.add_argument("--version", action="version", version=f"lantern {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate(sub)
     add_build_proximity(sub)

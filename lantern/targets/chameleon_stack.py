@@ -169,7 +169,7 @@ def load_prompt_tokenizer(root: Path) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as e:  # pragma: no cover
-        raise LanternError("Chameleon targets need transformers: pip install 'lantern[t2i]'") from e
+        raise LanternError("Chameleon targets need transformers: pip install 'lantern-ar[t2i]'") from e
     try:
         return AutoTokenizer.from_pretrained(str(root))
     except (OSError, ValueError) as e:

@@ -7,7 +7,7 @@ valid embeddings move to the end of the 120 slots, in order, the padded slots be
 and the mask is flipped to match. The target only ever sees this left-padded form, and the
 unconditional CFG row (the stored ``uncond_embedding``) reuses the same mask (``LlamaGenTarget``).
 
-transformers is imported lazily (``pip install 'lantern[t2i]'``), so class-conditional use never
+transformers is imported lazily (``pip install 'lantern-ar[t2i]'``), so class-conditional use never
 needs it. Prompts are lower-cased and their whitespace collapsed before tokenization: that is the
 part of LlamaGen's DeepFloyd-IF ``clean_caption`` pass that changes ordinary prompts (it also strips
 URLs, HTML and some punctuation runs, which lantern does not reproduce).
@@ -30,7 +30,7 @@ from lantern.errors import LanternError, check
 from lantern.io import read_json
 
 T5_MAX_LENGTH = 120  # caption slots of LlamaGen T2I (= cls_token_num)
-INSTALL_HINT = "pip install 'lantern[t2i]'"
+INSTALL_HINT = "pip install 'lantern-ar[t2i]'"
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
 _WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"

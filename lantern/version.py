@@ -1,0 +1,19 @@
+"""lantern's version, from the installed distribution's metadata (``lantern --version``,
+``lantern.__version__``). The distribution is ``lantern-ar`` on PyPI, because ``lantern`` there is
+an unrelated project; the import name and the command stay ``lantern``."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+DISTRIBUTION = "lantern-ar"
+
+
+def _installed_version() -> str:
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
