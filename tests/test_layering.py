@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom-up, as in the README's layout section: (name, the modules and packages of that layer).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("utilities", ("lantern.errors", "lantern.io", "lantern.images", "lantern.outputs", "lantern.validate",
-                   "lantern.hub", "lantern.distributed", "lantern.version")),
+                   "lantern.hub", "lantern.distributed", "lantern.version",
+                   "lantern.machine")),
     ("engine", ("lantern.decoding",)),
     ("models", ("lantern.models",)),
     ("drafters", ("lantern.drafters",)),

@@ -106,6 +106,8 @@ def cmd_bench(args: Any) -> int:
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     with out.write() as folder:
         save_bench(stack, result, folder, command)
+    if result.meta.get("busy_warning"):
+        print(result.meta["busy_warning"])
     print(format_table(result.rows))
     if result.throughput:
         print(throughput_table(result.throughput))

@@ -89,6 +89,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from lantern.api import sampling_from
     from lantern.eval.demo import run_demo, save_demo
+    from lantern.machine import watch_load
     from lantern.methods import METHODS
     from lantern.outputs import OutputFolder
 
@@ -126,11 +127,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     windows, auto_windows = _demo_windows(stack, sampling, methods, args)
     for method, tree in trees.items():  # a method's tree rides in its settings, like its window
         windows[method] = {**windows.get(method, {}), "tree": tree}
-    rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
-                    repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
-                    compile=args.compile, settings=windows)
+    with watch_load() as watch:  # were other processes competing for the cores while we timed?
+        rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
+                        repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
+                        compile=args.compile, settings=windows)
+    assert watch.result is not None
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
+    meta["machine_load"] = watch.result.to_dict()
+    meta["busy_warning"] = watch.result.warning()
     if auto_trees:
         meta["auto_trees"] = {m: c.to_dict() for m, c in auto_trees.items()}
     if auto_windows:
@@ -141,6 +146,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print(f"model {args.model} | {n} images per method, batch {args.batch_size}, same labels and seeds | "
           f"{sampling.to_dict()}")
+    if watch.result.busy:
+        print(watch.result.warning())
     print(format_table(rows))
     print(f"grid: {out.path / 'demo_grid.png'} | numbers: {out.path / 'demo.json'} | "
           f"total {time.perf_counter() - t0:.0f} s")

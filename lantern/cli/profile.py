@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from lantern.cli.common import (
     MODEL_HELP,
@@ -46,6 +47,7 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.api import sampling_from
     from lantern.autotree.profile import ProfileSettings, format_profile, measure_profile, save_profile
+    from lantern.machine import watch_load
     from lantern.outputs import OutputFolder
     from lantern.validate import check_device
 
@@ -62,9 +64,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from lantern.eval.roundtrace import cmd_trace
 
         return cmd_trace(args, stack, sampling, out)
-    profile = measure_profile(stack, sampling, settings, model_name=str(args.model), progress=not args.no_progress)
+    with watch_load() as watch:  # were other processes competing for the cores while we timed?
+        profile = measure_profile(stack, sampling, settings, model_name=str(args.model),
+                                  progress=not args.no_progress)
+    assert watch.result is not None
+    profile = replace(profile, meta={**profile.meta, "machine_load": watch.result.to_dict(),
+                                     "busy_warning": watch.result.warning()})
     with out.write() as folder:
         json_path, png_path = save_profile(profile, folder)
+    if watch.result.busy:
+        print(watch.result.warning())
     print(format_profile(profile))
     print(f"wrote {out.path / json_path.name}" + (f" and {out.path / png_path.name}" if png_path is not None else ""))
     return 0

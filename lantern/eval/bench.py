@@ -47,6 +47,7 @@ from lantern.eval.report import (
     machine_description,
     tree_label,
 )
+from lantern.machine import watch_load
 from lantern.methods import METHODS, MethodConfig, resolve_method, setting_name
 from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack, labels_for
@@ -142,8 +143,12 @@ def run_bench(
     # 1. Speed at the latency batch size (see time_methods).
     startup: dict[str, float] = {}
     speed = encoded.rows(0, config.speed_images)
-    speed_runs, walls = runner.time(stack, sampling, resolved, speed, config.seed, config.speed_batch_size,
-                                    config.repeats, progress, compile=config.compile, startup=startup)
+    with watch_load() as watch:  # were other processes competing for the cores while we timed?
+        speed_runs, walls = runner.time(stack, sampling, resolved, speed, config.seed, config.speed_batch_size,
+                                        config.repeats, progress, compile=config.compile, startup=startup)
+    assert watch.result is not None
+    if watch.result.busy:
+        log(str(watch.result.warning()))
     ar_wall = statistics.median(walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
@@ -181,6 +186,8 @@ def run_bench(
                   for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), encoded, config,
                                                   batch, progress, runner)]
     meta = _meta(stack, sampling, config, resolved)
+    meta["machine_load"] = watch.result.to_dict()
+    meta["busy_warning"] = watch.result.warning()
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
 
 

@@ -221,6 +221,7 @@ def markdown_report(result: BenchResult, command: str) -> str:
         f"- sampling: {m['sampling']}",
         f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
         f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded",
+        *([f"- **{m['busy_warning']}**"] if m.get("busy_warning") else []),
         *(
             [
                 f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "

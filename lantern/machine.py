@@ -1,0 +1,112 @@
+"""Was the machine quiet while we timed? Other processes on the same cores slow some methods more
+than others (a concurrent job once turned LANTERN++'s 2.0x into "3.8x" on 2 cores), so every
+timing command watches the machine and says when its ratios cannot be trusted.
+
+:func:`watch_load` reads, at the start and at the end of the timed part, the 1-minute load average,
+the core count and (on Linux) the CPU time all processes spent (``/proc/stat``); the difference
+minus this process's own CPU time is what *other* processes took. The run counts as busy when the
+others took more than :data:`BUSY_SHARE` of the machine, or, without ``/proc/stat``, when the load
+average stayed above the core count."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BUSY_SHARE = 0.25  # others using more than a quarter of all cores: on 2 cores, half a core
+PROC_STAT = Path("/proc/stat")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One look at the machine: monotonic time, load average, core count, CPU seconds spent by
+    every process (None without /proc/stat) and by this one."""
+
+    wall: float
+    load1: float
+    cpus: int
+    machine_cpu: float | None
+    own_cpu: float
+
+
+def _machine_cpu_seconds() -> float | None:
+    """Busy CPU seconds of all processes since boot (user, nice, system, irq, softirq, steal)."""
+    try:
+        fields = PROC_STAT.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def read_machine() -> Reading:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:
+        load1 = 0.0
+    return Reading(time.monotonic(), load1, os.cpu_count() or 1, _machine_cpu_seconds(),
+                   usage.ru_utime + usage.ru_stime)
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    start: Reading
+    end: Reading
+
+    @property
+    def others_share(self) -> float | None:
+        """Fraction of all cores other processes kept busy between the readings (None: unknown)."""
+        if self.start.machine_cpu is None or self.end.machine_cpu is None:
+            return None
+        wall = max(self.end.wall - self.start.wall, 1e-9)
+        others = (self.end.machine_cpu - self.start.machine_cpu) - (self.end.own_cpu - self.start.own_cpu)
+        return max(others, 0.0) / (wall * self.start.cpus)
+
+    @property
+    def busy(self) -> bool:
+        share = self.others_share
+        if share is not None:
+            return share > BUSY_SHARE
+        return min(self.start.load1, self.end.load1) > self.start.cpus
+
+    def warning(self) -> str | None:
+        if not self.busy:
+            return None
+        share = self.others_share
+        what = (f"other processes used {share:.0%} of the {self.start.cpus} cores while timing"
+                if share is not None else f"load average {self.start.load1:.1f} -> {self.end.load1:.1f} "
+                f"on {self.start.cpus} cores")
+        return f"WARNING: busy machine ({what}): speed-ups measured now can be far off; rerun on a quiet machine"
+
+    def to_dict(self) -> dict[str, Any]:
+        share = self.others_share
+        return {"cpus": self.start.cpus, "load1_start": round(self.start.load1, 2),
+                "load1_end": round(self.end.load1, 2), "others_share": None if share is None else round(share, 3),
+                "busy": self.busy}
+
+
+class LoadWatch:
+    """What :func:`watch_load` hands out: ``result`` is set when the ``with`` block ends."""
+
+    def __init__(self) -> None:
+        self.result: MachineLoad | None = None
+
+
+@contextmanager
+def watch_load() -> Iterator[LoadWatch]:
+    """Watch the machine over the ``with`` block: ``with watch_load() as w: ...``, then ``w.result``."""
+    watch, start = LoadWatch(), read_machine()
+    try:
+        yield watch
+    finally:
+        watch.result = MachineLoad(start, read_machine())
