@@ -1,8 +1,8 @@
 """The package's layers, read from the import statements of every module (lazy ones included).
 
-The rules (README "Layout", docs/DESIGN.md "Layers"):
+The rules (docs/layout.md, docs/DESIGN.md "Layers"):
 
-* ``LAYERS`` lists the package bottom-up, as the README's layout section does; a module may import
+* ``LAYERS`` lists the package bottom-up, as docs/layout.md does; a module may import
   from its own layer and the layers before it, never from a later one;
 * the engine stays model-free: ``lantern.models`` (the nn.Modules) uses only the KV cache of
   ``lantern.decoding``;
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Bottom-up, as in the README's layout section: (name, the modules and packages of that layer).
+# Bottom-up, as in docs/layout.md: (name, the modules and packages of that layer).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("utilities", ("lantern.errors", "lantern.io", "lantern.images", "lantern.outputs", "lantern.validate",
                    "lantern.hub", "lantern.distributed", "lantern.version",
@@ -47,7 +47,7 @@ def layer_of(module: str) -> int:
     """Index in LAYERS of the most specific entry holding ``module``."""
     best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
                 if _inside(module, prefix)), default=None)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS (and to the README's layout)"
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and to docs/layout.md)"
     return best[1]
 
 
@@ -166,10 +166,10 @@ def test_the_package_has_no_import_circles() -> None:
     assert cycles(import_graph(ROOT)) == []
 
 
-def test_the_readme_lists_the_layers_in_order() -> None:
-    """The README's layout section names every top-level folder and module of a layer, in LAYERS' order."""
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
+def test_the_layout_page_lists_the_layers_in_order() -> None:
+    """docs/layout.md names every top-level folder and module of a layer, in LAYERS' order."""
+    page = (ROOT / "docs" / "layout.md").read_text()
+    layout = page[page.index("## Layout"):]
     layout = layout[: layout.index("```", layout.index("```") + 3)]
     positions = []
     for _, prefixes in LAYERS[:-1]:
@@ -177,7 +177,7 @@ def test_the_readme_lists_the_layers_in_order() -> None:
             name = prefix.split(".")[1]
             is_package = (ROOT / "lantern" / name).is_dir()
             token = f"{name}/" if is_package else f"{name}.py"
-            assert token in layout, f"README's layout does not mention {token}"
+            assert token in layout, f"docs/layout.md does not mention {token}"
             positions.append(layout.index(token))
     order = [layer_of(f"lantern.{p.split('.')[1]}") for _, ps in LAYERS[:-1] for p in ps]
     assert [o for _, o in sorted(zip(positions, order, strict=True))] == sorted(order)
