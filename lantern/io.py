@@ -73,6 +73,9 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
         raise LanternError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise LanternError(f"{what} {path} is not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses once per nesting level; no real file is this deep
+        raise LanternError(f"{what} {path} is not usable JSON: its arrays/objects are nested too deeply to "
+                           "read") from None
 
 
 def read_json_object(path: str | os.PathLike[str], what: str = "file") -> dict[str, Any]:

@@ -175,7 +175,9 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
     from lantern.models.vq import VQModel
     from lantern.outputs import OutputFolder
     from lantern.train.codes import extract_code_dir
+    from lantern.validate import check_count
 
+    check_count(args.batch_size, "--batch-size")
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     if not Path(args.tokenizer).is_dir():
         raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
@@ -209,10 +211,20 @@ def _add_train_target(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train_target)
 
 
+def _check_dropout(value: float, arg: str) -> None:
+    """A dropout rate in [0, 1): nan passes torch's own check and trains a model of NaNs, and 1
+    zeroes every activation."""
+    import math
+
+    if not (math.isfinite(value) and 0.0 <= value < 1.0):
+        raise LanternError(f"{arg} must be a rate in [0, 1), got {value!r}")
+
+
 def cmd_train_target(args: argparse.Namespace) -> int:
     from lantern.train.codes import load_code_dir
     from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
 
+    _check_dropout(args.dropout, "--dropout")
     loop = _loop(args)
     recipe = TargetRecipe(class_dropout=args.class_dropout)
     train, test = load_code_dir(args.codes, "train"), load_code_dir(args.codes, "test")

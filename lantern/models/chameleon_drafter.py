@@ -223,7 +223,7 @@ def is_released_drafter_folder(directory: str | os.PathLike[str]) -> bool:
     config_file = Path(directory) / "config.json"
     try:
         raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable: not a released drafter (read_json names it later)
         return False
     return isinstance(raw, dict) and raw.get("model_type") == RELEASED_MODEL_TYPE
 

@@ -79,7 +79,7 @@ class CodeSet:
         tensors, header = read_safetensors(path, "code set", ["codes", "labels"])
         try:
             meta = json.loads(header.get("lantern", "null"))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             meta = None
         check(isinstance(meta, dict) and len(tensors) == 2,
               f"{path} is not a lantern code set (no 'lantern' metadata, or no codes/labels tensors)")
@@ -107,6 +107,7 @@ def extract_codes(tokenizer: VQModel, data: Any, batch_size: int = 64, progress:
 
     from lantern.data import batch_images
 
+    check(isinstance(batch_size, int) and batch_size >= 1, f"--batch-size must be an integer >= 1, got {batch_size!r}")
     check(len(data) > 0, f"extract-codes: the {data.split} split of {data.name} is empty")
     check(data.channels == tokenizer.config.in_channels,
           f"the tokenizer takes {tokenizer.config.in_channels}-channel images but the data set has {data.channels}")

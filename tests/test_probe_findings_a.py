@@ -1,0 +1,109 @@
+"""Regressions of the bad-input probe of issue 30 (findings 1, 4, 5, 7, 8, 12): each bad input ends
+in one ``lantern: error:`` line naming the argument or file, exit code 2, and nothing written."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from lantern.cli.main import main
+from lantern.testing import make_random_stack, make_tiny_chameleon_folder, tiny_vq
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], message: str) -> None:
+    """``lantern argv`` exits 2 with exactly one ``lantern: error:`` line matching ``message``."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lantern: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_stack(tmp_path_factory.mktemp("stack") / "random", grid=2, vocab=64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding 8: tracebacks on bad values
+# ----------------------------------------------------------------------------------------------
+
+
+def test_extract_codes_batch_size_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_vq(vocab=64).save_pretrained(tmp_path / "tok")
+    out = tmp_path / "codes"
+    _refused(["extract-codes", "--tokenizer", str(tmp_path / "tok"), "--data", "digits", "--channels", "3",
+              "--num-samples", "4", "--eval-samples", "2", "--out", str(out), "--batch-size", "0", "--no-progress"],
+             capsys, r"--batch-size must be an integer >= 1, got 0")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["2", "nan", "-0.1"])
+def test_train_target_dropout_out_of_range(value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "target"
+    _refused(["train-target", "--codes", str(tmp_path / "codes"), "--out", str(out), "--dropout", value],
+             capsys, rf"--dropout must be a rate in \[0, 1\), got {value}")
+    assert not out.exists()
+
+
+def test_llamagen_config_refuses_nan_dropout() -> None:
+    from lantern.errors import LanternError
+    from lantern.testing import tiny_llamagen_config
+
+    with pytest.raises(LanternError, match=r"resid_dropout_p must be a rate in \[0, 1\], got nan"):
+        tiny_llamagen_config(resid_dropout_p=float("nan"))
+
+
+def test_deeply_nested_generation_json(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    model = Path(shutil.copytree(stack, tmp_path / "model"))
+    (model / "generation.json").write_text("[" * 100_000 + "]" * 100_000)
+    out = tmp_path / "o"
+    _refused(["generate", "--model", str(model), "--labels", "0", "--out", str(out), "--no-progress"], capsys,
+             rf"generation settings {re.escape(str(model / 'generation.json'))} is not usable JSON: .*nested too "
+             "deeply")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "train-target", "build-proximity"])
+def test_out_symlink_loop(command: str, stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(loop)
+    argv = {
+        "generate": ["generate", "--model", str(stack), "--labels", "0", "--no-progress"],
+        "train-target": ["train-target", "--codes", str(tmp_path / "codes")],
+        "build-proximity": ["build-proximity", "--tokenizer", str(stack / "tokenizer")],
+    }[command]
+    _refused([*argv, "--out", str(loop)], capsys, rf"--out: {re.escape(str(loop))} is a symbolic link loop")
+    assert loop.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["loop", "loop2"]
+
+
+def _point_past_the_end(weights: Path) -> None:
+    """Rewrite ``weights``' header so that its last tensor is twice as long: a consistent header
+    whose offsets point past the end of the file (a truncated download)."""
+    raw = weights.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + size])
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    start, end = header[name]["data_offsets"]
+    header[name]["shape"][0] *= 2
+    header[name]["data_offsets"] = [start, end + (end - start)]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size :])
+
+
+@pytest.mark.slow
+def test_chameleon_weights_header_past_the_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_tiny_chameleon_folder(tmp_path / "model")
+    _point_past_the_end(model / "model.safetensors")
+    capsys.readouterr()  # the folder writer's progress bars
+    out = tmp_path / "o"
+    _refused(["generate", "--model", str(model), "--prompt", "a cat", "--out", str(out), "--no-progress"], capsys,
+             rf"--model: {re.escape(str(model / 'model.safetensors'))} is not a readable safetensors file")
+    assert not out.exists()
