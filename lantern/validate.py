@@ -20,6 +20,11 @@ from lantern.errors import LanternError, check
 # ``--num-per-label 1000000000000`` would otherwise build a label list until memory runs out.
 MAX_IMAGES = 1_000_000
 
+# Optimiser steps one training run may ask for: a thousand times the longest recipe in the README
+# (10k steps), so never a real limit, while a typo such as ``--steps 9223372036854775808`` would
+# otherwise train until it is killed.
+MAX_TRAIN_STEPS = 10_000_000
+
 
 def check_count(value: int, arg: str, minimum: int = 1, maximum: int | None = None) -> None:
     """An image / item count: an integer >= ``minimum`` (and <= ``maximum`` when given)."""

@@ -107,3 +107,26 @@ def test_chameleon_weights_header_past_the_end(tmp_path: Path, capsys: pytest.Ca
     _refused(["generate", "--model", str(model), "--prompt", "a cat", "--out", str(out), "--no-progress"], capsys,
              rf"--model: {re.escape(str(model / 'model.safetensors'))} is not a readable safetensors file")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding 12: unbounded numbers
+# ----------------------------------------------------------------------------------------------
+
+
+def test_gsd_group_at_most_the_vocabulary(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    _refused(["generate", "--model", str(stack), "--labels", "0", "--method", "gsd", "--gsd-group", "1000000000000",
+              "--out", str(out), "--no-progress"], capsys,
+             r"--gsd-group must be at most the vocabulary size \(64 codes\), got 1000000000000")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("steps", ["9223372036854775808", "10000001"])
+def test_train_steps_bounded(steps: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.validate import MAX_TRAIN_STEPS
+
+    out = tmp_path / "target"
+    _refused(["train-target", "--codes", str(tmp_path / "codes"), "--out", str(out), "--steps", steps], capsys,
+             rf"--steps must be at most {MAX_TRAIN_STEPS:,} \(one run\), got {steps}")
+    assert not out.exists()

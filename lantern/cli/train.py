@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from lantern.errors import LanternError
+from lantern.validate import MAX_TRAIN_STEPS
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -40,7 +41,8 @@ def _add_loop_args(p: argparse.ArgumentParser, steps: int, batch_size: int, lr: 
                    checkpoint_every: int, clip_mode: str = "norm", grad_clip: float = 1.0,
                    weight_decay: float = 0.0) -> None:
     g = p.add_argument_group("optimisation and checkpoints")
-    g.add_argument("--steps", type=int, default=steps, help=f"optimiser steps (default {steps})")
+    g.add_argument("--steps", type=int, default=steps,
+                   help=f"optimiser steps, at most {MAX_TRAIN_STEPS:,} (default {steps})")
     g.add_argument("--batch-size", type=int, default=batch_size, help=f"global batch size (default {batch_size})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr (default 0.1)")

@@ -52,6 +52,7 @@ from lantern.io import (
     read_json_object,
     write_json,
 )
+from lantern.validate import MAX_TRAIN_STEPS
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -92,6 +93,7 @@ class LoopConfig:
         for name in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        check(self.steps <= MAX_TRAIN_STEPS, f"--steps must be at most {MAX_TRAIN_STEPS:,} (one run), got {self.steps}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
               f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr!r}")
