@@ -130,3 +130,40 @@ def test_train_steps_bounded(steps: str, tmp_path: Path, capsys: pytest.CaptureF
     _refused(["train-target", "--codes", str(tmp_path / "codes"), "--out", str(out), "--steps", steps], capsys,
              rf"--steps must be at most {MAX_TRAIN_STEPS:,} \(one run\), got {steps}")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding 7: a LlamaGen drafter laid out for another target
+# ----------------------------------------------------------------------------------------------
+
+
+def test_llamagen_drafter_of_another_grid(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The probe's case the other way round (a 16-token drafter on a 4-token target, to share the
+    module's stack): old lantern clamped the drafter's positions and ran with rc 0."""
+    from lantern.models.drafter import DrafterConfig, EagleDrafterModel
+    from lantern.models.llamagen import LlamaGen
+
+    target = LlamaGen.from_pretrained(stack / "target").config
+    drafter = tmp_path / "d16"
+    EagleDrafterModel(DrafterConfig.for_target(target, block_size=16)).save_pretrained(drafter)
+    out = tmp_path / "o"
+    _refused(["generate", "--model", str(stack), "--labels", "0", "--method", "sd", "--tree", "chain:2",
+              "--drafter", str(drafter), "--out", str(out), "--no-progress"], capsys,
+             rf"drafter {re.escape(str(drafter))} does not fit this LlamaGen target: block_size 16 \(image tokens, "
+             r"grid 4x4; the target has 4, grid 2x2\)")
+    assert not out.exists()
+
+
+def test_check_drafter_layout_names_each_mismatch() -> None:
+    from lantern.drafters.checks import check_drafter_layout
+    from lantern.errors import LanternError
+    from lantern.models.drafter import DrafterConfig
+    from lantern.testing import tiny_llamagen_config
+
+    target = tiny_llamagen_config(block_size=64)
+    check_drafter_layout(DrafterConfig.for_target(target), target, "d")  # its own drafter fits
+    bad = DrafterConfig.for_target(target, block_size=16, target_cls_token_num=3)
+    with pytest.raises(LanternError, match=r"drafter d does not fit .*block_size 16 \(image tokens, grid 4x4; the "
+                                           r"target has 64, grid 8x8\); target_cls_token_num 3 \(the target has 1 "
+                                           r"condition tokens\)"):
+        check_drafter_layout(bad, target, "d")
