@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pickle
 import re
@@ -59,8 +60,25 @@ def _umask() -> int:
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """``obj`` as strict JSON: a NaN or infinity is an error here (json would write ``NaN``, which
+    no strict reader accepts); values that may legitimately be non-finite go through
+    :func:`finite_or_null` first."""
+    text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False)
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+        tmp.write_text(text + "\n")
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf), at any depth of dicts, lists and tuples,
+    replaced by None: how results that may be undefined (a loss with no step logged, a metric of
+    a degenerate sample) are written as strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_null(v) for v in obj]
+    return obj
 
 
 def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:

@@ -167,3 +167,48 @@ def test_check_drafter_layout_names_each_mismatch() -> None:
                                            r"target has 64, grid 8x8\); target_cls_token_num 3 \(the target has 1 "
                                            r"condition tokens\)"):
         check_drafter_layout(bad, target, "d")
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding 4: --resume of a finished run; strict JSON
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiny_tokenizer_run(folder: Path, out: Path, *extra: str) -> int:
+    return main(["train-tokenizer", "--data", str(folder), "--labels-file", str(folder / "labels.csv"),
+                 "--codebook-size", "16", "--ch", "8", "--ch-mult", "1,2", "--z-channels", "8", "--norm-groups", "4",
+                 "--steps", "2", "--checkpoint-every", "2", "--batch-size", "2", "--eval-images", "2",
+                 "--no-progress", "--precision", "fp32", "--out", str(out), *extra])
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_of_a_finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import image_folder
+
+    folder = image_folder(tmp_path / "imgs", n=4)
+    out = tmp_path / "tok"
+    assert _tiny_tokenizer_run(folder, out) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert _tiny_tokenizer_run(folder, out, "--resume") == 0
+    assert capsys.readouterr().out.startswith(f"nothing to do: {out} holds a finished tokenizer run of 2 steps")
+    assert _snapshot(out) == before  # provenance.json, weights and checkpoints untouched
+    # Killed after its last checkpoint, before the final save: resuming runs no step, and the
+    # provenance records the undefined final loss as null (strict JSON), not NaN.
+    (out / "provenance.json").unlink()
+    assert _tiny_tokenizer_run(folder, out, "--resume") == 0
+    text = (out / "provenance.json").read_text()
+    assert "NaN" not in text and json.loads(text)["metrics"]["final_train_loss"] is None
+
+
+def test_write_json_is_strict(tmp_path: Path) -> None:
+    from lantern.io import finite_or_null, write_json
+
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        write_json(tmp_path / "a.json", {"loss": float("nan")})
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    write_json(tmp_path / "b.json", finite_or_null({"loss": float("nan"), "xs": [1.5, float("inf")], "n": 3}))
+    assert json.loads((tmp_path / "b.json").read_text()) == {"loss": None, "xs": [1.5, None], "n": 3}

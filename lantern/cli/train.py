@@ -111,6 +111,10 @@ def _datasets(args: argparse.Namespace) -> tuple[Any, Any]:
 def _report(kind: str, result: Any) -> int:
     if not result.main_process:  # data-parallel: process 0 reports for all
         return 0
+    if result.nothing_to_do:
+        print(f"nothing to do: {result.out} holds a finished {kind} run of {result.resumed_from} steps; it was left "
+              "untouched (choose a new --out to train again)")
+        return 0
     if not result.finished:
         print(f"stopped after {result.steps_run} steps; continue with --resume")
         return 0

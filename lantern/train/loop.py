@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from lantern.errors import LanternError, check
 from lantern.io import (
     ensure_writable_dir,
+    finite_or_null,
     load_checkpoint,
     load_safetensors,
     load_state_dict_strict,
@@ -329,6 +330,7 @@ class TrainResult:
     resumed_from: int | None
     finished: bool  # False when stopped early by ``stop_after``
     main_process: bool = True  # False on the other processes of a data-parallel run (no metrics)
+    nothing_to_do: bool = False  # --resume of a run that had already finished: nothing was run or written
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,8 @@ class _Run:
 def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult:
     from accelerate import Accelerator
 
+    if options.resume and _finished_run(Path(options.out), loop):
+        return TrainResult(Path(options.out), {}, 0, loop.steps, finished=True, nothing_to_do=True)
     out = ensure_writable_dir(options.out)
     resume, stop_after = options.resume, options.stop_after
     accelerator = _make_accelerator(Accelerator, loop.precision)
@@ -411,11 +415,21 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
     metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
-    metrics["final_train_loss"] = log.get("loss", float("nan"))
+    metrics["final_train_loss"] = log.get("loss", float("nan"))  # NaN when no step ran (resumed at the end)
     prov = provenance(task, loop, metrics, options.command, time.time() - t0, resumed_from)
     task.save(unwrapped, out)
-    write_json(out / PROVENANCE_FILE, {**prov, "processes": world})
+    write_json(out / PROVENANCE_FILE, finite_or_null({**prov, "processes": world}))
     return TrainResult(out, metrics, steps_run, resumed_from, finished=True)
+
+
+def _finished_run(out: Path, loop: LoopConfig) -> bool:
+    """``out`` holds a run that finished its ``loop.steps`` steps: its provenance, written last,
+    says so. Resuming it must not touch it (it would rewrite the provenance of a run of no steps).
+    A provenance of another step count is left to the checkpoint's own resume checks."""
+    path = out / PROVENANCE_FILE
+    if not path.is_file():
+        return False
+    return read_json_object(path, "training provenance").get("steps") == loop.steps
 
 
 def _resume_from(run: _Run, existing: Path) -> int:
@@ -460,7 +474,8 @@ def _run_steps(run: _Run, start: int, end: int, progress: bool) -> dict[str, flo
             bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
             if accelerator.is_main_process:
                 with open(run.out / LOG_FILE, "a") as f:
-                    f.write(json.dumps({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log}) + "\n")
+                    line = finite_or_null({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log})
+                    f.write(json.dumps(line, allow_nan=False) + "\n")
         if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
             _save_checkpoint(accelerator, run.out, done, loop, task, parts)
     bar.close()
