@@ -212,3 +212,67 @@ def test_write_json_is_strict(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # nothing half-written
     write_json(tmp_path / "b.json", finite_or_null({"loss": float("nan"), "xs": [1.5, float("inf")], "n": 3}))
     assert json.loads((tmp_path / "b.json").read_text()) == {"loss": None, "xs": [1.5, None], "n": 3}
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding 5: a full disk while writing safetensors
+# ----------------------------------------------------------------------------------------------
+
+DISK_FULL = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+
+
+def _disk_full_after(monkeypatch: pytest.MonkeyPatch, good_writes: int) -> None:
+    """safetensors' writer fails, as on a full disk, after ``good_writes`` successful files."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real, calls = safetensors.torch.save_file, [0]
+
+    def save_file(*args: object, **kwargs: object) -> None:
+        calls[0] += 1
+        if calls[0] > good_writes:
+            raise SafetensorError(DISK_FULL)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+@pytest.mark.slow
+def test_disk_full_in_a_training_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import image_folder
+
+    folder = image_folder(tmp_path / "imgs", n=4)
+    out = tmp_path / "tok"
+    _disk_full_after(monkeypatch, good_writes=1)  # the step-2 checkpoint is written, step 4's is not
+    assert _tiny_tokenizer_run(folder, out, "--steps", "4") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(
+        rf"lantern: error: --out: could not write checkpoint {re.escape(str(out / 'checkpoints' / 'step-00000004'))}: "
+        r"No space left on device; training stopped before step 4 was saved", err), err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]  # no .tmp-step left
+    assert not (out / "model.safetensors").exists()
+
+
+def test_disk_full_in_build_proximity(stack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sub" / "table.safetensors"
+    _disk_full_after(monkeypatch, good_writes=0)
+    _refused(["build-proximity", "--tokenizer", str(stack / "tokenizer"), "--k-max", "8", "--out", str(out)], capsys,
+             rf"--out: could not write {re.escape(str(out))}: No space left on device .*; nothing was written")
+    assert not (tmp_path / "sub").exists()  # neither the file, its staging name nor the folder made for it
+
+
+def test_save_safetensors_keeps_other_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    from lantern.io import save_safetensors
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("some tensor is not contiguous")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(SafetensorError, match="not contiguous"):  # a bug, not a user's disk: kept as it is
+        save_safetensors({"a": torch.zeros(2)}, tmp_path / "a.safetensors")

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lantern.errors import LanternError, check
-from lantern.io import atomic_path, ensure_writable_dir, read_safetensors
+from lantern.io import atomic_path, ensure_writable_dir, read_safetensors, save_safetensors
 from lantern.models.vq import VQModel
 
 SPLIT_FILES = {"train": "train.safetensors", "test": "test.safetensors"}
@@ -63,12 +63,10 @@ class CodeSet:
         return float(-logp[other.codes.reshape(-1)].mean())
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        from safetensors.torch import save_file
-
         path = Path(path)
         with atomic_path(path) as tmp:
-            save_file({"codes": self.codes.to(torch.int32).contiguous(), "labels": self.labels.contiguous()},
-                      str(tmp), metadata={"lantern": json.dumps(self.meta)})
+            save_safetensors({"codes": self.codes.to(torch.int32).contiguous(), "labels": self.labels.contiguous()},
+                             tmp, metadata={"lantern": json.dumps(self.meta)})
         return path
 
     @classmethod

@@ -51,6 +51,7 @@ from lantern.io import (
     load_safetensors,
     load_state_dict_strict,
     read_json_object,
+    save_safetensors,
     write_json,
 )
 from lantern.validate import MAX_TRAIN_STEPS
@@ -417,8 +418,12 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
     metrics["final_train_loss"] = log.get("loss", float("nan"))  # NaN when no step ran (resumed at the end)
     prov = provenance(task, loop, metrics, options.command, time.time() - t0, resumed_from)
-    task.save(unwrapped, out)
-    write_json(out / PROVENANCE_FILE, finite_or_null({**prov, "processes": world}))
+    try:
+        task.save(unwrapped, out)  # each file atomically: a failed write leaves no partial file
+        write_json(out / PROVENANCE_FILE, finite_or_null({**prov, "processes": world}))
+    except OSError as e:
+        raise LanternError(f"--out: could not write the trained model into {out}: {e.strerror or e}; free some "
+                           "space and run the same command with --resume") from None
     return TrainResult(out, metrics, steps_run, resumed_from, finished=True)
 
 
@@ -563,10 +568,16 @@ def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, t
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        _save_training_state(accelerator, tmp, parts)
         state = {"step": step, "kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict(),
                  "data_fingerprint": task.data_fingerprint(), "processes": accelerator.num_processes}
-        write_json(tmp / STATE_FILE, json.loads(json.dumps(state)))
+        try:
+            _save_training_state(accelerator, tmp, parts)
+            write_json(tmp / STATE_FILE, json.loads(json.dumps(state)))
+        except OSError as e:  # a full disk, a quota: drop the half-written checkpoint, keep the earlier ones
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise LanternError(f"--out: could not write checkpoint {final}: {e.strerror or e}; training stopped "
+                               f"before step {step} was saved (earlier checkpoints are intact: free some space and "
+                               "continue with --resume)") from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in _checkpoints(out)[: -loop.keep_checkpoints]:
@@ -592,10 +603,8 @@ class _TrainingState:
 
 def _save_training_state(accelerator: Any, directory: Path, parts: _TrainingState) -> None:
     """Weights as safetensors; optimiser, schedule and extra state as tensor-only torch files."""
-    from safetensors.torch import save_file
-
     weights = accelerator.unwrap_model(parts.model).state_dict()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(directory / MODEL_FILE))
+    save_safetensors({k: v.detach().contiguous().cpu() for k, v in weights.items()}, directory / MODEL_FILE)
     torch.save(parts.optimizer.state_dict(), directory / OPTIMIZER_FILE)
     torch.save(parts.scheduler.state_dict(), directory / SCHEDULER_FILE)
     if parts.extra is not None:
