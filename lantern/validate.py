@@ -106,3 +106,13 @@ def check_batch_memory(needed: int, rows: int, device: torch.device, arg: str = 
         f"{arg}: decoding {rows} images together needs about {_size(needed)} for the key/value cache alone, more "
         f"than the {_size(free)} free on {device}; use a smaller {arg}"
     )
+
+
+def check_host_memory(needed: int, what: str, arg: str) -> None:
+    """Refuse, before allocating, ``needed`` bytes of CPU memory for ``what`` when this machine has
+    less free: one line naming ``arg`` instead of a failed allocation (or the OOM killer) later."""
+    free = available_memory(torch.device("cpu"))
+    if free is None or needed <= free:
+        return
+    raise LanternError(f"{arg}: {what} needs about {_size(needed)}, more than the {_size(free)} of memory free on "
+                       f"this machine; use a smaller {arg}")

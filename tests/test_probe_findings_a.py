@@ -276,3 +276,59 @@ def test_save_safetensors_keeps_other_errors(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(safetensors.torch, "save_file", broken)
     with pytest.raises(SafetensorError, match="not contiguous"):  # a bug, not a user's disk: kept as it is
         save_safetensors({"a": torch.zeros(2)}, tmp_path / "a.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding 1: CPU out of memory
+# ----------------------------------------------------------------------------------------------
+
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 4000000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_cpu_allocator_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import lantern.testing
+
+    def allocate(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(CPU_OOM)
+
+    monkeypatch.setattr(lantern.testing, "make_random_stack", allocate)
+    out = tmp_path / "stack"
+    _refused(["make-random-stack", "--out", str(out)], capsys,
+             r"^lantern: error: out of memory: .*you tried to allocate 4000000000000 bytes.*; try a smaller "
+             r"--batch-size")
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no staging folder left either
+
+
+def test_other_runtime_errors_keep_their_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lantern.testing
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(lantern.testing, "make_random_stack", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # a bug in lantern, not the user's memory
+        main(["make-random-stack", "--out", str(tmp_path / "stack")])
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--vocab", "1000000000", r"--vocab must be in 2\.\.131072 for a random smoke-test stack, got 1000000000"),
+    ("--grid", "100000", r"--grid must be in 1\.\.128 for a random smoke-test stack, got 100000"),
+])
+def test_make_random_stack_sizes_bounded(flag: str, value: str, message: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(["make-random-stack", "--out", str(tmp_path / "stack"), flag, value], capsys, message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_codebook_checked_against_free_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import lantern.validate
+
+    monkeypatch.setattr(lantern.validate, "available_memory", lambda device: 2**30)  # 1 GiB free
+    _refused(["train-tokenizer", "--data", "digits", "--out", str(tmp_path / "tok"), "--codebook-size",
+              "10000000000"], capsys,
+             r"--codebook-size: the codebook \(with its gradient and optimiser state\) needs about 1192\.1 GiB, more "
+             r"than the 1\.0 GiB of memory free on this machine; use a smaller --codebook-size")
+    assert list(tmp_path.iterdir()) == []

@@ -150,7 +150,14 @@ def _add_train_tokenizer(sub: argparse._SubParsersAction) -> None:
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from lantern.models.vq import VQConfig
     from lantern.train.tokenizer import TokenizerRecipe, train_tokenizer
+    from lantern.validate import check_count, check_host_memory
 
+    check_count(args.codebook_size, "--codebook-size")
+    check_count(args.codebook_dim, "--codebook-dim")
+    # The codebook with its gradient and AdamW's two moments, float32: the one part of the
+    # tokenizer whose size a flag sets without bound.
+    check_host_memory(args.codebook_size * args.codebook_dim * 4 * 4, "the codebook (with its gradient and optimiser "
+                      "state)", "--codebook-size")
     loop = _loop(args)
     recipe = TokenizerRecipe(recon_loss=args.recon_loss, restart_every=args.restart_every,
                              eval_images=args.eval_images)
