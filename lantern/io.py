@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import math
 import os
 import pickle
 import re
@@ -59,8 +61,25 @@ def _umask() -> int:
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """``obj`` as strict JSON: a NaN or infinity is an error here (json would write ``NaN``, which
+    no strict reader accepts); values that may legitimately be non-finite go through
+    :func:`finite_or_null` first."""
+    text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False)
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+        tmp.write_text(text + "\n")
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf), at any depth of dicts, lists and tuples,
+    replaced by None: how results that may be undefined (a loss with no step logged, a metric of
+    a degenerate sample) are written as strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_null(v) for v in obj]
+    return obj
 
 
 def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
@@ -73,6 +92,9 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
         raise LanternError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise LanternError(f"{what} {path} is not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses once per nesting level; no real file is this deep
+        raise LanternError(f"{what} {path} is not usable JSON: its arrays/objects are nested too deeply to "
+                           "read") from None
 
 
 def read_json_object(path: str | os.PathLike[str], what: str = "file") -> dict[str, Any]:
@@ -106,6 +128,33 @@ def load_safetensors(path: str | os.PathLike[str], what: str = "weights") -> dic
     return read_safetensors(path, what)[0]
 
 
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], metadata: Mapping[str, str] | None = None
+) -> None:
+    """``safetensors.torch.save_file``, whose failed writes (a full disk, a quota) arrive as a
+    SafetensorError that wraps the OS error in its text: raised here as that OSError, so that every
+    caller's one-line handling of failed writes (and the CLI's) applies to it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(dict(tensors), str(path), metadata=None if metadata is None else dict(metadata))
+    except SafetensorError as e:
+        code = _os_error_code(str(e))
+        if code is None:
+            raise  # not an I/O failure: a bug, keep its traceback
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
+def _os_error_code(message: str) -> int | None:
+    """The errno inside a safetensors error's text (Rust's ``Os { code: 28, ... }`` or ``os error
+    28``), or ENOSPC for a bare "No space left on device"; None when it names no OS error."""
+    found = re.search(r"\bcode: (\d+)|os error (\d+)", message)
+    if found:
+        return int(found.group(1) or found.group(2))
+    return errno.ENOSPC if "No space left on device" in message else None
+
+
 def ensure_writable_dir(path: str | os.PathLike[str], what: str = "--out") -> Path:
     """Create ``path`` if needed and check that files can be written into it."""
     path = Path(path)
@@ -127,12 +176,10 @@ def save_model_folder(
     extra_files: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ extra JSON files) into ``directory``."""
-    from safetensors.torch import save_file
-
     directory = ensure_writable_dir(directory, "save directory")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     with atomic_path(directory / WEIGHTS_NAME) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp, metadata={"format": "pt"})
     write_json(directory / CONFIG_NAME, dict(config))
     for name, obj in (extra_files or {}).items():
         write_json(directory / name, obj)

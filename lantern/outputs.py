@@ -76,11 +76,17 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _resolved(path: str | os.PathLike[str]) -> Path:
+def _resolved(path: str | os.PathLike[str], what: str = "--out") -> Path:
     """``path``, or what it links to: the staging folder must be renamed onto the real folder,
-    not onto the link."""
+    not onto the link. A link that leads back to itself is refused in one line."""
     p = Path(path)
-    return p.resolve() if p.is_symlink() else p
+    if not p.is_symlink():
+        return p
+    try:
+        return p.resolve(strict=False)
+    except (RuntimeError, OSError):  # Python < 3.13 raises RuntimeError on a loop, later ones OSError (ELOOP)
+        raise LanternError(f"{what}: {p} is a symbolic link loop (following it never reaches a file or "
+                           "folder); remove the link or choose another path") from None
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -160,6 +166,7 @@ def check_training_out(path: str | os.PathLike[str], what: str = "--out") -> Pat
     """A training run's ``--out`` (which keeps its own checkpoints and ``--resume`` rules): not a
     file, and creatable; checked before any data is read. Creates nothing."""
     out = Path(path)
+    _resolved(out, what)  # refuses a link loop, which exists() would call absent
     if out.exists() and not out.is_dir():
         raise LanternError(f"{what}: {out} exists and is not a directory")
     check_location(out, what)
@@ -195,7 +202,7 @@ class OutputFolder(_Output):
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFolder:
         """Validate the location now (before any model is loaded); creates nothing."""
-        out = cls(_resolved(path), what, overwrite)
+        out = cls(_resolved(path, what), what, overwrite)
         if out.path.exists() or out.path.is_symlink():
             if not out.path.is_dir():
                 raise LanternError(f"{what}: {out.path} exists and is not a directory")
@@ -287,7 +294,7 @@ class OutputFile(_Output):
 
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFile:
-        out = cls(_resolved(path), what, overwrite)
+        out = cls(_resolved(path, what), what, overwrite)
         if out.path.is_dir():
             raise LanternError(f"{what}: {out.path} is a directory; expected a file name")
         if out.path.exists() and not overwrite:

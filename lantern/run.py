@@ -233,6 +233,16 @@ def verify_nodes(method: MethodConfig, stack: Stack) -> int:
                                                stack.num_tokens // width)
 
 
+def check_group_fits(method: MethodConfig, vocab_size: int) -> None:
+    """GSD's group is a window of probability ranks: past the vocabulary it holds every token
+    already, and a number past int64 would overflow in the rank comparison."""
+    relaxation = method.relaxation
+    if relaxation is None or relaxation.mode != "group":
+        return
+    check(relaxation.k <= vocab_size,
+          f"--gsd-group must be at most the vocabulary size ({vocab_size} codes), got {relaxation.k}")
+
+
 def prepare_method(
     stack: Stack,
     method: MethodConfig,
@@ -250,6 +260,7 @@ def prepare_method(
     """
     from lantern.drafters.checks import check_tree_fits
 
+    check_group_fits(method, stack.vocab_size)
     if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
         check_window_fits(method.jacobi, stack.num_tokens)
     elif method.pjd is not None:  # PJD likewise, on the image grid

@@ -20,6 +20,11 @@ from lantern.errors import LanternError, check
 # ``--num-per-label 1000000000000`` would otherwise build a label list until memory runs out.
 MAX_IMAGES = 1_000_000
 
+# Optimiser steps one training run may ask for: a thousand times the longest recipe in the README
+# (10k steps), so never a real limit, while a typo such as ``--steps 9223372036854775808`` would
+# otherwise train until it is killed.
+MAX_TRAIN_STEPS = 10_000_000
+
 
 def check_count(value: int, arg: str, minimum: int = 1, maximum: int | None = None) -> None:
     """An image / item count: an integer >= ``minimum`` (and <= ``maximum`` when given)."""
@@ -101,3 +106,13 @@ def check_batch_memory(needed: int, rows: int, device: torch.device, arg: str = 
         f"{arg}: decoding {rows} images together needs about {_size(needed)} for the key/value cache alone, more "
         f"than the {_size(free)} free on {device}; use a smaller {arg}"
     )
+
+
+def check_host_memory(needed: int, what: str, arg: str) -> None:
+    """Refuse, before allocating, ``needed`` bytes of CPU memory for ``what`` when this machine has
+    less free: one line naming ``arg`` instead of a failed allocation (or the OOM killer) later."""
+    free = available_memory(torch.device("cpu"))
+    if free is None or needed <= free:
+        return
+    raise LanternError(f"{arg}: {what} needs about {_size(needed)}, more than the {_size(free)} of memory free on "
+                       f"this machine; use a smaller {arg}")

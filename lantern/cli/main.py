@@ -50,13 +50,27 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError):
         where = f": {e.filename}" if e.filename else ""
         return f"{e.strerror or e}{where}"
+    if _cpu_allocator_failed(e):  # its text names the bytes asked for: worth keeping, on one line
+        asked = str(e).strip().splitlines()[0]
+        return f"out of memory: {asked}; try a smaller --batch-size (or smaller model sizes)"
     return "out of memory; use a smaller --batch-size or fewer images" if _out_of_memory(e) else str(e)
 
 
+# What torch's CPU allocator says when malloc fails (a plain RuntimeError, unlike CUDA's
+# OutOfMemoryError): "[enforce fail at alloc_cpu.cpp:...] . DefaultCPUAllocator: can't allocate
+# memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)"; Windows builds
+# say "not enough memory".
+_CPU_ALLOCATOR_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def _cpu_allocator_failed(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _CPU_ALLOCATOR_MESSAGES)
+
+
 def _out_of_memory(e: BaseException) -> bool:
-    """MemoryError, or torch.cuda.OutOfMemoryError (a RuntimeError; matched by name so that the
-    top level imports no torch)."""
-    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+    """MemoryError, torch.cuda.OutOfMemoryError (a RuntimeError; matched by name so that the top
+    level imports no torch), or a failed allocation of torch's CPU allocator (matched by its text)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or _cpu_allocator_failed(e)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

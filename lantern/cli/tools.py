@@ -17,15 +17,27 @@ def add_make_random_stack(sub: argparse._SubParsersAction) -> None:
     add_overwrite_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-classes", type=int, default=10)
-    p.add_argument("--grid", type=int, default=8, help="image tokens per side (default 8 -> 64 tokens)")
-    p.add_argument("--vocab", type=int, default=256, help="codebook size (default 256)")
+    p.add_argument("--grid", type=int, default=8,
+                   help=f"image tokens per side, at most {MAX_RANDOM_GRID} (default 8 -> 64 tokens)")
+    p.add_argument("--vocab", type=int, default=256, help=f"codebook size, at most {MAX_RANDOM_VOCAB} (default 256)")
     p.set_defaults(func=cmd_make_random_stack)
 
 
+# Bounds of a random smoke-test stack: past LlamaGen's largest (16384 codes, a 32x32 grid) with
+# room to spare, while a typo (--vocab 1000000000) would otherwise allocate until memory runs out.
+MAX_RANDOM_VOCAB = 1 << 17
+MAX_RANDOM_GRID = 128
+
+
 def cmd_make_random_stack(args: argparse.Namespace) -> int:
+    from lantern.errors import check
     from lantern.outputs import OutputFolder
     from lantern.testing import make_random_stack
 
+    bounds = (("--vocab", args.vocab, 2, MAX_RANDOM_VOCAB), ("--grid", args.grid, 1, MAX_RANDOM_GRID),
+              ("--num-classes", args.num_classes, 1, MAX_RANDOM_VOCAB))
+    for arg, value, low, high in bounds:
+        check(low <= value <= high, f"{arg} must be in {low}..{high} for a random smoke-test stack, got {value}")
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     with out.write() as folder:
         make_random_stack(folder, seed=args.seed, num_classes=args.num_classes, grid=args.grid, vocab=args.vocab)

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from lantern.errors import LanternError
+from lantern.validate import MAX_TRAIN_STEPS
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -40,7 +41,8 @@ def _add_loop_args(p: argparse.ArgumentParser, steps: int, batch_size: int, lr: 
                    checkpoint_every: int, clip_mode: str = "norm", grad_clip: float = 1.0,
                    weight_decay: float = 0.0) -> None:
     g = p.add_argument_group("optimisation and checkpoints")
-    g.add_argument("--steps", type=int, default=steps, help=f"optimiser steps (default {steps})")
+    g.add_argument("--steps", type=int, default=steps,
+                   help=f"optimiser steps, at most {MAX_TRAIN_STEPS:,} (default {steps})")
     g.add_argument("--batch-size", type=int, default=batch_size, help=f"global batch size (default {batch_size})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr (default 0.1)")
@@ -109,6 +111,10 @@ def _datasets(args: argparse.Namespace) -> tuple[Any, Any]:
 def _report(kind: str, result: Any) -> int:
     if not result.main_process:  # data-parallel: process 0 reports for all
         return 0
+    if result.nothing_to_do:
+        print(f"nothing to do: {result.out} holds a finished {kind} run of {result.resumed_from} steps; it was left "
+              "untouched (choose a new --out to train again)")
+        return 0
     if not result.finished:
         print(f"stopped after {result.steps_run} steps; continue with --resume")
         return 0
@@ -144,7 +150,14 @@ def _add_train_tokenizer(sub: argparse._SubParsersAction) -> None:
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from lantern.models.vq import VQConfig
     from lantern.train.tokenizer import TokenizerRecipe, train_tokenizer
+    from lantern.validate import check_count, check_host_memory
 
+    check_count(args.codebook_size, "--codebook-size")
+    check_count(args.codebook_dim, "--codebook-dim")
+    # The codebook with its gradient and AdamW's two moments, float32: the one part of the
+    # tokenizer whose size a flag sets without bound.
+    check_host_memory(args.codebook_size * args.codebook_dim * 4 * 4, "the codebook (with its gradient and optimiser "
+                      "state)", "--codebook-size")
     loop = _loop(args)
     recipe = TokenizerRecipe(recon_loss=args.recon_loss, restart_every=args.restart_every,
                              eval_images=args.eval_images)
@@ -175,7 +188,9 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
     from lantern.models.vq import VQModel
     from lantern.outputs import OutputFolder
     from lantern.train.codes import extract_code_dir
+    from lantern.validate import check_count
 
+    check_count(args.batch_size, "--batch-size")
     out = OutputFolder.check(args.out, "--out", args.overwrite)
     if not Path(args.tokenizer).is_dir():
         raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
@@ -209,10 +224,20 @@ def _add_train_target(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train_target)
 
 
+def _check_dropout(value: float, arg: str) -> None:
+    """A dropout rate in [0, 1): nan passes torch's own check and trains a model of NaNs, and 1
+    zeroes every activation."""
+    import math
+
+    if not (math.isfinite(value) and 0.0 <= value < 1.0):
+        raise LanternError(f"{arg} must be a rate in [0, 1), got {value!r}")
+
+
 def cmd_train_target(args: argparse.Namespace) -> int:
     from lantern.train.codes import load_code_dir
     from lantern.train.llamagen import TargetRecipe, target_config_for, train_target
 
+    _check_dropout(args.dropout, "--dropout")
     loop = _loop(args)
     recipe = TargetRecipe(class_dropout=args.class_dropout)
     train, test = load_code_dir(args.codes, "train"), load_code_dir(args.codes, "test")

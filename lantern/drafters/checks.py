@@ -8,6 +8,7 @@ the image can never be fully accepted). Each check raises :class:`LanternError` 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -68,6 +69,29 @@ def check_t2i_drafter_layout(drafter: EagleDrafterModel, cfg: LlamaGenConfig, pa
         f"image tokens, this target has {cfg.cls_token_num} and {cfg.block_size}: use the drafter of the same "
         "stage (LANTERN's llamagen_drafter for Stage I / 256 tokens, llamagen2_drafter for Stage II / 1024)",
     )
+
+
+def check_drafter_layout(drafter: DrafterConfig, cfg: LlamaGenConfig, path: object) -> None:
+    """A LlamaGen drafter's 2D RoPE table is laid out for one condition length and one image grid:
+    with another target its positions would be clamped or land on the wrong grid cells, and it
+    would run silently with a poor acceptance. (T2I drafters get the stage-specific message of
+    :func:`check_t2i_drafter_layout` first.)"""
+    problems = []
+    if drafter.rope != "2d":
+        problems.append(f"rope {drafter.rope!r} (LlamaGen targets need '2d')")
+    if drafter.block_size != cfg.block_size:
+        problems.append(f"block_size {drafter.block_size} (image tokens, {_grid(drafter.block_size)}; the target "
+                        f"has {cfg.block_size}, {_grid(cfg.block_size)})")
+    if drafter.target_cls_token_num != cfg.cls_token_num:
+        problems.append(f"target_cls_token_num {drafter.target_cls_token_num} (the target has "
+                        f"{cfg.cls_token_num} condition tokens)")
+    check(not problems, f"drafter {path} does not fit this LlamaGen target: {'; '.join(problems)}; use a drafter "
+                        "trained for this target (`lantern train-drafter`)")
+
+
+def _grid(tokens: int) -> str:
+    side = math.isqrt(tokens)
+    return f"grid {side}x{side}" if side * side == tokens else "not a square grid"
 
 
 def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -10,7 +10,7 @@ from lantern.decoding.compiling import resolve_compile, step_fn
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.drafting import TreeDrafter, guided_logits
 from lantern.decoding.phases import phase
-from lantern.drafters.checks import check_drafter_matches_target
+from lantern.drafters.checks import check_drafter_layout, check_drafter_matches_target
 from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
 from lantern.models.llamagen import LlamaGen
@@ -192,6 +192,7 @@ def make_eagle_drafter(
     """
     cfg = model.config
     check_drafter_matches_target(drafter_model.config, cfg)
+    check_drafter_layout(drafter_model.config, cfg, "(the drafter model given)")
     streams = 2 if sampling.use_cfg else 1
     check(tree.kind != "none", "a drafter needs a tree (chain, static or dynamic)")
     max_len = cfg.cls_token_num + cfg.block_size + tree.drafter_slots

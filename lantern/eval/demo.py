@@ -21,7 +21,7 @@ from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
-from lantern.io import atomic_path, ensure_writable_dir, write_json
+from lantern.io import atomic_path, ensure_writable_dir, finite_or_null, write_json
 from lantern.methods import RELAXED_RULE, resolve_method
 from lantern.run import RunResult
 from lantern.targets.base import Stack
@@ -120,7 +120,7 @@ def comparison_grid(stack: Stack, rows: list[MethodTiming], scale: int = 2) -> I
 def save_demo(stack: Stack, rows: list[MethodTiming], out: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
     out = ensure_writable_dir(out, "--out")
     save_png(comparison_grid(stack, rows), out / "demo_grid.png")
-    write_json(out / "demo.json", {**meta, "results": [r.row() for r in rows]})
+    write_json(out / "demo.json", finite_or_null({**meta, "results": [r.row() for r in rows]}))
     with atomic_path(out / "demo.md") as tmp:
         tmp.write_text(f"```\n{format_table(rows)}\n```\n")
     return out

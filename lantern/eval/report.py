@@ -258,20 +258,21 @@ def save_bench(
     stack: Stack, result: BenchResult, out: str | os.PathLike[str], command: str
 ) -> Path:
     """bench.json (a list, one object per method), run.json (settings), bench.md and PNGs."""
-    from lantern.io import atomic_path, ensure_writable_dir, write_json
+    from lantern.io import atomic_path, ensure_writable_dir, finite_or_null, write_json
 
     out = ensure_writable_dir(out, "--out")
-    write_json(out / "bench.json", [r.to_dict() for r in result.rows])
+    # Metrics of a degenerate sample (an FID of a few images) may be NaN: written as null.
+    write_json(out / "bench.json", finite_or_null([r.to_dict() for r in result.rows]))
     write_json(
         out / "run.json",
-        {
+        finite_or_null({
             "command": command,
             **result.meta,
             "ar_spread": None if result.ar_spread is None else result.ar_spread.to_dict(),
             "curves": result.curves,
             "sweep": [r.to_dict() for r in result.sweep],
             "throughput": result.throughput,
-        },
+        }),
     )
     with atomic_path(out / "bench.md") as tmp:
         tmp.write_text(markdown_report(result, command))

@@ -280,11 +280,13 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
     config = ChameleonConfig.from_pretrained(str(directory))
     if not config.vocabulary_map:  # e.g. LANTERN's anole_config.json: transformers needs one to build the model
         config.vocabulary_map = default_vocabulary_map(config.vq_config.num_embeddings)
+    from safetensors import SafetensorError
+
     try:
         model = ChameleonForConditionalGeneration.from_pretrained(
             str(directory), config=config, dtype=dtype or torch.bfloat16
         )
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # SafetensorError: a corrupt or truncated file
         raise LanternError(f"--model {directory}: transformers could not load the Chameleon weights: {e}") from None
     return ChameleonLM(model.to(device))
 
@@ -302,6 +304,20 @@ def check_chameleon_folder(directory: Path) -> None:
     )
     weights = list(directory.glob("*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
     check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (*.safetensors)")
+    for path in sorted(directory.glob("*.safetensors")):
+        _check_safetensors_header(path)
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """Open ``path``'s header (no tensor is read): a truncated file, or a header whose offsets
+    point past its end, is named here rather than deep inside transformers' loader."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as e:
+        raise LanternError(f"--model: {path} is not a readable safetensors file ({e})") from None
 
 
 def is_chameleon_folder(directory: str | os.PathLike[str]) -> bool:
@@ -313,6 +329,6 @@ def is_chameleon_folder(directory: str | os.PathLike[str]) -> bool:
         return False
     try:
         raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable: not a Chameleon folder (read_json names it later)
         return False
     return isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
-from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict, read_json
+from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict, read_json, save_safetensors
 from lantern.models.drafter import DrafterMLP, EagleModule, cached_attention
 from lantern.models.llamagen import RMSNorm
 
@@ -223,7 +223,7 @@ def is_released_drafter_folder(directory: str | os.PathLike[str]) -> bool:
     config_file = Path(directory) / "config.json"
     try:
         raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable: not a released drafter (read_json names it later)
         return False
     return isinstance(raw, dict) and raw.get("model_type") == RELEASED_MODEL_TYPE
 
@@ -293,9 +293,7 @@ def save_released_drafter(model: ReleasedChameleonDrafter, directory: str | os.P
     write_json(directory / "config.json", config)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if weights == WEIGHT_FILES[0]:
-        from safetensors.torch import save_file
-
-        save_file(state, str(directory / weights))
+        save_safetensors(state, directory / weights)
     else:
         torch.save(state, directory / weights)
     return directory

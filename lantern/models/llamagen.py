@@ -92,6 +92,10 @@ class LlamaGenConfig:
         )
         if self.model_type == "c2i":
             check(self.num_classes > 0, f"LlamaGen config: num_classes must be > 0, got {self.num_classes}")
+        for name in ("class_dropout_prob", "token_dropout_p", "resid_dropout_p", "ffn_dropout_p", "attn_dropout_p"):
+            value = getattr(self, name)  # nan passes torch's own range check and trains a model of NaNs
+            check(isinstance(value, int | float) and 0.0 <= value <= 1.0,
+                  f"LlamaGen config: {name} must be a rate in [0, 1], got {value!r}")
 
     @property
     def head_dim(self) -> int:

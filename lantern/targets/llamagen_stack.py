@@ -152,13 +152,19 @@ class ModelStack(StackFolder):
         return LlamaGenTarget(self.target, sampling, max_tree_nodes=max_tree_nodes).cache_bytes(batch)
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
-        from lantern.drafters.checks import check_drafter_matches_target, check_t2i_drafter_layout, drafter_dtype
+        from lantern.drafters.checks import (
+            check_drafter_layout,
+            check_drafter_matches_target,
+            check_t2i_drafter_layout,
+            drafter_dtype,
+        )
         from lantern.models.drafter import EagleDrafterModel
 
         dtype = drafter_dtype(self.dtype, self.device)
         drafter = EagleDrafterModel.from_pretrained(path).to(self.device, dtype).eval()
         check_drafter_matches_target(drafter.config, self.target.config)
         check_t2i_drafter_layout(drafter, self.target.config, path)
+        check_drafter_layout(drafter.config, self.target.config, path)
         return drafter
 
     def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,

@@ -30,7 +30,15 @@ from torch import Tensor
 
 from lantern.decoding.acceptance import check_k
 from lantern.errors import LanternError, check
-from lantern.io import CONFIG_NAME, WEIGHTS_NAME, atomic_path, load_checkpoint, read_json_object, read_safetensors
+from lantern.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    atomic_path,
+    load_checkpoint,
+    read_json_object,
+    read_safetensors,
+    save_safetensors,
+)
 
 Metric = Literal["l2", "cosine"]
 FORMAT = "lantern-proximity"
@@ -131,12 +139,10 @@ class ProximityTable:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write one safetensors file (metadata in its header), atomically."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         tensor = self.neighbours.detach().to(device="cpu", dtype=torch.int32).contiguous()
         with atomic_path(path) as tmp:
-            save_file({TENSOR_NAME: tensor}, str(tmp), metadata=self.metadata())
+            save_safetensors({TENSOR_NAME: tensor}, tmp, metadata=self.metadata())
         return path
 
     @classmethod

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lantern.errors import LanternError, check
-from lantern.io import atomic_path, ensure_writable_dir, read_safetensors
+from lantern.io import atomic_path, ensure_writable_dir, read_safetensors, save_safetensors
 from lantern.models.vq import VQModel
 
 SPLIT_FILES = {"train": "train.safetensors", "test": "test.safetensors"}
@@ -63,12 +63,10 @@ class CodeSet:
         return float(-logp[other.codes.reshape(-1)].mean())
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        from safetensors.torch import save_file
-
         path = Path(path)
         with atomic_path(path) as tmp:
-            save_file({"codes": self.codes.to(torch.int32).contiguous(), "labels": self.labels.contiguous()},
-                      str(tmp), metadata={"lantern": json.dumps(self.meta)})
+            save_safetensors({"codes": self.codes.to(torch.int32).contiguous(), "labels": self.labels.contiguous()},
+                             tmp, metadata={"lantern": json.dumps(self.meta)})
         return path
 
     @classmethod
@@ -79,7 +77,7 @@ class CodeSet:
         tensors, header = read_safetensors(path, "code set", ["codes", "labels"])
         try:
             meta = json.loads(header.get("lantern", "null"))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             meta = None
         check(isinstance(meta, dict) and len(tensors) == 2,
               f"{path} is not a lantern code set (no 'lantern' metadata, or no codes/labels tensors)")
@@ -107,6 +105,7 @@ def extract_codes(tokenizer: VQModel, data: Any, batch_size: int = 64, progress:
 
     from lantern.data import batch_images
 
+    check(isinstance(batch_size, int) and batch_size >= 1, f"--batch-size must be an integer >= 1, got {batch_size!r}")
     check(len(data) > 0, f"extract-codes: the {data.split} split of {data.name} is empty")
     check(data.channels == tokenizer.config.in_channels,
           f"the tokenizer takes {tokenizer.config.in_channels}-channel images but the data set has {data.channels}")

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
-from lantern.io import atomic_path, ensure_writable_dir, read_json, write_json
+from lantern.io import atomic_path, ensure_writable_dir, read_json, save_safetensors, write_json
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, causal_mask
 from lantern.train.codes import CodeSet
@@ -264,7 +264,6 @@ def _generate_codes(target: LlamaGen, count: int, sampling: SamplingConfig, seed
 @torch.no_grad()
 def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, batch_size: int, shard_size: int,
                   progress: bool) -> list[dict[str, Any]]:
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     was_training = target.training
@@ -283,7 +282,7 @@ def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, ba
         tensors = {"hidden": torch.cat(hidden).contiguous(), "tokens": codes[lo:hi].to(torch.int32).contiguous(),
                    "labels": labels[lo:hi].contiguous()}
         with atomic_path(out / name) as tmp:
-            save_file(tensors, str(tmp))
+            save_safetensors(tensors, tmp)
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
         shards.append({"file": name, "count": hi - lo, "sha256": digest})
     bar.close()

@@ -46,12 +46,15 @@ from torch import Tensor, nn
 from lantern.errors import LanternError, check
 from lantern.io import (
     ensure_writable_dir,
+    finite_or_null,
     load_checkpoint,
     load_safetensors,
     load_state_dict_strict,
     read_json_object,
+    save_safetensors,
     write_json,
 )
+from lantern.validate import MAX_TRAIN_STEPS
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -92,6 +95,7 @@ class LoopConfig:
         for name in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        check(self.steps <= MAX_TRAIN_STEPS, f"--steps must be at most {MAX_TRAIN_STEPS:,} (one run), got {self.steps}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
               f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr!r}")
@@ -327,6 +331,7 @@ class TrainResult:
     resumed_from: int | None
     finished: bool  # False when stopped early by ``stop_after``
     main_process: bool = True  # False on the other processes of a data-parallel run (no metrics)
+    nothing_to_do: bool = False  # --resume of a run that had already finished: nothing was run or written
 
 
 @dataclass(frozen=True)
@@ -375,6 +380,8 @@ class _Run:
 def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult:
     from accelerate import Accelerator
 
+    if options.resume and _finished_run(Path(options.out), loop):
+        return TrainResult(Path(options.out), {}, 0, loop.steps, finished=True, nothing_to_do=True)
     out = ensure_writable_dir(options.out)
     resume, stop_after = options.resume, options.stop_after
     accelerator = _make_accelerator(Accelerator, loop.precision)
@@ -409,11 +416,25 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
     metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
-    metrics["final_train_loss"] = log.get("loss", float("nan"))
+    metrics["final_train_loss"] = log.get("loss", float("nan"))  # NaN when no step ran (resumed at the end)
     prov = provenance(task, loop, metrics, options.command, time.time() - t0, resumed_from)
-    task.save(unwrapped, out)
-    write_json(out / PROVENANCE_FILE, {**prov, "processes": world})
+    try:
+        task.save(unwrapped, out)  # each file atomically: a failed write leaves no partial file
+        write_json(out / PROVENANCE_FILE, finite_or_null({**prov, "processes": world}))
+    except OSError as e:
+        raise LanternError(f"--out: could not write the trained model into {out}: {e.strerror or e}; free some "
+                           "space and run the same command with --resume") from None
     return TrainResult(out, metrics, steps_run, resumed_from, finished=True)
+
+
+def _finished_run(out: Path, loop: LoopConfig) -> bool:
+    """``out`` holds a run that finished its ``loop.steps`` steps: its provenance, written last,
+    says so. Resuming it must not touch it (it would rewrite the provenance of a run of no steps).
+    A provenance of another step count is left to the checkpoint's own resume checks."""
+    path = out / PROVENANCE_FILE
+    if not path.is_file():
+        return False
+    return read_json_object(path, "training provenance").get("steps") == loop.steps
 
 
 def _resume_from(run: _Run, existing: Path) -> int:
@@ -458,7 +479,8 @@ def _run_steps(run: _Run, start: int, end: int, progress: bool) -> dict[str, flo
             bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
             if accelerator.is_main_process:
                 with open(run.out / LOG_FILE, "a") as f:
-                    f.write(json.dumps({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log}) + "\n")
+                    line = finite_or_null({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log})
+                    f.write(json.dumps(line, allow_nan=False) + "\n")
         if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
             _save_checkpoint(accelerator, run.out, done, loop, task, parts)
     bar.close()
@@ -546,10 +568,16 @@ def _save_checkpoint(accelerator: Any, out: Path, step: int, loop: LoopConfig, t
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        _save_training_state(accelerator, tmp, parts)
         state = {"step": step, "kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict(),
                  "data_fingerprint": task.data_fingerprint(), "processes": accelerator.num_processes}
-        write_json(tmp / STATE_FILE, json.loads(json.dumps(state)))
+        try:
+            _save_training_state(accelerator, tmp, parts)
+            write_json(tmp / STATE_FILE, json.loads(json.dumps(state)))
+        except OSError as e:  # a full disk, a quota: drop the half-written checkpoint, keep the earlier ones
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise LanternError(f"--out: could not write checkpoint {final}: {e.strerror or e}; training stopped "
+                               f"before step {step} was saved (earlier checkpoints are intact: free some space and "
+                               "continue with --resume)") from None
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in _checkpoints(out)[: -loop.keep_checkpoints]:
@@ -575,10 +603,8 @@ class _TrainingState:
 
 def _save_training_state(accelerator: Any, directory: Path, parts: _TrainingState) -> None:
     """Weights as safetensors; optimiser, schedule and extra state as tensor-only torch files."""
-    from safetensors.torch import save_file
-
     weights = accelerator.unwrap_model(parts.model).state_dict()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(directory / MODEL_FILE))
+    save_safetensors({k: v.detach().contiguous().cpu() for k, v in weights.items()}, directory / MODEL_FILE)
     torch.save(parts.optimizer.state_dict(), directory / OPTIMIZER_FILE)
     torch.save(parts.scheduler.state_dict(), directory / SCHEDULER_FILE)
     if parts.extra is not None:
