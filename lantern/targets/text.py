@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.errors import LanternError, check
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
 from lantern.io import read_json
 
 T5_MAX_LENGTH = 120  # caption slots of LlamaGen T2I (= cls_token_num)
@@ -211,9 +211,11 @@ def load_t5(
 
     try:
         with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # trust_remote_code=False: never run (nor ask on the terminal to run) the folder's own code
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
             model = T5EncoderModel.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:  # what transformers raises for broken folders
-        raise LanternError(f"--t5: cannot load the T5 tokenizer and encoder from {path}: {e}") from None
+    except TRANSFORMERS_LOAD_ERRORS as e:  # what transformers raises for broken folders
+        raise LanternError(f"--t5: cannot load the T5 tokenizer and encoder from {path}: "
+                           f"{transformers_reason(e)}") from None
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return T5Encoder(tokenizer, model, max_length)
