@@ -5,14 +5,19 @@ run), never a traceback, partial output or silent wrong result."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import T5_MAXLEN
 
 import lantern
+from lantern.cli.main import main
 from lantern.errors import LanternError
+from lantern.io import LanternWarning, trusted_checkpoints
+from lantern.targets.text import load_t5
 from lantern.testing import make_tiny_chameleon_folder
 
 # --------------------------------------------------------------------------------------------------
@@ -78,3 +83,54 @@ def test_load_refuses_a_folder_whose_tokenizer_config_asks_for_its_own_code(
         lantern.load(folder)
     assert str(e.value).startswith(f"--model {folder}: no usable tokenizer")
     assert why in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# 10. A T5 pytorch_model.bin carrying a pickle payload: lantern's one-line refusal, and a way in
+# --------------------------------------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this runs ``exec``: it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def _t5_with_pickled_weights(t5_dir: Path, out: Path, payload: bool) -> Path:
+    from safetensors.torch import load_file
+
+    shutil.copytree(t5_dir, out)
+    state: dict[str, object] = dict(load_file(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    if payload:
+        state["extra"] = Payload(out / "PWNED")
+    torch.save(state, out / "pytorch_model.bin")
+    return out
+
+
+def test_t5_pickle_payload_is_refused_in_one_line(t2i_stack: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    t5 = _t5_with_pickled_weights(t2i_stack / "t5", tmp_path / "evil-t5", payload=True)
+    out = tmp_path / "o"
+    rc = main(["generate", "--model", str(t2i_stack), "--prompt", "a cat", "--t5", str(t5), "--out", str(out),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"lantern: error: --t5 weights {t5 / 'pytorch_model.bin'} contains a pickled "
+                          "builtins.exec"), err
+    assert "--trust-checkpoint" in err and "Traceback" not in err
+    assert not (t5 / "PWNED").exists() and not (out / "codes.npy").exists()
+
+
+def test_trusted_t5_pickle_loads_the_same_encoder(t2i_stack: Path, tmp_path: Path) -> None:
+    """--trust-checkpoint reads a .bin-only T5 folder (lantern unpickles it) into the same encoder."""
+    t5 = _t5_with_pickled_weights(t2i_stack / "t5", tmp_path / "bin-t5", payload=False)
+    expected = load_t5(t2i_stack / "t5", T5_MAXLEN).encode(["a red car", "dog"])
+    with trusted_checkpoints(), pytest.warns(LanternWarning, match="full unpickler"):
+        got = load_t5(t5, T5_MAXLEN).encode(["a red car", "dog"])
+    assert torch.equal(got.mask, expected.mask)
+    torch.testing.assert_close(got.embeddings, expected.embeddings, rtol=0, atol=0)
