@@ -17,6 +17,7 @@ import lantern
 from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.io import LanternWarning, trusted_checkpoints
+from lantern.outputs import OutputFile
 from lantern.targets.text import load_t5
 from lantern.testing import make_tiny_chameleon_folder
 
@@ -134,3 +135,27 @@ def test_trusted_t5_pickle_loads_the_same_encoder(t2i_stack: Path, tmp_path: Pat
         got = load_t5(t5, T5_MAXLEN).encode(["a red car", "dog"])
     assert torch.equal(got.mask, expected.mask)
     torch.testing.assert_close(got.embeddings, expected.embeddings, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# 11. --overwrite through a symlinked --out: refused, the link's target untouched
+# --------------------------------------------------------------------------------------------------
+
+
+def test_overwrite_through_a_symlinked_out_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    real = tmp_path / "precious"
+    real.mkdir()
+    (real / "keep.txt").write_text("mine")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    rc = main(["generate", "--model", "digits", "--labels", "0", "--out", str(link), "--overwrite", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (f"lantern: error: --out: {link} is a symbolic link (to {real}); --overwrite would "
+                               "replace what it points to: pass that path itself, or remove the link\n")
+    assert sorted(p.name for p in real.iterdir()) == ["keep.txt"] and link.is_symlink()
+    # the single-file outputs (build-proximity --out) follow the same rule
+    file_link = tmp_path / "table-link"
+    file_link.symlink_to(real / "keep.txt")
+    with pytest.raises(LanternError, match=r"is a symbolic link .*--overwrite would replace"):
+        OutputFile.check(file_link, "--out", overwrite=True)
+    assert (real / "keep.txt").read_text() == "mine"
