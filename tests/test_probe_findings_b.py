@@ -159,3 +159,33 @@ def test_overwrite_through_a_symlinked_out_is_refused(tmp_path: Path, capsys: py
     with pytest.raises(LanternError, match=r"is a symbolic link .*--overwrite would replace"):
         OutputFile.check(file_link, "--out", overwrite=True)
     assert (real / "keep.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. --feature-net torchscript:FILE runs the file's code: only with --trust-checkpoint
+# --------------------------------------------------------------------------------------------------
+
+
+class _Features(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_feature_net_needs_trust_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.eval.metrics import load_feature_extractor
+
+    path = tmp_path / "net.pt"
+    torch.jit.script(_Features()).save(str(path))
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", "digits", "--feature-net", f"torchscript:{path}", "--out", str(out),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (f"lantern: error: --feature-net torchscript:{path}: a TorchScript file runs its own "
+                               "code, so lantern loads it only with --trust-checkpoint (trust_checkpoint=True in "
+                               "Python)\n")
+    assert not out.exists()
+    with pytest.raises(LanternError, match="only with --trust-checkpoint"):
+        load_feature_extractor(f"torchscript:{path}")
+    with trusted_checkpoints(), pytest.warns(LanternWarning, match="running the file's TorchScript code"):
+        assert load_feature_extractor(f"torchscript:{path}").dim == 3
