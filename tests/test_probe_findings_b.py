@@ -189,3 +189,56 @@ def test_torchscript_feature_net_needs_trust_checkpoint(tmp_path: Path, capsys: 
         load_feature_extractor(f"torchscript:{path}")
     with trusted_checkpoints(), pytest.warns(LanternWarning, match="running the file's TorchScript code"):
         assert load_feature_extractor(f"torchscript:{path}").dim == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. A proximity table rewritten outside the 64 sampled rows: its table_sha256 catches it
+# --------------------------------------------------------------------------------------------------
+
+
+def _rewrite_table(src: Path, dst: Path) -> Path:
+    """``src`` with row 1's two nearest neighbours swapped (row 1 is outside the distance-order
+    sample of a 1024-row table) and its header copied unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), "pt") as f:
+        meta = dict(f.metadata())
+        nbr = f.get_tensor("neighbours").clone()
+    nbr[1, [0, 1]] = nbr[1, [1, 0]]
+    save_file({"neighbours": nbr}, str(dst), metadata=meta)
+    return dst
+
+
+def test_a_rewritten_proximity_table_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.targets.llamagen_stack import preset_dir
+    from lantern.targets.proximity import SAMPLE_ROWS, ProximityTable, build_proximity, table_sha256
+
+    preset_table = preset_dir("digits") / "proximity.safetensors"
+    table = ProximityTable.load(preset_table)  # the embedded tables carry the hash (rebuilt with build-proximity)
+    assert table.metadata()["table_sha256"] == table_sha256(table.neighbours)
+    sample = torch.linspace(0, table.vocab_size - 1, SAMPLE_ROWS).round().long()
+    assert 1 not in sample.tolist()  # the tampering below is invisible to the sampled check
+
+    bad = _rewrite_table(preset_table, tmp_path / "bad.safetensors")
+    with pytest.raises(LanternError, match=r"^proximity table .*bad.safetensors: its neighbours do not match the "
+                                           r"table_sha256 in its header"):
+        ProximityTable.load(bad)
+    out = tmp_path / "o"
+    rc = main(["generate", "--model", "digits", "--labels", "0", "--method", "lantern", "--proximity", str(bad),
+               "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"lantern: error: proximity table {bad}: its neighbours do not match")
+    assert err.count("\n") == 1 and not out.exists()
+
+    # A table written before table_sha256 existed still loads, with the old checks.
+    codebook = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    old = tmp_path / "old.safetensors"
+    build_proximity(codebook, k_max=5).save(tmp_path / "new.safetensors")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(tmp_path / "new.safetensors"), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "table_sha256"}
+        save_file({"neighbours": f.get_tensor("neighbours")}, str(old), metadata=meta)
+    ProximityTable.load(old).validate(codebook)
