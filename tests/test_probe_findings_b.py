@@ -242,3 +242,105 @@ def test_a_rewritten_proximity_table_is_refused(tmp_path: Path, capsys: pytest.C
         meta = {k: v for k, v in f.metadata().items() if k != "table_sha256"}
         save_file({"neighbours": f.get_tensor("neighbours")}, str(old), metadata=meta)
     ProximityTable.load(old).validate(codebook)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. generate --resume checks the job folder's records and PNGs, and redoes what is damaged
+# --------------------------------------------------------------------------------------------------
+
+RESUME_ARGS = ["--labels", "0,1,2,3", "--batch-size", "1", "--seed", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lantern.testing import make_random_stack
+
+    return make_random_stack(tmp_path_factory.mktemp("stack") / "random", seed=3)
+
+
+@pytest.fixture(scope="module")
+def whole_run(random_stack: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "out"
+    assert main(["generate", "--model", str(random_stack), "--out", str(out), *RESUME_ARGS]) == 0
+    return out
+
+
+def _stopped_job(stack: Path, out: Path, monkeypatch: pytest.MonkeyPatch, after: int = 2) -> Path:
+    """A --resume job stopped once ``after`` images are recorded (as a kill would leave it: the
+    job folder keeps its records and PNGs)."""
+    import lantern.jobs
+
+    def stop(recorded: int) -> None:
+        if recorded >= after:
+            raise LanternError("stopped by the test")
+
+    with monkeypatch.context() as m:
+        m.setattr(lantern.jobs, "_pause_after", stop)
+        assert main(["generate", "--model", str(stack), "--out", str(out), *RESUME_ARGS, "--resume"]) == 2
+    job = out.parent / f".{out.name}.resume"
+    assert len(list((job / "records").glob("*.npz"))) == after
+    return job
+
+
+def _rewrite_codes(record: Path, value: int) -> None:
+    with np.load(record) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["codes"] = np.full_like(arrays["codes"], value)
+    with open(record, "wb") as f:
+        np.savez(f, **arrays)
+
+
+DAMAGE = {
+    "truncated-record": lambda rec, png: rec.write_bytes(rec.read_bytes()[: len(rec.read_bytes()) // 2]),
+    "codes-out-of-vocab": lambda rec, png: _rewrite_codes(rec, 10**6),
+    "codes-rewritten-in-vocab": lambda rec, png: _rewrite_codes(rec, 1),
+    "png-deleted": lambda rec, png: png.unlink(),
+    "png-truncated": lambda rec, png: png.write_bytes(png.read_bytes()[:40]),
+}
+NOTES = {
+    "truncated-record": "cannot be read (BadZipFile",
+    "codes-out-of-vocab": "holds codes in [1000000, 1000000], outside the image vocabulary",
+    "codes-rewritten-in-vocab": "does not match its sha256",
+    "png-deleted": "has no PNG 0001_label1.png",
+    "png-truncated": "does not match its PNG 0001_label1.png",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_resume_redoes_damaged_records_and_pngs(random_stack: Path, whole_run: Path, tmp_path: Path, damage: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    job = _stopped_job(random_stack, out, monkeypatch)
+    records = sorted((job / "records").glob("*.npz"))
+    DAMAGE[damage](records[1], job / "out" / "0001_label1.png")  # the second image's record / PNG
+    capsys.readouterr()
+    assert main(["generate", "--model", str(random_stack), "--out", str(out), *RESUME_ARGS, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert f"lantern: note: --resume: record {records[1]} {NOTES[damage]}" in printed, printed
+    assert "decoding its" in printed and printed.count("lantern: note:") == 1
+    for name in sorted(p.name for p in whole_run.iterdir()):
+        if name != "run.json":
+            assert (out / name).read_bytes() == (whole_run / name).read_bytes(), name
+    stats = json.loads((out / "run.json").read_text())["stats"]
+    assert (stats["resumed_images"], stats["generated_this_run"]) == (1, 3)
+    assert not job.exists()
+
+
+@pytest.mark.slow
+def test_resume_takes_records_written_before_they_carried_hashes(
+        random_stack: Path, whole_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    job = _stopped_job(random_stack, out, monkeypatch)
+    for record in (job / "records").glob("*.npz"):
+        with np.load(record) as z:
+            arrays = {k: z[k] for k in z.files if k not in ("sha256", "png_sha256")}
+        with open(record, "wb") as f:
+            np.savez(f, **arrays)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(random_stack), "--out", str(out), *RESUME_ARGS, "--resume"]) == 0
+    assert "note" not in capsys.readouterr().out
+    assert (out / "codes.npy").read_bytes() == (whole_run / "codes.npy").read_bytes()
+    assert json.loads((out / "run.json").read_text())["stats"]["resumed_images"] == 2
