@@ -10,10 +10,13 @@ alike: the stack's ``generation.json``, then the method's defaults, then the cal
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -102,17 +105,26 @@ class Pipeline:
         """``c2i``, ``t2i`` or ``chameleon``."""
         return str(self.stack.kind)
 
-    def __call__(self, labels: list[int] | None = None, prompts: list[str] | None = None, *, method: str = "ar",
-                 seed: int = 0, batch_size: int = 8, num_per_label: int = 1, progress: bool = False,
-                 **settings: Any) -> PipelineOutput:
+    def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
+                 prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
+                 num_per_label: int = 1, progress: bool = False, **settings: Any) -> PipelineOutput:
         """Generate ``num_per_label`` images per label or prompt; ``settings``: the CLI's sampling,
         method and tree options (``temperature``, ``top_k``, ``tree``, ``lantern_lambda``, ...).
         ``tree="auto"`` measures this device first: the fastest drafter tree, or for the Jacobi
-        methods the fastest window (recorded in ``config`` as ``auto_tree`` / ``auto_window``)."""
+        methods the fastest window (recorded in ``config`` as ``auto_tree`` / ``auto_window``).
+
+        ``labels``: a non-empty list or tuple of class ids (Python or numpy integers), or a 1-D
+        integer numpy array or tensor (the natural output of a data loader; taken as its list of
+        ids). ``prompts``: a non-empty list or tuple of strings. Any other type or value raises
+        :class:`~lantern.errors.LanternError` (a ``ValueError``, also for wrong types) naming the
+        argument, as the CLI's one-line errors do."""
         from lantern.validate import check_count, check_image_total
 
         check_count(num_per_label, "num_per_label")
         check_count(batch_size, "batch_size")
+        seed = check_seed(seed)
+        if not isinstance(progress, bool):
+            raise LanternError(f"progress must be True or False, got {progress!r}")
         conditions = self._check_conditions(labels, prompts)
         check_image_total(len(conditions), num_per_label, "num_per_label")
         if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
@@ -138,7 +150,7 @@ class Pipeline:
                                          progress=progress)
         return method_cfg, sampling, record
 
-    def _check_conditions(self, labels: list[int] | None, prompts: list[str] | None) -> list[Any]:
+    def _check_conditions(self, labels: Any, prompts: Any) -> list[Any]:
         from lantern.targets.text import check_prompts
 
         if (labels is None) == (prompts is None):
@@ -149,8 +161,8 @@ class Pipeline:
         if self.kind != "c2i" and prompts is None:
             raise LanternError(f"labels: {self.stack.root} is a text-to-image model; pass prompts=[...]")
         if prompts is not None:
-            return check_prompts(list(prompts), "prompts")
-        return list(labels or [])
+            return check_prompts(check_prompt_list(prompts), "prompts")
+        return check_label_list(labels)
 
     def _run(self, conditions: list[Any], seed: int, sampling: SamplingConfig, method: MethodConfig,
              batch_size: int, num_per_label: int, progress: bool) -> RunResult:
@@ -163,6 +175,56 @@ class Pipeline:
 
     def t5_dir(self) -> Path:
         return self.stack.t5_folder(self.t5)
+
+
+def check_seed(seed: Any) -> int:
+    """The base seed of a call: an integer, as ``--seed`` takes (a float such as 1.5 would be
+    truncated silently by the per-image seeds, and the CLI refuses it)."""
+    if not isinstance(seed, Integral) or isinstance(seed, bool):
+        raise LanternError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+    return int(seed)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_label_list(labels: Any) -> list[int]:
+    """``labels=`` of a c2i call as a list of Python ints: a list / tuple of integers, or a 1-D
+    integer numpy array or tensor. A bare int or string is refused rather than iterated (``3`` is
+    not ``[3]``; ``"12"`` would be two labels), and so are floats and bools (``1.5`` or ``True`` as a
+    class id is a caller's bug that ``int()`` would hide)."""
+    if isinstance(labels, Tensor):
+        labels = labels.detach().cpu().numpy()
+    if isinstance(labels, np.ndarray):
+        if labels.ndim != 1 or labels.dtype.kind not in "iu":
+            raise LanternError(f"labels: expected a 1-D integer array of class ids, got a {labels.ndim}-D "
+                               f"{labels.dtype} array")
+        labels = labels.tolist()
+    if not isinstance(labels, (list, tuple)):
+        raise LanternError(f"labels: expected a list of class ids (integers), got {type(labels).__name__} "
+                           f"{_short(labels)}")
+    if not labels:
+        raise LanternError("labels: the list is empty; pass at least one class id")
+    for i, label in enumerate(labels):
+        if not isinstance(label, Integral) or isinstance(label, bool):
+            raise LanternError(f"labels[{i}]: expected a class id (an integer), got {type(label).__name__} "
+                               f"{_short(label)}")
+    return [int(label) for label in labels]
+
+
+def check_prompt_list(prompts: Any) -> list[str]:
+    """``prompts=`` as a list of strings; a bare string is refused rather than split into characters."""
+    if isinstance(prompts, str):
+        raise LanternError(f"prompts: expected a list of strings, got one string {_short(prompts)} (write "
+                           "prompts=[...])")
+    if not isinstance(prompts, (list, tuple)):
+        raise LanternError(f"prompts: expected a list of strings, got {type(prompts).__name__} {_short(prompts)}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise LanternError(f"prompts[{i}]: expected a string, got {type(prompt).__name__} {_short(prompt)}")
+    return list(prompts)
 
 
 def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",

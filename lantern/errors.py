@@ -20,3 +20,21 @@ def check(condition: bool, message: str) -> None:
     """Raise :class:`LanternError` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise LanternError(message)
+
+
+# What transformers raises for a broken or unusual model folder: besides OSError / ValueError, a
+# malformed tokenizer_config.json (e.g. an ``auto_map`` that is a string) surfaces as
+# AttributeError, IndexError, KeyError or TypeError from inside its loaders.
+TRANSFORMERS_LOAD_ERRORS: tuple[type[Exception], ...] = (
+    OSError, ValueError, KeyError, AttributeError, IndexError, TypeError,
+)
+
+
+def transformers_reason(error: BaseException) -> str:
+    """One line saying why transformers refused a folder: its messages run over several lines,
+    and one that asks for ``trust_remote_code`` is rephrased (lantern never runs a folder's code)."""
+    text = str(error)
+    if "trust_remote_code" in text:
+        return "its config asks to run the folder's own Python code (auto_map), which lantern never does"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -310,6 +310,12 @@ def trusted_checkpoints(trust: bool = True) -> Iterator[None]:
         _trust_checkpoints.reset(token)
 
 
+def checkpoints_trusted() -> bool:
+    """Whether ``--trust-checkpoint`` is in force (:func:`trusted_checkpoints`): for loaders that
+    hand pickles to another library (transformers) and must choose their own path when trusted."""
+    return _trust_checkpoints.get()
+
+
 class _TolerantUnpickler(pickle.Unpickler):
     """Full unpickler for trusted files whose classes cannot be imported here (e.g. Lightning's)."""
 

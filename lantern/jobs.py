@@ -16,14 +16,23 @@ When every image is recorded, rank 0 writes ``codes.npy`` (request order), ``gri
 (all-or-nothing, as every output); with ``--resume`` it is ``.OUT.resume``, survives a kill, and
 the next ``--resume`` run checks its ``job.json`` against the new request and decodes only the
 images without a record.
+
+A resumed job trusts none of its files blindly: each record is read back and checked (its arrays'
+shapes, codes within the image vocabulary, the seeds of its indices, no index twice, and the
+sha256 it carries of its own arrays and of its PNGs' bytes), and so is each recorded image's PNG.
+A record that fails any check (truncated by a crash, edited, or whose PNG was deleted or cut
+short) is removed with a printed note, and its images are decoded again, so the resumed job still
+finishes with codes and PNGs that belong together.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +64,14 @@ IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "t5", "sa
 JOB_ONLY_KEYS = ("dtype", "device_type")
 
 
+# The arrays of a record (JOB/records/*.npz); RECORD_HASH ("sha256") is the sha256 of them and of
+# PNG_HASHES (each image's PNG bytes), in this order (:func:`_record_digest`). Records written before
+# the hashes existed lack both and are checked without them.
+RECORD_ARRAYS = ("indices", "seeds", "codes", "target_forwards", "ranks", "drafter_forwards")
+PNG_HASHES = "png_sha256"
+RECORD_HASH = "sha256"
+
+
 @dataclass
 class JobRequest:
     """A generate request: the conditions of every image, in request order, and how to run them."""
@@ -69,6 +86,8 @@ class JobRequest:
     save_npz: bool = False
     resume: bool = False
     progress: bool = True
+    num_tokens: int | None = None  # image codes per image, to check a resumed job's records (None: unchecked)
+    vocab_size: int | None = None  # codes lie in [0, vocab_size)
 
 
 @dataclass
@@ -134,7 +153,100 @@ def _open_job(job: Path, request: JobRequest) -> list[int]:
         write_json(path, request.identity)
         return []
     check_same_job(read_json(path, "job file"), request.identity, f"--resume: the unfinished job in {job}")
-    return sorted(int(i) for rec in _records(job) for i in rec["indices"])
+    return _usable_records(job, request)
+
+
+def _usable_records(job: Path, request: JobRequest) -> list[int]:
+    """The indices of the job's sound records (:func:`_record_problem`); every other record is
+    removed, with a note, so that its images are decoded again."""
+    claimed: set[int] = set()
+    folder = job / "records"
+    for path in sorted(folder.glob("*.npz")) if folder.is_dir() else []:
+        record, problem = _read_record(path)
+        if record is not None:
+            problem = _record_problem(record, job, request, claimed)
+        if problem is not None:
+            count = "" if record is None else f" {len(record['indices'])}"
+            print(f"lantern: note: --resume: record {path} {problem}; decoding its{count} image(s) again")
+            path.unlink()
+            continue
+        assert record is not None
+        claimed.update(int(i) for i in record["indices"])
+    return sorted(claimed)
+
+
+def _read_record(path: Path) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """A record's arrays, or why it cannot be read (a kill leaves none half-written, as records are
+    renamed into place, but a crash of the machine or an edit can)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}, None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        return None, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'damaged'})"
+
+
+def _record_problem(record: dict[str, np.ndarray], job: Path, request: JobRequest, claimed: set[int]) -> str | None:
+    """Why a record cannot be trusted, or None: its arrays, their sha256, and its PNGs."""
+    from lantern.run import image_seed
+
+    missing = [k for k in RECORD_ARRAYS if k not in record]
+    if missing:
+        return f"lacks {missing[0]!r}"
+    indices, codes = record["indices"], record["codes"]
+    m = len(indices) if indices.ndim == 1 else -1
+    if m < 1 or indices.dtype.kind not in "iu" or codes.dtype.kind not in "iu" or codes.ndim != 2 or not codes.size:
+        return "holds arrays of the wrong kind"
+    width = request.num_tokens or codes.shape[1]
+    if codes.shape != (m, width) or any(record[k].shape != (m,) for k in ("seeds", "target_forwards", "ranks")):
+        return f"holds arrays of the wrong shape (codes {codes.shape}, expected ({m}, {width}))"
+    n = len(request.names)
+    if indices.min() < 0 or indices.max() >= n or len(set(indices.tolist()) | claimed) != len(claimed) + m:
+        return "lists an image index out of range, or one already recorded"
+    if codes.min() < 0 or (request.vocab_size is not None and codes.max() >= request.vocab_size):
+        return f"holds codes in [{codes.min()}, {codes.max()}], outside the image vocabulary"
+    if record["seeds"].tolist() != [image_seed(request.seed, int(i)) for i in indices]:
+        return "holds seeds that are not its images' seeds"
+    if RECORD_HASH in record and str(record[RECORD_HASH]) != _record_digest(record):
+        return "does not match its sha256 (it was changed after it was written)"
+    return _png_problem(job, request, record)
+
+
+def _png_problem(job: Path, request: JobRequest, record: dict[str, np.ndarray]) -> str | None:
+    """Why one of the record's PNGs is unusable: absent, or (against the record's hashes; for an
+    older record, by decoding it) damaged."""
+    from PIL import Image
+
+    hashes = record.get(PNG_HASHES)
+    for j, i in enumerate(record["indices"].tolist()):
+        png = job / "out" / request.names[i]
+        if not png.is_file():
+            return f"has no PNG {png.name}"
+        if hashes is not None and len(hashes) == len(record["indices"]):
+            if _file_sha256(png) != str(hashes[j]):
+                return f"does not match its PNG {png.name} (changed or cut short)"
+            continue
+        try:
+            with Image.open(png) as img:
+                img.load()
+        except (OSError, ValueError, SyntaxError) as e:
+            return f"has a damaged PNG {png.name} ({type(e).__name__})"
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record_digest(record: dict[str, np.ndarray]) -> str:
+    """sha256 over the record's arrays (name, dtype, shape, bytes), then its PNG hashes."""
+    h = hashlib.sha256()
+    for key in (*RECORD_ARRAYS, PNG_HASHES):
+        if key not in record:
+            continue
+        array = np.ascontiguousarray(record[key])
+        h.update(f"{key}:{array.dtype.str}:{array.shape}:".encode())
+        h.update(array.tobytes())
+    return h.hexdigest()
 
 
 def finished_job(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -247,14 +359,31 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
             save_png(Image.fromarray(pix), job / "out" / request.names[i])
     (job / "records").mkdir(exist_ok=True)
     indices = [i for p in parts for i in p.indices]
-    with atomic_path(job / "records" / f"{recorded:07d}.npz") as tmp, open(tmp, "wb") as f:
-        np.savez(f, indices=np.array(indices, np.int64), seeds=np.array([image_seed(request.seed, i) for i in indices],
-                                                                        np.uint64),
-                 codes=np.concatenate([p.codes for p in parts]),
-                 target_forwards=np.array([t for p in parts for t in p.target_forwards], np.int64),
-                 ranks=np.array([p.rank for p in parts for _ in p.indices], np.int64),
-                 drafter_forwards=np.array(sum(p.drafter_forwards for p in parts), np.int64))
+    record = {
+        "indices": np.array(indices, np.int64),
+        "seeds": np.array([image_seed(request.seed, i) for i in indices], np.uint64),
+        "codes": np.concatenate([p.codes for p in parts]),
+        "target_forwards": np.array([t for p in parts for t in p.target_forwards], np.int64),
+        "ranks": np.array([p.rank for p in parts for _ in p.indices], np.int64),
+        "drafter_forwards": np.array(sum(p.drafter_forwards for p in parts), np.int64),
+        # the PNGs as written, read back: what a resumed run compares them with
+        PNG_HASHES: np.array([_file_sha256(job / "out" / request.names[i]) for i in indices]),
+    }
+    record[RECORD_HASH] = np.array(_record_digest(record))
+    with atomic_path(_record_path(job, recorded)) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **record)
     return len(indices)
+
+
+def _record_path(job: Path, recorded: int) -> Path:
+    """``records/NNNNNNN.npz`` (NNNNNNN: images recorded before it), or with a suffix when that
+    name is taken: after a damaged record was removed, the count can repeat an existing name."""
+    path = job / "records" / f"{recorded:07d}.npz"
+    k = 1
+    while path.exists():
+        path = job / "records" / f"{recorded:07d}-{k}.npz"
+        k += 1
+    return path
 
 
 def _pause_after(recorded: int) -> None:

@@ -76,6 +76,16 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def _refuse_linked_overwrite(path: str | os.PathLike[str], what: str, overwrite: bool) -> None:
+    """``--overwrite`` through a symbolic link would replace what the link points to (and delete
+    its old contents), which the user never named: refused, and the target is not touched. A link
+    without ``--overwrite`` only writes into an empty or absent target, so it stays allowed."""
+    p = Path(path)
+    if overwrite and p.is_symlink():
+        raise LanternError(f"{what}: {p} is a symbolic link (to {os.readlink(p)}); --overwrite would replace "
+                           "what it points to: pass that path itself, or remove the link")
+
+
 def _resolved(path: str | os.PathLike[str], what: str = "--out") -> Path:
     """``path``, or what it links to: the staging folder must be renamed onto the real folder,
     not onto the link. A link that leads back to itself is refused in one line."""
@@ -202,6 +212,7 @@ class OutputFolder(_Output):
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFolder:
         """Validate the location now (before any model is loaded); creates nothing."""
+        _refuse_linked_overwrite(path, what, overwrite)
         out = cls(_resolved(path, what), what, overwrite)
         if out.path.exists() or out.path.is_symlink():
             if not out.path.is_dir():
@@ -294,6 +305,7 @@ class OutputFile(_Output):
 
     @classmethod
     def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFile:
+        _refuse_linked_overwrite(path, what, overwrite)
         out = cls(_resolved(path, what), what, overwrite)
         if out.path.is_dir():
             raise LanternError(f"{what}: {out.path} is a directory; expected a file name")

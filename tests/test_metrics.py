@@ -230,7 +230,7 @@ class _StatsWithFlag(torch.nn.Module):
 def test_torchscript_extractor(tmp_path: Path) -> None:
     path = tmp_path / "stats.pt"
     torch.jit.script(_Stats()).save(str(path))
-    extractor = load_feature_extractor(f"torchscript:{path}", input_size=31)
+    extractor = load_feature_extractor(f"torchscript:{path}", input_size=31, trust_checkpoint=True)
     assert extractor.dim == 6 and "stats.pt (6-d, 31px)" in extractor.name and not extractor.has_classifier
     grey = torch.cat([torch.full((2, 1, 16, 16), -1.0), torch.ones(2, 1, 16, 16)])
     f = extract_features(extractor, grey).features
@@ -244,7 +244,7 @@ def test_torchscript_extractor(tmp_path: Path) -> None:
 
     flagged = tmp_path / "flagged.pt"
     torch.jit.script(_StatsWithFlag()).save(str(flagged))
-    assert load_feature_extractor(f"torchscript:{flagged}").dim == 2
+    assert load_feature_extractor(f"torchscript:{flagged}", trust_checkpoint=True).dim == 2
 
 
 def test_clip_extractor(tmp_path: Path) -> None:
@@ -300,7 +300,7 @@ def test_bad_inputs(digits: tuple, digits_features: Features, tmp_path: Path) ->
         load_feature_extractor(f"torchscript:{tmp_path / 'missing.pt'}")
     (tmp_path / "junk.pt").write_text("not a model")
     with pytest.raises(LanternError, match="is not a TorchScript file"):
-        load_feature_extractor(f"torchscript:{tmp_path / 'junk.pt'}")
+        load_feature_extractor(f"torchscript:{tmp_path / 'junk.pt'}", trust_checkpoint=True)
 
 
 def test_missing_torchmetrics_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from lantern.errors import LanternError
 from lantern.io import LanternWarning, load_checkpoint
 from lantern.models.llamagen import LlamaGen
 from lantern.models.vq import VQModel
-from lantern.targets.proximity import ProximityTable, build_proximity
+from lantern.targets.proximity import ProximityTable, build_proximity, table_sha256
 from lantern.testing import make_random_stack, tiny_llamagen, tiny_vq, tiny_vq_config
 
 
@@ -351,8 +351,10 @@ def _table(stack: Path) -> ProximityTable:
 
 
 def _tampered(table: ProximityTable, neighbours: torch.Tensor, path: Path) -> Path:
-    """The table's own header (codebook hash included) over other neighbour indices."""
-    save_file({"neighbours": neighbours.to(torch.int32).contiguous()}, str(path), metadata=table.metadata())
+    """The table's own header (codebook hash included) over other neighbour indices, with the
+    table hash recomputed for them (as a tamperer can): the checks on the contents must catch it."""
+    meta = {**table.metadata(), "table_sha256": table_sha256(neighbours)}
+    save_file({"neighbours": neighbours.to(torch.int32).contiguous()}, str(path), metadata=meta)
     return path
 
 

@@ -226,7 +226,8 @@ def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | Non
             return 0
         request = JobRequest(names, args.seed, encoded.cond, encoded.mask, identity, args.batch_size,
                              args.num_per_label, save_npz=args.save_npz, resume=args.resume,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, num_tokens=stack.num_tokens,
+                             vocab_size=stack.vocab_size)
         run = run_job(parts, request, out, ctx, stack.to_pil, record)
     if run is None:  # ranks other than 0 write nothing
         return 0

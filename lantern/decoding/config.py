@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from numbers import Real
 from typing import Any, Literal, get_args
 
 from lantern.errors import check
@@ -39,13 +40,19 @@ class SamplingConfig:
     cfg_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        # Types first: a string such as temperature="1.0" from a Python caller would otherwise
+        # surface as a TypeError from math.isfinite or a comparison.
+        for name in ("temperature", "top_p", "cfg_scale"):
+            value = getattr(self, name)
+            check(isinstance(value, Real) and not isinstance(value, bool),
+                  f"{name} must be a number, got {value!r} ({type(value).__name__})")
         check(
             math.isfinite(self.temperature) and self.temperature >= 0,
             f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
         )
         check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
-            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}",
+            isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
         )
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(

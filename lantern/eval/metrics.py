@@ -154,6 +154,20 @@ def _resize(images: Tensor, size: int, mode: str) -> Tensor:
     return F.interpolate(images, size=(size, size), mode=mode, align_corners=False, antialias=True)
 
 
+def _require_trust(path: Path, trust: bool | None) -> None:
+    """A TorchScript file is a program: its ``forward()`` runs whatever its author wrote (a loop
+    that never ends hangs ``bench``; it can read and write files). Like a pickle that is more than
+    tensors, it is loaded only when the user vouches for it (``--trust-checkpoint``, or
+    ``trust_checkpoint=True`` in Python), and then after a warning."""
+    from lantern.io import TRUST_FLAG, LanternWarning, checkpoints_trusted
+
+    if not (checkpoints_trusted() if trust is None else trust):
+        raise LanternError(f"--feature-net torchscript:{path}: a TorchScript file runs its own code, so lantern "
+                           f"loads it only with {TRUST_FLAG} (trust_checkpoint=True in Python)")
+    warnings.warn(f"--feature-net torchscript:{path}: running the file's TorchScript code ({TRUST_FLAG})",
+                  LanternWarning, stacklevel=4)
+
+
 class TorchScriptFeatureExtractor(FeatureExtractor):
     """A TorchScript feature network, e.g. clean-fid's ``inception-2015-12-05.pt``.
 
@@ -163,10 +177,11 @@ class TorchScriptFeatureExtractor(FeatureExtractor):
     The resize differs from clean-fid's PIL resize, so values are close to, not equal to, its FIDs.
     """
 
-    def __init__(self, path: str | os.PathLike[str], input_size: int = 299) -> None:
+    def __init__(self, path: str | os.PathLike[str], input_size: int = 299, *, trust: bool | None = None) -> None:
         super().__init__()
         path = Path(path)
         check(path.is_file(), f"torchscript feature network not found: {path}")
+        _require_trust(path, trust)
         try:
             with warnings.catch_warnings():  # torch >= 2.9 deprecates TorchScript; these files are TorchScript
                 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -247,19 +262,21 @@ def feature_net_dir(model: str | os.PathLike[str]) -> Path:
 
 
 def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.device = "cpu",
-                           input_size: int = 299) -> FeatureExtractor:
+                           input_size: int = 299, trust_checkpoint: bool | None = None) -> FeatureExtractor:
     """A feature extractor from ``spec``:
 
     - ``digits`` / ``photos`` or a stack folder: its lantern feature net (``STACK/features``);
     - a lantern feature net folder (``config.json`` with ``model_type`` ``lantern-feature-net``);
     - ``torchscript:PATH``: a TorchScript file such as clean-fid's ``inception-2015-12-05.pt``
-      (resized to ``input_size``);
+      (resized to ``input_size``); it runs the file's code, so only with ``trust_checkpoint=True``
+      (None: ``--trust-checkpoint``'s setting, :func:`lantern.io.trusted_checkpoints`);
     - ``clip:DIR``: a local Hugging Face CLIP folder (needs ``transformers``).
     """
     text = str(spec)
     check(bool(text), "feature extractor spec must not be empty")
     if text.startswith("torchscript:"):
-        extractor: FeatureExtractor = TorchScriptFeatureExtractor(text[len("torchscript:"):], input_size)
+        extractor: FeatureExtractor = TorchScriptFeatureExtractor(text[len("torchscript:"):], input_size,
+                                                                trust=trust_checkpoint)
     elif text.startswith("clip:"):
         extractor = ClipFeatureExtractor(text[len("clip:"):])
     else:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
-from lantern.errors import LanternError, check
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -277,7 +277,11 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
         raise LanternError("Chameleon targets need transformers: pip install 'lantern[t2i]'") from e
     from transformers import ChameleonConfig
 
-    config = ChameleonConfig.from_pretrained(str(directory))
+    try:
+        config = ChameleonConfig.from_pretrained(str(directory))
+    except TRANSFORMERS_LOAD_ERRORS as e:
+        raise LanternError(f"--model {directory}/config.json: transformers could not read it: "
+                           f"{transformers_reason(e)}") from None
     if not config.vocabulary_map:  # e.g. LANTERN's anole_config.json: transformers needs one to build the model
         config.vocabulary_map = default_vocabulary_map(config.vq_config.num_embeddings)
     from safetensors import SafetensorError
@@ -287,7 +291,8 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
             str(directory), config=config, dtype=dtype or torch.bfloat16
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # SafetensorError: a corrupt or truncated file
-        raise LanternError(f"--model {directory}: transformers could not load the Chameleon weights: {e}") from None
+        raise LanternError(f"--model {directory}: transformers could not load the Chameleon weights: "
+                           f"{transformers_reason(e)}") from None
     return ChameleonLM(model.to(device))
 
 

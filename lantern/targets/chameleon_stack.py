@@ -17,7 +17,7 @@ from lantern.decoding.drafting import DraftBackend
 from lantern.decoding.loop import Target
 from lantern.drafters.checks import drafter_dtype
 from lantern.drafters.eagle import EagleBackend
-from lantern.errors import LanternError, check
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import EagleDrafterModel
@@ -171,9 +171,12 @@ def load_prompt_tokenizer(root: Path) -> Any:
     except ImportError as e:  # pragma: no cover
         raise LanternError("Chameleon targets need transformers: pip install 'lantern-ar[t2i]'") from e
     try:
-        return AutoTokenizer.from_pretrained(str(root))
-    except (OSError, ValueError) as e:
-        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: {e}") from None
+        # trust_remote_code=False: a folder whose config asks for its own code (auto_map) is refused
+        # at once; left unset, transformers asks on the terminal whether to run that code.
+        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
+    except TRANSFORMERS_LOAD_ERRORS as e:
+        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: "
+                           f"{transformers_reason(e)}") from None
 
 
 def init_chameleon_drafter(model: ChameleonLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:

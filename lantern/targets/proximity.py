@@ -8,6 +8,11 @@ never held, in one safetensors file whose header records what it was built from:
 
 * ``codebook_sha256``: sha256 of the *raw* codebook (``quantize.embedding.weight``) as float32
   little-endian contiguous bytes, checked against the tokenizer when the table is loaded;
+* ``table_sha256``: sha256 of the table itself (int32 little-endian contiguous bytes), checked
+  when the file is loaded. The codebook hash says what a table was built *for*; only this one
+  says the rows were not changed since (the distance-order check below samples 64 rows, so a
+  rewrite of the others would pass it). Tables written before this entry existed lack it and
+  load with the other checks;
 * ``metric`` (``l2`` as the official code, or ``cosine``) and ``normalized`` (whether rows were
   L2-normalised first, as the decoder sees them; False reproduces the official numbers).
 
@@ -53,6 +58,12 @@ def codebook_sha256(codebook: Tensor) -> str:
     """sha256 of the raw codebook [V, C] as float32 little-endian contiguous bytes."""
     array = codebook.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     return hashlib.sha256(array.astype("<f4", copy=False).tobytes()).hexdigest()
+
+
+def table_sha256(neighbours: Tensor) -> str:
+    """sha256 of a neighbour table [V, K] as int32 little-endian contiguous bytes."""
+    array = neighbours.detach().to(device="cpu", dtype=torch.int32).contiguous().numpy()
+    return hashlib.sha256(array.astype("<i4", copy=False).tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,7 @@ class ProximityTable:
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "codebook_sha256": self.codebook_sha256,
+            "table_sha256": table_sha256(self.neighbours),
             "metric": self.metric,
             "normalized": str(self.normalized).lower(),
             "k_max": str(self.k_max),
@@ -163,6 +175,11 @@ class ProximityTable:
         check(metric in ("l2", "cosine"), f"proximity table {path}: metric must be l2 or cosine, got {metric!r}")
         table = cls(tensor, meta.get("codebook_sha256", ""), metric, meta.get("normalized") == "true",
                     source=f"proximity table {path}")
+        recorded = meta.get("table_sha256")
+        if recorded is not None:  # absent in tables written before it was recorded: the other checks apply
+            check(recorded == table_sha256(tensor),
+                  f"proximity table {path}: its neighbours do not match the table_sha256 in its header (the file "
+                  "was changed after it was built); rebuild it with `lantern build-proximity`")
         table.check_indices()
         return table
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.errors import LanternError, check
-from lantern.io import read_json
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
+from lantern.io import TRUST_FLAG, checkpoints_trusted, load_checkpoint, read_json
 
 T5_MAX_LENGTH = 120  # caption slots of LlamaGen T2I (= cls_token_num)
 INSTALL_HINT = "pip install 'lantern-ar[t2i]'"
@@ -197,6 +198,54 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _pickled_weights(path: Path) -> list[Path]:
+    """The folder's ``pytorch_model*.bin`` files when it has no safetensors (transformers then
+    unpickles them; with safetensors present it never reads them)."""
+    if any(path.glob("*.safetensors")):
+        return []
+    return sorted(path.glob("pytorch_model*.bin"))
+
+
+def _load_t5_encoder(path: Path) -> Any:
+    """``T5EncoderModel`` of ``path``. transformers reads a ``pytorch_model.bin`` with
+    ``weights_only=True``, so a pickle carrying anything besides tensors is refused there, with a
+    multi-paragraph ``UnpicklingError``: lantern reads such files itself, with the same rule and
+    message as every other pickle (:func:`lantern.io.load_checkpoint`: the file named, and
+    ``--trust-checkpoint`` as the way to load it anyway)."""
+    from transformers import T5EncoderModel
+
+    bins = _pickled_weights(path)
+    if bins and checkpoints_trusted():
+        return _trusted_t5_encoder(path, bins)
+    try:
+        return T5EncoderModel.from_pretrained(str(path), local_files_only=True)
+    except pickle.UnpicklingError:
+        for file in bins:  # raises lantern's one-line refusal naming the file and the class
+            load_checkpoint(file, "--t5 weights", trust=False)
+        raise LanternError(f"--t5: {path}: transformers refused its pickled weights "
+                           f"({', '.join(f.name for f in bins) or 'pytorch_model.bin'}); if you trust "
+                           f"the folder, pass {TRUST_FLAG}") from None
+
+
+def _trusted_t5_encoder(path: Path, bins: list[Path]) -> Any:
+    """``--trust-checkpoint``: the ``.bin`` files fully unpickled by lantern (with its warning)
+    and loaded into an encoder built from ``config.json`` (transformers itself only reads them
+    weights-only). A full T5 checkpoint's decoder weights are ignored; tied weights are re-tied."""
+    from transformers import T5Config, T5EncoderModel
+
+    state: dict[str, Any] = {}
+    for file in bins:
+        loaded = load_checkpoint(file, "--t5 weights", trust=True)
+        check(isinstance(loaded, dict), f"--t5: {file} holds a {type(loaded).__name__}, not a state dict")
+        state.update(loaded)
+    model = T5EncoderModel(T5Config.from_pretrained(str(path)))
+    missing = set(model.load_state_dict(state, strict=False).missing_keys)
+    model.tie_weights()
+    missing -= {"encoder.embed_tokens.weight"}  # tied to shared.weight; save_pretrained drops it
+    check(not missing, f"--t5: {path} weights lack {len(missing)} encoder tensor(s), e.g. {min(missing, default='')}")
+    return model.eval()
+
+
 def load_t5(
     path: str | os.PathLike[str],
     max_length: int = T5_MAX_LENGTH,
@@ -207,13 +256,17 @@ def load_t5(
     """Tokenizer and ``T5EncoderModel`` from a local folder (never the hub)."""
     check_t5_folder(path, caption_dim)
     require_transformers()
-    from transformers import AutoTokenizer, T5EncoderModel
+    from transformers import AutoTokenizer
 
     try:
         with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            model = T5EncoderModel.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:  # what transformers raises for broken folders
-        raise LanternError(f"--t5: cannot load the T5 tokenizer and encoder from {path}: {e}") from None
+            # trust_remote_code=False: never run (nor ask on the terminal to run) the folder's own code
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+            model = _load_t5_encoder(Path(path))
+    except LanternError:  # already one line naming the file (a ValueError, so before the next clause)
+        raise
+    except TRANSFORMERS_LOAD_ERRORS as e:  # what transformers raises for broken folders
+        raise LanternError(f"--t5: cannot load the T5 tokenizer and encoder from {path}: "
+                           f"{transformers_reason(e)}") from None
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return T5Encoder(tokenizer, model, max_length)
