@@ -3,7 +3,10 @@ from a speed-only run on a quiet machine (``--no-quality``), tau and quality (wi
 seeds) from a quality run that may have run while the machine was busy: token counts and metrics do
 not depend on machine load, wall-clock ratios do.
 
-    python benchmarks/combine_bench.py --speed bench-speed --quality bench-quality --out combined
+    python benchmarks/combine_bench.py --speed bench-speed --quality bench-quality [more-quality ...] --out combined
+
+Several quality runs (same model, seed, images and real set) add their rows in order; AR's spread is
+the first run's, and a method already listed is not repeated.
 
 Writes ``combined/bench.md`` (the table, both commands, AR's interval) and ``combined/frontier.png``.
 """
@@ -31,36 +34,43 @@ def read_rows(folder: Path) -> dict[str, BenchRow]:
     return rows
 
 
-def combine(speed_dir: Path, quality_dir: Path) -> tuple[BenchResult, dict, dict]:
-    speed, quality = read_rows(speed_dir), read_rows(quality_dir)
+def combine(speed_dir: Path, quality_dirs: list[Path]) -> tuple[BenchResult, dict, list[dict]]:
+    speed = read_rows(speed_dir)
+    quality: dict[str, BenchRow] = {}
+    for folder in quality_dirs:
+        for name, row in read_rows(folder).items():
+            quality.setdefault(name, row)
     missing = [m for m in quality if m not in speed]
     if missing:
         raise SystemExit(f"--speed run lacks the methods {missing}")
-    run_q = json.loads((quality_dir / "run.json").read_text())
+    runs_q = [json.loads((folder / "run.json").read_text()) for folder in quality_dirs]
     run_s = json.loads((speed_dir / "run.json").read_text())
-    spread = run_q.get("ar_spread")
+    spread = runs_q[0].get("ar_spread")
     ar_spread = None if spread is None else ARSpread(tuple(spread["seeds"]), spread["values"])
     rows = []
     for name, row in quality.items():
         row = dataclasses.replace(row, **{k: getattr(speed[name], k) for k in SPEED_FIELDS})
         row.outside_ar_spread = None if ar_spread is None else ar_spread.outside(row.quality)
         rows.append(row)
-    meta = {"model": run_q.get("model", "?"),
-            "feature_net_short": run_q.get("feature_net_short", "lantern feature net")}
-    return BenchResult(rows, meta, ar_spread, {}, [], {}, []), run_s, run_q
+    meta = {"model": runs_q[0].get("model", "?"),
+            "feature_net_short": runs_q[0].get("feature_net_short", "lantern feature net")}
+    return BenchResult(rows, meta, ar_spread, {}, [], {}, []), run_s, runs_q
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--speed", type=Path, required=True, help="a `lantern bench --no-quality` output folder")
-    p.add_argument("--quality", type=Path, required=True, help="a `lantern bench` output folder with quality")
+    p.add_argument("--quality", type=Path, nargs="+", required=True,
+                   help="`lantern bench` output folders with quality (AR's spread from the first)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    result, run_s, run_q = combine(args.speed, args.quality)
+    result, run_s, runs_q = combine(args.speed, args.quality)
     args.out.mkdir(parents=True, exist_ok=True)
     table = format_table(result.rows, markdown=True)
     lines = [f"# {result.meta['model']}: speed from one run, tau and quality from another", "",
-             f"- speed: `{run_s['command']}`", f"- quality: `{run_q['command']}`", "", table, ""]
+             f"- speed: `{run_s['command']}` (machine: {run_s.get('machine_load')})",
+             *([f"- **{run_s['busy_warning']}**"] if run_s.get("busy_warning") else []),
+             *[f"- quality: `{r['command']}`" for r in runs_q], "", table, ""]
     if result.ar_spread is not None:
         lines += [f"AR's spread over {len(result.ar_spread.seeds)} seeds, 95 % prediction interval: "
                   f"{result.ar_spread.describe()}", ""]

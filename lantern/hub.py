@@ -44,7 +44,7 @@ def snapshot(repo_id: str, flag: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise LanternError(f"{flag} {repo_id}: a Hugging Face repo id needs huggingface_hub "
-                           "(pip install 'lantern[t2i]'), or pass a local folder") from None
+                           "(pip install 'lantern-ar[t2i]'), or pass a local folder") from None
     offline = _env_flag("HF_HUB_OFFLINE")
     try:
         path = snapshot_download(repo_id, cache_dir=os.environ.get("HF_HUB_CACHE") or None,

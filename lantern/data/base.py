@@ -20,7 +20,7 @@ from lantern.errors import LanternError, check
 SPLITS = ("train", "test")
 # Bump when the item computation changes, so fingerprints of old caches stop matching.
 FORMAT_VERSION = 1
-INSTALL_HINT = "pip install 'lantern[train]'"
+INSTALL_HINT = "pip install 'lantern-ar[train]'"
 
 
 class ImageDataset(ABC):

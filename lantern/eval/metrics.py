@@ -14,7 +14,7 @@ Features are extracted once per image set (:func:`extract_features`) and every m
 from them: FID and KID use torchmetrics' own math (``FrechetInceptionDistance`` /
 ``KernelInceptionDistance`` fed the precomputed float64 features through a pass-through
 ``feature`` module), precision/recall (Kynkäänniemi et al. 2019) and class accuracy are computed
-here. torchmetrics is an optional dependency: ``pip install 'lantern[bench]'``.
+here. torchmetrics is an optional dependency: ``pip install 'lantern-ar[bench]'``.
 
 Typical use from a benchmark::
 
@@ -43,7 +43,7 @@ from lantern.errors import LanternError, check
 
 NOT_INCEPTION = ("feature-space metrics of a lantern-trained network unless stated otherwise; "
                  "not comparable with published (Inception) FID/KID")
-BENCH_HINT = "pip install 'lantern[bench]'"
+BENCH_HINT = "pip install 'lantern-ar[bench]'"
 FEATURES_DIR = "features"  # a stack's feature net: STACK/features
 DEFAULT_K = 3  # Kynkäänniemi et al. use k = 3
 DEFAULT_KID_SUBSETS = 100

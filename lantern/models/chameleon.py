@@ -274,7 +274,7 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
     try:
         from transformers import ChameleonForConditionalGeneration
     except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
-        raise LanternError("Chameleon targets need transformers: pip install 'lantern[t2i]'") from e
+        raise LanternError("Chameleon targets need transformers: pip install 'lantern-ar[t2i]'") from e
     from transformers import ChameleonConfig
 
     try:
