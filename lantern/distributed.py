@@ -92,13 +92,41 @@ def process_group(ctx: DistContext, device: str) -> Iterator[None]:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(ctx.local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=datetime.timedelta(minutes=30))
+    if dist.is_initialized():  # someone else's (an embedding program's): theirs to destroy
+        yield
+        return
+    dist.init_process_group("nccl" if cuda else "gloo", rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(minutes=30))
+    failed = True
     try:
         yield
+        failed = False
     finally:
-        dist.destroy_process_group()
+        end_process_group(failed=failed)
+
+
+def end_process_group(*, failed: bool = False) -> None:
+    """Destroy the default process group now, if there is one (issue 30).
+
+    Left to interpreter exit, the group and its gloo threads (``gloo_tcp_loop``,
+    ``pt_gloo_runloop``) outlive Python: a C++ thread that then drops a tensor takes the GIL of
+    a finalizing interpreter, which ends the thread with ``pthread_exit``; that unwind through a
+    ``noexcept`` destructor is ``std::terminate``, "terminate called without an active
+    exception", now and then, when exit is slow (a loaded machine). Destroying the group here
+    joins those threads while Python is whole.
+
+    No barrier first: a rank whose peers are done with it may leave (rank 0 still evaluating and
+    writing must not hold the others up to the timeout, nor hang them if it fails). After a
+    failure, only gloo is torn down (locally; the peers see the sockets close and fail at once):
+    NCCL's teardown may wait on peers that never come.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if failed and dist.get_backend() != "gloo":
+        return
+    dist.destroy_process_group()
 
 
 def all_gather(obj: Any, ctx: DistContext) -> list[Any]:

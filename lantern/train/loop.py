@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lantern.distributed import end_process_group
 from lantern.errors import LanternError, check
 from lantern.io import (
     ensure_writable_dir,
@@ -358,12 +359,41 @@ def train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult
     and writes; the others return with ``main_process=False`` and no metrics.
     """
     created = not Path(options.out).exists()
+    owns_group = not _process_group_exists()  # else an embedding program's, left to it
     try:
-        return _train(task, loop, options)
+        result = _train(task, loop, options)
     except BaseException:
         if created and latest_checkpoint(Path(options.out)) is None:
             shutil.rmtree(options.out, ignore_errors=True)
+        if owns_group:
+            _end_accelerate_group(failed=True)
         raise
+    if owns_group:
+        _end_accelerate_group(failed=False)
+    return result
+
+
+def _process_group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _end_accelerate_group(*, failed: bool) -> None:
+    """Destroy the process group accelerate created for this run, before interpreter exit (see
+    :func:`lantern.distributed.end_process_group`: left alive, its gloo threads now and then abort
+    the process at exit, issue 30), and forget accelerate's state of it, so that a later run in
+    this process starts a new one."""
+    if not _process_group_exists():
+        return
+    end_process_group(failed=failed)
+    if _process_group_exists():
+        return  # kept (NCCL after a failure): accelerate's state still describes it
+    from accelerate.state import AcceleratorState
+
+    reset = getattr(AcceleratorState, "_reset_state", None)  # private API: skip if a release drops it
+    if reset is not None:
+        reset(reset_partial_state=True)
 
 
 @dataclass
