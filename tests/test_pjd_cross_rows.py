@@ -14,16 +14,20 @@ Evidence:
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from conftest import CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, chameleon_greedy_ar, chameleon_lm
 from torch import Tensor
 
+from lantern.cli.common import add_pjd_args
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig, last_predicted_cell
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators
+from lantern.eval.methods_grammar import parse_methods
 from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
 from lantern.targets.chameleon import encode_prompts
@@ -206,3 +210,13 @@ def test_above_mode_rows_independent_of_batch(context: int) -> None:
         assert torch.equal(batch.codes[i], alone.codes[0]), i
         assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
     assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
+
+
+def test_above_mode_in_the_settings_vocabulary() -> None:
+    """One name everywhere: the Python API, the CLI's --pjd-init and the bench grammar's init key."""
+    assert MethodConfig.resolve("pjd-lantern", pjd_init="above_mode").pjd == PJDConfig(init="above_mode")
+    spec = parse_methods("pjd/init=above_mode/context=16")[0]
+    assert spec.settings == {"pjd_init": "above_mode", "pjd_context": 16}
+    parser = argparse.ArgumentParser()
+    add_pjd_args(parser)
+    assert parser.parse_args(["--pjd-init", "above_mode"]).pjd_init == "above_mode"

@@ -3,8 +3,11 @@
 PJD lays Jacobi drafts out in 2-D: row r + 1 of the image becomes active once row r has
 ``context`` committed tokens (ZipAR's activation rule, arXiv 2412.04062), every active row drafts
 a short window after its committed prefix, and one target forward verifies the windows of all
-active rows. That needs what the raster-order loop never does: commits out of raster order (a
-row's tokens enter the cache while an earlier row still has holes). This module holds the parts
+active rows. A window runs on past its row end while the next row is not open
+(:func:`last_predicted_cell`): the cells it covers are then in AR order, so at ``context`` = the row
+length PJD is SJD's chain over the whole image, not one cut at every row end. PJD needs what the
+raster-order loop never does: commits out of raster order (a row's tokens enter the cache while an
+earlier row still has holes). This module holds the parts
 that make such a forward exact, tested against an explicit recomputation (tests/test_pjd.py):
 
 * cache slots are decoupled from image cells: ``KVCache.commit`` keeps any chosen subset of a
