@@ -42,5 +42,5 @@ def test_random_fill_and_row_above_draw_the_same_numbers() -> None:
 
 
 def test_bad_init_is_one_line() -> None:
-    with pytest.raises(LanternError, match="--pjd-init must be one of random, row_above, got 'above'"):
+    with pytest.raises(LanternError, match="--pjd-init must be one of random, row_above, above_mode, got 'above'"):
         PJDConfig(init="above")

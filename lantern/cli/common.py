@@ -24,14 +24,17 @@ def window_arg(text: str) -> int | str:
 
 def add_pjd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pjd-window", type=window_arg, default=None,
-                   help="pjd*: guesses per open image row and round, 1 .. the row length (default 4), or auto")
+                   help="pjd*: guesses per open image row and round, 1 .. the row length (default 4), or auto; "
+                        "a window runs on into the next row while that row is not open")
     p.add_argument("--pjd-context", type=window_arg, default=None,
                    help="pjd*: known tokens row r needs before row r + 1 opens, 1 .. the row length (default 8; the "
-                        "row length decodes one row at a time, losslessly). A quality knob: smaller is faster and "
-                        "further from the model, so it has no auto")
-    p.add_argument("--pjd-init", default=None, choices=["random", "row_above"],
-                   help="pjd*: a cell's first guess: uniform noise, or the token of the cell above (a new row "
-                        "continues the one above it; else the cell to the left) (default row_above)")
+                        "row length decodes one row at a time, losslessly, with windows running across row ends "
+                        "as SJD's do). A quality knob: smaller is faster and further from the model, so it has no "
+                        "auto")
+    p.add_argument("--pjd-init", default=None, choices=["random", "row_above", "above_mode"],
+                   help="pjd*: a cell's first guess: uniform noise, the token of the cell above (a new row "
+                        "continues the one above it; else the cell to the left), or above_mode: the most likely "
+                        "token of the target's last prediction for that cell (default row_above)")
 
 
 def int_list(text: str) -> list[int]:

@@ -3,8 +3,11 @@
 PJD lays Jacobi drafts out in 2-D: row r + 1 of the image becomes active once row r has
 ``context`` committed tokens (ZipAR's activation rule, arXiv 2412.04062), every active row drafts
 a short window after its committed prefix, and one target forward verifies the windows of all
-active rows. That needs what the raster-order loop never does: commits out of raster order (a
-row's tokens enter the cache while an earlier row still has holes). This module holds the parts
+active rows. A window runs on past its row end while the next row is not open
+(:func:`last_predicted_cell`): the cells it covers are then in AR order, so at ``context`` = the row
+length PJD is SJD's chain over the whole image, not one cut at every row end. PJD needs what the
+raster-order loop never does: commits out of raster order (a row's tokens enter the cache while an
+earlier row still has holes). This module holds the parts
 that make such a forward exact, tested against an explicit recomputation (tests/test_pjd.py):
 
 * cache slots are decoupled from image cells: ``KVCache.commit`` keeps any chosen subset of a
@@ -53,8 +56,13 @@ DEFAULT_PJD_CONTEXT = 8
 
 # How a cell's first guess is made, before any forward predicted it: uniform noise (SJD's
 # ``random``), or the token of the cell above (``row_above``: images are 2-D, and a new row's best
-# cheap guess is the row it continues), falling back to the cell to the left, then to noise.
-PJD_INITS = ("random", "row_above")
+# cheap guess is the row it continues), falling back to the cell to the left, then to noise; or
+# ``above_mode``: the same neighbours, but the most likely token of the target's last prediction
+# for that neighbour instead of the token it holds. A point-mass guess x is accepted with
+# probability p(x); were the cell's law the neighbour's law p', guessing a draw from p' would be
+# accepted with sum p'^2 <= max p', the mode's chance. (Greedy: the mode is the token, so it is
+# ``row_above``.)
+PJD_INITS = ("random", "row_above", "above_mode")
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,21 @@ def active_rows(committed: Tensor, context: int, width: int) -> Tensor:
     done = torch.full_like(committed[:, :1], width)
     previous = torch.cat([done, committed[:, :-1]], dim=1)  # [B, H] committed tokens of the row above
     return (previous >= min(context, width)) & (committed < width)
+
+
+def last_predicted_cell(row: Tensor, known: Tensor, context: int, width: int) -> Tensor:
+    """The last cell a chain of image row ``row`` [B, R] may predict (its depth cap), [B, R].
+
+    Its row end, or the next row's end when that next row is not open (ZipAR's rule: row r has
+    fewer than ``context`` known tokens, so row r + 1 has none): no other window touches those
+    cells this round, and the chain's cells in raster order are then exactly the AR order, so
+    the window may run on across the row end (at context = row length PJD is then SJD's chain
+    over the whole image). ``known`` [B, H] as in :func:`active_rows`; a window never spans
+    more than one row end (``check_pjd_fits``: window <= width)."""
+    height = known.shape[1]
+    below = (row + 1).clamp(max=height - 1)
+    crosses = (row + 1 < height) & (known.gather(1, below) == 0) & (known.gather(1, row) < min(context, width))
+    return (row + 1 + crosses.long()) * width - 1
 
 
 def grid_positions(cells: Tensor, prefix: int, width: int, row_ends: bool = False) -> Tensor:
@@ -186,6 +209,9 @@ class GridJacobiDrafter:
     """
 
     forwards = 0  # no drafter model: the target predicts for itself
+    # Windows run on across a row end when the next row is not open (last_predicted_cell);
+    # False keeps every window inside its row (the earlier behaviour, kept for comparisons).
+    crosses_rows = True
 
     def __init__(self, config: PJDConfig, sampling: SamplingConfig, vocab_size: int, num_tokens: int,
                  width: int | None = None) -> None:
@@ -199,7 +225,7 @@ class GridJacobiDrafter:
         self.config, self.sampling = config, sampling
         self.vocab_size, self.num_tokens, self.width, self.height = vocab_size, num_tokens, width, height
         self.chains = grid_chains(config.window, config.context, width, height)
-        self.known = self.flushed = self.canvas = self.drawn = torch.empty(0)
+        self.known = self.flushed = self.canvas = self.drawn = self.mode = torch.empty(0)
         self.q: Tensor | None = None
         self._own_rng: RowRandom | None = None
         self._buffers: TreeBuffers | None = None
@@ -218,6 +244,7 @@ class GridJacobiDrafter:
         self.canvas = torch.full((b, n + 1), -1, dtype=torch.long, device=device)
         self.canvas[:, 0] = root
         self.drawn = torch.zeros(b, n + 1, dtype=torch.bool, device=device)
+        self.mode = torch.full((b, n + 1), -1, dtype=torch.long, device=device)  # above_mode's source
         self.q = None if self.sampling.greedy else torch.zeros(b, n + 1, self.vocab_size, device=device)
         self._own_rng = RowRandom.from_seeds([0] * b, device)
         self._chain(b * self.chains, device)  # built here: tree buffers cost host syncs
@@ -251,9 +278,13 @@ class GridJacobiDrafter:
         root = self.canvas.gather(1, source.clamp(min=0)).clamp(min=0)  # padding chains may read an empty cell
         standin_real = standin & (k_above >= width) & ~self.flushed.gather(1, above)
         commit_root = (decodes & ((k > 0) | standin_real)) | flush
-        max_depth = torch.where(decodes, (width - k - 1).clamp(min=0, max=w), 0)
-        j = torch.arange(w, device=row.device)
         first = row * width + k  # [B, R] cell of guess 0
+        # Node j predicts cell first + j: the cap keeps the last prediction at the chain's last
+        # cell (a row's last token is sampled as the image's is in raster order).
+        last = last_predicted_cell(row, self.known, self.config.context, width) if self.crosses_rows \
+            else (row + 1) * width - 1
+        max_depth = torch.where(decodes, (last - first).clamp(min=0, max=w), 0)
+        j = torch.arange(w, device=row.device)
         usable = (j[None, None, :] < max_depth[:, :, None])  # [B, R, W]
         cell = torch.where(usable, first[:, :, None] + j, n)  # unusable guesses use the scratch column
         self._initialise(cell.view(b, -1), usable.view(b, -1), gens)
@@ -278,8 +309,9 @@ class GridJacobiDrafter:
 
     def _initialise(self, cell: Tensor, usable: Tensor, gens: RowRandom) -> None:
         """First guesses at usable cells that have none yet (``PJDConfig.init``): uniform noise, or
-        the token above (else to the left; else noise). The noise is drawn either way, so a row's
-        stream advances the same whatever its batch-mates hold."""
+        the token above (else to the left; else noise), or their predictions' modes
+        (``above_mode``). The noise is drawn either way, so a row's stream advances the same
+        whatever its batch-mates hold."""
         u = gens.uniform(cell.shape[1])
         noise = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
         if self.config.init == "random":
@@ -290,12 +322,22 @@ class GridJacobiDrafter:
         cells, fill, noise = cell.view(b, -1, w), usable.view(b, -1, w), noise.view(b, -1, w)
         for i in range(w):  # slot by slot along each chain: a guess may copy the one just made to its left
             c = cells[:, :, i]
-            above = self.canvas.gather(1, (c - self.width).clamp(min=0))
-            left = self.canvas.gather(1, (c - 1).clamp(min=0))
+            above = self._neighbour((c - self.width).clamp(min=0))
+            left = self._neighbour((c - 1).clamp(min=0))
             guess = torch.where((c % self.width > 0) & (left >= 0), left, noise[:, :, i])
             guess = torch.where((c >= self.width) & (above >= 0), above, guess)
             old = self.canvas.gather(1, c)
             self.canvas.scatter_(1, c, torch.where(fill[:, :, i] & (old < 0), guess, old))
+
+    def _neighbour(self, cell: Tensor) -> Tensor:
+        """[B, M] what a fill copies from ``cell`` [B, M]: the token there (-1: none), or for
+        ``above_mode`` the mode of the target's last prediction for it when there is one (a cell
+        never predicted, such as a guess just filled or image token 0, gives its token)."""
+        token = self.canvas.gather(1, cell)
+        if self.config.init != "above_mode":
+            return token
+        mode = self.mode.gather(1, cell)
+        return torch.where(mode >= 0, mode, token)
 
     def _chain(self, chains: int, device: torch.device) -> TreeBuffers:
         if self._buffers is None or self._buffers.parents.shape[0] != chains:
@@ -324,8 +366,13 @@ class GridJacobiDrafter:
         cells = torch.where(fresh, new_cell, n).view(b, -1)
         vals = torch.where(fresh.view(b, -1), vals.view(b, -1), self.canvas.gather(1, cells))
         self.canvas.scatter_(1, cells, vals)
-        self.known.scatter_add_(1, block.chain_row, torch.where(block.decodes, a + 1, 0))
-        done = block.commit_root & ~block.decodes  # flush chains
+        # A window that ran across its row end adds tokens to two rows: count each cell in its own row.
+        cell_row = torch.div(new_cell, self.width, rounding_mode="floor").clamp(max=self.height - 1)
+        self.known.scatter_add_(1, cell_row.view(b, -1), fresh.long().view(b, -1))
+        # Flush chains cache a complete row's last token; so does a chain whose pending token is
+        # already in the next row (its row's last token was an accepted guess, kept this round).
+        crossed = block.decodes & (block.first_cell + a >= (block.chain_row + 1) * self.width)
+        done = (block.commit_root & ~block.decodes) | crossed
         self.flushed.scatter_(1, block.chain_row, done | self.flushed.gather(1, block.chain_row))
         above = (block.chain_row - 1).clamp(min=0)
         self.flushed.scatter_(1, above, block.standin_real | self.flushed.gather(1, above))
@@ -341,9 +388,15 @@ class GridJacobiDrafter:
         carry-over, per row as in ``lantern.decoding.jacobi``); its q becomes the node's p."""
         b, r, t, v = logits.shape
         j = torch.arange(t, device=logits.device)
-        k_now = self.known.gather(1, block.chain_row)  # [B, R]
-        open_cell = new_cell - block.chain_row[:, :, None] * self.width >= k_now[:, :, None]
-        carry = block.decodes[:, :, None] & (j <= block.max_depth[:, :, None]) & open_cell
+        cell_row = torch.div(new_cell, self.width, rounding_mode="floor").clamp(max=self.height - 1)  # [B, R, t]
+        k_now = self.known.gather(1, cell_row.view(b, -1)).view(b, r, t)  # the cell's own row (windows cross)
+        open_cell = new_cell - cell_row * self.width >= k_now
+        predicted = block.decodes[:, :, None] & (j <= block.max_depth[:, :, None])  # [B, R, t]
+        carry = predicted & open_cell
+        if self.config.init == "above_mode":  # a decided cell is never predicted again: its mode is final
+            at = torch.where(predicted, new_cell, self.num_tokens).view(b, -1)
+            mode = torch.where(predicted.view(b, -1), logits.argmax(dim=-1).view(b, -1), self.mode.gather(1, at))
+            self.mode.scatter_(1, at, mode)
         cell = torch.where(carry, new_cell, self.num_tokens).view(b, -1)  # [B, R*t]
         old = self.canvas.gather(1, cell)
         if self.q is None:
