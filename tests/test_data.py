@@ -157,7 +157,7 @@ def test_import_is_lazy() -> None:
 def test_missing_package_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data_mod, "_photo_cache", None)
     monkeypatch.setitem(sys.modules, "skimage.data", None)  # makes the import raise ImportError
-    with pytest.raises(LanternError, match=r"scikit-image.*lantern\[train\]"):
+    with pytest.raises(LanternError, match=r"scikit-image.*lantern-ar\[train\]"):
         load_dataset("photos", num_samples=1)
 
 
