@@ -227,6 +227,7 @@ class _StatsWithFlag(torch.nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:--feature-net torchscript.*running the file's TorchScript code")  # trusted here
 def test_torchscript_extractor(tmp_path: Path) -> None:
     path = tmp_path / "stats.pt"
     torch.jit.script(_Stats()).save(str(path))
@@ -299,14 +300,15 @@ def test_bad_inputs(digits: tuple, digits_features: Features, tmp_path: Path) ->
     with pytest.raises(LanternError, match="torchscript feature network not found"):
         load_feature_extractor(f"torchscript:{tmp_path / 'missing.pt'}")
     (tmp_path / "junk.pt").write_text("not a model")
-    with pytest.raises(LanternError, match="is not a TorchScript file"):
+    with pytest.raises(LanternError, match="is not a TorchScript file"), \
+            pytest.warns(UserWarning, match="running the file's TorchScript code"):
         load_feature_extractor(f"torchscript:{tmp_path / 'junk.pt'}", trust_checkpoint=True)
 
 
 def test_missing_torchmetrics_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "torchmetrics", None)  # import torchmetrics -> ImportError
     monkeypatch.setitem(__import__("sys").modules, "torchmetrics.image.fid", None)
-    with pytest.raises(LanternError, match=r"lantern\[bench\]"):
+    with pytest.raises(LanternError, match=r"lantern-ar\[bench\]"):
         frechet_distance(torch.randn(5, 2), torch.randn(5, 2))
 
 

@@ -149,7 +149,7 @@ def test_t5_folder_checks(tmp_path: Path, t5_dir: Path, monkeypatch: pytest.Monk
     import lantern.targets.text
 
     monkeypatch.setattr(lantern.targets.text.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(LanternError, match=r"need the transformers package.*lantern\[t2i\]"):
+    with pytest.raises(LanternError, match=r"need the transformers package.*lantern-ar\[t2i\]"):
         lantern.targets.text.load_t5(t5_dir, T5_MAXLEN)
 
 
