@@ -50,7 +50,8 @@ def combine(speed_dir: Path, quality_dirs: list[Path]) -> tuple[BenchResult, dic
     rows = []
     for name, row in quality.items():
         row = dataclasses.replace(row, **{k: getattr(speed[name], k) for k in SPEED_FIELDS})
-        row.outside_ar_spread = None if ar_spread is None else ar_spread.outside(row.quality)
+        if ar_spread is not None:
+            ar_spread.judge(row)
         rows.append(row)
     meta = {"model": runs_q[0].get("model", "?"),
             "feature_net_short": runs_q[0].get("feature_net_short", "lantern feature net")}

@@ -309,6 +309,8 @@ def test_ar_spread_interval_is_a_t_prediction_interval() -> None:
     assert spread.outside({"fid": 3.0 + half + 1e-6, "precision": 0.5, "recall": 0.1}) == ["fid"]
     assert spread.outside({"fid": 3.0, "precision": 0.6}) == ["precision"]
     assert spread.outside({"fid": 3.0, "precision": 0.5, "kid": 99.0}) == []  # KID is not judged
+    assert (spread.side("fid", 9.0), spread.side("fid", -9.0)) == ("worse", "better")  # lower FID is better
+    assert (spread.side("precision", 0.4), spread.side("precision", 0.6)) == ("worse", "better")
     assert (t975(1), t975(4), t975(30), t975(200)) == (12.706, 2.776, 2.042, 2.042)
 
 
@@ -361,5 +363,5 @@ def test_combine_bench_takes_speed_from_one_run_and_quality_from_the_other(tmp_p
     md = (out / "bench.md").read_text()
     # sjd: tau 2.20 and FID 1.10 from the quality run, 1.75x from the speed run; precision 0.3 is
     # outside AR's interval (0.6 .. 0.62, t(0.975, 2) = 4.303 wide), FID inside.
-    assert "| sjd | - | 2.20 | 29.1 | 0.286 | 1.75x | 1.10 | - | 0.300 | - | - | out: prec |" in md
+    assert "| sjd | - | 2.20 | 29.1 | 0.286 | 1.75x | 1.10 | - | 0.300 | - | - | out: prec (worse) |" in md
     assert "lantern bench --no-quality" in md and (out / "frontier.png").stat().st_size > 0

@@ -173,7 +173,7 @@ def run_bench(
         ar_spread = _ar_spread(stack, sampling, config, quality, resolved["ar"], encoded, labels,
                                rows[[r.method for r in rows].index("ar")].quality, runner, progress)
         for row in rows:
-            row.outside_ar_spread = ar_spread.outside(row.quality)
+            ar_spread.judge(row)
 
     curves = _curves(stack, sampling, config, resolved, encoded, progress, runner)
     sweep = []

@@ -21,6 +21,7 @@ QUALITY_KEYS = ("fid", "kid", "precision", "recall", "class_accuracy")
 # The metrics a method must keep inside AR's spread to count as "within AR's quality" (KID is
 # FID's unbiased cousin and adds nothing to the verdict).
 SPREAD_KEYS = ("fid", "precision", "recall", "class_accuracy")
+LOWER_IS_BETTER = ("fid", "kid")
 # Student's t, two-sided 95 % (the 0.975 quantile), by degrees of freedom 1..30; beyond 30 the
 # 30-df value (slightly wider than the normal 1.96, so never narrower than it should be).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -47,6 +48,7 @@ class BenchRow:
     wall_seconds_repeats: list[float] = field(default_factory=list)
     startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
     outside_ar_spread: list[str] | None = None  # SPREAD_KEYS outside AR's interval (None: no spread measured)
+    outside_sides: list[str] = field(default_factory=list)  # "better" / "worse", one per outside_ar_spread key
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "quality"}
@@ -82,6 +84,11 @@ class ARSpread:
         half = t975(n - 1) * sd * math.sqrt(1 + 1 / n)
         return min(mean - half, *v), max(mean + half, *v)
 
+    def judge(self, row: BenchRow) -> None:
+        """Set ``row.outside_ar_spread`` and ``row.outside_sides`` from its quality."""
+        row.outside_ar_spread = self.outside(row.quality)
+        row.outside_sides = [self.side(k, float(row.quality[k])) for k in row.outside_ar_spread]
+
     def outside(self, quality: Mapping[str, Any]) -> list[str]:
         """The :data:`SPREAD_KEYS` whose value in ``quality`` falls outside AR's interval."""
         out = []
@@ -91,6 +98,13 @@ class ARSpread:
                 if not lo <= float(quality[key]) <= hi:
                     out.append(key)
         return out
+
+    def side(self, key: str, value: float) -> str:
+        """"better" or "worse" than AR's interval, for a value outside it (FID: lower is better;
+        precision, recall, class accuracy: higher)."""
+        lo, hi = self.interval(key)
+        above = value > hi
+        return "worse" if above == (key in LOWER_IS_BETTER) else "better"
 
     def to_dict(self) -> dict[str, Any]:
         return {"seeds": list(self.seeds), "values": self.values,
@@ -188,11 +202,13 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
 
 
 def _spread_cell(r: BenchRow) -> str:
-    """"within", or the metrics outside AR's 95 % interval ("out: fid, prec")."""
+    """"within", or the metrics outside AR's 95 % interval, each with its side: "out: FID (worse),
+    prec (better)". A lossless method is outside on some metric now and then (5 % per metric)."""
     if r.outside_ar_spread is None or r.method == "ar":
         return "-"
     short = {"fid": "FID", "precision": "prec", "recall": "recall", "class_accuracy": "acc"}
-    return "within" if not r.outside_ar_spread else "out: " + ", ".join(short[k] for k in r.outside_ar_spread)
+    return "within" if not r.outside_ar_spread else "out: " + ", ".join(
+        f"{short[k]} ({side})" for k, side in zip(r.outside_ar_spread, r.outside_sides, strict=True))
 
 
 def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
@@ -329,16 +345,30 @@ def save_plots(result: BenchResult, out: Path) -> None:
         if r.quality.get("fid") is not None:
             colour = "tab:blue" if r.base_method == "lantern" else "tab:orange"
             ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=12, color=colour, alpha=0.5)
-    for r in result.rows:
+    # Far-off rows (e.g. FID 5 against AR's 0.7) would squash everything else into one line: the
+    # axis stops at 2.5x AR's FID (or its interval's top) and such rows sit on the edge, labelled.
+    fids = [r.quality["fid"] for r in result.rows if r.quality.get("fid") is not None]
+    ar_fid = next((r.quality.get("fid") for r in result.rows if r.method == "ar"), None)
+    top = None
+    if ar_fid is not None and fids:
+        top = 2.5 * max(ar_fid, result.ar_spread.interval("fid")[1] if result.ar_spread is not None else ar_fid)
+        top = top if max(fids) > top else None
+    for i, r in enumerate(result.rows):
         if r.quality.get("fid") is not None:
             token = (r.relaxation or {}).get("budget") == "token"  # token-budget rows stand out
             # A row outside AR's spread on any judged metric is drawn hollow, whatever its FID.
             hollow = bool(r.outside_ar_spread)
             colour = "tab:green" if token else "black"
-            ax.scatter(r.speedup_vs_ar, r.quality["fid"], s=36, color="none" if hollow else colour,
-                       edgecolors=colour, linewidths=1.2)
-            ax.annotate(r.method, (r.speedup_vs_ar, r.quality["fid"]), fontsize=8, xytext=(4, 4),
+            fid = r.quality["fid"]
+            clipped = top is not None and fid > top
+            y = top if clipped else fid
+            ax.scatter(r.speedup_vs_ar, y, s=36, color="none" if hollow else colour, edgecolors=colour,
+                       linewidths=1.2, marker="^" if clipped else "o", clip_on=False)
+            label = f"{r.method} (FID {fid:.1f})" if clipped else r.method
+            ax.annotate(label, (r.speedup_vs_ar, y), fontsize=6, xytext=(4, 4 if i % 2 else -8),
                         textcoords="offset points")
+    if top is not None:
+        ax.set_ylim(top=top * 1.02)
     if result.ar_spread is not None and "fid" in result.ar_spread.values:
         lo, hi = result.ar_spread.interval("fid")
         ax.axhspan(lo, hi, color="gray", alpha=0.15,
