@@ -25,11 +25,13 @@ from PIL import Image
 from torch import Tensor
 
 from lantern.cli.main import main
+from lantern.decoding import compiling
 from lantern.decoding.acceptance import num_uniforms, verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput, generate
+from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
 from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
@@ -552,3 +554,35 @@ def assert_cli_error(
     assert err.startswith("lantern: error: ")
     assert re.search(message, err), err
     assert not (out / "codes.npy").exists()
+
+
+@pytest.fixture
+def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Compile rounds with dynamo's ``eager`` backend (fullgraph, static shapes, every guard kept)."""
+    made: dict[Any, Any] = {}
+
+    def compiled(fn: Any, mode: str, device_type: str = "cpu", guards: bool = True) -> Any:
+        # Guards kept (round_fn skips them): a round that would need a second graph shows up as a
+        # recompilation here instead of silently reusing the first.
+        if fn not in made:
+            made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+        return made[fn]
+
+    monkeypatch.setattr(compiling, "compiled", compiled)
+    monkeypatch.setattr(compiling, "_rounds", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def generate_pjd(
+    model: LlamaGen, labels: list[int], sampling: SamplingConfig, config: PJDConfig, seeds: list[int] | None = None,
+    drafter_cls: type[GridJacobiDrafter] = GridJacobiDrafter, target_cls: type[LlamaGenTarget] = LlamaGenTarget,
+) -> tuple[GenerationOutput, GridJacobiDrafter, LlamaGenTarget]:
+    """PJD through the one loop on a bare LlamaGen (one generator per row when ``seeds`` is given);
+    the drafter and target are returned for their counters."""
+    cfg = model.config
+    drafter = drafter_cls(config, sampling, cfg.vocab_size, cfg.block_size)
+    target = target_cls(model, sampling, max_tree_nodes=drafter.num_nodes)
+    gens = None if seeds is None else make_generators(seeds)
+    return generate(target, torch.tensor(labels), generators=gens, drafter=drafter), drafter, target

@@ -18,7 +18,7 @@ import argparse
 
 import pytest
 import torch
-from conftest import CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, chameleon_greedy_ar, chameleon_lm
+from conftest import CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, chameleon_greedy_ar, chameleon_lm, generate_pjd
 from torch import Tensor
 
 from lantern.cli.common import add_pjd_args
@@ -26,7 +26,6 @@ from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import GenerationOutput, generate
 from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig, last_predicted_cell
 from lantern.decoding.rng import RowRandom
-from lantern.decoding.sampling import make_generators
 from lantern.eval.methods_grammar import parse_methods
 from lantern.methods import MethodConfig
 from lantern.models.llamagen import LlamaGen
@@ -67,11 +66,8 @@ class _Recording(GridJacobiDrafter):
 
 def _run(model: LlamaGen, labels: list[int], s: SamplingConfig, config: PJDConfig, seeds: list[int] | None = None,
          drafter_cls: type[GridJacobiDrafter] = GridJacobiDrafter) -> tuple[GenerationOutput, GridJacobiDrafter]:
-    cfg = model.config
-    drafter = drafter_cls(config, s, cfg.vocab_size, cfg.block_size)
-    target = LlamaGenTarget(model, s, max_tree_nodes=drafter.num_nodes)
-    gens = None if seeds is None else make_generators(seeds)
-    return generate(target, torch.tensor(labels), generators=gens, drafter=drafter), drafter
+    out, drafter, _ = generate_pjd(model, labels, s, config, seeds, drafter_cls)
+    return out, drafter
 
 
 def _greedy_ar(model: LlamaGen, labels: list[int], cfg_scale: float) -> Tensor:

@@ -31,6 +31,7 @@ from conftest import (
     chi_square,
     dist_model,
     exact_joint,
+    generate_pjd,
     pjd_model,
     pjd_reference,
 )
@@ -40,9 +41,8 @@ import lantern
 from lantern.autotree.window import AutoWindowChoice, WindowTrial, choose_window, with_window
 from lantern.cli.main import main
 from lantern.decoding.config import SamplingConfig
-from lantern.decoding.loop import GenerationOutput, generate
+from lantern.decoding.loop import GenerationOutput
 from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig
-from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
 from lantern.eval.bench import BenchConfig, resolve_auto_windows
 from lantern.eval.methods_grammar import parse_methods
@@ -63,11 +63,8 @@ def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(model: LlamaGen, labels: list[int], sampling: SamplingConfig, config: PJDConfig, seeds: list[int] | None,
          drafter_cls: type[GridJacobiDrafter] = GridJacobiDrafter,
          target_cls: type[LlamaGenTarget] = LlamaGenTarget) -> tuple[GenerationOutput, LlamaGenTarget]:
-    cfg = model.config
-    drafter = drafter_cls(config, sampling, cfg.vocab_size, cfg.block_size)
-    target = target_cls(model, sampling, max_tree_nodes=drafter.num_nodes)
-    gens = None if seeds is None else make_generators(seeds)
-    return generate(target, torch.tensor(labels), generators=gens, drafter=drafter), target
+    out, _, target = generate_pjd(model, labels, sampling, config, seeds, drafter_cls, target_cls)
+    return out, target
 
 
 # ---- the real loop against an explicit recomputation -----------------------------------------

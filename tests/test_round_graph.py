@@ -11,7 +11,6 @@ tests/test_engine.py, tests/test_speculative.py and tests/test_sjd_coupled.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,25 +76,6 @@ def test_every_round_is_one_graph(stack: ModelStack, name: str, sampling: Sampli
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
     assert explained.graph_count == 1
     assert explained.op_count > 50  # the forwards are in it, not only bookkeeping
-
-
-@pytest.fixture
-def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Compile rounds with dynamo's ``eager`` backend (fullgraph, static shapes, every guard kept)."""
-    made: dict[Any, Any] = {}
-
-    def compiled(fn: Any, mode: str, device_type: str = "cpu", guards: bool = True) -> Any:
-        # Guards kept (round_fn skips them): a round that would need a second graph shows up as a
-        # recompilation here instead of silently reusing the first.
-        if fn not in made:
-            made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
-        return made[fn]
-
-    monkeypatch.setattr(compiling, "compiled", compiled)
-    monkeypatch.setattr(compiling, "_rounds", {})
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.slow

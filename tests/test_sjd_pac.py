@@ -18,10 +18,8 @@ Evidence:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -318,23 +316,6 @@ def test_round_is_one_graph(small_stack: ModelStack, sampling: SamplingConfig) -
         explained = torch._dynamo.explain(loop._raster_round)(*decode.step_args(decode.n < small_stack.num_tokens))
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
     assert explained.graph_count == 1
-
-
-@pytest.fixture
-def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Compile rounds with dynamo's ``eager`` backend, every guard kept (as tests/test_round_graph.py)."""
-    made: dict[Any, Any] = {}
-
-    def compiled(fn: Any, mode: str, device_type: str = "cpu", guards: bool = True) -> Any:
-        if fn not in made:
-            made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
-        return made[fn]
-
-    monkeypatch.setattr(compiling, "compiled", compiled)
-    monkeypatch.setattr(compiling, "_rounds", {})
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.slow
