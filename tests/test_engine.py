@@ -209,3 +209,21 @@ def test_cli_bad_compile_mode_exits_2_before_writing(command: str, tmp_path: Pat
     assert main([command, "--model", "digits", *extra, "--compile", "fast", "--out", str(out), "--no-progress"]) == 2
     assert "--compile must be off, auto or one of" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_compiling_raises_no_deprecation_warning_from_torch(quiet: bool) -> None:
+    """Inductor's first compilation imports torch.utils.mkldnn, whose classes use the deprecated
+    ``torch.jit.script_method``; ``compiled`` imports it first with that warning silenced. A fresh
+    process with DeprecationWarnings as errors: the import inductor makes passes after the quiet
+    import, and fails without it (power)."""
+    import subprocess
+    import sys
+
+    quiet_import = "from lantern.decoding.compiling import _quiet_inductor_imports; _quiet_inductor_imports(); "
+    prelude = quiet_import if quiet else ""
+    code = prelude + "import torch.fx.experimental.optimization"
+    proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1])
+    assert (proc.returncode == 0) is quiet, proc.stderr[-500:]
+    assert quiet or "torch.jit.script_method` is deprecated" in proc.stderr

@@ -102,6 +102,7 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu", guards
     key = (fn, mode, device_type)
     if key not in _compiled:
         _use_cache_dir()
+        _quiet_inductor_imports()
         cfg: Any = torch._dynamo.config
         cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
@@ -113,6 +114,19 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu", guards
             options["guard_filter_fn"] = _no_guards
         _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return _compiled[key]
+
+
+def _quiet_inductor_imports() -> None:
+    """Import ``torch.utils.mkldnn`` now, with its one DeprecationWarning silenced: inductor
+    imports it during the first compilation, and its classes are built with the deprecated
+    ``torch.jit.script_method`` (torch's own code, nothing of ours), which would otherwise warn
+    once per process, in the middle of a user's run or a test."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                                category=DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
 
 
 def _no_guards(entries: list[Any]) -> list[bool]:
