@@ -158,6 +158,10 @@ def test_config_and_option_errors() -> None:
         BenchConfig(num_images=4, speed_images=8)
     with pytest.raises(LanternError, match="twice"):
         BenchConfig(methods=(MethodSpec("ar"), MethodSpec("ar")))
+    with pytest.raises(LanternError, match=r"--ar-seeds must be at most 20, got 21"):
+        BenchConfig(ar_seeds=21)
+    with pytest.raises(LanternError, match=r"--ar-seeds must be >= 1, got 0"):
+        BenchConfig(ar_seeds=0)
     with pytest.raises(LanternError, match="unknown method 'foo'"):
         parse_methods("ar,foo")
     with pytest.raises(LanternError, match="METHOD=TREE"):

@@ -63,6 +63,9 @@ SWEEP_LANTERN_PP = {"k": (5, 10, 50), "lam": (2.0, 3.0, 5.0, 10.0)}
 REFERENCE_SEED_OFFSET = 2_000_000
 
 
+MAX_AR_SEEDS = 20  # AR's spread: 5 seeds give a t-interval; 20 leave nothing to gain for 4x the decoding
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     methods: tuple[MethodSpec, ...] = tuple(MethodSpec(m) for m in DEFAULT_METHODS)
@@ -96,6 +99,8 @@ class BenchConfig:
             check(getattr(self, name) <= MAX_IMAGES,
                   f"--{name.replace('_', '-')} must be at most {MAX_IMAGES} (one run), got {getattr(self, name)}")
         check(self.num_images >= 2, f"--num-images must be >= 2 for FID, got {self.num_images}")
+        check(self.ar_seeds <= MAX_AR_SEEDS,  # each seed decodes num_images more AR images
+              f"--ar-seeds must be at most {MAX_AR_SEEDS}, got {self.ar_seeds}")
         check(
             self.speed_images <= self.num_images,
             f"--speed-images ({self.speed_images}) must be <= --num-images ({self.num_images})",
