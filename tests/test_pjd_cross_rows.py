@@ -195,19 +195,6 @@ def test_above_mode_is_row_above_when_greedy() -> None:
         assert torch.equal(a.stats.target_forwards, b.stats.target_forwards)
 
 
-@pytest.mark.parametrize("context", [2, WIDTH])
-def test_above_mode_rows_independent_of_batch(context: int) -> None:
-    model, labels, seeds = _model(), [4, 5, 6], [1, 2, 3]
-    s = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
-    config = PJDConfig(window=3, context=context, init="above_mode")
-    batch, _ = _run(model, labels, s, config, seeds)
-    for i in range(3):
-        alone, _ = _run(model, labels[i : i + 1], s, config, seeds[i : i + 1])
-        assert torch.equal(batch.codes[i], alone.codes[0]), i
-        assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
-    assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
-
-
 def test_above_mode_in_the_settings_vocabulary() -> None:
     """One name everywhere: the Python API, the CLI's --pjd-init and the bench grammar's init key."""
     assert MethodConfig.resolve("pjd-lantern", pjd_init="above_mode").pjd == PJDConfig(init="above_mode")

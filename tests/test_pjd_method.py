@@ -145,12 +145,13 @@ def test_loop_equals_explicit_recomputation(window: int, context: int) -> None:
 # ---- batches, greedy = AR, lossless sampling -------------------------------------------------
 
 
+@pytest.mark.parametrize("init", ["random", "above_mode"])  # above_mode reads the target's last predictions
 @pytest.mark.parametrize("context", [2, 8])
-def test_rows_independent_of_batch(context: int) -> None:
+def test_rows_independent_of_batch(context: int, init: str) -> None:
     """A row gives the same codes, in the same number of forwards, alone and in a batch of 3."""
     model = tiny_llamagen(seed=7)
     s = SamplingConfig(temperature=1.0, top_k=20, cfg_scale=2.0)
-    labels, seeds, config = [4, 5, 6], [1, 2, 3], PJDConfig(3, context)
+    labels, seeds, config = [4, 5, 6], [1, 2, 3], PJDConfig(3, context, init=init)
     batch, _ = _run(model, labels, s, config, seeds)
     for i in range(3):
         alone, _ = _run(model, labels[i : i + 1], s, config, seeds[i : i + 1])
