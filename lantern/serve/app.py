@@ -1,0 +1,328 @@
+"""The HTTP face of ``lantern serve``: a FastAPI app over a :class:`~lantern.serve.scheduler.Scheduler`.
+
+``POST /v1/images/generations`` (OpenAI-images-like, optionally streamed as server-sent events),
+``GET /v1/methods``, ``GET /v1/model``, ``GET /health``, ``GET /metrics`` (Prometheus text), the web
+page at ``/`` and ``/openapi.json``. Every refusal is one JSON line, ``{"error": {"message",
+"field"}}``, naming the request field it is about. The API reference is docs/serving.md.
+
+This is the only module besides ``lantern.cli.serve``'s run function that imports FastAPI, so that
+``import lantern`` works without the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lantern.api import Pipeline
+from lantern.errors import LanternError
+from lantern.serve.metrics import Metrics
+from lantern.serve.plan import (
+    DRAFTER_METHODS,
+    Limits,
+    Plan,
+    RequestError,
+    is_lossless,
+    plan_request,
+    runnable_methods,
+    setting_error,
+)
+from lantern.serve.scheduler import ImageResult, Job, QueueFull, Scheduler, Ticket
+from lantern.serve.schema import (
+    ErrorResponse,
+    GenerationRequest,
+    GenerationResponse,
+    MethodsResponse,
+    ModelResponse,
+)
+
+STATIC = Path(__file__).resolve().parent / "static"
+GENERATIONS = "/v1/images/generations"
+POLL_SECONDS = 0.05  # how often a waiting request looks at its tickets (and at its client)
+CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in ((400, "a field the server refuses (named in error.field)"), (429, "the queue is full"),
+                       (500, "the engine failed"), (503, "the server is shutting down"))}
+
+
+class ServeState:
+    """What the routes share: the scheduler, the model, the server's limits and its counters."""
+
+    def __init__(self, scheduler: Scheduler, pipeline: Pipeline, default_method: str, limits: Limits,
+                 drain_timeout: float, model: str) -> None:
+        self.scheduler, self.pipeline, self.default_method = scheduler, pipeline, default_method
+        self.limits, self.drain_timeout, self.model = limits, drain_timeout, model
+        self.metrics = Metrics()
+        self.closing = False
+
+
+def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str = "lantern++",
+               max_images_per_request: int = 8, max_prompt_chars: int = 1000, drain_timeout: float = 30.0,
+               model: str | None = None) -> FastAPI:
+    """The app. The caller starts the scheduler (and warms it up); the app shuts it down when the
+    server stops (after uvicorn has let the requests in flight finish, or cancelled them)."""
+    if default_method not in runnable_methods(pipeline):
+        raise LanternError(f"--method {default_method}: this model cannot run it; it runs "
+                           f"{', '.join(runnable_methods(pipeline))}")
+    state = ServeState(scheduler, pipeline, default_method, Limits(max_images_per_request, max_prompt_chars),
+                       drain_timeout, model or Path(str(pipeline.stack.root)).name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.closing = True
+        await run_in_threadpool(scheduler.shutdown, drain_timeout)
+
+    # /docs and /redoc load Swagger UI / ReDoc from a CDN: off (the page must work offline);
+    # the schema itself stays at /openapi.json.
+    app = FastAPI(title="lantern", summary="Visual autoregressive image generation with speculative decoding",
+                  docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.serve = state
+    _add_error_handlers(app, state)
+    _add_routes(app, state)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_middleware(CountRequests, state=state)
+    return app
+
+
+class CountRequests:
+    """Counts the answers of the generation endpoint by status (errors raised before the route
+    runs included), as a plain ASGI wrapper: Starlette's BaseHTTPMiddleware would hide client
+    disconnects from the route."""
+
+    def __init__(self, app: Any, state: ServeState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["path"] != GENERATIONS:
+            await self.app(scope, receive, send)
+            return
+        answered = False
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.start" and not answered:
+                answered = True
+                self.state.metrics.request(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if not answered:  # the client left (or the server cancelled the request) before any answer
+                self.state.metrics.request(CLIENT_GONE)
+
+
+def _error(status: int, message: str, field: str | None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message.splitlines()[0] if message else "error", "field": field}},
+                        status_code=status)
+
+
+def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        return _error(400, *_validation_message(first))
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), None)
+
+
+def _validation_message(error: dict[str, Any]) -> tuple[str, str]:
+    """One line naming the field, from pydantic's first error (loc: ("body", field, ...))."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    kind = error.get("type", "")
+    if kind == "json_invalid" or not loc:
+        return ("body: expected a JSON object of the request's fields" if kind != "json_invalid"
+                else f"body: invalid JSON ({error.get('ctx', {}).get('error', 'parse error')})"), "body"
+    field = loc[0]
+    if kind == "extra_forbidden":
+        return f"{field}: unknown field (see GET /openapi.json for the request's fields)", field
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{'.'.join(loc)}: {message}", field
+
+
+def _add_routes(app: FastAPI, state: ServeState) -> None:
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "shutting_down" if state.closing else "ok", "model": state.model,
+                "kind": state.pipeline.kind, "queue_depth": int(state.scheduler.metrics().get("queue_depth", 0))}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        text = state.metrics.render(state.scheduler.metrics())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/methods", response_model=MethodsResponse)
+    async def methods() -> dict[str, Any]:
+        return {"methods": [{"name": m, "lossless": is_lossless(m), "drafter": m in DRAFTER_METHODS,
+                             "default": m == state.default_method} for m in runnable_methods(state.pipeline)],
+                "default": state.default_method}
+
+    @app.get("/v1/model", response_model=ModelResponse)
+    async def model() -> dict[str, Any]:
+        stack = state.pipeline.stack
+        return {"model": state.model, "kind": state.pipeline.kind, "num_classes": stack.num_classes,
+                "image_tokens": stack.num_tokens, "max_images_per_request": state.limits.max_images_per_request,
+                "max_prompt_chars": state.limits.max_prompt_chars}
+
+    @app.post(GENERATIONS, response_model=GenerationResponse, responses=ERRORS,
+              description="Generate images; with stream: true, server-sent events (preview, image, done).")
+    async def generations(body: GenerationRequest, request: Request) -> Response:
+        arrived = time.perf_counter()
+        plan = plan_request(body, state.pipeline, state.default_method, state.limits)
+        tickets = await _submit(state, plan)
+        if body.stream:
+            return StreamingResponse(_events(state, plan, tickets, body.return_codes, arrived),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        results = await _wait(state, tickets, request)
+        if results is None:
+            return Response(status_code=CLIENT_GONE)
+        data = await run_in_threadpool(_image_items, state, results, body.return_codes)
+        state.metrics.latency(time.perf_counter() - arrived)
+        return JSONResponse({"created": int(time.time()), "data": data, "method": plan.method,
+                             "settings": plan.resolved})
+
+
+async def _submit(state: ServeState, plan: Plan) -> list[Ticket]:
+    """The request's jobs, checked by the scheduler (settings it refuses name their field) and queued."""
+    jobs = [Job(condition=plan.condition, seed=plan.seed, index=i, method=plan.method, settings=plan.settings,
+                preview_every=plan.preview_every) for i in range(plan.n)]
+    try:
+        await run_in_threadpool(state.scheduler.check, jobs[0])  # the jobs differ only by index
+    except LanternError as e:
+        raise setting_error(e, dict(plan.settings)) from None
+    try:
+        return state.scheduler.submit(jobs)
+    except QueueFull as e:
+        raise RequestError(str(e), None, 429) from None
+    except LanternError as e:  # shutting down
+        raise RequestError(str(e), None, 503) from None
+
+
+async def _wait(state: ServeState, tickets: list[Ticket], request: Request) -> list[ImageResult] | None:
+    """Every ticket's result, or None when the client went away (its rows are then freed)."""
+    try:
+        while not all(t.future.done() for t in tickets):
+            if await request.is_disconnected():
+                _cancel(tickets)
+                return None
+            await asyncio.sleep(POLL_SECONDS)
+    except BaseException:  # cancelled: the drain timeout of a stopping server
+        _cancel(tickets)
+        raise
+    return [_result(state, t) for t in tickets]
+
+
+def _result(state: ServeState, ticket: Ticket) -> ImageResult:
+    try:
+        return ticket.future.result()
+    except LanternError as e:
+        raise RequestError(f"image {ticket.job.index}: {e}", None, 503 if state.closing else 500) from None
+
+
+def _cancel(tickets: list[Ticket]) -> None:
+    for t in tickets:
+        if not t.future.done():
+            t.cancel()
+
+
+def _image_items(state: ServeState, results: list[ImageResult], return_codes: bool,
+                 first_index: int = 0) -> list[dict[str, Any]]:
+    images = state.scheduler.images(torch.stack([r.codes for r in results]))
+    items = []
+    for i, (result, image) in enumerate(zip(results, images, strict=True)):
+        state.metrics.image(result.codes.numel(), result.target_forwards)
+        item: dict[str, Any] = {"index": first_index + i, "b64_json": png_base64(image)}
+        if return_codes:
+            item["codes"] = [int(c) for c in result.codes.tolist()]
+        item["stats"] = {"tokens_per_forward": result.tokens_per_forward, "target_forwards": result.target_forwards,
+                         "latency_seconds": result.latency_seconds, "queue_seconds": result.queue_seconds}
+        items.append(item)
+    return items
+
+
+async def _events(state: ServeState, plan: Plan, tickets: list[Ticket], return_codes: bool,
+                  arrived: float) -> AsyncIterator[str]:
+    """Server-sent events: ``preview`` (the codes so far, decoded) every ``preview_every`` rounds,
+    ``image`` per finished image, then ``done``; ``error`` instead when the engine fails. A client
+    that leaves cancels the generator (Starlette), which frees the rows of its unfinished images."""
+    try:
+        finished: set[int] = set()
+        while len(finished) < len(tickets):
+            for i, ticket in enumerate(tickets):
+                if i in finished:
+                    continue
+                codes = _latest(ticket)
+                if codes is not None:
+                    yield _event("preview", await run_in_threadpool(_preview, state, i, codes))
+                if ticket.future.done():
+                    result = _result(state, ticket)
+                    finished.add(i)
+                    items = await run_in_threadpool(_image_items, state, [result], return_codes, i)
+                    yield _event("image", items[0])
+            await asyncio.sleep(POLL_SECONDS)
+        state.metrics.latency(time.perf_counter() - arrived)
+        yield _event("done", {"created": int(time.time()), "method": plan.method, "settings": plan.resolved})
+    except RequestError as e:
+        yield _event("error", {"error": {"message": e.message, "field": e.field}})
+    finally:
+        _cancel(tickets)
+
+
+def _latest(ticket: Ticket) -> torch.Tensor | None:
+    """The newest preview queued (older ones are skipped: the client wants the current picture)."""
+    codes = None
+    while not ticket.previews.empty():
+        codes = ticket.previews.get_nowait()
+    return codes
+
+
+def _preview(state: ServeState, index: int, codes: torch.Tensor) -> dict[str, Any]:
+    known = codes >= 0
+    image = state.scheduler.images(fill_unknown(codes)[None])[0]
+    return {"index": index, "b64_json": png_base64(image), "tokens_done": int(known.sum())}
+
+
+def fill_unknown(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N] with -1 where not decoded yet: each unknown code takes the last known one before
+    it in raster order (0 before the first), so a preview shows smeared rows, not noise."""
+    positions = torch.arange(codes.numel())
+    last = torch.cummax(torch.where(codes >= 0, positions, -1), dim=0).values
+    return torch.where(last >= 0, codes[last.clamp(min=0)], torch.zeros_like(codes))
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def png_base64(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
