@@ -16,6 +16,7 @@ from lantern.cli.common import check_sampling_flags
 from lantern.cli.demo import add_demo
 from lantern.cli.generate import add_generate
 from lantern.cli.profile import add_profile
+from lantern.cli.serve import add_serve
 from lantern.cli.tools import add_build_proximity, add_make_random_stack
 from lantern.errors import LanternError
 from lantern.version import DISTRIBUTION, __version__
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo(sub)
     add_profile(sub)
     add_bench(sub)
+    add_serve(sub)
     from lantern.cli.train import add_train_commands
 
     add_train_commands(sub)

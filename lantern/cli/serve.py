@@ -1,0 +1,137 @@
+"""``lantern serve``: the HTTP server (lantern.serve) over one loaded model.
+
+It binds 127.0.0.1 unless ``--host`` says otherwise: the server has no authentication and is for
+trusted networks only (docs/serving.md). SIGTERM (or Ctrl-C) stops accepting connections, lets the
+requests in flight finish for up to ``--drain-timeout`` seconds, cancels what is left, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+from typing import Any
+
+from lantern.cli.common import add_chameleon_args, add_compile_arg, add_trust_checkpoint_arg, check_compile
+from lantern.errors import LanternError, check
+from lantern.methods import METHODS
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over HTTP (continuous batching, a web page, Prometheus metrics)",
+        description="Serve image generation over HTTP: POST /v1/images/generations, GET /health, GET /metrics, "
+                    "a web page at /. No authentication: it binds 127.0.0.1 unless --host is given (docs/serving.md).",
+    )
+    p.add_argument("--model", required=True, help="a preset (digits, photos), a model folder or a Hub repo id")
+    p.add_argument("--method", default="lantern++", choices=METHODS,
+                   help="the method of requests that name none (default lantern++)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the "
+                        "unauthenticated server to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port, printed)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows of the decode batch (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="images waiting at most; a request that would pass it gets 429 (default 64)")
+    p.add_argument("--no-continuous", dest="continuous", action="store_false",
+                   help="fill the batch only when it is empty (static batching), instead of at every round")
+    p.add_argument("--max-images-per-request", type=int, default=8, help="largest n of one request (default 8)")
+    p.add_argument("--max-prompt-chars", type=int, default=1000, help="longest prompt, in characters (default 1000)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the requests in flight may take to finish before they are "
+                        "cancelled (default 30)")
+    p.add_argument("--drafter", default=None, metavar="DIR", help="EAGLE drafter folder (default: drafter/ in --model)")
+    p.add_argument("--proximity", default=None, metavar="FILE",
+                   help="latent proximity table (default: proximity.safetensors in --model)")
+    p.add_argument("--t5", default=None, metavar="DIR", help="text-to-image LlamaGen: the T5 encoder folder")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or auto")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip running --method once before accepting requests (with --compile: the compilation)")
+    add_chameleon_args(p)
+    add_compile_arg(p)
+    add_trust_checkpoint_arg(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The server's numbers, refused before the model is loaded."""
+    check(0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-images-per-request", args.max_images_per_request),
+                        ("--max-prompt-chars", args.max_prompt_chars)):
+        check(value >= 1, f"{flag} must be >= 1, got {value}")
+    check(args.max_images_per_request <= args.max_queue,
+          f"--max-images-per-request ({args.max_images_per_request}) must be at most --max-queue ({args.max_queue}): "
+          "a larger request could never be queued")
+    check(0 <= args.drain_timeout < float("inf"), f"--drain-timeout must be a number of seconds >= 0, got "
+                                                  f"{args.drain_timeout}")
+    check_compile(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    check_serve_args(args)
+    try:
+        import uvicorn
+
+        from lantern.serve.app import create_app
+    except ImportError as e:
+        raise LanternError(f"lantern serve needs the serve extra ({e.name} is missing): "
+                           "pip install 'lantern-ar[serve]'") from None
+    from lantern.api import load
+    from lantern.serve.scheduler import Scheduler
+
+    sock = bind(args.host, args.port)  # before loading: a taken port fails at once
+    pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,
+                vq=args.vq, layout=args.layout, image_size=args.image_size, proximity=args.proximity)
+    scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous)
+    app = create_app(scheduler, pipeline=pipe, default_method=args.method,
+                     max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
+                     drain_timeout=args.drain_timeout)
+    scheduler.start()
+    if args.warm_up:
+        scheduler.warm_up([args.method])
+    host, port = sock.getsockname()[:2]
+    print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}) on http://{_url_host(host)}:{port}",
+          flush=True)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM / SIGINT while it serves, then raises the signal again under the
+    # handler it found; for SIGTERM that is lantern's (exit 143), but a drained server exits 0.
+    previous = signal.signal(signal.SIGTERM, _drained)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        scheduler.shutdown(0.0)  # a no-op after the lifespan's; stops the decode thread if startup failed
+    if not server.started:
+        raise LanternError(f"the server did not start on {host}:{port} (see the log above)")
+    print("lantern serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _drained(signum: int, frame: Any) -> None:
+    """SIGTERM raised again by uvicorn after its graceful shutdown: nothing left to do."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as the address resolves)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise LanternError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise LanternError(f"--host {host} --port {port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
