@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval", ("lantern.eval",)),
     ("train", ("lantern.train",)),
     ("testing", ("lantern.testing",)),
+    ("serve", ("lantern.serve",)),
     ("cli", ("lantern.cli",)),
     ("package", ("lantern",)),  # __init__: the public API, re-exported lazily
 )
