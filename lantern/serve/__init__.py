@@ -1,0 +1,1 @@
+"""``lantern serve``: an image-generation server with continuous batching (``scheduler``)."""
