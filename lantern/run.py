@@ -18,13 +18,23 @@ from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.jacobi import JacobiDrafter, check_window_fits
-from lantern.decoding.loop import Acceptance, Drafter, GenerationOutput, SpecStats, Target, generate
+from lantern.decoding.loop import (
+    Acceptance,
+    Decode,
+    Drafter,
+    GenerationOutput,
+    SpecStats,
+    Target,
+    generate,
+    start_decode,
+)
 from lantern.decoding.pac import PACDrafter
 from lantern.decoding.pjd import (
     GridJacobiDrafter,
     check_pjd_fits,
     grid_chains,
 )
+from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
 from lantern.drafters.checks import drafter_dtype
 from lantern.errors import check
@@ -209,6 +219,22 @@ class PreparedMethod:
         backend = stack.draft_backend(self.drafter, head, self.sampling, target, tree.drafter_slots,
                                       compile=self.compile, cache_pool=self._caches)
         return target, TreeDrafter(backend, tree, self.sampling, stack.vocab_size)
+
+    def start(self, conditions: Conditions, seeds: Sequence[int], *, eager: bool = False,
+              caches: CachePool | None = None) -> Decode:
+        """Prefill a batch and return the decode in progress (what a server drives round by round):
+        row ``r`` of ``conditions`` draws from the stream of image seed ``seeds[r]``, as in
+        :func:`generate_rows`. ``eager``: build it uncompiled (rows prefilled to join a running batch
+        with ``Decode.take_rows``: no compilation for their group size); ``caches``: its own cache pool
+        (so it does not reset the caches of a batch in progress)."""
+        parts = replace(self, compile=None) if eager else self
+        if caches is not None:
+            parts = replace(parts, _caches=caches)
+        target, drafter = parts.parts()
+        device = self.stack.device
+        rng = None if self.sampling.greedy else RowRandom.from_generators(make_generators(list(seeds), device), device)
+        with torch.inference_mode():
+            return start_decode(target, conditions.cond, rng, drafter, self.acceptance, conditions.mask, parts.compile)
 
     def generate(
         self,

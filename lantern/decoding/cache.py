@@ -82,6 +82,10 @@ class KVCache:
     def reset(self) -> None:
         self.lengths.zero_()
 
+    def row_tensors(self, streams: int) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): keys and values (rows on axis 1), lengths."""
+        return [(self.k, streams, 1), (self.v, streams, 1), (self.lengths, streams, 0)]
+
 
 class CachePool:
     """KV caches kept across images, one per (owner, shape): the same buffers every image, as

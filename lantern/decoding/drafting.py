@@ -130,6 +130,12 @@ class TreeDrafter:
             self._level_plans(root.device)
             self._static_batch(root.shape[0], root.device)
 
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): the pending root, then the backend's, if it lists it."""
+        backend = self.backend.row_tensors() if hasattr(self.backend, "row_tensors") else None
+        check(backend is not None, f"{type(self.backend).__name__} cannot move decode rows")
+        return [(self.root, 1, 0), *backend]
+
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         last = next_tokens.gather(1, (num_new - 1).clamp(min=0)[:, None])[:, 0]
         assert self.root is not None

@@ -194,6 +194,13 @@ class JacobiDrafter:
             self._noise = torch.zeros(b, self.window + 1, self.vocab_size, device=device)
             self._noise_pos = torch.full((b, self.window + 1), -1, dtype=torch.long, device=device)
 
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): canvas, counts, the last logits and q, the noise ring."""
+        assert self._own_rng is not None
+        rows = (self.canvas, self.n, self._logits, self._num_new, self.q, self._first_new, self._noise,
+                self._noise_pos)
+        return [*((t, 1, 0) for t in rows), *self._own_rng.row_tensors()]
+
     def observe_verify(self, logits: Tensor) -> None:
         """Guided logits [B, L+1, V] of the verify forward: the predictions carried over."""
         assert self._logits is not None

@@ -43,6 +43,7 @@ from lantern.decoding.greedy import verify_tree_greedy
 from lantern.decoding.phases import NO_PHASE, phase
 from lantern.decoding.pjd import GridBlock
 from lantern.decoding.rng import RowRandom
+from lantern.decoding.rows import copy_rows, movable
 from lantern.decoding.sampling import probs_from_logits, sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
@@ -306,6 +307,30 @@ class Decode:
             return self.target, self.drafter, self.codes, self.rng, sampling, self.acceptance, active
         return (self.target, self.drafter, self.codes, self.n, self.root, self.rng, sampling, self.acceptance, active,
                 self._ar_tree)
+
+    @property
+    def batch(self) -> int:
+        return int(self.codes.shape[0])
+
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Every per-row tensor of the decode (``lantern.decoding.rows``): the loop's codes, counts and
+        pending roots, the random streams, the target's and the drafter's state."""
+        own: list[tuple[Tensor | None, int, int]] = [(self.codes, 1, 0), (self.n, 1, 0), (self.root, 1, 0)]
+        rng = [] if self.rng is None else self.rng.row_tensors()
+        drafter = [] if self.drafter is None else self.drafter.row_tensors()  # type: ignore[union-attr]
+        return [*own, *rng, *self.target.row_tensors(), *drafter]  # type: ignore[attr-defined]
+
+    def take_rows(self, other: Decode, rows: Tensor, from_rows: Tensor | None = None) -> None:
+        """Rows ``from_rows`` (default: all) of ``other``, a decode of the same method, settings and
+        model, become rows ``rows`` of this one, in place (continuous batching: ``lantern.decoding.rows``)."""
+        check(movable(self.target, self.drafter), "this method's decode state cannot move rows between batches")
+        src = torch.arange(other.batch, device=rows.device) if from_rows is None else from_rows
+        check(src.shape == rows.shape, f"{src.shape[0]} rows to take into {rows.shape[0]}")
+        copy_rows(self.row_tensors(), other.row_tensors(), rows, src, self.batch, other.batch)
+
+    def finish_rows(self, rows: Tensor) -> None:
+        """Mark ``rows`` done (a row that is free, or whose request went away): later rounds skip them."""
+        self.n.index_fill_(0, rows, self.target.num_tokens)
 
     def round(self, active: Tensor) -> tuple[Tensor, Tensor]:
         """One round for the rows that are ``active`` [B]: (new tokens [B], relaxed-only accepts [])."""

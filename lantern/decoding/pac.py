@@ -257,6 +257,10 @@ class PACDrafter(JacobiDrafter):
         self._last = torch.zeros(b, dtype=torch.long, device=device)
         self._buffers_for(b)  # built here: tree buffers cost host syncs
 
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """SJD's per-row state, then the subtree's candidates and last pick."""
+        return [*super().row_tensors(), (self._candidates, 1, 0), (self._last, 1, 0)]
+
     def propose(self, rng: RowRandom | None, active: Tensor, max_depth: Tensor) -> DraftTree:
         """SJD's chain (carry-over, fills, q), then each level's siblings, as one tree."""
         chain = super().propose(rng, active, max_depth)

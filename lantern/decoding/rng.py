@@ -7,8 +7,9 @@ stateless counter hash instead (vLLM's model runner v2 ``gumbel.py``: noise = f(
 position, token id); flashinfer's Philox ``seed, offset`` arguments). lantern does the same.
 
 The scheme: every row b has a 64-bit seed, folded into two 32-bit keys ``k0[b], k1[b]``. Its
-stream is numbered by a device counter ``e`` of the elements drawn so far (every row draws the same
-counts, whatever its batch-mates do, so one counter serves the batch), like Philox's offset.
+stream is numbered by a device counter ``e`` of the elements it has drawn so far, like Philox's
+offset. The counter is per row: every row of a batch draws the same counts, but a row that joins a
+running batch (continuous batching, ``lantern.decoding.rows``) starts its stream at 0.
 Element ``e`` of row b is
 
     h = fmix32(((fmix32(lo(e) ^ k0) + (hi(e) ^ k1)) mod 2^32)      lo / hi: e's 32-bit halves
@@ -51,10 +52,10 @@ def fmix32(h: Tensor) -> Tensor:
 
 def uniforms_at(k0: Tensor, k1: Tensor, offset: Tensor, n: int) -> Tensor:
     """The scheme of the module docstring: [B, n] float32 uniforms, elements ``offset .. offset + n - 1``
-    of the streams keyed by k0, k1 [B] (``offset``: a 0-d int64 tensor)."""
-    e = offset + torch.arange(n, dtype=torch.int64, device=k0.device)  # [n] element indices
-    h = fmix32((e & _M32)[None, :] ^ k0[:, None])  # [B, n]
-    h = fmix32((h + (((e >> 32) & _M32)[None, :] ^ k1[:, None])) & _M32)
+    of the streams keyed by k0, k1 [B] (``offset``: int64, 0-d or one per row [B])."""
+    e = offset.reshape(-1, 1) + torch.arange(n, dtype=torch.int64, device=k0.device)  # [1 or B, n] element indices
+    h = fmix32((e & _M32) ^ k0[:, None])  # [B, n]
+    h = fmix32((h + (((e >> 32) & _M32) ^ k1[:, None])) & _M32)
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)
 
 
@@ -70,7 +71,7 @@ class RowRandom:
         seeds = seeds.long()
         self.k0 = fmix32(seeds & _M32)
         self.k1 = fmix32(((seeds >> 32) & _M32) ^ 0x5BD1E995)
-        self.drawn = torch.zeros((), dtype=torch.int64, device=seeds.device)  # elements per row so far
+        self.drawn = torch.zeros_like(seeds)  # [B] elements each row has drawn so far
 
     @classmethod
     def from_seeds(cls, seeds: list[int], device: torch.device | str) -> RowRandom:
@@ -86,6 +87,10 @@ class RowRandom:
     @property
     def rows(self) -> int:
         return self.k0.shape[0]
+
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): the keys and each row's counter."""
+        return [(self.k0, 1, 0), (self.k1, 1, 0), (self.drawn, 1, 0)]
 
     def uniform(self, n: int) -> Tensor:
         """[B, n] uniforms in (0, 1); the next call draws fresh ones."""

@@ -86,6 +86,15 @@ class EagleBackend:
         else:
             self._pending = (hidden.clone(), next_tokens.clone(), num_new.clone())
 
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): the drafter's cache and feature buffer, the
+        pending (features, tokens, counts) of the last commit, the base lengths."""
+        assert self.cache is not None and self._pending is not None
+        s = self.streams
+        feats, tokens, counts = self._pending
+        return [*self.cache.row_tensors(s), (self._hidden, s, 0), (feats, s, 0), (tokens, 1, 0), (counts, 1, 0),
+                (self._base, s, 0)]
+
     @torch.no_grad()
     def begin(self) -> Tensor:
         """Context pass over each row's new (feature, token) pairs; returns root logits [B, V]."""

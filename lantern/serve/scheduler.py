@@ -1,7 +1,21 @@
-"""A throwaway stand-in for the continuous-batching scheduler (replaced by the real one on main).
+"""The serving engine: queued image jobs decoded in batches that rows join and leave between rounds.
 
-It honours the interface the HTTP layer is written against: one decode thread that runs queued
-jobs of the same method and settings together, through the run path's prepared method.
+Continuous batching (Orca; vLLM's and SGLang's schedulers): one decode batch per method and
+settings (a :class:`Lane`). At every round boundary the lane retires finished rows and fills free
+ones with queued jobs, whose prefill joins the batch (``lantern.decoding.rows``), so no job waits
+for another's image to finish. A row's random stream is its own (``lantern.decoding.rng``), so an
+image does not depend on what else is being served: image ``index`` of a request with ``seed`` is
+the image ``lantern.load(model)(..., seed=seed)`` gives at that index.
+
+A lane's batch has a size from 1, 2, 4 ... up to ``max_batch`` rows: it grows (rows moved into a
+larger batch) when jobs wait and shrinks when half of it is idle, so a lone request runs at batch
+1, as ``lantern generate`` would. With ``--compile`` each size compiles once (``warm_up`` at
+start-up), and rows join in place, so no request compiles anything. With ``continuous=False``
+(or a method whose decode cannot move rows, e.g. PJD's grid or a Chameleon target) a lane takes
+new jobs only when its whole batch has finished: static batches.
+
+One thread runs every lane's rounds, one lane round at a time; callers only queue jobs and wait on
+futures, so the HTTP layer never touches decode state.
 """
 
 from __future__ import annotations
@@ -10,171 +24,428 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
+from torch import Tensor
 
-from lantern.api import Pipeline, resolve_settings
-from lantern.decoding.sampling import make_generators
+from lantern.decoding.cache import CachePool
+from lantern.decoding.loop import Decode
+from lantern.decoding.rows import movable
 from lantern.errors import LanternError
 from lantern.run import PreparedMethod, image_seed, prepare_method
+
+Settings = tuple[tuple[str, Any], ...]
 
 
 @dataclass(frozen=True)
 class Job:
-    condition: int | str
+    """One image: image ``index`` of a request (its seed is ``image_seed(seed, index)``)."""
+
+    condition: int | str  # a class label (c2i) or a prompt (t2i, Chameleon)
     seed: int
     index: int
     method: str
-    settings: tuple[tuple[str, Any], ...]
-    preview_every: int = 0
+    settings: Settings = ()  # sorted (name, value) pairs of lantern.api's sampling and method settings
+    preview_every: int = 0  # rounds between previews of the codes so far (0: none)
+
+    @property
+    def key(self) -> tuple[str, Settings]:
+        """Jobs with the same key share a decode batch."""
+        return self.method, self.settings
 
 
 @dataclass
 class ImageResult:
-    codes: torch.Tensor
-    target_forwards: int
-    tokens_per_forward: float
-    queue_seconds: float
-    latency_seconds: float
-
-
-@dataclass
-class Ticket:
-    job: Job
-    future: concurrent.futures.Future[ImageResult] = field(default_factory=concurrent.futures.Future)
-    previews: queue.SimpleQueue[torch.Tensor] = field(default_factory=queue.SimpleQueue)
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
+    codes: Tensor  # [N] image codes, raster order
+    target_forwards: int  # the target's forwards for this image, prefill included
+    tokens_per_forward: float  # N / target_forwards: the method's tau for this image
+    queue_seconds: float  # submitted -> its row started
+    latency_seconds: float  # submitted -> finished
 
 
 class QueueFull(LanternError):
-    """The queue holds max_queue images already."""
+    """The queue holds ``max_queue`` images already (HTTP 429)."""
+
+
+class Cancelled(LanternError):
+    """The job was cancelled (its client went away, or the server stopped before it ran)."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A queued or running job: its result future, its previews, and its cancel switch."""
+
+    job: Job
+    future: concurrent.futures.Future[ImageResult] = field(default_factory=concurrent.futures.Future)
+    previews: queue.SimpleQueue[Tensor] = field(default_factory=queue.SimpleQueue)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+    forwards: int = 0  # target forwards so far (prefill included)
+    rounds: int = 0
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """The client went away: the row is freed at the next round boundary (or never starts)."""
+        self.cancelled = True
+
+
+def _bucket(n: int, max_batch: int) -> int:
+    """The batch size for ``n`` rows: the next power of two, at most ``max_batch``."""
+    size = 1
+    while size < n:
+        size *= 2
+    return min(size, max_batch)
+
+
+class Lane:
+    """One decode batch for one method and settings; rows join and leave at round boundaries."""
+
+    def __init__(self, scheduler: Scheduler, prepared: PreparedMethod) -> None:
+        self.scheduler, self.prepared = scheduler, prepared
+        self.stack = prepared.stack
+        self.decode: Decode | None = None
+        self.rows: list[Ticket | None] = []
+        self.continuous = scheduler.continuous
+        self._join_caches = CachePool()  # joining rows' prefill: never the running batch's caches
+
+    # -- what the scheduler asks -----------------------------------------------------------------
+
+    @property
+    def busy(self) -> int:
+        return sum(t is not None for t in self.rows)
+
+    def capacity_for_new(self) -> int:
+        """Jobs this lane can take now."""
+        if self.busy and not self.continuous:
+            return 0  # static batches: a new batch only once the whole batch has finished
+        return self.scheduler.max_batch - self.busy
+
+    def admit(self, tickets: list[Ticket]) -> None:
+        """Start ``tickets`` in free rows (growing the batch if needed); their prefill runs now."""
+        if not tickets:
+            return
+        if self.decode is None or not self.busy:
+            self._new_batch(tickets)
+            return
+        free = [r for r, t in enumerate(self.rows) if t is None]
+        if len(free) < len(tickets):
+            self._resize(_bucket(self.busy + len(tickets), self.scheduler.max_batch))
+            free = [r for r, t in enumerate(self.rows) if t is None]
+        assert self.decode is not None and len(free) >= len(tickets)
+        joining = self._prefill(tickets, eager=True)
+        rows = torch.tensor(free[: len(tickets)], device=self.stack.device)
+        self.decode.take_rows(joining, rows)
+        for r, t in zip(free, tickets, strict=False):
+            self._place(r, t)
+
+    def step(self) -> None:
+        """One round for every running row, then retire finished and cancelled rows."""
+        decode = self.decode
+        assert decode is not None
+        n_total = self.stack.num_tokens
+        self._drop_cancelled()
+        running = torch.tensor([t is not None for t in self.rows], device=self.stack.device)
+        active = running & (decode.n < n_total)
+        decode.round(active)
+        done = (decode.n >= n_total).tolist()  # the round's one host sync
+        for r, t in enumerate(self.rows):
+            if t is None:
+                continue
+            t.forwards += 1
+            t.rounds += 1
+            if done[r]:
+                self._finish(r, t)
+            elif t.job.preview_every and t.rounds % t.job.preview_every == 0:
+                t.previews.put(decode.codes[r, :n_total].clone())
+        if self.continuous and self.busy and self.busy * 2 <= decode.batch and decode.batch > 1:
+            self._resize(_bucket(self.busy, self.scheduler.max_batch))  # half idle: a smaller batch costs less
+
+    def cancel_all(self, reason: str) -> None:
+        """Fail every running row and drop the batch (after a failed round its state is not trusted)."""
+        tickets = [t for t in self.rows if t is not None]
+        self.rows, self.decode = [], None
+        for t in tickets:
+            _fail(t, Cancelled(reason))
+
+    # -- rows ---------------------------------------------------------------------------------------
+
+    def _conditions(self, tickets: Sequence[Ticket], size: int) -> Any:
+        """Encoded conditions of ``tickets``, padded to ``size`` rows with copies of the first (free rows)."""
+        conds = [t.job.condition for t in tickets]
+        conds += [conds[0]] * (size - len(conds))
+        t5 = self.scheduler.pipeline.t5_dir() if self.stack.kind == "t2i" else None
+        return self.stack.encode(conds, 1, size, t5=t5) if t5 is not None else self.stack.encode(conds, 1, size)
+
+    def _prefill(self, tickets: Sequence[Ticket], size: int | None = None, eager: bool = False) -> Decode:
+        size = size or len(tickets)
+        seeds = [image_seed(t.job.seed, t.job.index) for t in tickets] + [0] * (size - len(tickets))
+        return self.prepared.start(self._conditions(tickets, size), seeds, eager=eager,
+                                   caches=self._join_caches if eager else None)
+
+    def _new_batch(self, tickets: list[Ticket]) -> None:
+        size = _bucket(len(tickets), self.scheduler.max_batch)
+        if not self.continuous:
+            size = len(tickets)  # static batches: exactly the jobs, as ``lantern generate`` batches them
+        self.decode = self._prefill(tickets, size)
+        self.continuous = self.scheduler.continuous and movable(self.decode.target, self.decode.drafter)
+        self.rows = [None] * size
+        for r, t in enumerate(tickets):
+            self._place(r, t)
+        if size > len(tickets):
+            self.decode.finish_rows(torch.arange(len(tickets), size, device=self.stack.device))
+
+    def _resize(self, size: int) -> None:
+        """Move the running rows into a batch of ``size`` rows (the same compiled round per size)."""
+        old = self.decode
+        assert old is not None
+        if size == old.batch:
+            return
+        keep = [r for r, t in enumerate(self.rows) if t is not None]
+        first = self.rows[keep[0]]
+        assert first is not None
+        new = self._prefill([first], size)  # placeholder rows, overwritten or finished below
+        new.finish_rows(torch.arange(size, device=self.stack.device))
+        device = self.stack.device
+        new.take_rows(old, torch.arange(len(keep), device=device), torch.tensor(keep, device=device))
+        self.rows = [self.rows[r] for r in keep] + [None] * (size - len(keep))
+        self.decode = new
+
+    def _place(self, row: int, ticket: Ticket) -> None:
+        self.rows[row] = ticket
+        ticket.started = time.perf_counter()
+        ticket.forwards = 1  # the prefill
+
+    def _free(self, row: int) -> None:
+        self.rows[row] = None
+        assert self.decode is not None
+        self.decode.finish_rows(torch.tensor([row], device=self.stack.device))
+
+    def _drop_cancelled(self) -> None:
+        for r, t in enumerate(self.rows):
+            if t is not None and t.cancelled:
+                self._free(r)
+                _fail(t, Cancelled("cancelled: the client went away"))
+
+    def _finish(self, row: int, ticket: Ticket) -> None:
+        assert self.decode is not None
+        n_total = self.stack.num_tokens
+        codes = self.decode.codes[row, :n_total].clone()
+        self.rows[row] = None
+        now = time.perf_counter()
+        result = ImageResult(codes=codes, target_forwards=ticket.forwards,
+                             tokens_per_forward=n_total / ticket.forwards,
+                             queue_seconds=ticket.started - ticket.submitted,
+                             latency_seconds=now - ticket.submitted)
+        self.scheduler._record(result)
+        if not ticket.future.done():
+            ticket.future.set_result(result)
+
+
+def _fail(ticket: Ticket, error: BaseException) -> None:
+    if not ticket.future.done():
+        ticket.future.set_exception(error)
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, *, max_batch: int = 8, max_queue: int = 64, continuous: bool = True) -> None:
-        self.pipeline = pipeline
+    """Queued jobs, one :class:`Lane` per method and settings, and the thread that runs their rounds."""
+
+    def __init__(self, pipeline: Any, *, max_batch: int = 8, max_queue: int = 64, continuous: bool = True) -> None:
+        """pipeline: a :class:`lantern.api.Pipeline` (its stack, drafter, proximity table and compile mode)."""
+        if max_batch < 1 or max_queue < 1:
+            raise LanternError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
+        self.pipeline, self.stack = pipeline, pipeline.stack
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
-        self._queue: list[Ticket] = []
-        self._lock = threading.Condition()
-        self._closing = False
+        self._queue: deque[Ticket] = deque()
+        self._lanes: dict[tuple[str, Settings], Lane] = {}
+        self._prepared: dict[tuple[str, Settings], PreparedMethod] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._prepared: dict[tuple[str, tuple[tuple[str, Any], ...]], PreparedMethod] = {}
-        self._counts = {"images_total": 0.0, "tokens_total": 0.0, "rounds_total": 0.0, "forwards": 0.0}
-        self._rows = 0
+        self._stopping = False
+        self._stop_now = False
+        self._counters = {"images_total": 0.0, "tokens_total": 0.0, "rounds_total": 0.0, "forwards_total": 0.0,
+                          "busy_row_rounds": 0.0, "row_rounds": 0.0}
+        self.started_at = time.time()
+
+    # -- callers ------------------------------------------------------------------------------------
 
     def check(self, job: Job) -> None:
-        stack = self.pipeline.stack
-        if stack.kind == "c2i":
-            if not isinstance(job.condition, int) or not 0 <= job.condition < stack.num_classes:
-                raise LanternError(f"label must be in 0..{stack.num_classes - 1}, got {job.condition!r}")
-        self._prepare(job)
-
-    def _prepare(self, job: Job) -> PreparedMethod:
-        key = (job.method, job.settings)
-        if key not in self._prepared:
-            method, sampling = resolve_settings(self.pipeline.stack, job.method, **dict(job.settings))
-            self._prepared[key] = prepare_method(self.pipeline.stack, method, sampling, self.pipeline.drafter,
-                                                 self.pipeline.proximity, self.pipeline.compile)
-        return self._prepared[key]
+        """Refuse a job whose method or settings this model cannot run (one-line LanternError naming
+        the setting), before it is queued: resolves the settings and loads what the method needs."""
+        self._prepare(job.key)
 
     def submit(self, jobs: list[Job]) -> list[Ticket]:
-        with self._lock:
-            if self._closing:
-                raise LanternError("the server is shutting down")
-            if len(self._queue) + len(jobs) > self.max_queue:
-                raise QueueFull(f"the queue holds {len(self._queue)} of at most {self.max_queue} images")
-            tickets = [Ticket(job) for job in jobs]
+        """Queue ``jobs`` (all or none) and return their tickets."""
+        for job in jobs:
+            self.check(job)
+        tickets = [Ticket(job) for job in jobs]
+        with self._wake:
+            if self._stopping:
+                raise LanternError("the server is shutting down; no new requests")
+            if len(self._queue) + len(tickets) > self.max_queue:
+                raise QueueFull(f"the queue is full ({len(self._queue)} of {self.max_queue} images waiting); "
+                                "retry later")
             self._queue.extend(tickets)
-            self._lock.notify_all()
+            self._wake.notify()
         return tickets
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="lantern-scheduler", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lantern-decode", daemon=True)
+            self._thread.start()
 
-    def warm_up(self, methods: list[str]) -> None:
+    def warm_up(self, methods: Sequence[str], condition: int | str) -> None:
+        """Decode one image per method and batch size, so that a compiled server compiles now (and
+        loads every method's weights), never in a request. Runs before :meth:`start`."""
+        sizes = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
         for method in methods:
-            condition: int | str = 0 if self.pipeline.kind == "c2i" else "a"
-            ticket = Ticket(Job(condition, 0, 0, method, ()))
-            self._run([ticket])
+            for size in sizes:
+                jobs = [Job(condition, 0, i, method) for i in range(size)]
+                for job in jobs:
+                    self.check(job)
+                with self._lock:  # not submit(): warm-up is not held to max_queue
+                    self._queue.extend(Ticket(job) for job in jobs)
+                self.run_until_idle()
+        for key in self._counters:
+            self._counters[key] = 0.0
+
+    def run_until_idle(self) -> None:
+        """Run rounds in the calling thread until nothing is queued or running: what the decode thread
+        does, for warm-up and tests (never while :meth:`start`'s thread runs)."""
+        if self._thread is not None:
+            raise LanternError("run_until_idle() runs rounds itself; the decode thread is already running")
+        with torch.inference_mode():
+            while self._queue or self._busy_lanes():
+                self._admit()
+                for lane in self._busy_lanes():
+                    self._step(lane)
 
     def shutdown(self, timeout: float) -> None:
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
+        """Stop taking jobs; finish the running and queued ones, cancelling what is left after ``timeout`` s."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        with self._lock:
-            for ticket in self._queue:
-                ticket.future.set_exception(LanternError("the server shut down before this image started"))
-            self._queue.clear()
+        with self._wake:
+            self._stop_now = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        for ticket in list(self._queue):
+            _fail(ticket, Cancelled("the server stopped before this image started"))
+        self._queue.clear()
+        for lane in self._lanes.values():
+            lane.cancel_all("the server stopped before this image finished")
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            tau = self._counts["tokens_total"] / self._counts["forwards"] if self._counts["forwards"] else 0.0
-            return {"images_total": self._counts["images_total"], "tokens_total": self._counts["tokens_total"],
-                    "queue_depth": float(len(self._queue)), "batch_rows": float(self.max_batch),
-                    "batch_occupancy": self._rows / self.max_batch, "rounds_total": self._counts["rounds_total"],
-                    "mean_tokens_per_forward": tau}
+            c = dict(self._counters)
+            rows = sum(len(lane.rows) for lane in self._lanes.values())
+            busy = sum(lane.busy for lane in self._lanes.values())
+            c["queue_depth"] = float(len(self._queue))
+        c["batch_rows"], c["busy_rows"] = float(rows), float(busy)
+        c["batch_occupancy"] = c["busy_row_rounds"] / c["row_rounds"] if c["row_rounds"] else 0.0
+        c["mean_tokens_per_forward"] = c["tokens_total"] / c["forwards_total"] if c["forwards_total"] else 0.0
+        return c
 
-    def images(self, codes: torch.Tensor) -> list[Image.Image]:
-        return list(self.pipeline.stack.to_pil(codes))
+    def images(self, codes: Tensor) -> list[Image.Image]:
+        """Decode codes [k, N] to images with the model's VQ decoder."""
+        with torch.inference_mode():
+            return list(self.stack.to_pil(codes))
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait(0.5)
-                if not self._queue and self._closing:
-                    return
-                first = self._queue[0]
-                group = [t for t in self._queue if (t.job.method, t.job.settings) == (first.job.method,
-                                                                                       first.job.settings)]
-                group = group[: self.max_batch]
-                self._queue = [t for t in self._queue if t not in group]
-            live = [t for t in group if not t.cancelled]
-            for t in group:
-                if t.cancelled:
-                    t.future.set_exception(LanternError("cancelled"))
-            if live:
-                self._run(live)
+    # -- the decode thread ------------------------------------------------------------------------------
 
-    def _run(self, tickets: list[Ticket]) -> None:
-        stack = self.pipeline.stack
-        started = time.perf_counter()
-        try:
-            parts = self._prepare(tickets[0].job)
-            conditions = stack.encode([t.job.condition for t in tickets], 1, len(tickets))
-            gens = make_generators([image_seed(t.job.seed, t.job.index) for t in tickets], stack.device)
-            self._rows = len(tickets)
-            out = parts.generate(conditions.cond, gens, cond_mask=conditions.mask)
-        except Exception as e:  # noqa: BLE001 - every ticket learns why
-            for t in tickets:
-                if not t.future.done():
-                    t.future.set_exception(e if isinstance(e, LanternError) else LanternError(str(e)))
-            return
-        finally:
-            self._rows = 0
-        done = time.perf_counter()
-        n = out.codes.shape[1]
+    def _prepare(self, key: tuple[str, Settings]) -> PreparedMethod:
+        from lantern.api import resolve_settings
+
         with self._lock:
-            self._counts["rounds_total"] += out.stats.steps
-        for i, t in enumerate(tickets):
-            if t.job.preview_every:
-                half = out.codes[i].clone()
-                half[n // 2:] = -1
-                t.previews.put(half)
-            forwards = int(out.stats.target_forwards[i])
-            with self._lock:
-                self._counts["images_total"] += 1
-                self._counts["tokens_total"] += n
-                self._counts["forwards"] += forwards
-            t.future.set_result(ImageResult(out.codes[i].cpu(), forwards, n / forwards, started - t.submitted,
-                                            done - t.submitted))
+            prepared = self._prepared.get(key)
+        if prepared is not None:
+            return prepared
+        method, settings = key
+        method_cfg, sampling = resolve_settings(self.stack, method, **dict(settings))
+        pipe = self.pipeline
+        prepared = prepare_method(self.stack, method_cfg, sampling, pipe.drafter, pipe.proximity, pipe.compile)
+        with self._lock:
+            return self._prepared.setdefault(key, prepared)
+
+    def _lane(self, key: tuple[str, Settings]) -> Lane:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = Lane(self, self._prepare(key))
+        return lane
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not self._queue and not self._busy_lanes() and not self._stop_now:
+                        if self._stopping:
+                            return
+                        self._wake.wait()
+                    if self._stop_now:
+                        return
+                self._admit()
+                for lane in self._busy_lanes():
+                    self._step(lane)
+
+    def _busy_lanes(self) -> list[Lane]:
+        return [lane for lane in self._lanes.values() if lane.busy]
+
+    def _admit(self) -> None:
+        """Queued jobs, in order, into their lanes' free rows (a job behind a full lane waits there)."""
+        with self._lock:
+            waiting = list(self._queue)
+        chosen: dict[tuple[str, Settings], list[Ticket]] = {}
+        room: dict[tuple[str, Settings], int] = {}
+        for ticket in waiting:
+            if ticket.cancelled:
+                chosen.setdefault(("", ()), []).append(ticket)  # dropped below, never started
+                continue
+            key = ticket.job.key
+            if key not in room:
+                room[key] = self._lane(key).capacity_for_new()
+            if room[key] > 0:
+                room[key] -= 1
+                chosen.setdefault(key, []).append(ticket)
+        with self._lock:
+            taken = {id(t) for group in chosen.values() for t in group}
+            self._queue = deque(t for t in self._queue if id(t) not in taken)
+        for key, tickets in chosen.items():
+            if key == ("", ()):
+                for t in tickets:
+                    _fail(t, Cancelled("cancelled: the client went away"))
+                continue
+            try:
+                self._lanes[key].admit(tickets)
+            except Exception as e:  # one failing request never takes the server down
+                for t in tickets:
+                    _fail(t, e if isinstance(e, LanternError) else LanternError(f"generation failed: {e}"))
+                self._lanes.pop(key, None)
+
+    def _step(self, lane: Lane) -> None:
+        decode = lane.decode
+        assert decode is not None
+        busy, rows = lane.busy, decode.batch
+        try:
+            lane.step()
+        except Exception as e:  # a failed round fails its rows, not the server
+            lane.cancel_all(f"generation failed: {e}")
+            self._lanes = {k: v for k, v in self._lanes.items() if v is not lane}
+            return
+        with self._lock:
+            self._counters["rounds_total"] += 1
+            self._counters["busy_row_rounds"] += busy
+            self._counters["row_rounds"] += rows
+
+    def _record(self, result: ImageResult) -> None:
+        with self._lock:
+            self._counters["images_total"] += 1
+            self._counters["tokens_total"] += float(result.codes.numel())
+            self._counters["forwards_total"] += result.target_forwards

@@ -176,6 +176,11 @@ class LlamaGenTarget:
         commit_cells(self.slot_cell, cache.lengths, self._grid_cells, keep_s, num_s)
         cache.commit(keep_s, num_s)
 
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): the cache, the caption mask, PJD's slot map."""
+        s = self.streams
+        return [*self._cache().row_tensors(s), (self.cond_mask, s, 0), (self.slot_cell, s, 0)]
+
     # -- helpers ----------------------------------------------------------------------------------
 
     def _cache(self) -> KVCache:

@@ -1,0 +1,114 @@
+"""Continuous batching's engine side (lantern.decoding.rows): rows that join a running batch, leave
+it, or move into a batch of another size give exactly the codes they give alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lantern
+from lantern.api import resolve_settings
+from lantern.decoding.loop import Decode
+from lantern.decoding.rows import movable
+from lantern.errors import LanternError
+from lantern.run import PreparedMethod, image_seed, prepare_method
+
+LABELS = [3, 1, 4, 1, 5, 9]
+SEED = 7
+
+
+@pytest.fixture(scope="module")
+def pipe() -> lantern.Pipeline:
+    return lantern.load("digits")
+
+
+def _prepared(pipe: lantern.Pipeline, method: str) -> PreparedMethod:
+    method_cfg, sampling = resolve_settings(pipe.stack, method)
+    return prepare_method(pipe.stack, method_cfg, sampling)
+
+
+def _alone(prepared: PreparedMethod, i: int) -> torch.Tensor:
+    return _drive(prepared.start(prepared.stack.encode([LABELS[i]]), [image_seed(SEED, i)]))[0]
+
+
+def _drive(decode: Decode, rounds: int | None = None) -> torch.Tensor:
+    """Rounds until every row is done (or ``rounds`` of them); returns the codes [B, N]."""
+    n_total = decode.target.num_tokens
+    with torch.inference_mode():
+        while (rounds is None or rounds > 0) and bool((decode.n < n_total).any()):
+            decode.round(decode.n < n_total)
+            rounds = None if rounds is None else rounds - 1
+    return decode.codes[:, :n_total].clone()
+
+
+@pytest.mark.parametrize("method", ["ar", "lantern++", "sjd-coupled"])
+def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pipeline, method: str) -> None:
+    """A 3-row batch starts with images 0 and 1 (row 2 free); image 2 joins after 2 rounds, images
+    3 and 4 join together (prefilled as one batch of 2) when rows free up, and then the running
+    rows move into a 4-row batch where image 5 joins. Every image equals its decode alone."""
+    prepared = _prepared(pipe, method)
+    stack, n_total = prepared.stack, pipe.stack.num_tokens
+    alone = [_alone(prepared, i) for i in range(len(LABELS))]
+    seeds = [image_seed(SEED, i) for i in range(len(LABELS))]
+    got: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        batch = prepared.start(stack.encode([LABELS[0], LABELS[1], LABELS[0]]), [seeds[0], seeds[1], 0])
+        assert movable(batch.target, batch.drafter)
+        batch.finish_rows(torch.tensor([2]))
+        owner: list[int | None] = [0, 1, None]
+        _drive(batch, rounds=2)
+        batch.take_rows(prepared.start(stack.encode([LABELS[2]]), [seeds[2]], eager=True), torch.tensor([2]))
+        owner[2] = 2
+        waiting = [3, 4]
+        while any(o is not None for o in owner):
+            _drive(batch, rounds=1)
+            for r, o in enumerate(owner):
+                if o is not None and int(batch.n[r]) >= n_total:
+                    got[o], owner[r] = batch.codes[r, :n_total].clone(), None
+            free = [r for r, o in enumerate(owner) if o is None]
+            if waiting and len(free) >= 2:  # two join at once, prefilled together
+                joining = prepared.start(stack.encode([LABELS[i] for i in waiting]), [seeds[i] for i in waiting],
+                                         eager=True)
+                batch.take_rows(joining, torch.tensor(free[:2]))
+                owner[free[0]], owner[free[1]], waiting = waiting[0], waiting[1], []
+                break
+        _drive(batch, rounds=1)
+        # Move the running rows into a larger batch, where image 5 joins.
+        big = prepared.start(stack.encode([LABELS[0]] * 4), [0] * 4)
+        big.finish_rows(torch.arange(4))
+        running = [r for r, o in enumerate(owner) if o is not None]
+        big.take_rows(batch, torch.arange(len(running)), torch.tensor(running))
+        owner = [owner[r] for r in running] + [None] * (4 - len(running))
+        assert len(running) < 4
+        big.take_rows(prepared.start(stack.encode([LABELS[5]]), [seeds[5]], eager=True), torch.tensor([len(running)]))
+        owner[len(running)] = 5
+        codes = _drive(big)
+    for r, o in enumerate(owner):
+        if o is not None:
+            got[o] = codes[r]
+    assert sorted(got) == list(range(len(LABELS)))
+    for i in range(len(LABELS)):
+        assert torch.equal(got[i], alone[i]), f"image {i} changed by joining / moving ({method})"
+    # Power: the comparison sees a changed stream (the same label, the next image seed).
+    assert not torch.equal(alone[3], _drive(prepared.start(stack.encode([LABELS[3]]), [seeds[4]]))[0])
+
+
+def test_rows_refuse_a_decode_of_another_shape(pipe: lantern.Pipeline) -> None:
+    """Rows only move between decodes of the same method and settings: another method's state is refused."""
+    ar, sjd = _prepared(pipe, "ar"), _prepared(pipe, "sjd-coupled")
+    stack = pipe.stack
+    with torch.inference_mode():
+        a = ar.start(stack.encode([1, 2]), [0, 1])
+        s = sjd.start(stack.encode([1]), [0], eager=True)
+        with pytest.raises(LanternError, match="decode states differ"):
+            a.take_rows(s, torch.tensor([0]))
+
+
+def test_grid_drafters_cannot_move_rows(pipe: lantern.Pipeline) -> None:
+    """PJD's grid drafter lists no row state: a server runs it in static batches."""
+    prepared = _prepared(pipe, "pjd")
+    with torch.inference_mode():
+        decode = prepared.start(pipe.stack.encode([1]), [0])
+    assert not movable(decode.target, decode.drafter)
+    with pytest.raises(LanternError, match="cannot move rows"):
+        decode.take_rows(decode, torch.tensor([0]))

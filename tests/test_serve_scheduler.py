@@ -1,0 +1,127 @@
+"""The serving engine (lantern.serve.scheduler): continuous batching gives every image the codes
+``lantern.load(...)(...)`` gives it; static batches, cancellation, a full queue, shutdown and a
+failing request behave as documented."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import torch
+
+import lantern
+from lantern.errors import LanternError
+from lantern.serve.scheduler import Cancelled, Job, QueueFull, Scheduler
+
+
+@pytest.fixture(scope="module")
+def pipe() -> lantern.Pipeline:
+    return lantern.load("digits")
+
+
+def _expected(pipe: lantern.Pipeline, job: Job, n: int) -> torch.Tensor:
+    """Image ``job.index`` of the same request through the Python API."""
+    out = pipe(labels=[job.condition], num_per_label=n, seed=job.seed, method=job.method, **dict(job.settings))
+    return out.codes[job.index]
+
+
+@pytest.mark.parametrize("method", ["ar", "lantern++", "sjd-coupled"])
+def test_rows_join_a_running_batch_and_keep_their_codes(pipe: lantern.Pipeline, method: str) -> None:
+    """Two images start; after three rounds two more join the same batch (it grows from 2 to 4 rows)
+    while the first two run on; a fifth waits for a free row. Each equals the API's image."""
+    sched = Scheduler(pipe, max_batch=4)
+    first = sched.submit([Job(2, 11, 0, method), Job(2, 11, 1, method)])
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(first[0].job.key)
+        for _ in range(3):
+            sched._step(lane)
+        assert lane.busy == 2 and not any(t.future.done() for t in first)
+        later = sched.submit([Job(7, 5, 0, method), Job(7, 5, 1, method), Job(7, 5, 2, method)])
+        sched._admit()
+    assert lane.decode is not None and lane.decode.batch == 4 and lane.busy == 4  # joined mid-batch
+    assert len(sched._queue) == 1  # the fifth waits for a row
+    sched.run_until_idle()
+    for t in first:
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 2))
+    for t in later:
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 3))
+    assert first[0].future.result(0).queue_seconds < later[0].future.result(0).latency_seconds
+    m = sched.metrics()
+    assert m["images_total"] == 5 and m["tokens_total"] == 5 * pipe.stack.num_tokens
+    assert 0 < m["batch_occupancy"] <= 1 and m["queue_depth"] == 0
+
+
+def test_settings_decode_in_their_own_batch_and_match_the_api(pipe: lantern.Pipeline) -> None:
+    settings = (("temperature", 0.7), ("top_k", 20))
+    sched = Scheduler(pipe, max_batch=2)
+    tickets = sched.submit([Job(4, 3, 0, "lantern++", settings), Job(4, 3, 0, "lantern++")])
+    sched.run_until_idle()
+    a, b = (t.future.result(0).codes for t in tickets)
+    assert torch.equal(a, _expected(pipe, tickets[0].job, 1)) and torch.equal(b, _expected(pipe, tickets[1].job, 1))
+    assert not torch.equal(a, b)  # power: the settings reached the decode
+    assert len(sched._lanes) == 2
+
+
+def test_static_batches_take_no_job_while_running(pipe: lantern.Pipeline) -> None:
+    sched = Scheduler(pipe, max_batch=4, continuous=False)
+    first = sched.submit([Job(1, 0, 0, "ar")])
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(first[0].job.key)
+        sched._step(lane)
+        sched.submit([Job(1, 0, 1, "ar")])
+        sched._admit()
+    assert lane.busy == 1 and len(sched._queue) == 1 and lane.capacity_for_new() == 0
+    sched.run_until_idle()
+    assert torch.equal(first[0].future.result(0).codes, _expected(pipe, first[0].job, 1))
+
+
+def test_cancel_frees_the_row_and_fails_the_future(pipe: lantern.Pipeline) -> None:
+    sched = Scheduler(pipe, max_batch=2)
+    keep, gone = sched.submit([Job(1, 0, 0, "ar"), Job(1, 0, 1, "ar")])
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(keep.job.key)
+        sched._step(lane)
+        gone.cancel()
+        sched._step(lane)
+    assert lane.busy == 1 and lane.decode is not None and lane.decode.batch == 1  # freed, then the batch shrank
+    with pytest.raises(Cancelled):
+        gone.future.result(0)
+    sched.run_until_idle()
+    assert torch.equal(keep.future.result(0).codes, _expected(pipe, keep.job, 2))
+
+
+def test_full_queue_refuses_at_once_and_bad_jobs_fail_alone(pipe: lantern.Pipeline) -> None:
+    sched = Scheduler(pipe, max_batch=1, max_queue=2)
+    ok, bad = sched.submit([Job(1, 0, 0, "ar"), Job(99, 0, 0, "ar")])  # label 99: digits has 10 classes
+    t0 = time.perf_counter()
+    with pytest.raises(QueueFull, match="queue is full"):
+        sched.submit([Job(1, 0, 1, "ar")])
+    assert time.perf_counter() - t0 < 1.0
+    with pytest.raises(LanternError, match="must be one of"):
+        sched.check(Job(1, 0, 0, "nope"))
+    with pytest.raises(LanternError, match="delta must be in"):
+        sched.check(Job(1, 0, 0, "lantern", (("lantern_delta", -1.0),)))
+    sched.run_until_idle()
+    assert torch.equal(ok.future.result(0).codes, _expected(pipe, ok.job, 1))
+    with pytest.raises(LanternError, match="99"):
+        bad.future.result(0)
+    later = sched.submit([Job(2, 0, 0, "ar")])  # the server goes on
+    sched.run_until_idle()
+    assert torch.equal(later[0].future.result(0).codes, _expected(pipe, later[0].job, 1))
+
+
+def test_threaded_server_shuts_down_finishing_running_jobs(pipe: lantern.Pipeline) -> None:
+    sched = Scheduler(pipe, max_batch=2)
+    sched.start()
+    tickets = sched.submit([Job(3, 1, i, "sjd-coupled") for i in range(3)])
+    sched.shutdown(timeout=60.0)
+    for t in tickets:
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 3))
+    with pytest.raises(LanternError, match="shutting down"):
+        sched.submit([Job(3, 1, 0, "ar")])
+    results = concurrent.futures.wait([t.future for t in tickets], timeout=0)
+    assert not results.not_done
