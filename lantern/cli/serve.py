@@ -47,8 +47,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--t5", default=None, metavar="DIR", help="text-to-image LlamaGen: the T5 encoder folder")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or auto")
-    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
-                   help="skip running --method once before accepting requests (with --compile: the compilation)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode --method at every batch size before accepting requests, so that no request "
+                        "compiles anything (default: with --compile only; without it --method's weights are "
+                        "still loaded and checked at start)")
     add_chameleon_args(p)
     add_compile_arg(p)
     add_trust_checkpoint_arg(p)
@@ -80,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LanternError(f"lantern serve needs the serve extra ({e.name} is missing): "
                            "pip install 'lantern-ar[serve]'") from None
     from lantern.api import load
-    from lantern.serve.scheduler import Scheduler
+    from lantern.serve.scheduler import Job, Scheduler
 
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,
@@ -89,9 +91,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(scheduler, pipeline=pipe, default_method=args.method,
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
                      drain_timeout=args.drain_timeout)
+    condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
+    scheduler.check(Job(condition, 0, 0, args.method))  # loads and checks --method's drafter and table now
+    if args.warm_up or (args.warm_up is None and args.compile != "off"):
+        scheduler.warm_up([args.method], condition)  # before start(): it runs rounds in this thread
     scheduler.start()
-    if args.warm_up:
-        scheduler.warm_up([args.method])
     host, port = sock.getsockname()[:2]
     print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}) on http://{_url_host(host)}:{port}",
           flush=True)

@@ -42,7 +42,7 @@ from lantern.serve.plan import (
     runnable_methods,
     setting_error,
 )
-from lantern.serve.scheduler import ImageResult, Job, QueueFull, Scheduler, Ticket
+from lantern.serve.scheduler import Cancelled, ImageResult, Job, QueueFull, Scheduler, Ticket
 from lantern.serve.schema import (
     ErrorResponse,
     GenerationRequest,
@@ -243,6 +243,8 @@ async def _wait(state: ServeState, tickets: list[Ticket], request: Request) -> l
 def _result(state: ServeState, ticket: Ticket) -> ImageResult:
     try:
         return ticket.future.result()
+    except Cancelled as e:  # the server stopped before the image was done
+        raise RequestError(f"image {ticket.job.index}: {e}", None, 503) from None
     except LanternError as e:
         raise RequestError(f"image {ticket.job.index}: {e}", None, 503 if state.closing else 500) from None
 

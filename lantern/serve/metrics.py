@@ -85,7 +85,8 @@ class Metrics:
             lines += _family(f"lantern_{name}", "counter", help_text, [("", float(scheduler.get(name, 0.0)))])
         known = {*SCHEDULER_GAUGES, *SCHEDULER_COUNTERS, *OWN_NAMES}
         for name in sorted(set(scheduler) - known):
-            lines += _family(f"lantern_scheduler_{name}", "gauge", f"the scheduler's {name}",
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines += _family(f"lantern_scheduler_{name}", kind, f"the scheduler's {name}",
                              [("", float(scheduler[name]))])
         return "\n".join(lines) + "\n"
 
