@@ -10,9 +10,13 @@ import itertools
 import random
 import re
 import shutil
+import socket
 import sys
+import threading
+import time
 import types
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -586,3 +590,34 @@ def generate_pjd(
     target = target_cls(model, sampling, max_tree_nodes=drafter.num_nodes)
     gens = None if seeds is None else make_generators(seeds)
     return generate(target, torch.tensor(labels), generators=gens, drafter=drafter), drafter, target
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving: a live server for test_serve_api.py and test_serve_browser.py
+# --------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def served(app: Any, timeout: float = 30.0) -> Iterator[str]:
+    """``app`` served by uvicorn in a thread on a free 127.0.0.1 port: yields its base URL, and
+    stops the server (its lifespan shuts the scheduler down) when the block ends."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    # A bounded drain: a test that left a connection open must not hold the server up at its end.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+        assert not thread.is_alive(), f"the test server did not stop within {timeout} s"

@@ -199,9 +199,9 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         plan = plan_request(body, state.pipeline, state.default_method, state.limits)
         tickets = await _submit(state, plan)
         if body.stream:
-            return StreamingResponse(_events(state, plan, tickets, body.return_codes, arrived),
+            return StreamingResponse(image_events(state, plan, tickets, body.return_codes, arrived),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        results = await _wait(state, tickets, request)
+        results = await wait_results(state, tickets, request)
         if results is None:
             return Response(status_code=CLIENT_GONE)
         data = await run_in_threadpool(_image_items, state, results, body.return_codes)
@@ -226,7 +226,7 @@ async def _submit(state: ServeState, plan: Plan) -> list[Ticket]:
         raise RequestError(str(e), None, 503) from None
 
 
-async def _wait(state: ServeState, tickets: list[Ticket], request: Request) -> list[ImageResult] | None:
+async def wait_results(state: ServeState, tickets: list[Ticket], request: Request) -> list[ImageResult] | None:
     """Every ticket's result, or None when the client went away (its rows are then freed)."""
     try:
         while not all(t.future.done() for t in tickets):
@@ -270,7 +270,7 @@ def _image_items(state: ServeState, results: list[ImageResult], return_codes: bo
     return items
 
 
-async def _events(state: ServeState, plan: Plan, tickets: list[Ticket], return_codes: bool,
+async def image_events(state: ServeState, plan: Plan, tickets: list[Ticket], return_codes: bool,
                   arrived: float) -> AsyncIterator[str]:
     """Server-sent events: ``preview`` (the codes so far, decoded) every ``preview_every`` rounds,
     ``image`` per finished image, then ``done``; ``error`` instead when the engine fails. A client

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
+from lantern.decoding.sampling import validate_sampling_for_vocab
 from lantern.errors import LanternError
 from lantern.methods import METHOD_SETTINGS, METHODS, PJD_METHODS, RELAXED_RULE, MethodConfig
 from lantern.serve.schema import GenerationRequest
@@ -81,6 +82,7 @@ def plan_request(body: GenerationRequest, pipeline: Pipeline, default_method: st
     given = {name: getattr(body, name) for name in SETTINGS if getattr(body, name) is not None}
     try:
         method_cfg, sampling = resolve_settings(pipeline.stack, method, **given)
+        validate_sampling_for_vocab(sampling, pipeline.stack.vocab_size)  # else the decode round would fail
     except LanternError as e:
         raise setting_error(e, given) from None
     preview = body.preview_every if body.preview_every is not None else DEFAULT_PREVIEW_EVERY
@@ -117,10 +119,10 @@ def setting_error(error: LanternError, given: dict[str, Any]) -> RequestError:
 
 def field_of(message: str, given: dict[str, Any]) -> str:
     """The request field a resolver's message is about: the first setting the request set that the
-    message names (as ``name`` or ``--name-with-dashes``), else ``method``."""
+    message names (as ``name``, ``--name-with-dashes`` or ``name with spaces``), else ``method``."""
     found = []
     for name in given:
-        hits = [m.start() for form in (name, "--" + name.replace("_", "-"))
+        hits = [m.start() for form in (name, "--" + name.replace("_", "-"), name.replace("_", " "))
                 for m in re.finditer(rf"(?<![\w-]){re.escape(form)}(?![\w-])", message)]
         if hits:
             found.append((min(hits), name))

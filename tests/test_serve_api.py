@@ -1,0 +1,342 @@
+"""The HTTP API of ``lantern serve`` (lantern.serve.app) on the digits preset: every refusal is a
+4xx naming its field, a request gives the codes ``lantern.load(...)(...)`` gives, streams carry
+previews then the same image, the metrics count what was served, a full queue answers 429, and a
+client that leaves frees its rows."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from conftest import served
+from fastapi.testclient import TestClient
+from PIL import Image
+
+import lantern
+from lantern.api import SAMPLING_SETTINGS
+from lantern.methods import METHOD_SETTINGS
+from lantern.serve.app import create_app, fill_unknown, image_events, wait_results
+from lantern.serve.plan import Plan, field_of, runnable_methods
+from lantern.serve.scheduler import Job, Scheduler
+from lantern.serve.schema import GenerationRequest
+
+GENERATE = "/v1/images/generations"
+STATIC = Path(lantern.__file__).parent / "serve" / "static"
+
+
+@pytest.fixture(scope="module")
+def pipe() -> lantern.Pipeline:
+    return lantern.load("digits")
+
+
+@pytest.fixture(scope="module")
+def client(pipe: lantern.Pipeline) -> Iterator[TestClient]:
+    """A started server: batches of up to 2 rows, default method sjd-coupled, at most 4 images a request."""
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=pipe, default_method="sjd-coupled", max_images_per_request=4,
+                     max_prompt_chars=50)
+    with TestClient(app) as c:  # the lifespan: leaving the block shuts the scheduler down
+        yield c
+
+
+def _png(b64: str) -> Image.Image:
+    data = base64.b64decode(b64)
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    return Image.open(io.BytesIO(data))
+
+
+def _metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}; every sample line must parse."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        match = re.fullmatch(r'([a-z_]+(?:\{[a-z]+="[^"]*"\})?) (\S+)', line)
+        assert match, line
+        out[match.group(1)] = float(match.group(2))
+    return out
+
+
+def _events_of(text: str) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals, with their status and field
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"label": 1, "colour": "red"}, 400, "colour"),  # unknown field
+        ({"label": "3"}, 400, "label"),  # wrong type: no coercion
+        ({"label": 1, "n": 2.0}, 400, "n"),
+        ({"label": 1, "return_codes": "yes"}, 400, "return_codes"),
+        ({"label": 10}, 400, "label"),  # digits has classes 0..9
+        ({"label": -1}, 400, "label"),
+        ({}, 400, "label"),  # a c2i model needs its label
+        ({"label": 1, "n": 5}, 400, "n"),  # the server's --max-images-per-request is 4
+        ({"label": 1, "n": 0}, 400, "n"),
+        ({"prompt": "x" * 60}, 400, "prompt"),  # over-long, and the wrong field for a c2i model
+        ({"label": 1, "prompt": "a cat"}, 400, "prompt"),
+        ({"label": 1, "method": "nope"}, 400, "method"),
+        ({"label": 1, "top_k": -1}, 400, "top_k"),
+        ({"label": 1, "top_k": 5000}, 400, "top_k"),  # past the 1024 codes
+        ({"label": 1, "temperature": float("nan")}, 400, "temperature"),
+        ({"label": 1, "method": "lantern++", "lantern_delta": 0.2}, 400, "lantern_delta"),  # lantern's, not ++'s
+        ({"label": 1, "method": "lantern++", "tree": "../../etc/passwd"}, 400, "tree"),
+        ({"label": 1, "method": "lantern++", "tree": "/tmp/tree.json"}, 400, "tree"),
+        ({"label": 1, "method": "lantern++", "tree": "auto"}, 400, "tree"),
+        ({"label": 1, "method": "lantern++", "tree": "static:nope"}, 400, "tree"),
+        ({"label": 1, "response_format": "url"}, 400, "response_format"),
+        ({"label": 1, "sjd_window": 1000}, 400, "sjd_window"),  # refused by the scheduler's check
+        ({"label": 1, "method": "lantern++", "lantern_k": 1000}, 400, "lantern_k"),  # the table holds 128
+        ({"label": 1, "method": "lantern++", "tree": "chain:100"}, 400, "tree"),  # deeper than the image
+    ],
+)
+def test_a_bad_request_is_refused_naming_its_field(client: TestClient, body: dict[str, Any], status: int,
+                                                   field: str) -> None:
+    before = client.app.state.serve.scheduler.metrics()["queue_depth"]  # type: ignore[attr-defined]
+    r = client.post(GENERATE, content=json.dumps(body, allow_nan=True), headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["field"] == field, error
+    assert "\n" not in error["message"] and error["message"].startswith(f"{field}: "), error
+    assert client.app.state.serve.scheduler.metrics()["queue_depth"] == before  # type: ignore[attr-defined]
+
+
+def test_a_body_that_is_not_json_names_the_body(client: TestClient) -> None:
+    r = client.post(GENERATE, content=b"{label: 1", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "body"
+
+
+def test_the_field_of_a_resolver_message() -> None:
+    given = {"lantern_delta": 0.2, "lantern_k": 3}
+    assert field_of("--lantern-delta belongs to lantern; lantern++ uses --lantern-lambda", given) == "lantern_delta"
+    assert field_of("lantern k (100000) exceeds the proximity table's K_max (128)", given) == "lantern_k"
+    assert field_of("method 'x' needs a drafter", given) == "method"
+    assert field_of("--lantern-deltas is no flag", {"lantern_delta": 1}) == "method"  # whole names only
+
+
+def test_the_schema_takes_every_setting_of_the_vocabulary() -> None:
+    """A setting added to lantern.methods / lantern.api is a request field too (or this fails)."""
+    assert set(SAMPLING_SETTINGS + METHOD_SETTINGS) <= set(GenerationRequest.model_fields)
+
+
+# --------------------------------------------------------------------------------------------------
+# The same codes as the Python API
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_request_twice_gives_the_same_png_and_the_apis_codes(client: TestClient, pipe: lantern.Pipeline) -> None:
+    body = {"label": 3, "n": 2, "seed": 7, "return_codes": True}  # the default method: sjd-coupled
+    first, second = client.post(GENERATE, json=body), client.post(GENERATE, json=body)
+    assert first.status_code == second.status_code == 200, first.text
+    a, b = first.json(), second.json()
+    assert [d["b64_json"] for d in a["data"]] == [d["b64_json"] for d in b["data"]]
+    assert [d["codes"] for d in a["data"]] == [d["codes"] for d in b["data"]]
+    expected = pipe(labels=[3], num_per_label=2, seed=7, method="sjd-coupled")
+    assert [d["codes"] for d in a["data"]] == expected.codes.tolist()
+    assert a["method"] == "sjd-coupled"
+    assert a["settings"] == {**expected.config["sampling"], "tree": "chain:16", "sjd_window": 16,
+                             "sjd_init": "repeat_horizon", "sjd_coupling": "maximal"}
+    for item, image in zip(a["data"], expected.images, strict=True):
+        assert _png(item["b64_json"]).tobytes() == image.tobytes()  # the decoded pixels too
+        stats = item["stats"]
+        assert stats["tokens_per_forward"] == pytest.approx(64 / stats["target_forwards"])
+        assert 0 <= stats["queue_seconds"] <= stats["latency_seconds"]
+    assert [d["index"] for d in a["data"]] == [0, 1]
+
+
+@pytest.mark.parametrize("method", ["ar", "lantern++"])
+def test_a_method_gives_the_apis_codes(client: TestClient, pipe: lantern.Pipeline, method: str) -> None:
+    body = {"label": 5, "seed": 3, "method": method, "return_codes": True, "temperature": 0.9}
+    r = client.post(GENERATE, json=body)
+    assert r.status_code == 200, r.text
+    expected = pipe(labels=[5], num_per_label=1, seed=3, method=method, temperature=0.9)
+    assert r.json()["data"][0]["codes"] == expected.codes[0].tolist()
+    assert r.json()["settings"]["temperature"] == 0.9
+    assert "codes" not in client.post(GENERATE, json={**body, "return_codes": False}).json()["data"][0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_stream_sends_previews_then_the_image_then_done(client: TestClient) -> None:
+    body = {"label": 3, "n": 2, "seed": 7, "return_codes": True}
+    plain = client.post(GENERATE, json=body).json()
+    r = client.post(GENERATE, json={**body, "stream": True, "preview_every": 1})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events_of(r.text)
+    assert events[-1][0] == "done" and events[-1][1]["settings"] == plain["settings"]
+    for index in (0, 1):
+        mine = [(name, data) for name, data in events if data.get("index") == index]
+        names = [name for name, _ in mine]
+        assert names.count("image") == 1 and names[-1] == "image" and names.count("preview") >= 1, names
+        done = [data["tokens_done"] for name, data in mine if name == "preview"]
+        assert done == sorted(done) and 0 < done[0] and done[-1] <= 64
+        assert _png(mine[0][1]["b64_json"]).size == (32, 32)  # a preview is a whole picture
+        assert mine[-1][1]["codes"] == plain["data"][index]["codes"]
+
+
+def test_unknown_codes_of_a_preview_take_the_last_known_one() -> None:
+    codes = torch.tensor([-1, -1, 5, 7, -1, -1, 9, -1])
+    assert fill_unknown(codes).tolist() == [0, 0, 5, 7, 7, 7, 9, 9]
+
+
+# --------------------------------------------------------------------------------------------------
+# Health, methods, metrics, the page
+# --------------------------------------------------------------------------------------------------
+
+
+def test_health_and_the_methods_of_this_model(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok", "model": "digits", "kind": "c2i", "queue_depth": 0}
+    methods = client.get("/v1/methods").json()
+    names = [m["name"] for m in methods["methods"]]
+    assert methods["default"] == "sjd-coupled" and {"ar", "lantern++", "sjd-coupled", "pjd"} <= set(names)
+    assert [m["name"] for m in methods["methods"] if m["default"]] == ["sjd-coupled"]
+    lossless = {m["name"] for m in methods["methods"] if m["lossless"]}
+    assert {"ar", "sd", "sjd-coupled"} <= lossless and not {"lantern++", "pjd", "gsd"} & lossless
+    assert client.get("/v1/model").json() == {"model": "digits", "kind": "c2i", "num_classes": 10,
+                                              "image_tokens": 64, "max_images_per_request": 4,
+                                              "max_prompt_chars": 50}
+
+
+def test_a_model_without_drafter_or_table_offers_only_what_it_can_run() -> None:
+    bare = SimpleNamespace(drafter=None, proximity=None, stack=SimpleNamespace(drafter_dir=None, proximity_file=None))
+    names = runnable_methods(bare)  # type: ignore[arg-type]
+    assert {"ar", "sjd", "sjd-coupled", "gsd", "pjd", "sjd-pac"} == set(names)
+
+
+def test_metrics_count_what_was_served(client: TestClient) -> None:
+    before = _metrics(client.get("/metrics").text)
+    assert client.post(GENERATE, json={"label": 2, "n": 2, "seed": 1}).status_code == 200
+    assert client.post(GENERATE, json={"label": 99}).status_code == 400
+    after = _metrics(client.get("/metrics").text)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('lantern_requests_total{status="200"}') == 1
+    assert delta('lantern_requests_total{status="400"}') == 1
+    assert delta("lantern_images_total") == 2 and delta("lantern_tokens_total") == 128
+    assert delta("lantern_request_latency_seconds_count") == 1
+    assert delta('lantern_request_latency_seconds_bucket{le="+Inf"}') == 1
+    assert after["lantern_request_latency_seconds_sum"] > before.get("lantern_request_latency_seconds_sum", 0)
+    assert delta("lantern_rounds_total") > 0 and delta("lantern_scheduler_forwards_total") >= 2
+    assert after["lantern_mean_tokens_per_forward"] >= 1 and after["lantern_tokens_per_second"] > 0
+    assert 0 < after["lantern_batch_occupancy"] <= 1 and after["lantern_queue_depth"] == 0
+
+
+def test_the_page_and_its_assets_are_served_without_a_cdn(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    for asset in ("/static/app.js", "/static/style.css"):
+        assert asset in page.text and client.get(asset).status_code == 200
+    for path in STATIC.iterdir():  # everything is lantern's own: no remote script, style or font
+        assert not re.search(r"(src|href)=\"https?:|url\(https?:|https?://", path.read_text()), path
+    assert client.get("/docs").status_code == 404  # Swagger UI would load from a CDN
+    assert GENERATE in client.get("/openapi.json").json()["paths"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A full queue, a stopping server, a client that leaves
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_full_queue_answers_429_and_a_stopping_server_503(pipe: lantern.Pipeline) -> None:
+    scheduler = Scheduler(pipe, max_batch=1, max_queue=1)  # never started: what is queued stays queued
+    app = create_app(scheduler, pipeline=pipe, default_method="sjd-coupled")
+    with TestClient(app) as c:
+        held = scheduler.submit([Job(0, 0, 0, "sjd-coupled")])  # the queue is full now
+        r = c.post(GENERATE, json={"label": 1})
+        assert r.status_code == 429 and r.json()["error"]["field"] is None, r.text
+        assert "queue" in r.json()["error"]["message"]
+        assert _metrics(c.get("/metrics").text)['lantern_requests_total{status="429"}'] == 1
+        scheduler.shutdown(0.0)  # the held job is cancelled; new ones are refused
+        assert held[0].future.exception(0) is not None
+        assert c.post(GENERATE, json={"label": 1}).status_code == 503
+
+
+def _plan(n: int) -> Plan:
+    return Plan(condition=1, n=n, seed=0, method="ar", settings=(), resolved={}, preview_every=1)
+
+
+def test_a_request_whose_client_left_cancels_its_tickets(pipe: lantern.Pipeline) -> None:
+    """Waiting on tickets that never finish (the scheduler is not started): the request sees the
+    client gone and cancels every ticket; an abandoned stream cancels its tickets too."""
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    app = create_app(scheduler, pipeline=pipe, default_method="ar")
+    state = app.state.serve
+    tickets = scheduler.submit([Job(1, 0, i, "ar") for i in range(2)])
+
+    class Gone:
+        calls = 0
+
+        async def is_disconnected(self) -> bool:
+            self.calls += 1
+            return self.calls > 2
+
+    assert asyncio.run(wait_results(state, tickets, Gone())) is None  # type: ignore[arg-type]
+    assert all(t.cancelled for t in tickets)
+
+    streamed = scheduler.submit([Job(1, 0, i, "ar", preview_every=1) for i in range(2)])
+    streamed[0].previews.put(torch.full((64,), -1))
+
+    async def first_event_then_leave() -> str:
+        events = image_events(state, _plan(2), streamed, False, time.perf_counter())
+        first = await anext(events)
+        await events.aclose()  # what Starlette does when the client disconnects
+        return first
+
+    assert asyncio.run(first_event_then_leave()).startswith("event: preview")
+    assert all(t.cancelled for t in streamed)
+    scheduler.shutdown(0.0)
+
+
+def test_a_client_that_leaves_frees_its_rows_on_a_live_server(pipe: lantern.Pipeline) -> None:
+    """Over real sockets: a plain request whose client times out, and a stream closed after its first
+    preview; the scheduler drops both rows long before their images (64 AR rounds) could finish."""
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=pipe, default_method="ar")
+    with served(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(GENERATE, json={"label": 1, "n": 2}, timeout=0.3)
+        with http.stream("POST", GENERATE, json={"label": 2, "stream": True, "preview_every": 1}) as r:
+            assert next(r.iter_lines()) == "event: preview"
+        deadline = time.monotonic() + 20
+        while scheduler.metrics()["busy_rows"] or scheduler.metrics()["queue_depth"]:
+            assert time.monotonic() < deadline, scheduler.metrics()
+            time.sleep(0.05)
+        assert scheduler.metrics()["images_total"] == 0  # no image of the three ran to its end
+        assert _metrics(http.get("/metrics").text)['lantern_requests_total{status="499"}'] >= 1
+
+
+def test_serving_needs_no_fastapi_to_import_lantern() -> None:
+    """``import lantern`` (and the CLI, and the scheduler) never import the serve extra."""
+    code = ("import sys, lantern, lantern.cli.main, lantern.serve.scheduler; "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'httpx', 'selenium') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.strip() == "[]"
