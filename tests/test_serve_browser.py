@@ -1,0 +1,109 @@
+"""The web page of ``lantern serve`` in a real browser (Debian's chromium, headless, through
+selenium): pick a label, generate side by side with AR, and the page shows the model's image with
+its statistics. The screenshot goes to ``$LANTERN_TEST_ARTIFACTS`` (else pytest's tmp_path)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import served
+from PIL import Image
+
+import lantern
+from lantern.serve.app import create_app
+from lantern.serve.scheduler import Scheduler
+
+PAGE_TIMEOUT = 60.0  # seconds for every wait on the page (the two images take about 3 s on 2 idle cores)
+LABEL, SEED, METHOD = 7, 0, "sjd-coupled"
+
+
+def _browser_paths() -> tuple[str, str]:
+    """Debian's chromium and chromedriver; missing ones fail the test (this test is part of the suite)."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    driver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    missing = [p for p in (chromium, driver) if not Path(p).is_file()]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found: run scripts/setup.sh (it installs Debian's chromium and "
+                    "chromium-driver)")
+    return chromium, driver
+
+
+@pytest.fixture(scope="module")
+def pipe() -> lantern.Pipeline:
+    return lantern.load("digits")
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver_path = _browser_paths()
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium  # never a browser that selenium would download
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,640"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    driver.set_page_load_timeout(PAGE_TIMEOUT)
+    driver.set_script_timeout(PAGE_TIMEOUT)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _data_url_png(src: str) -> Image.Image:
+    prefix = "data:image/png;base64,"
+    assert src.startswith(prefix), src[:40]
+    return Image.open(io.BytesIO(base64.b64decode(src[len(prefix):])))
+
+
+def test_the_page_generates_side_by_side_with_ar(pipe: lantern.Pipeline, browser: object,
+                                                 tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    driver = browser  # a selenium WebDriver
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=pipe, default_method="lantern++")
+    with served(app) as url:
+        driver.get(url)  # type: ignore[attr-defined]
+        wait = WebDriverWait(driver, PAGE_TIMEOUT)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#method option")) > 1)
+        assert driver.find_element(By.ID, "label").get_attribute("max") == "9"  # type: ignore[attr-defined]
+        Select(driver.find_element(By.ID, "method")).select_by_value(METHOD)  # type: ignore[attr-defined]
+        label = driver.find_element(By.ID, "label")  # type: ignore[attr-defined]
+        label.clear()
+        label.send_keys(str(LABEL))
+        driver.find_element(By.ID, "compare").click()  # type: ignore[attr-defined]
+        driver.find_element(By.ID, "generate").click()  # type: ignore[attr-defined]
+        wait.until(lambda d: d.find_element(By.ID, "image-main").get_attribute("data-final") == "true"
+                   and not d.find_element(By.ID, "speedup").get_attribute("hidden"))
+        status = driver.find_element(By.ID, "status").text  # type: ignore[attr-defined]
+        image = _data_url_png(driver.find_element(By.ID, "image-main").get_attribute("src"))  # type: ignore[attr-defined]
+        ar_image = _data_url_png(driver.find_element(By.ID, "image-ar").get_attribute("src"))  # type: ignore[attr-defined]
+        tau = float(driver.find_element(By.ID, "tau-main").text)  # type: ignore[attr-defined]
+        tau_ar = float(driver.find_element(By.ID, "tau-ar").text)  # type: ignore[attr-defined]
+        latency = driver.find_element(By.ID, "latency-main").text  # type: ignore[attr-defined]
+        speedup = driver.find_element(By.ID, "speedup").text  # type: ignore[attr-defined]
+        driver.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
+        shot = Path(os.environ.get("LANTERN_TEST_ARTIFACTS") or tmp_path) / "serve.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(shot))  # type: ignore[attr-defined]
+        print(f"screenshot: {shot}")
+    assert status == "done"
+    expected = pipe(labels=[LABEL], seed=SEED, method=METHOD).images[0]
+    assert image.size == expected.size == (32, 32)  # the model's image size
+    assert image.convert("RGB").tobytes() == expected.convert("RGB").tobytes()  # the API's very image
+    assert ar_image.size == expected.size
+    assert tau >= 1 and tau_ar == 1.0  # AR: one token per forward
+    assert re.fullmatch(r"\d+\.\d\d s", latency), latency
+    assert re.fullmatch(rf"{METHOD}: \d+\.\d\dx the speed of ar \(same seed\)", speedup), speedup
