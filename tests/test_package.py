@@ -1,6 +1,6 @@
 """The distribution: ``lantern --version`` / ``lantern.__version__`` from the installed metadata,
 the PyPI name ``lantern-ar`` (``lantern`` on PyPI is an unrelated project), and a wheel that
-carries the package, its embedded presets and the ``lantern`` command."""
+carries the package, its embedded presets, the serve page and the ``lantern`` command."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def test_wheel_holds_the_package_presets_and_command(tmp_path: Path) -> None:
     info = f"lantern_ar-{PROJECT['version']}.dist-info"
     assert {"lantern/__init__.py", "lantern/version.py", "lantern/decoding/loop.py", f"{info}/METADATA"} <= names
     assert any(n.startswith("lantern/presets/photos/") and n.endswith(".safetensors") for n in names)
+    assert {f"lantern/serve/static/{f}" for f in ("index.html", "app.js", "style.css")} <= names  # the serve page
     assert not any(n.startswith("tests/") for n in names)
     meta = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     assert "Name: lantern-ar" in meta
