@@ -142,6 +142,24 @@ def test_the_schema_takes_every_setting_of_the_vocabulary() -> None:
     assert set(SAMPLING_SETTINGS + METHOD_SETTINGS) <= set(GenerationRequest.model_fields)
 
 
+def test_a_text_model_takes_a_prompt_and_gives_the_apis_codes(t2i_stack: Path) -> None:
+    """A text-to-image stack (tiny T5): a label is the wrong field, the prompt is bounded, and a
+    prompt gives the codes of ``lantern.load(stack)(prompts=[...])``."""
+    text_pipe = lantern.load(t2i_stack)
+    scheduler = Scheduler(text_pipe, max_batch=2, max_queue=4)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=text_pipe, default_method="sjd-coupled", max_prompt_chars=20)
+    with TestClient(app) as c:
+        for body, field in (({"label": 1}, "label"), ({"prompt": "a red car " * 3}, "prompt"), ({}, "prompt"),
+                            ({"prompt": "   "}, "prompt")):
+            r = c.post(GENERATE, json=body)
+            assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
+        r = c.post(GENERATE, json={"prompt": "a red car", "n": 2, "seed": 4, "return_codes": True})
+        assert r.status_code == 200, r.text
+    expected = text_pipe(prompts=["a red car"], num_per_label=2, seed=4, method="sjd-coupled")
+    assert [d["codes"] for d in r.json()["data"]] == expected.codes.tolist()
+
+
 # --------------------------------------------------------------------------------------------------
 # The same codes as the Python API
 # --------------------------------------------------------------------------------------------------
