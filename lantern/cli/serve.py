@@ -8,6 +8,7 @@ requests in flight finish for up to ``--drain-timeout`` seconds, cancels what is
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
 import socket
 import sys
@@ -99,6 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}) on http://{_url_host(host)}:{port}",
           flush=True)
+    if not ipaddress.ip_address(host).is_loopback:
+        print(f"lantern serve: warning: {host} is reachable from other machines and the server has no "
+              "authentication (docs/serving.md, Security)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM / SIGINT while it serves, then raises the signal again under the

@@ -94,6 +94,7 @@ def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str 
     app = FastAPI(title="lantern", summary="Visual autoregressive image generation with speculative decoding",
                   docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.serve = state
+    _without_422(app)
     _add_error_handlers(app, state)
     _add_routes(app, state)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -128,6 +129,22 @@ class CountRequests:
         finally:
             if not answered:  # the client left (or the server cancelled the request) before any answer
                 self.state.metrics.request(CLIENT_GONE)
+
+
+def _without_422(app: FastAPI) -> None:
+    """The OpenAPI schema without FastAPI's automatic 422 answers: refusals are 400s (ERRORS)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()  # cached by FastAPI: stripping it again is a no-op
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _error(status: int, message: str, field: str | None) -> JSONResponse:
