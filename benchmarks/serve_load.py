@@ -1,0 +1,174 @@
+"""Load test of ``lantern serve`` (localhost only, bounded in count and time; not part of CI).
+
+For each method and each batching mode (continuous, then static with ``--no-continuous``) it starts
+``lantern serve --model M --max-batch B`` on a free localhost port, waits for ``/health``, and runs
+1, 4 and 16 concurrent clients, each sending ``--requests-per-client`` requests one after another
+(one image each, distinct seeds). It reports throughput (images/s over the wall time of the
+level), p50 / p95 / p99 request latency, the batch occupancy the server measured over the level
+(``/metrics``: busy rows per row of the running batches), and errors (must be 0), as JSON and a
+markdown table in ``--out``.
+
+    python benchmarks/serve_load.py --model photos --methods ar,lantern++ --out benchmarks/results/serve-load
+
+Time it on a quiet machine: the server and the clients share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the first sample of metric ``name`` in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            head = line.split()[0]
+            if head == name or head.startswith(name + "{"):
+                return float(line.split()[-1])
+    raise KeyError(name)
+
+
+class Server:
+    def __init__(self, model: str, method: str, max_batch: int, continuous: bool, compile: str, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", model, "--method", method,
+               "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile]
+        if not continuous:
+            cmd.append("--no-continuous")
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"lantern serve exited with {self.proc.returncode}; see {log}")
+            try:
+                if http(self.url + "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"lantern serve did not answer /health within 600 s; see {log}")
+
+    def metrics(self) -> str:
+        return http(self.url + "/metrics")[1].decode()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def run_level(server: Server, clients: int, per_client: int, method: str, label_count: int) -> dict[str, Any]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for r in range(per_client):
+            body = {"label": (c * per_client + r) % label_count, "seed": 1000 * c + r, "method": method}
+            t0 = time.perf_counter()
+            try:
+                status, text = http(server.url + "/v1/images/generations", body)
+            except OSError as e:
+                status, text = -1, str(e).encode()
+            dt = time.perf_counter() - t0
+            with lock:
+                if status == 200:
+                    latencies.append(dt)
+                else:
+                    errors.append(f"{status}: {text[:200]!r}")
+
+    before = server.metrics()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = server.metrics()
+    busy = metric(after, "lantern_busy_row_rounds_total") - metric(before, "lantern_busy_row_rounds_total")
+    rows = metric(after, "lantern_row_rounds_total") - metric(before, "lantern_row_rounds_total")
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
+    return {"clients": clients, "requests": clients * per_client, "images": len(latencies), "errors": len(errors),
+            "error_samples": errors[:3], "wall_seconds": wall, "images_per_second": len(latencies) / wall,
+            "p50": q[49] if q else None, "p95": q[94] if q else None, "p99": q[98] if q else None,
+            "batch_occupancy": busy / rows if rows else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="photos")
+    ap.add_argument("--methods", default="ar,lantern++")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--modes", default="continuous,static")
+    ap.add_argument("--compile", default="off")
+    ap.add_argument("--labels", type=int, default=10, help="labels cycle over 0 .. N-1")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for method in args.methods.split(","):
+        for mode in args.modes.split(","):
+            server = Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
+                            args.out / f"server-{method}-{mode}.log")
+            try:
+                http(server.url + "/v1/images/generations", {"label": 0, "seed": 0, "method": method})  # warm
+                for clients in (int(c) for c in args.clients.split(",")):
+                    row = {"method": method, "batching": mode, **run_level(server, clients, args.requests_per_client,
+                                                                            method, args.labels)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            finally:
+                server.stop()
+    record = {"model": args.model, "max_batch": args.max_batch, "requests_per_client": args.requests_per_client,
+              "compile": args.compile, "cpu_count": os.cpu_count(), "rows": rows}
+    (args.out / "serve_load.json").write_text(json.dumps(record, indent=2))
+    lines = ["| method | batching | clients | images/s | p50 s | p95 s | p99 s | occupancy | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        occ = "-" if r["batch_occupancy"] is None else f"{r['batch_occupancy']:.2f}"
+        lines.append(f"| {r['method']} | {r['batching']} | {r['clients']} | {r['images_per_second']:.3f} | "
+                     f"{r['p50']:.2f} | {r['p95']:.2f} | {r['p99']:.2f} | {occ} | {r['errors']} |")
+    (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
