@@ -1,246 +1,174 @@
-"""A load test of ``lantern serve`` on this machine: throughput and latency under 1, 4 and 16
-concurrent clients, with continuous batching and with static batches (``--no-continuous``).
+"""Load test of ``lantern serve`` (localhost only, bounded in count and time; not part of CI).
 
-    python benchmarks/serve_load.py --model photos --methods ar,lantern++ --clients 1,4,16 \\
-        --requests-per-client 4 --max-batch 8 --out serve-load
+For each method and each batching mode (continuous, then static with ``--no-continuous``) it starts
+``lantern serve --model M --max-batch B`` on a free localhost port, waits for ``/health``, and runs
+1, 4 and 16 concurrent clients, each sending ``--requests-per-client`` requests one after another
+(one image each, distinct seeds). It reports throughput (images/s over the wall time of the
+level), p50 / p95 / p99 request latency, the batch occupancy the server measured over the level
+(``/metrics``: busy rows per row of the running batches), and errors (must be 0), as JSON and a
+markdown table in ``--out``.
 
-For each batching mode it starts ``lantern serve`` as a subprocess bound to 127.0.0.1 (nothing
-leaves this machine); for each method (after one untimed request, which loads its drafter) and
-client count, every client (a thread) sends its requests one after another, one image each, and the
-run records throughput (images / s), the p50 / p95 / p99 request latency, the mean batch occupancy
-over the run (from ``/metrics``) and the errors.
-Bounded: ``--request-timeout`` per request, ``--time-limit`` for the whole run (no new request
-starts after it), ``--start-timeout`` for the server to answer ``/health``.
+    python benchmarks/serve_load.py --model photos --methods ar,lantern++ --out benchmarks/results/serve-load
 
-Writes ``OUT/serve_load.json`` and ``OUT/serve_load.md``. Timings lie on a busy machine: run it with
-nothing else on the cores.
+Time it on a quiet machine: the server and the clients share its cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
-import re
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+import urllib.error
+import urllib.request
 from pathlib import Path
-
-import httpx
-
-HOST = "127.0.0.1"
-STARTED = re.compile(r"lantern serve: .* on http://127\.0\.0\.1:(\d+)")
+from typing import Any
 
 
-@dataclass
-class Row:
-    batching: str  # continuous | static
-    method: str
-    clients: int
-    requests: int  # sent
-    images: int  # delivered
-    errors: int
-    wall_seconds: float
-    images_per_second: float
-    p50_seconds: float
-    p95_seconds: float
-    p99_seconds: float
-    mean_occupancy: float  # busy rows / rows over the run's rounds
-    error_examples: list[str] = field(default_factory=list)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of ``values``; NaN for none."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def scrape(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out = {}
-    for line in text.splitlines():
-        match = re.fullmatch(r"([a-z_]+) (\S+)", line)
-        if match:
-            out[match.group(1)] = float(match.group(2))
-    return out
-
-
-@contextlib.contextmanager
-def server(args: argparse.Namespace, continuous: bool, log: Path) -> Iterator[str]:
-    """``lantern serve`` on a free loopback port; yields its URL; SIGTERM (then kill) at the end."""
-    cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", args.model, "--host", HOST, "--port", "0",
-           "--max-batch", str(args.max_batch), "--max-queue", str(max(64, max(args.clients))),
-           "--method", args.methods[0], *([] if continuous else ["--no-continuous"]), *args.serve_args]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        url = _wait_started(proc, log, args.start_timeout)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the first sample of metric ``name`` in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            head = line.split()[0]
+            if head == name or head.startswith(name + "{"):
+                return float(line.split()[-1])
+    raise KeyError(name)
+
+
+class Server:
+    def __init__(self, model: str, method: str, max_batch: int, continuous: bool, compile: str, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", model, "--method", method,
+               "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile]
+        if not continuous:
+            cmd.append("--no-continuous")
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"lantern serve exited with {self.proc.returncode}; see {log}")
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+                if http(self.url + "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"lantern serve did not answer /health within 600 s; see {log}")
+
+    def metrics(self) -> str:
+        return http(self.url + "/metrics")[1].decode()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
 
 
-def _wait_started(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"lantern serve exited with {proc.returncode}:\n{log.read_text()}")
-        match = STARTED.search(log.read_text())
-        if match:
-            url = f"http://{HOST}:{match.group(1)}"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-        time.sleep(0.2)
-    raise SystemExit(f"lantern serve did not answer /health within {timeout} s:\n{log.read_text()}")
-
-
-def condition(kind: str, num_classes: int | None, i: int) -> dict[str, object]:
-    if kind == "c2i":
-        return {"label": i % (num_classes or 1)}
-    return {"prompt": ["a red car", "a dog on the beach", "a house in snow", "mountains"][i % 4]}
-
-
-def run_clients(url: str, method: str, clients: int, per_client: int, args: argparse.Namespace,
-                model: dict[str, object], deadline: float) -> tuple[list[float], int, int, list[str], float]:
-    """Latencies of the successful requests, images delivered, errors, a few error texts, wall seconds."""
+def run_level(server: Server, clients: int, per_client: int, method: str, label_count: int) -> dict[str, Any]:
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
-        with httpx.Client(base_url=url, timeout=args.request_timeout) as http:
-            for r in range(per_client):
-                if time.monotonic() > deadline:
-                    return
-                i = c * per_client + r
-                body = {**condition(str(model["kind"]), model.get("num_classes"), i), "seed": i, "method": method}  # type: ignore[arg-type]
-                start = time.perf_counter()
-                try:
-                    response = http.post("/v1/images/generations", json=body)
-                    ok = response.status_code == 200
-                    text = "" if ok else f"{response.status_code}: {response.text[:200]}"
-                except httpx.HTTPError as e:
-                    ok, text = False, f"{type(e).__name__}: {e}"
-                with lock:
-                    if ok:
-                        latencies.append(time.perf_counter() - start)
-                    else:
-                        errors.append(text)
+        for r in range(per_client):
+            body = {"label": (c * per_client + r) % label_count, "seed": 1000 * c + r, "method": method}
+            t0 = time.perf_counter()
+            try:
+                status, text = http(server.url + "/v1/images/generations", body)
+            except OSError as e:
+                status, text = -1, str(e).encode()
+            dt = time.perf_counter() - t0
+            with lock:
+                if status == 200:
+                    latencies.append(dt)
+                else:
+                    errors.append(f"{status}: {text[:200]!r}")
 
+    before = server.metrics()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return latencies, len(latencies), len(errors), errors[:3], time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = server.metrics()
+    busy = metric(after, "lantern_busy_row_rounds_total") - metric(before, "lantern_busy_row_rounds_total")
+    rows = metric(after, "lantern_row_rounds_total") - metric(before, "lantern_row_rounds_total")
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
+    return {"clients": clients, "requests": clients * per_client, "images": len(latencies), "errors": len(errors),
+            "error_samples": errors[:3], "wall_seconds": wall, "images_per_second": len(latencies) / wall,
+            "p50": q[49] if q else None, "p95": q[94] if q else None, "p99": q[98] if q else None,
+            "batch_occupancy": busy / rows if rows else None}
 
 
-def measure(args: argparse.Namespace, out: Path) -> list[Row]:
-    rows = []
-    deadline = time.monotonic() + args.time_limit
-    for batching in args.batching:
-        with server(args, batching == "continuous", out / f"serve-{batching}.log") as url:
-            model = httpx.get(f"{url}/v1/model", timeout=30).json()
-            for method in args.methods:
-                # One untimed image first: the method's drafter and table load on its first request.
-                first = {**condition(str(model["kind"]), model.get("num_classes"), 0), "method": method}
-                httpx.post(f"{url}/v1/images/generations", json=first, timeout=args.request_timeout).raise_for_status()
-                for clients in args.clients:
-                    before = scrape(url)
-                    latencies, images, n_errors, examples, wall = run_clients(
-                        url, method, clients, args.requests_per_client, args, model, deadline)
-                    after = scrape(url)
-                    rows.append(Row(batching=batching, method=method, clients=clients,
-                                    requests=images + n_errors, images=images, errors=n_errors, wall_seconds=wall,
-                                    images_per_second=images / wall if wall > 0 else 0.0,
-                                    p50_seconds=percentile(latencies, 50), p95_seconds=percentile(latencies, 95),
-                                    p99_seconds=percentile(latencies, 99),
-                                    mean_occupancy=_occupancy(before, after), error_examples=examples))
-                    print(_line(rows[-1]), flush=True)
-    return rows
-
-
-def _occupancy(before: dict[str, float], after: dict[str, float]) -> float:
-    busy = after.get("lantern_scheduler_busy_row_rounds", 0.0) - before.get("lantern_scheduler_busy_row_rounds", 0.0)
-    total = after.get("lantern_scheduler_row_rounds", 0.0) - before.get("lantern_scheduler_row_rounds", 0.0)
-    return busy / total if total else math.nan
-
-
-HEADER = ("| batching | method | clients | requests | images/s | p50 s | p95 s | p99 s | occupancy | errors |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
-
-
-def _line(row: Row) -> str:
-    return (f"| {row.batching} | {row.method} | {row.clients} | {row.requests} | {row.images_per_second:.2f} | "
-            f"{row.p50_seconds:.2f} | {row.p95_seconds:.2f} | {row.p99_seconds:.2f} | {row.mean_occupancy:.2f} | "
-            f"{row.errors} |")
-
-
-def write(rows: list[Row], args: argparse.Namespace, out: Path) -> None:
-    command = " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]])
-    (out / "serve_load.json").write_text(json.dumps({"command": command, "rows": [asdict(r) for r in rows]},
-                                                    indent=1) + "\n")
-    lines = [f"# lantern serve under load: {args.model}", "", f"`{command}`", "",
-             f"max batch {args.max_batch}; one image per request; latency = request sent to answer read.", "",
-             HEADER, *(_line(r) for r in rows)]
-    (out / "serve_load.md").write_text("\n".join(lines) + "\n")
-
-
-def _list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="photos")
-    p.add_argument("--methods", type=_list, default=["ar", "lantern++"], help="comma-separated (default ar,lantern++)")
-    p.add_argument("--clients", type=lambda t: [int(x) for x in _list(t)], default=[1, 4, 16],
-                   help="concurrent client counts (default 1,4,16; at most 64)")
-    p.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends (default 4)")
-    p.add_argument("--batching", type=_list, default=["continuous", "static"],
-                   help="continuous, static (--no-continuous) or both (default)")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    p.add_argument("--time-limit", type=float, default=3600.0,
-                   help="seconds for the whole run: no request starts after it (default 3600)")
-    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the server to start (default 300)")
-    p.add_argument("--serve-args", type=lambda t: t.split(), default=[],
-                   help='more flags for lantern serve, e.g. "--compile --device cuda"')
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    if not all(1 <= c <= 64 for c in args.clients) or not 1 <= args.requests_per_client <= 1000:
-        p.error("--clients must be in 1..64 and --requests-per-client in 1..1000")
-    if not set(args.batching) <= {"continuous", "static"}:
-        p.error("--batching takes continuous and / or static")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="photos")
+    ap.add_argument("--methods", default="ar,lantern++")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--modes", default="continuous,static")
+    ap.add_argument("--compile", default="off")
+    ap.add_argument("--labels", type=int, default=10, help="labels cycle over 0 .. N-1")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(HEADER, flush=True)
-    rows = measure(args, args.out)
-    write(rows, args, args.out)
-    print(f"wrote {args.out / 'serve_load.md'} and serve_load.json")
-    return 1 if any(r.errors for r in rows) else 0
+    rows: list[dict[str, Any]] = []
+    for method in args.methods.split(","):
+        for mode in args.modes.split(","):
+            server = Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
+                            args.out / f"server-{method}-{mode}.log")
+            try:
+                http(server.url + "/v1/images/generations", {"label": 0, "seed": 0, "method": method})  # warm
+                for clients in (int(c) for c in args.clients.split(",")):
+                    row = {"method": method, "batching": mode, **run_level(server, clients, args.requests_per_client,
+                                                                            method, args.labels)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            finally:
+                server.stop()
+    record = {"model": args.model, "max_batch": args.max_batch, "requests_per_client": args.requests_per_client,
+              "compile": args.compile, "cpu_count": os.cpu_count(), "rows": rows}
+    (args.out / "serve_load.json").write_text(json.dumps(record, indent=2))
+    lines = ["| method | batching | clients | images/s | p50 s | p95 s | p99 s | occupancy | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        occ = "-" if r["batch_occupancy"] is None else f"{r['batch_occupancy']:.2f}"
+        lines.append(f"| {r['method']} | {r['batching']} | {r['clients']} | {r['images_per_second']:.3f} | "
+                     f"{r['p50']:.2f} | {r['p95']:.2f} | {r['p99']:.2f} | {occ} | {r['errors']} |")
+    (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

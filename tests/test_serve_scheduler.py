@@ -9,8 +9,10 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import lantern
+from lantern.decoding import compiling
 from lantern.errors import LanternError
 from lantern.serve.scheduler import Cancelled, Job, QueueFull, Scheduler
 
@@ -125,3 +127,27 @@ def test_threaded_server_shuts_down_finishing_running_jobs(pipe: lantern.Pipelin
         sched.submit([Job(3, 1, 0, "ar")])
     results = concurrent.futures.wait([t.future for t in tickets], timeout=0)
     assert not results.not_done
+
+
+def test_compiled_server_compiles_at_warm_up_only(pipe: lantern.Pipeline, eager_backend: None) -> None:
+    """With --compile, warm-up compiles every batch size; then rows joining a running batch, the
+    batch growing and shrinking, compile nothing (dynamo's eager backend: guards as in a real
+    compile), and the codes equal the eager API's."""
+    compiled = lantern.load("digits", compile="default")
+    sched = Scheduler(compiled, max_batch=2)
+    sched.warm_up(["lantern++"], 0)
+    graphs, copies = counters["stats"]["unique_graphs"], len(compiling._rounds)
+    assert graphs > 0
+    first = sched.submit([Job(3, 4, 0, "lantern++")])
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(first[0].job.key)
+        sched._step(lane)
+        sched._step(lane)
+        later = sched.submit([Job(5, 4, 1, "lantern++")])
+        sched._admit()
+        assert lane.decode is not None and lane.decode.batch == 2 and lane.busy == 2
+    sched.run_until_idle()
+    assert counters["stats"]["unique_graphs"] == graphs and len(compiling._rounds) == copies
+    assert torch.equal(first[0].future.result(0).codes, _expected(pipe, first[0].job, 1))
+    assert torch.equal(later[0].future.result(0).codes, _expected(pipe, later[0].job, 2))
