@@ -262,7 +262,8 @@ def test_metrics_count_what_was_served(client: TestClient) -> None:
     assert delta("lantern_request_latency_seconds_count") == 1
     assert delta('lantern_request_latency_seconds_bucket{le="+Inf"}') == 1
     assert after["lantern_request_latency_seconds_sum"] > before.get("lantern_request_latency_seconds_sum", 0)
-    assert delta("lantern_rounds_total") > 0 and delta("lantern_scheduler_forwards_total") >= 2
+    assert delta("lantern_rounds_total") > 0 and delta("lantern_forwards_total") >= 2
+    assert 0 < delta("lantern_busy_row_rounds_total") <= delta("lantern_row_rounds_total")
     assert after["lantern_mean_tokens_per_forward"] >= 1 and after["lantern_tokens_per_second"] > 0
     assert 0 < after["lantern_batch_occupancy"] <= 1 and after["lantern_queue_depth"] == 0
 

@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def _busy_rows(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    match = re.search(r"^lantern_scheduler_busy_rows (\S+)$", text, flags=re.M)
+    match = re.search(r"^lantern_busy_rows (\S+)$", text, flags=re.M)
     assert match, text
     return float(match.group(1))
 

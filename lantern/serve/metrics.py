@@ -14,12 +14,19 @@ from collections import Counter, deque
 
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)  # seconds
 RATE_WINDOW = 60.0  # tokens_per_second: over the last minute
-# The scheduler's own figures, exposed under the same names (the others it reports are prefixed
-# ``lantern_scheduler_``); images, tokens and tau are the server's own: what reached a client.
-SCHEDULER_GAUGES = {"queue_depth": "images waiting for a batch row",
-                    "batch_rows": "rows of the decode batch",
-                    "batch_occupancy": "active rows / rows of the decode batch"}
-SCHEDULER_COUNTERS = {"rounds_total": "decode rounds run"}
+# The scheduler's figures: its name -> (metric name, type, help). Any other figure it reports is
+# exposed as a gauge ``lantern_scheduler_<name>``. Images, tokens and tau are the server's own
+# counts (what reached a client), not the scheduler's.
+SCHEDULER_FIGURES = {
+    "queue_depth": ("lantern_queue_depth", "gauge", "images waiting for a batch row"),
+    "batch_rows": ("lantern_batch_rows", "gauge", "rows of the running decode batches"),
+    "busy_rows": ("lantern_busy_rows", "gauge", "rows decoding an image now"),
+    "batch_occupancy": ("lantern_batch_occupancy", "gauge", "busy rows / rows, over every round since start"),
+    "rounds_total": ("lantern_rounds_total", "counter", "decode rounds run"),
+    "forwards_total": ("lantern_forwards_total", "counter", "target forwards of the images finished"),
+    "busy_row_rounds": ("lantern_busy_row_rounds_total", "counter", "busy rows summed over rounds"),
+    "row_rounds": ("lantern_row_rounds_total", "counter", "rows summed over rounds"),
+}
 OWN_NAMES = ("images_total", "tokens_total", "mean_tokens_per_forward")
 
 
@@ -79,14 +86,10 @@ class Metrics:
             lines += self._histogram()
         lines += _family("lantern_tokens_per_second", "gauge", "image tokens delivered per second, last minute",
                          [("", rate)])
-        for name, help_text in SCHEDULER_GAUGES.items():
-            lines += _family(f"lantern_{name}", "gauge", help_text, [("", float(scheduler.get(name, 0.0)))])
-        for name, help_text in SCHEDULER_COUNTERS.items():
-            lines += _family(f"lantern_{name}", "counter", help_text, [("", float(scheduler.get(name, 0.0)))])
-        known = {*SCHEDULER_GAUGES, *SCHEDULER_COUNTERS, *OWN_NAMES}
-        for name in sorted(set(scheduler) - known):
-            kind = "counter" if name.endswith("_total") else "gauge"
-            lines += _family(f"lantern_scheduler_{name}", kind, f"the scheduler's {name}",
+        for name, (metric, kind, help_text) in SCHEDULER_FIGURES.items():
+            lines += _family(metric, kind, help_text, [("", float(scheduler.get(name, 0.0)))])
+        for name in sorted(set(scheduler) - set(SCHEDULER_FIGURES) - set(OWN_NAMES)):
+            lines += _family(f"lantern_scheduler_{name}", "gauge", f"the scheduler's {name}",
                              [("", float(scheduler[name]))])
         return "\n".join(lines) + "\n"
 
