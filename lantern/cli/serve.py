@@ -12,6 +12,7 @@ import ipaddress
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from lantern.cli.common import add_chameleon_args, add_compile_arg, add_trust_checkpoint_arg, check_compile
@@ -91,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous)
     app = create_app(scheduler, pipeline=pipe, default_method=args.method,
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
-                     drain_timeout=args.drain_timeout)
+                     drain_timeout=args.drain_timeout, model=_model_name(args.model))
     condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
     scheduler.check(Job(condition, 0, 0, args.method))  # loads and checks --method's drafter and table now
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
@@ -117,6 +118,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LanternError(f"the server did not start on {host}:{port} (see the log above)")
     print("lantern serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _model_name(model: str) -> str:
+    """What /health calls the model: a preset or Hub id as given, a local folder by its name only
+    (its path is nothing a client needs to know)."""
+    return Path(model).name if Path(model).exists() else model
 
 
 def _drained(signum: int, frame: Any) -> None:
