@@ -128,10 +128,11 @@ def test_missing_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.slow
 def test_console_script_and_core_import_without_extras() -> None:
-    """``import lantern`` pulls in no optional extras (transformers, accelerate, pytest)."""
+    """``import lantern`` pulls in no optional extras (transformers, accelerate, pytest, the serve extra)."""
     code = (
         "import sys, lantern, lantern.decoding.loop, lantern.cli; "
-        "bad = [m for m in ('transformers', 'accelerate', 'pytest', 'matplotlib') if m in sys.modules]; "
+        "bad = [m for m in ('transformers', 'accelerate', 'pytest', 'matplotlib', 'fastapi', 'uvicorn') "
+        "if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
