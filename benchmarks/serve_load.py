@@ -6,7 +6,9 @@ For each method and each batching mode (continuous, then static with ``--no-cont
 (one image each, distinct seeds). It reports throughput (images/s over the wall time of the
 level), p50 / p95 / p99 request latency, the batch occupancy the server measured over the level
 (``/metrics``: busy rows per row of the running batches), and errors (must be 0), as JSON and a
-markdown table in ``--out``.
+markdown table in ``--out``. The one-client rows also give the latency of the same images made
+in this process with ``lantern.load(model)(labels=[label], seed=seed, method=method)`` and saved
+as PNG (``direct``, median), and the server's p50 over it: what the server adds.
 
     python benchmarks/serve_load.py --model photos --methods ar,lantern++ --out benchmarks/results/serve-load
 
@@ -130,6 +132,23 @@ def run_level(server: Server, clients: int, per_client: int, method: str, label_
             "batch_occupancy": busy / rows if rows else None}
 
 
+def direct_seconds(model: str, method: str, per_client: int, label_count: int) -> float:
+    """Median seconds of client 0's images made in-process (the pipeline and a PNG, as the server does)."""
+    import io
+
+    import lantern
+
+    pipe = lantern.load(model)
+    pipe(labels=[0], seed=0, method=method)  # warm, as the server is
+    times = []
+    for r in range(per_client):
+        t0 = time.perf_counter()
+        out = pipe(labels=[r % label_count], seed=r, method=method)
+        out.images[0].save(io.BytesIO(), format="PNG")
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="photos")
@@ -145,6 +164,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for method in args.methods.split(","):
+        direct = direct_seconds(args.model, method, args.requests_per_client, args.labels)
         for mode in args.modes.split(","):
             server = Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
                             args.out / f"server-{method}-{mode}.log")
@@ -153,6 +173,8 @@ def main() -> None:
                 for clients in (int(c) for c in args.clients.split(",")):
                     row = {"method": method, "batching": mode, **run_level(server, clients, args.requests_per_client,
                                                                             method, args.labels)}
+                    if clients == 1:
+                        row["direct_p50"], row["latency_over_direct"] = direct, row["p50"] / direct
                     print(json.dumps(row), flush=True)
                     rows.append(row)
             finally:
@@ -160,12 +182,13 @@ def main() -> None:
     record = {"model": args.model, "max_batch": args.max_batch, "requests_per_client": args.requests_per_client,
               "compile": args.compile, "cpu_count": os.cpu_count(), "rows": rows}
     (args.out / "serve_load.json").write_text(json.dumps(record, indent=2))
-    lines = ["| method | batching | clients | images/s | p50 s | p95 s | p99 s | occupancy | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batching | clients | images/s | p50 s | p95 s | p99 s | occupancy | errors | p50 / direct |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         occ = "-" if r["batch_occupancy"] is None else f"{r['batch_occupancy']:.2f}"
         lines.append(f"| {r['method']} | {r['batching']} | {r['clients']} | {r['images_per_second']:.3f} | "
-                     f"{r['p50']:.2f} | {r['p95']:.2f} | {r['p99']:.2f} | {occ} | {r['errors']} |")
+                     f"{r['p50']:.2f} | {r['p95']:.2f} | {r['p99']:.2f} | {occ} | {r['errors']} | "
+                     + (f"{r['latency_over_direct']:.2f} ({r['direct_p50']:.2f} s) |" if "direct_p50" in r else "- |"))
     (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
