@@ -40,6 +40,7 @@ METHODS = ["ar", "sd", "lantern", "lantern++"]
 NUM_IMAGES = 20
 
 
+# ~35 s on 2 cores, once per module: 4 methods x 20 digits, AR at the default 5 seeds, both tau curves
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ.setdefault("MPLCONFIGDIR", str(tmp_path_factory.mktemp("mpl")))
@@ -56,6 +57,7 @@ def rows(bench_dir: Path) -> list[dict]:
     return json.loads((bench_dir / "bench.json").read_text())
 
 
+# slow (~35 s setup): the shared bench_dir run; the only full bench with real quality numbers, spread and curves
 @pytest.mark.slow
 def test_bench_json_is_a_list_with_one_object_per_method(rows: list[dict]) -> None:
     assert isinstance(rows, list)
@@ -73,6 +75,7 @@ def test_bench_json_is_a_list_with_one_object_per_method(rows: list[dict]) -> No
         assert "lantern feature net" in r["feature_net"]
 
 
+# slow (~35 s when it runs first): reads the shared bench_dir run
 @pytest.mark.slow
 def test_ar_row_is_the_baseline(rows: list[dict]) -> None:
     ar = rows[0]
@@ -83,6 +86,7 @@ def test_ar_row_is_the_baseline(rows: list[dict]) -> None:
     assert ar["tree"] == "-" and ar["relaxation"] is None
 
 
+# slow (~35 s when it runs first): reads the shared bench_dir run
 @pytest.mark.slow
 def test_speculative_rows_accept_more_than_one_token(rows: list[dict]) -> None:
     for r in rows[1:]:
@@ -97,6 +101,7 @@ def test_speculative_rows_accept_more_than_one_token(rows: list[dict]) -> None:
     assert relax["lantern++"]["mode"] == "relative" and relax["lantern++"]["lam"] == 5.0
 
 
+# slow (~35 s when it runs first): reads the shared bench_dir run
 @pytest.mark.slow
 def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
     run = json.loads((bench_dir / "run.json").read_text())
@@ -140,6 +145,7 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
         assert im.width > 10 * 32 and im.height > 2 * 32
 
 
+# slow (~35 s when it runs first): reads the shared bench_dir run
 @pytest.mark.slow
 def test_format_table_lists_every_row(rows: list[dict]) -> None:
     assert bench_labels(3, 7) == [0, 1, 2, 0, 1, 2, 0]

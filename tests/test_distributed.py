@@ -242,13 +242,16 @@ def test_a_killed_job_resumes_without_redoing_finished_images(
 # ---- bench across ranks ---------------------------------------------------------------------
 
 
+# slow (~32 s): bench in one process, then under a 2-process torchrun; the only check that sharded bench = 1 process
 @pytest.mark.slow
 def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
-    # 5 quality images (shards 3 + 2), 1 timed image (rank 1 times nothing), 3 curve images.
+    # 5 quality images (shards 3 + 2), 1 timed image (rank 1 times nothing), 3 curve images; AR's
+    # spread at 2 seeds (not the default 5: each seed decodes 5 more AR images, and 2 seeds test the
+    # sharded spread as well as 5).
     args = ["bench", "--model", "digits", "--methods", "ar,lantern++", "--num-images", "5", "--speed-images", "1",
-            "--batch-size", "4", "--num-real", "20", "--curve-images", "3", "--dtype", "float32"]
+            "--batch-size", "4", "--num-real", "20", "--curve-images", "3", "--dtype", "float32", "--ar-seeds", "2"]
     assert main([*args, "--out", str(tmp_path / "one"), "--no-progress"]) == 0
     proc = torchrun([*args, "--out", str(tmp_path / "two")])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -259,6 +262,7 @@ def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Pa
     assert one[0]["fid"] is not None and one[1]["mean_accepted"] > 1.0  # real numbers, not empty rows
     run_one, run_two = (json.loads((tmp_path / d / "run.json").read_text()) for d in ("one", "two"))
     assert (run_one["processes"], run_two["processes"]) == (1, 2)
+    assert run_one["ar_spread"]["seeds"] == [0, 1]  # a real spread, not an empty one
     assert run_one["ar_spread"] == run_two["ar_spread"] and run_one["curves"] == run_two["curves"]
     assert (tmp_path / "two" / "grid_ar.png").read_bytes() == (tmp_path / "one" / "grid_ar.png").read_bytes()
 

@@ -1,5 +1,6 @@
 """The busy-machine watch (``lantern.machine``): what other processes took while a command timed
-its methods, and the warning demo / bench / profile print and record when it was too much."""
+its methods, and the warning demo / bench / profile (its --trace too) print and record when it was too
+much."""
 
 from __future__ import annotations
 
@@ -96,3 +97,36 @@ def test_demo_warns_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch, tmp_path:
     out = capsys.readouterr().out
     assert "WARNING: busy machine (other processes used 100% of the 2 cores" in out
     assert json.loads((tmp_path / "d" / "demo.json").read_text())["machine_load"]["busy"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lantern.testing import make_random_stack
+
+    return make_random_stack(tmp_path_factory.mktemp("stack") / "random", seed=3, grid=4, vocab=64)
+
+
+@pytest.mark.parametrize("others", [1.5, 0.1], ids=["busy", "quiet"])
+def test_profile_trace_warns_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_stack: Path,
+                                               capsys: pytest.CaptureFixture[str], others: float) -> None:
+    """``lantern profile --trace`` watches the machine like demo / bench / profile: ``machine_load``
+    and ``busy_warning`` in trace.json, the warning printed and atop trace.md only when busy."""
+    fake_readings(monkeypatch, others)  # 1.5 of 2 cores: 75 % of the machine; 0.1: 5 %
+    out = tmp_path / "t"
+    assert main(["profile", "--model", str(tiny_stack), "--trace", "ar", "--trace-images", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    trace = json.loads((out / "trace.json").read_text())
+    md = (out / "trace.md").read_text()
+    busy = others / 2 > BUSY_SHARE
+    assert trace["machine_load"] == {"cpus": 2, "load1_start": 0.5, "load1_end": 0.5,
+                                     "others_share": pytest.approx(others / 2), "busy": busy}
+    assert [m["method"] for m in trace["methods"]] == ["ar"]  # the trace itself is still there
+    if busy:
+        warning = ("WARNING: busy machine (other processes used 75% of the 2 cores while timing): "
+                   "speed-ups measured now can be far off; rerun on a quiet machine")
+        assert trace["busy_warning"] == warning
+        assert warning in printed and md.startswith(f"**{warning}**\n\n| method |")
+    else:
+        assert trace["busy_warning"] is None
+        assert "WARNING" not in printed and "WARNING" not in md and md.startswith("| method |")

@@ -23,7 +23,9 @@ per round: 1 when the whole round is one region, 0 in eager runs.
 Times are per round (one target forward); the unit "AR step" is the round time of plain AR in
 the same run, so the table reads directly as "what a round costs in AR steps". The overhead of a
 round is everything but the target verify and the drafter forwards. Times on a shared machine
-drift; fractions and counts are the robust part.
+drift; fractions and counts are the robust part, and the trace watches the machine like demo,
+bench and profile do (:mod:`lantern.machine`): ``machine_load`` in trace.json, and a busy-machine
+warning printed and atop trace.md when other processes took too much of the cores.
 """
 
 from __future__ import annotations
@@ -267,18 +269,25 @@ def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: Outpu
     from lantern.eval.bench import bench_labels
     from lantern.eval.methods_grammar import parse_methods
     from lantern.io import write_json
+    from lantern.machine import watch_load
 
     check(args.trace_images >= 1, f"--trace-images must be >= 1, got {args.trace_images}")
     methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace)}
     labels = bench_labels(stack.target.config.num_classes, args.trace_images)
-    traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size,
-                           compile=args.compile)
+    with watch_load() as watch:  # were other processes competing for the cores while we timed?
+        traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size,
+                               compile=args.compile)
+    assert watch.result is not None
     table = trace_markdown(traces)
     meta = trace_meta(stack, sampling, labels, args.batch_size, str(args.model))
     meta["compile"] = resolve_compile(args.compile, stack.target.device)
+    meta["machine_load"] = watch.result.to_dict()
+    meta["busy_warning"] = warning = watch.result.warning()
+    if warning is not None:
+        print(warning)
     print(table)
     with out.write() as folder:
         write_json(folder / "trace.json", trace_dict(traces, meta))
-        (folder / "trace.md").write_text(table + "\n")
+        (folder / "trace.md").write_text((f"**{warning}**\n\n" if warning is not None else "") + table + "\n")
     print(f"wrote {out.path / 'trace.json'} and {out.path / 'trace.md'}")
     return 0
