@@ -6,9 +6,9 @@ For each method and each batching mode (continuous, then static with ``--no-cont
 (one image each, distinct seeds). It reports throughput (images/s over the wall time of the
 level), p50 / p95 / p99 request latency, the batch occupancy the server measured over the level
 (``/metrics``: busy rows per row of the running batches), and errors (must be 0), as JSON and a
-markdown table in ``--out``. The one-client rows also give the latency of the same images made
-in this process with ``lantern.load(model)(labels=[label], seed=seed, method=method)`` and saved
-as PNG (``direct``, median), and the server's p50 over it: what the server adds.
+markdown table in ``--out``. The one-client continuous row also compares, request by request, the
+server's latency with the same image made in this process by ``lantern.load(model)(labels=[label],
+seed=seed, method=method)`` and saved as PNG (medians, and their ratio: what the server adds).
 
     python benchmarks/serve_load.py --model photos --methods ar,lantern++ --out benchmarks/results/serve-load
 
@@ -132,21 +132,29 @@ def run_level(server: Server, clients: int, per_client: int, method: str, label_
             "batch_occupancy": busy / rows if rows else None}
 
 
-def direct_seconds(model: str, method: str, per_client: int, label_count: int) -> float:
-    """Median seconds of client 0's images made in-process (the pipeline and a PNG, as the server does)."""
+def server_over_direct(server: Server, model: str, method: str, count: int, label_count: int) -> dict[str, float]:
+    """One image at a time, alternately made in this process (the pipeline and a PNG, as the server
+    does) and requested from the idle server: medians and their ratio. Alternating keeps the two
+    on the same machine state (this VM's speed drifts by 20-30 % over minutes)."""
     import io
 
     import lantern
 
     pipe = lantern.load(model)
     pipe(labels=[0], seed=0, method=method)  # warm, as the server is
-    times = []
-    for r in range(per_client):
+    direct, served = [], []
+    for r in range(count):
         t0 = time.perf_counter()
         out = pipe(labels=[r % label_count], seed=r, method=method)
         out.images[0].save(io.BytesIO(), format="PNG")
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        direct.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        status, _ = http(server.url + "/v1/images/generations", {"label": r % label_count, "seed": r, "method": method})
+        served.append(time.perf_counter() - t0)
+        if status != 200:
+            raise SystemExit(f"the server answered {status}")
+    d, s = statistics.median(direct), statistics.median(served)
+    return {"direct_p50": d, "server_p50": s, "latency_over_direct": s / d}
 
 
 def main() -> None:
@@ -164,7 +172,6 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for method in args.methods.split(","):
-        direct = direct_seconds(args.model, method, args.requests_per_client, args.labels)
         for mode in args.modes.split(","):
             server = Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
                             args.out / f"server-{method}-{mode}.log")
@@ -173,8 +180,9 @@ def main() -> None:
                 for clients in (int(c) for c in args.clients.split(",")):
                     row = {"method": method, "batching": mode, **run_level(server, clients, args.requests_per_client,
                                                                             method, args.labels)}
-                    if clients == 1:
-                        row["direct_p50"], row["latency_over_direct"] = direct, row["p50"] / direct
+                    if clients == 1 and mode == "continuous":
+                        row.update(server_over_direct(server, args.model, method, args.requests_per_client,
+                                                      args.labels))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
             finally:
@@ -188,7 +196,8 @@ def main() -> None:
         occ = "-" if r["batch_occupancy"] is None else f"{r['batch_occupancy']:.2f}"
         lines.append(f"| {r['method']} | {r['batching']} | {r['clients']} | {r['images_per_second']:.3f} | "
                      f"{r['p50']:.2f} | {r['p95']:.2f} | {r['p99']:.2f} | {occ} | {r['errors']} | "
-                     + (f"{r['latency_over_direct']:.2f} ({r['direct_p50']:.2f} s) |" if "direct_p50" in r else "- |"))
+                     + (f"{r['latency_over_direct']:.2f} ({r['server_p50']:.2f} / {r['direct_p50']:.2f} s) |"
+                        if "direct_p50" in r else "- |"))
     (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

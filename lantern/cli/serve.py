@@ -83,20 +83,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise LanternError(f"lantern serve needs the serve extra ({e.name} is missing): "
                            "pip install 'lantern-ar[serve]'") from None
-    from lantern.api import load
-    from lantern.serve.scheduler import Job, Scheduler
+    import torch
 
+    from lantern.api import load
+    from lantern.serve.scheduler import Job, Scheduler, side_thread
+
+    threads = torch.get_num_threads()  # the decode thread's; this thread runs at one (side_thread)
+    side_thread()
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,
                 vq=args.vq, layout=args.layout, image_size=args.image_size, proximity=args.proximity)
-    scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous)
+    scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous,
+                          threads=threads)
     app = create_app(scheduler, pipeline=pipe, default_method=args.method,
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
                      drain_timeout=args.drain_timeout, model=_model_name(args.model))
     condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
     scheduler.check(Job(condition, 0, 0, args.method))  # loads and checks --method's drafter and table now
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
-        scheduler.warm_up([args.method], condition)  # before start(): it runs rounds in this thread
+        scheduler.warm_up([args.method], condition)  # in the decode thread, which it starts
     scheduler.start()
     host, port = sock.getsockname()[:2]
     print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}) on http://{_url_host(host)}:{port}",

@@ -16,11 +16,19 @@ new jobs only when its whole batch has finished: static batches.
 
 One thread runs every lane's rounds, one lane round at a time; callers only queue jobs and wait on
 futures, so the HTTP layer never touches decode state.
+
+Threads and torch: only the decode thread should run torch with several intra-op threads. Every
+other live thread that has run a parallel torch op keeps its own OpenMP team, and on this 2-core
+machine one idle team beside the decoding one made decoding 40 % slower (0.54 s -> 0.77 s per
+`digits` image; a thread that set one intra-op thread before its first op cost nothing). So the
+process that serves runs its other threads, the main one included, at one intra-op thread
+(:func:`side_thread`) and the decode thread at ``threads``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -92,6 +100,13 @@ class Ticket:
     def cancel(self) -> None:
         """The client went away: the row is freed at the next round boundary (or never starts)."""
         self.cancelled = True
+
+
+def side_thread() -> None:
+    """Call in a thread other than the decode thread before its first torch op (the main thread
+    before loading the model, a web worker before decoding images): one intra-op thread, so its
+    OpenMP team does not slow the decode thread (see the module docstring)."""
+    torch.set_num_threads(1)
 
 
 def _bucket(n: int, max_batch: int) -> int:
@@ -242,24 +257,27 @@ class Lane:
                              queue_seconds=ticket.started - ticket.submitted,
                              latency_seconds=now - ticket.submitted)
         self.scheduler._record(result)
-        if not ticket.future.done():
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # a caller cancelled the future itself
             ticket.future.set_result(result)
 
 
 def _fail(ticket: Ticket, error: BaseException) -> None:
-    if not ticket.future.done():
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
         ticket.future.set_exception(error)
 
 
 class Scheduler:
     """Queued jobs, one :class:`Lane` per method and settings, and the thread that runs their rounds."""
 
-    def __init__(self, pipeline: Any, *, max_batch: int = 8, max_queue: int = 64, continuous: bool = True) -> None:
-        """pipeline: a :class:`lantern.api.Pipeline` (its stack, drafter, proximity table and compile mode)."""
+    def __init__(self, pipeline: Any, *, max_batch: int = 8, max_queue: int = 64, continuous: bool = True,
+                 threads: int | None = None) -> None:
+        """pipeline: a :class:`lantern.api.Pipeline` (its stack, drafter, proximity table and compile mode);
+        threads: the decode thread's intra-op threads (default: torch's count now)."""
         if max_batch < 1 or max_queue < 1:
             raise LanternError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
         self.pipeline, self.stack = pipeline, pipeline.stack
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
+        self.threads = threads or torch.get_num_threads()
         self._queue: deque[Ticket] = deque()
         self._lanes: dict[tuple[str, Settings], Lane] = {}
         self._prepared: dict[tuple[str, Settings], PreparedMethod] = {}
@@ -300,17 +318,21 @@ class Scheduler:
             self._thread.start()
 
     def warm_up(self, methods: Sequence[str], condition: int | str) -> None:
-        """Decode one image per method and batch size, so that a compiled server compiles now (and
-        loads every method's weights), never in a request. Runs before :meth:`start`."""
+        """Decode one batch per method and batch size, so that a compiled server compiles now (and
+        loads every method's weights), never in a request. Starts the decode thread if it is not
+        running (compiled graphs are the decode thread's)."""
         sizes = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
+        self.start()
         for method in methods:
             for size in sizes:
-                jobs = [Job(condition, 0, i, method) for i in range(size)]
-                for job in jobs:
-                    self.check(job)
-                with self._lock:  # not submit(): warm-up is not held to max_queue
-                    self._queue.extend(Ticket(job) for job in jobs)
-                self.run_until_idle()
+                tickets = [Ticket(Job(condition, 0, i, method)) for i in range(size)]
+                for t in tickets:
+                    self.check(t.job)
+                with self._wake:  # not submit(): warm-up is not held to max_queue
+                    self._queue.extend(tickets)
+                    self._wake.notify()
+                for t in tickets:
+                    t.future.result()
         for key in self._counters:
             self._counters[key] = 0.0
 
@@ -382,6 +404,7 @@ class Scheduler:
         return lane
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._wake:
