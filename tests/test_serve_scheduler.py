@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 import lantern
 from lantern.decoding import compiling
 from lantern.errors import LanternError
+from lantern.serve import scheduler as scheduler_module
 from lantern.serve.scheduler import Cancelled, Job, QueueFull, Scheduler
 
 
@@ -149,3 +150,18 @@ def test_compiled_server_compiles_at_warm_up_only(pipe: lantern.Pipeline, eager_
     assert counters["stats"]["unique_graphs"] == graphs and len(compiling._rounds) == copies
     assert torch.equal(a.codes, _expected(pipe, first[0].job, 1))
     assert torch.equal(b.codes, _expected(pipe, later[0].job, 2))
+
+
+def test_lanes_and_loaded_methods_stay_bounded(pipe: lantern.Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending ever new settings cannot grow the server's memory: idle lanes and loaded
+    methods past their caps are dropped, least recently used first; the images stay right."""
+    monkeypatch.setattr(scheduler_module, "MAX_LANES", 2)
+    monkeypatch.setattr(scheduler_module, "MAX_PREPARED", 3)
+    sched = Scheduler(pipe, max_batch=1)
+    jobs = [Job(1, 0, 0, "ar", (("temperature", 0.5 + 0.1 * i),)) for i in range(5)]
+    tickets = sched.submit(jobs)
+    sched.run_until_idle()
+    assert len(sched._lanes) <= 2 and len(sched._prepared) <= 3
+    assert list(sched._lanes)[-1] == jobs[-1].key  # the most recent stays
+    for t in tickets:
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 1))

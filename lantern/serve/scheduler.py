@@ -32,7 +32,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +48,10 @@ from lantern.errors import LanternError
 from lantern.run import PreparedMethod, image_seed, prepare_method
 
 Settings = tuple[tuple[str, Any], ...]
+# Kept at most: lanes (each holds its batch's caches) and loaded methods (drafter, proximity table).
+# Idle ones go first, least recently used: a client sending ever new settings cannot grow memory.
+MAX_LANES = 8
+MAX_PREPARED = 16
 
 
 @dataclass(frozen=True)
@@ -279,8 +283,8 @@ class Scheduler:
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
         self.threads = threads or torch.get_num_threads()
         self._queue: deque[Ticket] = deque()
-        self._lanes: dict[tuple[str, Settings], Lane] = {}
-        self._prepared: dict[tuple[str, Settings], PreparedMethod] = {}
+        self._lanes: OrderedDict[tuple[str, Settings], Lane] = OrderedDict()
+        self._prepared: OrderedDict[tuple[str, Settings], PreparedMethod] = OrderedDict()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -362,14 +366,15 @@ class Scheduler:
         for ticket in list(self._queue):
             _fail(ticket, Cancelled("the server stopped before this image started"))
         self._queue.clear()
-        for lane in self._lanes.values():
+        for lane in list(self._lanes.values()):
             lane.cancel_all("the server stopped before this image finished")
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
             c = dict(self._counters)
-            rows = sum(len(lane.rows) for lane in self._lanes.values())
-            busy = sum(lane.busy for lane in self._lanes.values())
+            lanes = list(self._lanes.values())  # (the decode thread may add or drop one meanwhile)
+            rows = sum(len(lane.rows) for lane in lanes)
+            busy = sum(lane.busy for lane in lanes)
             c["queue_depth"] = float(len(self._queue))
         c["batch_rows"], c["busy_rows"] = float(rows), float(busy)
         c["batch_occupancy"] = c["busy_row_rounds"] / c["row_rounds"] if c["row_rounds"] else 0.0
@@ -388,20 +393,33 @@ class Scheduler:
 
         with self._lock:
             prepared = self._prepared.get(key)
-        if prepared is not None:
-            return prepared
+            if prepared is not None:
+                self._prepared.move_to_end(key)
+                return prepared
         method, settings = key
         method_cfg, sampling = resolve_settings(self.stack, method, **dict(settings))
         pipe = self.pipeline
         prepared = prepare_method(self.stack, method_cfg, sampling, pipe.drafter, pipe.proximity, pipe.compile)
         with self._lock:
-            return self._prepared.setdefault(key, prepared)
+            prepared = self._prepared.setdefault(key, prepared)
+            while len(self._prepared) > MAX_PREPARED:  # a running lane keeps its own reference
+                self._prepared.popitem(last=False)
+            return prepared
 
     def _lane(self, key: tuple[str, Settings]) -> Lane:
+        """The lane of ``key`` (decode thread only), made if needed."""
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = Lane(self, self._prepare(key))
+        self._lanes.move_to_end(key)
         return lane
+
+    def _drop_idle_lanes(self) -> None:
+        """Idle lanes past MAX_LANES, least recently used first (after admission or a round: never one
+        chosen for jobs meanwhile)."""
+        idle = [k for k, v in self._lanes.items() if not v.busy]
+        for k in idle[: max(0, len(self._lanes) - MAX_LANES)]:
+            del self._lanes[k]
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
@@ -419,7 +437,7 @@ class Scheduler:
                     self._step(lane)
 
     def _busy_lanes(self) -> list[Lane]:
-        return [lane for lane in self._lanes.values() if lane.busy]
+        return [lane for lane in list(self._lanes.values()) if lane.busy]
 
     def _admit(self) -> None:
         """Queued jobs, in order, into their lanes' free rows (a job behind a full lane waits there)."""
@@ -427,9 +445,9 @@ class Scheduler:
             waiting = list(self._queue)
         chosen: dict[tuple[str, Settings], list[Ticket]] = {}
         room: dict[tuple[str, Settings], int] = {}
+        dropped = [t for t in waiting if t.cancelled]  # never started
         for ticket in waiting:
             if ticket.cancelled:
-                chosen.setdefault(("", ()), []).append(ticket)  # dropped below, never started
                 continue
             key = ticket.job.key
             if key not in room:
@@ -438,19 +456,18 @@ class Scheduler:
                 room[key] -= 1
                 chosen.setdefault(key, []).append(ticket)
         with self._lock:
-            taken = {id(t) for group in chosen.values() for t in group}
+            taken = {id(t) for group in (*chosen.values(), dropped) for t in group}
             self._queue = deque(t for t in self._queue if id(t) not in taken)
+        for t in dropped:
+            _fail(t, Cancelled("cancelled: the client went away"))
         for key, tickets in chosen.items():
-            if key == ("", ()):
-                for t in tickets:
-                    _fail(t, Cancelled("cancelled: the client went away"))
-                continue
             try:
                 self._lanes[key].admit(tickets)
             except Exception as e:  # one failing request never takes the server down
                 for t in tickets:
                     _fail(t, e if isinstance(e, LanternError) else LanternError(f"generation failed: {e}"))
                 self._lanes.pop(key, None)
+        self._drop_idle_lanes()
 
     def _step(self, lane: Lane) -> None:
         decode = lane.decode
@@ -460,8 +477,10 @@ class Scheduler:
             lane.step()
         except Exception as e:  # a failed round fails its rows, not the server
             lane.cancel_all(f"generation failed: {e}")
-            self._lanes = {k: v for k, v in self._lanes.items() if v is not lane}
+            self._lanes = OrderedDict((k, v) for k, v in self._lanes.items() if v is not lane)
             return
+        if not lane.busy:
+            self._drop_idle_lanes()
         with self._lock:
             self._counters["rounds_total"] += 1
             self._counters["busy_row_rounds"] += busy
