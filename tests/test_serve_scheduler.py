@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,29 @@ def test_lanes_and_loaded_methods_stay_bounded(pipe: lantern.Pipeline, monkeypat
     assert list(sched._lanes)[-1] == jobs[-1].key  # the most recent stays
     for t in tickets:
         assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 1))
+
+
+def test_a_text_model_loads_its_prompt_encoder_once(t2i_stack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of a text-to-image model join one by one: the T5 encoder is loaded once, not per join,
+    and the images are the API's."""
+    from lantern.targets import text
+
+    loads = []
+    real = text.load_t5
+    monkeypatch.setattr(text, "load_t5", lambda *a, **k: loads.append(a) or real(*a, **k))
+    text_pipe = lantern.load(t2i_stack)
+    sched = Scheduler(text_pipe, max_batch=2)
+    first = sched.submit([Job("a red car", 4, 0, "sjd-coupled")])
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(first[0].job.key)
+        sched._step(lane)
+        later = sched.submit([Job("a blue boat", 4, 1, "sjd-coupled")])
+        sched._admit()
+        assert lane.busy == 2  # joined the running batch
+    sched.run_until_idle()
+    assert len(loads) == 1
+    monkeypatch.setattr(text, "load_t5", real)
+    for t, prompt in ((first[0], "a red car"), (later[0], "a blue boat")):
+        expected = text_pipe(prompts=[prompt], num_per_label=2, seed=4, method="sjd-coupled").codes[t.job.index]
+        assert torch.equal(t.future.result(0).codes, expected)

@@ -46,6 +46,7 @@ from lantern.decoding.loop import Decode
 from lantern.decoding.rows import movable
 from lantern.errors import LanternError
 from lantern.run import PreparedMethod, image_seed, prepare_method
+from lantern.targets.base import check_condition_kind
 
 Settings = tuple[tuple[str, Any], ...]
 # Kept at most: lanes (each holds its batch's caches) and loaded methods (drafter, proximity table).
@@ -197,8 +198,7 @@ class Lane:
         """Encoded conditions of ``tickets``, padded to ``size`` rows with copies of the first (free rows)."""
         conds = [t.job.condition for t in tickets]
         conds += [conds[0]] * (size - len(conds))
-        t5 = self.scheduler.pipeline.t5_dir() if self.stack.kind == "t2i" else None
-        return self.stack.encode(conds, 1, size, t5=t5) if t5 is not None else self.stack.encode(conds, 1, size)
+        return self.scheduler.encode(conds)
 
     def _prefill(self, tickets: Sequence[Ticket], size: int | None = None, eager: bool = False) -> Decode:
         size = size or len(tickets)
@@ -282,6 +282,7 @@ class Scheduler:
         self.pipeline, self.stack = pipeline, pipeline.stack
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
         self.threads = threads or torch.get_num_threads()
+        self._t5: Any = None  # text-to-image: the prompt encoder, loaded once (not once per joining row)
         self._queue: deque[Ticket] = deque()
         self._lanes: OrderedDict[tuple[str, Settings], Lane] = OrderedDict()
         self._prepared: OrderedDict[tuple[str, Settings], PreparedMethod] = OrderedDict()
@@ -380,6 +381,21 @@ class Scheduler:
         c["batch_occupancy"] = c["busy_row_rounds"] / c["row_rounds"] if c["row_rounds"] else 0.0
         c["mean_tokens_per_forward"] = c["tokens_total"] / c["forwards_total"] if c["forwards_total"] else 0.0
         return c
+
+    def encode(self, conditions: list[Any]) -> Any:
+        """Conditions of one batch, as ``Stack.encode`` makes them. A text-to-image model's T5 encoder
+        stays loaded: ``Stack.encode`` loads it per call (right for one run, not for a server where
+        rows join one at a time), at the cost of keeping it in memory."""
+        if self.stack.kind != "t2i":
+            return self.stack.encode(conditions, 1, len(conditions))
+        prompts = check_condition_kind(conditions, str, self.stack.root)
+        if self._t5 is None:
+            from lantern.targets.text import load_t5  # transformers: only for text-to-image models
+
+            cfg = self.stack.target.config
+            self._t5 = load_t5(self.pipeline.t5_dir(), cfg.cls_token_num, self.stack.device, self.stack.dtype,
+                               cfg.caption_dim)
+        return self.stack.from_captions(self._t5.encode(prompts, batch_size=len(prompts)))
 
     def images(self, codes: Tensor) -> list[Image.Image]:
         """Decode codes [k, N] to images with the model's VQ decoder."""
