@@ -192,3 +192,21 @@ def test_a_text_model_loads_its_prompt_encoder_once(t2i_stack: Path, monkeypatch
     for t, prompt in ((first[0], "a red car"), (later[0], "a blue boat")):
         expected = text_pipe(prompts=[prompt], num_per_label=2, seed=4, method="sjd-coupled").codes[t.job.index]
         assert torch.equal(t.future.result(0).codes, expected)
+
+
+def test_a_method_whose_rows_cannot_move_runs_static_batches(pipe: lantern.Pipeline) -> None:
+    """PJD's grid drafter lists no row state: its lane takes new jobs only between batches, and
+    each batch is exactly its jobs (no placeholder rows); the images are the API's."""
+    sched = Scheduler(pipe, max_batch=4)
+    first = sched.submit([Job(2, 1, i, "pjd") for i in range(3)])
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(first[0].job.key)
+        assert not lane.continuous and lane.decode is not None and lane.decode.batch == 3
+        sched._step(lane)
+        later = sched.submit([Job(2, 1, 3, "pjd")])
+        sched._admit()
+        assert lane.busy == 3 and len(sched._queue) == 1
+    sched.run_until_idle()
+    for t in [*first, *later]:
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 4))

@@ -130,7 +130,9 @@ class Lane:
         self.stack = prepared.stack
         self.decode: Decode | None = None
         self.rows: list[Ticket | None] = []
-        self.continuous = scheduler.continuous
+        # Rows move only if every piece of this method's decode lists its row state (adapters are
+        # cheap to build: nothing is allocated before a prefill).
+        self.continuous = scheduler.continuous and movable(*prepared.parts())
         self._join_caches = CachePool()  # joining rows' prefill: never the running batch's caches
 
     # -- what the scheduler asks -----------------------------------------------------------------
@@ -211,7 +213,6 @@ class Lane:
         if not self.continuous:
             size = len(tickets)  # static batches: exactly the jobs, as ``lantern generate`` batches them
         self.decode = self._prefill(tickets, size)
-        self.continuous = self.scheduler.continuous and movable(self.decode.target, self.decode.drafter)
         self.rows = [None] * size
         for r, t in enumerate(tickets):
             self._place(r, t)
