@@ -3,12 +3,14 @@
 For each method and each batching mode (continuous, then static with ``--no-continuous``) it starts
 ``lantern serve --model M --max-batch B`` on a free localhost port, waits for ``/health``, and runs
 1, 4 and 16 concurrent clients, each sending ``--requests-per-client`` requests one after another
-(one image each, distinct seeds). It reports throughput (images/s over the wall time of the
-level), p50 / p95 / p99 request latency, the batch occupancy the server measured over the level
-(``/metrics``: busy rows per row of the running batches), and errors (must be 0), as JSON and a
-markdown table in ``--out``. The one-client continuous row also compares, request by request, the
-server's latency with the same image made in this process by ``lantern.load(model)(labels=[label],
-seed=seed, method=method)`` and saved as PNG (medians, and their ratio: what the server adds).
+(one image each, distinct seeds; a closed loop), and, with ``--rates``, requests arriving at random
+at each given rate (a Poisson process, the same arrivals for both modes; an open loop). It reports
+throughput (images/s over the wall time of the level), p50 / p95 / p99 request latency, the batch
+occupancy the server measured over the level (``/metrics``: busy rows per row of the running
+batches), and errors (must be 0), as JSON and a markdown table in ``--out``. The one-client
+continuous row also compares, request by request, the server's latency with the same image made in
+this process by ``lantern.load(model)(labels=[label], seed=seed, method=method)`` and saved as PNG
+(medians, and their ratio: what the server adds).
 
     python benchmarks/serve_load.py --model photos --methods ar,lantern++ --out benchmarks/results/serve-load
 
@@ -95,13 +97,36 @@ class Server:
 
 
 def run_level(server: Server, clients: int, per_client: int, method: str, label_count: int) -> dict[str, Any]:
+    """Closed loop: ``clients`` threads, each sending ``per_client`` requests one after another."""
+    plan = [[(0.0, {"label": (c * per_client + r) % label_count, "seed": 1000 * c + r, "method": method})
+             for r in range(per_client)] for c in range(clients)]
+    return {"clients": clients, **fire(server, plan)}
+
+
+def run_open(server: Server, rate: float, count: int, method: str, label_count: int) -> dict[str, Any]:
+    """Open loop: ``count`` requests arriving as a Poisson process of ``rate`` per second (a fixed
+    seed, so continuous and static batching see the same arrivals), each on its own connection."""
+    import random
+
+    draw, at = random.Random(0), 0.0
+    plan = []
+    for r in range(count):
+        at += draw.expovariate(rate)
+        plan.append([(at, {"label": r % label_count, "seed": 5000 + r, "method": method})])
+    return {"clients": f"{rate:g}/s", **fire(server, plan)}
+
+
+def fire(server: Server, plan: list[list[tuple[float, dict[str, Any]]]]) -> dict[str, Any]:
+    """Send ``plan`` (one list per thread of (send no earlier than this offset in s, body)), time
+    every request, and read the batch occupancy the server measured meanwhile."""
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
+    start = time.perf_counter()
 
-    def client(c: int) -> None:
-        for r in range(per_client):
-            body = {"label": (c * per_client + r) % label_count, "seed": 1000 * c + r, "method": method}
+    def worker(requests: list[tuple[float, dict[str, Any]]]) -> None:
+        for at, body in requests:
+            time.sleep(max(0.0, start + at - time.perf_counter()))
             t0 = time.perf_counter()
             try:
                 status, text = http(server.url + "/v1/images/generations", body)
@@ -115,7 +140,7 @@ def run_level(server: Server, clients: int, per_client: int, method: str, label_
                     errors.append(f"{status}: {text[:200]!r}")
 
     before = server.metrics()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    threads = [threading.Thread(target=worker, args=(requests,)) for requests in plan]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -126,7 +151,7 @@ def run_level(server: Server, clients: int, per_client: int, method: str, label_
     busy = metric(after, "lantern_busy_row_rounds_total") - metric(before, "lantern_busy_row_rounds_total")
     rows = metric(after, "lantern_row_rounds_total") - metric(before, "lantern_row_rounds_total")
     q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
-    return {"clients": clients, "requests": clients * per_client, "images": len(latencies), "errors": len(errors),
+    return {"requests": sum(len(r) for r in plan), "images": len(latencies), "errors": len(errors),
             "error_samples": errors[:3], "wall_seconds": wall, "images_per_second": len(latencies) / wall,
             "p50": q[49] if q else None, "p95": q[94] if q else None, "p99": q[98] if q else None,
             "batch_occupancy": busy / rows if rows else None}
@@ -167,6 +192,8 @@ def main() -> None:
     ap.add_argument("--modes", default="continuous,static")
     ap.add_argument("--compile", default="off")
     ap.add_argument("--labels", type=int, default=10, help="labels cycle over 0 .. N-1")
+    ap.add_argument("--rates", default="", help="open loop: Poisson arrival rates (requests/s), e.g. 0.5,1")
+    ap.add_argument("--open-requests", type=int, default=24, help="requests per open-loop rate")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +204,7 @@ def main() -> None:
                             args.out / f"server-{method}-{mode}.log")
             try:
                 http(server.url + "/v1/images/generations", {"label": 0, "seed": 0, "method": method})  # warm
-                for clients in (int(c) for c in args.clients.split(",")):
+                for clients in (int(c) for c in args.clients.split(",") if c):
                     row = {"method": method, "batching": mode, **run_level(server, clients, args.requests_per_client,
                                                                             method, args.labels)}
                     if clients == 1 and mode == "continuous":
@@ -185,12 +212,18 @@ def main() -> None:
                                                       args.labels))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
+                for rate in (float(r) for r in args.rates.split(",") if r):
+                    row = {"method": method, "batching": mode, **run_open(server, rate, args.open_requests, method,
+                                                                          args.labels)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
             finally:
                 server.stop()
     record = {"model": args.model, "max_batch": args.max_batch, "requests_per_client": args.requests_per_client,
               "compile": args.compile, "cpu_count": os.cpu_count(), "rows": rows}
     (args.out / "serve_load.json").write_text(json.dumps(record, indent=2))
-    lines = ["| method | batching | clients | images/s | p50 s | p95 s | p99 s | occupancy | errors | p50 / direct |",
+    lines = ["| method | batching | clients (or arrivals) | images/s | p50 s | p95 s | p99 s | occupancy | errors "
+             "| p50 / direct |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         occ = "-" if r["batch_occupancy"] is None else f"{r['batch_occupancy']:.2f}"
