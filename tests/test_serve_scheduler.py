@@ -210,3 +210,18 @@ def test_a_method_whose_rows_cannot_move_runs_static_batches(pipe: lantern.Pipel
     sched.run_until_idle()
     for t in [*first, *later]:
         assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 4))
+
+
+def test_a_compiled_static_lane_warms_every_batch_size(pipe: lantern.Pipeline, eager_backend: None) -> None:
+    """PJD's lane runs static batches of exactly its jobs, so warm-up compiles every size up to
+    max_batch (not only the powers of two 1, 2, 4), and a batch of 3 then compiles nothing."""
+    compiled = lantern.load("digits", compile="default")
+    sched = Scheduler(compiled, max_batch=4)
+    sched.warm_up(["pjd"], 0)
+    graphs, copies = counters["stats"]["unique_graphs"], len(compiling._rounds)
+    tickets = sched.submit([Job(4, 2, i, "pjd") for i in range(3)])
+    results = [t.future.result(120) for t in tickets]
+    sched.shutdown(10)
+    assert counters["stats"]["unique_graphs"] == graphs and len(compiling._rounds) == copies
+    for t, r in zip(tickets, results, strict=True):
+        assert torch.equal(r.codes, _expected(pipe, t.job, 3))

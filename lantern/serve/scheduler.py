@@ -327,10 +327,12 @@ class Scheduler:
         """Decode one batch per method and batch size, so that a compiled server compiles now (and
         loads every method's weights), never in a request. Starts the decode thread if it is not
         running (compiled graphs are the decode thread's)."""
-        sizes = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
+        buckets = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
         self.start()
         for method in methods:
-            for size in sizes:
+            # Static batches are exactly their jobs: every size from 1 to max_batch may come.
+            moves = self.continuous and movable(*self._prepare((method, ())).parts())
+            for size in buckets if moves else range(1, self.max_batch + 1):
                 tickets = [Ticket(Job(condition, 0, i, method)) for i in range(size)]
                 for t in tickets:
                     self.check(t.job)
