@@ -114,6 +114,12 @@ def side_thread() -> None:
     torch.set_num_threads(1)
 
 
+def rows_move(prepared: PreparedMethod) -> bool:
+    """Whether this method's decode rows can join and leave a running batch: every piece lists its
+    row state (adapters are cheap to build: nothing is allocated before a prefill)."""
+    return movable(*prepared.parts())
+
+
 def _bucket(n: int, max_batch: int) -> int:
     """The batch size for ``n`` rows: the next power of two, at most ``max_batch``."""
     size = 1
@@ -130,9 +136,7 @@ class Lane:
         self.stack = prepared.stack
         self.decode: Decode | None = None
         self.rows: list[Ticket | None] = []
-        # Rows move only if every piece of this method's decode lists its row state (adapters are
-        # cheap to build: nothing is allocated before a prefill).
-        self.continuous = scheduler.continuous and movable(*prepared.parts())
+        self.continuous = scheduler.continuous and rows_move(prepared)
         self._join_caches = CachePool()  # joining rows' prefill: never the running batch's caches
 
     # -- what the scheduler asks -----------------------------------------------------------------
@@ -331,7 +335,7 @@ class Scheduler:
         self.start()
         for method in methods:
             # Static batches are exactly their jobs: every size from 1 to max_batch may come.
-            moves = self.continuous and movable(*self._prepare((method, ())).parts())
+            moves = self.continuous and rows_move(self._prepare((method, ())))
             for size in buckets if moves else range(1, self.max_batch + 1):
                 tickets = [Ticket(Job(condition, 0, i, method)) for i in range(size)]
                 for t in tickets:
@@ -351,9 +355,7 @@ class Scheduler:
             raise LanternError("run_until_idle() runs rounds itself; the decode thread is already running")
         with torch.inference_mode():
             while self._queue or self._busy_lanes():
-                self._admit()
-                for lane in self._busy_lanes():
-                    self._step(lane)
+                self._cycle()
 
     def shutdown(self, timeout: float) -> None:
         """Stop taking jobs; finish the running and queued ones, cancelling what is left after ``timeout`` s."""
@@ -451,9 +453,13 @@ class Scheduler:
                         self._wake.wait()
                     if self._stop_now:
                         return
-                self._admit()
-                for lane in self._busy_lanes():
-                    self._step(lane)
+                self._cycle()
+
+    def _cycle(self) -> None:
+        """Admit what fits, then one round of every lane with rows running."""
+        self._admit()
+        for lane in self._busy_lanes():
+            self._step(lane)
 
     def _busy_lanes(self) -> list[Lane]:
         return [lane for lane in list(self._lanes.values()) if lane.busy]
