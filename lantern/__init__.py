@@ -38,8 +38,10 @@ _EXPORTS = {
         "lantern.decoding.loop": ("generate", "GenerationOutput", "SpecStats", "Drafter", "Acceptance", "Target"),
         "lantern.decoding.config": ("SamplingConfig", "TreeConfig", "RelaxationConfig"),
         "lantern.decoding.jacobi": ("JacobiConfig",),
-        "lantern.run": ("MethodConfig", "RunResult", "run_generation", "run_generation_t2i", "run_conditions"),
-        "lantern.targets.base": ("ModelStack", "load_stack", "Stack", "Conditions"),
+        "lantern.methods": ("MethodConfig",),
+        "lantern.run": ("RunResult", "run_generation", "run_generation_t2i", "run_conditions"),
+        "lantern.targets.base": ("Stack", "Conditions"),
+        "lantern.targets.llamagen_stack": ("ModelStack", "load_stack"),
         "lantern.targets.chameleon_stack": ("ChameleonStack",),
         "lantern.errors": ("LanternError",),
     }.items()
