@@ -9,17 +9,26 @@ from __future__ import annotations
 
 
 class LanternError(ValueError):
-    """A bad argument, file or checkpoint, described for the user."""
+    """A bad argument, file or checkpoint, described for the user in one line.
+
+    ``field``: the setting the error is about (a name of the settings vocabulary, ``top_k``,
+    ``lantern_delta``, ``tree`` ...), where the check knows it: data, so that the server answers it
+    without parsing the message. None where the error is about no single setting.
+    """
+
+    def __init__(self, message: str = "", *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class CheckpointError(LanternError):
     """A checkpoint whose keys or shapes do not match the model it is loaded into."""
 
 
-def check(condition: bool, message: str) -> None:
-    """Raise :class:`LanternError` with ``message`` unless ``condition`` holds."""
+def check(condition: bool, message: str, field: str | None = None) -> None:
+    """Raise :class:`LanternError` with ``message`` (about setting ``field``) unless ``condition`` holds."""
     if not condition:
-        raise LanternError(message)
+        raise LanternError(message, field=field)
 
 
 # What transformers raises for a broken or unusual model folder: besides OSError / ValueError, a
