@@ -10,6 +10,8 @@ alike: the stack's ``generation.json``, then the method's defaults, then the cal
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -24,7 +26,8 @@ from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError
 from lantern.hub import resolve_location
 from lantern.methods import METHOD_SETTINGS, MethodConfig, resolve_method
-from lantern.run import RunResult
+from lantern.parts import ModelParts
+from lantern.run import PreparedMethod, RunResult
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
 
@@ -34,7 +37,8 @@ def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingCon
     then SamplingConfig's defaults."""
     unknown = sorted(set(overrides) - set(SAMPLING_SETTINGS))
     if unknown:
-        raise LanternError(f"unknown sampling setting {unknown[0]!r} (expected {', '.join(SAMPLING_SETTINGS)})")
+        raise LanternError(f"unknown sampling setting {unknown[0]!r} (expected {', '.join(SAMPLING_SETTINGS)})",
+                           field=unknown[0])
     values: dict[str, Any] = dict(stack.default_sampling())
     values.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingConfig(**values)
@@ -51,7 +55,7 @@ def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodCo
     unknown = sorted(set(settings) - set(SAMPLING_SETTINGS) - set(METHOD_SETTINGS))
     if unknown:
         raise LanternError(f"unknown setting {unknown[0]!r} (expected one of "
-                           f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)})")
+                           f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)})", field=unknown[0])
     method_cfg = resolve_method(method, stack, **{k: v for k, v in settings.items() if k in METHOD_SETTINGS})
     sampling = resolve_sampling(stack, **{k: v for k, v in settings.items() if k in SAMPLING_SETTINGS})
     return method_cfg, sampling
@@ -89,21 +93,66 @@ class PipelineOutput:
     outputs: list[Any] = field(default_factory=list)  # per-batch GenerationOutput (SpecStats in .stats)
 
 
-@dataclass
-class Pipeline:
-    """A loaded model and how to run it; call it with ``labels=`` (c2i) or ``prompts=`` (t2i, Chameleon)."""
+# Prepared methods a Pipeline keeps (each holds its caches; the drafter and table are shared):
+# enough for a few methods and settings in turn, bounded so ever new settings cannot grow memory.
+MAX_PREPARED = 16
 
-    stack: Any  # a lantern.targets.base.Stack: ModelStack (LlamaGen c2i / t2i) or ChameleonStack
-    device: str = "cpu"
-    compile: str = "off"
-    drafter: str | None = None
-    proximity: str | None = None
-    t5: str | None = None
+
+class Pipeline:
+    """A loaded model and how to run it; call it with ``labels=`` (c2i) or ``prompts=`` (t2i, Chameleon).
+
+    It holds loaded parts, not paths: the target (its ``stack``), and in ``parts`` the drafter,
+    proximity table and T5 encoder, each read on first need and then kept; and the last
+    ``MAX_PREPARED`` prepared methods (:meth:`prepare`), so a second call with the same method and
+    settings reads nothing from disk and reuses its caches and compiled round. A call is not
+    thread-safe (a prepared method's caches serve one batch at a time); :meth:`prepare` is."""
+
+    def __init__(self, stack: Any, device: str = "cpu", compile: str = "off", parts: ModelParts | None = None) -> None:
+        """stack: a lantern.targets.base.Stack (ModelStack: LlamaGen c2i / t2i; ChameleonStack); parts:
+        its drafter, proximity table and T5 encoder (default: the stack's own)."""
+        self.stack, self.device, self.compile = stack, device, compile
+        self.parts = parts if parts is not None else ModelParts(stack)
+        self._prepared: OrderedDict[tuple[MethodConfig, SamplingConfig], PreparedMethod] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.stack.root}, device={self.device!r}, compile={self.compile!r})"
 
     @property
     def kind(self) -> str:
         """``c2i``, ``t2i`` or ``chameleon``."""
         return str(self.stack.kind)
+
+    @property
+    def drafter(self) -> torch.nn.Module | None:
+        """The drafter (read on first access), or None when the model has none."""
+        return self.parts.drafter() if self.parts.has_drafter else None
+
+    @property
+    def proximity(self) -> Any:
+        """The latent proximity table (a ``ProximityTable``, read on first access), or None."""
+        return self.parts.table() if self.parts.has_table else None
+
+    def prepare(self, method: MethodConfig, sampling: SamplingConfig) -> PreparedMethod:
+        """The method ready to run, prepared once per method and sampling settings and kept (least
+        recently used dropped past ``MAX_PREPARED``). What every call, ``--tree auto`` and the
+        server run. Preparation does not depend on the batch size: a prepared method's caches are
+        kept per shape."""
+        from lantern.run import prepare_method
+
+        key = (method, sampling)
+        with self._lock:
+            prepared = self._prepared.get(key)
+            if prepared is not None:
+                self._prepared.move_to_end(key)
+                return prepared
+        # Outside the lock: a first drafter read or compile must not hold up other callers' hits.
+        prepared = prepare_method(self.stack, method, sampling, self.parts, self.compile)
+        with self._lock:
+            prepared = self._prepared.setdefault(key, prepared)
+            while len(self._prepared) > MAX_PREPARED:  # a running server lane keeps its own reference
+                self._prepared.popitem(last=False)
+            return prepared
 
     def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
                  prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
@@ -139,15 +188,15 @@ class Pipeline:
 
     def _auto(self, method: str, settings: dict[str, Any], seed: int, batch_size: int,
               progress: bool) -> tuple[MethodConfig, SamplingConfig, dict[str, Any]]:
-        """``tree="auto"``: the method with the tree or window measured fastest here (``choose_auto``)."""
+        """``tree="auto"``: the method with the tree or window measured fastest here (``choose_auto``),
+        its profile and calibration on this pipeline's loaded drafter and table."""
         from lantern.autotree.choose import choose_auto
 
         rest = {k: v for k, v in settings.items() if k != "tree"}
         _, sampling = resolve_settings(self.stack, method, **rest)  # checks every setting first
         method_settings = {k: v for k, v in rest.items() if k in METHOD_SETTINGS}
         method_cfg, record = choose_auto(self.stack, method, sampling, method_settings, seed=seed,
-                                         batch_size=batch_size, drafter_dir=self.drafter, proximity=self.proximity,
-                                         progress=progress)
+                                         batch_size=batch_size, parts=self.parts, progress=progress)
         return method_cfg, sampling, record
 
     def _check_conditions(self, labels: Any, prompts: Any) -> list[Any]:
@@ -168,13 +217,16 @@ class Pipeline:
              batch_size: int, num_per_label: int, progress: bool) -> RunResult:
         from lantern.run import run_conditions
 
-        t5 = self.t5_dir() if self.kind == "t2i" else None
-        encoded = self.stack.encode(conditions, num_per_label, batch_size, t5=t5)
-        return run_conditions(self.stack, encoded, seed, sampling, method, batch_size, progress, self.drafter,
-                              self.proximity, self.compile)
+        encoded = self.parts.encode(conditions, num_per_label, batch_size)
+        return run_conditions(self.stack, encoded, seed, sampling, method, batch_size, progress,
+                              prepared=self.prepare(method, sampling))
 
     def t5_dir(self) -> Path:
-        return self.stack.t5_folder(self.t5)
+        return self.parts.t5_dir()
+
+    def t5_encoder(self) -> Any:
+        """The T5 prompt encoder of a text-to-image model (``T5Encoder``), read once and kept."""
+        return self.parts.t5()
 
 
 def check_seed(seed: Any) -> int:
@@ -258,7 +310,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     stack = load_stack(root, tokenizer, dtype=torch_dtype)
     stack.target.to(device)
     stack.tokenizer.to(device)
-    return Pipeline(stack, device, compile, paths["drafter"], prox, paths["t5"])
+    return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], prox, paths["t5"]))
 
 
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
@@ -280,4 +332,4 @@ def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object,
             raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
                                "tokenizer, and decode with --vq)")
     stack = load_chameleon_stack(root, chameleon_layout(root, layout, image_size), paths["vq"], dtype, device)
-    return Pipeline(stack, device, compile, paths["drafter"], proximity, None)
+    return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], proximity))

@@ -31,6 +31,12 @@ def check(condition: bool, message: str, field: str | None = None) -> None:
         raise LanternError(message, field=field)
 
 
+def first_given(**settings: object) -> str | None:
+    """The name of the first of ``settings`` that is set (not None): the ``field`` of a check that
+    refuses several settings together."""
+    return next((name for name, value in settings.items() if value is not None), None)
+
+
 # What transformers raises for a broken or unusual model folder: besides OSError / ValueError, a
 # malformed tokenizer_config.json (e.g. an ``auto_map`` that is a string) surfaces as
 # AttributeError, IndexError, KeyError or TypeError from inside its loaders.

@@ -41,7 +41,7 @@ from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
 from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
-from lantern.errors import LanternError, check
+from lantern.errors import LanternError, check, first_given
 
 COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
 PAC_METHODS = ("sjd-pac",)  # SJD-PAC: coupled redraws (AC) and a K-ary subtree (PD); lantern.decoding.pac
@@ -152,26 +152,31 @@ class MethodConfig:
         named as everywhere (:data:`METHOD_SETTINGS`). ``tree``: a ``--tree`` spec or a TreeConfig
         (``--tree auto``'s pick carries its choices). Library code resolves through
         :func:`resolve_method`, which adds the stack's recommended tree."""
-        check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+        check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}", field="method")
         k = lantern_k
         check(method in PAC_METHODS or (pac_width is None and pac_depth is None),
-              f"--pac-width / --pac-depth need --method {' or '.join(PAC_METHODS)}")
+              f"--pac-width / --pac-depth need --method {' or '.join(PAC_METHODS)}",
+              field=first_given(pac_width=pac_width, pac_depth=pac_depth))
         relaxation = _resolve_relaxation(method, k, lantern_delta, lantern_lambda, lantern_residual, lantern_budget,
                                          gsd_group)
         if method in PJD_METHODS:
-            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row")
+            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row",
+                  field="tree")
             check(sjd_window is None and sjd_init is None and sjd_coupling is None,
                   f"--sjd-window / --sjd-init / --sjd-coupling are not used by {method} (it takes --pjd-window, "
-                  "--pjd-context)")
+                  "--pjd-context)",
+                  field=first_given(sjd_window=sjd_window, sjd_init=sjd_init, sjd_coupling=sjd_coupling))
             pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
                             context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context,
                             init=DEFAULT_PJD_INIT if pjd_init is None else pjd_init)
             chain = TreeConfig(kind="chain", depth=pjd.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, pjd=pjd)
         check(pjd_window is None and pjd_context is None and pjd_init is None,
-              f"--pjd-window / --pjd-context / --pjd-init need --method {' or '.join(PJD_METHODS)}")
+              f"--pjd-window / --pjd-context / --pjd-init need --method {' or '.join(PJD_METHODS)}",
+              field=first_given(pjd_window=pjd_window, pjd_context=pjd_context, pjd_init=pjd_init))
         if method in SJD_METHODS:
-            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses")
+            check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses",
+                  field="tree")
             jacobi = JacobiConfig(
                 window=DEFAULT_JACOBI.window if sjd_window is None else sjd_window,
                 init=sjd_init if sjd_init is not None else _default_init(method),
@@ -185,12 +190,14 @@ class MethodConfig:
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(sjd_window is None and sjd_init is None,
-              f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}")
+              f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}",
+              field=first_given(sjd_window=sjd_window, sjd_init=sjd_init))
         check(sjd_coupling is None,
-              f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd', *PAC_METHODS))}")
+              f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd', *PAC_METHODS))}",
+              field="sjd_coupling")
         if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
             check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
-                  "--tree is only used with speculative methods")
+                  "--tree is only used with speculative methods", field="tree")
             return cls(method="ar")
         if isinstance(tree, TreeConfig):
             tree_cfg = tree
@@ -217,17 +224,18 @@ def _resolve_coupling(method: str, coupling: str | None) -> str:
     independently and take no coupling."""
     if method in ("gsd", *PAC_METHODS):
         check(coupling is None or coupling in COUPLINGS,
-              f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+              f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}", field="sjd_coupling")
         if coupling is None:
             return "independent" if method == "gsd" else DEFAULT_COUPLING
         return coupling
     if method not in COUPLED_METHODS:
         takers = " or ".join((*COUPLED_METHODS, "gsd", *PAC_METHODS))
-        check(coupling is None, f"--sjd-coupling needs --method {takers}; {method} redraws its guesses independently")
+        check(coupling is None, f"--sjd-coupling needs --method {takers}; {method} redraws its guesses independently",
+              field="sjd_coupling")
         return "independent"
     choices = [c for c in COUPLINGS if c != "independent"]
     check(coupling is None or coupling in choices,
-          f"--sjd-coupling must be one of {', '.join(choices)}, got {coupling!r}")
+          f"--sjd-coupling must be one of {', '.join(choices)}, got {coupling!r}", field="sjd_coupling")
     return DEFAULT_COUPLING if coupling is None else coupling
 
 
@@ -243,29 +251,34 @@ def _resolve_relaxation(
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
     rule = RELAXED_RULE.get(method)
     if rule != "gsd":
-        check(group is None, f"--gsd-group needs --method gsd, got --method {method}")
+        check(group is None, f"--gsd-group needs --method gsd, got --method {method}", field="gsd_group")
     if rule in (None, "gsd"):
         check(
             k is None and delta is None and lam is None and residual is None and budget is None,
             f"--lantern-* options need a relaxed method ({', '.join(LANTERN_METHODS)})",
+            field=first_given(lantern_k=k, lantern_delta=delta, lantern_lambda=lam, lantern_residual=residual,
+                              lantern_budget=budget),
         )
     if rule is None:
         return None
     if rule == "gsd":
         check(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
-              f"--gsd-group must be an integer >= 1, got {group!r}")
+              f"--gsd-group must be an integer >= 1, got {group!r}", field="gsd_group")
         return RelaxationConfig(k=DEFAULT_GSD_GROUP if group is None else group, mode="group")
-    check(budget in (None, *BUDGETS), f"--lantern-budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    check(budget in (None, *BUDGETS), f"--lantern-budget must be one of {', '.join(BUDGETS)}, got {budget!r}",
+          field="lantern_budget")
     budget = DEFAULT_BUDGET if budget is None else budget
     if rule == "lantern":  # absolute bound; the relative-bound twin of method X is X++
-        check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta")
+        check(lam is None, f"--lantern-lambda belongs to {method}++ (relative bound); {method} uses --lantern-delta",
+              field="lantern_lambda")
         base = replace(DEFAULT_LANTERN, delta=DEFAULT_LANTERN.delta if delta is None else delta)
     else:
         twin = method.removesuffix("++")
-        check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda")
+        check(delta is None, f"--lantern-delta belongs to {twin} (absolute bound); {method} uses --lantern-lambda",
+              field="lantern_delta")
         base = replace(DEFAULT_LANTERN_PP, lam=DEFAULT_LANTERN_PP.lam if lam is None else lam)
     check(residual is None or residual in RESIDUALS,
-          f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}")
+          f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}", field="lantern_residual")
     return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
                    budget=budget)  # type: ignore[arg-type]
 
@@ -301,7 +314,8 @@ def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodCon
     when none is given, then the method's defaults."""
     unknown = sorted(set(settings) - set(METHOD_SETTINGS))
     if unknown:
-        raise LanternError(f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})")
+        raise LanternError(f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})",
+                           field=unknown[0])
     if settings.get("tree") is None and stack is not None:
         settings["tree"] = stack.default_tree(method)
     return MethodConfig.resolve(method, **settings)

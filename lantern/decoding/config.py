@@ -45,20 +45,20 @@ class SamplingConfig:
         for name in ("temperature", "top_p", "cfg_scale"):
             value = getattr(self, name)
             check(isinstance(value, Real) and not isinstance(value, bool),
-                  f"{name} must be a number, got {value!r} ({type(value).__name__})")
+                  f"{name} must be a number, got {value!r} ({type(value).__name__})", field=name)
         check(
             math.isfinite(self.temperature) and self.temperature >= 0,
-            f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
+            f"temperature must be >= 0 (0 means greedy), got {self.temperature}", field="temperature",
         )
         check(
             isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
-            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", field="top_k",
         )
-        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         check(
             math.isfinite(self.cfg_scale) and 1.0 <= self.cfg_scale <= MAX_CFG_SCALE,
             f"cfg_scale must be in [1, {MAX_CFG_SCALE:g}] (1 disables guidance; usual values 1.5-10), "
-            f"got {self.cfg_scale}",
+            f"got {self.cfg_scale}", field="cfg_scale",
         )
 
     @property
@@ -115,10 +115,11 @@ class RelaxationConfig:
             self.mode in ("absolute", "relative", "group"),
             f"relaxation mode must be 'absolute', 'relative' or 'group', got {self.mode!r}",
         )
-        check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+        check(self.residual in RESIDUALS, f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}",
+              field="lantern_residual")
         check(
             self.budget in ("test", "token"),
-            f"lantern budget must be 'test' or 'token', got {self.budget!r}",
+            f"lantern budget must be 'test' or 'token', got {self.budget!r}", field="lantern_budget",
         )
         check(
             self.budget == "test" or self.residual == "paper",
@@ -126,9 +127,10 @@ class RelaxationConfig:
         )
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
-            f"lantern delta must be in [0, 1], got {self.delta}",
+            f"lantern delta must be in [0, 1], got {self.delta}", field="lantern_delta",
         )
-        check(math.isfinite(self.lam) and self.lam >= 1.0, f"lantern lambda must be >= 1, got {self.lam}")
+        check(math.isfinite(self.lam) and self.lam >= 1.0, f"lantern lambda must be >= 1, got {self.lam}",
+              field="lantern_lambda")
         if self.mode != "relative":
             check(self.lam == 1.0, "lantern lambda is only used with mode='relative' (LANTERN++)")
         if self.mode != "absolute":

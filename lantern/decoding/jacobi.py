@@ -111,12 +111,13 @@ class JacobiConfig:
     def __post_init__(self) -> None:
         check(
             isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
-            f"--sjd-window must be an integer >= 1, got {self.window!r}",
+            f"--sjd-window must be an integer >= 1, got {self.window!r}", field="sjd_window",
         )
-        check(self.init in JACOBI_INITS, f"--sjd-init must be one of {', '.join(JACOBI_INITS)}, got {self.init!r}")
+        check(self.init in JACOBI_INITS, f"--sjd-init must be one of {', '.join(JACOBI_INITS)}, got {self.init!r}",
+              field="sjd_init")
         check(
             self.coupling in COUPLINGS,
-            f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}",
+            f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}", field="sjd_coupling",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,7 +129,7 @@ def check_window_fits(config: JacobiConfig, num_tokens: int) -> None:
     almost surely a wrong ``--sjd-window`` for this image size (mirrors ``check_tree_fits``)."""
     check(
         config.window < num_tokens,
-        f"--sjd-window ({config.window}) must be less than the image's {num_tokens} tokens",
+        f"--sjd-window ({config.window}) must be less than the image's {num_tokens} tokens", field="sjd_window",
     )
 
 

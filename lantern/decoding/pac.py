@@ -132,8 +132,8 @@ class PACConfig:
     depth: int = DEFAULT_PAC_DEPTH
 
     def __post_init__(self) -> None:
-        check(_positive_int(self.width), f"--pac-width must be an integer >= 1, got {self.width!r}")
-        check(_positive_int(self.depth), f"--pac-depth must be an integer >= 1, got {self.depth!r}")
+        check(_positive_int(self.width), f"--pac-width must be an integer >= 1, got {self.width!r}", field="pac_width")
+        check(_positive_int(self.depth), f"--pac-depth must be an integer >= 1, got {self.depth!r}", field="pac_depth")
 
     @property
     def levels(self) -> int:
@@ -142,7 +142,8 @@ class PACConfig:
 
     def check_window(self, window: int) -> None:
         check(self.levels <= window,
-              f"--pac-depth {self.depth} needs a window of at least {self.levels} guesses, got --sjd-window {window}")
+              f"--pac-depth {self.depth} needs a window of at least {self.levels} guesses, got --sjd-window {window}",
+              field="pac_depth")
 
     def choices(self, window: int) -> tuple[tuple[int, ...], ...]:
         """The tree as child ranks (EAGLE's choices): the chain of ``window`` guesses and the full

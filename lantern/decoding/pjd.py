@@ -78,8 +78,9 @@ class PJDConfig:
     def __post_init__(self) -> None:
         for flag, value in (("--pjd-window", self.window), ("--pjd-context", self.context)):
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                  f"{flag} must be an integer >= 1, got {value!r}")
-        check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}")
+                  f"{flag} must be an integer >= 1, got {value!r}", field=flag[2:].replace("-", "_"))
+        check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}",
+              field="pjd_init")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,10 +88,11 @@ class PJDConfig:
 
 def check_pjd_fits(config: PJDConfig, height: int, width: int) -> None:
     """A window or context longer than an image row can never be used as such."""
-    check(config.window <= width, f"--pjd-window ({config.window}) must be at most the image row length ({width})")
+    check(config.window <= width, f"--pjd-window ({config.window}) must be at most the image row length ({width})",
+          field="pjd_window")
     check(config.context <= width,
           f"--pjd-context ({config.context}) must be at most the image row length ({width}); "
-          f"{width} already decodes one row at a time")
+          f"{width} already decodes one row at a time", field="pjd_context")
     check(height >= 1, f"the image needs at least one row, got {height}")
 
 
