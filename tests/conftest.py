@@ -60,6 +60,22 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads the machine's real load: demo / bench / profile add a busy-machine warning to
+    what they print and write (a line atop trace.md, bench.md) when other processes compete for the
+    cores, so a test of their output would fail on a busy CI machine. Every reading here is of an
+    idle machine; ``tests/test_machine.py`` fakes busy ones and reads the real one on purpose."""
+    from lantern import machine
+
+    clock = itertools.count(1)
+
+    def idle() -> machine.Reading:  # 1 s apart; no process (others or ours) spent any CPU time
+        return machine.Reading(wall=float(next(clock)), load1=0.0, cpus=2, machine_cpu=0.0, own_cpu=0.0)
+
+    monkeypatch.setattr(machine, "read_machine", idle)
+
+
 # --------------------------------------------------------------------------------------------------
 # Acceptance (test_acceptance.py, test_budget.py, test_sjd.py): scalar oracles ([LANTERN], [EAGLE]), random
 # inputs and trees, and the exact output distribution of the library's verifier

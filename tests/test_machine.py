@@ -5,6 +5,9 @@ much."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +50,20 @@ def test_a_real_reading_sees_our_own_work() -> None:
     assert end.own_cpu > start.own_cpu and end.machine_cpu >= start.machine_cpu
     # what all processes spent includes ours (up to the clock ticks' rounding, 10 ms per reading)
     assert (end.machine_cpu - start.machine_cpu) >= (end.own_cpu - start.own_cpu) - 0.05
+
+
+def test_tests_never_read_the_real_load() -> None:
+    """conftest's ``_quiet_machine``: with another process spinning on a core, what a command under
+    test watches is still a quiet machine (the real reading would call this busy on 2 cores)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with machine.watch_load() as watch:
+            time.sleep(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert watch.result is not None
+    assert watch.result.others_share == 0.0 and not watch.result.busy and watch.result.warning() is None
 
 
 def fake_readings(monkeypatch: pytest.MonkeyPatch, others_per_second: float) -> None:
