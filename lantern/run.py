@@ -4,7 +4,6 @@ the demo and the bench (batches, per-image seeds, the drafter and acceptance loa
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -36,9 +35,9 @@ from lantern.decoding.pjd import (
 )
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
-from lantern.drafters.checks import drafter_dtype
 from lantern.errors import check
 from lantern.methods import MethodConfig
+from lantern.parts import ModelParts, parts_of
 from lantern.targets.base import Conditions, Stack
 from lantern.targets.llamagen_stack import ModelStack
 from lantern.targets.text import Captions
@@ -91,25 +90,25 @@ def run_generation(
     method: MethodConfig,
     batch_size: int = 8,
     progress: bool = False,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    parts: ModelParts | None = None,
     compile: str | None = None,
     indices: Sequence[int] | None = None,
+    prepared: PreparedMethod | None = None,
 ) -> RunResult:
     """Generate one image per entry of ``labels``, ``batch_size`` rows at a time (see
-    :func:`run_conditions` for ``indices``)."""
-    return run_conditions(stack, stack.encode(labels), seed, sampling, method, batch_size, progress, drafter_dir,
-                          proximity, compile, indices=indices)
+    :func:`run_conditions` for ``parts``, ``prepared`` and ``indices``)."""
+    return run_conditions(stack, stack.encode(labels), seed, sampling, method, batch_size, progress, parts, compile,
+                          prepared, indices)
 
 
 def run_generation_t2i(stack: ModelStack, captions: Captions, seed: int, sampling: SamplingConfig,
                        method: MethodConfig, batch_size: int = 8, progress: bool = False,
-                       drafter_dir: str | None = None, proximity: str | None = None,
-                       compile: str | None = None, indices: Sequence[int] | None = None) -> RunResult:
+                       parts: ModelParts | None = None, compile: str | None = None,
+                       indices: Sequence[int] | None = None, prepared: PreparedMethod | None = None) -> RunResult:
     """Generate one image per caption row (``lantern.targets.text.T5Encoder.encode``), ``batch_size`` rows
     at a time, seeded exactly as for labels."""
     return run_conditions(stack, stack.from_captions(captions), seed, sampling, method, batch_size, progress,
-                          drafter_dir, proximity, compile, indices=indices)
+                          parts, compile, prepared, indices)
 
 
 def run_conditions(
@@ -120,8 +119,7 @@ def run_conditions(
     method: MethodConfig,
     batch_size: int = 8,
     progress: bool = False,
-    drafter_dir: str | os.PathLike[str] | None = None,
-    proximity: str | os.PathLike[str] | None = None,
+    parts: ModelParts | None = None,
     compile: str | None = None,
     prepared: PreparedMethod | None = None,
     indices: Sequence[int] | None = None,
@@ -129,19 +127,20 @@ def run_conditions(
     """The one run path of every stack: ``batch_size`` rows at a time, image ``i`` seeded with
     ``image_seed(seed, indices[i])`` (so batching never changes an image). ``indices``: each row's
     place in the whole request (default 0, 1, ...): a shard of a request (``lantern.distributed``)
-    gives the same images as the whole request. ``prepared``: the method already loaded
-    (:func:`prepare_method`), instead of loading it from ``drafter_dir`` / ``proximity``."""
+    gives the same images as the whole request. ``prepared``: the method already prepared
+    (:func:`prepare_method`, ``Pipeline.prepare``); else it is prepared from ``parts`` (the loaded
+    drafter and proximity table; default: the stack's own, read now)."""
     order = list(range(len(conditions))) if indices is None else list(indices)
     check(len(order) == len(conditions), f"{len(order)} image indices for {len(conditions)} conditions")
-    parts = prepare_run(stack, sampling, method, batch_size, conditions, drafter_dir, proximity, compile, prepared)
+    run = prepare_run(stack, sampling, method, batch_size, conditions, parts, compile, prepared)
     outputs: list[GenerationOutput] = []
     start = time.perf_counter()
     for lo in range(0, len(conditions), batch_size):
         chunk = conditions.rows(lo, lo + batch_size)
-        outputs.append(generate_rows(parts, chunk, seed, order[lo : lo + len(chunk)], progress))
+        outputs.append(generate_rows(run, chunk, seed, order[lo : lo + len(chunk)], progress))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
-    return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=parts.method)
+    return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=run.method)
 
 
 def prepare_run(
@@ -150,8 +149,7 @@ def prepare_run(
     method: MethodConfig,
     batch_size: int,
     conditions: Conditions,
-    drafter_dir: str | os.PathLike[str] | None = None,
-    proximity: str | os.PathLike[str] | None = None,
+    parts: ModelParts | None = None,
     compile: str | None = None,
     prepared: PreparedMethod | None = None,
 ) -> PreparedMethod:
@@ -159,11 +157,11 @@ def prepare_run(
     conditions) and its method, loaded once (or ``prepared``)."""
     validate_sampling_for_vocab(sampling, stack.vocab_size)
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size}")
-    parts = prepared or prepare_method(stack, method, sampling, drafter_dir, proximity, compile)
+    run = prepared or prepare_method(stack, method, sampling, parts, compile)
     batch = max(1, min(batch_size, len(conditions)))
-    nbytes = stack.cache_bytes(sampling, verify_nodes(parts.method, stack), conditions, batch)
+    nbytes = stack.cache_bytes(sampling, verify_nodes(run.method, stack), conditions, batch)
     check_batch_memory(nbytes, batch, stack.device)  # before the cache is allocated
-    return parts
+    return run
 
 
 def generate_rows(parts: PreparedMethod, conditions: Conditions, seed: int, indices: Sequence[int],
@@ -273,66 +271,48 @@ def prepare_method(
     stack: Stack,
     method: MethodConfig,
     sampling: SamplingConfig,
-    drafter_dir: str | os.PathLike[str] | None = None,
-    proximity: str | os.PathLike[str] | None = None,
+    parts: ModelParts | None = None,
     compile: str | None = None,
-    drafter: torch.nn.Module | None = None,
 ) -> PreparedMethod:
-    """Load the drafter (unless ``drafter`` is given) and proximity table a method needs, checking
-    they fit the target.
+    """The method ready to run on ``stack``: its drafter and proximity table taken from ``parts``
+    (loaded there on first need, so preparing many methods or trees reads each once; default: the
+    stack's own, read now), checked against the target.
 
     compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.decoding.compiling``): the
     target step, the drafter steps and the acceptance run compiled, AR included.
     """
     from lantern.drafters.checks import check_tree_fits
 
+    parts = parts_of(stack, parts)
     check_group_fits(method, stack.vocab_size)
+    drafter = None
     if method.jacobi is not None:  # SJD: the target drafts for itself, no weights to load
         check_window_fits(method.jacobi, stack.num_tokens)
     elif method.pjd is not None:  # PJD likewise, on the image grid
         check_pjd_fits(method.pjd, stack.num_tokens // stack.grid_width, stack.grid_width)
-    elif method.tree.kind != "none" and drafter is None:
+    elif method.tree.kind != "none":
         check_tree_fits(method.tree, stack.num_tokens)
-        path = drafter_dir or stack.drafter_dir
-        check(
-            path is not None,
-            f"--method {method.method} needs a drafter: pass --drafter DIR (the model folder has none)",
-        )
-        drafter = stack.load_drafter(path)
-    elif drafter is not None:
-        drafter = drafter.to(stack.device, drafter_dtype(stack.dtype, stack.device)).eval()
-    acceptance, resolved = load_acceptance(method, proximity or stack.proximity_file, stack.codebook(), stack.device)
-    return PreparedMethod(stack, resolved, sampling, drafter if method.tree.kind != "none" else None, acceptance,
-                          resolve_compile(compile, stack.device))
+        drafter = parts.drafter(method.method)
+    acceptance, resolved = load_acceptance(method, parts)
+    return PreparedMethod(stack, resolved, sampling, drafter, acceptance, resolve_compile(compile, stack.device))
 
 
-def load_acceptance(
-    method: MethodConfig, table_path: object, codebook: Tensor | None, device: torch.device
-) -> tuple[Acceptance, MethodConfig]:
-    """The method's acceptance rule, with the proximity table a relaxed rule needs (validated
-    against ``codebook`` when given), and the method with k as actually used: a default k larger
-    than the table's K_max is capped, an explicit one is an error. The released code's residuals
-    (``residual`` official / official-lumina) also remove the (k+1)-th neighbour, so they take
-    k+1 columns of the table (and a default k is capped at K_max - 1)."""
+def load_acceptance(method: MethodConfig, parts: ModelParts) -> tuple[Acceptance, MethodConfig]:
+    """The method's acceptance rule, with the proximity table a relaxed rule needs (``parts``'s,
+    validated against the codebook when it was read), and the method with k as actually used: a
+    default k larger than the table's K_max is capped, an explicit one is an error. The released
+    code's residuals (``residual`` official / official-lumina) also remove the (k+1)-th neighbour,
+    so they take k+1 columns of the table (and a default k is capped at K_max - 1)."""
     relaxation = method.relaxation
     if relaxation is None or relaxation.is_exact or not relaxation.uses_table:
         return Acceptance(relaxation), method
-    from lantern.targets.proximity import ProximityTable
-
-    check(
-        table_path is not None,
-        f"--method {method.method} needs a latent proximity table: pass --proximity FILE "
-        "(build one with `lantern build-proximity`)",
-    )
-    table = ProximityTable.load(str(table_path))
-    if codebook is not None:
-        table.validate(codebook)
+    table = parts.table(method.method)
     extra = 0 if relaxation.residual == "paper" else 1
     if relaxation.k + extra > table.k_max and not method.k_explicit:
         relaxation = replace(relaxation, k=table.k_max - extra)
     table.check_k(relaxation.k)
     check(relaxation.k + extra <= table.k_max,
           f"--lantern-residual {relaxation.residual} removes k+1 = {relaxation.k + 1} neighbours per rejection, "
-          f"but the proximity table {table_path} holds K_max = {table.k_max}")
-    neighbours = table.neighbours_for(relaxation.k + extra).to(device)
+          f"but the proximity table {parts.proximity_source} holds K_max = {table.k_max}")
+    neighbours = table.neighbours_for(relaxation.k + extra).to(parts.stack.device)
     return Acceptance(relaxation, neighbours), replace(method, relaxation=relaxation)

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drafters", ("lantern.drafters",)),
     ("targets", ("lantern.targets",)),
     ("methods", ("lantern.methods",)),
-    ("run", ("lantern.run", "lantern.jobs")),
+    ("run", ("lantern.parts", "lantern.run", "lantern.jobs")),
     ("autotree", ("lantern.autotree",)),
     ("api", ("lantern.api",)),
     ("data", ("lantern.data",)),

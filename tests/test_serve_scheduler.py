@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import lantern
+from lantern import api as api_module
 from lantern.decoding import compiling
 from lantern.errors import LanternError
 from lantern.serve import scheduler as scheduler_module
@@ -157,12 +158,12 @@ def test_lanes_and_loaded_methods_stay_bounded(pipe: lantern.Pipeline, monkeypat
     """A client sending ever new settings cannot grow the server's memory: idle lanes and loaded
     methods past their caps are dropped, least recently used first; the images stay right."""
     monkeypatch.setattr(scheduler_module, "MAX_LANES", 2)
-    monkeypatch.setattr(scheduler_module, "MAX_PREPARED", 3)
+    monkeypatch.setattr(api_module, "MAX_PREPARED", 3)  # the pipeline keeps the prepared methods
     sched = Scheduler(pipe, max_batch=1)
     jobs = [Job(1, 0, 0, "ar", (("temperature", 0.5 + 0.1 * i),)) for i in range(5)]
     tickets = sched.submit(jobs)
     sched.run_until_idle()
-    assert len(sched._lanes) <= 2 and len(sched._prepared) <= 3
+    assert len(sched._lanes) <= 2 and len(pipe._prepared) <= 3
     assert list(sched._lanes)[-1] == jobs[-1].key  # the most recent stays
     for t in tickets:
         assert torch.equal(t.future.result(0).codes, _expected(pipe, t.job, 1))

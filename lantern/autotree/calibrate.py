@@ -16,6 +16,7 @@ from lantern.decoding.rng import RowRandom
 from lantern.decoding.trees import probe_choices
 from lantern.errors import check
 from lantern.methods import MethodConfig, resolve_method
+from lantern.parts import ModelParts
 from lantern.run import image_seed, prepare_method
 from lantern.targets.base import Stack
 
@@ -119,14 +120,14 @@ def calibrate(
     seed: int = 0,
     batch_size: int = 1,
     widths: Sequence[int] = DEFAULT_PROBE_WIDTHS,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    parts: ModelParts | None = None,
     progress: bool = False,
 ) -> AcceptanceModel:
     """Generate a few images with the method's acceptance rule and a probe tree; estimate a[d][r].
 
     ``method`` is a method name or a resolved :class:`lantern.methods.MethodConfig`; only its
     acceptance rule (and relaxation parameters) matter, its tree is replaced by the probe.
+    ``parts``: the loaded drafter and proximity table (default: the stack's own, read now).
     """
     from tqdm.auto import tqdm
 
@@ -136,7 +137,7 @@ def calibrate(
     labels = list(labels) if labels is not None else _calibration_conditions(stack)
     check(len(labels) >= 1, "calibration needs at least one label")
     tree, choices = probe_tree(stack.num_tokens, widths)
-    prepared = prepare_method(stack, replace(method_cfg, tree=tree), sampling, drafter_dir, proximity)
+    prepared = prepare_method(stack, replace(method_cfg, tree=tree), sampling, parts)
     conditions = stack.encode(labels)
     records: list[RoundRecord] = []
     for lo in tqdm(range(0, len(labels), batch_size), desc=f"calibrate {method_cfg.method}", disable=not progress,

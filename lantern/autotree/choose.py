@@ -47,6 +47,7 @@ from lantern.autotree.search import AutoTreeChoice, select_tree
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.methods import MethodConfig
+from lantern.parts import ModelParts, parts_of
 from lantern.targets.base import Stack
 
 # ============================================================================================
@@ -89,8 +90,7 @@ def choose_tree(
     seed: int = 0,
     batch_size: int = 1,
     max_drafts: int = DEFAULT_MAX_DRAFTS,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    parts: ModelParts | None = None,
     progress: bool = False,
 ) -> AutoTreeChoice:
     """Pick the fastest static tree for ``method`` on this device (``--tree auto``).
@@ -99,20 +99,23 @@ def choose_tree(
     used). ``profile``: a :class:`DeviceProfile`, a ``profile.json`` from ``lantern profile``, or
     None for a quick measurement now (~10-20 s on a CPU). Calibration generates
     ``calibration_labels`` (default: 4 labels spread over the classes) with a probe tree. The
-    chosen tree (with its choices) is ``choice.tree``, what the method is resolved with.
+    chosen tree (with its choices) is ``choice.tree``, what the method is resolved with. ``parts``:
+    the loaded drafter and proximity table (default: the stack's own), shared by the profile and
+    the calibration, so the drafter is read once.
     """
+    parts = parts_of(stack, parts)
     method_cfg = _method_config(method)
     rule = RULE_OF_METHOD[method_cfg.method]
     t0 = time.perf_counter()
     if profile is None:
         profile = measure_profile(stack, sampling, ProfileSettings(batch_size=batch_size, quick=True, seed=seed),
-                                  rules=(rule,), drafter_dir=drafter_dir, proximity=proximity, progress=progress)
+                                  rules=(rule,), parts=parts, progress=progress)
     elif not isinstance(profile, DeviceProfile):
         profile = load_profile(profile)
     profile.check_matches(stack, sampling, batch_size, "--profile")
     t1 = time.perf_counter()
     acceptance = calibrate(stack, method_cfg, sampling, labels=calibration_labels, seed=seed,
-                           batch_size=batch_size, drafter_dir=drafter_dir, proximity=proximity, progress=progress)
+                           batch_size=batch_size, parts=parts, progress=progress)
     t2 = time.perf_counter()
     max_drafts = min(max_drafts, profile.max_tokens - 1)
     choice = select_tree(acceptance, profile.cost_model(rule), method=method_cfg.method, max_drafts=max_drafts,
@@ -129,20 +132,23 @@ def choose_trees(
     profile: DeviceProfile | str | Path | None = None,
     seed: int = 0,
     batch_size: int = 1,
+    parts: ModelParts | None = None,
     progress: bool = False,
 ) -> dict[str, AutoTreeChoice]:
     """:func:`choose_tree` for every speculative method in ``methods`` (others are skipped), with
-    one device profile shared by all (measured once, quick, for the rules they need)."""
+    one device profile shared by all (measured once, quick, for the rules they need) and one
+    drafter read (``parts``, default the stack's own)."""
+    parts = parts_of(stack, parts)
     wanted = [m for m in methods if m in SPECULATIVE_METHODS]
     seconds = 0.0
     if profile is None and wanted:
         rules = tuple(dict.fromkeys(RULE_OF_METHOD[m] for m in wanted))
         t0 = time.perf_counter()
         profile = measure_profile(stack, sampling, ProfileSettings(batch_size=batch_size, quick=True, seed=seed),
-                                  rules=rules, progress=progress)
+                                  rules=rules, parts=parts, progress=progress)
         seconds = time.perf_counter() - t0
-    chosen = {m: choose_tree(stack, m, sampling, profile=profile, seed=seed, batch_size=batch_size, progress=progress)
-              for m in wanted}
+    chosen = {m: choose_tree(stack, m, sampling, profile=profile, seed=seed, batch_size=batch_size, parts=parts,
+                             progress=progress) for m in wanted}
     return {m: replace(c, profile_seconds=c.profile_seconds + seconds) for m, c in chosen.items()}  # shared
 
 
@@ -154,13 +160,13 @@ def choose_auto(
     *,
     seed: int = 0,
     batch_size: int = 1,
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    parts: ModelParts | None = None,
     progress: bool = False,
 ) -> tuple[MethodConfig, dict[str, Any]]:
     """``tree="auto"`` for any method: a drafter method's tree (:func:`choose_tree`), or a Jacobi
     method's window (``lantern.autotree.window.choose_window``: SJD's, PJD's), measured on this
-    device at this batch size. ``settings``: the method's other settings. Returns the method
+    device at this batch size. ``settings``: the method's other settings; ``parts``: the loaded
+    drafter and proximity table. Returns the method
     resolved with the choice and what run.json records of it (``auto_tree`` or ``auto_window``)."""
     from lantern.autotree.window import choose_window, with_window
     from lantern.methods import PJD_METHODS, SJD_METHODS, resolve_method
@@ -170,12 +176,11 @@ def choose_auto(
                                    f"pjd_window for {'text-to-image' if stack.kind == 't2i' else 'Chameleon-family'} "
                                    "models")
         base = resolve_method(method, stack, **settings)
-        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size)
+        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size, parts=parts)
         return with_window(base, window.window), {"auto_window": window.to_dict()}
     check(method in SPECULATIVE_METHODS,
           f"tree auto needs a method with a tree or a window ({', '.join(SPECULATIVE_METHODS)}, sjd*, pjd*), "
           f"got {method}")
     start = resolve_method(method, None, **settings)  # the method's own default tree, what the search starts from
-    choice = choose_tree(stack, start, sampling, seed=seed, batch_size=batch_size, drafter_dir=drafter_dir,
-                         proximity=proximity, progress=progress)
+    choice = choose_tree(stack, start, sampling, seed=seed, batch_size=batch_size, parts=parts, progress=progress)
     return resolve_method(method, stack, **{**settings, "tree": choice.tree}), {"auto_tree": choice.to_dict()}

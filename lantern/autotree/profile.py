@@ -18,6 +18,7 @@ from lantern.decoding.loop import GenerationOutput
 from lantern.decoding.trees import STATIC_TREES, chain_choices
 from lantern.errors import LanternError, check
 from lantern.methods import resolve_method
+from lantern.parts import ModelParts, parts_of
 from lantern.run import PreparedMethod, image_seed, prepare_method
 from lantern.targets.base import Conditions, Stack
 
@@ -230,8 +231,7 @@ def measure_profile(
     *,
     rules: Sequence[str] | None = None,
     model_name: str = "",
-    drafter_dir: str | None = None,
-    proximity: str | None = None,
+    parts: ModelParts | None = None,
     progress: bool = False,
 ) -> DeviceProfile:
     """Measure the cost model on the device the stack's target is on.
@@ -240,16 +240,16 @@ def measure_profile(
     (b) the EAGLE drafter's context pass over A new tokens and a feed over E nodes, the same
     prefix, (c) the per-round loop overhead of each acceptance rule (:class:`OverheadFit`) and the
     plain AR step, from short real generations. ``rules`` defaults to every rule the stack supports
-    (relaxed rules need its proximity table).
+    (relaxed rules need its proximity table). ``parts``: the loaded drafter and proximity table
+    (default: the stack's own), read once for every measurement.
     """
     from tqdm.auto import tqdm
 
     settings = settings or ProfileSettings()
-    drafter = drafter_dir or stack.drafter_dir
-    check(drafter is not None, f"--model {stack.root} has no drafter/ folder and no --drafter was given")
+    parts = parts_of(stack, parts)
+    check(parts.has_drafter, f"--model {stack.root} has no drafter/ folder and no --drafter was given")
     if rules is None:
-        has_table = proximity is not None or stack.proximity_file is not None
-        rules = ("exact", "lantern", "lantern++") if has_table else ("exact",)
+        rules = ("exact", "lantern", "lantern++") if parts.has_table else ("exact",)
     for rule in rules:
         check(rule in METHOD_OF_RULE, f"unknown acceptance rule {rule!r}; known: {', '.join(METHOD_OF_RULE)}")
     q = settings.quick
@@ -259,14 +259,13 @@ def measure_profile(
     timer = _Timer(stack.device)
     with torch.no_grad(), tqdm(total=total, desc="profile", disable=not progress, leave=False) as bar:
         verify_ms = _measure_verify(stack, sampling, settings, v_pts, timer, reps, warm, bar)
-        begin_ms, feed_ms = _measure_drafter(stack, str(drafter), sampling, settings, b_pts, f_pts, timer, reps, warm,
-                                             bar)
+        begin_ms, feed_ms = _measure_drafter(stack, parts, sampling, settings, b_pts, f_pts, timer, reps, warm, bar)
         partial = CostModel(
             verify_ms=interpolate(v_pts, non_decreasing(verify_ms), settings.max_tokens),
             begin_ms=interpolate(b_pts, non_decreasing(begin_ms), b_pts[-1]),
             feed_ms=interpolate(f_pts, non_decreasing(feed_ms), f_pts[-1]),
         )
-        ar_ms, overhead = _measure_loop(stack, sampling, settings, rules, partial, bar, drafter_dir, proximity)
+        ar_ms, overhead = _measure_loop(stack, sampling, settings, rules, partial, bar, parts)
     meta = {
         "device": _device_string(stack.device),
         "torch_threads": torch.get_num_threads(),
@@ -318,7 +317,7 @@ def _chain(b: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _measure_drafter(
-    stack: Stack, drafter_dir: str, sampling: SamplingConfig, settings: ProfileSettings, begin_pts: list[int],
+    stack: Stack, parts: ModelParts, sampling: SamplingConfig, settings: ProfileSettings, begin_pts: list[int],
     feed_pts: list[int], timer: _Timer, reps: int, warm: int, bar: Any,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The drafter's begin over A new tokens and feed over E nodes, after half the image.
@@ -327,7 +326,7 @@ def _measure_drafter(
     sees the same prefix (the cache's K/V past that length are ignored by the masks)."""
     device, b, vocab = stack.device, settings.batch_size, stack.vocab_size
     # Loaded and placed as prepare_method loads it for generation.
-    prepared = prepare_method(stack, resolve_method("sd", tree="chain:1"), sampling, drafter_dir)
+    prepared = prepare_method(stack, resolve_method("sd", tree="chain:1"), sampling, parts)
     assert prepared.drafter is not None
     target = stack.make_target(sampling, 1)
     cond = _conditions(stack, b)
@@ -384,7 +383,7 @@ def _overhead_trees(stack: Stack) -> list[tuple[str, list[list[int]]]]:
 
 def _measure_loop(
     stack: Stack, sampling: SamplingConfig, settings: ProfileSettings, rules: Sequence[str],
-    partial: CostModel, bar: Any, drafter_dir: str | None, proximity: str | None,
+    partial: CostModel, bar: Any, parts: ModelParts,
 ) -> tuple[float, dict[str, OverheadFit]]:
     """Real generations: plain AR (the per-step baseline) and the overhead trees per rule."""
     cond = _conditions(stack, settings.batch_size)
@@ -396,8 +395,7 @@ def _measure_loop(
     ar_ms = ar_wall / (ar_out.stats.steps + 1)  # + 1: the prefill forward
     fits = {}
     for rule in rules:
-        base = prepare_method(stack, resolve_method(METHOD_OF_RULE[rule], tree="chain:1"), sampling, drafter_dir,
-                              proximity)
+        base = prepare_method(stack, resolve_method(METHOD_OF_RULE[rule], tree="chain:1"), sampling, parts)
         runs = []
         for spec, choices in _overhead_trees(stack):
             named = spec.startswith(("chain:", "static:"))

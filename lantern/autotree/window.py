@@ -27,6 +27,7 @@ from typing import Any
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.methods import PJD_METHODS, SJD_METHODS, MethodConfig
+from lantern.parts import ModelParts, parts_of
 from lantern.run import run_generation
 from lantern.targets.llamagen_stack import ModelStack
 
@@ -94,9 +95,11 @@ def choose_window(
     images: int = CALIBRATION_IMAGES,
     windows: Sequence[int] | None = None,
     passes: int = CALIBRATION_PASSES,
+    parts: ModelParts | None = None,
 ) -> AutoWindowChoice:
     """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
-    an image row) on ``images`` calibration images."""
+    an image row) on ``images`` calibration images. ``parts``: the loaded proximity table a relaxed
+    rule needs (default: the stack's own), read once for every window."""
     check(method.jacobi is not None or method.pjd is not None,
           f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join((*SJD_METHODS, *PJD_METHODS))}), "
           f"got {method.method}")
@@ -109,13 +112,16 @@ def choose_window(
     labels = [i * n_classes // images for i in range(images)]
     base = seed + CALIBRATION_SEED_OFFSET
     t0 = time.perf_counter()
-    run_generation(stack, labels[:1], base, sampling, with_window(method, usable[0]), batch_size)  # warm-up
+    parts = parts_of(stack, parts)  # one table read; each run's caches are freed after it, as a run's are
+    run_generation(stack, labels[:1], base, sampling, with_window(method, usable[0]), batch_size,
+                   parts=parts)  # warm-up
     best_ms: dict[int, float] = {}
     tau: dict[int, float] = {}
     for p in range(passes):
         for window in usable[p % len(usable):] + usable[: p % len(usable)]:
             start = time.perf_counter()
-            result = run_generation(stack, labels, base, sampling, with_window(method, window), batch_size)
+            result = run_generation(stack, labels, base, sampling, with_window(method, window), batch_size,
+                                    parts=parts)
             ms = (time.perf_counter() - start) * 1000 / result.codes.numel()
             best_ms[window] = min(ms, best_ms.get(window, ms))
             tau[window] = result.stats_dict()["mean_accepted"]  # the same every pass (same seeds)

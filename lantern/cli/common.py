@@ -110,13 +110,14 @@ def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | Non
 
 def choose_auto_tree(
     stack: Any, method: Any, sampling: Any, batch_size: int, profile: Any, seed: int,
-    drafter: str | None = None, proximity: str | None = None, progress: bool = True,
+    parts: Any = None, progress: bool = True,
 ) -> Any:
-    """``--tree auto``: choose_tree for one method, with its explanation printed."""
+    """``--tree auto``: choose_tree for one method (on ``parts``, a ``lantern.parts.ModelParts``: the
+    loaded drafter and table), with its explanation printed."""
     from lantern.autotree.choose import choose_tree
 
     choice = choose_tree(stack, method, sampling, profile=profile, seed=seed, batch_size=batch_size,
-                         drafter_dir=drafter, proximity=proximity, progress=progress)
+                         parts=parts, progress=progress)
     print(f"--tree auto [{choice.method}]: {choice.explanation} (profile {choice.profile_seconds:.1f} s, "
           f"calibration {choice.calibration_seconds:.1f} s)")
     return choice
@@ -141,11 +142,11 @@ def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool
     return auto
 
 
-def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace) -> Any:
+def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace, parts: Any = None) -> Any:
     """``--sjd-window auto``: choose_window, with its explanation printed."""
     from lantern.autotree.window import choose_window
 
-    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size)
+    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size, parts=parts)
     flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
     print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice

@@ -30,6 +30,7 @@ from lantern.cli.common import (
 from lantern.errors import LanternError
 
 if TYPE_CHECKING:
+    from lantern.api import Pipeline
     from lantern.outputs import OutputFolder
 from lantern.cli.common import add_sampling_args, add_trust_checkpoint_arg
 
@@ -186,17 +187,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     window_as_tree(args)
     auto = check_auto_tree(args.tree, [args.method], args.profile)
     args.device = ctx.device(args.device)
-    stack = _load_generate_stack(args, prompts is not None)
-    auto_window = check_auto_window(args, auto_window_refusal(stack))
+    pipe = _load_generate_pipeline(args, prompts is not None)
+    auto_window = check_auto_window(args, auto_window_refusal(pipe.stack))
     if ctx.enabled and (auto or auto_window):
         raise LanternError("--tree auto / --sjd-window auto / --pjd-window auto time this process alone; under "
                            "several processes pass the tree or window to use (e.g. the one a single-process run chose)")
-    return _generate_job(args, stack, prompts, out, finished, ctx, auto, auto_window)
+    return _generate_job(args, pipe, prompts, out, finished, ctx, auto, auto_window)
 
 
-def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | None, out: OutputFolder | None,
+def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] | None, out: OutputFolder | None,
                   finished: dict[str, Any] | None, ctx: Any, auto: bool, auto_window: bool) -> int:
-    """``generate`` on any stack (labels or prompts), as a job across the ranks of ``ctx``."""
+    """``generate`` on any stack (labels or prompts), as a job across the ranks of ``ctx``; the
+    pipeline's parts (drafter, proximity table, T5) are read once for the auto choices and the run."""
     import torch
 
     from lantern.api import sampling_from
@@ -204,16 +206,17 @@ def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | Non
     from lantern.jobs import JobRequest, check_same_job, run_job
     from lantern.run import prepare_run
 
+    stack = pipe.stack
     sampling = sampling_from(stack, args)
-    t5_dir = stack.t5_folder(args.t5) if stack.kind == "t2i" else None
+    t5_dir = pipe.t5_dir() if stack.kind == "t2i" else None
     with process_group(ctx, args.device):
         finished = all_gather(finished, ctx)[0]  # rank 0's finding
-        encoded = stack.encode(prompts if prompts is not None else args.labels, args.num_per_label,
-                               args.batch_size, t5=t5_dir)
-        method, extra = _generate_method(args, stack, sampling, auto, auto_window)
+        encoded = pipe.parts.encode(prompts if prompts is not None else args.labels, args.num_per_label,
+                                    args.batch_size)
+        method, extra = _generate_method(args, pipe, sampling, auto, auto_window)
         names, conditions = _condition_record(stack, args, prompts, t5_dir)
-        parts = prepare_run(stack, sampling, method, args.batch_size, encoded, args.drafter, args.proximity,
-                            args.compile)
+        parts = prepare_run(stack, sampling, method, args.batch_size, encoded,
+                            prepared=pipe.prepare(method, sampling))
         record = {**_run_record(args, len(names), sampling, parts.method, conditions), **extra}
         identity = {"model": str(args.model), "seed": args.seed, **conditions,
                     "sampling": sampling.to_dict(), "method": parts.method.to_dict(),
@@ -242,25 +245,28 @@ def _generate_job(args: argparse.Namespace, stack: Any, prompts: list[str] | Non
     return 0
 
 
-def _generate_method(args: argparse.Namespace, stack: Any, sampling: Any, auto: bool,
+def _generate_method(args: argparse.Namespace, pipe: Pipeline, sampling: Any, auto: bool,
                      auto_window: bool) -> tuple[Any, dict[str, Any]]:
-    """The method, with an auto tree or window resolved, and run.json's record of that choice."""
+    """The method, with an auto tree or window resolved (on the pipeline's loaded drafter and
+    table), and run.json's record of that choice."""
     from lantern.autotree.window import with_window
 
+    stack = pipe.stack
     method = method_from_args(args, stack)
     extra: dict[str, Any] = {}
     if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
         choice = choose_auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
-                            args.drafter, args.proximity, not args.no_progress)
+                                  pipe.parts, not args.no_progress)
         method, extra["auto_tree"] = method_from_args(args, stack, choice.tree), choice.to_dict()
     if auto_window:  # time the candidate windows, then run with the fastest
-        window = choose_auto_window(stack, method, sampling, args)
+        window = choose_auto_window(stack, method, sampling, args, pipe.parts)
         method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
     return method, extra
 
 
-def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
-    """generate's stack (any family) for ``--model``, loaded as ``lantern.load`` loads it."""
+def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:
+    """generate's pipeline (any family) for ``--model``: ``lantern.load``'s, whose drafter, table and
+    T5 are read on first need."""
     from lantern.api import load
     from lantern.models.chameleon import is_chameleon_folder
 
@@ -273,7 +279,7 @@ def _load_generate_stack(args: argparse.Namespace, text: bool) -> Any:
                 tokenizer=args.tokenizer, t5=args.t5, vq=args.vq, layout=args.layout, image_size=args.image_size,
                 proximity=args.proximity)
     check_model_condition(pipe.stack, args.model, text)
-    return pipe.stack
+    return pipe
 
 
 def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,14 +45,13 @@ from lantern.decoding.cache import CachePool
 from lantern.decoding.loop import Decode
 from lantern.decoding.rows import movable
 from lantern.errors import LanternError
-from lantern.run import PreparedMethod, image_seed, prepare_method
+from lantern.run import PreparedMethod, image_seed
 from lantern.targets.base import check_condition_kind
 
 Settings = tuple[tuple[str, Any], ...]
-# Kept at most: lanes (each holds its batch's caches) and loaded methods (drafter, proximity table).
-# Idle ones go first, least recently used: a client sending ever new settings cannot grow memory.
+# Kept at most: lanes (each holds its batch's caches); idle ones go first, least recently used, so
+# a client sending ever new settings cannot grow memory (prepared methods: lantern.api.MAX_PREPARED).
 MAX_LANES = 8
-MAX_PREPARED = 16
 
 
 @dataclass(frozen=True)
@@ -287,10 +286,8 @@ class Scheduler:
         self.pipeline, self.stack = pipeline, pipeline.stack
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
         self.threads = threads or torch.get_num_threads()
-        self._t5: Any = None  # text-to-image: the prompt encoder, loaded once (not once per joining row)
         self._queue: deque[Ticket] = deque()
         self._lanes: OrderedDict[tuple[str, Settings], Lane] = OrderedDict()
-        self._prepared: OrderedDict[tuple[str, Settings], PreparedMethod] = OrderedDict()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -394,13 +391,8 @@ class Scheduler:
         if self.stack.kind != "t2i":
             return self.stack.encode(conditions, 1, len(conditions))
         prompts = check_condition_kind(conditions, str, self.stack.root)
-        if self._t5 is None:
-            from lantern.targets.text import load_t5  # transformers: only for text-to-image models
-
-            cfg = self.stack.target.config
-            self._t5 = load_t5(self.pipeline.t5_dir(), cfg.cls_token_num, self.stack.device, self.stack.dtype,
-                               cfg.caption_dim)
-        return self.stack.from_captions(self._t5.encode(prompts, batch_size=len(prompts)))
+        encoder = self.pipeline.t5_encoder()  # the pipeline's, read once
+        return self.stack.from_captions(encoder.encode(prompts, batch_size=len(prompts)))
 
     def images(self, codes: Tensor) -> list[Image.Image]:
         """Decode codes [k, N] to images with the model's VQ decoder."""
@@ -412,26 +404,19 @@ class Scheduler:
     def _prepare(self, key: tuple[str, Settings]) -> PreparedMethod:
         from lantern.api import resolve_settings
 
-        with self._lock:
-            prepared = self._prepared.get(key)
-            if prepared is not None:
-                self._prepared.move_to_end(key)
-                return prepared
         method, settings = key
         method_cfg, sampling = resolve_settings(self.stack, method, **dict(settings))
-        pipe = self.pipeline
-        prepared = prepare_method(self.stack, method_cfg, sampling, pipe.drafter, pipe.proximity, pipe.compile)
-        with self._lock:
-            prepared = self._prepared.setdefault(key, prepared)
-            while len(self._prepared) > MAX_PREPARED:  # a running lane keeps its own reference
-                self._prepared.popitem(last=False)
-            return prepared
+        return self.pipeline.prepare(method_cfg, sampling)  # prepared once, kept by the pipeline
 
     def _lane(self, key: tuple[str, Settings]) -> Lane:
         """The lane of ``key`` (decode thread only), made if needed."""
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = Lane(self, self._prepare(key))
+            prepared = self._prepare(key)
+            if any(other.prepared is prepared for other in self._lanes.values()):
+                # Two keys that resolve alike share a prepared method: its caches are the other lane's.
+                prepared = replace(prepared, _caches=CachePool())
+            lane = self._lanes[key] = Lane(self, prepared)
         self._lanes.move_to_end(key)
         return lane
 
