@@ -18,7 +18,14 @@ from lantern.cli.common import (
     add_tool_args,
 )
 from lantern.errors import check
-from lantern.eval.bench import BenchConfig, QualityScorer, resolve_auto_trees, resolve_auto_windows, run_bench
+from lantern.eval.bench import (
+    BenchConfig,
+    BenchRunner,
+    QualityScorer,
+    resolve_auto_trees,
+    resolve_auto_windows,
+    run_bench,
+)
 from lantern.eval.methods_grammar import parse_batch_sizes, parse_methods, parse_tree_options
 from lantern.eval.report import format_table, save_bench, throughput_table
 
@@ -58,6 +65,7 @@ def cmd_bench(args: Any) -> int:
     from lantern.distributed import DistContext, process_group
     from lantern.eval.ranks import RankRunner, check_bench_ranks, no_metrics
     from lantern.outputs import OutputFolder
+    from lantern.parts import ModelParts
     from lantern.validate import check_device
 
     t0 = time.perf_counter()
@@ -72,12 +80,14 @@ def cmd_bench(args: Any) -> int:
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, layout=args.layout,
                              image_size=args.image_size, vq=args.vq)
     sampling = sampling_from(stack, args)
+    parts = ModelParts(stack)  # the drafter and table, read once for every choice and run below
     given = config
-    config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print)
-    config, auto_windows = resolve_auto_windows(stack, sampling, config, log=print)
+    config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print, parts=parts)
+    config, auto_windows = resolve_auto_windows(stack, sampling, config, log=print, parts=parts)
     throughput_methods = {}
     for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
-        at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print)
+        at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print,
+                                              parts=parts)
         throughput_methods[batch] = {m.name: m.resolve(stack) for m in at_batch.methods}
         auto_trees[f"batch {batch}"] = chosen
     with process_group(ctx, args.device):
@@ -94,7 +104,8 @@ def cmd_bench(args: Any) -> int:
         if isinstance(scorer, QualityScorer):
             print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
         result = run_bench(stack, sampling, config, scorer, progress=progress, throughput_methods=throughput_methods,
-                           runner=RankRunner(ctx) if ctx.enabled else None, log=print if ctx.is_main else _quiet)
+                           runner=RankRunner(ctx, parts) if ctx.enabled else BenchRunner(parts),
+                           log=print if ctx.is_main else _quiet)
     if not ctx.is_main:
         return 0
     if isinstance(scorer, QualityScorer):

@@ -53,18 +53,18 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
-                  args: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str], args: argparse.Namespace,
+                  parts: Any = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """``lantern demo --sjd-window N|auto`` / ``--pjd-window N|auto``: the window of every SJD- or
     PJD-family method in the demo (auto: timed per method, as ``generate`` does). Returns the
     per-method settings for run_demo and the auto choices for demo.json."""
     from lantern.autotree.window import choose_window
-    from lantern.methods import PJD_METHODS, SJD_METHODS, resolve_method
+    from lantern.methods import family_methods, resolve_method
 
     settings: dict[str, dict[str, Any]] = {}
     chosen: dict[str, Any] = {}
-    for flag, name, family in (("--sjd-window", "sjd_window", SJD_METHODS),
-                               ("--pjd-window", "pjd_window", PJD_METHODS)):
+    for flag, name, family in (("--sjd-window", "sjd_window", family_methods("sjd")),
+                               ("--pjd-window", "pjd_window", family_methods("pjd"))):
         value = getattr(args, name)
         if value is None:
             continue
@@ -75,7 +75,7 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str],
             window = value
             if value == "auto":
                 choice = choose_window(stack, resolve_method(m, stack), sampling, seed=args.seed,
-                                       batch_size=args.batch_size)
+                                       batch_size=args.batch_size, parts=parts)
                 print(f"{flag} auto [{m}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
                 chosen[m], window = choice.to_dict(), choice.window
             settings[m] = {name: window}
@@ -90,8 +90,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.api import sampling_from
     from lantern.eval.demo import run_demo, save_demo
     from lantern.machine import watch_load
-    from lantern.methods import METHODS
+    from lantern.methods import METHOD_TABLE
     from lantern.outputs import OutputFolder
+    from lantern.parts import ModelParts
 
     check_compile(args)
     from lantern.eval.demo import DEMO_PROMPT_IMAGES
@@ -99,8 +100,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for m in methods:
-        if m not in METHODS:
-            raise LanternError(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+        if m not in METHOD_TABLE:
+            raise LanternError(f"--methods: unknown method {m!r} (choose from {', '.join(METHOD_TABLE)})")
     auto = check_auto_tree(args.tree, methods, args.profile)
     for name in ("num_images", "batch_size", "repeats"):
         if getattr(args, name) is not None:
@@ -109,6 +110,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     stack = load_tool_stack(args)
     sampling = sampling_from(stack, args)
+    parts = ModelParts(stack)  # the drafter and table, read once for the auto choices and every method
     n = (stack.num_classes or DEMO_PROMPT_IMAGES) if args.num_images is None else args.num_images
     t0 = time.perf_counter()
     auto_trees: dict[str, Any] = {}
@@ -118,19 +120,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         if auto:
             auto_trees = choose_trees(stack, methods, sampling, profile=args.profile, seed=args.seed,
-                                      batch_size=args.batch_size, progress=not args.no_progress)
+                                      batch_size=args.batch_size, parts=parts, progress=not args.no_progress)
             for choice in auto_trees.values():
                 print(f"--tree auto [{choice.method}]: {choice.explanation}")
             trees = {m: c.tree for m, c in auto_trees.items()}
         else:
-            trees = {m: args.tree for m in methods if m not in ("ar", "gsd") and not m.startswith(("sjd", "pjd"))}
-    windows, auto_windows = _demo_windows(stack, sampling, methods, args)
+            trees = {m: args.tree for m in methods if METHOD_TABLE[m].drafts_a_tree}
+    windows, auto_windows = _demo_windows(stack, sampling, methods, args, parts)
     for method, tree in trees.items():  # a method's tree rides in its settings, like its window
         windows[method] = {**windows.get(method, {}), "tree": tree}
     with watch_load() as watch:  # were other processes competing for the cores while we timed?
         rows = run_demo(stack, sampling, methods, num_images=n, seed=args.seed, batch_size=args.batch_size,
                         repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
-                        compile=args.compile, settings=windows)
+                        compile=args.compile, settings=windows, parts=parts)
     assert watch.result is not None
     meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}

@@ -48,7 +48,8 @@ from lantern.eval.report import (
     tree_label,
 )
 from lantern.machine import watch_load
-from lantern.methods import METHODS, MethodConfig, resolve_method, setting_name
+from lantern.methods import METHOD_TABLE, MethodConfig, resolve_method, setting_name
+from lantern.parts import ModelParts, parts_of
 from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack, labels_for
 from lantern.targets.llamagen_stack import ModelStack
@@ -91,7 +92,8 @@ class BenchConfig:
         check("ar" in names, "--methods must include ar (the speed-up baseline)")
         check(len(set(names)) == len(names), f"--methods lists a method twice: {names}")
         for m in self.methods:
-            check(m.method in METHODS, f"--methods: unknown method {m.method!r} (choose from {', '.join(METHODS)})")
+            check(m.method in METHOD_TABLE,
+                  f"--methods: unknown method {m.method!r} (choose from {', '.join(METHOD_TABLE)})")
         for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real",
                      "ar_seeds"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -250,9 +252,12 @@ def time_methods(
     compile: str | None = None,
     startup: dict[str, float] | None = None,
     indices: Sequence[int] | None = None,
+    parts: ModelParts | None = None,
 ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
     """Wall-clock of every method on the same images: (last run per method, total per repeat).
     ``indices``: each label's place in the whole request, which picks its seed (default 0, 1, ...).
+    ``parts``: the loaded drafter and proximity table every method shares (default: the stack's own,
+    read once here).
 
     A shared machine's speed drifts over minutes (other tenants, frequency), so timing method A for
     a minute and then method B compares two machines. Instead the methods take turns image by
@@ -273,7 +278,8 @@ def time_methods(
     validate_sampling_for_vocab(sampling, stack.vocab_size)
     device = stack.device
     cond = labels if isinstance(labels, Conditions) else stack.encode(labels)
-    prepared = {name: prepare_method(stack, cfg, sampling, compile=compile) for name, cfg in resolved.items()}
+    parts = parts_of(stack, parts)
+    prepared = {name: prepare_method(stack, cfg, sampling, parts, compile) for name, cfg in resolved.items()}
     chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
     order = list(range(len(labels))) if indices is None else list(indices)
     for name, parts in prepared.items():
@@ -312,18 +318,28 @@ def time_methods(
 
 class BenchRunner:
     """How bench decodes and times images: in this process. ``lantern.eval.ranks.RankRunner``
-    shares them across the ranks of a ``torchrun`` job, with the same interface."""
+    shares them across the ranks of a ``torchrun`` job, with the same interface. ``parts``: the
+    loaded drafter and proximity table of every run (None: the stack's own, read at the first run)."""
+
+    def __init__(self, parts: ModelParts | None = None) -> None:
+        self.parts = parts
+
+    def loaded(self, stack: Stack) -> ModelParts:
+        """The parts every run shares, made on first need."""
+        if self.parts is None:
+            self.parts = ModelParts(stack)
+        return self.parts
 
     def generate(self, stack: Stack, conditions: Conditions, seed: int, sampling: SamplingConfig,
                  method: MethodConfig, batch_size: int) -> RunResult:
-        return run_conditions(stack, conditions, seed, sampling, method, batch_size)
+        return run_conditions(stack, conditions, seed, sampling, method, batch_size, parts=self.loaded(stack))
 
     def time(self, stack: Stack, sampling: SamplingConfig, resolved: Mapping[str, MethodConfig],
              conditions: Conditions, seed: int, batch_size: int = 1, repeats: int = 1, progress: bool = False,
              compile: str | None = None, startup: dict[str, float] | None = None,
              ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
         return time_methods(stack, sampling, resolved, conditions, seed, batch_size, repeats, progress, compile,
-                            startup)
+                            startup, parts=self.loaded(stack))
 
 
 def _row(
@@ -453,7 +469,7 @@ def _meta(
 
 def resolve_auto_windows(
     stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
-    **calibration: int,
+    parts: ModelParts | None = None, **calibration: int,
 ) -> tuple[BenchConfig, dict[str, Any]]:
     """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
     :func:`lantern.autotree.window.choose_window` times fastest at the speed batch size (``calibration``:
@@ -465,7 +481,7 @@ def resolve_auto_windows(
     for spec in config.methods:
         if spec.window == "auto":
             choice = choose_window(stack, spec.resolve(stack), sampling, seed=config.seed,
-                                   batch_size=config.speed_batch_size, **calibration)
+                                   batch_size=config.speed_batch_size, parts=parts, **calibration)
             log(f"window auto for {spec.name}: {choice.explanation}")
             chosen[spec.name] = choice.to_dict()
             window = {setting_name(spec.method, "window"): choice.window}
@@ -480,6 +496,7 @@ def resolve_auto_trees(
     config: BenchConfig,
     profile: str | None = None,
     log: Callable[[str], None] = print,
+    parts: ModelParts | None = None,
 ) -> tuple[BenchConfig, dict[str, Any]]:
     """Replace ``tree="auto"`` by the tree :mod:`lantern.autotree.choose` picks for this device (one
     device profile shared by every method). Returns the new config and, per method, the choice
@@ -491,7 +508,7 @@ def resolve_auto_trees(
 
     names = list(dict.fromkeys(m.method for m in auto))
     chosen = choose_trees(stack, names, sampling, profile=profile, seed=config.seed,
-                          batch_size=config.speed_batch_size)
+                          batch_size=config.speed_batch_size, parts=parts)
     for name, choice in chosen.items():
         log(f"--tree auto for {name}: {choice.explanation}")
     methods = tuple(replace(m, tree=chosen[m.method].tree) if m.tree == "auto" else m for m in config.methods)

@@ -22,7 +22,8 @@ from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.images import image_grid, save_png
 from lantern.io import atomic_path, ensure_writable_dir, finite_or_null, write_json
-from lantern.methods import RELAXED_RULE, resolve_method
+from lantern.methods import method_record, resolve_method
+from lantern.parts import ModelParts
 from lantern.run import RunResult
 from lantern.targets.base import Stack
 
@@ -57,21 +58,24 @@ def run_demo(
     budget: str | None = None,
     compile: str | None = None,
     settings: Mapping[str, Mapping[str, Any]] | None = None,
+    parts: ModelParts | None = None,
 ) -> list[MethodTiming]:
-    """``settings``: per-method overrides by their keyword names (e.g. ``{"sjd": {"sjd_window": 8}}``)."""
+    """``settings``: per-method overrides by their keyword names (e.g. ``{"sjd": {"sjd_window": 8}}``);
+    ``parts``: the loaded drafter and proximity table (default: the stack's own, read once here)."""
     check("ar" in methods, "--methods must include ar (the speed-up baseline)")
     check(num_images >= 1, f"--num-images must be >= 1, got {num_images}")
     check(repeats >= 1, f"--repeats must be >= 1, got {repeats}")
     labels = stack.sample_conditions(num_images)
-    # --lantern-budget applies to the relaxed methods only
+    # --lantern-budget applies to LANTERN's relaxed rules only (GSD's groups take none)
     settings = settings or {}
-    configs = {m: resolve_method(m, stack, lantern_budget=budget if m in RELAXED_RULE else None, **settings.get(m, {}))
+    configs = {m: resolve_method(m, stack, lantern_budget=budget if method_record(m).needs_proximity else None,
+                                 **settings.get(m, {}))
                for m in methods}
 
     from lantern.eval.bench import time_methods
 
     results, walls = time_methods(stack, sampling, configs, labels, seed, batch_size, repeats, progress,
-                                  compile=resolve_compile(compile, stack.device))
+                                  compile=resolve_compile(compile, stack.device), parts=parts)
     ar_wall = statistics.median(walls["ar"])
     out = []
     for m in methods:

@@ -25,6 +25,7 @@ from lantern.decoding.config import SamplingConfig
 from lantern.distributed import DistContext, all_gather, check_enough_items, shard
 from lantern.errors import LanternError
 from lantern.methods import MethodConfig
+from lantern.parts import ModelParts
 from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack
 
@@ -47,8 +48,13 @@ def no_metrics(codes: torch.Tensor, labels: list[int]) -> dict[str, Any]:
 class RankRunner:
     """:class:`lantern.eval.bench.BenchRunner` for one rank: decode this rank's shard, gather all shards."""
 
-    def __init__(self, ctx: DistContext) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: DistContext, parts: ModelParts | None = None) -> None:
+        self.ctx, self.parts = ctx, parts  # parts: read once for every run (None: the stack's own)
+
+    def loaded(self, stack: Stack) -> ModelParts:
+        if self.parts is None:
+            self.parts = ModelParts(stack)
+        return self.parts
 
     def _mine(self, n: int) -> list[int]:
         return list(shard(n, self.ctx.rank, self.ctx.world_size))  # a contiguous block of the request
@@ -59,7 +65,7 @@ class RankRunner:
         part = None
         if mine:
             r = run_conditions(stack, conditions.rows(mine[0], mine[-1] + 1), seed, sampling, method, batch_size,
-                               indices=mine)
+                               parts=self.loaded(stack), indices=mine)
             part = _payload(r)
         return _merge(all_gather(part, self.ctx), method)
 
@@ -75,7 +81,7 @@ class RankRunner:
             own: dict[str, float] = {}
             runs, walls = time_methods(stack, sampling, resolved, conditions.rows(mine[0], mine[-1] + 1), seed,
                                        batch_size,
-                                       repeats, progress, compile, own, indices=mine)
+                                       repeats, progress, compile, own, indices=mine, parts=self.loaded(stack))
             part = ({name: _payload(r) for name, r in runs.items()}, walls, own)
         parts = [p for p in all_gather(part, self.ctx) if p is not None]
         merged = {name: _merge([p[0][name] for p in parts], cfg) for name, cfg in resolved.items()}

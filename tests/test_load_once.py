@@ -1,0 +1,137 @@
+"""Load once: a Pipeline reads its drafter, proximity table and T5 at most once, on first need,
+and keeps its prepared methods, so a second call reads nothing from disk (issue 37).
+
+Reads are counted where every safetensors file is opened (``safetensors.safe_open``, which
+``lantern.io.read_safetensors`` imports at each call) and where a stack reads a drafter folder
+(``Stack.load_drafter``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors
+import torch
+
+import lantern
+from lantern import api as api_module
+from lantern.targets.llamagen_stack import ModelStack
+
+LABELS = [1, 7]
+
+
+class Reads:
+    """Files opened, by kind: ``drafter`` (its weights), ``proximity`` (the table), ``other``."""
+
+    def __init__(self) -> None:
+        self.files: Counter[str] = Counter()
+        self.drafter_loads = 0
+
+    def kind(self, path: str) -> str:
+        name = Path(path).name
+        if name.startswith("proximity"):
+            return "proximity"
+        return "drafter" if "drafter" in Path(path).parts[-2] else "other"
+
+    def clear(self) -> None:
+        self.files.clear()
+        self.drafter_loads = 0
+
+    def total(self) -> int:
+        return sum(self.files.values()) + self.drafter_loads
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Reads:
+    counted = Reads()
+    real_open, real_load = safetensors.safe_open, ModelStack.load_drafter
+
+    def safe_open(path: str, *args: Any, **kwargs: Any) -> Any:
+        counted.files[counted.kind(path)] += 1
+        return real_open(path, *args, **kwargs)
+
+    def load_drafter(self: ModelStack, path: Any) -> torch.nn.Module:
+        counted.drafter_loads += 1
+        return real_load(self, path)
+
+    monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    monkeypatch.setattr(ModelStack, "load_drafter", load_drafter)
+    return counted
+
+
+def _call(pipe: lantern.Pipeline, method: str, **settings: Any) -> torch.Tensor:
+    return pipe(labels=LABELS, method=method, seed=5, batch_size=2, **settings).codes
+
+
+def test_the_counter_sees_a_read(reads: Reads) -> None:
+    """The counting itself: a fresh pipeline's lantern++ call reads the drafter and the table."""
+    pipe = lantern.load("digits")
+    reads.clear()
+    _call(pipe, "lantern++")
+    assert reads.drafter_loads == 1 and reads.files["drafter"] == 1 and reads.files["proximity"] == 1
+
+
+def test_a_second_call_reads_nothing_and_gives_the_same_codes(reads: Reads) -> None:
+    pipe = lantern.load("digits")
+    first = _call(pipe, "lantern++")
+    reads.clear()
+    second = _call(pipe, "lantern++")
+    assert reads.total() == 0, (reads.files, reads.drafter_loads)
+    assert torch.equal(second, first)
+    assert torch.equal(second, _call(lantern.load("digits"), "lantern++"))  # a fresh pipeline's codes
+
+
+def test_a_new_method_reads_only_what_it_needs(reads: Reads) -> None:
+    pipe = lantern.load("digits")
+    reads.clear()
+    _call(pipe, "ar")
+    assert reads.total() == 0  # AR needs neither the drafter nor the table
+    _call(pipe, "sd")
+    assert reads.drafter_loads == 1 and reads.files["proximity"] == 0
+    reads.clear()
+    lantern_pp = _call(pipe, "lantern++")
+    assert reads.drafter_loads == 0 and reads.files == Counter({"proximity": 1})  # the drafter is kept
+    reads.clear()
+    _call(pipe, "sjd-lantern++")  # another method on the same table
+    _call(pipe, "lantern++", lantern_lambda=3.0)  # other settings: prepared anew, from the loaded parts
+    assert reads.total() == 0
+    assert torch.equal(_call(pipe, "lantern++"), lantern_pp)
+
+
+def test_prepared_methods_are_kept_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same settings give the same prepared method (its caches, its compiled round); ever new
+    settings cannot grow memory past MAX_PREPARED."""
+    monkeypatch.setattr(api_module, "MAX_PREPARED", 2)
+    pipe = lantern.load("digits")
+    first = pipe.prepare(*api_module.resolve_settings(pipe.stack, "sd"))
+    assert pipe.prepare(*api_module.resolve_settings(pipe.stack, "sd")) is first
+    for t in (0.5, 0.6, 0.7):
+        pipe.prepare(*api_module.resolve_settings(pipe.stack, "sd", temperature=t))
+    assert len(pipe._prepared) == 2
+    assert pipe.prepare(*api_module.resolve_settings(pipe.stack, "sd")) is not first  # dropped, prepared again
+    assert pipe.prepare(*api_module.resolve_settings(pipe.stack, "sd")).drafter is first.drafter  # one drafter
+
+
+def test_tree_auto_reads_the_drafter_once(reads: Reads) -> None:
+    """``tree="auto"``: the profile, the calibration and the run share one drafter read."""
+    pipe = lantern.load("digits")
+    reads.clear()
+    out = pipe(labels=[3], method="lantern++", seed=1, batch_size=1, tree="auto")
+    assert "auto_tree" in out.config
+    assert reads.drafter_loads == 1 and reads.files["drafter"] == 1 and reads.files["proximity"] == 1
+    reads.clear()
+    pipe(labels=[3], method="lantern++", seed=1, batch_size=1, tree="auto")  # measured again, read never
+    assert reads.total() == 0
+
+
+def test_cli_tree_auto_reads_the_drafter_once(reads: Reads, tmp_path: Path) -> None:
+    from lantern.cli.main import main
+
+    reads.clear()
+    main(["generate", "--model", "digits", "--labels", "3", "--method", "sd", "--tree", "auto", "--batch-size",
+          "1", "--out", str(tmp_path / "out"), "--no-progress"])
+    assert reads.drafter_loads == 1 and reads.files["drafter"] == 1
+    assert (tmp_path / "out" / "run.json").is_file()
