@@ -22,6 +22,10 @@ method             tree                  acceptance
 ``pjd-lantern*``   a chain per open row  relaxed (``-lantern``: delta, ``-lantern++``: lambda)
 =================  ====================  ==========================================
 
+What each method is (its family, acceptance rule, whether it is lossless, needs a drafter or the
+proximity table, can move rows between batches, and its defaults) is one :class:`MethodRecord` of
+:data:`METHOD_TABLE`; every other module asks the record, never a list of names.
+
 The SJD methods (``lantern.decoding.jacobi``) load no drafter: ``MethodConfig.jacobi`` holds the window
 length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
 ``sjd-coupled*`` and ``sjd-pac``), and the relaxed ones read the proximity table like LANTERN.
@@ -34,8 +38,9 @@ window (each open row's chain), and the loop runs its grid round for them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
@@ -43,17 +48,6 @@ from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
 from lantern.errors import LanternError, check, first_given
 
-COUPLED_METHODS = ("sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++")
-PAC_METHODS = ("sjd-pac",)  # SJD-PAC: coupled redraws (AC) and a K-ary subtree (PD); lantern.decoding.pac
-SJD_METHODS = ("sjd", "sjd-lantern", "sjd-lantern++", *COUPLED_METHODS, "gsd", *PAC_METHODS)
-PJD_METHODS = ("pjd", "pjd-lantern", "pjd-lantern++")
-METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", *SJD_METHODS, *PJD_METHODS)
-# Each relaxed method's rule: LANTERN's (absolute delta) or LANTERN++'s (relative lambda), or
-# GSD's grouped acceptance.
-RELAXED_RULE = {"lantern": "lantern", "lantern++": "lantern++", "sjd-lantern": "lantern", "sjd-lantern++": "lantern++",
-                "sjd-coupled-lantern": "lantern", "sjd-coupled-lantern++": "lantern++", "gsd": "gsd",
-                "pjd-lantern": "lantern", "pjd-lantern++": "lantern++"}
-LANTERN_METHODS = tuple(m for m, rule in RELAXED_RULE.items() if rule != "gsd")  # the ones --lantern-* tunes
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen ([LANTERN code])
 DEFAULT_LANTERN = RelaxationConfig(k=1000, delta=0.1, mode="absolute")  # [LANTERN code] defaults
 DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # [LANTERN code] run.sh (k, λ) = (10, 5)
@@ -67,10 +61,6 @@ DEFAULT_JACOBI = JacobiConfig()  # [SJD code]: window 16, random initialisation
 # maximal 3.25 / gumbel 2.85 with repeat_horizon; sjd 2.12 / 2.22).
 DEFAULT_COUPLING = "maximal"
 DEFAULT_COUPLED_INIT = "repeat_horizon"
-# sjd-lantern(++) start from repeat_horizon guesses: tau on photos (16 images, batch 8) 6.38 against
-# 5.07 with random ones. (Random guesses once also cost quality, FID 4.89 against AR's 1.17: the
-# relaxed test credited noise. Initial guesses are now tested exactly, lantern.decoding.acceptance.)
-RELAXED_JACOBI_METHODS = ("sjd-lantern", "sjd-lantern++")
 # pjd*: the first guess of a cell (lantern.decoding.pjd.PJD_INITS). tau on photos (16 images, batch 8,
 # window 4): pjd 2.56 random / 3.08 row_above, pjd-lantern 3.63 / 3.90, lossless (context 16) 1.66 / 1.81
 # (windows running across row ends; 1.46 / 1.68 cut at them). above_mode is not measured yet, so not the default.
@@ -79,6 +69,118 @@ DEFAULT_GSD_GROUP = 7  # GSD's released code: the tokens ranked within 7 places 
 # The tree ``--tree auto`` answers when speculation loses on the device (and that ``--tree`` takes
 # to turn it off): a drafter method with this tree decodes as plain AR.
 AR_FALLBACK_TREE = "ar"
+
+Family = Literal["ar", "eagle", "sjd", "pjd"]
+Rule = Literal["exact", "lantern", "lantern++", "gsd"]
+
+
+@dataclass(frozen=True)
+class MethodRecord:
+    """What one method is, in one place: everything that asks "which methods ..." (the resolver,
+    the CLI's choices, the bench grammar, the server's method list, the docs' tables) reads these
+    records instead of keeping a list of names."""
+
+    name: str
+    # Who drafts: nobody (ar), a trained EAGLE drafter's tree (eagle), the target itself in a Jacobi
+    # window verified as a chain (sjd: MethodConfig.jacobi), one such window per open image row (pjd:
+    # MethodConfig.pjd).
+    family: Family
+    # Acceptance: exact, LANTERN's absolute delta, LANTERN++'s relative lambda, or GSD's groups.
+    rule: Rule
+    # The target's distribution is kept at the method's default settings (pjd: only when
+    # --pjd-context is the row length, not its default).
+    lossless: bool
+    # A running decode's rows can move between batches (continuous batching). The server decides
+    # this from the prepared objects (lantern.decoding.rows.movable: a 2-D grid drafter, or the
+    # Chameleon target, lists no per-row state); this records the answer on LlamaGen targets.
+    movable_rows: bool = True
+    # --sjd-coupling values the method takes (empty: it redraws independently and takes none), and
+    # its default coupling (sjd family only).
+    couplings: tuple[str, ...] = ()
+    default_coupling: str | None = None
+    proactive: bool = False  # sjd-pac: proactive drafting's K-ary subtree beside the window's chain
+    default_tree: str | None = None  # eagle family: the tree without --tree or a stack's recommendation
+    default_init: str | None = None  # sjd / pjd families: the first guesses (--sjd-init / --pjd-init)
+
+    @property
+    def needs_drafter(self) -> bool:
+        """Needs a trained EAGLE drafter (``drafter/`` of the model folder, or ``--drafter``)."""
+        return self.family == "eagle"
+
+    @property
+    def needs_proximity(self) -> bool:
+        """Reads the latent proximity table (LANTERN's relaxed rules; GSD's groups need none)."""
+        return self.rule in ("lantern", "lantern++")
+
+    @property
+    def relaxed(self) -> bool:
+        return self.rule != "exact"
+
+    @property
+    def drafts_a_tree(self) -> bool:
+        """``--tree`` applies (a drafter's tree; the Jacobi families verify a chain of their window)."""
+        return self.family == "eagle"
+
+    @property
+    def window_setting(self) -> str | None:
+        """The setting that holds the method's Jacobi window (``sjd_window`` / ``pjd_window``), if any."""
+        return f"{self.family}_window" if self.family in ("sjd", "pjd") else None
+
+
+def _eagle(name: str, rule: Rule, tree: str) -> MethodRecord:
+    return MethodRecord(name, "eagle", rule, lossless=rule == "exact", default_tree=tree)
+
+
+def _sjd(name: str, rule: Rule, couplings: tuple[str, ...] = (), coupling: str = "independent",
+         init: str = DEFAULT_COUPLED_INIT, proactive: bool = False) -> MethodRecord:
+    return MethodRecord(name, "sjd", rule, lossless=rule == "exact", couplings=couplings, default_coupling=coupling,
+                        proactive=proactive, default_init=init)
+
+
+def _pjd(name: str, rule: Rule) -> MethodRecord:
+    # Lossy at the default context: a token does not see the row above's unfinished part.
+    return MethodRecord(name, "pjd", rule, lossless=False, movable_rows=False, default_init=DEFAULT_PJD_INIT)
+
+
+_COUPLED = tuple(c for c in COUPLINGS if c != "independent")
+_DYNAMIC, _STATIC = "dynamic", f"static:{DEFAULT_STATIC_TREE}"
+# Every method, in the order the CLI, the docs and the server list them (docs/methods.md).
+# Initial guesses: sjd and gsd keep SJD's random ones ([SJD code]); the coupled and relaxed Jacobi
+# methods start from repeat_horizon: coupling gains most with them (above), and sjd-lantern(++)'s
+# tau on photos (16 images, batch 8) is 6.38 against 5.07 with random ones (random guesses once also
+# cost quality, FID 4.89 against AR's 1.17: the relaxed test credited noise; initial guesses are
+# now tested exactly, lantern.decoding.acceptance).
+METHOD_TABLE: dict[str, MethodRecord] = {r.name: r for r in (
+    MethodRecord("ar", "ar", "exact", lossless=True),
+    _eagle("sd", "exact", _DYNAMIC),
+    _eagle("sd-static", "exact", _STATIC),
+    _eagle("lantern", "lantern", _DYNAMIC),
+    _eagle("lantern++", "lantern++", _STATIC),
+    _sjd("sjd", "exact", init=DEFAULT_JACOBI.init),
+    _sjd("sjd-lantern", "lantern"),
+    _sjd("sjd-lantern++", "lantern++"),
+    _sjd("sjd-coupled", "exact", _COUPLED, DEFAULT_COUPLING),
+    _sjd("sjd-coupled-lantern", "lantern", _COUPLED, DEFAULT_COUPLING),
+    _sjd("sjd-coupled-lantern++", "lantern++", _COUPLED, DEFAULT_COUPLING),
+    _sjd("gsd", "gsd", COUPLINGS, "independent", init=DEFAULT_JACOBI.init),  # GSD's own SJD; any coupling
+    # SJD-PAC: coupled redraws (its adaptive continuation; the others for ablations) and a K-ary
+    # subtree (proactive drafting); lantern.decoding.pac
+    _sjd("sjd-pac", "exact", COUPLINGS, DEFAULT_COUPLING, proactive=True),
+    _pjd("pjd", "exact"),
+    _pjd("pjd-lantern", "lantern"),
+    _pjd("pjd-lantern++", "lantern++"),
+)}
+
+
+def method_names(where: Callable[[MethodRecord], bool] = lambda r: True) -> tuple[str, ...]:
+    """The names of the methods whose record satisfies ``where``, in the table's order."""
+    return tuple(name for name, record in METHOD_TABLE.items() if where(record))
+
+
+def method_record(method: str) -> MethodRecord:
+    """``method``'s record; an unknown name is a :class:`LanternError` about ``--method``."""
+    check(method in METHOD_TABLE, f"--method must be one of {', '.join(METHOD_TABLE)}, got {method!r}", field="method")
+    return METHOD_TABLE[method]
 
 
 @dataclass(frozen=True)
@@ -93,26 +195,30 @@ class MethodConfig:
     pjd: PJDConfig | None = None  # PJD methods only: window and context
     pac: PACConfig | None = None  # sjd-pac only: proactive drafting's subtree (width K, depth D)
 
+    @property
+    def record(self) -> MethodRecord:
+        return METHOD_TABLE[self.method]
+
     def __post_init__(self) -> None:
-        check(self.method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        record = method_record(self.method)
+        plain = record.family == "ar"
         check(
-            (self.tree.kind == "none") == (self.method == "ar"),
-            f"method {self.method!r} {'takes no' if self.method == 'ar' else 'needs a'} draft tree",
+            (self.tree.kind == "none") == plain,
+            f"method {self.method!r} {'takes no' if plain else 'needs a'} draft tree",
         )
-        sjd = self.method in SJD_METHODS
+        sjd = record.family == "sjd"
         check(
             (self.jacobi is not None) == sjd,
             f"method {self.method!r} {'needs' if sjd else 'takes no'} Jacobi settings (window, init)",
         )
-        pac = self.method in PAC_METHODS
-        check((self.pac is not None) == pac,
-              f"method {self.method!r} {'needs' if pac else 'takes no'} proactive drafting settings (width, depth)")
+        check((self.pac is not None) == record.proactive,
+              f"method {self.method!r} {'needs' if record.proactive else 'takes no'} proactive drafting settings "
+              "(width, depth)")
         if self.jacobi is not None:  # SJD verifies its window as a chain, so the tree follows from it
-            coupled = self.method in COUPLED_METHODS
+            allowed = record.couplings or ("independent",)
             check(
-                self.method in ("gsd", *PAC_METHODS) or (self.jacobi.coupling != "independent") == coupled,
-                f"method {self.method!r} needs coupling {'maximal or gumbel' if coupled else 'independent'}, "
-                f"got {self.jacobi.coupling!r}",
+                self.jacobi.coupling in allowed,
+                f"method {self.method!r} needs coupling {' or '.join(allowed)}, got {self.jacobi.coupling!r}",
             )
             if self.pac is not None:  # the chain plus proactive drafting's subtree
                 check(self.tree == self.pac.tree(self.jacobi.window),
@@ -120,7 +226,7 @@ class MethodConfig:
             else:
                 chain = TreeConfig(kind="chain", depth=self.jacobi.window)
                 check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
-        grid = self.method in PJD_METHODS
+        grid = record.family == "pjd"
         check((self.pjd is not None) == grid,
               f"method {self.method!r} {'needs' if grid else 'takes no'} PJD settings (window, context)")
         if self.pjd is not None:  # each open row's window is verified as a chain
@@ -152,14 +258,14 @@ class MethodConfig:
         named as everywhere (:data:`METHOD_SETTINGS`). ``tree``: a ``--tree`` spec or a TreeConfig
         (``--tree auto``'s pick carries its choices). Library code resolves through
         :func:`resolve_method`, which adds the stack's recommended tree."""
-        check(method in METHODS, f"--method must be one of {', '.join(METHODS)}, got {method!r}", field="method")
+        record = method_record(method)
         k = lantern_k
-        check(method in PAC_METHODS or (pac_width is None and pac_depth is None),
-              f"--pac-width / --pac-depth need --method {' or '.join(PAC_METHODS)}",
+        check(record.proactive or (pac_width is None and pac_depth is None),
+              f"--pac-width / --pac-depth need --method {' or '.join(method_names(lambda r: r.proactive))}",
               field=first_given(pac_width=pac_width, pac_depth=pac_depth))
         relaxation = _resolve_relaxation(method, k, lantern_delta, lantern_lambda, lantern_residual, lantern_budget,
                                          gsd_group)
-        if method in PJD_METHODS:
+        if record.family == "pjd":
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row",
                   field="tree")
             check(sjd_window is None and sjd_init is None and sjd_coupling is None,
@@ -168,21 +274,21 @@ class MethodConfig:
                   field=first_given(sjd_window=sjd_window, sjd_init=sjd_init, sjd_coupling=sjd_coupling))
             pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
                             context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context,
-                            init=DEFAULT_PJD_INIT if pjd_init is None else pjd_init)
+                            init=first_set(pjd_init, record.default_init))
             chain = TreeConfig(kind="chain", depth=pjd.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, pjd=pjd)
         check(pjd_window is None and pjd_context is None and pjd_init is None,
-              f"--pjd-window / --pjd-context / --pjd-init need --method {' or '.join(PJD_METHODS)}",
+              f"--pjd-window / --pjd-context / --pjd-init need --method {' or '.join(family_methods('pjd'))}",
               field=first_given(pjd_window=pjd_window, pjd_context=pjd_context, pjd_init=pjd_init))
-        if method in SJD_METHODS:
+        if record.family == "sjd":
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses",
                   field="tree")
             jacobi = JacobiConfig(
                 window=DEFAULT_JACOBI.window if sjd_window is None else sjd_window,
-                init=sjd_init if sjd_init is not None else _default_init(method),
-                coupling=_resolve_coupling(method, sjd_coupling),
+                init=first_set(sjd_init, record.default_init),
+                coupling=_resolve_coupling(record, sjd_coupling),
             )
-            if method in PAC_METHODS:
+            if record.proactive:
                 pac = PACConfig(width=DEFAULT_PAC_WIDTH if pac_width is None else pac_width,
                                 depth=DEFAULT_PAC_DEPTH if pac_depth is None else pac_depth)
                 return cls(method=method, tree=pac.tree(jacobi.window), relaxation=relaxation, k_explicit=k is not None,
@@ -190,20 +296,20 @@ class MethodConfig:
             chain = TreeConfig(kind="chain", depth=jacobi.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
         check(sjd_window is None and sjd_init is None,
-              f"--sjd-window / --sjd-init need --method {' or '.join(SJD_METHODS)}",
+              f"--sjd-window / --sjd-init need --method {' or '.join(family_methods('sjd'))}",
               field=first_given(sjd_window=sjd_window, sjd_init=sjd_init))
         check(sjd_coupling is None,
-              f"--sjd-coupling needs --method {' or '.join((*COUPLED_METHODS, 'gsd', *PAC_METHODS))}",
+              f"--sjd-coupling needs --method {' or '.join(_coupling_takers())}",
               field="sjd_coupling")
-        if method == "ar" or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
-            check(method != "ar" or tree in (None, "none", AR_FALLBACK_TREE),
+        plain = record.family == "ar"
+        if plain or tree == AR_FALLBACK_TREE:  # --tree ar: speculation off (auto's fallback)
+            check(not plain or tree in (None, "none", AR_FALLBACK_TREE),
                   "--tree is only used with speculative methods", field="tree")
             return cls(method="ar")
         if isinstance(tree, TreeConfig):
             tree_cfg = tree
         else:
-            default_tree = "dynamic" if method in ("sd", "lantern") else f"static:{DEFAULT_STATIC_TREE}"
-            tree_cfg = TreeConfig.parse(tree or default_tree)
+            tree_cfg = TreeConfig.parse(tree or str(record.default_tree))
         return cls(method=method, tree=tree_cfg, relaxation=relaxation, k_explicit=k is not None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,32 +317,33 @@ class MethodConfig:
         return json.loads(json.dumps(asdict(self)))
 
 
-def _default_init(method: str) -> str:
-    if method in COUPLED_METHODS or method in RELAXED_JACOBI_METHODS or method in PAC_METHODS:
-        return DEFAULT_COUPLED_INIT
-    return DEFAULT_JACOBI.init
+def first_set(value: str | None, default: str | None) -> str:
+    """A setting as given, else the method's default (every method that takes it has one)."""
+    return str(default) if value is None else value
 
 
-def _resolve_coupling(method: str, coupling: str | None) -> str:
-    """``sjd-coupled*``: ``--sjd-coupling`` (maximal | gumbel, default DEFAULT_COUPLING); ``gsd``:
-    any coupling, independent by default (GSD's own SJD); ``sjd-pac``: any coupling, maximal by
-    default (its adaptive continuation; the others for ablations); the other SJD methods redraw
-    independently and take no coupling."""
-    if method in ("gsd", *PAC_METHODS):
-        check(coupling is None or coupling in COUPLINGS,
-              f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}", field="sjd_coupling")
-        if coupling is None:
-            return "independent" if method == "gsd" else DEFAULT_COUPLING
-        return coupling
-    if method not in COUPLED_METHODS:
-        takers = " or ".join((*COUPLED_METHODS, "gsd", *PAC_METHODS))
-        check(coupling is None, f"--sjd-coupling needs --method {takers}; {method} redraws its guesses independently",
+def family_methods(family: Family) -> tuple[str, ...]:
+    """The methods of one family (``"sjd"``: the Jacobi methods, ``"pjd"``: the 2-D ones, ...)."""
+    return method_names(lambda r: r.family == family)
+
+
+def _coupling_takers() -> tuple[str, ...]:
+    return method_names(lambda r: bool(r.couplings))
+
+
+def _resolve_coupling(record: MethodRecord, coupling: str | None) -> str:
+    """``--sjd-coupling``: one of the method's couplings (``sjd-coupled*``: maximal | gumbel; ``gsd``
+    and ``sjd-pac``: any, for ablations), else its default; the other SJD methods redraw
+    independently and take none."""
+    if not record.couplings:
+        takers = " or ".join(_coupling_takers())
+        check(coupling is None,
+              f"--sjd-coupling needs --method {takers}; {record.name} redraws its guesses independently",
               field="sjd_coupling")
         return "independent"
-    choices = [c for c in COUPLINGS if c != "independent"]
-    check(coupling is None or coupling in choices,
-          f"--sjd-coupling must be one of {', '.join(choices)}, got {coupling!r}", field="sjd_coupling")
-    return DEFAULT_COUPLING if coupling is None else coupling
+    check(coupling is None or coupling in record.couplings,
+          f"--sjd-coupling must be one of {', '.join(record.couplings)}, got {coupling!r}", field="sjd_coupling")
+    return first_set(coupling, record.default_coupling)
 
 
 def _resolve_relaxation(
@@ -249,17 +356,17 @@ def _resolve_relaxation(
     group: int | None = None,
 ) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
-    rule = RELAXED_RULE.get(method)
+    rule = method_record(method).rule
     if rule != "gsd":
         check(group is None, f"--gsd-group needs --method gsd, got --method {method}", field="gsd_group")
-    if rule in (None, "gsd"):
+    if rule in ("exact", "gsd"):
         check(
             k is None and delta is None and lam is None and residual is None and budget is None,
-            f"--lantern-* options need a relaxed method ({', '.join(LANTERN_METHODS)})",
+            f"--lantern-* options need a relaxed method ({', '.join(method_names(lambda r: r.needs_proximity))})",
             field=first_given(lantern_k=k, lantern_delta=delta, lantern_lambda=lam, lantern_residual=residual,
                               lantern_budget=budget),
         )
-    if rule is None:
+    if rule == "exact":
         return None
     if rule == "gsd":
         check(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
@@ -300,7 +407,8 @@ SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lanter
 def setting_name(method: str, key: str) -> str:
     """The setting a bench-grammar key (a short alias or a full name) stands for in ``method``'s row."""
     if key in ("window", "init"):  # the method's own window and initialisation
-        return f"pjd_{key}" if method in PJD_METHODS else f"sjd_{key}"
+        record = METHOD_TABLE.get(method)
+        return f"pjd_{key}" if record is not None and record.family == "pjd" else f"sjd_{key}"
     name = SETTING_ALIASES.get(key, key)
     check(name in METHOD_SETTINGS, f"unknown method setting {key!r} (expected one of "
                                    f"{', '.join([*METHOD_SETTINGS, 'window', 'init', *SETTING_ALIASES])})")

@@ -18,7 +18,7 @@ from PIL import Image
 import lantern
 from lantern.cli.main import main
 from lantern.errors import LanternError
-from lantern.methods import METHODS
+from lantern.methods import METHOD_TABLE
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 
@@ -50,7 +50,7 @@ def test_import_is_light_and_exports_the_building_blocks() -> None:
 
 
 @pytest.mark.parametrize("method", [m if m == "sd" else pytest.param(m, marks=pytest.mark.slow)
-                                    for m in METHODS])
+                                    for m in METHOD_TABLE])
 def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, tmp_path: Path) -> None:
     out = digits(labels=[3, 7], method=method, seed=0)
     codes, run = _cli("digits", tmp_path / "run", "--labels", "3,7", "--method", method)

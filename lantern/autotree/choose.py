@@ -169,9 +169,10 @@ def choose_auto(
     drafter and proximity table. Returns the method
     resolved with the choice and what run.json records of it (``auto_tree`` or ``auto_window``)."""
     from lantern.autotree.window import choose_window, with_window
-    from lantern.methods import PJD_METHODS, SJD_METHODS, resolve_method
+    from lantern.methods import METHOD_TABLE, resolve_method
 
-    if method in SJD_METHODS or method in PJD_METHODS:
+    record = METHOD_TABLE.get(method)
+    if record is not None and record.window_setting is not None:
         check(stack.kind == "c2i", f"tree auto times {method}'s windows on class labels; pass sjd_window / "
                                    f"pjd_window for {'text-to-image' if stack.kind == 't2i' else 'Chameleon-family'} "
                                    "models")

@@ -10,6 +10,7 @@ from typing import Any
 
 from lantern.decoding.trees import canonical_choices, level_widths
 from lantern.errors import check
+from lantern.methods import METHOD_TABLE
 
 Choice = tuple[int, ...]  # sibling ranks from the root: (a, b) = the b-th child of the root's a-th child
 
@@ -29,7 +30,7 @@ DEFAULT_MAX_DRAFTS = 63  # largest tree the search grows (the paper's trees have
 
 
 # Acceptance rules and the method whose real runs measure their cost.
-RULE_OF_METHOD = {"sd": "exact", "sd-static": "exact", "lantern": "lantern", "lantern++": "lantern++"}
+RULE_OF_METHOD = {r.name: r.rule for r in METHOD_TABLE.values() if r.drafts_a_tree}
 
 
 METHOD_OF_RULE = {"exact": "sd", "lantern": "lantern", "lantern++": "lantern++"}

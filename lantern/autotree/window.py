@@ -26,7 +26,7 @@ from typing import Any
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
-from lantern.methods import PJD_METHODS, SJD_METHODS, MethodConfig
+from lantern.methods import MethodConfig, method_names
 from lantern.parts import ModelParts, parts_of
 from lantern.run import run_generation
 from lantern.targets.llamagen_stack import ModelStack
@@ -100,8 +100,9 @@ def choose_window(
     """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
     an image row) on ``images`` calibration images. ``parts``: the loaded proximity table a relaxed
     rule needs (default: the stack's own), read once for every window."""
+    jacobi_methods = method_names(lambda r: r.window_setting is not None)
     check(method.jacobi is not None or method.pjd is not None,
-          f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join((*SJD_METHODS, *PJD_METHODS))}), "
+          f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join(jacobi_methods)}), "
           f"got {method.method}")
     n_tokens, n_classes = stack.target.config.block_size, stack.target.config.num_classes
     if method.pjd is not None:

@@ -81,11 +81,11 @@ def method_from_args(args: argparse.Namespace, stack: Any, tree: Any = None) -> 
 def window_as_tree(args: argparse.Namespace) -> None:
     """``--tree auto`` on a Jacobi method (sjd*, gsd, pjd*) means its window: ``--sjd-window auto`` /
     ``--pjd-window auto`` (the window is what these methods' verify chain is made of)."""
-    from lantern.methods import PJD_METHODS, SJD_METHODS
+    from lantern.methods import METHOD_TABLE
 
-    if args.tree != "auto" or args.method not in (*SJD_METHODS, *PJD_METHODS):
+    name = METHOD_TABLE[args.method].window_setting
+    if args.tree != "auto" or name is None:
         return
-    name = "pjd_window" if args.method in PJD_METHODS else "sjd_window"
     if getattr(args, name) is not None and getattr(args, name) != "auto":
         raise LanternError(f"--tree auto chooses {args.method}'s window; it cannot be combined with "
                            f"--{name.replace('_', '-')} {getattr(args, name)}")
@@ -126,11 +126,11 @@ def choose_auto_tree(
 def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool:
     """True for ``--sjd-window auto`` / ``--pjd-window auto``; refuses it for methods without such a
     window, and for models it cannot calibrate (``unsupported``: what kind of model this is)."""
-    from lantern.methods import PJD_METHODS, SJD_METHODS
+    from lantern.methods import family_methods
 
     auto = False
-    for flag, window, methods in (("--sjd-window", args.sjd_window, SJD_METHODS),
-                                  ("--pjd-window", args.pjd_window, PJD_METHODS)):
+    for flag, window, methods in (("--sjd-window", args.sjd_window, family_methods("sjd")),
+                                  ("--pjd-window", args.pjd_window, family_methods("pjd"))):
         if window != "auto":
             continue
         if args.method not in methods:

@@ -28,6 +28,7 @@ from lantern.cli.common import (
     window_as_tree,
 )
 from lantern.errors import LanternError
+from lantern.methods import METHOD_TABLE
 
 if TYPE_CHECKING:
     from lantern.api import Pipeline
@@ -79,9 +80,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--method",
         default="ar",
-        choices=["ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++",
-                 "sjd-coupled", "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "sjd-pac", "pjd",
-                 "pjd-lantern", "pjd-lantern++"],
+        choices=list(METHOD_TABLE),
         help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
         "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
         "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "

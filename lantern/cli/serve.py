@@ -17,7 +17,7 @@ from typing import Any
 
 from lantern.cli.common import add_chameleon_args, add_compile_arg, add_trust_checkpoint_arg, check_compile
 from lantern.errors import LanternError, check
-from lantern.methods import METHODS
+from lantern.methods import METHOD_TABLE
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                     "a web page at /. No authentication: it binds 127.0.0.1 unless --host is given (docs/serving.md).",
     )
     p.add_argument("--model", required=True, help="a preset (digits, photos), a model folder or a Hub repo id")
-    p.add_argument("--method", default="lantern++", choices=METHODS,
+    p.add_argument("--method", default="lantern++", choices=list(METHOD_TABLE),
                    help="the method of requests that name none (default lantern++)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the "

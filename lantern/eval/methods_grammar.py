@@ -9,11 +9,18 @@ from typing import Any
 
 from lantern.decoding.config import TreeConfig
 from lantern.errors import LanternError, check
-from lantern.methods import LANTERN_METHODS, METHODS, SETTING_ALIASES, MethodConfig, resolve_method, setting_name
+from lantern.methods import (
+    METHOD_TABLE,
+    SETTING_ALIASES,
+    MethodConfig,
+    method_names,
+    resolve_method,
+    setting_name,
+)
 from lantern.targets.base import Stack
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
-DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the ones a --tree applies to
+DRAFTER_METHODS = method_names(lambda r: r.drafts_a_tree)  # the ones a --tree applies to
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ def parse_methods(
     for entry in entries:
         head, *options = entry.split("/")
         name, _, tree = head.partition("@")
-        check(name in METHODS, f"--methods: unknown method {name!r} (choose from {', '.join(METHODS)})")
+        check(name in METHOD_TABLE, f"--methods: unknown method {name!r} (choose from {', '.join(METHOD_TABLE)})")
         settings = _row_settings(entry, name, options, budget)
         if tree:
             check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
@@ -89,7 +96,8 @@ def _row_settings(entry: str, name: str, options: list[str], budget: str | None)
     """The ``/KEY=VALUE`` settings of one ``--methods`` entry, by their full names; KEY is a full
     name (``lantern_delta``) or a short alias (``delta``, ``lambda``, ``window``: SETTING_ALIASES)."""
     keys = sorted({*SETTING_ALIASES, "window", "init", *_VALUE_KINDS})
-    out: dict[str, Any] = {"lantern_budget": budget} if name in LANTERN_METHODS and budget is not None else {}
+    tuned = METHOD_TABLE[name].needs_proximity  # the rules --lantern-budget bounds (not GSD's groups)
+    out: dict[str, Any] = {"lantern_budget": budget} if tuned and budget is not None else {}
     for option in options:
         key, eq, value = option.partition("=")
         check(eq == "=" and key in keys, f"--methods {entry!r}: expected /KEY=VALUE with KEY one of "

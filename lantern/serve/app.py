@@ -31,13 +31,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantern.api import Pipeline
 from lantern.errors import LanternError
+from lantern.methods import METHOD_TABLE
 from lantern.serve.metrics import Metrics
 from lantern.serve.plan import (
-    DRAFTER_METHODS,
     Limits,
     Plan,
     RequestError,
-    is_lossless,
     plan_request,
     runnable_methods,
     setting_error,
@@ -208,7 +207,7 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
 
     @app.get("/v1/methods", response_model=MethodsResponse)
     async def methods() -> dict[str, Any]:
-        return {"methods": [{"name": m, "lossless": is_lossless(m), "drafter": m in DRAFTER_METHODS,
+        return {"methods": [{"name": m, "lossless": METHOD_TABLE[m].lossless, "drafter": METHOD_TABLE[m].needs_drafter,
                              "default": m == state.default_method} for m in runnable_methods(state.pipeline)],
                 "default": state.default_method}
 

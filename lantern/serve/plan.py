@@ -15,12 +15,10 @@ from typing import Any
 from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
 from lantern.decoding.sampling import validate_sampling_for_vocab
 from lantern.errors import LanternError
-from lantern.methods import METHOD_SETTINGS, METHODS, PJD_METHODS, RELAXED_RULE, MethodConfig
+from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig
 from lantern.serve.schema import GenerationRequest
 
 SETTINGS = (*SAMPLING_SETTINGS, *METHOD_SETTINGS)  # every field passed on as a setting
-DRAFTER_METHODS = ("sd", "sd-static", "lantern", "lantern++")  # the EAGLE-drafter methods
-TABLE_RULES = ("lantern", "lantern++")  # relaxed rules that read the latent proximity table
 DEFAULT_PREVIEW_EVERY = 4  # rounds between previews of a stream
 
 
@@ -57,13 +55,8 @@ def runnable_methods(pipeline: Pipeline) -> list[str]:
     stack = pipeline.stack
     has_drafter = pipeline.drafter is not None or stack.drafter_dir is not None
     has_table = pipeline.proximity is not None or stack.proximity_file is not None
-    return [m for m in METHODS
-            if (has_drafter or m not in DRAFTER_METHODS) and (has_table or RELAXED_RULE.get(m) not in TABLE_RULES)]
-
-
-def is_lossless(method: str) -> bool:
-    """Exact acceptance keeps the target's distribution; PJD is lossless only at a full row of context."""
-    return method not in RELAXED_RULE and method not in PJD_METHODS
+    return [r.name for r in METHOD_TABLE.values()
+            if (has_drafter or not r.needs_drafter) and (has_table or not r.needs_proximity)]
 
 
 def plan_request(body: GenerationRequest, pipeline: Pipeline, default_method: str, limits: Limits) -> Plan:
@@ -74,7 +67,7 @@ def plan_request(body: GenerationRequest, pipeline: Pipeline, default_method: st
     method = body.method if body.method is not None else default_method
     runnable = runnable_methods(pipeline)
     if method not in runnable:
-        why = "unknown method" if method not in METHODS else "this model cannot run method"
+        why = "unknown method" if method not in METHOD_TABLE else "this model cannot run method"
         raise RequestError(f"method: {why} {method[:40]!r}; this server runs {', '.join(runnable)}", "method")
     # Only names of the settings vocabulary and validated values go on: nothing from a request is
     # ever used as a file path (the drafter and proximity table are the server's, fixed at start;
