@@ -27,10 +27,12 @@ from PIL import Image
 
 import lantern
 from lantern.api import SAMPLING_SETTINGS
+from lantern.errors import LanternError
 from lantern.methods import METHOD_SETTINGS
-from lantern.serve.app import create_app, fill_unknown, image_events, wait_results
-from lantern.serve.plan import Plan, field_of, runnable_methods
-from lantern.serve.scheduler import Job, Scheduler
+from lantern.serve import scheduler as scheduler_module
+from lantern.serve.app import TicketEvents, create_app, fill_unknown, image_events, wait_results
+from lantern.serve.plan import runnable_methods
+from lantern.serve.scheduler import Scheduler
 from lantern.serve.schema import GenerationRequest
 
 GENERATE = "/v1/images/generations"
@@ -129,12 +131,35 @@ def test_a_body_that_is_not_json_names_the_body(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["field"] == "body"
 
 
-def test_the_field_of_a_resolver_message() -> None:
-    given = {"lantern_delta": 0.2, "lantern_k": 3}
-    assert field_of("--lantern-delta belongs to lantern; lantern++ uses --lantern-lambda", given) == "lantern_delta"
-    assert field_of("lantern k (100000) exceeds the proximity table's K_max (128)", given) == "lantern_k"
-    assert field_of("method 'x' needs a drafter", given) == "method"
-    assert field_of("--lantern-deltas is no flag", {"lantern_delta": 1}) == "method"  # whole names only
+def test_a_refusals_field_comes_from_the_error_object(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The field answered is the one the resolver's LanternError carries, not one read from its
+    message (this message names another setting, and no setting at all is named "x")."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise LanternError("top_k and tree are both wrong, says this text", field="x")
+
+    monkeypatch.setattr(scheduler_module, "resolve_settings", refuse)
+    r = client.post(GENERATE, json={"label": 1, "top_k": 3, "tree": "dynamic", "method": "lantern++"})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "x: top_k and tree are both wrong, says this text", "field": "x"}
+
+
+def test_a_request_is_resolved_once(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One resolution per request (plain or streamed), settings never seen before included: the
+    scheduler takes the resolved record and never resolves or checks again."""
+    calls: list[str] = []
+    real = scheduler_module.resolve_settings
+
+    def counting(stack: Any, method: str, **settings: Any) -> Any:
+        calls.append(method)
+        return real(stack, method, **settings)
+
+    monkeypatch.setattr(scheduler_module, "resolve_settings", counting)
+    for i, stream in enumerate((False, True)):
+        calls.clear()
+        body = {"label": 2, "method": "ar", "temperature": 0.81 + 0.01 * i, "stream": stream}
+        r = client.post(GENERATE, json=body)
+        assert r.status_code == 200, r.text
+        assert calls == ["ar"], (stream, calls)
 
 
 def test_the_schema_takes_every_setting_of_the_vocabulary() -> None:
@@ -218,6 +243,34 @@ def test_a_stream_sends_previews_then_the_image_then_done(client: TestClient) ->
         assert mine[-1][1]["codes"] == plain["data"][index]["codes"]
 
 
+def test_a_stream_waits_on_events_not_on_a_timer(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing polls (docs/DESIGN.md): during a streamed request no coroutine sleeps on a timer, and
+    the stream wakes once per batch of events from the decode thread (previews and finished images),
+    never more often than the rounds that made them."""
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, *args: Any, **kwargs: Any) -> Any:
+        if delay > 0:
+            sleeps.append(delay)
+        return await real_sleep(delay, *args, **kwargs)
+
+    wakeups = []
+    real_next = TicketEvents.next
+
+    async def counting_next(self: TicketEvents) -> Any:
+        happened = await real_next(self)
+        wakeups.append(len(happened))
+        return happened
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    monkeypatch.setattr(TicketEvents, "next", counting_next)
+    r = client.post(GENERATE, json={"label": 4, "seed": 2, "method": "ar", "stream": True, "preview_every": 8})
+    assert r.status_code == 200 and _events_of(r.text)[-1][0] == "done", r.text
+    assert sleeps == []
+    assert 1 <= len(wakeups) <= 64 // 8 + 1 and sum(wakeups) <= 64 // 8 + 1  # 7 previews at most, then the image
+
+
 def test_unknown_codes_of_a_preview_take_the_last_known_one() -> None:
     codes = torch.tensor([-1, -1, 5, 7, -1, -1, 9, -1])
     assert fill_unknown(codes).tolist() == [0, 0, 5, 7, 7, 7, 9, 9]
@@ -242,7 +295,7 @@ def test_health_and_the_methods_of_this_model(client: TestClient) -> None:
 
 
 def test_a_model_without_drafter_or_table_offers_only_what_it_can_run() -> None:
-    bare = SimpleNamespace(drafter=None, proximity=None, stack=SimpleNamespace(drafter_dir=None, proximity_file=None))
+    bare = SimpleNamespace(parts=SimpleNamespace(has_drafter=False, has_table=False))
     names = runnable_methods(bare)  # type: ignore[arg-type]
     assert {"ar", "sjd", "sjd-coupled", "gsd", "pjd", "sjd-pac"} == set(names)
 
@@ -289,7 +342,7 @@ def test_a_full_queue_answers_429_and_a_stopping_server_503(pipe: lantern.Pipeli
     scheduler = Scheduler(pipe, max_batch=1, max_queue=1)  # never started: what is queued stays queued
     app = create_app(scheduler, pipeline=pipe, default_method="sjd-coupled")
     with TestClient(app) as c:
-        held = scheduler.submit([Job(0, 0, 0, "sjd-coupled")])  # the queue is full now
+        held = scheduler.submit(scheduler.resolve(0, 0, "sjd-coupled"))  # the queue is full now
         r = c.post(GENERATE, json={"label": 1})
         assert r.status_code == 429 and r.json()["error"]["field"] is None, r.text
         assert "queue" in r.json()["error"]["message"]
@@ -299,39 +352,38 @@ def test_a_full_queue_answers_429_and_a_stopping_server_503(pipe: lantern.Pipeli
         assert c.post(GENERATE, json={"label": 1}).status_code == 503
 
 
-def _plan(n: int) -> Plan:
-    return Plan(condition=1, n=n, seed=0, method="ar", settings=(), resolved={}, preview_every=1)
-
-
 def test_a_request_whose_client_left_cancels_its_tickets(pipe: lantern.Pipeline) -> None:
     """Waiting on tickets that never finish (the scheduler is not started): the request sees the
     client gone and cancels every ticket; an abandoned stream cancels its tickets too."""
     scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
     app = create_app(scheduler, pipeline=pipe, default_method="ar")
     state = app.state.serve
-    tickets = scheduler.submit([Job(1, 0, i, "ar") for i in range(2)])
+    tickets = scheduler.submit(scheduler.resolve(1, 0, "ar", indices=range(2)))
 
     class Gone:
-        calls = 0
+        """A request whose client has left: its next message is the disconnect."""
 
-        async def is_disconnected(self) -> bool:
-            self.calls += 1
-            return self.calls > 2
+        async def receive(self) -> dict[str, str]:
+            return {"type": "http.disconnect"}
 
     assert asyncio.run(wait_results(state, tickets, Gone())) is None  # type: ignore[arg-type]
     assert all(t.cancelled for t in tickets)
 
-    streamed = scheduler.submit([Job(1, 0, i, "ar", preview_every=1) for i in range(2)])
-    streamed[0].previews.put(torch.full((64,), -1))
+    request = scheduler.resolve(1, 0, "ar", indices=range(2), preview_every=1)
 
     async def first_event_then_leave() -> str:
-        events = image_events(state, _plan(2), streamed, False, time.perf_counter())
-        first = await anext(events)
-        await events.aclose()  # what Starlette does when the client disconnects
+        events = TicketEvents(asyncio.get_running_loop())
+        streamed.extend(scheduler.submit(request, events.preview))
+        events.watch(streamed)
+        streamed[0].on_preview(streamed[0], torch.full((64,), -1))  # type: ignore[misc]  # as the decode thread would
+        stream = image_events(state, request, streamed, events, False, time.perf_counter())
+        first = await anext(stream)
+        await stream.aclose()  # what Starlette does when the client disconnects
         return first
 
+    streamed: list[Any] = []
     assert asyncio.run(first_event_then_leave()).startswith("event: preview")
-    assert all(t.cancelled for t in streamed)
+    assert len(streamed) == 2 and all(t.cancelled for t in streamed)
     scheduler.shutdown(0.0)
 
 

@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from lantern.api import load
-    from lantern.serve.scheduler import Job, Scheduler, side_thread
+    from lantern.serve.scheduler import Scheduler, side_thread
 
     threads = torch.get_num_threads()  # the decode thread's; this thread runs at one (side_thread)
     side_thread()
@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
                      drain_timeout=args.drain_timeout, model=_model_name(args.model))
     condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
-    scheduler.check(Job(condition, 0, 0, args.method))  # loads and checks --method's drafter and table now
+    scheduler.resolve(condition, 0, args.method)  # loads and checks --method's drafter and table now
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
         scheduler.warm_up([args.method], condition)  # in the decode thread, which it starts
     scheduler.start()

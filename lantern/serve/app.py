@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import time
@@ -33,15 +34,17 @@ from lantern.api import Pipeline
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE
 from lantern.serve.metrics import Metrics
-from lantern.serve.plan import (
-    Limits,
-    Plan,
-    RequestError,
-    plan_request,
-    runnable_methods,
-    setting_error,
+from lantern.serve.plan import Limits, RequestError, answer_settings, plan_request, runnable_methods
+from lantern.serve.scheduler import (
+    Cancelled,
+    ImageResult,
+    PreviewSink,
+    QueueFull,
+    Resolved,
+    Scheduler,
+    Ticket,
+    side_thread,
 )
-from lantern.serve.scheduler import Cancelled, ImageResult, Job, QueueFull, Scheduler, Ticket, side_thread
 from lantern.serve.schema import (
     ErrorResponse,
     GenerationRequest,
@@ -52,7 +55,6 @@ from lantern.serve.schema import (
 
 STATIC = Path(__file__).resolve().parent / "static"
 GENERATIONS = "/v1/images/generations"
-POLL_SECONDS = 0.05  # how often a waiting request looks at its tickets (and at its client)
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
@@ -222,30 +224,28 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
               description="Generate images; with stream: true, server-sent events (preview, image, done).")
     async def generations(body: GenerationRequest, request: Request) -> Response:
         arrived = time.perf_counter()
-        plan = plan_request(body, state.pipeline, state.default_method, state.limits)
-        tickets = await _submit(state, plan)
+        # Resolved once, in a worker thread: resolving may load a method and encodes the prompt (T5).
+        resolved = await in_worker(plan_request, body, state.scheduler, state.default_method, state.limits)
         if body.stream:
-            return StreamingResponse(image_events(state, plan, tickets, body.return_codes, arrived),
+            events = TicketEvents(asyncio.get_running_loop())
+            tickets = _submit(state, resolved, events.preview)  # before the first round: no preview is missed
+            events.watch(tickets)
+            return StreamingResponse(image_events(state, resolved, tickets, events, body.return_codes, arrived),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        tickets = _submit(state, resolved)
         results = await wait_results(state, tickets, request)
         if results is None:
             return Response(status_code=CLIENT_GONE)
         data = await in_worker(_image_items, state, results, body.return_codes)
         state.metrics.latency(time.perf_counter() - arrived)
-        return JSONResponse({"created": int(time.time()), "data": data, "method": plan.method,
-                             "settings": plan.resolved})
+        return JSONResponse({"created": int(time.time()), "data": data, "method": resolved.method,
+                             "settings": answer_settings(resolved)})
 
 
-async def _submit(state: ServeState, plan: Plan) -> list[Ticket]:
-    """The request's jobs, checked by the scheduler (settings it refuses name their field) and queued."""
-    jobs = [Job(condition=plan.condition, seed=plan.seed, index=i, method=plan.method, settings=plan.settings,
-                preview_every=plan.preview_every) for i in range(plan.n)]
+def _submit(state: ServeState, resolved: Resolved, on_preview: PreviewSink | None = None) -> list[Ticket]:
+    """The resolved request's images, queued (nothing is checked again: it was resolved once)."""
     try:
-        await in_worker(state.scheduler.check, jobs[0])  # the jobs differ only by index
-    except LanternError as e:
-        raise setting_error(e, dict(plan.settings)) from None
-    try:
-        return state.scheduler.submit(jobs)
+        return state.scheduler.submit(resolved, on_preview)
     except QueueFull as e:
         raise RequestError(str(e), None, 429) from None
     except LanternError as e:  # shutting down
@@ -309,40 +309,62 @@ def _image_items(state: ServeState, results: list[ImageResult], return_codes: bo
     return items
 
 
-async def image_events(state: ServeState, plan: Plan, tickets: list[Ticket], return_codes: bool,
-                  arrived: float) -> AsyncIterator[str]:
+class TicketEvents:
+    """What the decode thread reports about a stream's tickets, handed to the event loop: a
+    ticket's codes so far (a preview), or None once its future is done. The stream awaits this
+    queue, so it wakes only when there is something to send; nothing polls (docs/DESIGN.md)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[Ticket, torch.Tensor | None]] = asyncio.Queue()
+
+    def preview(self, ticket: Ticket, codes: torch.Tensor | None) -> None:
+        """From any thread (the decode thread's previews, a future's done callback)."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (ticket, codes))
+
+    def watch(self, tickets: list[Ticket]) -> None:
+        """Report each ticket once its future is done (at once for one done already)."""
+        for t in tickets:
+            t.future.add_done_callback(lambda _, t=t: self.preview(t, None))
+
+    async def next(self) -> list[tuple[Ticket, torch.Tensor | None]]:
+        """What happened since the last call: waits for one event, then takes every one queued."""
+        events = [await self.queue.get()]
+        while not self.queue.empty():
+            events.append(self.queue.get_nowait())
+        return events
+
+
+async def image_events(state: ServeState, resolved: Resolved, tickets: list[Ticket], events: TicketEvents,
+                       return_codes: bool, arrived: float) -> AsyncIterator[str]:
     """Server-sent events: ``preview`` (the codes so far, decoded) every ``preview_every`` rounds,
     ``image`` per finished image, then ``done``; ``error`` instead when the engine fails. A client
     that leaves cancels the generator (Starlette), which frees the rows of its unfinished images."""
     try:
+        index = {id(t): i for i, t in enumerate(tickets)}
         finished: set[int] = set()
         while len(finished) < len(tickets):
-            for i, ticket in enumerate(tickets):
-                if i in finished:
-                    continue
-                codes = _latest(ticket)
-                if codes is not None:
+            happened = await events.next()
+            done = {index[id(t)] for t, codes in happened if codes is None} - finished
+            # Only each image's newest preview, and none of an image finished meanwhile: the
+            # client wants the current picture, not a backlog.
+            latest = {index[id(t)]: codes for t, codes in happened if codes is not None}
+            for i, codes in sorted(latest.items()):
+                if i not in done and i not in finished:
                     yield _event("preview", await in_worker(_preview, state, i, codes))
-                if ticket.future.done():
-                    result = _result(state, ticket)
-                    finished.add(i)
-                    items = await in_worker(_image_items, state, [result], return_codes, i)
-                    yield _event("image", items[0])
-            await asyncio.sleep(POLL_SECONDS)
+            for i in sorted(done):
+                result = _result(state, tickets[i])
+                finished.add(i)
+                items = await in_worker(_image_items, state, [result], return_codes, i)
+                yield _event("image", items[0])
         state.metrics.latency(time.perf_counter() - arrived)
-        yield _event("done", {"created": int(time.time()), "method": plan.method, "settings": plan.resolved})
+        yield _event("done", {"created": int(time.time()), "method": resolved.method,
+                              "settings": answer_settings(resolved)})
     except RequestError as e:
         yield _event("error", {"error": {"message": e.message, "field": e.field}})
     finally:
         _cancel(tickets)
-
-
-def _latest(ticket: Ticket) -> torch.Tensor | None:
-    """The newest preview queued (older ones are skipped: the client wants the current picture)."""
-    codes = None
-    while not ticket.previews.empty():
-        codes = ticket.previews.get_nowait()
-    return codes
 
 
 def _preview(state: ServeState, index: int, codes: torch.Tensor) -> dict[str, Any]:

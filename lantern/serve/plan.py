@@ -1,6 +1,8 @@
-"""From a checked request body to the scheduler's jobs: the checks that need the loaded model (its
-kind, classes and methods, the server's limits), the settings resolved as ``lantern.load(...)``
-resolves them, and the field each refusal is about.
+"""From a checked request body to the scheduler's :class:`~lantern.serve.scheduler.Resolved` record:
+the checks that need the loaded model (its kind, classes and methods, the server's limits), then
+the request resolved once (:meth:`Scheduler.resolve`: the settings as ``lantern.load(...)`` resolves
+them, the method prepared, the condition encoded). A refusal names its field: the resolvers' errors
+carry it (``LanternError.field``), so no message is parsed.
 
 Nothing here imports FastAPI: the app (:mod:`lantern.serve.app`) turns a :class:`RequestError`
 into its HTTP answer.
@@ -8,14 +10,13 @@ into its HTTP answer.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
-from lantern.decoding.sampling import validate_sampling_for_vocab
+from lantern.api import SAMPLING_SETTINGS, Pipeline
 from lantern.errors import LanternError
 from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig
+from lantern.serve.scheduler import Resolved, Scheduler
 from lantern.serve.schema import GenerationRequest
 
 SETTINGS = (*SAMPLING_SETTINGS, *METHOD_SETTINGS)  # every field passed on as a setting
@@ -26,8 +27,8 @@ class RequestError(LanternError):
     """A request the server refuses: the HTTP status, and the request field it is about."""
 
     def __init__(self, message: str, field: str | None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.field, self.status = message, field, status
+        super().__init__(message, field=field)
+        self.message, self.status = message, status
 
 
 @dataclass(frozen=True)
@@ -36,31 +37,19 @@ class Limits:
     max_prompt_chars: int = 1000
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One request, checked: its condition, method and settings, ready to become jobs."""
-
-    condition: int | str
-    n: int
-    seed: int
-    method: str
-    settings: tuple[tuple[str, Any], ...]  # sorted (name, value), only those the request set
-    resolved: dict[str, Any]  # every setting as the run will use it (defaults filled in)
-    preview_every: int
-
-
 def runnable_methods(pipeline: Pipeline) -> list[str]:
     """The methods this model can run: drafter methods need a drafter, LANTERN's relaxed rules a
     proximity table (what ``lantern.run.prepare_method`` would otherwise refuse on the first request)."""
-    stack = pipeline.stack
-    has_drafter = pipeline.drafter is not None or stack.drafter_dir is not None
-    has_table = pipeline.proximity is not None or stack.proximity_file is not None
+    has_drafter, has_table = pipeline.parts.has_drafter, pipeline.parts.has_table  # (reads neither)
     return [r.name for r in METHOD_TABLE.values()
             if (has_drafter or not r.needs_drafter) and (has_table or not r.needs_proximity)]
 
 
-def plan_request(body: GenerationRequest, pipeline: Pipeline, default_method: str, limits: Limits) -> Plan:
-    """The request checked against the model and the server's limits; raises :class:`RequestError`."""
+def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: str, limits: Limits) -> Resolved:
+    """The request checked against the model and the server's limits, then resolved once (in the
+    request's worker thread: resolving may load a method and encodes the prompt); raises
+    :class:`RequestError`."""
+    pipeline = scheduler.pipeline
     condition = _condition(body, pipeline, limits)
     if body.n > limits.max_images_per_request:
         raise RequestError(f"n: at most {limits.max_images_per_request} images per request, got {body.n}", "n")
@@ -73,15 +62,12 @@ def plan_request(body: GenerationRequest, pipeline: Pipeline, default_method: st
     # ever used as a file path (the drafter and proximity table are the server's, fixed at start;
     # `tree` is a spec of the tree table, refused by the schema when it looks like anything else).
     given = {name: getattr(body, name) for name in SETTINGS if getattr(body, name) is not None}
-    try:
-        method_cfg, sampling = resolve_settings(pipeline.stack, method, **given)
-        validate_sampling_for_vocab(sampling, pipeline.stack.vocab_size)  # else the decode round would fail
-    except LanternError as e:
-        raise setting_error(e, given) from None
     preview = body.preview_every if body.preview_every is not None else DEFAULT_PREVIEW_EVERY
-    return Plan(condition=condition, n=body.n, seed=body.seed, method=method, settings=tuple(sorted(given.items())),
-                resolved={**sampling.to_dict(), **method_settings(method_cfg)},
-                preview_every=preview if body.stream else 0)
+    try:
+        return scheduler.resolve(condition, body.seed, method, given, range(body.n),
+                                 preview if body.stream else 0)
+    except LanternError as e:
+        raise setting_error(e) from None
 
 
 def _condition(body: GenerationRequest, pipeline: Pipeline, limits: Limits) -> int | str:
@@ -104,22 +90,16 @@ def _condition(body: GenerationRequest, pipeline: Pipeline, limits: Limits) -> i
     return body.prompt
 
 
-def setting_error(error: LanternError, given: dict[str, Any]) -> RequestError:
-    """A resolver's or the scheduler's refusal of the request's settings, as a field's error."""
-    field = field_of(str(error), given)
+def setting_error(error: LanternError) -> RequestError:
+    """A resolver's refusal of the request, as its field's error: the field the error carries; one
+    that names no setting (a drafter the method needs, say) is about the method as a whole."""
+    field = error.field or "method"
     return RequestError(f"{field}: {error}", field)
 
 
-def field_of(message: str, given: dict[str, Any]) -> str:
-    """The request field a resolver's message is about: the first setting the request set that the
-    message names (as ``name``, ``--name-with-dashes`` or ``name with spaces``), else ``method``."""
-    found = []
-    for name in given:
-        hits = [m.start() for form in (name, "--" + name.replace("_", "-"), name.replace("_", " "))
-                for m in re.finditer(rf"(?<![\w-]){re.escape(form)}(?![\w-])", message)]
-        if hits:
-            found.append((min(hits), name))
-    return min(found)[1] if found else "method"
+def answer_settings(request: Resolved) -> dict[str, Any]:
+    """Every setting of a resolved request as the run uses it (defaults filled in): the answer's ``settings``."""
+    return {**request.sampling.to_dict(), **method_settings(request.method_cfg)}
 
 
 def method_settings(method: MethodConfig) -> dict[str, Any]:

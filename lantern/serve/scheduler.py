@@ -14,8 +14,12 @@ start-up), and rows join in place, so no request compiles anything. With ``conti
 (or a method whose decode cannot move rows, e.g. PJD's grid or a Chameleon target) a lane takes
 new jobs only when its whole batch has finished: static batches.
 
-One thread runs every lane's rounds, one lane round at a time; callers only queue jobs and wait on
-futures, so the HTTP layer never touches decode state.
+A request is resolved once, in the caller's thread (:meth:`Scheduler.resolve`: its settings as
+configs, its method prepared, its condition encoded, a text-to-image prompt through T5 included)
+into a :class:`Resolved` record; queueing, admission and the rounds take that record and never
+resolve, check or encode again (SGLang keeps tokenizing off its scheduler loop for the same reason).
+One thread runs every lane's rounds, one lane round at a time; callers only queue requests and wait
+on futures (and on a preview callback), so the HTTP layer never touches decode state.
 
 Threads and torch: only the decode thread should run torch with several intra-op threads. Every
 other live thread that has run a parallel torch op keeps its own OpenMP team, and on this 2-core
@@ -29,46 +33,56 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
 from torch import Tensor
 
+from lantern.api import resolve_settings
 from lantern.decoding.cache import CachePool
+from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import Decode
 from lantern.decoding.rows import movable
+from lantern.decoding.sampling import validate_sampling_for_vocab
 from lantern.errors import LanternError
+from lantern.methods import MethodConfig
 from lantern.run import PreparedMethod, image_seed
-from lantern.targets.base import check_condition_kind
+from lantern.targets.base import Conditions, check_condition_kind
 
 Settings = tuple[tuple[str, Any], ...]
+MethodKey = tuple[MethodConfig, SamplingConfig]  # a prepared method's key (lantern.api.Pipeline.prepare)
 # Kept at most: lanes (each holds its batch's caches); idle ones go first, least recently used, so
 # a client sending ever new settings cannot grow memory (prepared methods: lantern.api.MAX_PREPARED).
 MAX_LANES = 8
 
 
 @dataclass(frozen=True)
-class Job:
-    """One image: image ``index`` of a request (its seed is ``image_seed(seed, index)``)."""
+class Resolved:
+    """A request resolved once (:meth:`Scheduler.resolve`): what its images decode with, as configs,
+    a prepared method and encoded conditions. Everything after resolution takes this record."""
 
     condition: int | str  # a class label (c2i) or a prompt (t2i, Chameleon)
+    conditions: Conditions  # the condition, encoded (one row), in the resolving thread
     seed: int
-    index: int
+    indices: tuple[int, ...]  # the request's images: image i draws from image_seed(seed, i)
     method: str
-    settings: Settings = ()  # sorted (name, value) pairs of lantern.api's sampling and method settings
+    settings: Settings  # sorted (name, value) pairs the request set (lantern.api's vocabulary)
+    method_cfg: MethodConfig  # the settings as the run uses them (defaults filled in)
+    sampling: SamplingConfig
+    prepared: PreparedMethod  # the pipeline's, prepared once per key (drafter, table, compiled round)
     preview_every: int = 0  # rounds between previews of the codes so far (0: none)
 
     @property
-    def key(self) -> tuple[str, Settings]:
-        """Jobs with the same key share a decode batch."""
-        return self.method, self.settings
+    def key(self) -> MethodKey:
+        """Requests with the same key share a prepared method and a decode batch (two that set
+        their settings differently but resolve alike included)."""
+        return self.method_cfg, self.sampling
 
 
 @dataclass
@@ -88,13 +102,18 @@ class Cancelled(LanternError):
     """The job was cancelled (its client went away, or the server stopped before it ran)."""
 
 
+PreviewSink = Callable[["Ticket", Tensor], None]  # called on the decode thread: it must only hand over
+
+
 @dataclass(eq=False)
 class Ticket:
-    """A queued or running job: its result future, its previews, and its cancel switch."""
+    """One image of a request, queued or running: its result future, its preview callback, and its
+    cancel switch."""
 
-    job: Job
+    request: Resolved
+    index: int  # image ``index`` of the request
+    on_preview: PreviewSink | None = None
     future: concurrent.futures.Future[ImageResult] = field(default_factory=concurrent.futures.Future)
-    previews: queue.SimpleQueue[Tensor] = field(default_factory=queue.SimpleQueue)
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0
     forwards: int = 0  # target forwards so far (prefill included)
@@ -185,8 +204,8 @@ class Lane:
             t.rounds += 1
             if done[r]:
                 self._finish(r, t)
-            elif t.job.preview_every and t.rounds % t.job.preview_every == 0:
-                t.previews.put(decode.codes[r, :n_total].clone())
+            elif t.on_preview is not None and t.request.preview_every and t.rounds % t.request.preview_every == 0:
+                t.on_preview(t, decode.codes[r, :n_total].clone())
         if self.continuous and self.busy and self.busy * 2 <= decode.batch and decode.batch > 1:
             self._resize(_bucket(self.busy, self.scheduler.max_batch))  # half idle: a smaller batch costs less
 
@@ -199,15 +218,15 @@ class Lane:
 
     # -- rows ---------------------------------------------------------------------------------------
 
-    def _conditions(self, tickets: Sequence[Ticket], size: int) -> Any:
-        """Encoded conditions of ``tickets``, padded to ``size`` rows with copies of the first (free rows)."""
-        conds = [t.job.condition for t in tickets]
-        conds += [conds[0]] * (size - len(conds))
-        return self.scheduler.encode(conds)
+    def _conditions(self, tickets: Sequence[Ticket], size: int) -> Conditions:
+        """The tickets' conditions (encoded when they were resolved), padded to ``size`` rows with
+        copies of the first (free rows)."""
+        rows = [t.request.conditions for t in tickets]
+        return batch_conditions(rows + [rows[0]] * (size - len(rows)))
 
     def _prefill(self, tickets: Sequence[Ticket], size: int | None = None, eager: bool = False) -> Decode:
         size = size or len(tickets)
-        seeds = [image_seed(t.job.seed, t.job.index) for t in tickets] + [0] * (size - len(tickets))
+        seeds = [image_seed(t.request.seed, t.index) for t in tickets] + [0] * (size - len(tickets))
         return self.prepared.start(self._conditions(tickets, size), seeds, eager=eager,
                                    caches=self._join_caches if eager else None)
 
@@ -269,6 +288,23 @@ class Lane:
             ticket.future.set_result(result)
 
 
+def batch_conditions(rows: Sequence[Conditions]) -> Conditions:
+    """Conditions encoded one request at a time, as one batch: prompts of different lengths are
+    left-padded to the longest, as ``Stack.encode`` pads a batch it encodes (mask False there)."""
+    if len(rows) == 1:
+        return rows[0]
+    if rows[0].mask is None:  # labels
+        return Conditions(torch.cat([r.cond for r in rows]))
+    width = max(int(r.cond.shape[1]) for r in rows)
+
+    def left_pad(t: Tensor) -> Tensor:
+        # F.pad's spec runs from the last dimension: (0, 0) per trailing dim, then dim 1's left pad
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (width - int(t.shape[1]), 0))
+
+    return Conditions(torch.cat([left_pad(r.cond) for r in rows]),
+                      torch.cat([left_pad(r.mask) for r in rows if r.mask is not None]))
+
+
 def _fail(ticket: Ticket, error: BaseException) -> None:
     with contextlib.suppress(concurrent.futures.InvalidStateError):
         ticket.future.set_exception(error)
@@ -287,7 +323,7 @@ class Scheduler:
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
         self.threads = threads or torch.get_num_threads()
         self._queue: deque[Ticket] = deque()
-        self._lanes: OrderedDict[tuple[str, Settings], Lane] = OrderedDict()
+        self._lanes: OrderedDict[MethodKey, Lane] = OrderedDict()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -299,16 +335,30 @@ class Scheduler:
 
     # -- callers ------------------------------------------------------------------------------------
 
-    def check(self, job: Job) -> None:
-        """Refuse a job whose method or settings this model cannot run (one-line LanternError naming
-        the setting), before it is queued: resolves the settings and loads what the method needs."""
-        self._prepare(job.key)
+    def resolve(self, condition: int | str, seed: int, method: str, settings: Mapping[str, Any] | None = None,
+                indices: Sequence[int] = (0,), preview_every: int = 0) -> Resolved:
+        """A request resolved once, in the caller's thread (never the decode thread: this may load
+        what the method needs and encodes the condition, through T5 for a text-to-image model): its
+        settings as configs, checked against the model, its method prepared, its condition encoded.
+        A refusal is a one-line LanternError whose ``field`` names the setting (or the condition)
+        it is about."""
+        given = dict(settings or {})
+        method_cfg, sampling = resolve_settings(self.stack, method, **given)
+        validate_sampling_for_vocab(sampling, self.stack.vocab_size)  # else the decode round would fail
+        prepared = self.pipeline.prepare(method_cfg, sampling)  # prepared once, kept by the pipeline
+        try:
+            conditions = self.encode([condition])
+        except LanternError as e:
+            e.field = e.field or ("prompt" if isinstance(condition, str) else "label")
+            raise
+        return Resolved(condition=condition, conditions=conditions, seed=seed, indices=tuple(indices),
+                        method=method, settings=tuple(sorted(given.items())), method_cfg=method_cfg,
+                        sampling=sampling, prepared=prepared, preview_every=preview_every)
 
-    def submit(self, jobs: list[Job]) -> list[Ticket]:
-        """Queue ``jobs`` (all or none) and return their tickets."""
-        for job in jobs:
-            self.check(job)
-        tickets = [Ticket(job) for job in jobs]
+    def submit(self, request: Resolved, on_preview: PreviewSink | None = None) -> list[Ticket]:
+        """Queue every image of ``request`` (all or none) and return their tickets. ``on_preview``:
+        called on the decode thread with a ticket and its codes so far, every ``preview_every`` rounds."""
+        tickets = [Ticket(request, i, on_preview) for i in request.indices]
         with self._wake:
             if self._stopping:
                 raise LanternError("the server is shutting down; no new requests")
@@ -331,12 +381,11 @@ class Scheduler:
         buckets = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
         self.start()
         for method in methods:
+            request = self.resolve(condition, 0, method)
             # Static batches are exactly their jobs: every size from 1 to max_batch may come.
-            moves = self.continuous and rows_move(self._prepare((method, ())))
+            moves = self.continuous and rows_move(request.prepared)
             for size in buckets if moves else range(1, self.max_batch + 1):
-                tickets = [Ticket(Job(condition, 0, i, method)) for i in range(size)]
-                for t in tickets:
-                    self.check(t.job)
+                tickets = [Ticket(request, i) for i in range(size)]
                 with self._wake:  # not submit(): warm-up is not held to max_queue
                     self._queue.extend(tickets)
                     self._wake.notify()
@@ -384,15 +433,16 @@ class Scheduler:
         c["mean_tokens_per_forward"] = c["tokens_total"] / c["forwards_total"] if c["forwards_total"] else 0.0
         return c
 
-    def encode(self, conditions: list[Any]) -> Any:
-        """Conditions of one batch, as ``Stack.encode`` makes them. A text-to-image model's T5 encoder
-        stays loaded: ``Stack.encode`` loads it per call (right for one run, not for a server where
-        rows join one at a time), at the cost of keeping it in memory."""
+    def encode(self, conditions: list[Any]) -> Conditions:
+        """Conditions, as ``Stack.encode`` makes them; called where a request is resolved, never on
+        the decode thread. A text-to-image model's T5 encoder stays loaded (the pipeline's, read
+        once): ``Stack.encode`` loads it per call, right for one run, not for a server."""
         if self.stack.kind != "t2i":
             return self.stack.encode(conditions, 1, len(conditions))
         prompts = check_condition_kind(conditions, str, self.stack.root)
-        encoder = self.pipeline.t5_encoder()  # the pipeline's, read once
-        return self.stack.from_captions(encoder.encode(prompts, batch_size=len(prompts)))
+        encoder = self.pipeline.t5_encoder()
+        with torch.inference_mode():
+            return self.stack.from_captions(encoder.encode(prompts, batch_size=len(prompts)))
 
     def images(self, codes: Tensor) -> list[Image.Image]:
         """Decode codes [k, N] to images with the model's VQ decoder."""
@@ -401,22 +451,13 @@ class Scheduler:
 
     # -- the decode thread ------------------------------------------------------------------------------
 
-    def _prepare(self, key: tuple[str, Settings]) -> PreparedMethod:
-        from lantern.api import resolve_settings
-
-        method, settings = key
-        method_cfg, sampling = resolve_settings(self.stack, method, **dict(settings))
-        return self.pipeline.prepare(method_cfg, sampling)  # prepared once, kept by the pipeline
-
-    def _lane(self, key: tuple[str, Settings]) -> Lane:
-        """The lane of ``key`` (decode thread only), made if needed."""
+    def _lane(self, request: Resolved) -> Lane:
+        """The lane of ``request``'s key (decode thread only), made with its prepared method if needed
+        (one lane per prepared method: the lane's batch owns the method's caches)."""
+        key = request.key
         lane = self._lanes.get(key)
         if lane is None:
-            prepared = self._prepare(key)
-            if any(other.prepared is prepared for other in self._lanes.values()):
-                # Two keys that resolve alike share a prepared method: its caches are the other lane's.
-                prepared = replace(prepared, _caches=CachePool())
-            lane = self._lanes[key] = Lane(self, prepared)
+            lane = self._lanes[key] = Lane(self, request.prepared)
         self._lanes.move_to_end(key)
         return lane
 
@@ -453,15 +494,15 @@ class Scheduler:
         """Queued jobs, in order, into their lanes' free rows (a job behind a full lane waits there)."""
         with self._lock:
             waiting = list(self._queue)
-        chosen: dict[tuple[str, Settings], list[Ticket]] = {}
-        room: dict[tuple[str, Settings], int] = {}
+        chosen: dict[MethodKey, list[Ticket]] = {}
+        room: dict[MethodKey, int] = {}
         dropped = [t for t in waiting if t.cancelled]  # never started
         for ticket in waiting:
             if ticket.cancelled:
                 continue
-            key = ticket.job.key
+            key = ticket.request.key
             if key not in room:
-                room[key] = self._lane(key).capacity_for_new()
+                room[key] = self._lane(ticket.request).capacity_for_new()
             if room[key] > 0:
                 room[key] -= 1
                 chosen.setdefault(key, []).append(ticket)
