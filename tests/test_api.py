@@ -160,7 +160,7 @@ def test_repo_ids_resolve_from_the_offline_cache(hub_cache: Path, tmp_path: Path
     snap = _cache_repo(hub_cache, "lantern-test/digits", digits)
     drafter = _cache_repo(hub_cache, "lantern-test/digits_drafter", digits / "drafter")
     pipe = lantern.load("lantern-test/digits", drafter="lantern-test/digits_drafter")
-    assert pipe.stack.root == snap and pipe.drafter == str(drafter)
+    assert pipe.stack.root == snap and pipe.parts.drafter_source == str(drafter)
     out = pipe(labels=[5], method="sd", seed=3)
     codes, run = _cli("digits", tmp_path / "run", "--labels", "5", "--method", "sd", "--seed", "3",
                       "--drafter", "lantern-test/digits_drafter")
