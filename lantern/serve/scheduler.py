@@ -62,7 +62,7 @@ MethodKey = tuple[MethodConfig, SamplingConfig]  # a prepared method's key (lant
 MAX_LANES = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity: it holds tensors and a prepared method)
 class Resolved:
     """A request resolved once (:meth:`Scheduler.resolve`): what its images decode with, as configs,
     a prepared method and encoded conditions. Everything after resolution takes this record."""
