@@ -119,6 +119,13 @@ class Pipeline:
         return f"Pipeline({self.stack.root}, device={self.device!r}, compile={self.compile!r})"
 
     @property
+    def deterministic(self) -> bool:
+        """Whether the target computes batch-invariant matmuls (``load(..., deterministic=True)``)."""
+        from lantern.models.invariant import is_batch_invariant
+
+        return is_batch_invariant(self.stack.network())
+
+    @property
     def kind(self) -> str:
         """``c2i``, ``t2i`` or ``chameleon``."""
         return str(self.stack.kind)
@@ -283,11 +290,28 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
          dtype: str | torch.dtype = "float32", compile: str = "off", tokenizer: str | os.PathLike[str] | None = None,
          t5: str | os.PathLike[str] | None = None, vq: str | os.PathLike[str] | None = None,
          layout: str | None = None, image_size: int | None = None,
-         proximity: str | os.PathLike[str] | None = None) -> Pipeline:
+         proximity: str | os.PathLike[str] | None = None, deterministic: bool = False) -> Pipeline:
     """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
     folder (c2i or t2i), an Anole / Lumina-mGPT folder, or a Hugging Face repo id of any of these.
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
-    ``bfloat16``, ``auto``) or a torch dtype."""
+    ``bfloat16``, ``auto``) or a torch dtype. ``deterministic=True``: batch-invariant matmuls
+    (:mod:`lantern.models.invariant`), so an image's codes never depend on the batch it runs in,
+    whatever the kernel library (the server's default; slower, and other samples than the default)."""
+    if not isinstance(deterministic, bool):
+        raise LanternError(f"deterministic must be True or False, got {deterministic!r}", field="deterministic")
+    pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5, vq=vq,
+                 layout=layout, image_size=image_size, proximity=proximity)
+    if deterministic:
+        from lantern.models.invariant import make_batch_invariant
+
+        make_batch_invariant(pipe.stack.network())  # drafters follow the target (follow_batch_invariance)
+    return pipe
+
+
+def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None, *, device: str,
+          dtype: str | torch.dtype, compile: str, tokenizer: str | os.PathLike[str] | None,
+          t5: str | os.PathLike[str] | None, vq: str | os.PathLike[str] | None, layout: str | None,
+          image_size: int | None, proximity: str | os.PathLike[str] | None) -> Pipeline:
     from lantern.decoding.compiling import resolve_compile
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.targets.base import inference_dtype

@@ -13,6 +13,7 @@ from lantern.decoding.phases import phase
 from lantern.drafters.checks import check_drafter_layout, check_drafter_matches_target
 from lantern.errors import check
 from lantern.models.drafter import EagleDrafterModel
+from lantern.models.invariant import follow_batch_invariance
 from lantern.models.llamagen import LlamaGen
 
 
@@ -35,6 +36,7 @@ class EagleBackend:
         cache_pool: CachePool | None = None,
     ) -> None:
         self.model, self.lm_head, self.sampling = model.eval(), lm_head, sampling
+        follow_batch_invariance(self.model, lm_head)
         self.streams, self.max_len = streams, max_len
         self.compile = resolve_compile(compile, model.device)
         self.cache_pool = cache_pool if cache_pool is not None else CachePool()

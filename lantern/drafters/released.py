@@ -43,6 +43,7 @@ from lantern.errors import check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter, is_released_drafter_folder, load_released_drafter
 from lantern.models.drafter import EagleDrafterModel
+from lantern.models.invariant import follow_batch_invariance
 
 if TYPE_CHECKING:  # the adapter whose node_hidden this backend reads; drafters sit below targets
     from lantern.targets.chameleon import ChameleonTarget
@@ -84,6 +85,7 @@ class ReleasedDrafterBackend:
     def __init__(self, model: ReleasedChameleonDrafter, lm_head: nn.Linear, sampling: SamplingConfig,
                  target: ChameleonTarget, draft_entries: int) -> None:
         self.model, self.lm_head, self.sampling, self.target = model.eval(), lm_head, sampling, target
+        follow_batch_invariance(self.model, lm_head)
         self.streams = target.streams
         self.eol, self.width = target.layout.eol, target.layout.width
         self.draft_entries = draft_entries  # cache slots one round's drafts may use
