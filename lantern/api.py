@@ -62,10 +62,10 @@ def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodCo
 
 
 def run_config(seed: int, batch_size: int, device: str, sampling: SamplingConfig,
-               method: MethodConfig) -> dict[str, Any]:
+               method: MethodConfig, *, deterministic: bool = False) -> dict[str, Any]:
     """The resolved configuration of a run, as ``run.json`` records it and ``PipelineOutput.config`` holds it."""
-    return {"seed": seed, "batch_size": batch_size, "device": str(device), "sampling": sampling.to_dict(),
-            "method": method.to_dict()}
+    return {"seed": seed, "batch_size": batch_size, "device": str(device), "deterministic": deterministic,
+            "sampling": sampling.to_dict(), "method": method.to_dict()}
 
 
 def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
@@ -190,7 +190,9 @@ class Pipeline:
         result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
         return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes,
                               stats=result.stats_dict(), config={**run_config(seed, batch_size, self.device, sampling,
-                                                                             result.method), **auto},
+                                                                             result.method,
+                                                                             deterministic=self.deterministic),
+                                                                  **auto},
                               outputs=result.output_stats)
 
     def _auto(self, method: str, settings: dict[str, Any], seed: int, batch_size: int,

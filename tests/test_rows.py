@@ -19,7 +19,7 @@ SEED = 7
 
 @pytest.fixture(scope="module")
 def pipe() -> lantern.Pipeline:
-    return lantern.load("digits")
+    return lantern.load("digits", deterministic=True)  # codes equal alone and in any batch, on any CPU
 
 
 def _prepared(pipe: lantern.Pipeline, method: str) -> PreparedMethod:

@@ -26,7 +26,7 @@ from lantern.targets.base import Conditions
 
 @pytest.fixture(scope="module")
 def pipe() -> lantern.Pipeline:
-    return lantern.load("digits")
+    return lantern.load("digits", deterministic=True)  # codes equal alone and in any batch, on any CPU
 
 
 def _submit(sched: Scheduler, condition: int | str, seed: int, method: str, indices: Sequence[int] = (0,),

@@ -192,6 +192,13 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
 
 
+def add_deterministic_arg(p: argparse.ArgumentParser, default: bool) -> None:
+    state = "on" if default else "off"
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default,
+                   help="batch-invariant matmuls: an image's codes never depend on the batch it runs in, whatever "
+                        "the kernel library (slower; other samples than without it). Default " + state)
+
+
 def check_compile(args: argparse.Namespace) -> None:
     """Refuse a bad --compile before anything is loaded or written."""
     from lantern.decoding.compiling import resolve_compile

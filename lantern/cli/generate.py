@@ -10,6 +10,7 @@ from lantern.cli.common import (
     add_budget_arg,
     add_chameleon_args,
     add_compile_arg,
+    add_deterministic_arg,
     add_overwrite_arg,
     add_pjd_args,
     auto_window_refusal,
@@ -160,6 +161,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_trust_checkpoint_arg(p)
     add_compile_arg(p)
+    add_deterministic_arg(p, default=False)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -276,7 +278,7 @@ def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:
                                "--prompts FILE")
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
                 tokenizer=args.tokenizer, t5=args.t5, vq=args.vq, layout=args.layout, image_size=args.image_size,
-                proximity=args.proximity)
+                proximity=args.proximity, deterministic=args.deterministic)
     check_model_condition(pipe.stack, args.model, text)
     return pipe
 
@@ -311,5 +313,5 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method
         "model": str(args.model),
         **conditions,
         "seeds": [image_seed(args.seed, i) for i in range(num_images)],
-        **run_config(args.seed, args.batch_size, args.device, sampling, method),
+        **run_config(args.seed, args.batch_size, args.device, sampling, method, deterministic=args.deterministic),
     }

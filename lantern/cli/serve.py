@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lantern.cli.common import add_chameleon_args, add_compile_arg, add_trust_checkpoint_arg, check_compile
+from lantern.cli.common import (
+    add_chameleon_args,
+    add_compile_arg,
+    add_deterministic_arg,
+    add_trust_checkpoint_arg,
+    check_compile,
+)
 from lantern.errors import LanternError, check
 from lantern.methods import METHOD_TABLE
 
@@ -55,6 +61,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "still loaded and checked at start)")
     add_chameleon_args(p)
     add_compile_arg(p)
+    add_deterministic_arg(p, default=True)  # the server's promise: a request's images do not depend on its batch-mates
     add_trust_checkpoint_arg(p)
     p.set_defaults(func=cmd_serve)
 
@@ -92,7 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     side_thread()
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,
-                vq=args.vq, layout=args.layout, image_size=args.image_size, proximity=args.proximity)
+                vq=args.vq, layout=args.layout, image_size=args.image_size, proximity=args.proximity,
+                deterministic=args.deterministic)
     scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous,
                           threads=threads)
     app = create_app(scheduler, pipeline=pipe, default_method=args.method,

@@ -131,3 +131,4 @@ class ModelResponse(BaseModel):
     image_tokens: int
     max_images_per_request: int
     max_prompt_chars: int
+    deterministic: bool  # batch-invariant matmuls (lantern serve --deterministic, the default)
