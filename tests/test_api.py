@@ -22,7 +22,7 @@ from lantern.methods import METHOD_TABLE
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 
-CONFIG_KEYS = ("seed", "batch_size", "device", "sampling", "method")
+CONFIG_KEYS = ("seed", "batch_size", "device", "deterministic", "sampling", "method")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_import_is_light_and_exports_the_building_blocks() -> None:
         lantern.nope  # noqa: B018
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("method", [m if m == "sd" else pytest.param(m, marks=pytest.mark.slow)
                                     for m in METHOD_TABLE])
 def test_python_call_equals_cli_generate(digits: lantern.Pipeline, method: str, tmp_path: Path) -> None:

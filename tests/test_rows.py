@@ -11,7 +11,10 @@ from lantern.api import resolve_settings
 from lantern.decoding.loop import Decode
 from lantern.decoding.rows import movable
 from lantern.errors import LanternError
+from lantern.methods import method_names
 from lantern.run import PreparedMethod, image_seed, prepare_method
+
+pytestmark = pytest.mark.invariance
 
 LABELS = [3, 1, 4, 1, 5, 9]
 SEED = 7
@@ -41,7 +44,7 @@ def _drive(decode: Decode, rounds: int | None = None) -> torch.Tensor:
     return decode.codes[:, :n_total].clone()
 
 
-@pytest.mark.parametrize("method", ["ar", "lantern++", "sjd-coupled"])
+@pytest.mark.parametrize("method", method_names(lambda r: r.movable_rows))
 def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pipeline, method: str) -> None:
     """A 3-row batch starts with images 0 and 1 (row 2 free); image 2 joins after 2 rounds, images
     3 and 4 join together (prefilled as one batch of 2) when rows free up, and then the running

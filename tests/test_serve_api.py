@@ -190,6 +190,7 @@ def test_a_text_model_takes_a_prompt_and_gives_the_apis_codes(t2i_stack: Path) -
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.invariance
 def test_a_request_twice_gives_the_same_png_and_the_apis_codes(client: TestClient, pipe: lantern.Pipeline) -> None:
     body = {"label": 3, "n": 2, "seed": 7, "return_codes": True}  # the default method: sjd-coupled
     first, second = client.post(GENERATE, json=body), client.post(GENERATE, json=body)
@@ -210,6 +211,7 @@ def test_a_request_twice_gives_the_same_png_and_the_apis_codes(client: TestClien
     assert [d["index"] for d in a["data"]] == [0, 1]
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("method", ["ar", "lantern++"])
 def test_a_method_gives_the_apis_codes(client: TestClient, pipe: lantern.Pipeline, method: str) -> None:
     body = {"label": 5, "seed": 3, "method": method, "return_codes": True, "temperature": 0.9}

@@ -42,6 +42,7 @@ def _expected(pipe: lantern.Pipeline, ticket: Ticket, n: int) -> torch.Tensor:
     return out.codes[ticket.index]
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("method", ["ar", "lantern++", "sjd-coupled"])
 def test_rows_join_a_running_batch_and_keep_their_codes(pipe: lantern.Pipeline, method: str) -> None:
     """Two images start; after three rounds two more join the same batch (it grows from 2 to 4 rows)
@@ -69,6 +70,7 @@ def test_rows_join_a_running_batch_and_keep_their_codes(pipe: lantern.Pipeline, 
     assert 0 < m["batch_occupancy"] <= 1 and m["queue_depth"] == 0
 
 
+@pytest.mark.invariance
 def test_settings_decode_in_their_own_batch_and_match_the_api(pipe: lantern.Pipeline) -> None:
     sched = Scheduler(pipe, max_batch=2)
     tickets = [*_submit(sched, 4, 3, "lantern++", temperature=0.7, top_k=20), *_submit(sched, 4, 3, "lantern++")]

@@ -1,0 +1,142 @@
+"""Batch invariance by construction (``lantern.load(..., deterministic=True)``, lantern.models.invariant).
+
+The float level first: a row's logits are bit-identical in every batch size and at every position,
+for the chunked linear layer alone and for a whole target network. Then the codes: every method
+gives each image its alone codes in batches of 2, 4 and 8 (joining and moving rows:
+tests/test_rows.py). tests/test_capabilities.py runs the tests marked ``invariance`` again under
+forced AVX2 kernels (MKL's AVX2 sgemm is the one whose row results depend on the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import lantern
+from lantern.methods import METHOD_TABLE
+from lantern.models import invariant
+from lantern.models.invariant import RowChunkedLinear, is_batch_invariant, make_batch_invariant
+
+pytestmark = pytest.mark.invariance
+
+LABELS = [3, 1, 4, 1, 5, 9, 2, 6]
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def pipe() -> lantern.Pipeline:
+    return lantern.load("digits", deterministic=True)
+
+
+def batch_dependence(fn: Callable[[Tensor], Tensor], x: Tensor, max_batch: int) -> list[tuple[int, int]]:
+    """(batch size, position) of every row whose ``fn`` output differs, by a single bit, from the
+    row's output alone; every contiguous batch of ``x``'s rows up to ``max_batch`` is tried."""
+    alone = [fn(x[i : i + 1])[0] for i in range(x.shape[0])]
+    found = []
+    for size in range(2, max_batch + 1):
+        for start in range(0, x.shape[0] - size + 1):
+            out = fn(x[start : start + size])
+            found += [(size, i) for i in range(size) if not torch.equal(out[i], alone[start + i])]
+    return found
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_check_catches_a_dependence_on_batch_size_or_position() -> None:
+    """Power: a planted 1e-6 that depends on the batch size, or on the row's position, is found."""
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(1))
+    assert batch_dependence(lambda v: F.linear(v, w) * (1 + 1e-6 * v.shape[0]), x, 8)
+    assert batch_dependence(lambda v: F.linear(v, w) + 1e-6 * torch.arange(v.shape[0])[:, None], x, 8)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("shape", [(256, 768), (704, 256), (64, 1024)])
+def test_a_chunked_linear_row_is_the_same_in_every_batch(threads: int, shape: tuple[int, int]) -> None:
+    """Rows of a batch-invariant ``nn.Linear`` are bit-identical at batch sizes 1..40 and every
+    position (40 rows: several chunks and, at 2 threads, the sizes where a BLAS splits work), and
+    equal ``F.linear`` up to float rounding."""
+    gen = torch.Generator().manual_seed(threads)
+    layer = nn.Linear(*shape, bias=shape[0] == 64)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / shape[0] ** 0.5)
+    make_batch_invariant(layer)
+    assert type(layer) is RowChunkedLinear and layer.invariant_rows in invariant.CANDIDATE_ROWS
+    x = torch.randn(40, shape[0], generator=gen)
+    with torch.no_grad():
+        assert batch_dependence(layer, x[:12], 12) == []
+        full = layer(x)
+        assert all(torch.equal(full[i], layer(x[i : i + 1])[0]) for i in range(40))
+        torch.testing.assert_close(full, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_chunk_size_skips_sizes_whose_rows_depend_on_their_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe is a real check: a kernel whose rows 6 and 7 of every 8 come out differently (as
+    MKL's AVX2 edge tiles do) is refused at 16, 12 and 8 and accepted at 6."""
+    real = F.linear
+
+    def edge_tiles(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        out = real(x, w, b)
+        return out + 1e-3 * (torch.arange(x.shape[0]) % 8 >= 6).to(out.dtype)[:, None]
+
+    monkeypatch.setattr(invariant, "_probed", {})
+    monkeypatch.setattr(invariant.F, "linear", edge_tiles)
+    assert invariant.invariant_rows(torch.randn(32, 16)) == 6
+    monkeypatch.setattr(invariant.F, "linear", real)
+    monkeypatch.setattr(invariant, "_probed", {})
+    assert invariant.invariant_rows(torch.randn(32, 16)) in invariant.CANDIDATE_ROWS
+
+
+def test_a_target_rows_logits_are_bit_identical_in_every_batch(pipe: lantern.Pipeline) -> None:
+    """The whole network (embeddings, attention, norms, MLPs, head) of ``digits``: every row's
+    logits at batch sizes 1..8 and every position equal its logits alone, bit for bit."""
+    model = pipe.stack.network()
+    assert is_batch_invariant(model) and pipe.deterministic
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 10, (8,), generator=gen)
+    tokens = torch.randint(0, model.config.vocab_size, (8, 20), generator=gen)
+    rows = torch.cat([labels[:, None], tokens], dim=1)
+    with torch.no_grad():
+        assert batch_dependence(lambda r: model(r[:, 0], r[:, 1:])[0], rows, 8) == []
+
+
+def test_make_batch_invariant_is_reversible_and_keeps_the_state_dict() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    keys = list(model.state_dict())
+    make_batch_invariant(model)
+    assert is_batch_invariant(model) and list(model.state_dict()) == keys
+    make_batch_invariant(model, enabled=False)
+    assert not is_batch_invariant(model) and all(type(m) is not RowChunkedLinear for m in model)
+
+
+@pytest.mark.parametrize("method", list(METHOD_TABLE))
+def test_every_method_gives_each_image_its_alone_codes_in_batches_of_2_4_and_8(pipe: lantern.Pipeline,
+                                                                               method: str) -> None:
+    """Eight images decoded one at a time, then in batches of 2, 4 and 8: the same codes."""
+    alone = pipe(labels=LABELS, seed=SEED, method=method, batch_size=1).codes
+    for batch in (2, 4, 8):
+        codes = pipe(labels=LABELS, seed=SEED, method=method, batch_size=batch).codes
+        differ = [i for i in range(len(LABELS)) if not torch.equal(codes[i], alone[i])]
+        assert differ == [], f"{method}: images {differ} changed at batch size {batch}"
+
+
+def test_drafters_follow_their_targets_mode(pipe: lantern.Pipeline) -> None:
+    """A speculative method's drafter runs batch-invariant when its target does (its drafts
+    decide tokens too)."""
+    pipe(labels=[1], seed=0, method="lantern++", batch_size=1)
+    assert pipe.drafter is not None and is_batch_invariant(pipe.drafter)
+    default = lantern.load("digits")
+    default(labels=[1], seed=0, method="lantern++", batch_size=1)
+    assert not default.deterministic and default.drafter is not None and not is_batch_invariant(default.drafter)

@@ -1,0 +1,37 @@
+"""The batch-invariance, API = CLI and server-determinism tests (marker ``invariance``) again, in a
+child pytest under forced AVX2 kernels: ATen's AVX2 code and MKL's AVX2 sgemm, what an AMD EPYC or
+any x86 CPU without AVX-512 runs. MKL's AVX2 sgemm is where a row's floats depended on its batch
+(tests/test_batch_invariance.py finds them without ``deterministic=True``), so a machine unlike the
+one that wrote a test cannot be the first to fail it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+FORCED_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, **FORCED_AVX2}
+
+
+def test_the_forced_kernels_are_avx2() -> None:
+    """The environment really lowers ATen's kernels (else the child run below proves nothing new)."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                         env=_env(), capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "AVX2"
+
+
+def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "invariance and not slow", str(TESTS)],
+        env=_env(), cwd=TESTS.parent, capture_output=True, text=True, timeout=1500,
+    )
+    tail = (child.stdout + child.stderr)[-3000:]
+    assert child.returncode == 0, tail
+    assert " passed" in tail and "deselected" in tail, tail  # the marked tests ran, not nothing
