@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lantern.errors import check
+from lantern.models.invariant import follow_batch_invariance
 
 if TYPE_CHECKING:
     from lantern.targets.base import Stack
@@ -116,6 +117,8 @@ class ModelParts:
                 cfg = self.stack.target.config
                 self._t5 = load_t5(self.t5_dir(), cfg.cls_token_num, self.stack.device, self.stack.dtype,
                                    cfg.caption_dim)
+                # a deterministic target's captions must not depend on the prompts encoded beside them
+                follow_batch_invariance(self._t5.model, self.stack.network())
             return self._t5
 
     def encode(self, conditions: list[Any], repeats: int = 1, batch_size: int = 8) -> Any:

@@ -10,6 +10,7 @@ forced AVX2 kernels (MKL's AVX2 sgemm is the one whose row results depend on the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +143,14 @@ def test_drafters_follow_their_targets_mode(pipe: lantern.Pipeline) -> None:
     default = lantern.load("digits")
     default(labels=[1], seed=0, method="lantern++", batch_size=1)
     assert not default.deterministic and default.drafter is not None and not is_batch_invariant(default.drafter)
+
+
+def test_a_text_models_prompt_encoder_follows_its_targets_mode(t2i_stack: Path) -> None:
+    """Captions decide a text-to-image row's tokens as much as its logits: in deterministic mode
+    the T5 encoder is batch-invariant too, and a prompt's codes are the same alone and beside another."""
+    pipe = lantern.load(t2i_stack, deterministic=True)
+    alone = pipe(prompts=["a red square"], seed=1, method="ar", batch_size=1).codes
+    beside = pipe(prompts=["a red square", "two blue circles"], seed=1, method="ar", batch_size=2).codes
+    assert torch.equal(beside[0], alone[0])
+    assert is_batch_invariant(pipe.parts.t5().model)
+    assert not is_batch_invariant(lantern.load(t2i_stack).parts.t5().model)

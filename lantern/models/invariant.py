@@ -113,8 +113,9 @@ def is_batch_invariant(module: nn.Module) -> bool:
     return any(type(sub) is RowChunkedLinear for sub in module.modules())
 
 
-def follow_batch_invariance(drafter: nn.Module, lm_head: nn.Module) -> None:
-    """Give a drafter the mode of the target whose lm_head it reads: its logits and features
-    decide drafts, so a batch-invariant target needs a batch-invariant drafter."""
-    if is_batch_invariant(lm_head):
-        make_batch_invariant(drafter)
+def follow_batch_invariance(module: nn.Module, target: nn.Module) -> None:
+    """Give ``module`` the mode of ``target`` (a network or a layer of it): whatever feeds a
+    target's tokens (a drafter, which reads the target's lm_head; the T5 encoder of its captions)
+    must be batch-invariant when the target is."""
+    if is_batch_invariant(target):
+        make_batch_invariant(module)
