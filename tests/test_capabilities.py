@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parent
 FORCED_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
 
@@ -35,3 +37,23 @@ def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
     assert " passed" in tail and "deselected" in tail, tail  # the marked tests ran, not nothing
+
+
+@pytest.mark.slow
+def test_the_compiled_sjd_round_is_right_under_forced_avx2_kernels(tmp_path: Path) -> None:
+    """torch 2.13's AVX2 vector code for the fused SJD round indexes out of bounds (the process
+    aborts); lantern compiles without SIMD there (``compiling.cpu_vector_options``). The compiled
+    chi-square test of coupled SJD, in a child under forced AVX2, with its own compile cache."""
+    test = "tests/test_sjd_coupled.py::test_coupled_sjd_matches_target_distribution[maximal-compiled]"
+    child = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", test],
+                           env={**_env(), "LANTERN_COMPILE_CACHE": str(tmp_path)}, cwd=TESTS.parent,
+                           capture_output=True, text=True, timeout=1500)
+    tail = (child.stdout + child.stderr)[-3000:]
+    assert child.returncode == 0 and "1 passed" in tail, tail
+
+
+def test_inductor_compiles_without_simd_on_avx2_only() -> None:
+    code = "from lantern.decoding.compiling import cpu_vector_options; print(cpu_vector_options())"
+    forced = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120,
+                            check=True)
+    assert forced.stdout.strip() == "{'cpp.simdlen': 1}"

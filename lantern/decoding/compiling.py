@@ -109,11 +109,26 @@ def compiled(fn: Callable[..., Any], mode: str, device_type: str = "cpu", guards
         options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode))
         if mode == "default" and device_type == "cpu":
             options["cpp_wrapper"] = True
+        if device_type == "cpu":
+            options.update(cpu_vector_options())
         if not guards and hasattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe"):
             # guard_filter_fn came with these helpers (torch 2.7); older versions keep their guards.
             options["guard_filter_fn"] = _no_guards
         _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return _compiled[key]
+
+
+def cpu_vector_options() -> dict[str, Any]:
+    """Inductor options for this CPU. On AVX2 (what an AMD EPYC or any CPU without AVX-512 runs,
+    or ``ATEN_CPU_CAPABILITY=avx2``), torch 2.13's vectorised C++ for the fused SJD round indexes
+    out of bounds (``index out of bounds: 0 <= tmp2 < V`` on the sampled tokens, then the process
+    aborts), while its scalar code and its AVX-512 code are right: there, kernels are generated
+    without SIMD (``cpp.simdlen = 1``; matmuls and attention still run MKL's and ATen's own
+    vectorised kernels). Checked by tests/test_capabilities.py, which reruns the compiled
+    distribution tests under forced AVX2."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"cpp.simdlen": 1} if pick_vec_isa().bit_width() == 256 else {}
 
 
 def _quiet_inductor_imports() -> None:
