@@ -13,6 +13,7 @@ import torch
 from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.methods import MethodConfig
+from lantern.parts import ModelParts
 from lantern.run import load_acceptance
 from lantern.targets.llamagen_stack import load_stack
 from lantern.targets.proximity import ProximityTable
@@ -23,21 +24,19 @@ RESIDUALS = ("paper", "official", "official-lumina")
 def test_official_residuals_take_k_plus_one_columns() -> None:
     stack = load_stack("digits")
     table = ProximityTable.load(stack.proximity_file)
-    codebook = stack.tokenizer.quantize.embedding.weight
+    parts = ModelParts(stack)  # the table, read once and checked against the codebook
     for residual, extra in (("paper", 0), ("official", 1), ("official-lumina", 1)):
         method = MethodConfig.resolve("lantern", tree="chain:2", lantern_k=8, lantern_residual=residual)
-        acceptance, resolved = load_acceptance(method, stack.proximity_file, codebook, torch.device("cpu"))
+        acceptance, resolved = load_acceptance(method, parts)
         assert resolved.relaxation is not None and resolved.relaxation.residual == residual
         assert acceptance.neighbours is not None and acceptance.neighbours.shape == (table.vocab_size, 8 + extra)
         assert torch.equal(acceptance.neighbours, table.neighbours[:, : 8 + extra].long())
     # the default k (1000) is capped so that k+1 columns still fit
-    _, capped = load_acceptance(MethodConfig.resolve("lantern", lantern_residual="official"), stack.proximity_file,
-                                codebook,
-                                torch.device("cpu"))
+    _, capped = load_acceptance(MethodConfig.resolve("lantern", lantern_residual="official"), parts)
     assert capped.relaxation is not None and capped.relaxation.k == table.k_max - 1
     explicit = MethodConfig.resolve("lantern", lantern_k=table.k_max, lantern_residual="official")
     with pytest.raises(LanternError, match=rf"removes k\+1 = {table.k_max + 1} neighbours.*K_max = {table.k_max}"):
-        load_acceptance(explicit, stack.proximity_file, codebook, torch.device("cpu"))
+        load_acceptance(explicit, parts)
 
 
 def test_residual_needs_a_relaxed_method() -> None:

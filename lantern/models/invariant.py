@@ -25,6 +25,7 @@ default) and not always on: docs/DESIGN.md, "Batch invariance".
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 CANDIDATE_ROWS = (8, 16, 12, 6, 4, 2, 1)
 _PROBE_TRIALS = 2
 
-# (in, out, bias, dtype, device, threads) -> rows: a property of the kernels, found once per process
+# (in, out, bias, dtype, device) -> rows: a property of the kernels, found once per process
 _probed: dict[tuple[Any, ...], int] = {}
 
 
@@ -71,16 +72,36 @@ def _same_at_every_position(weight: Tensor, bias: Tensor | None, rows: int, gen:
     return True
 
 
+def _probe_threads() -> list[int]:
+    """The intra-op thread counts a chunk size must pass at: one, the current count and the
+    machine's default. A server loads on a one-thread side thread and decodes on a full one, so
+    the chunk size it picks must be the one ``pipe(...)`` picks in a full-thread main thread."""
+    return sorted({1, torch.get_num_threads(), max(1, min(os.cpu_count() or 1, 64))})
+
+
+def _passes(w: Tensor, b: Tensor | None, rows: int, gen: torch.Generator) -> bool:
+    before = torch.get_num_threads()
+    try:
+        for threads in _probe_threads():
+            torch.set_num_threads(threads)
+            if not _same_at_every_position(w, b, rows, gen):
+                return False
+        return True
+    finally:
+        torch.set_num_threads(before)
+
+
 @torch.no_grad()
 def invariant_rows(weight: Tensor, bias: Tensor | None = None) -> int:
     """The first candidate chunk size at which this device's matmul gives a row the same result
-    at every position (checked on ``weight``'s shape, dtype and device; cached per process)."""
-    key = (weight.shape[1], weight.shape[0], bias is not None, weight.dtype, weight.device, torch.get_num_threads())
+    at every position, at every thread count of :func:`_probe_threads` (checked on ``weight``'s
+    shape, dtype and device; cached per process)."""
+    key = (weight.shape[1], weight.shape[0], bias is not None, weight.dtype, weight.device)
     if key not in _probed:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(weight.shape, generator=gen).to(weight.device, weight.dtype)
         b = None if bias is None else torch.randn(bias.shape, generator=gen).to(bias.device, bias.dtype)
-        _probed[key] = next(r for r in CANDIDATE_ROWS if r == 1 or _same_at_every_position(w, b, r, gen))
+        _probed[key] = next(r for r in CANDIDATE_ROWS if r == 1 or _passes(w, b, r, gen))
     return _probed[key]
 
 
