@@ -30,9 +30,12 @@ def test_the_forced_kernels_are_avx2() -> None:
 
 
 def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None:
+    # Its own compile cache: inductor's keys do not tell forced-AVX2 artifacts from native ones, so
+    # a later native test must never load what this child compiled.
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "invariance and not slow", str(TESTS)],
-        env=_env(), cwd=TESTS.parent, capture_output=True, text=True, timeout=1500,
+        env={**_env(), "LANTERN_COMPILE_CACHE": str(tmp_path)}, cwd=TESTS.parent, capture_output=True, text=True,
+        timeout=1500,
     )
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
