@@ -31,10 +31,13 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="2,4,8")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--compile", default="off")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    pipe = lantern.load(args.model, deterministic=args.deterministic, compile=args.compile)
+    pipe = lantern.load(args.model, deterministic=args.deterministic, compile=args.compile, device=args.device,
+                        dtype=args.dtype)
     classes = pipe.stack.num_classes or 1
     labels = [i % classes for i in range(args.images)]
     capability = torch.backends.cpu.get_cpu_capability()
@@ -46,7 +49,8 @@ def main() -> None:
             codes = pipe(labels=labels, seed=args.seed, method=method, batch_size=batch).codes
             changed |= {i for i in range(len(labels)) if not torch.equal(codes[i], alone[i])}
         row = {"method": method, "images": len(labels), "changed": len(changed), "model": args.model,
-               "deterministic": args.deterministic, "compile": args.compile, "capability": capability}
+               "deterministic": args.deterministic, "compile": args.compile, "device": args.device, "dtype": args.dtype,
+               "capability": capability}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

@@ -62,11 +62,12 @@ def metric(text: str, name: str) -> float:
 
 
 class Server:
-    def __init__(self, model: str, method: str, max_batch: int, continuous: bool, compile: str, log: Path) -> None:
+    def __init__(self, model: str, method: str, max_batch: int, continuous: bool, compile: str, log: Path,
+                 device: str = "cpu") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", model, "--method", method,
-               "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile]
+               "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile, "--device", device]
         if not continuous:
             cmd.append("--no-continuous")
         self.log = log.open("w")
@@ -191,6 +192,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--modes", default="continuous,static")
     ap.add_argument("--compile", default="off")
+    ap.add_argument("--device", default="cpu", help="the server's torch device")
     ap.add_argument("--labels", type=int, default=10, help="labels cycle over 0 .. N-1")
     ap.add_argument("--rates", default="", help="open loop: Poisson arrival rates (requests/s), e.g. 0.5,1")
     ap.add_argument("--open-requests", type=int, default=24, help="requests per open-loop rate")
@@ -201,7 +203,7 @@ def main() -> None:
     for method in args.methods.split(","):
         for mode in args.modes.split(","):
             server = Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
-                            args.out / f"server-{method}-{mode}.log")
+                            args.out / f"server-{method}-{mode}.log", device=args.device)
             try:
                 http(server.url + "/v1/images/generations", {"label": 0, "seed": 0, "method": method})  # warm
                 for clients in (int(c) for c in args.clients.split(",") if c):
@@ -220,7 +222,7 @@ def main() -> None:
             finally:
                 server.stop()
     record = {"model": args.model, "max_batch": args.max_batch, "requests_per_client": args.requests_per_client,
-              "compile": args.compile, "cpu_count": os.cpu_count(), "rows": rows}
+              "compile": args.compile, "device": args.device, "cpu_count": os.cpu_count(), "rows": rows}
     (args.out / "serve_load.json").write_text(json.dumps(record, indent=2))
     lines = ["| method | batching | clients (or arrivals) | images/s | p50 s | p95 s | p99 s | occupancy | errors "
              "| p50 / direct |",

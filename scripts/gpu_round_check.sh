@@ -1,23 +1,85 @@
 #!/usr/bin/env bash
-# The one-graph round on a lent GPU, in one short run (about 8 minutes, compilation included):
-# compiled AR, lantern, lantern++ and sjd-coupled on photos (4 images, 2 passes), the compiled round
-# trace, and the GPT-XL round at batch 1 and 16. Results under ${OUT:-gpu-round}/ (the device tool's
-# $OUT when run there). The GPU machines carry their own torch: install lantern with --no-deps.
-#   bash scripts/gpu_round_check.sh
+# The one-graph round on a lent GPU (issue 41), as one prepared run that keeps to a time budget.
+# Stages run in priority order; a stage that no longer fits the budget is skipped and said so, and
+# every stage's log and files are packed into $OUT/results.tgz as soon as it ends (the device tool
+# brings back at most 8 files), so a run cut short still returns what it measured.
+#   bash scripts/gpu_round_check.sh                       # all stages, BUDGET=540 s
+#   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
+#   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
+# The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
+# server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (see
+# benchmarks/RESULTS.md, "GPU" for how they were fetched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
+WORK=${WORK:-/tmp/gpu-work}
+BUDGET=${BUDGET:-540}
+STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,targets-b1-more,targets-b8,serve,invariance,sizes}
+DEVICE=${DEVICE:-cuda}
+COMPILE=${COMPILE:-auto}
+QUICK=${QUICK:-0}
 PY=${PY:-python3}
-mkdir -p "$OUT"
-export LANTERN_COMPILE_CACHE=${LANTERN_COMPILE_CACHE:-$OUT/compile-cache}
-"$PY" -m pip install -q --no-deps -e . > "$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-run() { local name=$1 limit=$2; shift 2; echo "== $name $(date +%T)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "   rc=$?"; tail -12 "$OUT/$name.log"; }
-run targets 240 "$PY" -m lantern.cli bench --model photos --device cuda --no-quality \
-  --methods ar,lantern,lantern++,sjd-coupled --speed-images 4 --num-images 4 --repeats 2 --curve-images 0 \
-  --compile auto --out "$OUT/targets" --no-progress
-run trace 120 "$PY" -m lantern.cli profile --model photos --device cuda --trace ar,lantern,lantern++ \
-  --trace-images 1 --compile --out "$OUT/trace" --no-progress
-run gpt-xl 180 "$PY" benchmarks/round_cost.py --configs GPT-XL --batch-sizes 1,16 --trees chain:6 --device cuda \
-  --rounds 20 --repeats 2 --out "$OUT/round-cost"
-echo "== done $(date +%T)"
+START=$(date +%s)
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1
+export LANTERN_COMPILE_CACHE=${LANTERN_COMPILE_CACHE:-/tmp/lantern-compile-cache}  # outlives $OUT on a warm machine
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$WORK/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+# sizes: QUICK=1 shrinks every stage to check the plumbing, not to measure
+if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; B8=2; INV=2
+else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; B8=8; INV=16; fi
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+pack() { tar czf "$OUT/results.tgz.part" -C "$WORK" --exclude='*.pt' . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# stage NAME MIN LIMIT CMD...: runs CMD if at least MIN seconds are left, for at most LIMIT (or what is left)
+stage() {
+  local name=$1 min=$2 limit=$3 rest; shift 3
+  want "$name" || return 0
+  rest=$(left)
+  if (( rest < min )); then echo "== $name skipped: $rest s left, needs $min"; return 0; fi
+  (( limit > rest - 3 )) && limit=$((rest - 3))
+  echo "== $name $(date +%T) (limit $limit s)"
+  local t0; t0=$(date +%s)
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $(( $(date +%s) - t0 )) s"
+  tr '\r' '\n' < "$WORK/$name.log" | grep -v -E '^\s*$|%\|' | tail -n 14 | cut -c1-300
+  pack
+}
+
+stage env 5 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+  $PY -c 'import torch, lantern, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name()); import fastapi, uvicorn; print(\"fastapi\", fastapi.__version__)'; nproc"
+# the headline: photos, batch 1, every fast method against compiled AR in the same run
+stage targets-b1 60 260 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
+  --methods ar,lantern,lantern++,sjd-coupled --speed-images "$IMGS" --num-images "$IMGS" --repeats "$REPS" \
+  --curve-images 0 --compile "$COMPILE" --out "$WORK/targets-b1" --no-progress
+# the round trace: regions, syncs and ops per round; recompiles and skipped CUDA graphs in the log
+stage trace 40 150 env TORCH_LOGS=recompiles,perf_hints "$PY" -m lantern.cli profile --model photos \
+  --device "$DEVICE" --trace ar,lantern,lantern++,sjd-coupled --trace-images 1 --compile --out "$WORK/trace" \
+  --no-progress
+stage gpt-xl-b1 60 200 "$PY" benchmarks/round_cost.py --configs "$XL" --batch-sizes 1 --trees chain:6 \
+  --device "$DEVICE" --compile "$COMPILE" --rounds "$ROUNDS" --repeats "$REPS" --out "$WORK/round-cost-xl-b1"
+stage targets-b1-more 60 200 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
+  --methods ar,pjd,sjd-coupled-lantern --speed-images "$IMGS" --num-images "$IMGS" --repeats "$REPS" \
+  --curve-images 0 --compile "$COMPILE" --out "$WORK/targets-b1-more" --no-progress
+stage targets-b8 60 240 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
+  --methods ar,lantern,lantern++,sjd-coupled --speed-batch-size "$B8" --speed-images "$IMGS8" \
+  --num-images "$IMGS8" --repeats 1 --curve-images 0 --compile "$COMPILE" --out "$WORK/targets-b8" --no-progress
+stage serve 90 240 "$PY" benchmarks/serve_load.py --model photos --methods lantern++,ar --clients 8 \
+  --requests-per-client 2 --modes continuous --compile "$COMPILE" --device "$DEVICE" --out "$WORK/serve"
+# batch 1 against batch 8 in bf16 (eager): images whose codes the batch changes, default and deterministic
+stage invariance 40 150 bash -c "$PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto \
+  --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-default.json && \
+  $PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --deterministic \
+  --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-deterministic.json"
+stage sizes 90 300 bash -c "$PY benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,$B8,32 --trees chain:6 \
+  --device $DEVICE --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-b && \
+  $PY benchmarks/round_cost.py --configs $XL --batch-sizes $B8,32 --trees chain:6 --device $DEVICE \
+  --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-xl"
+echo "== done $(date +%T), $(left) s of the budget left"

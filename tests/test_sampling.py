@@ -9,7 +9,9 @@ import torch
 
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.sampling import (
+    SCAN_BLOCK,
     apply_cfg,
+    cumsum_last,
     probs_from_logits,
     process_logits,
     sample_from_probs,
@@ -116,3 +118,50 @@ def test_temperature_zero_is_valid() -> None:
 def test_top_k_larger_than_vocab() -> None:
     with pytest.raises(LanternError, match=r"top_k \(300\) is larger than the vocabulary \(256"):
         validate_sampling_for_vocab(SamplingConfig(top_k=300), 256)
+
+
+# cumsum_last: the vocabulary scan as short scans (a long split scan does not compile on CUDA under torch 2.11)
+@pytest.mark.parametrize("vocab", [100, SCAN_BLOCK, SCAN_BLOCK + 1, 16384, 20000])
+def test_cumsum_last_matches_a_float64_scan(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.rand(3, 2, vocab, generator=g)
+    got = cumsum_last(x)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    want = x.double().cumsum(-1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
+    if vocab <= SCAN_BLOCK:  # short vocabularies keep the plain scan, bit for bit
+        assert torch.equal(got, x.cumsum(-1))
+
+
+def test_cumsum_last_on_a_long_vocabulary_uses_no_scan_longer_than_the_block() -> None:
+    seen: list[int] = []
+    real = torch.Tensor.cumsum
+
+    def spy(self: torch.Tensor, dim: int, **kw: object) -> torch.Tensor:
+        seen.append(self.shape[dim])
+        return real(self, dim, **kw)
+
+    torch.Tensor.cumsum = spy  # type: ignore[method-assign]
+    try:
+        cumsum_last(torch.rand(1, 16384))
+    finally:
+        torch.Tensor.cumsum = real  # type: ignore[method-assign]
+    assert seen and max(seen) <= SCAN_BLOCK, seen
+
+
+def test_sample_from_probs_on_a_long_vocabulary_is_the_inverse_cdf() -> None:
+    """16384 codes (LlamaGen): every draw is the first index whose float64 CDF exceeds u * total,
+    up to the float32 rounding of the CDF (draws within 2e-6 of the total of a boundary are left out)."""
+    g = torch.Generator().manual_seed(7)
+    probs = torch.rand(64, 16384, generator=g) ** 4
+    probs[:, 16000:] = 0  # a zero tail: never drawn, even at u -> 1
+    u = torch.rand(64, generator=g)
+    u[:4] = torch.tensor([0.0, 0.999999, 0.5, 1 - 1e-7])
+    out = sample_from_probs(probs, u)
+    cdf = probs.double().cumsum(-1)
+    target = u.double() * cdf[:, -1]
+    want = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=15999)
+    near = ((cdf - target[:, None]).abs() / cdf[:, -1:]).min(-1).values < 2e-6
+    assert (out < 16000).all()
+    assert torch.equal(out[~near], want[~near])
+    assert (~near).sum() >= 50  # the comparison covers most draws (power of the check)

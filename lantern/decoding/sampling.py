@@ -30,6 +30,28 @@ def apply_cfg(logits: Tensor, scale: float, num_streams: int) -> Tensor:
     return uncond + scale * (cond - uncond)
 
 
+# Longest scan inductor generates as one scan. Longer scans over a few rows become a "split scan"
+# kernel on CUDA (more than 8192 elements, under 2 rows per multiprocessor), and torch 2.11 fuses a
+# reduction into that kernel, which it cannot generate ("NYI TritonSplitDimKernel reductions"):
+# the compiled round of a 16384-code LlamaGen failed at batch 1 on an H200 (benchmarks/RESULTS.md).
+SCAN_BLOCK = 8192
+
+
+def cumsum_last(x: Tensor) -> Tensor:
+    """``x.cumsum(-1)`` as scans no longer than :data:`SCAN_BLOCK`: within blocks of 128, then
+    over the block totals. The plain scan where the last dim fits (photos, Chameleon's 8192 codes),
+    so those results are bit for bit what they were."""
+    v = x.shape[-1]
+    if v <= SCAN_BLOCK:
+        return x.cumsum(dim=-1)
+    blocks = -(-v // 128)
+    padded = torch.nn.functional.pad(x, (0, blocks * 128 - v)).unflatten(-1, (blocks, 128))
+    inner = padded.cumsum(dim=-1)  # [..., blocks, 128]
+    totals = inner[..., -1]
+    offsets = totals.cumsum(dim=-1) - totals  # what precedes each block
+    return (inner + offsets.unsqueeze(-1)).flatten(-2)[..., :v]
+
+
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
     """Keep logits >= the k-th largest along the last dim (ties kept); others become -inf."""
     if k <= 0 or k >= logits.shape[-1]:
@@ -43,7 +65,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    cum = cumsum_last(sorted_logits.softmax(dim=-1))
     drop_sorted = cum > p
     # Shift right so the token that crosses p is kept, and the first token always survives.
     drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
@@ -80,11 +102,12 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
 
     probs: [B, V] (need not be normalised); u: [B] in [0, 1). Returns [B] int64.
     """
-    cdf = probs.cumsum(dim=-1)  # [B, V]
+    cdf = cumsum_last(probs)  # [B, V]
     target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
-    # Float round-off can push idx past the last positive entry; clamp to it.
-    last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    # Float round-off can push idx past the last positive entry; clamp to it (0 if none is).
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, positions, 0).amax(dim=-1)
     return torch.minimum(idx, last_positive)
 
 
