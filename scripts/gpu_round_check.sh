@@ -6,15 +6,21 @@
 #   bash scripts/gpu_round_check.sh                       # all stages, BUDGET=540 s
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
+# Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
+# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,sizes,invariance,serve.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
-# server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (see
-# benchmarks/RESULTS.md, "GPU" for how they were fetched).
+# server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
+# .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl fastapi==0.165.0 \
+#     starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 typing-inspection==0.4.5 \
+#     annotated-types==0.8.0 sniffio==1.3.1 typing_extensions==4.16.0 opentelemetry-api==1.45.2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,targets-b1-more,targets-b8,serve,invariance,sizes}
+STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,sizes,targets-b1-more,targets-b8,invariance,serve}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -65,21 +71,21 @@ stage trace 40 150 env TORCH_LOGS=recompiles,perf_hints "$PY" -m lantern.cli pro
   --no-progress
 stage gpt-xl-b1 60 200 "$PY" benchmarks/round_cost.py --configs "$XL" --batch-sizes 1 --trees chain:6 \
   --device "$DEVICE" --compile "$COMPILE" --rounds "$ROUNDS" --repeats "$REPS" --out "$WORK/round-cost-xl-b1"
+stage sizes 90 300 bash -c "$PY benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,$B8,32 --trees chain:6 \
+  --device $DEVICE --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-b && \
+  $PY benchmarks/round_cost.py --configs $XL --batch-sizes $B8,32 --trees chain:6 --device $DEVICE \
+  --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-xl"
 stage targets-b1-more 60 200 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
   --methods ar,pjd,sjd-coupled-lantern --speed-images "$IMGS" --num-images "$IMGS" --repeats "$REPS" \
   --curve-images 0 --compile "$COMPILE" --out "$WORK/targets-b1-more" --no-progress
 stage targets-b8 60 240 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
   --methods ar,lantern,lantern++,sjd-coupled --speed-batch-size "$B8" --speed-images "$IMGS8" \
   --num-images "$IMGS8" --repeats 1 --curve-images 0 --compile "$COMPILE" --out "$WORK/targets-b8" --no-progress
-stage serve 90 240 "$PY" benchmarks/serve_load.py --model photos --methods lantern++,ar --clients 8 \
-  --requests-per-client 2 --modes continuous --compile "$COMPILE" --device "$DEVICE" --out "$WORK/serve"
-# batch 1 against batch 8 in bf16 (eager): images whose codes the batch changes, default and deterministic
-stage invariance 40 150 bash -c "$PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto \
+# batch 1 against batch 8 in bf16 (compiled): images whose codes the batch changes, default and deterministic
+stage invariance 40 150 bash -c "$PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --compile $COMPILE \
   --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-default.json && \
-  $PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --deterministic \
+  $PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --compile $COMPILE --deterministic \
   --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-deterministic.json"
-stage sizes 90 300 bash -c "$PY benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,$B8,32 --trees chain:6 \
-  --device $DEVICE --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-b && \
-  $PY benchmarks/round_cost.py --configs $XL --batch-sizes $B8,32 --trees chain:6 --device $DEVICE \
-  --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-xl"
+stage serve 120 300 "$PY" benchmarks/serve_load.py --model photos --methods ar,lantern++ --clients 8 \
+  --requests-per-client 2 --modes continuous --compile "$COMPILE" --device "$DEVICE" --out "$WORK/serve"
 echo "== done $(date +%T), $(left) s of the budget left"
