@@ -174,11 +174,11 @@ class Pipeline:
         ids). ``prompts``: a non-empty list or tuple of strings. Any other type or value raises
         :class:`~lantern.errors.LanternError` (a ``ValueError``, also for wrong types) naming the
         argument, as the CLI's one-line errors do."""
-        from lantern.validate import check_count, check_image_total
+        from lantern.validate import check_count, check_image_total, check_seed
 
-        check_count(num_per_label, "num_per_label")
-        check_count(batch_size, "batch_size")
-        seed = check_seed(seed)
+        check_count(num_per_label, "num_per_label", field="num_per_label")
+        check_count(batch_size, "batch_size", field="batch_size")
+        seed = check_seed(seed, "seed", field="seed")
         if not isinstance(progress, bool):
             raise LanternError(f"progress must be True or False, got {progress!r}")
         conditions = self._check_conditions(labels, prompts)
@@ -236,14 +236,6 @@ class Pipeline:
     def t5_encoder(self) -> Any:
         """The T5 prompt encoder of a text-to-image model (``T5Encoder``), read once and kept."""
         return self.parts.t5()
-
-
-def check_seed(seed: Any) -> int:
-    """The base seed of a call: an integer, as ``--seed`` takes (a float such as 1.5 would be
-    truncated silently by the per-image seeds, and the CLI refuses it)."""
-    if not isinstance(seed, Integral) or isinstance(seed, bool):
-        raise LanternError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
-    return int(seed)
 
 
 def _short(value: Any) -> str:

@@ -20,8 +20,8 @@ images without a record.
 A resumed job trusts none of its files blindly: each record is read back and checked (its arrays'
 shapes, codes within the image vocabulary, the seeds of its indices, no index twice, and the
 sha256 it carries of its own arrays and of its PNGs' bytes), and so is each recorded image's PNG.
-A record that fails any check (truncated by a crash, edited, or whose PNG was deleted or cut
-short) is removed with a printed note, and its images are decoded again, so the resumed job still
+A record that fails any check (truncated by a crash, edited, without its hashes, or whose PNG was
+deleted or cut short) is removed with a printed note, and its images are decoded again, so the resumed job still
 finishes with codes and PNGs that belong together.
 """
 
@@ -65,8 +65,8 @@ JOB_ONLY_KEYS = ("dtype", "device_type")
 
 
 # The arrays of a record (JOB/records/*.npz); RECORD_HASH ("sha256") is the sha256 of them and of
-# PNG_HASHES (each image's PNG bytes), in this order (:func:`_record_digest`). Records written before
-# the hashes existed lack both and are checked without them.
+# PNG_HASHES (each image's PNG bytes), in this order (:func:`_record_digest`). A record without them
+# (written before the hashes existed, or with them deleted) is not trusted: its images are redone.
 RECORD_ARRAYS = ("indices", "seeds", "codes", "target_forwards", "ranks", "drafter_forwards")
 PNG_HASHES = "png_sha256"
 RECORD_HASH = "sha256"
@@ -206,30 +206,26 @@ def _record_problem(record: dict[str, np.ndarray], job: Path, request: JobReques
         return f"holds codes in [{codes.min()}, {codes.max()}], outside the image vocabulary"
     if record["seeds"].tolist() != [image_seed(request.seed, int(i)) for i in indices]:
         return "holds seeds that are not its images' seeds"
-    if RECORD_HASH in record and str(record[RECORD_HASH]) != _record_digest(record):
+    # Without its hashes nothing vouches for the codes (any in-vocabulary rewrite passes the checks
+    # above) nor for the PNGs (a valid PNG of another image decodes fine).
+    if RECORD_HASH not in record or PNG_HASHES not in record:
+        return f"carries no {RECORD_HASH} / {PNG_HASHES} (written before records had them, or edited)"
+    if str(record[RECORD_HASH]) != _record_digest(record):
         return "does not match its sha256 (it was changed after it was written)"
     return _png_problem(job, request, record)
 
 
 def _png_problem(job: Path, request: JobRequest, record: dict[str, np.ndarray]) -> str | None:
-    """Why one of the record's PNGs is unusable: absent, or (against the record's hashes; for an
-    older record, by decoding it) damaged."""
-    from PIL import Image
-
-    hashes = record.get(PNG_HASHES)
+    """Why one of the record's PNGs is unusable: absent, or not the bytes the record hashed."""
+    hashes = record[PNG_HASHES]
+    if hashes.shape != record["indices"].shape:
+        return f"holds {hashes.size} PNG hashes for {record['indices'].size} images"
     for j, i in enumerate(record["indices"].tolist()):
         png = job / "out" / request.names[i]
         if not png.is_file():
             return f"has no PNG {png.name}"
-        if hashes is not None and len(hashes) == len(record["indices"]):
-            if _file_sha256(png) != str(hashes[j]):
-                return f"does not match its PNG {png.name} (changed or cut short)"
-            continue
-        try:
-            with Image.open(png) as img:
-                img.load()
-        except (OSError, ValueError, SyntaxError) as e:
-            return f"has a damaged PNG {png.name} ({type(e).__name__})"
+        if _file_sha256(png) != str(hashes[j]):
+            return f"does not match its PNG {png.name} (changed or cut short)"
     return None
 
 

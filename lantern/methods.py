@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig
+from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig, check_tree_nodes
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
 from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
@@ -226,6 +226,8 @@ class MethodConfig:
             else:
                 chain = TreeConfig(kind="chain", depth=self.jacobi.window)
                 check(self.tree == chain, f"method {self.method!r} needs tree chain:{self.jacobi.window} (its window)")
+        if record.drafts_a_tree:  # a drafter's tree; the Jacobi windows are bounded by their own configs
+            check_tree_nodes(self.tree.round_nodes, f"--tree {self.tree.spec}", "tree")
         grid = record.family == "pjd"
         check((self.pjd is not None) == grid,
               f"method {self.method!r} {'needs' if grid else 'takes no'} PJD settings (window, context)")

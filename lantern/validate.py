@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 
@@ -26,10 +27,26 @@ MAX_IMAGES = 1_000_000
 MAX_TRAIN_STEPS = 10_000_000
 
 
-def check_count(value: int, arg: str, minimum: int = 1, maximum: int | None = None) -> None:
-    """An image / item count: an integer >= ``minimum`` (and <= ``maximum`` when given)."""
-    check(isinstance(value, int) and value >= minimum, f"{arg} must be an integer >= {minimum}, got {value!r}")
-    check(maximum is None or value <= maximum, f"{arg} must be at most {maximum} (one run), got {value}")
+# Seeds are 63-bit: image i of a run is seeded with (seed * 1_000_003 + i) mod 2^63
+# (lantern.run.image_seed), so a base seed outside [0, 2^63) would silently alias one inside it
+# (--seed 9223372036854775808 gave --seed 0's images).
+SEED_LIMIT = 2**63
+
+
+def check_count(value: int, arg: str, minimum: int = 1, maximum: int | None = None, field: str | None = None) -> None:
+    """An image / item count: an integer >= ``minimum`` (and <= ``maximum`` when given); never a
+    bool, which Python counts as an int (``num_per_label=True`` is no count)."""
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+          f"{arg} must be an integer >= {minimum}, got {value!r}", field=field)
+    check(maximum is None or value <= maximum, f"{arg} must be at most {maximum} (one run), got {value}", field=field)
+
+
+def check_seed(value: object, arg: str, field: str | None = None) -> int:
+    """A base seed: an integer in [0, 2^63) (:data:`SEED_LIMIT`), returned as a Python int."""
+    if not isinstance(value, Integral) or isinstance(value, bool):  # 1.5 would be truncated by the per-image seeds
+        raise LanternError(f"{arg} must be an integer, got {value!r} ({type(value).__name__})", field=field)
+    check(0 <= int(value) < SEED_LIMIT, f"{arg} must be in [0, 2^63), got {value}", field=field)
+    return int(value)
 
 
 def check_image_total(conditions: int, per_condition: int, arg: str) -> None:

@@ -50,8 +50,20 @@ def fails_with(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
     (["--labels", "0", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--labels", "0", "--device", "tpu9"], "--device: unknown device 'tpu9'"),
     (["--labels", "0", "--device", "meta"], "--device: lantern runs on cpu, cuda[:N] or mps"),
+    # The tree's size is checked from the flags, before the image's (old: the depth against the image).
     (["--labels", "0", "--method", "lantern++", "--tree", "chain:100000"],
-     "tree 'chain:100000' has depth 100000, not less than the image's 64 tokens"),
+     "--tree chain:100000 makes a tree of 100001 nodes per round (root included); at most 256"),
+    (["--labels", "0", "--method", "lantern++", "--tree", "chain:100"],
+     "tree 'chain:100' has depth 100, not less than the image's 64 tokens"),
+    # Old: seed 2^63 gave seed 0's images (the per-image seeds are taken mod 2^63), -1 was taken.
+    (["--labels", "0", "--seed", "9223372036854775808"], "--seed must be in [0, 2^63), got 9223372036854775808"),
+    (["--labels", "0", "--seed", "-1"], "--seed must be in [0, 2^63), got -1"),
+    # Old: built the subtree first (64^63 nodes: memory until an allocation failed; 1000 x 1000: ~1 min, then
+    # an out-of-memory error that blamed --batch-size).
+    (["--labels", "0", "--method", "sjd-pac", "--pac-width", "64", "--pac-depth", "64", "--sjd-window", "63"],
+     "--pac-width 64 --pac-depth 64 (--sjd-window 63) makes a tree of 6.3e+113 nodes per round"),
+    (["--labels", "0", "--method", "sjd-pac", "--pac-width", "1000"], "--pac-width must be at most 256"),
+    (["--labels", "0", "--method", "sjd-pac", "--pac-width", "64"], "makes a tree of 4175 nodes"),
 ])
 def test_generate_bad_values_fail_in_one_line_without_output(
     stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
@@ -140,6 +152,21 @@ def test_a_long_chain_tree_is_rejected_without_being_built() -> None:
     (["bench", "--num-images", "99999999999999999999"], "--num-images must be at most 1000000"),
     (["bench", "--repeats", "10000000"], "--repeats must be at most 1000000"),
     (["profile", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    # Old: not capped (5.6 GB at 57 s), and 0 refused only once the model was loaded.
+    (["profile", "--trace", "ar", "--trace-images", "1000000000"], "--trace-images must be at most 1000000"),
+    (["profile", "--trace", "ar", "--trace-images", "0"], "--trace-images must be an integer >= 1, got 0"),
+    # Old: --trace's errors named --methods (bench's flag), once the model was loaded.
+    (["profile", "--trace", "ar,foo"], "--trace: unknown method 'foo'"),
+    (["profile", "--trace", "ar,sjd/bogus=1"], "--trace 'sjd/bogus=1': expected /KEY=VALUE"),
+    (["profile", "--trace", "ar,sjd-pac/width=64/depth=3"], "makes a tree of 4175 nodes"),
+    # Old: the subtree was built once the model was loaded (64^63 nodes; width 100000: 10^10).
+    (["bench", "--methods", "ar,sjd-pac/width=64/depth=64/window=63"], "--pac-width 64 --pac-depth 64"),
+    (["bench", "--methods", "ar,sjd-pac/width=100000"], "--pac-width must be at most 256"),
+    (["bench", "--methods", "ar,sjd/window=1000"], "--sjd-window 1000 makes a tree of 1001 nodes"),
+    # Old: the seeds aliased mod 2^63.
+    (["demo", "--seed", "9223372036854775808"], "--seed must be in [0, 2^63), got 9223372036854775808"),
+    (["bench", "--seed", "-5"], "--seed must be in [0, 2^63), got -5"),
+    (["profile", "--seed", "99999999999999999999"], "--seed must be in [0, 2^63)"),
 ])
 def test_demo_bench_profile_counts_and_flags_fail_before_loading(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

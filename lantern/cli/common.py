@@ -65,6 +65,19 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
             raise LanternError(f"{flag}: {e}") from None
 
 
+SEED_FLAGS = ("seed", "data_seed")  # the commands' seed options (generate, bench, profile, train ...)
+
+
+def check_seed_flags(args: argparse.Namespace) -> None:
+    """Each seed flag the command has, in [0, 2^63) (``lantern.validate.check_seed``), before anything is loaded."""
+    from lantern.validate import check_seed
+
+    for name in SEED_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            check_seed(value, f"--{name.replace('_', '-')}")
+
+
 def method_from_args(args: argparse.Namespace, stack: Any, tree: Any = None) -> Any:
     """``--method`` with its flags, resolved by the library. ``tree``: auto's choice; with --tree auto
     and no choice yet, the method's own default tree (what choose_tree starts from)."""
@@ -91,6 +104,7 @@ def window_as_tree(args: argparse.Namespace) -> None:
                            f"--{name.replace('_', '-')} {getattr(args, name)}")
     setattr(args, name, "auto")
     args.tree = None
+    args.window_from_tree = True  # errors about the auto window name --tree, the flag the user typed
 
 
 def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
@@ -136,6 +150,9 @@ def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool
         if args.method not in methods:
             raise LanternError(f"{flag} auto needs a --method with that window ({', '.join(methods)}), "
                                f"got {args.method}")
+        if unsupported is not None and getattr(args, "window_from_tree", False):
+            raise LanternError(f"--tree auto chooses {args.method}'s window by calibrating on class labels; pass "
+                               f"{flag} N for {unsupported} models")
         if unsupported is not None:
             raise LanternError(f"{flag} auto calibrates on class labels; pass a number for {unsupported} models")
         auto = True

@@ -187,6 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
     window_as_tree(args)
     auto = check_auto_tree(args.tree, [args.method], args.profile)
+    method_from_args(args, None)  # every method setting (a tree's size too) from the flags alone, before loading
     args.device = ctx.device(args.device)
     pipe = _load_generate_pipeline(args, prompts is not None)
     auto_window = check_auto_window(args, auto_window_refusal(pipe.stack))

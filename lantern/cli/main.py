@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lantern.cli.bench import add_bench
-from lantern.cli.common import check_sampling_flags
+from lantern.cli.common import check_sampling_flags, check_seed_flags
 from lantern.cli.demo import add_demo
 from lantern.cli.generate import add_generate
 from lantern.cli.profile import add_profile
@@ -93,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         check_sampling_flags(args)
+        check_seed_flags(args)
         with trusted_checkpoints(getattr(args, "trust_checkpoint", False)):
             return int(func(args) or 0)
     except LanternError as e:

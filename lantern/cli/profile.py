@@ -49,9 +49,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.autotree.profile import ProfileSettings, format_profile, measure_profile, save_profile
     from lantern.machine import watch_load
     from lantern.outputs import OutputFolder
-    from lantern.validate import check_device
+    from lantern.validate import MAX_IMAGES, check_count, check_device
 
     check_compile(args)
+    check_count(args.trace_images, "--trace-images", maximum=MAX_IMAGES)  # as generate's and bench's counts
+    if args.trace is not None:  # every traced method's settings (a tree's size too), before loading
+        from lantern.eval.methods_grammar import parse_methods
+
+        for spec in parse_methods(args.trace, flag="--trace"):
+            spec.resolve(None)
     settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
                                quick=args.quick, seed=args.seed)
     check_device(args.device)

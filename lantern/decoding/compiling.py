@@ -29,6 +29,8 @@ Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs), `
 from __future__ import annotations
 
 import os
+import tempfile
+import traceback
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lantern.errors import check
+from lantern.errors import LanternError, check
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")  # modes that capture CUDA graphs
@@ -65,20 +67,73 @@ _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 def _use_cache_dir() -> None:
     """Point inductor's caches (FX graph and AOT-autograd caches, kernels) at :func:`compile_cache_dir`,
     unless the user chose ``TORCHINDUCTOR_CACHE_DIR`` (inductor reads the variable at every use)."""
+    check_cache_dir()
     if not _USER_CACHE_DIR:
-        path = compile_cache_dir()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
+def _cache_in_use() -> tuple[Path, str, str]:
+    """The folder inductor caches in, how a message names it, and the variable that moves it."""
+    if _USER_CACHE_DIR:
+        path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")).expanduser()
+        return path, f"TORCHINDUCTOR_CACHE_DIR={path}", "TORCHINDUCTOR_CACHE_DIR"
+    path = compile_cache_dir()
+    named = f"LANTERN_COMPILE_CACHE={path}" if os.environ.get("LANTERN_COMPILE_CACHE") else f"the compile cache {path}"
+    return path, named, "LANTERN_COMPILE_CACHE"
+
+
+_writable_caches: set[Path] = set()  # checked once per process and folder
+
+
+def check_cache_dir() -> None:
+    """LanternError, before anything is compiled, unless the compile cache is a folder this process
+    can write: inductor finds out only when it first writes there, after minutes of compiling
+    (read-only: its OSError traceback; a file: an error that blamed ``--out``)."""
+    path, named, variable = _cache_in_use()
+    if path in _writable_caches:
+        return
+    try:
         path.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        what = "is a file, not a folder" if path.is_file() else f"cannot be written ({e.strerror or e})"
+        raise LanternError(f"{named} {what}: set {variable} to a writable folder (compiled kernels are cached "
+                           "there)") from None
+    _writable_caches.add(path)
+
+
+# Inductor's functions that load a cache hit's artifacts (its generated module and compiled library):
+# an error raised under one of them comes from a damaged cache file, not from compiling.
+_CACHE_HIT_LOADERS = frozenset({"_lookup_graph", "cache_hit_post_compile", "after_deserialization"})
+
+
+def cache_damage(error: BaseException) -> LanternError | None:
+    """One line for an error that loading the compile cache raised (random bytes in a cached
+    ``.py`` end in a UnicodeDecodeError, in a ``.so`` in a failed rebuild, both wrapped in dynamo's
+    BackendCompilerFailed), found by the frames it passed through; None for any other error."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and all(cause is not seen for seen in chain):
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if not any(frame.f_code.co_name in _CACHE_HIT_LOADERS
+               for e in chain for frame, _ in traceback.walk_tb(e.__traceback__)):
+        return None
+    path, named, variable = _cache_in_use()
+    return LanternError(f"{named} is damaged ({type(chain[-1]).__name__} loading a cached kernel): delete the folder "
+                        f"{path} (it is rebuilt on the next run) or set {variable} to another one")
 
 
 def resolve_compile(mode: str | None, device: torch.device | str) -> str | None:
     """None / "off" -> None (eager); "auto" / "on" -> the device's best mode; else a torch mode."""
     if mode is None or mode == "off":
         return None
+    check(mode in ("auto", "on", *COMPILE_MODES),
+          f"--compile must be off, auto or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    check_cache_dir()  # at the start of a compiled run, not after its first compilation
     if mode in ("auto", "on"):
         return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
-    check(mode in COMPILE_MODES,
-          f"--compile must be off, auto or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     return mode
 
 
@@ -221,11 +276,16 @@ def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         global region_calls
         region_calls += 1
-        if not graphs:
-            return step(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        out = step(*args)
-        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        try:  # the first call compiles (or loads the cache): a damaged cache is one line
+            out = step(*args)
+        except Exception as e:
+            damage = cache_damage(e)
+            if damage is None:
+                raise
+            raise damage from e
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out) if graphs else out
 
     return run
 

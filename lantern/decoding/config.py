@@ -19,6 +19,33 @@ from lantern.errors import check
 # logits overflow (``--cfg-scale 1e39`` gave all-zero codes), so the range is bounded.
 MAX_CFG_SCALE = 100.0
 
+# Nodes one verify forward may hold, root included, whatever the method and tree kind (a chain, a
+# static or dynamic drafter tree, a Jacobi window, SJD-PAC's chain plus K-ary subtree): checked from
+# the settings alone, before any tree is built, because a round's cost grows with its nodes (4,160
+# SJD-PAC nodes made one digits round take ~30 s) and SJD-PAC's subtree grows as K^(D-1) (64^63
+# nodes for --pac-width 64 --pac-depth 64, built as a Python set). The largest trees the methods'
+# papers use hold 58-64 nodes (EAGLE's and LANTERN's static and dynamic trees; SJD-PAC's L = 64),
+# --tree auto grows at most 64 and --sjd-window auto tries windows up to 32 (51 nodes with SJD-PAC's
+# subtree), so 256 leaves four times the largest of them.
+MAX_TREE_NODES = 256
+
+
+def check_tree_nodes(nodes: float, settings: str, field: str) -> None:
+    """LanternError unless a round of ``nodes`` nodes (root included) is within :data:`MAX_TREE_NODES`.
+    ``settings``: what made them, as the user typed it (``--sjd-window 300``); ``field``: the setting to lower."""
+    advice = "pick a smaller --tree" if field == "tree" else f"lower --{field.replace('_', '-')}"
+    check(nodes <= MAX_TREE_NODES,
+          f"{settings} makes a tree of {node_count_text(nodes)} nodes per round (root included); at most "
+          f"{MAX_TREE_NODES} fit one verify forward: {advice}", field=field)
+
+
+def node_count_text(nodes: float) -> str:
+    """A node count for a message: exact while it is readable, else its magnitude (``6.3e+113``)."""
+    if math.isinf(nodes):
+        return "more than 1e+308"
+    return f"{nodes:.0f}" if nodes < 1e9 else f"{nodes:.2g}"
+
+
 RelaxationMode = Literal["absolute", "relative", "group"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
 RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
@@ -110,7 +137,8 @@ class RelaxationConfig:
     budget: RelaxationBudget = "test"
 
     def __post_init__(self) -> None:
-        check(isinstance(self.k, int) and self.k >= 0, f"lantern k must be an integer >= 0, got {self.k}")
+        check(isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 0,
+              f"lantern k must be an integer >= 0, got {self.k!r}", field="lantern_k")
         check(
             self.mode in ("absolute", "relative", "group"),
             f"relaxation mode must be 'absolute', 'relative' or 'group', got {self.mode!r}",
@@ -278,6 +306,12 @@ class TreeConfig:
         if self.kind == "none":
             return 0
         return self.depth * self.top_k if self.kind == "dynamic" else self.num_nodes
+
+    @property
+    def round_nodes(self) -> int:
+        """The most nodes one forward of a round holds (the target's verify, or a dynamic drafter's
+        feeds): what :data:`MAX_TREE_NODES` bounds."""
+        return max(self.num_nodes, self.fed_per_round)
 
     @property
     def drafter_slots(self) -> int:

@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.acceptance import maximal_coupling
-from lantern.decoding.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig, check_tree_nodes
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
 from lantern.decoding.rng import RowRandom
@@ -113,6 +113,7 @@ class JacobiConfig:
             isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
             f"--sjd-window must be an integer >= 1, got {self.window!r}", field="sjd_window",
         )
+        check_tree_nodes(self.window + 1, f"--sjd-window {self.window}", "sjd_window")  # the root and its guesses
         check(self.init in JACOBI_INITS, f"--sjd-init must be one of {', '.join(JACOBI_INITS)}, got {self.init!r}",
               field="sjd_init")
         check(

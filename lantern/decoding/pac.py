@@ -100,14 +100,15 @@ Every round has one shape (the tree is fixed; levels whose siblings repeat are s
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lantern.decoding.config import SamplingConfig, TreeConfig
-from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.config import MAX_TREE_NODES, SamplingConfig, TreeConfig, check_tree_nodes
+from lantern.decoding.jacobi import DEFAULT_WINDOW, JacobiConfig, JacobiDrafter
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
 from lantern.decoding.rng import RowRandom
@@ -117,6 +118,19 @@ from lantern.errors import check
 
 DEFAULT_PAC_WIDTH = 4  # K, candidates per tree position (README: K = 4, D = 3, "the paper's Tab. 3")
 DEFAULT_PAC_DEPTH = 3  # D, the tree's depth counting its root: candidates at the D - 1 positions after it
+
+
+def pac_tree_nodes(window: int, width: int, depth: int) -> float:
+    """Nodes SJD-PAC verifies per round, root included, by arithmetic (the tree is never built):
+    the root, the chain of ``window`` guesses, and the full ``width``-ary subtree of ``depth`` - 1
+    levels (K + K^2 + ... + K^(D-1)) less its D - 1 first-candidate nodes, which are the chain's.
+    A float, so that any K and D cost one power: exact below 2^53, inf past 1e308."""
+    levels = depth - 1
+    try:
+        subtree = float(levels) if width == 1 else width * (float(width) ** levels - 1) / (width - 1)
+    except OverflowError:
+        return math.inf
+    return 1 + window + subtree - min(levels, window)
 
 
 def _positive_int(value: object) -> bool:
@@ -132,8 +146,13 @@ class PACConfig:
     depth: int = DEFAULT_PAC_DEPTH
 
     def __post_init__(self) -> None:
-        check(_positive_int(self.width), f"--pac-width must be an integer >= 1, got {self.width!r}", field="pac_width")
-        check(_positive_int(self.depth), f"--pac-depth must be an integer >= 1, got {self.depth!r}", field="pac_depth")
+        # Each alone within the cap (a K or D past it cannot make a tree that fits, but a depth of 1 would
+        # hide any width); together they are checked with the window (check_window).
+        for flag, value in (("--pac-width", self.width), ("--pac-depth", self.depth)):
+            field = flag[2:].replace("-", "_")
+            check(_positive_int(value), f"{flag} must be an integer >= 1, got {value!r}", field=field)
+            check(value <= MAX_TREE_NODES, f"{flag} must be at most {MAX_TREE_NODES} (the nodes a tree may have), "
+                                           f"got {value}", field=field)
 
     @property
     def levels(self) -> int:
@@ -141,9 +160,24 @@ class PACConfig:
         return self.depth - 1
 
     def check_window(self, window: int) -> None:
+        """The subtree fits under ``window``'s chain, and the whole tree within MAX_TREE_NODES:
+        checked by arithmetic, before :meth:`choices` builds anything."""
         check(self.levels <= window,
               f"--pac-depth {self.depth} needs a window of at least {self.levels} guesses, got --sjd-window {window}",
               field="pac_depth")
+        check_tree_nodes(pac_tree_nodes(window, self.width, self.depth),
+                         f"--pac-width {self.width} --pac-depth {self.depth} (--sjd-window {window})",
+                         self._to_lower(window))
+
+    def _to_lower(self, window: int) -> str:
+        """The setting a too large tree names: the first of K, D and the window whose default
+        would make it fit (the one the user raised), else D (the exponent)."""
+        for field, nodes in (("pac_width", pac_tree_nodes(window, DEFAULT_PAC_WIDTH, self.depth)),
+                             ("pac_depth", pac_tree_nodes(window, self.width, DEFAULT_PAC_DEPTH)),
+                             ("sjd_window", pac_tree_nodes(DEFAULT_WINDOW, self.width, self.depth))):
+            if nodes <= MAX_TREE_NODES:
+                return field
+        return "pac_depth"
 
     def choices(self, window: int) -> tuple[tuple[int, ...], ...]:
         """The tree as child ranks (EAGLE's choices): the chain of ``window`` guesses and the full

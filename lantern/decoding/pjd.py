@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.decoding.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig, check_tree_nodes
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import one_hot, probs_from_logits, sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
@@ -79,6 +79,9 @@ class PJDConfig:
         for flag, value in (("--pjd-window", self.window), ("--pjd-context", self.context)):
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                   f"{flag} must be an integer >= 1, got {value!r}", field=flag[2:].replace("-", "_"))
+        # Each open row's chain: the root and its guesses (the rows' chains together are bounded
+        # by the image, as the window is by its row: check_pjd_fits).
+        check_tree_nodes(self.window + 1, f"--pjd-window {self.window}", "pjd_window")
         check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}",
               field="pjd_init")
 

@@ -94,6 +94,7 @@ class BenchConfig:
         for m in self.methods:
             check(m.method in METHOD_TABLE,
                   f"--methods: unknown method {m.method!r} (choose from {', '.join(METHOD_TABLE)})")
+            m.resolve(None)  # every row's settings (a tree's size too) before anything is loaded
         for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real",
                      "ar_seeds"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

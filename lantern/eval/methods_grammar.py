@@ -45,15 +45,18 @@ class MethodSpec:
     def with_settings(self, **settings: Any) -> MethodSpec:
         return replace(self, settings={**self.settings, **settings})
 
-    def resolve(self, stack: Stack) -> MethodConfig:
+    def resolve(self, stack: Stack | None) -> MethodConfig:
         """Through the one resolver (``resolve_method``); an "auto" window resolves with the
-        default until :func:`lantern.eval.bench.resolve_auto_windows` has timed it."""
+        default until :func:`lantern.eval.bench.resolve_auto_windows` has timed it. ``stack`` None:
+        from the settings alone (an "auto" tree too stands as the default), the check that refuses
+        a bad row before anything is loaded."""
         settings = {k: None if v == "auto" else v for k, v in self.settings.items()}
-        return resolve_method(self.method, stack, tree=self.tree, **settings)
+        tree = None if stack is None and self.tree == "auto" else self.tree
+        return resolve_method(self.method, stack, tree=tree, **settings)
 
 
 def parse_methods(
-    spec: str, trees: Mapping[str, str] | None = None, budget: str | None = None
+    spec: str, trees: Mapping[str, str] | None = None, budget: str | None = None, flag: str = "--methods"
 ) -> tuple[MethodSpec, ...]:
     """``"ar,sd,lantern++"`` -> specs. ``trees`` maps a method to its tree (``--tree``); an entry
     ``METHOD@TREE`` (e.g. ``lantern++@chain:5``, ``lantern++@auto``) is a row of its own, so one
@@ -64,18 +67,18 @@ def parse_methods(
     guesses (``sjd-lantern/init=repeat_horizon``), SJD-PAC's subtree (``sjd-pac/width=3/depth=2``), and PJD's
     window and context (``pjd/window=4/context=8``, ``pjd/window=auto``);
     ``budget`` (``--lantern-budget``) is the relaxed rows'
-    default budget."""
+    default budget; ``flag``: the option the errors name (``lantern profile`` reads the grammar from ``--trace``)."""
     trees = trees or {}
     entries = [m.strip() for m in spec.split(",") if m.strip()]
-    check(len(entries) > 0, f"--methods needs a comma-separated list of methods, got {spec!r}")
+    check(len(entries) > 0, f"{flag} needs a comma-separated list of methods, got {spec!r}")
     out = []
     for entry in entries:
         head, *options = entry.split("/")
         name, _, tree = head.partition("@")
-        check(name in METHOD_TABLE, f"--methods: unknown method {name!r} (choose from {', '.join(METHOD_TABLE)})")
-        settings = _row_settings(entry, name, options, budget)
+        check(name in METHOD_TABLE, f"{flag}: unknown method {name!r} (choose from {', '.join(METHOD_TABLE)})")
+        settings = _row_settings(f"{flag} {entry!r}", name, options, budget)
         if tree:
-            check(name in DRAFTER_METHODS, f"--methods {entry!r}: {name!r} does not draft a tree")
+            check(name in DRAFTER_METHODS, f"{flag} {entry!r}: {name!r} does not draft a tree")
         label = entry if tree or options else ""
         if settings.get("lantern_budget") is not None and "budget=" not in entry:  # rows say which budget they ran
             label = f"{entry}/budget={settings['lantern_budget']}"
@@ -92,21 +95,22 @@ _VALUE_KINDS: dict[str, Callable[[str], Any]] = {
 }
 
 
-def _row_settings(entry: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
-    """The ``/KEY=VALUE`` settings of one ``--methods`` entry, by their full names; KEY is a full
-    name (``lantern_delta``) or a short alias (``delta``, ``lambda``, ``window``: SETTING_ALIASES)."""
+def _row_settings(where: str, name: str, options: list[str], budget: str | None) -> dict[str, Any]:
+    """The ``/KEY=VALUE`` settings of one ``--methods`` entry (``where``: the flag and entry, for
+    errors), by their full names; KEY is a full name (``lantern_delta``) or a short alias (``delta``,
+    ``lambda``, ``window``: SETTING_ALIASES)."""
     keys = sorted({*SETTING_ALIASES, "window", "init", *_VALUE_KINDS})
     tuned = METHOD_TABLE[name].needs_proximity  # the rules --lantern-budget bounds (not GSD's groups)
     out: dict[str, Any] = {"lantern_budget": budget} if tuned and budget is not None else {}
     for option in options:
         key, eq, value = option.partition("=")
-        check(eq == "=" and key in keys, f"--methods {entry!r}: expected /KEY=VALUE with KEY one of "
-                                         f"{', '.join(keys)}, got {option!r}")
+        check(eq == "=" and key in keys, f"{where}: expected /KEY=VALUE with KEY one of {', '.join(keys)}, "
+                                         f"got {option!r}")
         setting = setting_name(name, key)
         try:
             out[setting] = _VALUE_KINDS[setting](value)
         except ValueError:
-            raise LanternError(f"--methods {entry!r}: {key} must be a number, got {value!r}") from None
+            raise LanternError(f"{where}: {key} must be a number, got {value!r}") from None
     return out
 
 

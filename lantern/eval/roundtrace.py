@@ -271,8 +271,7 @@ def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: Outpu
     from lantern.io import write_json
     from lantern.machine import watch_load
 
-    check(args.trace_images >= 1, f"--trace-images must be >= 1, got {args.trace_images}")
-    methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace)}
+    methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace, flag="--trace")}
     labels = bench_labels(stack.target.config.num_classes, args.trace_images)
     with watch_load() as watch:  # were other processes competing for the cores while we timed?
         traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size,

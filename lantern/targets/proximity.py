@@ -11,8 +11,9 @@ never held, in one safetensors file whose header records what it was built from:
 * ``table_sha256``: sha256 of the table itself (int32 little-endian contiguous bytes), checked
   when the file is loaded. The codebook hash says what a table was built *for*; only this one
   says the rows were not changed since (the distance-order check below samples 64 rows, so a
-  rewrite of the others would pass it). Tables written before this entry existed lack it and
-  load with the other checks;
+  rewrite of the others would pass it). A table without it (written before this entry existed,
+  or with it deleted) has every row's distance order checked instead, which costs what building
+  the table costs (V x V distances, in chunks);
 * ``metric`` (``l2`` as the official code, or ``cosine``) and ``normalized`` (whether rows were
   L2-normalised first, as the decoder sees them; False reproduces the official numbers).
 
@@ -52,6 +53,7 @@ TENSOR_NAME = "neighbours"
 CODEBOOK_KEY = "quantize.embedding.weight"
 VQ_MODEL_TYPE = "lantern-vq"
 SAMPLE_ROWS = 64  # rows whose distance order is checked against the codebook when a table is used
+CHECK_CHUNK = 1024  # rows whose distances to the codebook are held at once by the distance-order check
 
 
 def codebook_sha256(codebook: Tensor) -> str:
@@ -75,6 +77,9 @@ class ProximityTable:
     metric: str
     normalized: bool
     source: str = field(default="proximity table", compare=False)  # for messages: "proximity table FILE"
+    # Whether its rows are vouched for by a table_sha256 (checked when the file was read; a table
+    # built in this process is too): if not, validate checks every row instead of a sample.
+    hashed: bool = field(default=True, compare=False)
 
     @property
     def k_max(self) -> int:
@@ -96,7 +101,8 @@ class ProximityTable:
     def validate(self, codebook: Tensor) -> None:
         """LanternError unless the table was built from exactly this raw codebook [V, C]: the hash
         recorded in its header, and (as the header can be copied onto a tampered table) the
-        neighbours themselves on a fixed sample of rows (:meth:`check_distance_order`)."""
+        neighbours themselves (:meth:`check_distance_order`): on a fixed sample of rows, or on every
+        row of a table no table_sha256 vouches for."""
         v = int(codebook.shape[0])
         check(
             v == self.vocab_size,
@@ -108,7 +114,7 @@ class ProximityTable:
             f"{self.source} was built for codebook sha256 {self.codebook_sha256}, but the "
             f"tokenizer's codebook has {actual}; rebuild it with `lantern build-proximity`",
         )
-        self.check_distance_order(codebook)
+        self.check_distance_order(codebook, SAMPLE_ROWS if self.hashed else self.vocab_size)
 
     def check_indices(self) -> None:
         """LanternError unless every entry is another token's index (in [0, V), never the row's own)."""
@@ -123,19 +129,22 @@ class ProximityTable:
                                "is never its own neighbour); rebuild it with `lantern build-proximity`")
 
     def check_distance_order(self, codebook: Tensor, rows: int = SAMPLE_ROWS) -> None:
-        """LanternError unless, on ``rows`` evenly spaced rows, the listed neighbours are the K_max
-        nearest other codebook entries in distance order (compared by distance, so ties may list
-        either of two equally near tokens). Costs ``rows`` x V distances, not V x V."""
+        """LanternError unless, on ``rows`` evenly spaced rows (V: all of them), the listed
+        neighbours are the K_max nearest other codebook entries in distance order (compared by
+        distance, so ties may list either of two equally near tokens). Costs ``rows`` x V
+        distances, :data:`CHECK_CHUNK` rows at a time."""
         sample = torch.linspace(0, self.vocab_size - 1, min(rows, self.vocab_size)).round().long().unique()
         e = _prepare(codebook, self.metric, self.normalized)  # type: ignore[arg-type]
-        d = torch.cdist(e[sample], e, compute_mode="donot_use_mm_for_euclid_dist")  # [S, V]
-        d[torch.arange(len(sample)), sample] = float("inf")
-        listed = d.gather(1, self.neighbours[sample].long())  # [S, K]
-        nearest = d.topk(self.k_max, dim=1, largest=False).values  # [S, K] ascending
-        ok = torch.isclose(listed, nearest, rtol=1e-6, atol=1e-9).all(dim=1)  # [S]
-        if not bool(ok.all()):
-            raise LanternError(f"{self.source}: token {int(sample[~ok][0])}'s neighbours are not its nearest codebook "
-                               f"entries in distance order ({self.metric}); rebuild it with `lantern build-proximity`")
+        for chunk in sample.split(CHECK_CHUNK):
+            d = torch.cdist(e[chunk], e, compute_mode="donot_use_mm_for_euclid_dist")  # [S, V]
+            d[torch.arange(len(chunk)), chunk] = float("inf")
+            listed = d.gather(1, self.neighbours[chunk].long())  # [S, K]
+            nearest = d.topk(self.k_max, dim=1, largest=False).values  # [S, K] ascending
+            ok = torch.isclose(listed, nearest, rtol=1e-6, atol=1e-9).all(dim=1)  # [S]
+            if not bool(ok.all()):
+                raise LanternError(f"{self.source}: token {int(chunk[~ok][0])}'s neighbours are not its nearest "
+                                   f"codebook entries in distance order ({self.metric}); rebuild it with "
+                                   "`lantern build-proximity`")
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -173,10 +182,10 @@ class ProximityTable:
               f"proximity table {path} holds a {tuple(tensor.shape)} tensor, expected [V, K] with V, K >= 1")
         metric = meta.get("metric", "l2")
         check(metric in ("l2", "cosine"), f"proximity table {path}: metric must be l2 or cosine, got {metric!r}")
-        table = cls(tensor, meta.get("codebook_sha256", ""), metric, meta.get("normalized") == "true",
-                    source=f"proximity table {path}")
         recorded = meta.get("table_sha256")
-        if recorded is not None:  # absent in tables written before it was recorded: the other checks apply
+        table = cls(tensor, meta.get("codebook_sha256", ""), metric, meta.get("normalized") == "true",
+                    source=f"proximity table {path}", hashed=recorded is not None)
+        if recorded is not None:  # absent in tables written before it was recorded: validate checks every row
             check(recorded == table_sha256(tensor),
                   f"proximity table {path}: its neighbours do not match the table_sha256 in its header (the file "
                   "was changed after it was built); rebuild it with `lantern build-proximity`")
