@@ -67,7 +67,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", model, "--method", method,
-               "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile, "--device", device]
+               "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile,
+               "--device", device]
         if not continuous:
             cmd.append("--no-continuous")
         self.log = log.open("w")
