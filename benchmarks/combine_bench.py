@@ -8,7 +8,7 @@ not depend on machine load, wall-clock ratios do.
 Several quality runs (same model, seed, images and real set) add their rows in order; AR's spread is
 the first run's, and a method already listed is not repeated.
 
-Writes ``combined/bench.md`` (the table, both commands, AR's interval) and ``combined/frontier.png``.
+Writes ``combined/bench.md`` (the table, both commands, AR's bounds and the rule) and ``combined/frontier.png``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 
 from lantern.eval.report import ARSpread, BenchResult, BenchRow, format_table, save_plots
 
+# bench.json fields no longer written (sides of the earlier two-sided verdict): rows are re-judged here.
+LEGACY_FIELDS = ("outside_sides",)
 SPEED_FIELDS = ("wall_seconds", "seconds_per_image", "speedup_vs_ar", "speed_images", "wall_seconds_repeats",
                 "startup_seconds")
 
@@ -29,7 +31,7 @@ def read_rows(folder: Path) -> dict[str, BenchRow]:
     rows = {}
     for d in json.loads((folder / "bench.json").read_text()):
         row = BenchRow(**{k: v for k, v in d.items() if k in names and k != "quality"})
-        row.quality = {k: v for k, v in d.items() if k not in names}
+        row.quality = {k: v for k, v in d.items() if k not in names and k not in LEGACY_FIELDS}
         rows[row.method] = row
     return rows
 
@@ -46,7 +48,7 @@ def combine(speed_dir: Path, quality_dirs: list[Path]) -> tuple[BenchResult, dic
     runs_q = [json.loads((folder / "run.json").read_text()) for folder in quality_dirs]
     run_s = json.loads((speed_dir / "run.json").read_text())
     spread = runs_q[0].get("ar_spread")
-    ar_spread = None if spread is None else ARSpread(tuple(spread["seeds"]), spread["values"])
+    ar_spread = None if spread is None else ARSpread.from_dict(spread)
     rows = []
     for name, row in quality.items():
         row = dataclasses.replace(row, **{k: getattr(speed[name], k) for k in SPEED_FIELDS})
@@ -73,8 +75,7 @@ def main() -> None:
              *([f"- **{run_s['busy_warning']}**"] if run_s.get("busy_warning") else []),
              *[f"- quality: `{r['command']}`" for r in runs_q], "", table, ""]
     if result.ar_spread is not None:
-        lines += [f"AR's spread over {len(result.ar_spread.seeds)} seeds, 95 % prediction interval: "
-                  f"{result.ar_spread.describe()}", ""]
+        lines += [result.ar_spread.summary(), ""]
     (args.out / "bench.md").write_text("\n".join(lines))
     save_plots(result, args.out)
     print("\n".join(lines))

@@ -11,9 +11,9 @@ the table differ only by the decoding method:
   not depend on the batch size: one ``torch.Generator`` per image). FID/KID/precision/recall and
   class accuracy are computed in the feature space of a network lantern trained on the preset's
   own images (``lantern.eval.metrics``); they are comparable between rows of one run, **not** with
-  published Inception FIDs. AR's own spread (``ar_seeds`` seeds, a 95 % prediction interval per
-  metric: :class:`lantern.eval.report.ARSpread`) is reported next to them, and each row says
-  whether its FID, precision, recall and class accuracy fall inside it.
+  published Inception FIDs. AR's own spread (``ar_seeds`` seeds: :class:`lantern.eval.report.ARSpread`)
+  is reported next to them, and each row says whether it is worse than AR on any of FID, precision,
+  recall and class accuracy (one decision, false-alarm rate 5 %) and on which it is better.
 * ``mean_accepted`` (tokens per target forward, tau) comes from the quality run (all images).
 
 Plots: an image grid per method, mean accepted length against LANTERN's delta and LANTERN++'s
