@@ -123,7 +123,7 @@ def cmd_bench(args: Any) -> int:
     if result.throughput:
         print(throughput_table(result.throughput))
     if result.ar_spread is not None:
-        print(f"AR's spread over {len(result.ar_spread.seeds)} seeds (95 % interval): {result.ar_spread.describe()}")
+        print(result.ar_spread.summary())
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
 
@@ -168,8 +168,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--curve-images", type=int, default=16,
                    help="images per point of the tau-vs-delta/lambda curves (0 = skip; default 16)")
     p.add_argument("--ar-seeds", type=int, default=5,
-                   help="AR's quality at this many seeds (--seed, --seed + 1, ...): a 95 %% prediction interval per "
-                        "metric, and each row marked within it or not (default 5; 1 = no spread)")
+                   help="AR's quality at this many seeds (--seed, --seed + 1, ...): each row is out when a metric is "
+                        "worse than AR's one-sided bound (a 5 %% false-alarm rate over the metrics; default 5; "
+                        "1 = no spread)")
     p.add_argument("--no-ar-spread", action="store_true", help="the same as --ar-seeds 1: AR at one seed only")
     p.add_argument("--no-quality", action="store_true",
                    help="speed only: no quality images or metrics (rows describe the timed images)")
