@@ -642,3 +642,44 @@ def served(app: Any, timeout: float = 30.0) -> Iterator[str]:
         thread.join(timeout)
         sock.close()
         assert not thread.is_alive(), f"the test server did not stop within {timeout} s"
+
+
+SERVE_START_TIMEOUT = 60.0  # import, load digits, warm up: about 5 s on 2 idle cores
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_process(log: Path, *flags: str) -> Iterator[tuple[Any, str]]:
+    """``lantern serve --model digits`` as a process on a free 127.0.0.1 port: yields the process
+    and its URL once /health answers. The process is killed if the block leaves it running."""
+    import os
+    import subprocess
+
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", "digits", "--port", str(port), *flags]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_START_TIMEOUT
+        while True:
+            assert proc.poll() is None, f"lantern serve exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"no /health within {SERVE_START_TIMEOUT} s:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

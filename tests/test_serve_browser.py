@@ -107,3 +107,49 @@ def test_the_page_generates_side_by_side_with_ar(pipe: lantern.Pipeline, browser
     assert tau >= 1 and tau_ar == 1.0  # AR: one token per forward
     assert re.fullmatch(r"\d+\.\d\d s", latency), latency
     assert re.fullmatch(rf"{METHOD}: \d+\.\d\dx the speed of ar \(same seed\)", speedup), speedup
+
+
+def test_the_page_refuses_an_infinite_setting_and_shows_a_plain_text_error(pipe: lantern.Pipeline, browser: object,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38: a temperature of 1e999 was sent as null (JSON.stringify(Infinity)), so the model's
+    default ran instead; a plain-text 500 (here: a bug outside the API's error handling) showed
+    "JSON.parse: unexpected character" instead of the status and its text. (Chromium's number input
+    itself refuses a typed 1e999; the page's own check is for what gets past it, here a text input.)"""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from lantern.serve import app as app_module
+
+    driver = browser  # a selenium WebDriver
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=pipe, default_method="ar")
+    planned: list[object] = []
+    real_plan = app_module.plan_request
+
+    def plan(*args: object) -> object:
+        planned.append(args)
+        return real_plan(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(app_module, "plan_request", plan)
+    with served(app) as url:
+        driver.get(url)  # type: ignore[attr-defined]
+        wait = WebDriverWait(driver, PAGE_TIMEOUT)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#method option")) > 1)
+        status = driver.find_element(By.ID, "status")  # type: ignore[attr-defined]
+        temperature = driver.find_element(By.ID, "temperature")  # type: ignore[attr-defined]
+        driver.execute_script("arguments[0].type = 'text'", temperature)  # type: ignore[attr-defined]
+        temperature.send_keys("1e999")
+        driver.find_element(By.ID, "generate").click()  # type: ignore[attr-defined]
+        wait.until(lambda d: status.get_attribute("class") == "error")
+        assert status.text == "temperature: not a finite number: 1e999" and planned == [], status.text
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("a bug: Starlette answers a plain-text 500")
+
+        monkeypatch.setattr(app_module, "plan_request", broken)
+        temperature.clear()
+        status_before = status.text
+        driver.find_element(By.ID, "generate").click()  # type: ignore[attr-defined]
+        wait.until(lambda d: status.text not in (status_before, "generating…"))
+        assert status.text == "HTTP 500: Internal Server Error" and status.get_attribute("class") == "error"

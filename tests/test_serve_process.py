@@ -4,32 +4,21 @@ model is loaded."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import serve_process
 
 from lantern.cli.main import main
 
-START_TIMEOUT = 60.0  # import, load digits, warm up: about 5 s on 2 idle cores
 EXIT_TIMEOUT = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _busy_rows(url: str) -> float:
@@ -50,34 +39,9 @@ def _outside_address() -> str | None:
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
-@contextlib.contextmanager
-def _serve(log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``lantern serve --model digits`` on a free port; yields the process and its URL once /health
-    answers. The process is killed if the test leaves it running."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", "digits", "--port", str(port), *flags]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            assert proc.poll() is None, f"lantern serve exited with {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no /health within {START_TIMEOUT} s:\n{log.read_text()}"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
 def test_serve_binds_loopback_answers_and_drains_on_sigterm(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
-    with _serve(log, "--method", "sjd-coupled", "--max-batch", "2", "--warm-up") as (proc, url):
+    with serve_process(log, "--method", "sjd-coupled", "--max-batch", "2", "--warm-up") as (proc, url):
         port = int(url.rsplit(":", 1)[1])
         assert f"on http://127.0.0.1:{port}" in log.read_text()  # the bound host, as the log says
         outside = _outside_address()
@@ -121,7 +85,16 @@ def test_serve_binds_loopback_answers_and_drains_on_sigterm(tmp_path: Path) -> N
     [
         (["--max-images-per-request", "100", "--max-queue", "8"], "--max-images-per-request .* --max-queue"),
         (["--port", "70000"], "--port must be in 0..65535"),
-        (["--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--max-batch", "0"], "--max-batch must be in 1..256"),
+        (["--max-batch", "1000000000", "--warm-up"], "--max-batch must be in 1..256"),  # never started (issue 38)
+        (["--max-connections", "0"], "--max-connections must be in 1..65536"),
+        (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0"),
+        (["--header-timeout", "inf"], "--header-timeout must be a number of seconds > 0"),
+        (["--max-body-bytes", "1000"], "--max-body-bytes .* must hold a prompt of --max-prompt-chars"),
+        (["--max-tree-nodes", "0"], "--max-tree-nodes must be >= 1"),
+        (["--allowed-hosts", "a.*.example"], "--allowed-hosts: 'a.\\*.example': a wildcard"),
+        (["--max-tree-nodes", "8", "--method", "sjd", "--port", "0"],  # after loading: the round is the model's
+         "--max-tree-nodes 8 is below --method sjd's default round of 17 nodes"),
         (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid'"),
     ],
 )

@@ -1,8 +1,11 @@
 """``lantern serve``: the HTTP server (lantern.serve) over one loaded model.
 
 It binds 127.0.0.1 unless ``--host`` says otherwise: the server has no authentication and is for
-trusted networks only (docs/serving.md). SIGTERM (or Ctrl-C) stops accepting connections, lets the
-requests in flight finish for up to ``--drain-timeout`` seconds, cancels what is left, and exits 0.
+trusted networks only (docs/serving.md), answers only the Host names of this machine, the bound
+address and ``--allowed-hosts``, and bounds every request's body, time and round size and the open
+connections (docs/serving.md, "Limits"). SIGTERM (or Ctrl-C) stops accepting connections, lets the
+requests in flight finish for up to ``--drain-timeout`` seconds, answers what is left with a 503
+(streams: an ``error`` event), and exits 0.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from lantern.cli.common import (
 )
 from lantern.errors import LanternError, check
 from lantern.methods import METHOD_TABLE
+from lantern.serve.limits import MIN_ROUND_NODES, ROUND_FACTOR, HttpLimits
+
+MAX_BATCH = 256  # rows of one decode batch: more only grows memory and --warm-up's sizes
+MAX_QUEUE = 100_000
+MAX_PROMPT_CHARS = 100_000
+MAX_CONNECTIONS = 65_536
+BYTES_PER_PROMPT_CHAR = 12  # a JSON body's worst case: a character outside the BMP as two \uXXXX escapes
+HTTP_DEFAULTS = HttpLimits()
+DRAIN_GRACE = 10.0  # s past --drain-timeout that uvicorn waits for the app's own 503s to be written
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +51,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the "
                         "unauthenticated server to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port, printed)")
-    p.add_argument("--max-batch", type=int, default=8, help="rows of the decode batch (default 8)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help=f"rows of the decode batch (default 8, at most {MAX_BATCH})")
     p.add_argument("--max-queue", type=int, default=64,
                    help="images waiting at most; a request that would pass it gets 429 (default 64)")
     p.add_argument("--no-continuous", dest="continuous", action="store_false",
@@ -48,7 +61,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=1000, help="longest prompt, in characters (default 1000)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the requests in flight may take to finish before they are "
-                        "cancelled (default 30)")
+                        "answered 503 (default 30)")
+    add_limit_args(p)
     p.add_argument("--drafter", default=None, metavar="DIR", help="EAGLE drafter folder (default: drafter/ in --model)")
     p.add_argument("--proximity", default=None, metavar="FILE",
                    help="latent proximity table (default: proximity.safetensors in --model)")
@@ -66,27 +80,76 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """What bounds one client's hold on the server (docs/serving.md, "Limits")."""
+    d = HTTP_DEFAULTS
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
+                   help="the most nodes one decode round of a request may verify (default: per method, "
+                        f"{ROUND_FACTOR}x its default round, at least {MIN_ROUND_NODES}); more is refused (400)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="BYTES",
+                   help=f"largest request body; a larger one is refused as it streams (413; default "
+                        f"{d.max_body_bytes})")
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes, metavar="BYTES",
+                   help=f"largest request line and headers (400; default {d.max_header_bytes})")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="SECONDS",
+                   help="seconds a connection has to send a request's headers, whole, from its start and "
+                        f"after each answer; then it is closed (default {d.header_timeout:g})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="SECONDS",
+                   help=f"seconds a request's body has to arrive, whole (408; default {d.body_timeout:g})")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout, metavar="SECONDS",
+                   help=f"seconds an idle connection stays open between requests (default {d.keep_alive_timeout:g})")
+    g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help="open connections at most: past it a new one is closed at once, and a request while "
+                        f"this many are open gets 503 (default {d.max_connections})")
+    g.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
+                   help="Host header values answered besides localhost, 127.0.0.1, [::1] and --host "
+                        "(e.g. a proxy's public name; *.example.com for its subdomains; * for any)")
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """The server's numbers, refused before the model is loaded."""
     check(0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}")
-    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-images-per-request", args.max_images_per_request),
-                        ("--max-prompt-chars", args.max_prompt_chars)):
-        check(value >= 1, f"{flag} must be >= 1, got {value}")
+    for flag, value, top in (("--max-batch", args.max_batch, MAX_BATCH), ("--max-queue", args.max_queue, MAX_QUEUE),
+                             ("--max-images-per-request", args.max_images_per_request, MAX_QUEUE),
+                             ("--max-prompt-chars", args.max_prompt_chars, MAX_PROMPT_CHARS),
+                             ("--max-connections", args.max_connections, MAX_CONNECTIONS),
+                             ("--max-header-bytes", args.max_header_bytes, 1 << 20),
+                             ("--max-body-bytes", args.max_body_bytes, 1 << 30)):
+        check(1 <= value <= top, f"{flag} must be in 1..{top}, got {value}")
+    check(args.max_tree_nodes is None or args.max_tree_nodes >= 1,
+          f"--max-tree-nodes must be >= 1, got {args.max_tree_nodes}")
     check(args.max_images_per_request <= args.max_queue,
           f"--max-images-per-request ({args.max_images_per_request}) must be at most --max-queue ({args.max_queue}): "
           "a larger request could never be queued")
-    check(0 <= args.drain_timeout < float("inf"), f"--drain-timeout must be a number of seconds >= 0, got "
-                                                  f"{args.drain_timeout}")
+    body = BYTES_PER_PROMPT_CHAR * args.max_prompt_chars + 4096
+    check(args.max_body_bytes >= body, f"--max-body-bytes ({args.max_body_bytes}) must hold a prompt of "
+                                       f"--max-prompt-chars ({args.max_prompt_chars}): at least {body}")
+    for flag, value in (("--drain-timeout", args.drain_timeout), ("--header-timeout", args.header_timeout),
+                        ("--body-timeout", args.body_timeout), ("--keep-alive-timeout", args.keep_alive_timeout)):
+        check(0 <= value < float("inf") and (value > 0 or flag == "--drain-timeout"),
+              f"{flag} must be a number of seconds {'>= 0' if flag == '--drain-timeout' else '> 0'}, got {value}")
+    for host in host_list(args.allowed_hosts):
+        check("*" not in host[1:] and (not host.startswith("*") or host == "*" or host.startswith("*.")),
+              f"--allowed-hosts: {host!r}: a wildcard must be a whole first label (*.example.com) or * alone")
     check_compile(args)
+
+
+def host_list(text: str) -> list[str]:
+    return [h.strip() for h in text.split(",") if h.strip()]
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                      keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_serve_args(args)
     try:
-        import uvicorn
-
         from lantern.serve.app import create_app
+        from lantern.serve.guards import DrainingServer, allowed_hosts, uvicorn_config
     except ImportError as e:
         raise LanternError(f"lantern serve needs the serve extra ({e.name} is missing): "
                            "pip install 'lantern-ar[serve]'") from None
@@ -103,22 +166,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 deterministic=args.deterministic)
     scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous,
                           threads=threads)
+    host, port = sock.getsockname()[:2]
     app = create_app(scheduler, pipeline=pipe, default_method=args.method,
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
-                     drain_timeout=args.drain_timeout, model=_model_name(args.model))
+                     drain_timeout=args.drain_timeout, model=_model_name(args.model),
+                     max_tree_nodes=args.max_tree_nodes, http=http_limits(args),
+                     allowed_hosts=allowed_hosts(host, host_list(args.allowed_hosts)))
+    _check_default_round(app.state.serve, args.method)
     condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
     scheduler.resolve(condition, 0, args.method)  # loads and checks --method's drafter and table now
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
         scheduler.warm_up([args.method], condition)  # in the decode thread, which it starts
     scheduler.start()
-    host, port = sock.getsockname()[:2]
     print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}) on http://{_url_host(host)}:{port}",
           flush=True)
     if not ipaddress.ip_address(host).is_loopback:
         print(f"lantern serve: warning: {host} is reachable from other machines and the server has no "
               "authentication (docs/serving.md, Security)", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
-    server = uvicorn.Server(config)
+    config = uvicorn_config(app, http_limits(args), graceful_timeout=args.drain_timeout + DRAIN_GRACE)
+    server = DrainingServer(config, app.state.serve.drain)
     # uvicorn handles SIGTERM / SIGINT while it serves, then raises the signal again under the
     # handler it found; for SIGTERM that is lantern's (exit 143), but a drained server exits 0.
     previous = signal.signal(signal.SIGTERM, _drained)
@@ -131,6 +197,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LanternError(f"the server did not start on {host}:{port} (see the log above)")
     print("lantern serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _check_default_round(state: Any, method: str) -> None:
+    """--max-tree-nodes below --method's default round would refuse every request that names no method."""
+    from lantern.serve.plan import default_round
+
+    nodes, limit = default_round(state.pipeline, method), state.limits.round_nodes[method]
+    check(nodes <= limit, f"--max-tree-nodes {limit} is below --method {method}'s default round of {nodes} nodes")
 
 
 def _model_name(model: str) -> str:

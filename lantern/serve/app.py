@@ -5,8 +5,8 @@
 page at ``/`` and ``/openapi.json``. Every refusal is one JSON line, ``{"error": {"message",
 "field"}}``, naming the request field it is about. The API reference is docs/serving.md.
 
-This is the only module besides ``lantern.cli.serve``'s run function that imports FastAPI, so that
-``import lantern`` works without the ``serve`` extra.
+This module, ``lantern.serve.guards`` and ``lantern.cli.serve``'s run function are the only ones
+that import FastAPI or uvicorn, so that ``import lantern`` works without the ``serve`` extra.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import base64
 import contextlib
 import io
 import json
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,24 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lantern.api import Pipeline
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE
+from lantern.serve.guards import HostCheck
+from lantern.serve.limits import HttpLimits
 from lantern.serve.metrics import Metrics
-from lantern.serve.plan import Limits, RequestError, answer_settings, plan_request, runnable_methods
+from lantern.serve.plan import (
+    Limits,
+    RequestError,
+    answer_settings,
+    parse_body,
+    plan_request,
+    round_limits,
+    runnable_methods,
+    validation_message,
+)
 from lantern.serve.scheduler import (
     Cancelled,
     ImageResult,
@@ -56,6 +69,7 @@ from lantern.serve.schema import (
 STATIC = Path(__file__).resolve().parent / "static"
 GENERATIONS = "/v1/images/generations"
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
+OUTCOME = "lantern.outcome"  # scope key: a stream's status as counted (its HTTP status is 200 from the start)
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in ((400, "a field the server refuses (named in error.field)"), (429, "the queue is full"),
@@ -66,29 +80,49 @@ class ServeState:
     """What the routes share: the scheduler, the model, the server's limits and its counters."""
 
     def __init__(self, scheduler: Scheduler, pipeline: Pipeline, default_method: str, limits: Limits,
-                 drain_timeout: float, model: str) -> None:
+                 http: HttpLimits, drain_timeout: float, model: str) -> None:
         self.scheduler, self.pipeline, self.default_method = scheduler, pipeline, default_method
-        self.limits, self.drain_timeout, self.model = limits, drain_timeout, model
+        self.limits, self.http, self.drain_timeout, self.model = limits, http, drain_timeout, model
         self.metrics = Metrics()
         self.closing = False
+        self._drain: threading.Thread | None = None
+        self._drain_lock = threading.Lock()
+
+    def drain(self) -> threading.Thread:
+        """Start stopping (once; from any thread): no new images; the running and queued ones get
+        ``drain_timeout`` s, then the scheduler fails the rest with ``Cancelled``, which their
+        requests answer as a JSON 503 and their streams as an ``error`` event. The app's own
+        clock, so that uvicorn never has to cancel a request (that answers a plain-text 500 and
+        logs a CancelledError traceback)."""
+        with self._drain_lock:
+            if self._drain is None:
+                self.closing = True
+                self._drain = threading.Thread(target=self.scheduler.shutdown, args=(self.drain_timeout,),
+                                               name="lantern-drain", daemon=True)
+                self._drain.start()
+            return self._drain
 
 
 def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str = "lantern++",
                max_images_per_request: int = 8, max_prompt_chars: int = 1000, drain_timeout: float = 30.0,
-               model: str | None = None) -> FastAPI:
+               model: str | None = None, max_tree_nodes: int | None = None, http: HttpLimits | None = None,
+               allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """The app. The caller starts the scheduler (and warms it up); the app shuts it down when the
-    server stops (after uvicorn has let the requests in flight finish, or cancelled them)."""
+    server stops: :meth:`ServeState.drain` (``lantern serve`` starts it when shutdown begins,
+    the lifespan's end otherwise). ``max_tree_nodes``: the most nodes a round may verify (default:
+    ``lantern.serve.plan.round_limits``'s per method); ``http``: the body's bounds (size, time);
+    ``allowed_hosts``: the Host header values answered (None: any, for tests and embedding)."""
     if default_method not in runnable_methods(pipeline):
         raise LanternError(f"--method {default_method}: this model cannot run it; it runs "
                            f"{', '.join(runnable_methods(pipeline))}")
-    state = ServeState(scheduler, pipeline, default_method, Limits(max_images_per_request, max_prompt_chars),
-                       drain_timeout, model or Path(str(pipeline.stack.root)).name)
+    limits = Limits(max_images_per_request, max_prompt_chars, round_limits(pipeline, max_tree_nodes))
+    state = ServeState(scheduler, pipeline, default_method, limits, http or HttpLimits(), drain_timeout,
+                       model or Path(str(pipeline.stack.root)).name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        state.closing = True
-        await run_in_threadpool(scheduler.shutdown, drain_timeout)
+        await run_in_threadpool(state.drain().join)
 
     # /docs and /redoc load Swagger UI / ReDoc from a CDN: off (the page must work offline);
     # the schema itself stays at /openapi.json.
@@ -100,13 +134,16 @@ def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str 
     _add_routes(app, state)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(CountRequests, state=state)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)  # outermost: before anything else runs
     return app
 
 
 class CountRequests:
     """Counts the answers of the generation endpoint by status (errors raised before the route
-    runs included), as a plain ASGI wrapper: Starlette's BaseHTTPMiddleware would hide client
-    disconnects from the route."""
+    runs included), once each answer has ended, as a plain ASGI wrapper (Starlette's
+    BaseHTTPMiddleware would hide client disconnects from the route). A stream is counted by how
+    it ended: the status of its ``error`` event, or 499 when its client left before its end."""
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app, self.state = app, state
@@ -116,20 +153,20 @@ class CountRequests:
         if scope["type"] != "http" or scope["path"] != GENERATIONS:
             await self.app(scope, receive, send)
             return
-        answered = False
+        status, ended = CLIENT_GONE, False
 
         async def counting_send(message: dict[str, Any]) -> None:
-            nonlocal answered
-            if message["type"] == "http.response.start" and not answered:
-                answered = True
-                self.state.metrics.request(int(message["status"]))
+            nonlocal status, ended
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
-        finally:
-            if not answered:  # the client left (or the server cancelled the request) before any answer
-                self.state.metrics.request(CLIENT_GONE)
+        finally:  # (not ended: the client left, or the server cancelled the request, before the answer's end)
+            self.state.metrics.request(scope.get(OUTCOME, status) if ended else CLIENT_GONE)
 
 
 def _without_422(app: FastAPI) -> None:
@@ -167,7 +204,7 @@ def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        return _error(400, *_validation_message(first))
+        return _error(400, *validation_message(first))
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -178,60 +215,58 @@ def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
         return _error(exc.status_code, str(exc.detail), None)
 
 
-def _validation_message(error: dict[str, Any]) -> tuple[str, str]:
-    """One line naming the field, from pydantic's first error (loc: ("body", field, ...))."""
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-    kind = error.get("type", "")
-    if kind == "json_invalid" or not loc:
-        return ("body: expected a JSON object of the request's fields" if kind != "json_invalid"
-                else f"body: invalid JSON ({error.get('ctx', {}).get('error', 'parse error')})"), "body"
-    field = loc[0]
-    if kind == "extra_forbidden":
-        return f"{field}: unknown field (see GET /openapi.json for the request's fields)", field
-    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"{'.'.join(loc)}: {message}", field
+def _get(app: FastAPI, path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A GET route that answers HEAD too (HTTP's rule; a monitor's probe): the same answer without
+    its body. HEAD stays out of the schema (one operation per route there)."""
+    def register(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+        app.add_api_route(path, endpoint, methods=["HEAD"], **{**kwargs, "include_in_schema": False})
+        return app.get(path, **kwargs)(endpoint)
+
+    return register
 
 
 def _add_routes(app: FastAPI, state: ServeState) -> None:
-    @app.get("/", include_in_schema=False)
+    @_get(app, "/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    @app.get("/health")
+    @_get(app, "/health")
     async def health() -> dict[str, Any]:
         return {"status": "shutting_down" if state.closing else "ok", "model": state.model,
                 "kind": state.pipeline.kind, "queue_depth": int(state.scheduler.metrics().get("queue_depth", 0))}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @_get(app, "/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         text = state.metrics.render(state.scheduler.metrics())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/methods", response_model=MethodsResponse)
+    @_get(app, "/v1/methods", response_model=MethodsResponse)
     async def methods() -> dict[str, Any]:
         return {"methods": [{"name": m, "lossless": METHOD_TABLE[m].lossless, "drafter": METHOD_TABLE[m].needs_drafter,
                              "default": m == state.default_method} for m in runnable_methods(state.pipeline)],
                 "default": state.default_method}
 
-    @app.get("/v1/model", response_model=ModelResponse)
+    @_get(app, "/v1/model", response_model=ModelResponse)
     async def model() -> dict[str, Any]:
         stack = state.pipeline.stack
         return {"model": state.model, "kind": state.pipeline.kind, "num_classes": stack.num_classes,
                 "image_tokens": stack.num_tokens, "max_images_per_request": state.limits.max_images_per_request,
                 "max_prompt_chars": state.limits.max_prompt_chars, "deterministic": state.pipeline.deterministic}
 
-    @app.post(GENERATIONS, response_model=GenerationResponse, responses=ERRORS,
+    @app.post(GENERATIONS, response_model=GenerationResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
               description="Generate images; with stream: true, server-sent events (preview, image, done).")
-    async def generations(body: GenerationRequest, request: Request) -> Response:
+    async def generations(request: Request) -> Response:
         arrived = time.perf_counter()
-        # Resolved once, in a worker thread: resolving may load a method and encodes the prompt (T5).
-        resolved = await in_worker(plan_request, body, state.scheduler, state.default_method, state.limits)
+        raw = await read_body(request, state.http)
+        # Parsed, checked and resolved once, in a worker thread: a large body's parsing, loading a
+        # method and encoding a prompt (T5) must not hold up the event loop.
+        body, resolved = await in_worker(_plan, state, raw)
         if body.stream:
             events = TicketEvents(asyncio.get_running_loop())
             tickets = _submit(state, resolved, events.preview)  # before the first round: no preview is missed
             events.watch(tickets)
-            return StreamingResponse(image_events(state, resolved, tickets, events, body.return_codes, arrived),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            stream = image_events(state, resolved, tickets, events, body.return_codes, arrived, request.scope)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         tickets = _submit(state, resolved)
         results = await wait_results(state, tickets, request)
         if results is None:
@@ -240,6 +275,50 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         state.metrics.latency(time.perf_counter() - arrived)
         return JSONResponse({"created": int(time.time()), "data": data, "method": resolved.method,
                              "settings": answer_settings(resolved)})
+
+
+# The body is read by the route itself (read_body: bounded as it streams), so FastAPI does not
+# know its model: the schema names it here.
+REQUEST_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": GenerationRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+async def read_body(request: Request, limits: HttpLimits) -> bytes:
+    """The JSON body, refused as it streams (413) once past ``max_body_bytes`` (a chunked body has
+    no length to check first), or (408) when it is not whole ``body_timeout`` s after the headers."""
+    if not _is_json(request.headers.get("content-type", "")):
+        raise RequestError("body: expected Content-Type: application/json", "body")
+    too_large = RequestError(f"body: larger than this server's {limits.max_body_bytes} bytes "
+                             "(lantern serve --max-body-bytes)", "body", 413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limits.max_body_bytes:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(f"body: not received whole within {limits.body_timeout:g} s "
+                           "(lantern serve --body-timeout)", "body", 408) from None
+    except ClientDisconnect:
+        raise RequestError("body: the client left before sending it", "body", CLIENT_GONE) from None
+    return b"".join(chunks)
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/*+json``, parameters allowed (FastAPI's rule): a
+    cross-site form cannot send it without a CORS preflight, which this server never grants."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _plan(state: ServeState, raw: bytes) -> tuple[GenerationRequest, Resolved]:
+    body = parse_body(raw)
+    return body, plan_request(body, state.scheduler, state.default_method, state.limits)
 
 
 def _submit(state: ServeState, resolved: Resolved, on_preview: PreviewSink | None = None) -> list[Ticket]:
@@ -283,9 +362,9 @@ def _result(state: ServeState, ticket: Ticket) -> ImageResult:
     try:
         return ticket.future.result()
     except Cancelled as e:  # the server stopped before the image was done
-        raise RequestError(f"image {ticket.job.index}: {e}", None, 503) from None
+        raise RequestError(f"image {ticket.index}: {e}", None, 503) from None
     except LanternError as e:
-        raise RequestError(f"image {ticket.job.index}: {e}", None, 503 if state.closing else 500) from None
+        raise RequestError(f"image {ticket.index}: {e}", None, 503 if state.closing else 500) from None
 
 
 def _cancel(tickets: list[Ticket]) -> None:
@@ -296,7 +375,9 @@ def _cancel(tickets: list[Ticket]) -> None:
 
 def _image_items(state: ServeState, results: list[ImageResult], return_codes: bool,
                  first_index: int = 0) -> list[dict[str, Any]]:
-    images = state.scheduler.images(torch.stack([r.codes for r in results]))
+    # One image at a time, as a stream decodes them (each when it finishes): the VQ decoder's
+    # floats depend on its batch, and a request's PNGs must not depend on how it was answered.
+    images = [state.scheduler.images(r.codes[None])[0] for r in results]
     items = []
     for i, (result, image) in enumerate(zip(results, images, strict=True)):
         state.metrics.image(result.codes.numel(), result.target_forwards)
@@ -337,10 +418,12 @@ class TicketEvents:
 
 
 async def image_events(state: ServeState, resolved: Resolved, tickets: list[Ticket], events: TicketEvents,
-                       return_codes: bool, arrived: float) -> AsyncIterator[str]:
+                       return_codes: bool, arrived: float, scope: dict[str, Any] | None = None
+                       ) -> AsyncIterator[str]:
     """Server-sent events: ``preview`` (the codes so far, decoded) every ``preview_every`` rounds,
-    ``image`` per finished image, then ``done``; ``error`` instead when the engine fails. A client
-    that leaves cancels the generator (Starlette), which frees the rows of its unfinished images."""
+    ``image`` per finished image, then ``done``; ``error`` instead when the engine fails or the
+    server stops first (its status is what the metrics count: ``scope[OUTCOME]``). A client that
+    leaves cancels the generator (Starlette), which frees the rows of its unfinished images."""
     try:
         index = {id(t): i for i, t in enumerate(tickets)}
         finished: set[int] = set()
@@ -362,6 +445,8 @@ async def image_events(state: ServeState, resolved: Resolved, tickets: list[Tick
         yield _event("done", {"created": int(time.time()), "method": resolved.method,
                               "settings": answer_settings(resolved)})
     except RequestError as e:
+        if scope is not None:
+            scope[OUTCOME] = e.status
         yield _event("error", {"error": {"message": e.message, "field": e.field}})
     finally:
         _cancel(tickets)

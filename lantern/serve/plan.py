@@ -4,23 +4,34 @@ the request resolved once (:meth:`Scheduler.resolve`: the settings as ``lantern.
 them, the method prepared, the condition encoded). A refusal names its field: the resolvers' errors
 carry it (``LanternError.field``), so no message is parsed.
 
+The body itself is parsed and checked here too (:func:`parse_body`), so that the app can run it
+in a worker thread: a large body must not hold up the event loop.
+
 Nothing here imports FastAPI: the app (:mod:`lantern.serve.app`) turns a :class:`RequestError`
 into its HTTP answer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from lantern.api import SAMPLING_SETTINGS, Pipeline
+from pydantic import ValidationError
+
+from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
 from lantern.errors import LanternError
 from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig
+from lantern.run import verify_nodes
+from lantern.serve.limits import MIN_ROUND_NODES, ROUND_FACTOR
 from lantern.serve.scheduler import Resolved, Scheduler
 from lantern.serve.schema import GenerationRequest
 
 SETTINGS = (*SAMPLING_SETTINGS, *METHOD_SETTINGS)  # every field passed on as a setting
 DEFAULT_PREVIEW_EVERY = 4  # rounds between previews of a stream
+TREE_FIELDS = ("pac_width", "pac_depth", "sjd_window", "pjd_window", "pjd_context", "tree")  # what sizes a round
+MAX_ECHO = 64  # characters of a request's own text an error repeats (a 100 kB key must not make a 200 kB error)
 
 
 class RequestError(LanternError):
@@ -35,6 +46,74 @@ class RequestError(LanternError):
 class Limits:
     max_images_per_request: int = 8
     max_prompt_chars: int = 1000
+    round_nodes: Mapping[str, int] = field(default_factory=dict)  # method -> most nodes a round verifies
+
+
+def round_limits(pipeline: Pipeline, max_tree_nodes: int | None = None) -> dict[str, int]:
+    """Per method this model runs, the most nodes one round may verify: ``max_tree_nodes``, else
+    ROUND_FACTOR times the method's default round (at least MIN_ROUND_NODES). From the settings
+    alone: nothing is built."""
+    if max_tree_nodes is not None:
+        return dict.fromkeys(runnable_methods(pipeline), max_tree_nodes)
+    return {m: max(ROUND_FACTOR * default_round(pipeline, m), MIN_ROUND_NODES) for m in runnable_methods(pipeline)}
+
+
+def default_round(pipeline: Pipeline, method: str) -> int:
+    """Nodes of ``method``'s round with its defaults on this model."""
+    return verify_nodes(resolve_settings(pipeline.stack, method)[0], pipeline.stack)
+
+
+def round_bound(pipeline: Pipeline, method: str, limit: int | None, given: Mapping[str, Any]
+                ) -> Callable[[MethodConfig], None]:
+    """The check :meth:`Scheduler.resolve` makes before preparing anything: the request's round
+    within ``limit`` nodes, else an error naming the setting that sized it."""
+    def check(method_cfg: MethodConfig) -> None:
+        nodes = verify_nodes(method_cfg, pipeline.stack)
+        if limit is not None and nodes > limit:
+            named = next((name for name in TREE_FIELDS if name in given), None)
+            raise LanternError(f"a round of {nodes} nodes is over this server's limit of {limit} for {method} "
+                               "(lantern serve --max-tree-nodes)", field=named or "method")
+
+    return check
+
+
+def parse_body(raw: bytes) -> GenerationRequest:
+    """The body as a request (called in a worker thread), or a :class:`RequestError` naming the
+    field, ``"body"`` when it is not a JSON object."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"body: invalid JSON ({e.msg} at character {e.pos})", "body") from None
+    except UnicodeDecodeError:
+        raise RequestError("body: not UTF-8 text", "body") from None
+    except RecursionError:
+        raise RequestError("body: JSON nested too deeply", "body") from None
+    if not isinstance(data, dict):
+        raise RequestError("body: expected a JSON object of the request's fields", "body")
+    try:
+        return GenerationRequest.model_validate(data)
+    except ValidationError as e:
+        raise RequestError(*validation_message(e.errors()[0])) from None
+
+
+def validation_message(error: Mapping[str, Any]) -> tuple[str, str]:
+    """One line naming the field, from pydantic's first error (loc: (field, ...), or ("body", field,
+    ...) from FastAPI)."""
+    loc = [echo(str(part)) for part in error.get("loc", ()) if part != "body"]
+    kind = error.get("type", "")
+    if kind == "json_invalid" or not loc:
+        return ("body: expected a JSON object of the request's fields" if kind != "json_invalid"
+                else f"body: invalid JSON ({error.get('ctx', {}).get('error', 'parse error')})"), "body"
+    name = loc[0]
+    if kind == "extra_forbidden":
+        return f"{name}: unknown field (see GET /openapi.json for the request's fields)", name
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{'.'.join(loc)}: {message}", name
+
+
+def echo(text: str) -> str:
+    """A request's own text, as an error repeats it: at most MAX_ECHO characters."""
+    return text if len(text) <= MAX_ECHO else f"{text[:MAX_ECHO]}..."
 
 
 def runnable_methods(pipeline: Pipeline) -> list[str]:
@@ -63,9 +142,10 @@ def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: 
     # `tree` is a spec of the tree table, refused by the schema when it looks like anything else).
     given = {name: getattr(body, name) for name in SETTINGS if getattr(body, name) is not None}
     preview = body.preview_every if body.preview_every is not None else DEFAULT_PREVIEW_EVERY
+    bound = round_bound(pipeline, method, limits.round_nodes.get(method), given)
     try:
         return scheduler.resolve(condition, body.seed, method, given, range(body.n),
-                                 preview if body.stream else 0)
+                                 preview if body.stream else 0, bound)
     except LanternError as e:
         raise setting_error(e) from None
 

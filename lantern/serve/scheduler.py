@@ -209,12 +209,14 @@ class Lane:
         if self.continuous and self.busy and self.busy * 2 <= decode.batch and decode.batch > 1:
             self._resize(_bucket(self.busy, self.scheduler.max_batch))  # half idle: a smaller batch costs less
 
-    def cancel_all(self, reason: str) -> None:
-        """Fail every running row and drop the batch (after a failed round its state is not trusted)."""
+    def cancel_all(self, error: LanternError) -> None:
+        """Fail every running row with ``error`` and drop the batch (after a failed round its state
+        is not trusted): ``Cancelled`` when the server stops (503), a plain LanternError when the
+        engine failed (500)."""
         tickets = [t for t in self.rows if t is not None]
         self.rows, self.decode = [], None
         for t in tickets:
-            _fail(t, Cancelled(reason))
+            _fail(t, error)
 
     # -- rows ---------------------------------------------------------------------------------------
 
@@ -336,14 +338,18 @@ class Scheduler:
     # -- callers ------------------------------------------------------------------------------------
 
     def resolve(self, condition: int | str, seed: int, method: str, settings: Mapping[str, Any] | None = None,
-                indices: Sequence[int] = (0,), preview_every: int = 0) -> Resolved:
+                indices: Sequence[int] = (0,), preview_every: int = 0,
+                bound: Callable[[MethodConfig], None] | None = None) -> Resolved:
         """A request resolved once, in the caller's thread (never the decode thread: this may load
         what the method needs and encodes the condition, through T5 for a text-to-image model): its
         settings as configs, checked against the model, its method prepared, its condition encoded.
-        A refusal is a one-line LanternError whose ``field`` names the setting (or the condition)
-        it is about."""
+        ``bound``: the caller's check of the resolved method before anything is prepared (the
+        server's bound on a round's size). A refusal is a one-line LanternError whose ``field``
+        names the setting (or the condition) it is about."""
         given = dict(settings or {})
         method_cfg, sampling = resolve_settings(self.stack, method, **given)
+        if bound is not None:
+            bound(method_cfg)
         validate_sampling_for_vocab(sampling, self.stack.vocab_size)  # else the decode round would fail
         prepared = self.pipeline.prepare(method_cfg, sampling)  # prepared once, kept by the pipeline
         try:
@@ -419,7 +425,7 @@ class Scheduler:
             _fail(ticket, Cancelled("the server stopped before this image started"))
         self._queue.clear()
         for lane in list(self._lanes.values()):
-            lane.cancel_all("the server stopped before this image finished")
+            lane.cancel_all(Cancelled("the server stopped before this image finished"))
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -527,7 +533,7 @@ class Scheduler:
         try:
             lane.step()
         except Exception as e:  # a failed round fails its rows, not the server
-            lane.cancel_all(f"generation failed: {e}")
+            lane.cancel_all(LanternError(f"generation failed: {e}"))
             self._lanes = OrderedDict((k, v) for k, v in self._lanes.items() if v is not lane)
             return
         if not lane.busy:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lantern.decoding.config import MAX_CFG_SCALE, RESIDUALS
+from lantern.decoding.config import CREDITS, MAX_CFG_SCALE, RESIDUALS
 from lantern.decoding.jacobi import COUPLINGS, JACOBI_INITS
 from lantern.decoding.pjd import PJD_INITS
 from lantern.decoding.trees import STATIC_TREES
@@ -23,7 +23,9 @@ from lantern.methods import BUDGETS
 INT64 = 2**63
 MAX_CHAIN = 4096  # far above any model's image length; the method's own checks refuse what does not fit
 # A tree spec of the method table: never a file path (nothing from a request names a file).
-TREE_SPEC = re.compile(r"^(none|ar|dynamic|chain:[0-9]{1,4}|static:[A-Za-z0-9_]{1,64})$")
+# Matched whole (fullmatch: "$" would let "chain:16\n" through). Not "none" or "ar": the CLI's
+# "--tree ar" turns a speculative method into AR, which an answer naming the method would misreport.
+TREE_SPEC = re.compile(r"dynamic|chain:[0-9]{1,4}|static:[A-Za-z0-9_]{1,64}")
 
 
 class Strict(BaseModel):
@@ -52,6 +54,7 @@ class GenerationRequest(Strict):
     lantern_lambda: float | None = Field(None, ge=1)
     lantern_residual: Literal[RESIDUALS] | None = None  # type: ignore[valid-type]
     lantern_budget: Literal[BUDGETS] | None = None  # type: ignore[valid-type]
+    lantern_credit: Literal[CREDITS] | None = None  # type: ignore[valid-type]
     sjd_window: int | None = Field(None, ge=1, le=MAX_CHAIN)
     sjd_init: Literal[JACOBI_INITS] | None = None  # type: ignore[valid-type]
     sjd_coupling: Literal[COUPLINGS] | None = None  # type: ignore[valid-type]
@@ -75,7 +78,7 @@ class GenerationRequest(Strict):
             return None
         if value == "auto":
             raise ValueError("auto measures the device on every call; pass dynamic, chain:N or static:NAME")
-        if not TREE_SPEC.match(value):
+        if not TREE_SPEC.fullmatch(value):
             raise ValueError(f"expected dynamic, chain:N or static:NAME (a name of the tree table), got {value[:40]!r}")
         if value.startswith("static:") and value.split(":", 1)[1] not in STATIC_TREES:
             raise ValueError(f"unknown static tree {value[7:]!r}; known: {', '.join(sorted(STATIC_TREES))}")

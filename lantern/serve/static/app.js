@@ -7,8 +7,19 @@ let model = null;
 
 async function getJSON(path) {
   const res = await fetch(path);
-  if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
+  if (!res.ok) throw new Error(`${path}: ${await errorMessage(res)}`);
   return res.json();
+}
+
+// A refusal's message: the API's JSON error, else (a proxy's page, a plain-text 500) the status and
+// the start of the text, never a JSON parse error.
+async function errorMessage(res) {
+  const text = await res.text();
+  try {
+    return JSON.parse(text).error.message;
+  } catch {
+    return `HTTP ${res.status}${text.trim() ? ": " + text.trim().slice(0, 200) : ""}`;
+  }
 }
 
 async function init() {
@@ -34,7 +45,11 @@ function requestBody(method) {
   else body.prompt = $("prompt").value;
   for (const [id, parse] of [["temperature", parseFloat], ["top_k", (v) => parseInt(v, 10)], ["cfg_scale", parseFloat]]) {
     const value = $(id).value.trim();
-    if (value !== "") body[id] = parse(value);
+    if (value === "") continue;
+    // JSON has no Infinity or NaN: JSON.stringify would send null (the model's default) for 1e999.
+    const number = parse(value);
+    if (!Number.isFinite(number)) throw new Error(`${id}: not a finite number: ${value.slice(0, 40)}`);
+    body[id] = number;
   }
   return body;
 }
@@ -70,7 +85,7 @@ async function generate(body, panel) {
   const res = await fetch("/v1/images/generations", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   });
-  if (!res.ok) throw new Error((await res.json()).error.message);
+  if (!res.ok) throw new Error(await errorMessage(res));
   let stats = null;
   for await (const [name, data] of events(res.body)) {
     if (name === "preview") {
