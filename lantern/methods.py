@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from lantern.decoding.config import RESIDUALS, RelaxationConfig, TreeConfig, check_tree_nodes
+from lantern.decoding.config import CREDITS, RESIDUALS, RelaxationConfig, TreeConfig, check_tree_nodes
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
 from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
@@ -55,6 +55,8 @@ DEFAULT_LANTERN_PP = RelaxationConfig(k=10, lam=5.0, mode="relative")  # [LANTER
 # (docs/relaxation_budget.md). The default was chosen from tau measurements on the photos preset.
 BUDGETS = ("test", "token")
 DEFAULT_BUDGET = "test"
+# Which drafts the relaxed test credits: drawn ones, or those with a clean context (docs/DESIGN.md, "Acceptance").
+DEFAULT_CREDIT = "drawn"
 DEFAULT_JACOBI = JacobiConfig()  # [SJD code]: window 16, random initialisation
 # sjd-coupled*: the coupling and initialisation with the highest tau on the photos preset
 # (docs/DESIGN.md: 12 images, window 16: maximal 2.73 / gumbel 2.51 with random guesses,
@@ -246,6 +248,7 @@ class MethodConfig:
         lantern_lambda: float | None = None,
         lantern_residual: str | None = None,
         lantern_budget: str | None = None,
+        lantern_credit: str | None = None,
         sjd_window: int | None = None,
         sjd_init: str | None = None,
         sjd_coupling: str | None = None,
@@ -266,7 +269,7 @@ class MethodConfig:
               f"--pac-width / --pac-depth need --method {' or '.join(method_names(lambda r: r.proactive))}",
               field=first_given(pac_width=pac_width, pac_depth=pac_depth))
         relaxation = _resolve_relaxation(method, k, lantern_delta, lantern_lambda, lantern_residual, lantern_budget,
-                                         gsd_group)
+                                         gsd_group, lantern_credit)
         if record.family == "pjd":
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row",
                   field="tree")
@@ -356,6 +359,7 @@ def _resolve_relaxation(
     residual: str | None = None,
     budget: str | None = None,
     group: int | None = None,
+    credit: str | None = None,
 ) -> RelaxationConfig | None:
     """A relaxed method's rule with its defaults and the CLI overrides; None for exact methods."""
     rule = method_record(method).rule
@@ -363,10 +367,10 @@ def _resolve_relaxation(
         check(group is None, f"--gsd-group needs --method gsd, got --method {method}", field="gsd_group")
     if rule in ("exact", "gsd"):
         check(
-            k is None and delta is None and lam is None and residual is None and budget is None,
+            k is None and delta is None and lam is None and residual is None and budget is None and credit is None,
             f"--lantern-* options need a relaxed method ({', '.join(method_names(lambda r: r.needs_proximity))})",
             field=first_given(lantern_k=k, lantern_delta=delta, lantern_lambda=lam, lantern_residual=residual,
-                              lantern_budget=budget),
+                              lantern_budget=budget, lantern_credit=credit),
         )
     if rule == "exact":
         return None
@@ -388,8 +392,10 @@ def _resolve_relaxation(
         base = replace(DEFAULT_LANTERN_PP, lam=DEFAULT_LANTERN_PP.lam if lam is None else lam)
     check(residual is None or residual in RESIDUALS,
           f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}", field="lantern_residual")
+    check(credit in (None, *CREDITS), f"--lantern-credit must be one of {', '.join(CREDITS)}, got {credit!r}",
+          field="lantern_credit")
     return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
-                   budget=budget)  # type: ignore[arg-type]
+                   budget=budget, credit=DEFAULT_CREDIT if credit is None else credit)  # type: ignore[arg-type]
 
 
 # The method settings, each with one name everywhere: a Python keyword (``pipe(method="lantern",
@@ -397,11 +403,11 @@ def _resolve_relaxation(
 # ``--lantern-delta``) and the bench's row grammar (``lantern/lantern_delta=0.2``, or a short alias:
 # ``lantern/delta=0.2``, see SETTING_ALIASES).
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
-                   "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context", "pjd_init",
-                   "pac_width", "pac_depth")
+                   "lantern_credit", "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context",
+                   "pjd_init", "pac_width", "pac_depth")
 # The bench grammar's short keys. ``window`` and ``init`` are the method's own: sjd_* or pjd_*.
 SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lantern_lambda",
-                   "residual": "lantern_residual", "budget": "lantern_budget",
+                   "residual": "lantern_residual", "budget": "lantern_budget", "credit": "lantern_credit",
                    "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context",
                    "width": "pac_width", "depth": "pac_depth"}
 

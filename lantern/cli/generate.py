@@ -123,6 +123,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
              "(official) / Lumina-mGPT (official-lumina) code's, for comparisons",
     )
     add_budget_arg(p)
+    p.add_argument("--lantern-credit", default=None, choices=["drawn", "clean"],
+                   help="relaxed methods: which drafts the relaxed test credits: every drawn one (default), or only "
+                        "those whose context the test sees (clean: Jacobi redraws after an unseen guess are tested "
+                        "exactly)")
     p.add_argument("--sjd-window", type=window_arg, default=None,
                    help="sjd*, gsd: Jacobi window length L >= 1 (16), or auto: the fastest of 4-32 on this device, "
                         "measured on a few calibration images")

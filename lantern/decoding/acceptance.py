@@ -30,6 +30,14 @@ Glossary (the names follow the papers; docs/REFERENCES.md):
   Only drawn drafts get the relaxed credit; an undrawn guess x is tested exactly, so it is
   accepted with exactly p(x) (its q is a point mass) and random codes cannot enter the image at up
   to δ above their probability. ``relaxable`` [B, T] marks the drawn nodes (None: all of them).
+* clean (clean-context credit, ``RelaxationConfig.credit = "clean"``): a drawn draft whose
+  context, when it is tested, is what its test conditions on, but for the one guess rejected in
+  the round the draft was drawn, which a model must have drawn too. A tree drafter's draft is
+  conditioned on its ancestors, which are what its test sees: always clean. A Jacobi redraw was
+  conditioned on the old window, whose first open guesses are tested before it: it is clean while
+  every redraw before it kept the guess it replaced (:func:`clean_context`). Under this rule only
+  clean drafts get the relaxed credit (:func:`credited`); a redraw conditioned on a guess the
+  test will not see is tested exactly.
 * relaxed mass ``p̃(x) = r(A(x)) = r(x) + Σ_{t < m_len} r(N_t)``. The relaxed target ``p̃_x``
   moves the mass of A(x)∖{x} onto x, so ``TV(r, p̃_x) = p̃(x) - r(x) <= bound`` ([LANTERN]; docs/relaxation_budget.md).
 
@@ -163,6 +171,39 @@ def drawn_credit(
     if relaxable is None or cfg is None or cfg.is_exact or cfg.mode == "group":
         return p_tilde, m_len
     return torch.where(relaxable, p_tilde, r_x), torch.where(relaxable, m_len, torch.zeros_like(m_len))
+
+
+def credited(
+    relaxable: Tensor | None,  # [B, T] bool: drawn from a model distribution (None: every node)
+    clean: Tensor | None,  # [B, T] bool: drawn, with a clean context (None: wherever drawn)
+    cfg: RelaxationConfig | None,
+) -> Tensor | None:
+    """[B, T] the nodes the relaxed rule ``cfg`` may credit (None: all of them): the drawn ones,
+    or under clean-context credit the clean ones (a drafter that marks no ``clean`` nodes, a tree
+    drafter, conditions every draft on what its test sees)."""
+    if cfg is None or cfg.credit == "drawn" or clean is None:
+        return relaxable
+    return clean if relaxable is None else clean & relaxable
+
+
+def clean_context(
+    same: Tensor,  # [B, L] bool: prediction i's redraw equals the guess it replaced
+    first_open: Tensor,  # [B] the first prediction whose position is still open (after the rejected guess)
+    rejected_drawn: Tensor,  # [B] bool: the guess rejected this round was drawn from a model
+) -> Tensor:
+    """[B, L] bool: the redraw at prediction i of a Jacobi window has a clean context.
+
+    Prediction i was conditioned on the old window before its position: the guesses accepted this
+    round, the rejected one (at ``first_open - 1``) and the old guesses at predictions
+    ``first_open .. i-1``. The redraws at those open positions are tested before the one at i, so
+    i's context is what its test sees exactly when each of them equals the guess it replaced. The
+    rejected guess always differs from the token that replaced it; it is allowed when a model drew
+    it (asking more would leave no Jacobi draft ever credited: every carried guess saw one).
+    """
+    i = torch.arange(same.shape[1], device=same.device)[None, :]
+    ok = same | (i < first_open[:, None])
+    before = torch.cat([torch.ones_like(ok[:, :1]), ok[:, :-1]], dim=1).long().cumprod(1).bool()  # all ok[:, :i]
+    return rejected_drawn[:, None] & (i >= first_open[:, None]) & before
 
 
 def aggregated_mask(x: Tensor, m_len: Tensor, neighbours: Tensor, vocab_size: int) -> Tensor:

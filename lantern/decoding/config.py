@@ -50,6 +50,8 @@ RelaxationMode = Literal["absolute", "relative", "group"]
 ResidualMode = Literal["paper", "official", "official-lumina"]
 RESIDUALS: tuple[str, ...] = get_args(ResidualMode)
 RelaxationBudget = Literal["test", "token"]
+RelaxationCredit = Literal["drawn", "clean"]
+CREDITS: tuple[str, ...] = get_args(RelaxationCredit)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,14 @@ class RelaxationConfig:
     * ``token``: the emitted token at every tree level, whatever the siblings:
       TV(emitted, p) <= ``delta``, or emitted(x) <= ``lam`` * p(x) for every x. Each level
       shares one budget among its tests; only ``residual="paper"`` applies.
+
+    ``credit`` says which drafts the relaxed test may credit (``lantern.decoding.acceptance``:
+    drawn / clean); every other draft gets the exact test and residual:
+
+    * ``drawn``: every draft a model drew (a Jacobi fill, drawn from no model, is tested exactly).
+    * ``clean``: a drawn draft whose context, when it is tested, is the tokens the test conditions
+      on, but for the one guess rejected in the round it was drawn, itself a model's draw
+      (clean-context credit; tree drafters' drafts always are).
     """
 
     k: int = 1000
@@ -135,6 +145,7 @@ class RelaxationConfig:
     mode: RelaxationMode = "absolute"
     residual: ResidualMode = "paper"
     budget: RelaxationBudget = "test"
+    credit: RelaxationCredit = "drawn"
 
     def __post_init__(self) -> None:
         check(isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 0,
@@ -157,6 +168,8 @@ class RelaxationConfig:
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
             f"lantern delta must be in [0, 1], got {self.delta}", field="lantern_delta",
         )
+        check(self.credit in CREDITS, f"lantern credit must be one of {', '.join(CREDITS)}, got {self.credit!r}",
+              field="lantern_credit")
         check(math.isfinite(self.lam) and self.lam >= 1.0, f"lantern lambda must be >= 1, got {self.lam}",
               field="lantern_lambda")
         if self.mode != "relative":
@@ -166,6 +179,8 @@ class RelaxationConfig:
         if self.mode == "group":  # GSD continues with the exact residual, as its released code
             check(self.residual == "paper", f"the group rule (GSD) has no {self.residual!r} residual")
             check(self.budget == "test", "the group rule (GSD) has no token budget: it bounds no mass")
+            check(self.credit == "drawn", "the group rule (GSD) credits every draft with its group: it takes no "
+                                          "lantern credit")
 
     @property
     def is_exact(self) -> bool:

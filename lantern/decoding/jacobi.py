@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern.decoding.acceptance import maximal_coupling
+from lantern.decoding.acceptance import clean_context, maximal_coupling
 from lantern.decoding.config import SamplingConfig, check_tree_nodes
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
@@ -226,7 +226,7 @@ class JacobiDrafter:
         assert gens is not None
         with phase("draft_sampling"):
             first_new = (self.window + 1 - self._num_new).clamp(0, self.window)  # [B] first slot needing a new guess
-            carried = self._carry_over(gens)
+            carried, clean = self._carry_over(gens)
             self._initialise(first_new, gens)
         assert self._first_new is not None
         self._first_new.copy_(first_new)
@@ -240,17 +240,20 @@ class JacobiDrafter:
             pad = torch.zeros_like(self.q[:, :1])  # node L has no child
             q_draft = torch.cat([self.q, pad], dim=1)  # node j's child (guess j) was drawn from q[:, j]
         # Carried guesses were drawn from the target's predictions; new ones are model-free fills,
-        # which a relaxed rule must test exactly (lantern.decoding.acceptance: drawn / undrawn).
+        # which a relaxed rule must test exactly (lantern.decoding.acceptance: drawn / undrawn); of the
+        # carried ones, clean-context credit takes those whose context the test will see (clean).
         drawn = torch.arange(self.window + 1, device=self.n.device)[None, :] <= first_new[:, None]
+        clean = torch.cat([drawn[:, :1], clean], dim=1) & drawn
         return DraftTree(tokens=torch.cat([root, guesses], dim=1), buffers=self._chain(root.shape[0]), q_draft=q_draft,
-                         relaxable=drawn)
+                         relaxable=drawn, clean=clean)
 
     # -- Jacobi carry-over and initialisation ------------------------------------------------------
 
-    def _carry_over(self, gens: RowRandom) -> Tensor | None:
+    def _carry_over(self, gens: RowRandom) -> tuple[Tensor | None, Tensor]:
         """Redraw y_j ~ p_j at every window node and write them over the guesses after each row's
         new tokens (per ``config.coupling``). Returns p at nodes 1..L [B, L, V] (the carried
-        guesses' new q: each y_j is distributed as p_j whatever the coupling), None if greedy.
+        guesses' new q: each y_j is distributed as p_j whatever the coupling), None if greedy, and
+        [B, L] which new window slots hold a redraw with a clean context (:func:`clean_context`).
 
         Node j of the last round (j = 1..L: the guess at position n_old + j - 1) predicted position n_old + j.
         """
@@ -271,7 +274,19 @@ class JacobiDrafter:
             y = self._redraw(p, old, pos, gens)
         self._count_stability(old, y, keep)
         self.canvas.scatter_(1, pos, torch.where(keep, y, old))
-        return p
+        return p, self._clean_slots(old, y)
+
+    def _clean_slots(self, old: Tensor, y: Tensor) -> Tensor:
+        """[B, L] new window slot s holds a redraw with a clean context: the guess rejected last
+        round (old slot num_new - 1) was drawn, and every redraw before slot s kept its old guess.
+        Prediction i (node i + 1) is new slot i - num_new + 1."""
+        assert self._num_new is not None and self._first_new is not None
+        first_open = self._num_new - 1  # [B] the prediction of the first open position
+        rejected_drawn = (first_open < self._first_new) & (self._num_new > 0)  # last round's window: carried slots
+        clean = clean_context(y == old, first_open, rejected_drawn)  # [B, L] by prediction
+        slot = torch.arange(self.window, device=y.device)[None, :]
+        pred = first_open[:, None] + slot
+        return clean.gather(1, pred.clamp(0, self.window - 1)) & (pred < self.window)
 
     def _predictions(self) -> Tensor:
         """[B, L, V] the last verify forward's logits that predicted positions n_old+1 .. n_old+L:

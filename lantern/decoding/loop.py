@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lantern.decoding.acceptance import verify_chain_sampled, verify_tree_sampled
+from lantern.decoding.acceptance import credited, verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.compiling import resolve_compile, round_fn
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
 from lantern.decoding.greedy import verify_tree_greedy
@@ -100,6 +100,9 @@ class DraftTree:
     # [B, T] bool: node n's token was drawn from a model distribution, so a relaxed rule may credit
     # it; False for model-free guesses (Jacobi initialisation), which are tested exactly. None: all.
     relaxable: Tensor | None = None
+    # [B, T] bool: drawn, and conditioned on what its test will see (clean-context credit,
+    # ``RelaxationConfig.credit``; Jacobi redraws). None: every drawn node (a tree drafter's).
+    clean: Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -446,10 +449,12 @@ def _grid_round(
             with phase("sampling"):
                 u = _uniforms(rng, r * (t + 1)).view(b * r, t + 1)
         buffers = block.buffers
+        credit = credited(block.relaxable, block.clean, acceptance.relaxation)
+        assert credit is not None
         _, num_acc, next_token, num_relaxed = _accept_core(
             logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
             buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
-            acceptance.relaxation, sampling, block.relaxable.view(b * r, t),
+            acceptance.relaxation, sampling, credit.view(b * r, t),
         )
         relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
     with phase("commit"):
@@ -500,7 +505,8 @@ def _accept(
     buffers = tree.buffers
     path, num_acc, next_token, num_relaxed = _accept_core(
         logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
-        acceptance.neighbours, acceptance.relaxation, sampling, tree.relaxable,
+        acceptance.neighbours, acceptance.relaxation, sampling,
+        credited(tree.relaxable, tree.clean, acceptance.relaxation),
     )
     if acceptance.fixed_accept is not None:
         path, num_acc = _fixed_path(buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
@@ -528,7 +534,7 @@ def _accept_core(
     neighbours: Tensor | None,
     relaxation: RelaxationConfig | None,
     sampling: SamplingConfig,
-    relaxable: Tensor | None = None,  # [B, T] bool: drawn from a model distribution (None: every node)
+    relaxable: Tensor | None = None,  # [B, T] bool: a relaxed rule may credit the node (None: every node)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
     b, t, _ = logits.shape

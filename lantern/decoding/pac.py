@@ -310,8 +310,12 @@ class PACDrafter(JacobiDrafter):
         # its token was drawn from a model iff the chain's guess at its depth was.
         q_draft = None if chain.q_draft is None else chain.q_draft[:, self._node_depth]
         relaxable = None if chain.relaxable is None else chain.relaxable[:, self._node_depth]
+        # Clean-context credit: the chain's nodes as SJD marks them; a subtree node's test may see a
+        # sibling its draft was not conditioned on, so the subtree is never clean (tested exactly).
+        clean = None if chain.clean is None else torch.cat(
+            [chain.clean, torch.zeros_like(tokens[:, chain.clean.shape[1]:], dtype=torch.bool)], dim=1)
         return DraftTree(tokens=tokens, buffers=self._buffers_for(tokens.shape[0]), q_draft=q_draft,
-                         relaxable=relaxable)
+                         relaxable=relaxable, clean=clean)
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         super().commit(hidden, next_tokens, num_new)

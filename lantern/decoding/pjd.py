@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lantern.decoding.acceptance import clean_context
 from lantern.decoding.config import SamplingConfig, check_tree_nodes
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import one_hot, probs_from_logits, sample_from_probs
@@ -187,6 +188,7 @@ class GridBlock:
     buffers: TreeBuffers  # chain buffers for B * R chains of W + 1 nodes
     q_draft: Tensor | None  # [B * R, W + 1, V] law each guess was drawn from (None: greedy)
     relaxable: Tensor  # [B, T] bool: the guess was drawn from a prediction (False: a model-free fill)
+    clean: Tensor  # [B, T] bool: drawn, and conditioned on what its test will see (clean-context credit)
 
 
 def grid_chains(window: int, context: int, width: int, height: int) -> int:
@@ -205,7 +207,11 @@ class GridJacobiDrafter:
     complete row's last token is cached), ``canvas [B, N + 1]`` known tokens and guesses by cell
     (-1 = none; column N is a scratch column for masked writes), and for sampled decoding
     ``q [B, N + 1, V]`` with ``drawn [B, N + 1]``: the law a carried guess was drawn from (a
-    guess that is not ``drawn`` was initialised: a point mass). Guesses are redrawn independently
+    guess that is not ``drawn`` was initialised: a point mass), and ``clean_root [B, N + 1]``: for
+    a redraw with a clean context (``lantern.decoding.acceptance.clean_context``), the cell of the
+    guess rejected when it was drawn, which is its chain's root when the chain is next proposed
+    (-1: not clean; a guess tested from another root, as when the next row opens on guesses the
+    row above's window made, is not clean either). Guesses are redrawn independently
     (SJD's rule) from each round's predictions, row by row as ``lantern.decoding.jacobi`` does.
 
     Randomness per batch row and round is a fixed count (``R * W`` initial guesses, ``R * (W + 2)``
@@ -230,7 +236,7 @@ class GridJacobiDrafter:
         self.config, self.sampling = config, sampling
         self.vocab_size, self.num_tokens, self.width, self.height = vocab_size, num_tokens, width, height
         self.chains = grid_chains(config.window, config.context, width, height)
-        self.known = self.flushed = self.canvas = self.drawn = self.mode = torch.empty(0)
+        self.known = self.flushed = self.canvas = self.drawn = self.mode = self.clean_root = torch.empty(0)
         self.q: Tensor | None = None
         self._own_rng: RowRandom | None = None
         self._buffers: TreeBuffers | None = None
@@ -249,6 +255,7 @@ class GridJacobiDrafter:
         self.canvas = torch.full((b, n + 1), -1, dtype=torch.long, device=device)
         self.canvas[:, 0] = root
         self.drawn = torch.zeros(b, n + 1, dtype=torch.bool, device=device)
+        self.clean_root = torch.full((b, n + 1), -1, dtype=torch.long, device=device)
         self.mode = torch.full((b, n + 1), -1, dtype=torch.long, device=device)  # above_mode's source
         self.q = None if self.sampling.greedy else torch.zeros(b, n + 1, self.vocab_size, device=device)
         self._own_rng = RowRandom.from_seeds([0] * b, device)
@@ -309,8 +316,10 @@ class GridJacobiDrafter:
         # (uniform noise) are tested exactly (lantern.decoding.acceptance: drawn / undrawn).
         drawn = self.drawn.gather(1, cell.view(b, -1)).view(b, r, w)
         relaxable = torch.cat([torch.ones_like(drawn[:, :, :1]), drawn], dim=2).view(b, -1)
+        clean = drawn & (self.clean_root.gather(1, cell.view(b, -1)).view(b, r, w) == root_cell[:, :, None])
+        clean = torch.cat([torch.ones_like(clean[:, :, :1]), clean], dim=2).view(b, -1)
         return GridBlock(tokens, cells, rows, row, first, max_depth, commit_root, decodes, standin_real,
-                         self._chain(b * r, row.device), q_draft, relaxable)
+                         self._chain(b * r, row.device), q_draft, relaxable, clean)
 
     def _initialise(self, cell: Tensor, usable: Tensor, gens: RowRandom) -> None:
         """First guesses at usable cells that have none yet (``PJDConfig.init``): uniform noise, or
@@ -385,12 +394,13 @@ class GridJacobiDrafter:
         keep, num_keep = kept_offsets(kept.view(b, -1))
         gens = rng if rng is not None else self._own_rng
         assert gens is not None
-        self._carry_over(block, new_cell, logits.view(b, r, w + 1, -1), gens)
+        self._carry_over(block, a, new_cell, logits.view(b, r, w + 1, -1), gens)
         return keep, num_keep, cells, vals, torch.where(block.decodes, a + 1, 0).sum(1)
 
-    def _carry_over(self, block: GridBlock, new_cell: Tensor, logits: Tensor, gens: RowRandom) -> None:
+    def _carry_over(self, block: GridBlock, a: Tensor, new_cell: Tensor, logits: Tensor, gens: RowRandom) -> None:
         """Redraw the guess at every cell a usable node predicted that is still unknown (Jacobi
-        carry-over, per row as in ``lantern.decoding.jacobi``); its q becomes the node's p."""
+        carry-over, per row as in ``lantern.decoding.jacobi``); its q becomes the node's p. ``a``
+        [B, R]: guesses each chain accepted (node a + 1 held the rejected one)."""
         b, r, t, v = logits.shape
         j = torch.arange(t, device=logits.device)
         cell_row = torch.div(new_cell, self.width, rounding_mode="floor").clamp(max=self.height - 1)  # [B, R, t]
@@ -414,7 +424,19 @@ class GridJacobiDrafter:
             index = cell[:, :, None].expand(-1, -1, v)
             self.q.scatter_(1, index, torch.where(flat[:, :, None], p.to(self.q.dtype), self.q.gather(1, index)))
         self.drawn.scatter_(1, cell, carry.view(b, -1) | self.drawn.gather(1, cell))  # greedy too: argmax draws
+        self._mark_clean(block, a, cell, carry, y == old)
         self.canvas.scatter_(1, cell, torch.where(carry.view(b, -1), y, old))
+
+    def _mark_clean(self, block: GridBlock, a: Tensor, cell: Tensor, carry: Tensor, same: Tensor) -> None:
+        """``clean_root`` of the redrawn cells ``cell`` [B, R * t] (carried: ``carry`` [B, R, t]; the redraw
+        equals the old guess: ``same`` [B, R * t]): node j's context was the chain's guesses before
+        it, so it is :func:`clean_context`'s, with the rejected guess at node a + 1, cell first + a."""
+        b, r, t = carry.shape
+        rejected = torch.where(block.decodes & (a < block.max_depth), a + 1, 0).clamp(max=t - 1)  # node, 0: none
+        rejected_drawn = block.relaxable.view(b, r, t).gather(2, rejected[:, :, None])[:, :, 0] & (rejected > 0)
+        clean = clean_context(same.view(b * r, t), (a + 1).view(-1), rejected_drawn.view(-1)).view(b, r, t)
+        origin = torch.where(clean & carry, (block.first_cell + a)[:, :, None], -1).view(b, -1)
+        self.clean_root.scatter_(1, cell, torch.where(carry.view(b, -1), origin, self.clean_root.gather(1, cell)))
 
 
 def kept_offsets(kept: Tensor) -> tuple[Tensor, Tensor]:
