@@ -290,6 +290,9 @@ def test_only_this_machines_names_and_allowed_hosts_are_answered(server: str, ho
         # Before: decoded AR while the answer said "method": "sd".
         (json.dumps({"label": 1, "method": "sd", "tree": "ar"}).encode(), "application/json", "tree"),
         (json.dumps({"label": 1, "method": "sd", "tree": "none"}).encode(), "application/json", "tree"),
+        # Before: seeds in [-2^63, 0) were taken and aliased seeds of [0, 2^63) (lantern generate refuses them).
+        (json.dumps({"label": 1, "seed": -1}).encode(), "application/json", "seed"),
+        (json.dumps({"label": 1, "seed": 2**63}).encode(), "application/json", "seed"),
     ],
 )
 def test_a_refusal_names_its_field(server: str, content: bytes, content_type: str, field: str) -> None:

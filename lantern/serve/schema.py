@@ -40,7 +40,7 @@ class GenerationRequest(Strict):
     prompt: str | None = Field(None, description="text-to-image and Chameleon-family models: the prompt")
     label: int | None = Field(None, ge=0, description="class-conditional models: the class id")
     n: int = Field(1, ge=1, description="images (at most the server's --max-images-per-request)")
-    seed: int = Field(0, ge=-INT64, lt=INT64, description="base seed: image i uses image_seed(seed, i)")
+    seed: int = Field(0, ge=0, lt=INT64, description="base seed in [0, 2^63): image i uses image_seed(seed, i)")
     method: str | None = Field(None, description="a method of GET /v1/methods (default: the server's --method)")
     # Sampling (null: the model's generation.json, then lantern's defaults)
     temperature: float | None = Field(None, ge=0)
