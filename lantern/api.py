@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lantern.calibration import AUTO, MethodChoice, Setup, check_quality
+from lantern.calibration import auto_method as calibrated_method
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError
 from lantern.hub import resolve_location
@@ -163,11 +165,15 @@ class Pipeline:
 
     def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
                  prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
-                 num_per_label: int = 1, progress: bool = False, **settings: Any) -> PipelineOutput:
+                 num_per_label: int = 1, progress: bool = False, quality: str | None = None,
+                 **settings: Any) -> PipelineOutput:
         """Generate ``num_per_label`` images per label or prompt; ``settings``: the CLI's sampling,
         method and tree options (``temperature``, ``top_k``, ``tree``, ``lantern_lambda``, ...).
         ``tree="auto"`` measures this device first: the fastest drafter tree, or for the Jacobi
         methods the fastest window (recorded in ``config`` as ``auto_tree`` / ``auto_window``).
+        ``method="auto"``: the fastest method of the ``quality`` class (``"ar"``, the default, or
+        ``"lossless"``) in this model's calibration for this device and ``batch_size``
+        (:meth:`auto_method`; recorded in ``config`` as ``auto_method``).
 
         ``labels``: a non-empty list or tuple of class ids (Python or numpy integers), or a 1-D
         integer numpy array or tensor (the natural output of a data loader; taken as its list of
@@ -183,6 +189,11 @@ class Pipeline:
             raise LanternError(f"progress must be True or False, got {progress!r}")
         conditions = self._check_conditions(labels, prompts)
         check_image_total(len(conditions), num_per_label, "num_per_label")
+        check_quality(quality, method)  # only with method="auto"
+        chosen: dict[str, Any] = {}
+        if method == AUTO:
+            choice = self.auto_method(quality, batch_size, **settings)
+            method, chosen = choice.method, {"auto_method": choice.to_dict()}
         if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
             method_cfg, sampling, auto = self._auto(method, settings, seed, batch_size, progress)
         else:
@@ -192,8 +203,29 @@ class Pipeline:
                               stats=result.stats_dict(), config={**run_config(seed, batch_size, self.device, sampling,
                                                                              result.method,
                                                                              deterministic=self.deterministic),
-                                                                  **auto},
+                                                                  **auto, **chosen},
                               outputs=result.output_stats)
+
+    def calibration_setup(self) -> Setup:
+        """This pipeline's model and device setting, as ``--method auto``'s calibration is keyed."""
+        from lantern.decoding.compiling import resolve_compile
+
+        return Setup.of(self.stack.root, self.stack.root, self.device, self.stack.dtype,
+                        resolve_compile(self.compile, self.device), self.deterministic)
+
+    def auto_method(self, quality: str | None = None, batch_size: int = 8, **settings: Any) -> MethodChoice:
+        """``method="auto"``: the fastest method of the ``quality`` class at ``batch_size``, from this
+        model's calibration for this device (:mod:`lantern.calibration`), with why; a one-line
+        error naming the ``lantern calibrate`` command when there is none. ``settings``: the call's
+        (method settings are refused: the calibration measured each method at its defaults)."""
+        own = (_same_path(self.parts.drafter_source, self.stack.drafter_dir)
+               and _same_path(self.parts.proximity_source, self.stack.proximity_file))
+        if not own:
+            raise LanternError("method='auto' reads a calibration of the model's own drafter and proximity table; "
+                               "load without drafter= / proximity=, or name a method", field="method")
+        choice = calibrated_method(self.calibration_setup(), quality, batch_size, settings)
+        sampling = resolve_sampling(self.stack, **{k: v for k, v in settings.items() if k in SAMPLING_SETTINGS})
+        return choice.with_sampling(sampling.to_dict())
 
     def _auto(self, method: str, settings: dict[str, Any], seed: int, batch_size: int,
               progress: bool) -> tuple[MethodConfig, SamplingConfig, dict[str, Any]]:
@@ -236,6 +268,10 @@ class Pipeline:
     def t5_encoder(self) -> Any:
         """The T5 prompt encoder of a text-to-image model (``T5Encoder``), read once and kept."""
         return self.parts.t5()
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    return (a is None) == (b is None) and (a is None or Path(a).resolve() == Path(b).resolve())
 
 
 def _short(value: Any) -> str:

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("lantern.models",)),
     ("drafters", ("lantern.drafters",)),
     ("targets", ("lantern.targets",)),
-    ("methods", ("lantern.methods",)),
+    ("methods", ("lantern.methods", "lantern.calibration")),
     ("run", ("lantern.parts", "lantern.run", "lantern.jobs")),
     ("autotree", ("lantern.autotree",)),
     ("api", ("lantern.api",)),

@@ -124,8 +124,22 @@ def cmd_bench(args: Any) -> int:
         print(throughput_table(result.throughput))
     if result.ar_spread is not None:
         print(result.ar_spread.summary())
+    if args.save_calibration:
+        _save_calibration(args, stack, config, result, command)
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _save_calibration(args: Any, stack: Any, config: BenchConfig, result: Any, command: str) -> None:
+    """``--save-calibration``: the rows at a method's defaults, as ``--method auto``'s calibration."""
+    from lantern.calibration import Setup
+    from lantern.eval.calibrate import calibration_from_bench
+
+    setup = Setup.of(args.model, stack.root, args.device, stack.dtype, config.compile)
+    calibration, skipped = calibration_from_bench(result, stack, setup, command)
+    path = calibration.save(setup.user_file)
+    print(f"wrote the calibration --method auto reads: {path}"
+          + (f" (rows not at their method's defaults left out: {', '.join(skipped)})" if skipped else ""))
 
 
 def _quiet(message: str) -> None:
@@ -177,6 +191,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")
     p.add_argument("--sweep-images", type=int, default=100, help="quality images per sweep point (default 100)")
     p.add_argument("--profile", default=None, help="with auto trees: a profile.json from `lantern profile`")
+    p.add_argument("--save-calibration", action="store_true",
+                   help="also write the rows run at their method's defaults as the calibration `--method auto` reads "
+                        "(as `lantern calibrate` does; the speed batch sizes are its batch sizes)")
     add_budget_arg(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto: bf16 where native)")
     p.add_argument("--device", default="cpu")

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lantern.calibration import AUTO, QUALITY_CLASSES
 from lantern.cli.common import (
     add_budget_arg,
     add_chameleon_args,
@@ -33,6 +34,7 @@ from lantern.methods import METHOD_TABLE
 
 if TYPE_CHECKING:
     from lantern.api import Pipeline
+    from lantern.calibration import MethodChoice
     from lantern.outputs import OutputFolder
 from lantern.cli.common import add_sampling_args, add_trust_checkpoint_arg
 
@@ -81,8 +83,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--method",
         default="ar",
-        choices=list(METHOD_TABLE),
-        help="ar: plain decoding; sd: exact speculative decoding, dynamic tree; sd-static: exact, static tree; "
+        choices=[*METHOD_TABLE, AUTO],
+        help="auto: the fastest method of --quality's class for this model, device and --batch-size, from its "
+        "calibration (`lantern calibrate`); ar: plain decoding; sd: exact speculative decoding, dynamic tree; "
+        "sd-static: exact, static tree; "
         "lantern: relaxed (absolute delta), dynamic tree; lantern++: relaxed (relative lambda), static tree; "
         "sjd: speculative Jacobi decoding (no drafter), exact; sjd-lantern / sjd-lantern++: SJD with "
         "lantern's / lantern++'s relaxed acceptance; sjd-coupled: SJD with coupled redraws (SCD), exact; "
@@ -92,6 +96,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "Jacobi decoding (several image rows per "
         "forward; lossy unless --pjd-context is the row length); pjd-lantern / pjd-lantern++: the same, relaxed",
     )
+    p.add_argument("--quality", default=None, choices=list(QUALITY_CLASSES),
+                   help="with --method auto: lossless (methods that keep the model's distribution) or ar (also "
+                        "relaxed methods the calibration judged within AR's spread; default)")
     p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
     p.add_argument(
         "--tree",
@@ -189,6 +196,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       "--num-per-label / --num-per-prompt")
     check_enough_items(len(prompts if prompts is not None else args.labels) * args.num_per_label, ctx)
     resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
+    args.auto_method = _auto_method(args, ctx)
     window_as_tree(args)
     auto = check_auto_tree(args.tree, [args.method], args.profile)
     method_from_args(args, None)  # every method setting (a tree's size too) from the flags alone, before loading
@@ -260,6 +268,8 @@ def _generate_method(args: argparse.Namespace, pipe: Pipeline, sampling: Any, au
     stack = pipe.stack
     method = method_from_args(args, stack)
     extra: dict[str, Any] = {}
+    if getattr(args, "auto_method", None) is not None:  # chosen before loading; sampling known now
+        extra["auto_method"] = args.auto_method.with_sampling(sampling.to_dict()).to_dict()
     if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
         choice = choose_auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
                                   pipe.parts, not args.no_progress)
@@ -268,6 +278,32 @@ def _generate_method(args: argparse.Namespace, pipe: Pipeline, sampling: Any, au
         window = choose_auto_window(stack, method, sampling, args, pipe.parts)
         method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
     return method, extra
+
+
+def _auto_method(args: argparse.Namespace, ctx: Any) -> MethodChoice | None:
+    """``--method auto``: the calibrated choice (before anything loads: no calibration is a
+    one-line error naming the command that makes one), which replaces ``args.method``."""
+    from lantern.calibration import Setup, auto_method, check_quality
+    from lantern.decoding.compiling import resolve_compile
+    from lantern.methods import METHOD_SETTINGS
+    from lantern.targets.base import inference_dtype
+    from lantern.targets.llamagen_stack import resolve_model_dir
+
+    check_quality(args.quality, args.method)
+    if args.method != AUTO:
+        return None
+    for flag in ("drafter", "proximity"):
+        if getattr(args, flag) is not None:
+            raise LanternError(f"--method auto reads a calibration of the model's own drafter and proximity table; "
+                               f"drop --{flag} or name a --method")
+    device = ctx.device(args.device)
+    setup = Setup.of(args.model, resolve_model_dir(args.model), device, inference_dtype(args.dtype, device),
+                     resolve_compile(args.compile, device), args.deterministic)
+    choice = auto_method(setup, args.quality, args.batch_size, {k: getattr(args, k) for k in METHOD_SETTINGS})
+    if ctx.is_main:
+        print(f"--method auto --quality {choice.quality}: {choice.explanation}")
+    args.method = choice.method
+    return choice
 
 
 def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lantern.cli.bench import add_bench
+from lantern.cli.calibrate import add_calibrate
 from lantern.cli.common import check_sampling_flags, check_seed_flags
 from lantern.cli.demo import add_demo
 from lantern.cli.generate import add_generate
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo(sub)
     add_profile(sub)
     add_bench(sub)
+    add_calibrate(sub)
     add_serve(sub)
     from lantern.cli.train import add_train_commands
 
