@@ -192,7 +192,7 @@ def method_settings(method: MethodConfig) -> dict[str, Any]:
         bound = {"lantern_delta": relaxation.delta} if relaxation.mode == "absolute" else {
             "lantern_lambda": relaxation.lam}
         out.update(lantern_k=relaxation.k, **bound, lantern_residual=relaxation.residual,
-                   lantern_budget=relaxation.budget)
+                   lantern_budget=relaxation.budget, lantern_credit=relaxation.credit)
     if method.jacobi is not None:
         out.update(sjd_window=method.jacobi.window, sjd_init=method.jacobi.init, sjd_coupling=method.jacobi.coupling)
     if method.pjd is not None:
