@@ -78,6 +78,8 @@ class ModelParts:
         """The drafter on the stack's device, read once; ``method`` names the refusal when there is none."""
         with self._lock:
             if self._drafter is None:
+                refusal = getattr(self.stack, "DRAFTER_REFUSAL", None)  # a family without drafters (Janus)
+                check(refusal is None, f"--method {method}: {refusal}")
                 path = self.drafter_source
                 check(path is not None,
                       f"--method {method} needs a drafter: pass --drafter DIR (the model folder has none)")

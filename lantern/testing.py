@@ -253,3 +253,131 @@ def chameleon_parts(lm: Any, layout: Any, sampling: Any, method: Any, drafter: t
     stack = ChameleonStack(root=Path("."), model=lm, layout=layout, vq=None, tokenizer=None)
     prepared = PreparedMethod(stack, method, sampling, drafter if method.tree.kind != "none" else None, Acceptance())
     return prepared.parts(head)
+
+
+# ----------------------------------------------------------------------------------------------
+# Janus / Janus-Pro (tests only; needs transformers)
+
+# DeepSeek's special tokens (the real tokenizer's names), then the tiny prompts' words.
+JANUS_SPECIAL = {"<｜begin▁of▁sentence｜>": 0, "<｜▁pad▁｜>": 1, "<｜end▁of▁sentence｜>": 2, "<unk>": 3,
+                 "<image_placeholder>": 4, "<begin_of_image>": 5, "<end_of_image>": 6, "<|User|>": 7,
+                 "<|Assistant|>": 8}
+JANUS_WORDS = (":", ".", ",", *TINY_WORDS, "photo", "mountain", "lake", "at", "dawn", "bowl", "fruit", "sofa")
+TINY_JANUS_VOCAB = 48  # text ids; the special tokens and words above fill 0 .. 31
+TINY_JANUS_CODES = 32
+WIDER_INIT = ("language_model", "generation_aligner", "proj_out")
+# transformers' conversion script's chat template (convert_janus_weights_to_hf.py, CHAT_TEMPLATE),
+# the one the released transformers folders (deepseek-community/Janus-Pro-*) carry.
+JANUS_CHAT_TEMPLATE = (
+    "{%set seps=['\n\n','<\uff5cend\u2581of\u2581sentence\uff5c>']%}{%set i=0%}{%for message in messages%}"
+    "{%if message['role']|lower=='user'%}<|User|>: {%elif message['role']|lower=='assistant'%}<|Assistant|>:"
+    "{%if not (loop.last and not add_generation_prompt and message['content'][0]['type']=='text' and "
+    "message['content'][0]['text']=='')%} {%endif%}{%else%}{{message['role'].capitalize()}}: {%endif%}"
+    "{%for content in message['content']%}{%if content['type']=='image'%}{%if not loop.first%}{{'\n'}}{%endif%}"
+    "<image_placeholder>{%if not loop.last%}{{'\n'}}{%endif%}{%elif content['type']=='text'%}"
+    "{%set text=content['text']%}{%if loop.first%}{%set text=text.lstrip()%}{%endif%}"
+    "{%if loop.last%}{%set text=text.rstrip()%}{%endif%}"
+    "{%if not loop.first and message['content'][loop.index0-1]['type']=='text'%}{{' '+text}}{%else%}{{text}}"
+    "{%endif%}{%endif%}{%endfor%}{%if not loop.last or add_generation_prompt%}"
+    "{%if message['role']|lower=='user'%}{{seps[0]}}{%else%}{{seps[1]}}{%endif%}{%endif%}{%endfor%}"
+    "{%if add_generation_prompt%}<|Assistant|>:{%endif%}"
+)
+
+
+def tiny_janus(seed: int = 0, num_layers: int = 2, grid: int = 4, num_codes: int = TINY_JANUS_CODES,
+               logit_std: float = 0.1, **text_overrides: Any) -> Any:
+    """A small random transformers ``JanusForConditionalGeneration`` (eval mode, float32).
+
+    GQA (2 key/value heads for 4 query heads) and attention biases are on; norms are moved off their
+    initial values and the weights widened so the context decides the next code; the head's scale
+    (``logit_std``) keeps logits of a few units, where float32 rounding stays well under 1e-5; ``grid``
+    x ``grid`` codes per image (the vision tower's image size / patch size, as in a real config);
+    generation settings (pad, BOS, image-start token, guidance 3) as the converted folders hold them.
+    """
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    text: dict[str, Any] = dict(model_type="llama", vocab_size=TINY_JANUS_VOCAB, hidden_size=32,
+                                intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                                num_key_value_heads=2, attention_bias=True, max_position_embeddings=512,
+                                initializer_range=0.1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    text.update(text_overrides)
+    config = JanusConfig(
+        text_config=text,
+        vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=4 * grid,
+                           patch_size=4, num_image_tokens=grid * grid, projection_dim=text["hidden_size"],
+                           mlp_ratio=2),
+        vq_config=dict(embed_dim=8, num_embeddings=num_codes, latent_channels=8, base_channels=32,
+                       channel_multiplier=[1, 2], num_res_blocks=1, projection_dim=text["hidden_size"],
+                       image_token_embed_dim=text["hidden_size"], initializer_range=0.1),
+        image_token_id=JANUS_SPECIAL["<image_placeholder>"],
+    )
+    torch.manual_seed(seed)
+    model = JanusForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "vqmodel" not in name:  # RMSNorm weights off their ones
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif p.dim() == 2 and any(k in name for k in WIDER_INIT) and "embed" not in name:
+                p.mul_(3.0)  # without it the last code alone decides the next: greedy images repeat one code
+        head = model.model.generation_head.vision_head.weight
+        head.copy_(torch.randn(head.shape, generator=gen) * logit_std)
+        emb = model.model.generation_embeddings.weight
+        emb.copy_(torch.randn(emb.shape, generator=gen))
+    g = model.generation_config
+    g.pad_token_id, g.bos_token_id, g.eos_token_id = 1, 0, 2
+    g.guidance_scale, g.temperature = 3.0, 1.0
+    g.generation_kwargs = {"boi_token_id": JANUS_SPECIAL["<begin_of_image>"]}
+    return model.eval()
+
+
+def tiny_janus_tokenizer() -> Any:
+    """A word-level tokenizer with DeepSeek's special tokens, BOS added as the real one does, and the
+    image tokens transformers' ``JanusProcessor`` reads (``image_token``, ``boi_token``, ``eoi_token``)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = dict(JANUS_SPECIAL) | {w: len(JANUS_SPECIAL) + i for i, w in enumerate(JANUS_WORDS)}
+    assert max(vocab.values()) < TINY_JANUS_VOCAB
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(list(JANUS_SPECIAL))  # matched whole, before the words are split
+    bos = "<｜begin▁of▁sentence｜>"
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, 0)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token="<｜end▁of▁sentence｜>", pad_token="<｜▁pad▁｜>",
+        unk_token="<unk>", extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                              "eoi_token": "<end_of_image>"},
+    )
+
+
+def tiny_janus_processor(tokenizer: Any | None = None) -> Any:
+    """transformers' own ``JanusProcessor`` (the PIL image processor: no torchvision needed) around
+    the tiny tokenizer, with the released chat template: the reference for prompts and pixels."""
+    from transformers import JanusProcessor
+    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+    # mean = std = 0.5, as the released preprocessor_config.json (SigLIP's), so postprocess maps [-1, 1] to pixels
+    pixels = JanusImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 16, "width": 16})
+    return JanusProcessor(image_processor=pixels, tokenizer=tokenizer or tiny_janus_tokenizer(),
+                          chat_template=JANUS_CHAT_TEMPLATE, use_default_system_prompt=True)
+
+
+def make_tiny_janus_folder(out: str | os.PathLike[str], seed: int = 0, num_layers: int = 2, grid: int = 4) -> Path:
+    """A tiny random Janus folder laid out like a converted download (deepseek-community/Janus-Pro-*):
+    ``save_pretrained`` of transformers' model (safetensors, config.json, generation_config.json) and
+    of its processor (tokenizer, chat template, image processor), plus a proximity table built from
+    the VQ codebook and a ``generation.json`` with small-model sampling defaults."""
+    from lantern.models.janus import JanusLM
+    from lantern.targets.proximity import build_proximity
+
+    out = Path(out)
+    hf = tiny_janus(seed=seed, num_layers=num_layers, grid=grid)
+    hf.save_pretrained(out)
+    tiny_janus_processor().save_pretrained(out)
+    build_proximity(JanusLM(hf).codebook().detach(), k_max=15).save(out / "proximity.safetensors")
+    write_json(out / "generation.json", {"temperature": 1.0, "top_k": 8, "cfg_scale": 3.0})
+    return out

@@ -48,7 +48,7 @@ from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.parts import ModelParts, parts_of
-from lantern.targets.base import Stack
+from lantern.targets.base import FAMILY_NAMES, Stack
 
 # ============================================================================================
 # Acceptance model (pure)
@@ -174,7 +174,7 @@ def choose_auto(
     record = METHOD_TABLE.get(method)
     if record is not None and record.window_setting is not None:
         check(stack.kind == "c2i", f"tree auto times {method}'s windows on class labels; pass sjd_window / "
-                                   f"pjd_window for {'text-to-image' if stack.kind == 't2i' else 'Chameleon-family'} "
+                                   f"pjd_window for {FAMILY_NAMES.get(stack.kind, stack.kind)} "
                                    "models")
         base = resolve_method(method, stack, **settings)
         window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size, parts=parts)

@@ -170,7 +170,7 @@ def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Na
 
 
 MODEL_HELP = ("embedded preset (digits | photos), a LlamaGen c2i / t2i stack folder, an Anole / Lumina-mGPT "
-              "folder, or a Hugging Face repo id of one")
+              "or Janus / Janus-Pro folder, or a Hugging Face repo id of one")
 
 
 def add_chameleon_args(p: argparse.ArgumentParser) -> None:
@@ -280,7 +280,9 @@ def check_run_args(args: argparse.Namespace, check_out: bool = True) -> OutputFo
 def auto_window_refusal(stack: Any) -> str | None:
     """What kind of model ``--sjd-window auto`` / ``--pjd-window auto`` cannot calibrate (it times
     class-label runs), or None."""
-    return {"t2i": "text-to-image", "chameleon": "Chameleon-family"}.get(stack.kind)
+    from lantern.targets.base import FAMILY_NAMES
+
+    return None if stack.kind == "c2i" else FAMILY_NAMES.get(stack.kind, stack.kind)
 
 
 def add_trust_checkpoint_arg(p: argparse._ActionsContainer) -> None:

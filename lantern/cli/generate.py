@@ -311,12 +311,14 @@ def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:
     T5 are read on first need."""
     from lantern.api import load
     from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.janus import is_janus_folder
 
-    if is_chameleon_folder(args.model):  # refused before the (large) model is read
-        check_auto_window(args, "Chameleon-family")
-        if not text:
-            raise LanternError(f"--labels: {args.model} is a text-to-image Chameleon model; pass --prompt TEXT or "
-                               "--prompts FILE")
+    for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder)):
+        if found(args.model):  # refused before the (large) model is read
+            check_auto_window(args, f"{family}-family" if family == "Chameleon" else family)
+            if not text:
+                raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
+                                   "or --prompts FILE")
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
                 tokenizer=args.tokenizer, t5=args.t5, vq=args.vq, layout=args.layout, image_size=args.image_size,
                 proximity=args.proximity, deterministic=args.deterministic)
@@ -333,7 +335,7 @@ def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] |
         return [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    if stack.kind == "chameleon":
+    if stack.kind in ("chameleon", "janus"):
         layout = stack.layout
         info = {"name": layout.name, "height": layout.height, "width": layout.width,
                 "pixel_size": list(layout.pixel_size)}

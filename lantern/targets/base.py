@@ -2,7 +2,8 @@
 ``profile`` and ``--tree auto`` are written against it only), the conditions of a batch, and what
 every stack folder may hold besides its model: ``generation.json`` (sampling settings, recommended
 trees, layout), ``drafter/`` and ``proximity.safetensors``. The families: LlamaGen c2i / t2i in
-``lantern.targets.llamagen_stack``, Anole / Lumina-mGPT in ``lantern.targets.chameleon_stack``.
+``lantern.targets.llamagen_stack``, Anole / Lumina-mGPT in ``lantern.targets.chameleon_stack``, Janus /
+Janus-Pro in ``lantern.targets.janus``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ PRESETS = ("digits", "photos")
 class Conditions:
     """Encoded conditions of N images, in the form the stack's target ``start`` takes."""
 
-    cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon prompt ids
+    cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon / Janus prompt ids
     mask: Tensor | None = None  # [N, L] True = a real caption / prompt column; None for labels
 
     def __len__(self) -> int:
@@ -52,7 +53,8 @@ class Stack(Protocol):
     """A loaded image generator of any model family, as the run path and the tools see it.
 
     Implemented by :class:`ModelStack` (LlamaGen c2i and t2i) and
-    ``lantern.targets.chameleon_stack.ChameleonStack`` (Anole, Lumina-mGPT). Everything family-specific (the
+    ``lantern.targets.chameleon_stack.ChameleonStack`` (Anole, Lumina-mGPT) and
+    ``lantern.targets.janus.JanusStack`` (Janus, Janus-Pro). Everything family-specific (the
     condition format, CFG's unconditional branch, row-end tokens, the image tokenizer, which
     drafter folders fit) stays behind these methods and the :class:`~lantern.decoding.loop.Target` that
     :meth:`make_target` returns; the loop, acceptance rules, drafting and proximity tables work in
@@ -63,7 +65,7 @@ class Stack(Protocol):
 
     @property
     def kind(self) -> str:
-        """``c2i`` (class labels), ``t2i`` (prompts through T5) or ``chameleon`` (prompts, own tokenizer)."""
+        """``c2i`` (class labels), ``t2i`` (prompts through T5), ``chameleon`` or ``janus`` (prompts, own tokenizer)."""
         ...
 
     @property
@@ -146,6 +148,9 @@ def labels_for(num_classes: int, n: int) -> list[int]:
     return [i % num_classes for i in range(n)]
 
 
+# What each Stack.kind is called in messages.
+FAMILY_NAMES = {"c2i": "class-conditional", "t2i": "text-to-image", "chameleon": "Chameleon-family", "janus": "Janus"}
+
 MEASURE_PROMPTS = ("a photo of a red car", "a cat on a sofa", "a mountain lake at dawn", "a bowl of fruit")
 
 
@@ -164,6 +169,8 @@ class StackFolder:
     # Sampling settings of the family used where generation.json is silent (none for LlamaGen:
     # SamplingConfig's defaults).
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = {}
+    # Why the family runs no drafter (drafter methods are refused with it), or None.
+    DRAFTER_REFUSAL: ClassVar[str | None] = None
 
     @property
     def drafter_dir(self) -> Path | None:

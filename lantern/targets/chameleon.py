@@ -24,6 +24,7 @@ is Chameleon-specific stays here:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ from lantern.decoding.pjd import commit_cells, grid_verify_mask, kept_offsets
 from lantern.decoding.sampling import apply_cfg
 from lantern.errors import LanternError, check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
+
+if TYPE_CHECKING:
+    from lantern.models.janus import JanusLM
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -50,9 +54,12 @@ def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) ->
 
 
 class ChameleonTarget:
-    """A Chameleon LM behind the loop's interface: ``start`` / ``verify`` / ``commit``."""
+    """A Chameleon LM behind the loop's interface: ``start`` / ``verify`` / ``commit``.
 
-    def __init__(self, model: ChameleonLM, layout: ImageLayout, sampling: SamplingConfig,
+    ``model`` may also be a :class:`~lantern.models.janus.JanusLM`, which offers the same members
+    (``lantern.targets.janus.JanusTarget`` changes only the guidance rows)."""
+
+    def __init__(self, model: ChameleonLM | JanusLM, layout: ImageLayout, sampling: SamplingConfig,
                  max_tree_nodes: int = 1) -> None:
         self.model = model
         self.layout = layout
@@ -100,12 +107,7 @@ class ChameleonTarget:
         )
         ids, mask = cond, mask
         if self.streams == 2:
-            uncond = torch.tensor(self.layout.uncond, device=cond.device)
-            check(len(uncond) <= length, "prompt contexts are shorter than the guidance context")
-            u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
-            u_ids[:, length - len(uncond) :] = uncond
-            u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
-            u_mask[:, length - len(uncond) :] = True
+            u_ids, u_mask = self.guidance_rows(cond, mask)
             ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
         n_rows = ids.shape[0]
         cfg = self.model.config
@@ -126,6 +128,18 @@ class ChameleonTarget:
         self.slot_cell = None
         logits = apply_cfg(self.model.image_logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
         return logits, hidden[:, length - p :]
+
+    def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """CFG's unconditional rows for prompt contexts cond [B, L] (mask [B, L]): the layout's
+        guidance context, left-padded to L. (Janus overrides this: its prompt with pad tokens.)"""
+        b, length = cond.shape
+        uncond = torch.tensor(self.layout.uncond, device=cond.device)
+        check(len(uncond) <= length, "prompt contexts are shorter than the guidance context")
+        u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
+        u_ids[:, length - len(uncond) :] = uncond
+        u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
+        u_mask[:, length - len(uncond) :] = True
+        return u_ids, u_mask
 
     @torch.no_grad()
     def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,262 @@
+"""The Janus family (Janus, Janus-Pro): its target adapter and its Stack.
+
+The target is the Chameleon adapter (:class:`~lantern.targets.chameleon.ChameleonTarget`: left-padded
+prompts with per-row positions, tree verification, PJD's grid) over a
+:class:`~lantern.models.janus.JanusLM`; only classifier-free guidance differs. Janus's
+unconditional rows are the prompt itself with every token but BOS and the image-start token
+replaced by the pad token, attended exactly like the prompt (transformers'
+``JanusForConditionalGeneration.generate(generation_mode="image")``; DeepSeek's
+``generation_inference.py`` pads ``tokens[1:-1]``). Its grid has no row tokens, so the
+adapter's new-line shadows never appear.
+
+The stack reads a transformers-format folder: the model (safetensors), its tokenizer and chat
+template (``chat_template.jinja``, or the tokenizer's own), ``generation_config.json`` (the pad,
+BOS and image-start ids; guidance scale and temperature as sampling defaults) and lantern's usual
+extras (``generation.json``, ``proximity.safetensors``). Images come from the model's own VQ decoder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lantern.decoding.cache import CachePool
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.drafting import DraftBackend
+from lantern.decoding.loop import Target
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
+from lantern.models.chameleon import ImageLayout
+from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
+from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# DeepSeek's defaults (generation_inference.py: cfg_weight 5, temperature 1, no top-k / top-p);
+# the folder's generation_config.json and generation.json come on top.
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 5.0}
+NO_DRAFTER = ("Janus models have no drafter support yet: use a method without one (ar, sjd, sjd-coupled, sjd-pac, "
+              "gsd, pjd, or their relaxed rows with a proximity table)")
+
+
+@dataclass(frozen=True)
+class JanusTokens:
+    """The ids that shape a Janus image prompt and its guidance rows."""
+
+    bos: int  # kept in the unconditional rows
+    pad: int  # replaces every other prompt token there
+    boi: int  # <begin_of_image>: ends every prompt (the layout's prefix), kept in the unconditional rows
+    boi_text: str = BOI_TOKEN  # the token's text, appended to the templated prompt before tokenizing
+
+
+class JanusTarget(ChameleonTarget):
+    """The Chameleon adapter over a Janus model, with Janus's guidance rows."""
+
+    def __init__(self, model: JanusLM, layout: ImageLayout, sampling: SamplingConfig, tokens: JanusTokens,
+                 max_tree_nodes: int = 1) -> None:
+        super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes)
+        self.tokens = tokens
+
+    def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The prompt with every real token but BOS and image-start replaced by pad; same mask."""
+        keep = mask & ((cond == self.tokens.bos) | (cond == self.tokens.boi))
+        return torch.where(keep, cond, torch.full_like(cond, self.tokens.pad)), mask
+
+
+@dataclass
+class JanusStack(StackFolder):
+    """A Janus / Janus-Pro folder loaded: the :class:`~lantern.targets.base.Stack` for Janus targets.
+
+    Conditions are prompts in the model's chat template, ended by the image-start token;
+    images come from the model's VQ decoder. Drafter methods are refused (no Janus drafters yet)."""
+
+    model: JanusLM
+    layout: ImageLayout
+    tokenizer: Any  # a transformers tokenizer
+    tokens: JanusTokens
+    chat_template: str | None = None  # None: the tokenizer's own
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
+
+    FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
+    DRAFTER_REFUSAL: ClassVar[str | None] = NO_DRAFTER
+
+    kind = "janus"
+    num_classes = None
+    num_tokens: int = field(init=False)
+    grid_width: int = field(init=False)
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens, self.grid_width = self.layout.num_tokens, self.layout.width
+        self.vocab_size = self.model.num_codes
+
+    def network(self) -> torch.nn.Module:
+        return self.model
+
+    def default_sampling(self) -> dict[str, float]:
+        """DeepSeek's defaults, then generation_config.json's, then generation.json's."""
+        from lantern.targets.base import SAMPLING_KEYS, read_generation_settings
+
+        raw = read_generation_settings(self.root)
+        return dict(self.FAMILY_SAMPLING) | self.sampling_defaults | {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+
+    def format_prompt(self, prompt: str) -> str:
+        """The text transformers tokenizes for an image prompt: the chat template's user turn with
+        the generation prompt, then the image-start token."""
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+        return str(text) + self.tokens.boi_text
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt, BOS first and the image-start token last (checked)."""
+        out = []
+        for p in prompts:
+            ids = [int(i) for i in self.tokenizer(self.format_prompt(p))["input_ids"]]
+            check(bool(ids) and ids[-1] == self.tokens.boi,
+                  f"--model {self.root}: the tokenizer does not end the prompt with the image-start token "
+                  f"{self.tokens.boi_text!r} (id {self.tokens.boi}); got ids {ids[-3:]}")
+            out.append(ids)
+        return out
+
+    def codebook(self) -> Tensor | None:
+        return self.model.codebook()
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.model.config
+        return {"family": "janus", "dim": c.hidden_size, "n_layer": c.num_hidden_layers,
+                "block_size": self.num_tokens, "vocab_size": self.vocab_size}
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        check(t5 is None, "--t5 is not used by Janus models (they read prompts with their own tokenizer)")
+        prompts = check_condition_kind(conditions, str, self.root)
+        # the layout's prefix is the image-start token: encode_prompts appends it again
+        texts = [ids[:-1] for ids in self.tokenize([p for p in prompts for _ in range(repeats)])]
+        ids, mask = encode_prompts(texts, self.layout)
+        return Conditions(ids.to(self.device), mask.to(self.device))
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        return prompts_for(n)
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> JanusTarget:
+        check_not_compiled(compile)
+        return JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes)
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        probe = JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes)
+        return probe.cache_bytes(batch, conditions.cond.shape[1])
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        raise LanternError(NO_DRAFTER)
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        raise LanternError(NO_DRAFTER)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.model.decode_codes(codes.to(self.device))
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]:
+        from lantern.images import to_pil
+
+        # (x + 1) / 2 * 255, truncated: DeepSeek's generation_inference.py, and transformers'
+        # JanusImageProcessor.postprocess with the released mean = std = 0.5 (tested equal)
+        return to_pil(self.decode(codes), "truncate")
+
+
+def check_not_compiled(compile: str | None) -> None:
+    check(compile in (None, "off"), "--compile is implemented for LlamaGen targets only, not Janus models")
+
+
+def load_janus_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                     device: str | torch.device = "cpu") -> JanusStack:
+    """A Janus folder as a stack: the model (safetensors only), tokenizer, chat template, token ids."""
+    from lantern.models.janus import check_janus_folder, load_janus
+
+    root = Path(model)
+    check_janus_folder(root)  # before the tokenizer: a remote-code folder is refused first
+    tokenizer = load_janus_tokenizer(root)
+    template = read_chat_template(root, tokenizer)
+    settings = read_generation_config(root)
+    tokens = janus_tokens(root, tokenizer, settings)
+    lm = load_janus(root, dtype=dtype, device=device)
+    stack = JanusStack(root=root, model=lm, layout=janus_layout(lm, tokens.boi), tokenizer=tokenizer,
+                       tokens=tokens, chat_template=template, sampling_defaults=sampling_from_config(settings))
+    check(max(tokens.bos, tokens.pad, tokens.boi) < lm.text_vocab,
+          f"--model {root}: special token ids {tokens} past the text vocabulary ({lm.text_vocab})")
+    return stack
+
+
+def load_janus_tokenizer(root: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover
+        raise LanternError("Janus targets need transformers: pip install 'lantern-ar[t2i]'") from e
+    try:
+        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
+    except TRANSFORMERS_LOAD_ERRORS as e:
+        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: "
+                           f"{transformers_reason(e)}") from None
+
+
+def read_chat_template(root: Path, tokenizer: Any) -> str | None:
+    """The folder's chat template: ``chat_template.jinja`` (what transformers' processor saves),
+    ``chat_template.json``, else the tokenizer's own (None); one of them must exist."""
+    from lantern.io import read_json_object
+
+    jinja, json_file = root / "chat_template.jinja", root / "chat_template.json"
+    if jinja.is_file():
+        return jinja.read_text()
+    if json_file.is_file():
+        template = read_json_object(json_file, "chat template").get("chat_template")
+        check(isinstance(template, str), f"{json_file}: chat_template: expected a string")
+        return str(template)
+    check(getattr(tokenizer, "chat_template", None) is not None,
+          f"--model {root} has no chat template (chat_template.jinja): Janus prompts are written in it")
+    return None
+
+
+def read_generation_config(root: Path) -> dict[str, Any]:
+    """``generation_config.json`` ({} when absent)."""
+    from lantern.io import read_json_object
+
+    path = root / "generation_config.json"
+    return read_json_object(path, "generation config") if path.is_file() else {}
+
+
+def janus_tokens(root: Path, tokenizer: Any, settings: dict[str, Any]) -> JanusTokens:
+    """BOS, pad and image-start ids as transformers' generate reads them (generation_config.json:
+    ``bos_token_id``, ``pad_token_id``, ``generation_kwargs.boi_token_id``), else the tokenizer's."""
+    kwargs = settings.get("generation_kwargs") or {}
+    boi_text = getattr(tokenizer, "boi_token", None) or BOI_TOKEN
+    boi = kwargs.get("boi_token_id", settings.get("boi_token_id"))
+    if boi is None:
+        found = tokenizer.convert_tokens_to_ids(boi_text)
+        boi = None if found == tokenizer.unk_token_id else found
+    values = {"bos": settings.get("bos_token_id", tokenizer.bos_token_id),
+              "pad": settings.get("pad_token_id", tokenizer.pad_token_id), "boi": boi}
+    for name, value in values.items():
+        check(isinstance(value, int) and not isinstance(value, bool),
+              f"--model {root}: no {name} token id (generation_config.json or the tokenizer), got {value!r}")
+    return JanusTokens(bos=values["bos"], pad=values["pad"], boi=values["boi"], boi_text=boi_text)
+
+
+def sampling_from_config(settings: dict[str, Any]) -> dict[str, float]:
+    """Sampling defaults a Janus generation_config.json states: guidance scale and temperature."""
+    out: dict[str, float] = {}
+    for key, name in (("guidance_scale", "cfg_scale"), ("temperature", "temperature")):
+        value = settings.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out

@@ -1,0 +1,268 @@
+"""Janus / Janus-Pro targets against transformers' own image generation, on tiny random folders
+built with transformers' classes and ``save_pretrained`` (``lantern.testing.make_tiny_janus_folder``).
+
+The reference is ``JanusForConditionalGeneration.generate(generation_mode="image")`` on the
+prompt ids of transformers' ``JanusProcessor`` (chat template, then ``generation_mode="image"``),
+one prompt at a time; lantern decodes the prompts together, left-padded. Checked:
+
+* the prompt ids equal the processor's;
+* greedy codes with CFG on equal transformers' token for token, and the guided logits of the first
+  8 steps agree within 1e-5 (float32);
+* the decoded pixels equal the model's own VQ decoder's, and the PNG bytes transformers'
+  postprocess;
+* the methods without a drafter run; greedy SJD / coupled SJD / SJD-PAC / PJD at lossless settings
+  give AR's codes; sampled rows do not depend on their batch;
+* a folder that needs remote code (or is DeepSeek's original release, or holds only pickles) is
+  refused with one line; drafter methods are refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("transformers")
+
+import lantern  # noqa: E402
+from lantern.decoding.config import SamplingConfig  # noqa: E402
+from lantern.decoding.trees import tree_from_parents  # noqa: E402
+from lantern.errors import LanternError  # noqa: E402
+from lantern.testing import make_tiny_janus_folder, tiny_janus_processor  # noqa: E402
+
+PROMPTS = ["a red car", "a cat on the grass", "a photo of a mountain lake at dawn"]  # three lengths
+CFG = 3.0
+STEPS = 8  # logits compared at the first 8 codes
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_janus_folder(tmp_path_factory.mktemp("janus") / "model")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder: Path) -> lantern.Pipeline:
+    return lantern.load(folder)
+
+
+def _reference_model(folder: Path) -> Any:
+    from transformers import JanusForConditionalGeneration
+
+    model = JanusForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+    # generation_config.json holds generation_kwargs.boi_token_id, but GenerationConfig does not
+    # keep that key when it loads; transformers' image generate reads it from there
+    saved = json.loads((folder / "generation_config.json").read_text())
+    model.generation_config.generation_kwargs = saved["generation_kwargs"]
+    return model
+
+
+def _processor_inputs(prompt: str) -> dict[str, Tensor]:
+    processor = tiny_janus_processor()
+    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return dict(processor(text=[text], generation_mode="image", return_tensors="pt"))
+
+
+@torch.no_grad()
+def _transformers_generate(model: Any, prompt: str) -> tuple[Tensor, list[Tensor]]:
+    """transformers' greedy image generation of one prompt: codes [N] and the guided logits [V] of
+    every step (the generation head's [cond; uncond] output, guided by transformers' own CFG
+    processor, as its loop does)."""
+    from transformers.generation.logits_process import ClassifierFreeGuidanceLogitsProcessor
+
+    raw: list[Tensor] = []
+    hook = model.model.generation_head.register_forward_hook(lambda m, i, out: raw.append(out.detach().clone()))
+    try:
+        codes = model.generate(**_processor_inputs(prompt), generation_mode="image", do_sample=False,
+                               guidance_scale=CFG)
+    finally:
+        hook.remove()
+    guide = ClassifierFreeGuidanceLogitsProcessor(CFG)
+    cond_rows = torch.zeros(1, 1, dtype=torch.long)  # the processor reads only their count
+    return codes[0], [guide(cond_rows, r)[0] for r in raw]
+
+
+@cache
+def _reference(folder: Path) -> list[tuple[Tensor, list[Tensor]]]:
+    model = _reference_model(folder)
+    return [_transformers_generate(model, p) for p in PROMPTS]
+
+
+def test_prompt_ids_equal_the_processors(pipe: lantern.Pipeline) -> None:
+    """Chat template, BOS and image-start token exactly as transformers' JanusProcessor writes them;
+    the batch is left-padded with the prompt at the end."""
+    stack = pipe.stack
+    ids = stack.tokenize(PROMPTS)
+    for prompt, own in zip(PROMPTS, ids, strict=True):
+        assert own == _processor_inputs(prompt)["input_ids"][0].tolist()
+    encoded = stack.encode(PROMPTS)
+    width = max(len(i) for i in ids)
+    for row, own in enumerate(ids):
+        assert encoded.cond[row, width - len(own):].tolist() == own
+        assert encoded.mask[row].sum() == len(own) and bool(encoded.mask[row, width - len(own):].all())
+
+
+def test_guidance_rows_are_the_prompt_with_pad_tokens(pipe: lantern.Pipeline) -> None:
+    """As transformers' generate: every token but BOS and image-start becomes pad; same mask."""
+    stack = pipe.stack
+    encoded = stack.encode(PROMPTS[:2])
+    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
+    u_ids, u_mask = target.guidance_rows(encoded.cond, encoded.mask)
+    assert torch.equal(u_mask, encoded.mask)
+    t = stack.tokens
+    for row in range(2):
+        real = encoded.cond[row][encoded.mask[row]].tolist()
+        want = [i if i in (t.bos, t.boi) else t.pad for i in real]
+        assert u_ids[row][encoded.mask[row]].tolist() == want and want[0] == t.bos and want[-1] == t.boi
+
+
+def test_greedy_codes_and_logits_equal_transformers(folder: Path, pipe: lantern.Pipeline) -> None:
+    """Greedy AR with CFG on, three prompts of different lengths decoded together (left padding):
+    every code equals transformers' per-prompt generation, and the guided logits of the first 8
+    steps agree within 1e-5 in float32 (fed transformers' own codes)."""
+    reference = _reference(folder)
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    for row, (codes, _) in enumerate(reference):
+        assert out.codes[row].tolist() == codes.tolist(), row
+    assert len({c for codes, _ in reference for c in codes.tolist()}) > 8  # varied codes: the test has power
+    # the logits, step by step through the target adapter
+    stack = pipe.stack
+    encoded = stack.encode(PROMPTS)
+    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
+    with torch.no_grad():
+        logits, _ = target.start(encoded.cond, encoded.mask)
+        root = tree_from_parents(torch.full((len(PROMPTS), 1), -1))
+        for step in range(STEPS):
+            for row, (_, ref_logits) in enumerate(reference):
+                torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
+            fed = torch.stack([codes[step] for codes, _ in reference])[:, None]
+            step_logits, _ = target.verify(fed, root.mask, root.depth)
+            target.commit(torch.zeros(len(PROMPTS), 1, dtype=torch.long), torch.ones(len(PROMPTS), dtype=torch.long))
+            logits = step_logits[:, 0]
+
+
+def test_decoded_pixels_equal_the_vq_decoder(folder: Path, pipe: lantern.Pipeline) -> None:
+    """``decode`` is the model's own VQ decoder (bit for bit), and the images are the bytes of
+    transformers' ``decode_image_tokens`` + ``JanusProcessor.postprocess``."""
+    model = _reference_model(folder)
+    codes = torch.stack([c for c, _ in _reference(folder)])
+    with torch.no_grad():
+        reference = model.decode_image_tokens(codes)  # [N, H, W, 3]
+    assert torch.equal(pipe.stack.decode(codes).permute(0, 2, 3, 1), reference)
+    # channels first: the PIL image processor's normalize assumes them (the torchvision one, which
+    # transformers' docs feed [H, W, 3], is not installed here)
+    chw = list(reference.permute(0, 3, 1, 2).float())
+    pixels = tiny_janus_processor().postprocess(chw, return_tensors="PIL.Image.Image")
+    ours = pipe.stack.to_pil(codes)
+    assert ours[0].size == (8, 8)  # 4 x 4 codes, the VQ decoder upsamples twice
+    for a, b in zip(ours, pixels["pixel_values"], strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+LOSSLESS = {"sjd": {"sjd_window": 4}, "sjd-coupled": {"sjd_window": 4}, "sjd-pac": {"sjd_window": 4},
+            "pjd": {"pjd_window": 2, "pjd_context": 4}}  # pjd: context = the row length
+
+
+@pytest.mark.parametrize("method", list(LOSSLESS))
+def test_greedy_lossless_methods_reproduce_ar(pipe: lantern.Pipeline, method: str) -> None:
+    ar = pipe(prompts=PROMPTS, method="ar", temperature=0.0)
+    out = pipe(prompts=PROMPTS, method=method, temperature=0.0, **LOSSLESS[method])
+    assert torch.equal(out.codes, ar.codes)
+    assert out.stats["target_forwards"] <= ar.stats["target_forwards"]
+
+
+@pytest.mark.parametrize("method,settings", [("ar", {}), ("sjd", {"sjd_window": 4}),
+                                             ("sjd-coupled", {"sjd_window": 4}), ("sjd-pac", {"sjd_window": 4}),
+                                             ("gsd", {"sjd_window": 4}), ("pjd", {"pjd_window": 2, "pjd_context": 2}),
+                                             ("sjd-coupled-lantern", {"sjd_window": 4})])
+def test_sampled_methods_run_and_rows_do_not_depend_on_the_batch(pipe: lantern.Pipeline, method: str,
+                                                                 settings: dict[str, Any]) -> None:
+    """Every method without a drafter runs sampled (the relaxed row with the folder's proximity
+    table); a row's codes are the same alone and in a batch of three (other prompt lengths)."""
+    together = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=3, **settings)
+    assert together.codes.shape == (3, 16) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
+    for row in (0, 2):
+        alone = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=1, **settings)
+        assert torch.equal(alone.codes[row], together.codes[row]), row
+
+
+def test_drafter_methods_are_refused(pipe: lantern.Pipeline, folder: Path) -> None:
+    with pytest.raises(LanternError, match="no drafter support"):
+        pipe(prompts=PROMPTS[:1], method="lantern++")
+    with pytest.raises(LanternError, match="--drafter is not used by Janus"):
+        lantern.load(folder, drafter=folder)
+
+
+def _copy(folder: Path, dest: Path, **config: Any) -> Path:
+    """``folder`` with its config.json changed (links to the other files)."""
+    dest.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (dest / f.name).symlink_to(f)
+    raw = json.loads((folder / "config.json").read_text()) | config
+    (dest / "config.json").write_text(json.dumps(raw))
+    return dest
+
+
+def test_folders_that_need_code_or_pickles_are_refused(folder: Path, tmp_path: Path) -> None:
+    """auto_map (trust_remote_code), DeepSeek's original release and pickled-only weights: one line
+    each, before any weight or tokenizer is read."""
+    remote = _copy(folder, tmp_path / "remote", auto_map={"AutoModel": "modeling_janus_x.JanusX"})
+    with pytest.raises(LanternError, match="auto_map") as e:
+        lantern.load(remote)
+    assert "\n" not in str(e.value)
+    original = _copy(folder, tmp_path / "original", model_type="multi_modality")
+    with pytest.raises(LanternError, match="DeepSeek's original Janus release"):
+        lantern.load(original)
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, pickles / f.name)
+    (pickles / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(LanternError, match="safetensors only"):
+        lantern.load(pickles)
+
+
+def test_flags_of_other_families_are_refused(folder: Path) -> None:
+    for kwargs, flag in (({"layout": "anole"}, "--layout"), ({"vq": "x.ckpt"}, "--vq"), ({"t5": "t5"}, "--t5"),
+                         ({"compile": "default"}, "--compile")):
+        with pytest.raises(LanternError, match=flag):
+            lantern.load(folder, **kwargs)
+
+
+def test_labels_are_refused(pipe: lantern.Pipeline) -> None:
+    with pytest.raises(LanternError, match="text-to-image"):
+        pipe(labels=[1])
+
+
+def test_sampling_defaults_come_from_the_folder(pipe: lantern.Pipeline) -> None:
+    """generation.json (top_k 8, cfg 3) over generation_config.json (guidance 3, temperature 1)
+    over DeepSeek's defaults (cfg 5, no top-k)."""
+    assert pipe.stack.default_sampling() == {"temperature": 1.0, "top_k": 8, "top_p": 1.0, "cfg_scale": 3.0}
+    assert pipe.stack.model_shape()["family"] == "janus"
+
+
+@pytest.mark.parametrize("rule", ["chameleon's guidance context", "the prompt itself", "BOS padded too"])
+def test_the_golden_test_has_power(folder: Path, pipe: lantern.Pipeline, rule: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other guidance rows give other greedy codes than transformers' (so the equality above is
+    a real check of the rows transformers builds)."""
+    from lantern.targets.chameleon import ChameleonTarget
+    from lantern.targets.janus import JanusTarget
+
+    def only_boi(self: JanusTarget, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.where(mask & (cond == self.tokens.boi), cond, torch.full_like(cond, self.tokens.pad)), mask
+
+    wrong = {"chameleon's guidance context": ChameleonTarget.guidance_rows,
+             "the prompt itself": lambda self, cond, mask: (cond, mask), "BOS padded too": only_boi}[rule]
+    monkeypatch.setattr(JanusTarget, "guidance_rows", wrong)
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    assert all(out.codes[row].tolist() != codes.tolist() for row, (codes, _) in enumerate(_reference(folder)))
