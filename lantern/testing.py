@@ -285,7 +285,7 @@ JANUS_CHAT_TEMPLATE = (
 
 
 def tiny_janus(seed: int = 0, num_layers: int = 2, grid: int = 4, num_codes: int = TINY_JANUS_CODES,
-               logit_std: float = 0.1, **text_overrides: Any) -> Any:
+               logit_std: float = 0.05, **text_overrides: Any) -> Any:
     """A small random transformers ``JanusForConditionalGeneration`` (eval mode, float32).
 
     GQA (2 key/value heads for 4 query heads) and attention biases are on; norms are moved off their
@@ -366,7 +366,8 @@ def tiny_janus_processor(tokenizer: Any | None = None) -> Any:
                           chat_template=JANUS_CHAT_TEMPLATE, use_default_system_prompt=True)
 
 
-def make_tiny_janus_folder(out: str | os.PathLike[str], seed: int = 0, num_layers: int = 2, grid: int = 4) -> Path:
+def make_tiny_janus_folder(out: str | os.PathLike[str], seed: int = 0, num_layers: int = 2, grid: int = 4,
+                           logit_std: float = 0.05) -> Path:
     """A tiny random Janus folder laid out like a converted download (deepseek-community/Janus-Pro-*):
     ``save_pretrained`` of transformers' model (safetensors, config.json, generation_config.json) and
     of its processor (tokenizer, chat template, image processor), plus a proximity table built from
@@ -375,7 +376,7 @@ def make_tiny_janus_folder(out: str | os.PathLike[str], seed: int = 0, num_layer
     from lantern.targets.proximity import build_proximity
 
     out = Path(out)
-    hf = tiny_janus(seed=seed, num_layers=num_layers, grid=grid)
+    hf = tiny_janus(seed=seed, num_layers=num_layers, grid=grid, logit_std=logit_std)
     hf.save_pretrained(out)
     tiny_janus_processor().save_pretrained(out)
     build_proximity(JanusLM(hf).codebook().detach(), k_max=15).save(out / "proximity.safetensors")

@@ -266,3 +266,119 @@ def test_the_golden_test_has_power(folder: Path, pipe: lantern.Pipeline, rule: s
     monkeypatch.setattr(JanusTarget, "guidance_rows", wrong)
     out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
     assert all(out.codes[row].tolist() != codes.tolist() for row, (codes, _) in enumerate(_reference(folder)))
+
+
+# -- slow tier: a larger model; the law of the lossless methods ------------------------------------
+
+
+# slow (~5 s): the issue's slow tier, a second, larger folder (4 layers, 6 x 6 codes) built and generated twice
+@pytest.mark.slow
+def test_larger_model_equals_transformers(tmp_path: Path) -> None:
+    """The golden equality on a 4-layer model with 6 x 6 codes (36 steps; prompts of three lengths
+    decoded together): codes, the first 8 steps' logits, pixels, and greedy PJD at context = row.
+    Its head is scaled to logits of a few units as in the 2-layer model (the deeper widened
+    stack doubles them), where float32 rounding stays under 1e-5."""
+    folder = make_tiny_janus_folder(tmp_path / "model", seed=1, num_layers=4, grid=6, logit_std=0.025)
+    model, pipe = _reference_model(folder), lantern.load(folder)
+    reference = [_transformers_generate(model, p) for p in PROMPTS]
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    for row, (codes, _) in enumerate(reference):
+        assert out.codes[row].tolist() == codes.tolist(), row
+    stack = pipe.stack
+    encoded = stack.encode(PROMPTS)
+    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
+    root = tree_from_parents(torch.full((len(PROMPTS), 1), -1))
+    with torch.no_grad():
+        logits, _ = target.start(encoded.cond, encoded.mask)
+        for step in range(STEPS):
+            for row, (_, ref_logits) in enumerate(reference):
+                torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
+            fed = torch.stack([codes[step] for codes, _ in reference])[:, None]
+            logits = target.verify(fed, root.mask, root.depth)[0][:, 0]
+            target.commit(torch.zeros(len(PROMPTS), 1, dtype=torch.long), torch.ones(len(PROMPTS), dtype=torch.long))
+        codes = torch.stack([c for c, _ in reference])
+        assert torch.equal(stack.decode(codes).permute(0, 2, 3, 1), model.decode_image_tokens(codes))
+    greedy_pjd = pipe(prompts=PROMPTS, method="pjd", temperature=0.0, cfg_scale=CFG, pjd_window=3, pjd_context=6)
+    assert torch.equal(greedy_pjd.codes, out.codes)
+
+
+DIST_ROWS = 4000
+DIST_TOKENS = 3  # codes 0..2: 4^3 = 64 cells under top-k 4
+DIST = {"temperature": 1.0, "top_k": 4, "cfg_scale": 2.0}
+DIST_METHODS = {"ar": {}, "sjd-coupled": {"sjd_window": 3, "sjd_init": "random"}, "sjd-pac": {"sjd_window": 3},
+                "pjd": {"pjd_window": 2, "pjd_context": 4}}  # pjd at context = row: lossless
+
+
+@torch.no_grad()
+def _exact_joint(folder: Path, cfg_scale: float) -> Tensor:
+    """The law of codes 0..2 [32^3], from transformers' modules by full recomputation: the prompt's
+    text embeddings, each code through the generation embedding and aligner, the Llama decoder
+    uncached, the generation head, guidance with transformers' CFG processor, then top-k 4."""
+    from transformers.generation.logits_process import ClassifierFreeGuidanceLogitsProcessor
+
+    from lantern.decoding.sampling import probs_from_logits
+
+    model = _reference_model(folder)
+    ids = _processor_inputs(PROMPTS[0])["input_ids"]
+    bos, boi, pad = 0, 5, 1
+    uncond = torch.where((ids == bos) | (ids == boi), ids, pad)
+    prompt = model.get_input_embeddings()(torch.cat([ids, uncond]))  # [2, L, D]
+    sampling = SamplingConfig(**{**DIST, "cfg_scale": cfg_scale})
+    guide = ClassifierFreeGuidanceLogitsProcessor(cfg_scale)
+    v = model.config.vq_config.num_embeddings
+
+    def probs(prefix: list[int]) -> Tensor:
+        x = prompt
+        if prefix:
+            codes = torch.tensor([prefix, prefix])
+            x = torch.cat([prompt, model.prepare_embeddings_for_image_generation(codes)], dim=1)
+        hidden = model.model.language_model(inputs_embeds=x, use_cache=False).last_hidden_state[:, -1]
+        guided = guide(torch.zeros(1, 1, dtype=torch.long), model.model.generation_head(hidden))
+        return probs_from_logits(guided, sampling)[0].double()
+
+    joint = torch.zeros(v**DIST_TOKENS, dtype=torch.float64)
+    p0 = probs([])
+    for a in p0.nonzero().flatten().tolist():
+        p1 = probs([a])
+        for b in p1.nonzero().flatten().tolist():
+            p2 = probs([a, b])
+            joint[(a * v + b) * v : (a * v + b + 1) * v] = p0[a] * p1[b] * p2
+    return joint
+
+
+@cache
+def _dist_codes(folder: Path, method: str) -> Tensor:
+    from lantern.api import resolve_settings
+    from lantern.run import run_conditions
+
+    stack = lantern.load(folder).stack
+    method_cfg, sampling = resolve_settings(stack, method, **DIST, **DIST_METHODS[method])
+    conditions = stack.encode([PROMPTS[0]], repeats=DIST_ROWS)
+    return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, :DIST_TOKENS]
+
+
+# slow (~25 s for the four methods): 4000 images per method, a chi-square run like the other families'
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(DIST_METHODS))
+def test_lossless_methods_keep_the_models_law(folder: Path, method: str) -> None:
+    """Chi-square goodness of fit of codes 0..2 against the exact joint from transformers' modules,
+    at significance 0.001 (fixed seeds: deterministic)."""
+    from lantern.testing import chi_square_pooled, chi_square_threshold
+
+    p = _exact_joint(folder, DIST["cfg_scale"])
+    codes = _dist_codes(folder, method)
+    v = 32
+    assert bool((p[(codes * torch.tensor([v * v, v, 1])).sum(1)] > 0).all()), "a sample outside the top-k support"
+    stat, df = chi_square_pooled(codes, p, v)
+    assert df >= 30
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+
+
+# slow: reuses the sjd-coupled run above (4000 images)
+@pytest.mark.slow
+def test_the_law_test_has_power(folder: Path) -> None:
+    """The same samples are rejected against another guidance scale (2.5 instead of 2)."""
+    from lantern.testing import chi_square_pooled, chi_square_threshold
+
+    stat, df = chi_square_pooled(_dist_codes(folder, "sjd-coupled"), _exact_joint(folder, 2.5), 32)
+    assert stat > chi_square_threshold(df)
