@@ -152,3 +152,24 @@ def test_serve_gives_the_apis_codes(folder: Path) -> None:
         assert r.status_code == 200, r.text
     expected = pipe(prompts=["a red car"], num_per_label=2, seed=4, method="sjd-coupled", sjd_window=4)
     assert [d["codes"] for d in r.json()["data"]] == expected.codes.tolist()
+
+
+def test_build_proximity_from_the_model_folder(folder: Path, tmp_path: Path) -> None:
+    """``build-proximity --tokenizer FOLDER`` reads the VQ codebook out of the model's safetensors
+    (no model is built); the table fits the stack and runs a relaxed row through ``--proximity``."""
+    import torch
+
+    from lantern.targets.proximity import ProximityTable
+
+    out = tmp_path / "prox.safetensors"
+    assert main(["build-proximity", "--tokenizer", str(folder), "--k-max", "7", "--normalize", "--out",
+                 str(out)]) == 0
+    pipe = lantern.load(folder, proximity=out)
+    codebook = pipe.stack.codebook()
+    ProximityTable.load(out).validate(codebook)
+    unit = torch.nn.functional.normalize(codebook, dim=-1)
+    d = torch.cdist(unit, unit)
+    d.fill_diagonal_(float("inf"))
+    assert ProximityTable.load(out).neighbours[:, 0].long().tolist() == d.argmin(1).tolist()
+    assert _generate(folder, tmp_path / "g", "--method", "sjd-lantern", "--sjd-window", "4", "--lantern-k", "7",
+                     "--proximity", str(out)) == 0

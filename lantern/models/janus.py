@@ -47,6 +47,19 @@ JANUS_MODEL_TYPE = "janus"
 # `janus` package, which transformers cannot build; the transformers conversion is what lantern reads.
 ORIGINAL_MODEL_TYPES = ("multi_modality",)
 BOI_TOKEN = "<begin_of_image>"  # the image-start token of DeepSeek's tokenizer (``tokenizer.boi_token``)
+CODEBOOK_KEY = "model.vqmodel.quantize.embedding.weight"  # in the folder's safetensors
+
+
+def codebook_file(directory: Path) -> Path:
+    """The safetensors file of a Janus folder that holds the VQ codebook (sharded: by the index)."""
+    from lantern.io import read_json_object
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index, "safetensors index").get("weight_map") or {}
+        check(CODEBOOK_KEY in weight_map, f"{index}: weight_map has no {CODEBOOK_KEY!r}")
+        return directory / str(weight_map[CODEBOOK_KEY])
+    return directory / "model.safetensors"
 
 
 class JanusLM(nn.Module):
@@ -139,8 +152,9 @@ class JanusLM(nn.Module):
         return self.hf.model.vqmodel.decode(codes)
 
     def codebook(self) -> Tensor:
-        """[V, D]: the code vectors the VQ decoder reads (``get_codebook_entry`` L2-normalises them)."""
-        return F.normalize(self.hf.model.vqmodel.quantize.embedding.weight, p=2, dim=-1)
+        """[V, D]: the raw VQ codebook (proximity tables are checked against it; the decoder reads
+        it L2-normalised, which ``build-proximity --normalize`` ranks by)."""
+        return self.hf.model.vqmodel.quantize.embedding.weight
 
     def pixel_size(self) -> tuple[int, int]:
         """(height, width) of a decoded image: the grid times the VQ decoder's upsampling."""
