@@ -138,7 +138,7 @@ def test_serve_gives_the_apis_codes(folder: Path) -> None:
     from lantern.serve.plan import runnable_methods
     from lantern.serve.scheduler import Scheduler
 
-    pipe = lantern.load(folder)
+    pipe = lantern.load(folder, deterministic=True)  # the server's default
     assert "lantern++" not in runnable_methods(pipe) and "sjd-coupled" in runnable_methods(pipe)
     scheduler = Scheduler(pipe, max_batch=2, max_queue=4)
     scheduler.start()
