@@ -165,11 +165,12 @@ def load_chameleon_stack(
     return ChameleonStack(root=root, model=lm, layout=layout, vq=vq_model, tokenizer=tokenizer)
 
 
-def load_prompt_tokenizer(root: Path) -> Any:
+def load_prompt_tokenizer(root: Path, family: str = "Chameleon") -> Any:
+    """The folder's own prompt tokenizer (Chameleon-family and Janus folders), never its code."""
     try:
         from transformers import AutoTokenizer
     except ImportError as e:  # pragma: no cover
-        raise LanternError("Chameleon targets need transformers: pip install 'lantern-ar[t2i]'") from e
+        raise LanternError(f"{family} targets need transformers: pip install 'lantern-ar[t2i]'") from e
     try:
         # trust_remote_code=False: a folder whose config asks for its own code (auto_map) is refused
         # at once; left unset, transformers asks on the terminal whether to run that code.

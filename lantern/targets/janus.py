@@ -30,11 +30,12 @@ from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import DraftBackend
 from lantern.decoding.loop import Target
-from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
+from lantern.errors import LanternError, check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
 from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon_stack import load_prompt_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -186,7 +187,7 @@ def load_janus_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = 
 
     root = Path(model)
     check_janus_folder(root)  # before the tokenizer: a remote-code folder is refused first
-    tokenizer = load_janus_tokenizer(root)
+    tokenizer = load_prompt_tokenizer(root, "Janus")
     template = read_chat_template(root, tokenizer)
     settings = read_generation_config(root)
     tokens = janus_tokens(root, tokenizer, settings)
@@ -196,18 +197,6 @@ def load_janus_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = 
     check(max(tokens.bos, tokens.pad, tokens.boi) < lm.text_vocab,
           f"--model {root}: special token ids {tokens} past the text vocabulary ({lm.text_vocab})")
     return stack
-
-
-def load_janus_tokenizer(root: Path) -> Any:
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover
-        raise LanternError("Janus targets need transformers: pip install 'lantern-ar[t2i]'") from e
-    try:
-        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
-    except TRANSFORMERS_LOAD_ERRORS as e:
-        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: "
-                           f"{transformers_reason(e)}") from None
 
 
 def read_chat_template(root: Path, tokenizer: Any) -> str | None:
