@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import statistics
@@ -31,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,34 +65,47 @@ def metric(text: str, name: str) -> float:
 
 
 class Server:
+    """``lantern serve`` on a free localhost port; ``extra`` are more server flags (e.g.
+    ``--no-deterministic``). Starting does not wait: :meth:`wait_ready` does, so several servers
+    can compile side by side (a GPU machine has the cores) and be measured one after another."""
+
     def __init__(self, model: str, method: str, max_batch: int, continuous: bool, compile: str, log: Path,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
         cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", model, "--method", method,
                "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", "256", "--compile", compile,
-               "--device", device]
+               "--device", device, *extra]
         if not continuous:
             cmd.append("--no-continuous")
         self.log = log.open("w")
+        self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 600
+        self.ready_seconds: float | None = None
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"lantern serve exited with {self.proc.returncode}; see {log}")
+                raise SystemExit(f"lantern serve exited with {self.proc.returncode}; see {self.log_path}")
             try:
                 if http(self.url + "/health", timeout=2)[0] == 200:
+                    self.ready_seconds = time.perf_counter() - self.started
                     return
             except OSError:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise SystemExit(f"lantern serve did not answer /health within 600 s; see {log}")
+        raise SystemExit(f"lantern serve did not answer /health within {timeout:.0f} s; see {self.log_path}")
 
     def metrics(self) -> str:
         return http(self.url + "/metrics")[1].decode()
 
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            self.log.close()
+            return
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
@@ -187,7 +203,8 @@ def server_over_direct(server: Server, model: str, method: str, count: int, labe
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="photos")
-    ap.add_argument("--methods", default="ar,lantern++")
+    ap.add_argument("--methods", default="ar,lantern++",
+                    help="comma-separated; an item may add server flags: 'lantern++ --no-deterministic'")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=8)
@@ -197,31 +214,46 @@ def main() -> None:
     ap.add_argument("--labels", type=int, default=10, help="labels cycle over 0 .. N-1")
     ap.add_argument("--rates", default="", help="open loop: Poisson arrival rates (requests/s), e.g. 0.5,1")
     ap.add_argument("--open-requests", type=int, default=24, help="requests per open-loop rate")
+    ap.add_argument("--parallel-start", action="store_true",
+                    help="start every server at once (they compile side by side), then measure one at a time")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # "lantern++ --no-deterministic": a method and more server flags; the whole item labels its rows
+    specs = [(item.strip(), shlex.split(item)) for item in args.methods.split(",") if item.strip()]
+    plan = [(label, words[0], words[1:], mode) for label, words in specs for mode in args.modes.split(",")]
+
+    def start(label: str, method: str, extra: list[str], mode: str) -> Server:
+        name = re.sub(r"[^A-Za-z0-9+.-]+", "_", label)
+        return Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
+                      args.out / f"server-{name}-{mode}.log", device=args.device, extra=extra)
+
+    servers = [start(*p) for p in plan] if args.parallel_start else []
     rows: list[dict[str, Any]] = []
-    for method in args.methods.split(","):
-        for mode in args.modes.split(","):
-            server = Server(args.model, method, args.max_batch, mode == "continuous", args.compile,
-                            args.out / f"server-{method}-{mode}.log", device=args.device)
+    try:
+        for i, (label, method, extra, mode) in enumerate(plan):
+            server = servers[i] if servers else start(label, method, extra, mode)
             try:
+                server.wait_ready()
                 http(server.url + "/v1/images/generations", {"label": 0, "seed": 0, "method": method})  # warm
                 for clients in (int(c) for c in args.clients.split(",") if c):
-                    row = {"method": method, "batching": mode, **run_level(server, clients, args.requests_per_client,
-                                                                            method, args.labels)}
+                    row = {"method": label, "batching": mode, "ready_seconds": server.ready_seconds,
+                           **run_level(server, clients, args.requests_per_client, method, args.labels)}
                     if clients == 1 and mode == "continuous":
                         row.update(server_over_direct(server, args.model, method, args.requests_per_client,
                                                       args.labels))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                 for rate in (float(r) for r in args.rates.split(",") if r):
-                    row = {"method": method, "batching": mode, **run_open(server, rate, args.open_requests, method,
-                                                                          args.labels)}
+                    row = {"method": label, "batching": mode, **run_open(server, rate, args.open_requests, method,
+                                                                         args.labels)}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
             finally:
                 server.stop()
+    finally:
+        for server in servers:
+            server.stop()
     record = {"model": args.model, "max_batch": args.max_batch, "requests_per_client": args.requests_per_client,
               "compile": args.compile, "device": args.device, "cpu_count": os.cpu_count(), "rows": rows}
     (args.out / "serve_load.json").write_text(json.dumps(record, indent=2))

@@ -7,7 +7,7 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,sizes,invariance,serve.
+# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,serve,invariance-det,sizes.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,sizes,targets-b1-more,targets-b8,invariance,serve}
+STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,sizes,targets-b1-more,targets-b8,invariance}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -37,8 +37,8 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 # sizes: QUICK=1 shrinks every stage to check the plumbing, not to measure
-if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; B8=2; INV=2
-else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; B8=8; INV=16; fi
+if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; B8=2; INV=2; SERVE_REQ=1
+else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; B8=8; INV=16; SERVE_REQ=4; fi
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 pack() { tar czf "$OUT/results.tgz.part" -C "$WORK" --exclude='*.pt' . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
@@ -71,6 +71,15 @@ stage trace 40 150 env TORCH_LOGS=recompiles,perf_hints "$PY" -m lantern.cli pro
   --no-progress
 stage gpt-xl-b1 60 200 "$PY" benchmarks/round_cost.py --configs "$XL" --batch-sizes 1 --trees chain:6 \
   --device "$DEVICE" --compile "$COMPILE" --rounds "$ROUNDS" --repeats "$REPS" --out "$WORK/round-cost-xl-b1"
+# the server: speculative against AR at 8 clients, and lantern++ without --deterministic (what the
+# server's default costs); the servers compile side by side, then are measured one at a time
+stage serve 150 330 env TORCH_LOGS=recompiles "$PY" benchmarks/serve_load.py --model photos --parallel-start \
+  --methods "ar,lantern++,lantern++ --no-deterministic" --clients 8 \
+  --requests-per-client "$SERVE_REQ" --modes continuous --compile "$COMPILE" --device "$DEVICE" --out "$WORK/serve"
+# the deterministic mode's batch invariance alone (the default mode was measured on 2026-11-27)
+stage invariance-det 40 150 "$PY" benchmarks/batch_invariance.py --model photos --device "$DEVICE" --dtype auto \
+  --compile "$COMPILE" --deterministic --images "$INV" --methods ar,lantern++,sjd-coupled --batch-sizes "$B8" \
+  --out "$WORK/invariance-deterministic.json"
 stage sizes 90 300 bash -c "$PY benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,$B8,32 --trees chain:6 \
   --device $DEVICE --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-b && \
   $PY benchmarks/round_cost.py --configs $XL --batch-sizes $B8,32 --trees chain:6 --device $DEVICE \
@@ -86,6 +95,4 @@ stage invariance 40 150 bash -c "$PY benchmarks/batch_invariance.py --model phot
   --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-default.json && \
   $PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --compile $COMPILE --deterministic \
   --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-deterministic.json"
-stage serve 120 300 "$PY" benchmarks/serve_load.py --model photos --methods ar,lantern++ --clients 8 \
-  --requests-per-client 2 --modes continuous --compile "$COMPILE" --device "$DEVICE" --out "$WORK/serve"
 echo "== done $(date +%T), $(left) s of the budget left"
