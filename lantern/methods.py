@@ -20,6 +20,9 @@ method             tree                  acceptance
 ``pjd``            a chain per open row  SJD's rule per row (PJD: 2-D parallel Jacobi; lossy
                                          unless ``--pjd-context`` = the row length)
 ``pjd-lantern*``   a chain per open row  relaxed (``-lantern``: delta, ``-lantern++``: lambda)
+``*-sv``           as the method before  SJD-SV: runs of drafts tested on their high-confidence
+                   ``-sv``               tail (relaxed; ``sjd-sv``, ``sjd-coupled-sv``,
+                                         ``sjd-lantern-sv``, ``gsd-sv``)
 =================  ====================  ==========================================
 
 What each method is (its family, acceptance rule, whether it is lossless, needs a drafter or the
@@ -30,7 +33,8 @@ The SJD methods (``lantern.decoding.jacobi``) load no drafter: ``MethodConfig.ja
 length, initialisation and coupling (``independent`` for ``sjd*``, ``maximal`` or ``gumbel`` for
 ``sjd-coupled*`` and ``sjd-pac``), and the relaxed ones read the proximity table like LANTERN.
 ``sjd-pac`` (``lantern.decoding.pac``) also holds ``MethodConfig.pac`` (the K-ary subtree's width and
-depth); its tree is the chain plus that subtree. The PJD methods
+depth); its tree is the chain plus that subtree. The ``-sv`` methods also hold
+``MethodConfig.subsequence`` (SJD-SV's alpha, ``lantern.decoding.subsequence``). The PJD methods
 (``lantern.decoding.pjd``) hold ``MethodConfig.pjd`` (window, context) instead; their tree is a chain of the
 window (each open row's chain), and the loop runs its grid round for them.
 """
@@ -46,6 +50,7 @@ from lantern.decoding.config import CREDITS, RESIDUALS, RelaxationConfig, TreeCo
 from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
 from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
 from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
+from lantern.decoding.subsequence import DEFAULT_SV_ALPHA, SubsequenceConfig
 from lantern.errors import LanternError, check, first_given
 
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen ([LANTERN code])
@@ -103,6 +108,9 @@ class MethodRecord:
     proactive: bool = False  # sjd-pac: proactive drafting's K-ary subtree beside the window's chain
     default_tree: str | None = None  # eagle family: the tree without --tree or a stack's recommendation
     default_init: str | None = None  # sjd / pjd families: the first guesses (--sjd-init / --pjd-init)
+    # Verification by runs of drafts (SJD-SV, lantern.decoding.subsequence) on top of ``rule``:
+    # relaxed whatever the rule, so never lossless.
+    subsequence: bool = False
 
     @property
     def needs_drafter(self) -> bool:
@@ -116,7 +124,7 @@ class MethodRecord:
 
     @property
     def relaxed(self) -> bool:
-        return self.rule != "exact"
+        return self.rule != "exact" or self.subsequence
 
     @property
     def drafts_a_tree(self) -> bool:
@@ -134,9 +142,9 @@ def _eagle(name: str, rule: Rule, tree: str) -> MethodRecord:
 
 
 def _sjd(name: str, rule: Rule, couplings: tuple[str, ...] = (), coupling: str = "independent",
-         init: str = DEFAULT_COUPLED_INIT, proactive: bool = False) -> MethodRecord:
-    return MethodRecord(name, "sjd", rule, lossless=rule == "exact", couplings=couplings, default_coupling=coupling,
-                        proactive=proactive, default_init=init)
+         init: str = DEFAULT_COUPLED_INIT, proactive: bool = False, subsequence: bool = False) -> MethodRecord:
+    return MethodRecord(name, "sjd", rule, lossless=rule == "exact" and not subsequence, couplings=couplings,
+                        default_coupling=coupling, proactive=proactive, default_init=init, subsequence=subsequence)
 
 
 def _pjd(name: str, rule: Rule) -> MethodRecord:
@@ -171,6 +179,12 @@ METHOD_TABLE: dict[str, MethodRecord] = {r.name: r for r in (
     _pjd("pjd", "exact"),
     _pjd("pjd-lantern", "lantern"),
     _pjd("pjd-lantern++", "lantern++"),
+    # SJD-SV (arXiv 2609.13245): the paper's SJD-SV, GSD-SV and LANTERN-SV, and coupled SJD with it;
+    # each keeps its base method's redraws and first guesses.
+    _sjd("sjd-sv", "exact", init=DEFAULT_JACOBI.init, subsequence=True),
+    _sjd("sjd-coupled-sv", "exact", _COUPLED, DEFAULT_COUPLING, subsequence=True),
+    _sjd("sjd-lantern-sv", "lantern", subsequence=True),
+    _sjd("gsd-sv", "gsd", COUPLINGS, "independent", init=DEFAULT_JACOBI.init, subsequence=True),
 )}
 
 
@@ -196,6 +210,7 @@ class MethodConfig:
     jacobi: JacobiConfig | None = None  # SJD methods only: window length and initialisation
     pjd: PJDConfig | None = None  # PJD methods only: window and context
     pac: PACConfig | None = None  # sjd-pac only: proactive drafting's subtree (width K, depth D)
+    subsequence: SubsequenceConfig | None = None  # the -sv methods only: SJD-SV's alpha
 
     @property
     def record(self) -> MethodRecord:
@@ -213,6 +228,9 @@ class MethodConfig:
             (self.jacobi is not None) == sjd,
             f"method {self.method!r} {'needs' if sjd else 'takes no'} Jacobi settings (window, init)",
         )
+        check((self.subsequence is not None) == record.subsequence,
+              f"method {self.method!r} {'needs' if record.subsequence else 'takes no'} subsequence verification "
+              "settings (alpha)")
         check((self.pac is not None) == record.proactive,
               f"method {self.method!r} {'needs' if record.proactive else 'takes no'} proactive drafting settings "
               "(width, depth)")
@@ -258,6 +276,7 @@ class MethodConfig:
         pjd_init: str | None = None,
         pac_width: int | None = None,
         pac_depth: int | None = None,
+        sv_alpha: float | None = None,
     ) -> MethodConfig:
         """Defaults per method (see the module table), with the caller's settings (None: not given),
         named as everywhere (:data:`METHOD_SETTINGS`). ``tree``: a ``--tree`` spec or a TreeConfig
@@ -270,6 +289,7 @@ class MethodConfig:
               field=first_given(pac_width=pac_width, pac_depth=pac_depth))
         relaxation = _resolve_relaxation(method, k, lantern_delta, lantern_lambda, lantern_residual, lantern_budget,
                                          gsd_group, lantern_credit)
+        subsequence = _resolve_subsequence(record, sv_alpha)
         if record.family == "pjd":
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --pjd-window guesses per row",
                   field="tree")
@@ -299,7 +319,8 @@ class MethodConfig:
                 return cls(method=method, tree=pac.tree(jacobi.window), relaxation=relaxation, k_explicit=k is not None,
                            jacobi=jacobi, pac=pac)
             chain = TreeConfig(kind="chain", depth=jacobi.window)
-            return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi)
+            return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, jacobi=jacobi,
+                       subsequence=subsequence)
         check(sjd_window is None and sjd_init is None,
               f"--sjd-window / --sjd-init need --method {' or '.join(family_methods('sjd'))}",
               field=first_given(sjd_window=sjd_window, sjd_init=sjd_init))
@@ -349,6 +370,16 @@ def _resolve_coupling(record: MethodRecord, coupling: str | None) -> str:
     check(coupling is None or coupling in record.couplings,
           f"--sjd-coupling must be one of {', '.join(record.couplings)}, got {coupling!r}", field="sjd_coupling")
     return first_set(coupling, record.default_coupling)
+
+
+def _resolve_subsequence(record: MethodRecord, alpha: float | None) -> SubsequenceConfig | None:
+    """SJD-SV's settings for the ``-sv`` methods (the paper's alpha unless given); None for the others."""
+    check(record.subsequence or alpha is None,
+          f"--sv-alpha needs --method {' or '.join(method_names(lambda r: r.subsequence))}, got --method "
+          f"{record.name}", field="sv_alpha")
+    if not record.subsequence:
+        return None
+    return SubsequenceConfig(alpha=DEFAULT_SV_ALPHA if alpha is None else alpha)
 
 
 def _resolve_relaxation(
@@ -404,12 +435,12 @@ def _resolve_relaxation(
 # ``lantern/delta=0.2``, see SETTING_ALIASES).
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
                    "lantern_credit", "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context",
-                   "pjd_init", "pac_width", "pac_depth")
+                   "pjd_init", "pac_width", "pac_depth", "sv_alpha")
 # The bench grammar's short keys. ``window`` and ``init`` are the method's own: sjd_* or pjd_*.
 SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lantern_lambda",
                    "residual": "lantern_residual", "budget": "lantern_budget", "credit": "lantern_credit",
                    "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context",
-                   "width": "pac_width", "depth": "pac_depth"}
+                   "width": "pac_width", "depth": "pac_depth", "alpha": "sv_alpha"}
 
 
 def setting_name(method: str, key: str) -> str:

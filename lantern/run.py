@@ -305,7 +305,7 @@ def load_acceptance(method: MethodConfig, parts: ModelParts) -> tuple[Acceptance
     so they take k+1 columns of the table (and a default k is capped at K_max - 1)."""
     relaxation = method.relaxation
     if relaxation is None or relaxation.is_exact or not relaxation.uses_table:
-        return Acceptance(relaxation), method
+        return Acceptance(relaxation, subsequence=method.subsequence), method
     table = parts.table(method.method)
     extra = 0 if relaxation.residual == "paper" else 1
     if relaxation.k + extra > table.k_max and not method.k_explicit:
@@ -315,4 +315,4 @@ def load_acceptance(method: MethodConfig, parts: ModelParts) -> tuple[Acceptance
           f"--lantern-residual {relaxation.residual} removes k+1 = {relaxation.k + 1} neighbours per rejection, "
           f"but the proximity table {parts.proximity_source} holds K_max = {table.k_max}")
     neighbours = table.neighbours_for(relaxation.k + extra).to(parts.stack.device)
-    return Acceptance(relaxation, neighbours), replace(method, relaxation=relaxation)
+    return Acceptance(relaxation, neighbours, method.subsequence), replace(method, relaxation=relaxation)

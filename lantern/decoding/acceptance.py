@@ -62,6 +62,7 @@ from torch import Tensor
 from lantern.decoding.budget import TokenBudget, uses_token_budget
 from lantern.decoding.config import RelaxationConfig
 from lantern.decoding.sampling import sample_from_probs
+from lantern.decoding.subsequence import SubsequenceConfig, subsequence_accepted
 from lantern.errors import check
 
 
@@ -601,6 +602,7 @@ def verify_chain_sampled(
     neighbours: Tensor | None = None,
     relaxation: RelaxationConfig | None = None,
     relaxable: Tensor | None = None,  # [B, T] bool: node d was drawn from a model distribution (None: all)
+    subsequence: SubsequenceConfig | None = None,  # SJD-SV: runs of drafts tested together (relaxed)
 ) -> VerifyResult:
     """:func:`verify_tree_sampled` for a chain (one child per node), with every depth at once.
 
@@ -610,6 +612,10 @@ def verify_chain_sampled(
     test. Only that node's residual is then needed. With the same uniforms the result equals
     :func:`verify_tree_sampled`'s exactly (tested); it exists because on a CPU each level of the
     general walk costs ~50 small ops, which is a tenth of a round for a 5-token chain.
+
+    ``subsequence`` replaces the draft-by-draft walk with SJD-SV's run test
+    (:func:`lantern.decoding.subsequence.subsequence_accepted`) over the same per-draft ratios; the
+    recovered token at the first failed draft is that draft's residual, as without it.
     """
     b, t, v = p_target.shape
     check(t >= 2, f"a chain needs at least one draft, got {t} node(s)")
@@ -642,9 +648,14 @@ def verify_chain_sampled(
     drawn = None if relaxable is None else relaxable[:, 1:].reshape(b * d)
     p_tilde, m_len = drawn_credit(p_tilde, m_len, r_x, drawn, rule)
     u = uniforms[:, 1:t].to(dtype).reshape(b * d)
-    accepted = usable & (u < (p_tilde / q_test).clamp(max=1.0))
     exact = u < (r_x / q_x).clamp(max=1.0)
-    prefix = accepted.view(b, d).long().cumprod(-1)  # [B, D] 1 while every test so far passed
+    if subsequence is None:
+        accepted = usable & (u < (p_tilde / q_test).clamp(max=1.0))
+        prefix = accepted.view(b, d).long().cumprod(-1)  # [B, D] 1 while every test so far passed
+    else:
+        member = None if drawn is None else drawn.view(b, d)
+        prefix = subsequence_accepted(r_x.view(b, d), (p_tilde / q_test).view(b, d), member, usable.view(b, d),
+                                      u.view(b, d), subsequence.alpha).long()
     num_accepted = prefix.sum(-1)  # [B]
     rows = torch.arange(b, device=p_target.device)
     path = torch.where(prefix.bool(), depth[None, :], -1)

@@ -1,4 +1,5 @@
-"""Greedy (temperature 0) verification of a draft tree, path by path ([EAGLE code], [LANTERN code]).
+"""Greedy (temperature 0) verification of a draft tree, path by path ([EAGLE code], [LANTERN code]);
+and of a chain by SJD-SV's runs (:func:`verify_chain_greedy_subsequence`).
 
 No randomness: a drafted token is accepted when it is its parent's argmax (relaxed: of LANTERN's
 boosted distribution, :func:`lantern.decoding.acceptance.relaxed_mass`); the sampled rules and the
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from lantern.decoding.acceptance import VerifyResult, _active_relaxation, _probability_dtype, relaxed_mass
 from lantern.decoding.config import RelaxationConfig
+from lantern.decoding.subsequence import SubsequenceConfig, subsequence_accepted
 from lantern.errors import check
 
 
@@ -100,3 +102,36 @@ def verify_tree_greedy(
     relaxed_only = ~exact_ok.gather(1, path[:, 1:].clamp(min=0)) & (path[:, 1:] >= 0)  # [B, D]
     is_bonus = num_accepted == usable[rows, best].sum(-1)
     return VerifyResult(path, num_accepted, next_token, relaxed_only.sum(-1), is_bonus)
+
+
+def verify_chain_greedy_subsequence(
+    logits: Tensor,  # [B, T, V] guided raw logits at every chain node
+    tokens: Tensor,  # [B, T] node tokens; node d is at depth d (node 0 = the root)
+    max_depth: Tensor,  # [B] deepest usable node depth per row
+    subsequence: SubsequenceConfig,
+    neighbours: Tensor | None = None,  # [V, K] proximity table
+    relaxation: RelaxationConfig | None = None,
+    relaxable: Tensor | None = None,  # [B, T] bool: node n may share a run (drawn by a model; None: all)
+) -> VerifyResult:
+    """SJD-SV's run test at temperature 0 (:mod:`lantern.decoding.subsequence`; our reading, the
+    paper samples): a draft's ratio is 1 when it is its parent's (relaxed) argmax, else 0, and the
+    runs follow ``softmax(logits)`` of each draft, without temperature. No randomness."""
+    b, t, v = logits.shape
+    check(tuple(tokens.shape) == (b, t), f"tokens must be [B={b}, T={t}], got {tuple(tokens.shape)}")
+    relax = _active_relaxation(relaxation, neighbours, v)
+    tokens = tokens.long()
+    parent = (torch.arange(t, device=logits.device) - 1)[None].expand(b, -1)  # a chain: node d's parent is d - 1
+    ok, exact_ok = _greedy_node_ok(logits, tokens, parent, neighbours, relax, relaxable)
+    p = torch.softmax(logits[:, :-1].to(_probability_dtype(logits)), dim=-1)  # [B, D, V]
+    conf = p.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, D]
+    depth = torch.arange(1, t, device=logits.device)
+    usable = depth[None, :] <= max_depth[:, None]  # [B, D]
+    member = None if relaxable is None else relaxable[:, 1:]
+    accepted = subsequence_accepted(conf, ok[:, 1:].to(conf.dtype), member, usable, torch.zeros_like(conf),
+                                    subsequence.alpha)
+    num_accepted = accepted.sum(-1)  # [B]
+    path = torch.cat([torch.zeros_like(num_accepted)[:, None], torch.where(accepted, depth, -1)], dim=1)
+    rows = torch.arange(b, device=logits.device)
+    next_token = logits[rows, num_accepted].argmax(-1)
+    relaxed_only = (accepted & ~exact_ok[:, 1:]).sum(-1)
+    return VerifyResult(path, num_accepted, next_token, relaxed_only, num_accepted == usable.sum(-1))

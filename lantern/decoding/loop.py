@@ -39,12 +39,13 @@ from tqdm.auto import tqdm
 from lantern.decoding.acceptance import credited, verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.compiling import resolve_compile, round_fn
 from lantern.decoding.config import RelaxationConfig, SamplingConfig
-from lantern.decoding.greedy import verify_tree_greedy
+from lantern.decoding.greedy import verify_chain_greedy_subsequence, verify_tree_greedy
 from lantern.decoding.phases import NO_PHASE, phase
 from lantern.decoding.pjd import GridBlock
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.rows import copy_rows, movable
 from lantern.decoding.sampling import probs_from_logits, sample_from_probs
+from lantern.decoding.subsequence import SubsequenceConfig
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
@@ -199,10 +200,12 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class Acceptance:
-    """How drafted tokens are accepted: exact (``relaxation`` None) or LANTERN-relaxed."""
+    """How drafted tokens are accepted: exact (``relaxation`` None) or LANTERN-relaxed, one draft at
+    a time or (``subsequence``, SJD-SV: chains only) by runs of drafts."""
 
     relaxation: RelaxationConfig | None = None
     neighbours: Tensor | None = None  # [V, K_max] latent proximity table
+    subsequence: SubsequenceConfig | None = None  # lantern.decoding.subsequence (relaxed whatever the rule)
     # Benchmarks only, never decoding: accept exactly this many drafts per round (along the tree's
     # first path, capped by the image's end), whatever the rule says, so that a round's cost can be
     # timed at a chosen acceptance on random weights (benchmarks/round_cost.py). The rule still runs.
@@ -506,7 +509,7 @@ def _accept(
     path, num_acc, next_token, num_relaxed = _accept_core(
         logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
         acceptance.neighbours, acceptance.relaxation, sampling,
-        credited(tree.relaxable, tree.clean, acceptance.relaxation),
+        credited(tree.relaxable, tree.clean, acceptance.relaxation), acceptance.subsequence,
     )
     if acceptance.fixed_accept is not None:
         path, num_acc = _fixed_path(buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
@@ -535,20 +538,26 @@ def _accept_core(
     relaxation: RelaxationConfig | None,
     sampling: SamplingConfig,
     relaxable: Tensor | None = None,  # [B, T] bool: a relaxed rule may credit the node (None: every node)
+    subsequence: SubsequenceConfig | None = None,  # SJD-SV's runs (chains only)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
     b, t, _ = logits.shape
+    chain = children.shape[-1] == 1  # every node has at most one child: all depths at once
+    check(subsequence is None or chain or t == 1, "subsequence verification (SJD-SV) needs a chain of drafts")
     if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
         zero = torch.zeros(b, dtype=torch.long, device=logits.device)
         if u is None:
             return zero[:, None], zero, logits[:, 0].argmax(dim=-1), zero
         return zero[:, None], zero, sample_from_probs(probs_from_logits(logits[:, 0], sampling), u[:, -1]), zero
-    if u is None:
+    if u is None and subsequence is not None:
+        res = verify_chain_greedy_subsequence(logits, tokens, max_depth, subsequence, neighbours, relaxation, relaxable)
+    elif u is None:
         res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation,
                                  relaxable=relaxable)
-    elif children.shape[-1] == 1:  # a chain (every node has at most one child): all depths at once
+    elif chain:
         p_target = probs_from_logits(logits, sampling)
-        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation, relaxable)
+        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation, relaxable,
+                                   subsequence)
     else:
         p_target = probs_from_logits(logits, sampling)
         res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,

@@ -91,7 +91,7 @@ _VALUE_KINDS: dict[str, Callable[[str], Any]] = {
     "lantern_k": int, "lantern_delta": float, "lantern_lambda": float, "lantern_residual": str, "lantern_credit": str,
     "lantern_budget": str, "sjd_window": lambda text: _window_value(text), "sjd_init": str, "sjd_coupling": str,
     "gsd_group": int, "pjd_window": lambda text: _window_value(text), "pjd_context": int, "pjd_init": str,
-    "pac_width": int, "pac_depth": int,
+    "pac_width": int, "pac_depth": int, "sv_alpha": float,
 }
 
 

@@ -199,4 +199,6 @@ def method_settings(method: MethodConfig) -> dict[str, Any]:
         out.update(pjd_window=method.pjd.window, pjd_context=method.pjd.context, pjd_init=method.pjd.init)
     if method.pac is not None:
         out.update(pac_width=method.pac.width, pac_depth=method.pac.depth)
+    if method.subsequence is not None:
+        out["sv_alpha"] = method.subsequence.alpha
     return out

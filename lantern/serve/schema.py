@@ -64,6 +64,7 @@ class GenerationRequest(Strict):
     pjd_init: Literal[PJD_INITS] | None = None  # type: ignore[valid-type]
     pac_width: int | None = Field(None, ge=1, le=64)
     pac_depth: int | None = Field(None, ge=1, le=64)
+    sv_alpha: float | None = Field(None, gt=0, le=1)
     # Response
     response_format: Literal["b64_json"] = "b64_json"
     return_codes: bool = False
