@@ -3,7 +3,7 @@
 ::
 
     import lantern
-    pipe = lantern.load("digits")                      # preset, stack folder, t2i, Chameleon, Janus or org/name
+    pipe = lantern.load("digits")                      # preset, stack folder, t2i, Chameleon, Janus, Emu3 or org/name
     out = pipe(labels=[3, 7], method="lantern++", seed=0)
     out.images[0].save("x.png")
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from lantern.run import RunResult, run_conditions, run_generation, run_generation_t2i
     from lantern.targets.base import Conditions, Stack
     from lantern.targets.chameleon_stack import ChameleonStack
+    from lantern.targets.emu3 import Emu3Stack
     from lantern.targets.janus import JanusStack
     from lantern.targets.llamagen_stack import ModelStack, load_stack
 
@@ -45,6 +46,7 @@ _EXPORTS = {
         "lantern.targets.llamagen_stack": ("ModelStack", "load_stack"),
         "lantern.targets.chameleon_stack": ("ChameleonStack",),
         "lantern.targets.janus": ("JanusStack",),
+        "lantern.targets.emu3": ("Emu3Stack",),
         "lantern.errors": ("LanternError",),
     }.items()
     for name in names
@@ -57,6 +59,7 @@ __all__ = [
     "ChameleonStack",
     "Conditions",
     "Drafter",
+    "Emu3Stack",
     "GenerationOutput",
     "JacobiConfig",
     "JanusStack",

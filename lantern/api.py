@@ -1,7 +1,7 @@
 """The Python face of lantern: ``lantern.load(model)(labels=... | prompts=...)``.
 
 One call loads any model lantern runs (an embedded preset, a LlamaGen c2i or t2i stack folder, an
-Anole / Lumina-mGPT folder, a Janus / Janus-Pro folder, or a Hugging Face repo id of one) into a
+Anole / Lumina-mGPT folder, a Janus / Janus-Pro or Emu3 folder, or a Hugging Face repo id of one) into a
 :class:`Pipeline`; calling it generates images. Settings are resolved here, once, for Python
 callers and ``lantern generate`` alike: the stack's ``generation.json``, then the method's
 defaults, then the caller's overrides (:func:`resolve_settings`), so the same request gives the
@@ -323,8 +323,8 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
          layout: str | None = None, image_size: int | None = None,
          proximity: str | os.PathLike[str] | None = None, deterministic: bool = False) -> Pipeline:
     """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
-    folder (c2i or t2i), an Anole / Lumina-mGPT folder, a Janus / Janus-Pro folder (transformers
-    layout), or a Hugging Face repo id of any of these.
+    folder (c2i or t2i), an Anole / Lumina-mGPT folder, a Janus / Janus-Pro or Emu3 folder (transformers
+    layout; ``image_size``: an Emu3 image's side in pixels), or a Hugging Face repo id of any of these.
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
     ``bfloat16``, ``auto``) or a torch dtype. ``deterministic=True``: batch-invariant matmuls
     (:mod:`lantern.models.invariant`), so an image's codes never depend on the batch it runs in,
@@ -346,6 +346,7 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
           image_size: int | None, proximity: str | os.PathLike[str] | None) -> Pipeline:
     from lantern.decoding.compiling import resolve_compile
     from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder, refuse_remote_code
     from lantern.targets.base import inference_dtype
     from lantern.targets.llamagen_stack import load_stack
@@ -361,6 +362,8 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
     refuse_remote_code(root)  # a folder whose config needs its own code, of any family
     if is_janus_folder(root):
         return _load_janus(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
+    if is_emu3_folder(root):
+        return _load_emu3(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
     if is_chameleon_folder(root):
         return _load_chameleon(Path(root), paths, tokenizer, layout, image_size, torch_dtype, device, compile, prox)
     for name, value in (("layout", layout), ("image_size", image_size), ("vq", vq)):
@@ -408,4 +411,20 @@ def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, lay
             raise LanternError(f"{flag} is not used by Janus models (they read prompts with their own tokenizer and "
                                "chat template, decode with their own VQ model, and have no drafters yet)")
     stack = load_janus_stack(root, dtype, device)
+    return Pipeline(stack, device, compile, ModelParts(stack, None, proximity))
+
+
+def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
+               image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str,
+               proximity: str | None) -> Pipeline:
+    from lantern.targets.emu3 import check_not_compiled, load_emu3_stack
+
+    check_not_compiled(compile)
+    flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--vq", vq),
+             ("--drafter", paths["drafter"]))
+    for flag, value in flags:
+        if value is not None:
+            raise LanternError(f"{flag} is not used by Emu3 models (they read prompts with their own tokenizer, "
+                               "decode with their own VQ model, and have no drafters yet)")
+    stack = load_emu3_stack(root, dtype, device, image_size=image_size)
     return Pipeline(stack, device, compile, ModelParts(stack, None, proximity))

@@ -382,3 +382,128 @@ def make_tiny_janus_folder(out: str | os.PathLike[str], seed: int = 0, num_layer
     build_proximity(JanusLM(hf).codebook().detach(), k_max=15).save(out / "proximity.safetensors")
     write_json(out / "generation.json", {"temperature": 1.0, "top_k": 8, "cfg_scale": 3.0})
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Emu3 (tests only; needs transformers)
+
+# Emu3's special tokens (the converted tokenizer's names: BOS, EOS, pad, the image placeholder,
+# image start / end, the size header's wrapper, end of frame, end of line), then the tiny words.
+EMU3_SPECIAL = ("<|extra_203|>", "<|extra_204|>", "<|endoftext|>", "<image>", "<|image start|>", "<|image end|>",
+                "<|image token|>", "<|extra_201|>", "<|extra_200|>")
+EMU3_NEGATIVE_WORDS = ("lowres", "bad", "anatomy", "hands", "text", "error", "missing", "fingers", "extra", "digit",
+                       "fewer", "digits", "cropped", "worst", "quality", "low", "normal", "jpeg", "artifacts",
+                       "signature", "watermark", "username", "blurry")
+EMU3_WORDS = (*JANUS_WORDS, "*", *"0123456789", *EMU3_NEGATIVE_WORDS)
+TINY_EMU3_TEXT = 96  # text and special ids 0 .. 95; the visual tokens follow
+TINY_EMU3_CODES = 32
+TINY_EMU3_GRID = 4  # codes per side (image_size 32: Emu3Processor's 8 pixels per code)
+
+
+def tiny_emu3_vocab(num_codes: int = TINY_EMU3_CODES, seed: int = 0) -> dict[str, int]:
+    """The tiny tokenizer's vocabulary, which is also the config's ``vocabulary_map``: special tokens,
+    words, digits, then ``<|visual token{c:06d}|>`` at id ``TINY_EMU3_TEXT + perm[c]`` for a seeded
+    permutation (so a code / BPE mix-up shows)."""
+    vocab = {t: i for i, t in enumerate(EMU3_SPECIAL)} | {"<unk>": len(EMU3_SPECIAL)}
+    for w in EMU3_WORDS:
+        vocab.setdefault(w, len(vocab))
+    assert len(vocab) <= TINY_EMU3_TEXT
+    perm = torch.randperm(num_codes, generator=torch.Generator().manual_seed(seed)).tolist()
+    return vocab | {f"<|visual token{c:06d}|>": TINY_EMU3_TEXT + perm[c] for c in range(num_codes)}
+
+
+def tiny_emu3(seed: int = 0, num_layers: int = 2, num_codes: int = TINY_EMU3_CODES, logit_std: float = 0.05,
+              **text_overrides: Any) -> Any:
+    """A small random transformers ``Emu3ForConditionalGeneration`` (eval mode, float32).
+
+    GQA (2 key/value heads for 4 query heads) and Emu3's 9216 positions; norms moved off their initial
+    values and the decoder widened so the context decides the next code; the LM head's scale
+    (``logit_std``) keeps logits of a few units, where float32 rounding stays well under 1e-5. The
+    VQ-VAE has Emu3's four levels (8 pixels per code, as Emu3Processor assumes), its temporal blocks
+    and attention, at 32 channels. The generation config is the converted folders' (top-k 2048,
+    sampling on, pad and EOS)."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration
+
+    vocab = tiny_emu3_vocab(num_codes, seed)
+    text: dict[str, Any] = dict(vocab_size=TINY_EMU3_TEXT + num_codes, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=9216, initializer_range=0.1,
+                                pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|extra_203|>"],
+                                eos_token_id=vocab["<|extra_204|>"])
+    text.update(text_overrides)
+    config = Emu3Config(
+        text_config=text,
+        vq_config=dict(codebook_size=num_codes, embed_dim=4, latent_channels=4, base_channels=32,
+                       channel_multiplier=[1, 1, 1, 1], num_res_blocks=1, attn_resolutions=[3], hidden_size=32,
+                       num_attention_heads=1, temporal_downsample_factor=4),
+        vocabulary_map=vocab,
+    )
+    torch.manual_seed(seed)
+    model = Emu3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "vqmodel" not in name:  # RMSNorm weights off their ones
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif p.dim() == 2 and "text_model.layers" in name:
+                p.mul_(3.0)  # without it the last code alone decides the next: greedy images repeat one code
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen) * logit_std)
+        emb = model.model.text_model.embed_tokens.weight
+        emb.copy_(torch.randn(emb.shape, generator=gen))
+    g = model.generation_config
+    g.do_sample, g.top_k = True, 2048
+    g.pad_token_id, g.eos_token_id = text["pad_token_id"], text["eos_token_id"]
+    return model.eval()
+
+
+def tiny_emu3_tokenizer(num_codes: int = TINY_EMU3_CODES) -> Any:
+    """A word-level tokenizer with Emu3's special tokens (digits split one by one, as in a size header
+    ``12*12``), no BOS added (the processor writes it), left padding, and the token attributes
+    transformers' ``Emu3Processor`` reads (``image_token``, ``boi_token``, ``eoi_token``,
+    ``image_wrapper_token``, ``eof_token``), as the conversion script sets them."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = tiny_emu3_vocab(num_codes)
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.add_special_tokens([*EMU3_SPECIAL, *(t for t in vocab if t.startswith("<|visual token"))])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|extra_203|>", eos_token="<|extra_204|>", pad_token="<|endoftext|>",
+        unk_token="<unk>", extra_special_tokens={"image_token": "<image>", "boi_token": "<|image start|>",
+                                                 "eoi_token": "<|image end|>", "image_wrapper_token": "<|image token|>",
+                                                 "eof_token": "<|extra_201|>"})
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_emu3_processor(tokenizer: Any | None = None) -> Any:
+    """transformers' own ``Emu3Processor`` around the tiny tokenizer (the image processor with
+    mean = std = 0.5, as the released VisionTokenizer's): the reference for prompts and pixels."""
+    from transformers import Emu3ImageProcessor, Emu3Processor
+
+    pixels = Emu3ImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return Emu3Processor(image_processor=pixels, tokenizer=tokenizer or tiny_emu3_tokenizer())
+
+
+def make_tiny_emu3_folder(out: str | os.PathLike[str], seed: int = 0, num_layers: int = 2,
+                          grid: int = TINY_EMU3_GRID, logit_std: float = 0.05) -> Path:
+    """A tiny random Emu3 folder laid out like a converted download (BAAI/Emu3-Gen-hf):
+    ``save_pretrained`` of transformers' model (safetensors, config.json with the vocabulary map,
+    generation_config.json) and of its processor (tokenizer, image processor), plus a proximity table
+    built from the VQ codebook and a ``generation.json`` with the image size (``grid`` codes a side)
+    and small-model sampling defaults."""
+    from lantern.models.emu3 import PIXELS_PER_CODE
+    from lantern.targets.proximity import build_proximity
+
+    out = Path(out)
+    hf = tiny_emu3(seed=seed, num_layers=num_layers, logit_std=logit_std)
+    hf.save_pretrained(out)
+    tiny_emu3_processor().save_pretrained(out)
+    codebook = hf.model.vqmodel.quantize.embedding.weight.detach()
+    build_proximity(codebook, k_max=15).save(out / "proximity.safetensors")
+    write_json(out / "generation.json", {"image_size": grid * PIXELS_PER_CODE, "temperature": 1.0, "top_k": 8,
+                                         "cfg_scale": 3.0})
+    return out

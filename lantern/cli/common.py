@@ -169,8 +169,8 @@ def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Na
     return choice
 
 
-MODEL_HELP = ("embedded preset (digits | photos), a LlamaGen c2i / t2i stack folder, an Anole / Lumina-mGPT "
-              "or Janus / Janus-Pro folder, or a Hugging Face repo id of one")
+MODEL_HELP = ("embedded preset (digits | photos), a LlamaGen c2i / t2i stack folder, an Anole / Lumina-mGPT, "
+              "Janus / Janus-Pro or Emu3 folder, or a Hugging Face repo id of one")
 
 
 def add_chameleon_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +178,8 @@ def add_chameleon_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
                    help="the model's image layout (default: \"layout\" in the folder's generation.json)")
     g.add_argument("--image-size", type=int, default=None,
-                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only")
+                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only; "
+                        "Emu3: a multiple of 8 (default: generation.json's image_size, else 720)")
     g.add_argument("--vq", default=None, metavar="CKPT",
                    help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
                         "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")

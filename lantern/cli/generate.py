@@ -314,9 +314,10 @@ def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:
     T5 are read on first need."""
     from lantern.api import load
     from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
 
-    for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder)):
+    for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder), ("Emu3", is_emu3_folder)):
         if found(args.model):  # refused before the (large) model is read
             check_auto_window(args, f"{family}-family" if family == "Chameleon" else family)
             if not text:
@@ -338,7 +339,7 @@ def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] |
         return [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
     names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
-    if stack.kind in ("chameleon", "janus"):
+    if stack.kind in ("chameleon", "janus", "emu3"):
         layout = stack.layout
         info = {"name": layout.name, "height": layout.height, "width": layout.width,
                 "pixel_size": list(layout.pixel_size)}

@@ -52,7 +52,8 @@ def add_build_proximity(sub: argparse._SubParsersAction) -> None:
         description="For every codebook entry, its K_max nearest other entries in distance order.",
     )
     p.add_argument("--tokenizer", required=True,
-                   help="VQ tokenizer folder, official vq_ds16_*.pt file, or a Janus model folder (its VQ codebook)")
+                   help="VQ tokenizer folder, official vq_ds16_*.pt file, or a Janus / Emu3 model folder (its VQ "
+                        "codebook)")
     p.add_argument("--k-max", type=int, default=1024, help="neighbours stored per entry (default 1024)")
     p.add_argument("--out", required=True, help="output file (.safetensors)")
     add_overwrite_arg(p, "file")

@@ -3,7 +3,7 @@
 every stack folder may hold besides its model: ``generation.json`` (sampling settings, recommended
 trees, layout), ``drafter/`` and ``proximity.safetensors``. The families: LlamaGen c2i / t2i in
 ``lantern.targets.llamagen_stack``, Anole / Lumina-mGPT in ``lantern.targets.chameleon_stack``, Janus /
-Janus-Pro in ``lantern.targets.janus``.
+Janus-Pro in ``lantern.targets.janus``, Emu3 in ``lantern.targets.emu3``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PRESETS = ("digits", "photos")
 class Conditions:
     """Encoded conditions of N images, in the form the stack's target ``start`` takes."""
 
-    cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon / Janus prompt ids
+    cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon / Janus / Emu3 prompt ids
     mask: Tensor | None = None  # [N, L] True = a real caption / prompt column; None for labels
 
     def __len__(self) -> int:
@@ -54,7 +54,8 @@ class Stack(Protocol):
 
     Implemented by :class:`ModelStack` (LlamaGen c2i and t2i) and
     ``lantern.targets.chameleon_stack.ChameleonStack`` (Anole, Lumina-mGPT) and
-    ``lantern.targets.janus.JanusStack`` (Janus, Janus-Pro). Everything family-specific (the
+    ``lantern.targets.janus.JanusStack`` (Janus, Janus-Pro) and ``lantern.targets.emu3.Emu3Stack``
+    (Emu3). Everything family-specific (the
     condition format, CFG's unconditional branch, row-end tokens, the image tokenizer, which
     drafter folders fit) stays behind these methods and the :class:`~lantern.decoding.loop.Target` that
     :meth:`make_target` returns; the loop, acceptance rules, drafting and proximity tables work in
@@ -65,7 +66,8 @@ class Stack(Protocol):
 
     @property
     def kind(self) -> str:
-        """``c2i`` (class labels), ``t2i`` (prompts through T5), ``chameleon`` or ``janus`` (prompts, own tokenizer)."""
+        """``c2i`` (class labels), ``t2i`` (prompts through T5), ``chameleon``, ``janus`` or ``emu3``
+        (prompts, own tokenizer)."""
         ...
 
     @property
@@ -149,7 +151,8 @@ def labels_for(num_classes: int, n: int) -> list[int]:
 
 
 # What each Stack.kind is called in messages.
-FAMILY_NAMES = {"c2i": "class-conditional", "t2i": "text-to-image", "chameleon": "Chameleon-family", "janus": "Janus"}
+FAMILY_NAMES = {"c2i": "class-conditional", "t2i": "text-to-image", "chameleon": "Chameleon-family", "janus": "Janus",
+                "emu3": "Emu3"}
 
 MEASURE_PROMPTS = ("a photo of a red car", "a cat on a sofa", "a mountain lake at dawn", "a bowl of fruit")
 

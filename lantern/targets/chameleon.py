@@ -37,6 +37,7 @@ from lantern.errors import LanternError, check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 
 if TYPE_CHECKING:
+    from lantern.models.emu3 import Emu3LM
     from lantern.models.janus import JanusLM
 
 
@@ -56,10 +57,12 @@ def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) ->
 class ChameleonTarget:
     """A Chameleon LM behind the loop's interface: ``start`` / ``verify`` / ``commit``.
 
-    ``model`` may also be a :class:`~lantern.models.janus.JanusLM`, which offers the same members
-    (``lantern.targets.janus.JanusTarget`` changes only the guidance rows)."""
+    ``model`` may also be a :class:`~lantern.models.janus.JanusLM` or an
+    :class:`~lantern.models.emu3.Emu3LM`, which offer the same members (``lantern.targets.janus.JanusTarget``
+    changes only the guidance rows; ``lantern.targets.emu3.Emu3Target`` the guidance rows and how
+    they are combined)."""
 
-    def __init__(self, model: ChameleonLM | JanusLM, layout: ImageLayout, sampling: SamplingConfig,
+    def __init__(self, model: ChameleonLM | JanusLM | Emu3LM, layout: ImageLayout, sampling: SamplingConfig,
                  max_tree_nodes: int = 1) -> None:
         self.model = model
         self.layout = layout
@@ -126,8 +129,13 @@ class ChameleonTarget:
         self.forwards += 1
         self.prefill = (ids, hidden)
         self.slot_cell = None
-        logits = apply_cfg(self.model.image_logits(hidden[:, -1]), self.sampling.cfg_scale, self.streams)
+        logits = self.guided_logits(hidden[:, -1])
         return logits, hidden[:, length - p :]
+
+    def guided_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [S*B, ..., D] of both streams -> guided code logits [B, ..., V]: CFG of the raw code
+        logits. (Emu3 overrides this: transformers guides its log-softmax over the whole vocabulary.)"""
+        return apply_cfg(self.model.image_logits(hidden), self.sampling.cfg_scale, self.streams)
 
     def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """CFG's unconditional rows for prompt contexts cond [B, L] (mask [B, L]): the layout's
@@ -172,7 +180,7 @@ class ChameleonTarget:
         self.node_hidden = hidden[:, :t]
         idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
         hidden = hidden.gather(1, idx)  # [S*B, T, D]: the state that predicts each node's children
-        logits = apply_cfg(self.model.image_logits(hidden), self.sampling.cfg_scale, s)
+        logits = self.guided_logits(hidden)
         return logits, hidden
 
     def commit(self, path: Tensor, num_keep: Tensor) -> None:
@@ -225,7 +233,7 @@ class ChameleonTarget:
         self.forwards += 1
         self._grid = (keys_s, owner, valid)
         idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
-        return apply_cfg(self.model.image_logits(hidden.gather(1, idx)), self.sampling.cfg_scale, s)
+        return self.guided_logits(hidden.gather(1, idx))
 
     def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None:
         """Keep block nodes ``keep[:, :num_keep]`` of the last grid block, each with its new-line

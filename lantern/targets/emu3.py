@@ -1,0 +1,305 @@
+"""The Emu3 family (BAAI's Emu3-Gen in transformers' layout): its target adapter and its Stack.
+
+The target is the Chameleon adapter (:class:`~lantern.targets.chameleon.ChameleonTarget`: left-padded
+prompts with per-row positions, tree verification, PJD's grid, new-line shadows) over an
+:class:`~lantern.models.emu3.Emu3LM`. What is Emu3's own:
+
+* **Prompt.** ``<BOS>{prompt}<|image start|>{H}*{W}<|image token|>``, tokenized whole: what
+  transformers' ``Emu3Processor(text=..., return_for_image_generation=True)`` builds (its
+  ``prepare_inputs_layout`` adds the BOS text, its ``calculate_generate_size`` the grid: 90 x 90 codes
+  for the default 1:1 image of 518,400 pixels). No chat template: image generation has none.
+* **Guidance rows.** The negative prompt, as transformers' Emu3 docs pass it to ``generate``
+  (``negative_prompt_ids`` of ``processor(text=[neg_prompt])``: BOS and the text, no size header),
+  left-padded to the batch's width; prompts shorter than it get masked left padding (no position,
+  never attended), so no extra field in :class:`~lantern.targets.base.Conditions` is needed: the
+  negative prompt is one per model. ``generation.json`` may change its text (``negative_prompt``)
+  or add the size header to it (``negative_image_header: true``, as BAAI's own
+  ``image_generation.py`` formats both prompts).
+* **Guidance.** ``u + s (c - u)`` of the log-softmax over the whole vocabulary of each branch, as
+  transformers' ``UnbatchedClassifierFreeGuidanceLogitsProcessor`` (``Emu3LM.image_log_probs``).
+* **Rows.** The end-of-line token after every row is the layout's ``eol``: forced, never sampled,
+  inserted by the adapter after each row's last code in trees and in PJD's grid, so PJD's windows
+  are the image rows; the end-of-frame / end-of-image tokens after the last row follow the codes and
+  are never needed for them.
+
+The stack reads a transformers-format folder (safetensors, tokenizer, ``generation_config.json``:
+top-k, temperature and guidance as sampling defaults) and lantern's usual extras (``generation.json``:
+also ``image_size``; ``proximity.safetensors``). Images come from the model's own VQ decoder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lantern.decoding.cache import CachePool
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.drafting import DraftBackend
+from lantern.decoding.loop import Target
+from lantern.decoding.sampling import apply_cfg
+from lantern.errors import LanternError, check
+from lantern.models.chameleon import ImageLayout
+from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
+from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for, read_generation_settings
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon_stack import load_prompt_tokenizer
+from lantern.targets.janus import read_generation_config
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# BAAI's image_generation.py: guidance 3, top-k 2048 (also the converted generation_config.json's), temperature 1.
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2048, "top_p": 1.0, "cfg_scale": 3.0}
+# The negative prompt of BAAI's image_generation.py and of transformers' Emu3 docs.
+NEGATIVE_PROMPT = ("lowres, bad anatomy, bad hands, text, error, missing fingers, extra digit, fewer digits, cropped, "
+                   "worst quality, low quality, normal quality, jpeg artifacts, signature, watermark, username, "
+                   "blurry.")
+BOI_TOKEN, WRAPPER_TOKEN = "<|image start|>", "<|image token|>"  # the tokenizer's boi_token, image_wrapper_token
+NO_DRAFTER = ("Emu3 models have no drafter support yet: use a method without one (ar, sjd, sjd-coupled, sjd-pac, "
+              "gsd, pjd, or their relaxed rows with a proximity table)")
+
+
+@dataclass(frozen=True)
+class Emu3Prompting:
+    """How an Emu3 prompt and its negative are written (texts; the stack tokenizes them)."""
+
+    bos: str  # the BOS token's text (Emu3: <|extra_203|>), written first as Emu3Processor does
+    boi: str = BOI_TOKEN
+    wrapper: str = WRAPPER_TOKEN
+    negative: str = NEGATIVE_PROMPT
+    negative_header: bool = False  # True: the negative carries the size header too (BAAI's own script)
+
+    def header(self, grid: int) -> str:
+        """The size header that ends every prompt: ``<|image start|>H*W<|image token|>``."""
+        return f"{self.boi}{grid}*{grid}{self.wrapper}"
+
+    def prompt(self, text: str, grid: int) -> str:
+        return f"{self.bos}{text}{self.header(grid)}"
+
+    def negative_prompt(self, grid: int) -> str:
+        return self.prompt(self.negative, grid) if self.negative_header else f"{self.bos}{self.negative}"
+
+
+class Emu3Target(ChameleonTarget):
+    """The Chameleon adapter over an Emu3 model: negative-prompt guidance rows, guided log-probs."""
+
+    def __init__(self, model: Emu3LM, layout: ImageLayout, sampling: SamplingConfig, negative: Sequence[int],
+                 max_tree_nodes: int = 1) -> None:
+        super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes)
+        self.emu3 = model
+        self.negative = torch.tensor(list(negative), dtype=torch.long)
+
+    def context_width(self, width: int) -> int:
+        """Prompt columns ``start`` prefills for prompts ``width`` wide: the negative prompt's rows
+        share them, so the longer of the two under guidance."""
+        return max(width, len(self.negative)) if self.streams == 2 else width
+
+    @torch.no_grad()
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill (see ChameleonTarget.start); prompts narrower than the negative prompt are first
+        widened by masked left padding, which changes no position and no attention."""
+        mask = torch.ones_like(cond, dtype=torch.bool) if cond_mask is None else cond_mask.bool()
+        extra = self.context_width(cond.shape[1]) - cond.shape[1]
+        if extra > 0:
+            cond, mask = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False)
+        return super().start(cond, mask)
+
+    def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The negative prompt in every row, left-padded to the prompts' width."""
+        b, length = cond.shape
+        n = len(self.negative)
+        check(n <= length, "prompt contexts are narrower than the negative prompt (Emu3Target.start widens them)")
+        u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
+        u_ids[:, length - n :] = self.negative.to(cond.device)
+        u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
+        u_mask[:, length - n :] = True
+        return u_ids, u_mask
+
+    def guided_logits(self, hidden: Tensor) -> Tensor:
+        """With guidance, ``u + s (c - u)`` of each branch's log-softmax over the whole vocabulary at
+        the codes (transformers' UnbatchedClassifierFreeGuidanceLogitsProcessor, which then keeps the
+        visual tokens); without, the raw code logits (what transformers samples from then)."""
+        if self.streams == 1:
+            return self.emu3.image_logits(hidden)
+        return apply_cfg(self.emu3.image_log_probs(hidden), self.sampling.cfg_scale, self.streams)
+
+
+@dataclass
+class Emu3Stack(StackFolder):
+    """An Emu3 folder loaded: the :class:`~lantern.targets.base.Stack` for Emu3 targets.
+
+    Conditions are prompts with Emu3's size header; guidance rows the negative prompt; images come
+    from the model's VQ decoder. Drafter methods are refused (no Emu3 drafters yet)."""
+
+    model: Emu3LM
+    layout: ImageLayout
+    tokenizer: Any  # a transformers tokenizer
+    prompting: Emu3Prompting
+    negative_ids: tuple[int, ...]
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
+
+    FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
+    DRAFTER_REFUSAL: ClassVar[str | None] = NO_DRAFTER
+
+    kind = "emu3"
+    num_classes = None
+    num_tokens: int = field(init=False)
+    grid_width: int = field(init=False)
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens, self.grid_width = self.layout.num_tokens, self.layout.width
+        self.vocab_size = self.model.num_codes
+
+    def network(self) -> torch.nn.Module:
+        return self.model
+
+    def default_sampling(self) -> dict[str, float]:
+        """BAAI's defaults, then generation_config.json's, then generation.json's."""
+        from lantern.targets.base import SAMPLING_KEYS
+
+        raw = read_generation_settings(self.root)
+        return dict(self.FAMILY_SAMPLING) | self.sampling_defaults | {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+
+    def format_prompt(self, prompt: str) -> str:
+        """The text transformers' Emu3Processor tokenizes for an image prompt."""
+        return self.prompting.prompt(prompt, self.layout.width)
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt, BOS first and the size header last (checked)."""
+        header = list(self.layout.prefix)
+        out = []
+        for p in prompts:
+            ids = tokenize_text(self.tokenizer, self.format_prompt(p))
+            check(ids[-len(header):] == header,
+                  f"--model {self.root}: the tokenizer does not end the prompt with the size header "
+                  f"{self.prompting.header(self.layout.width)!r} (ids {header}); got ids {ids[-len(header):]}")
+            out.append(ids)
+        return out
+
+    def codebook(self) -> Tensor | None:
+        return self.model.codebook()
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.model.config
+        return {"family": "emu3", "dim": c.hidden_size, "n_layer": c.num_hidden_layers,
+                "block_size": self.num_tokens, "vocab_size": self.vocab_size}
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        check(t5 is None, "--t5 is not used by Emu3 models (they read prompts with their own tokenizer)")
+        prompts = check_condition_kind(conditions, str, self.root)
+        p = len(self.layout.prefix)  # the size header: encode_prompts appends it again
+        texts = [ids[:-p] for ids in self.tokenize([q for q in prompts for _ in range(repeats)])]
+        ids, mask = encode_prompts(texts, self.layout)
+        return Conditions(ids.to(self.device), mask.to(self.device))
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        return prompts_for(n)
+
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> Emu3Target:
+        check_not_compiled(compile)
+        return Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes)
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        probe = Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes)
+        return probe.cache_bytes(batch, probe.context_width(conditions.cond.shape[1]))
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        raise LanternError(NO_DRAFTER)
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        raise LanternError(NO_DRAFTER)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.model.decode_codes(codes.to(self.device), self.layout.height, self.layout.width)
+
+    def to_pil(self, codes: Tensor) -> list[Image.Image]:
+        from lantern.images import to_pil
+
+        # (x + 1) / 2 * 255, truncated: transformers' Emu3ImageProcessor.postprocess with the
+        # released mean = std = 0.5 (tested equal)
+        return to_pil(self.decode(codes), "truncate")
+
+
+def check_not_compiled(compile: str | None) -> None:
+    check(compile in (None, "off"), "--compile is implemented for LlamaGen targets only, not Emu3 models")
+
+
+def tokenize_text(tokenizer: Any, text: str) -> list[int]:
+    """Ids of ``text`` as Emu3Processor tokenizes it (the BOS is in the text; Emu3's tokenizer adds none)."""
+    return [int(i) for i in tokenizer(text)["input_ids"]]
+
+
+def load_emu3_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu", image_size: int | None = None) -> Emu3Stack:
+    """An Emu3 folder as a stack: the model (safetensors only), tokenizer, size header, negative prompt.
+    ``image_size``: the square image's side in pixels (default: generation.json's ``image_size``, else
+    Emu3Processor's 720)."""
+    from lantern.models.emu3 import check_emu3_folder, load_emu3
+
+    root = Path(model)
+    check_emu3_folder(root)  # before the tokenizer: a remote-code folder is refused first
+    settings = read_generation_settings(root)
+    grid = grid_for(image_size if image_size is not None else folder_image_size(root, settings))
+    tokenizer = load_prompt_tokenizer(root, "Emu3")
+    prompting = emu3_prompting(root, tokenizer, settings)
+    lm = load_emu3(root, dtype=dtype, device=device)
+    header = tuple(tokenize_text(tokenizer, prompting.header(grid)))
+    negative = tuple(tokenize_text(tokenizer, prompting.negative_prompt(grid)))
+    check(bool(header) and max(header + negative) < lm.config.vocab_size,
+          f"--model {root}: the size header / negative prompt ids {header} / {negative[:4]}... do not fit the "
+          f"vocabulary ({lm.config.vocab_size})")
+    max_len = int(lm.config.max_position_embeddings)
+    check(len(negative) + grid * (grid + 1) <= max_len,
+          f"--image-size {grid * lm.pixels_per_code}: {grid} x {grid} codes and their row tokens exceed the "
+          f"model's {max_len} positions")
+    return Emu3Stack(root=root, model=lm, layout=emu3_layout(lm, header, grid), tokenizer=tokenizer,
+                     prompting=prompting, negative_ids=negative,
+                     sampling_defaults=sampling_from_config(read_generation_config(root)))
+
+
+def folder_image_size(root: Path, settings: dict[str, Any]) -> int:
+    """generation.json's ``image_size`` (checked), else Emu3Processor's default side."""
+    value = settings.get("image_size", DEFAULT_IMAGE_SIZE)
+    check(isinstance(value, int) and not isinstance(value, bool),
+          f"{root / 'generation.json'}: image_size: expected an integer (pixels), got {value!r}")
+    return int(value)
+
+
+def emu3_prompting(root: Path, tokenizer: Any, settings: dict[str, Any]) -> Emu3Prompting:
+    """The tokenizer's BOS, image-start and wrapper tokens (Emu3Processor reads the same
+    attributes), and generation.json's negative prompt settings (checked)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    check(isinstance(bos, str) and bool(bos), f"--model {root}: the tokenizer names no BOS token")
+    negative = settings.get("negative_prompt", NEGATIVE_PROMPT)
+    check(isinstance(negative, str), f"{root / 'generation.json'}: negative_prompt: expected a string, "
+                                     f"got {negative!r}")
+    header = settings.get("negative_image_header", False)
+    check(isinstance(header, bool), f"{root / 'generation.json'}: negative_image_header: expected true or false, "
+                                    f"got {header!r}")
+    boi = getattr(tokenizer, "boi_token", None) or BOI_TOKEN
+    wrapper = getattr(tokenizer, "image_wrapper_token", None) or WRAPPER_TOKEN
+    return Emu3Prompting(bos=str(bos), boi=str(boi), wrapper=str(wrapper), negative=negative,
+                         negative_header=header)
+
+
+def sampling_from_config(settings: dict[str, Any]) -> dict[str, float]:
+    """Sampling defaults an Emu3 generation_config.json states: guidance scale, temperature, top-k."""
+    out: dict[str, float] = {}
+    for key, name in (("guidance_scale", "cfg_scale"), ("temperature", "temperature"), ("top_k", "top_k")):
+        value = settings.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out

@@ -1,0 +1,461 @@
+"""Emu3 targets against transformers' own image generation, on tiny random folders built with
+transformers' classes and ``save_pretrained`` (``lantern.testing.make_tiny_emu3_folder``).
+
+The reference is ``Emu3ForConditionalGeneration.generate`` as transformers' Emu3 docs run it: the
+prompt ids of ``Emu3Processor(text=..., return_for_image_generation=True)``, the negative prompt's
+ids as ``negative_prompt_ids`` with a guidance scale, and the docs' ``prefix_allowed_tokens_fn``
+(visual tokens in a row, the end-of-line token after each row, then end-of-frame, end-of-image,
+end-of-sequence), one prompt at a time; lantern decodes the prompts together, left-padded. Checked:
+
+* the prompt ids and the negative prompt's equal the processor's;
+* greedy codes with CFG on equal transformers' token for token, and the guided logits of the first
+  8 codes (two rows: across an end-of-line token) agree within 1e-5 (float32);
+* the decoded pixels equal transformers' ``decode_image_tokens``, the PNG bytes its postprocess;
+* the methods without a drafter run; greedy SJD / coupled SJD / SJD-PAC / PJD at lossless settings
+  give AR's codes; sampled rows do not depend on their batch;
+* a folder that needs remote code or holds only pickles is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("transformers")
+
+import lantern  # noqa: E402
+from lantern.decoding.config import SamplingConfig  # noqa: E402
+from lantern.decoding.trees import tree_from_parents  # noqa: E402
+from lantern.errors import LanternError  # noqa: E402
+from lantern.targets.emu3 import NEGATIVE_PROMPT  # noqa: E402
+from lantern.testing import TINY_EMU3_GRID, make_tiny_emu3_folder, tiny_emu3_processor  # noqa: E402
+
+PROMPTS = ["a red car", "a cat on the grass", "a photo of a mountain lake at dawn"]  # three lengths
+CFG = 3.0
+STEPS = 8  # logits compared at the first 8 codes: two rows of 4, across an end-of-line token
+G = TINY_EMU3_GRID
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_emu3_folder(tmp_path_factory.mktemp("emu3") / "model")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder: Path) -> lantern.Pipeline:
+    return lantern.load(folder)
+
+
+def _reference_model(folder: Path) -> Any:
+    from transformers import Emu3ForConditionalGeneration
+
+    return Emu3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _processor_inputs(prompt: str, grid: int = G) -> dict[str, Tensor]:
+    out = tiny_emu3_processor()(text=[prompt], return_for_image_generation=True, image_area=(8 * grid) ** 2,
+                                return_tensors="pt")
+    assert out.pop("image_sizes") == [[grid, grid]]
+    return dict(out)
+
+
+def _negative_inputs(header: bool = False) -> dict[str, Tensor]:
+    if header:  # BAAI's image_generation.py: the negative prompt written like the prompt
+        return _processor_inputs(NEGATIVE_PROMPT)
+    return dict(tiny_emu3_processor()(text=[NEGATIVE_PROMPT], return_tensors="pt"))
+
+
+def _allowed_tokens(model: Any, grid: int) -> Any:
+    """transformers' Emu3 docs' prefix_allowed_tokens_fn: visual tokens, the end-of-line token after
+    each row, then end-of-frame, end-of-image, end-of-sequence and padding."""
+    tok = tiny_emu3_processor().tokenizer
+    visual, eol = model.vocabulary_mapping.image_tokens, model.vocabulary_mapping.eol_token_id
+    end = (grid + 1) * grid
+
+    def allowed(batch_id: int, input_ids: Tensor) -> Any:
+        offset = input_ids.shape[0] - int(torch.nonzero(input_ids == tok.image_wrapper_token_id)[0, 0])
+        if offset % (grid + 1) == 0:
+            return (eol,)
+        forced = {end + 1: tok.eof_token_id, end + 2: tok.eoi_token_id, end + 3: tok.eos_token_id}
+        return (forced.get(offset, tok.pad_token_id),) if offset > end else visual
+
+    return allowed
+
+
+@torch.no_grad()
+def _transformers_generate(model: Any, prompt: str, grid: int = G, header: bool = False) -> tuple[Tensor, list[Tensor],
+                                                                                                  Tensor]:
+    """transformers' greedy image generation of one prompt with CFG: codes [grid^2], the guided
+    scores of every code step at the visual tokens (in code order; what its processors hand the
+    sampler), and the generated BPE sequence (row tokens and the closing tokens included)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    scores: list[Tensor] = []
+
+    class Record(LogitsProcessor):  # appended after transformers' own: sees the guided, constrained scores
+        def __call__(self, input_ids: Tensor, s: Tensor) -> Tensor:
+            scores.append(s[0].clone())
+            return s
+
+    inputs, negative = _processor_inputs(prompt, grid), _negative_inputs(header)
+    out = model.generate(**inputs, prefix_allowed_tokens_fn=_allowed_tokens(model, grid), do_sample=False,
+                         guidance_scale=CFG, negative_prompt_ids=negative["input_ids"],
+                         negative_prompt_attention_mask=negative["attention_mask"],
+                         max_new_tokens=(grid + 1) * grid + 3, logits_processor=LogitsProcessorList([Record()]))
+    sequence = out[0, inputs["input_ids"].shape[1]:]
+    codes = model.vocabulary_mapping.convert_bpe2img(sequence[: (grid + 1) * grid].view(grid, grid + 1)).flatten()
+    ids = torch.tensor([model.vocabulary_mapping.img2bpe[c] for c in range(len(model.vocabulary_mapping.img2bpe))])
+    code_steps = [s[ids] for i, s in enumerate(scores) if (i + 1) % (grid + 1) != 0 and i < (grid + 1) * grid]
+    return codes.long(), code_steps, sequence
+
+
+@cache
+def _reference(folder: Path) -> list[tuple[Tensor, list[Tensor], Tensor]]:
+    model = _reference_model(folder)
+    return [_transformers_generate(model, p) for p in PROMPTS]
+
+
+def test_prompt_ids_equal_the_processors(pipe: lantern.Pipeline) -> None:
+    """BOS, prompt and size header exactly as transformers' Emu3Processor writes them for image
+    generation; the negative prompt as it writes plain text; the batch is left-padded."""
+    stack = pipe.stack
+    ids = stack.tokenize(PROMPTS)
+    for prompt, own in zip(PROMPTS, ids, strict=True):
+        assert own == _processor_inputs(prompt)["input_ids"][0].tolist()
+    assert list(stack.negative_ids) == _negative_inputs()["input_ids"][0].tolist()
+    encoded = stack.encode(PROMPTS)
+    width = max(len(i) for i in ids)
+    for row, own in enumerate(ids):
+        assert encoded.cond[row, width - len(own):].tolist() == own
+        assert encoded.mask[row].sum() == len(own) and bool(encoded.mask[row, width - len(own):].all())
+
+
+def test_guidance_rows_are_the_negative_prompt(pipe: lantern.Pipeline) -> None:
+    """The negative prompt (longer than these prompts) in every guidance row, left-padded; the
+    prompts are widened to it with masked columns."""
+    stack = pipe.stack
+    encoded = stack.encode(PROMPTS[:2])
+    negative = list(stack.negative_ids)
+    assert encoded.cond.shape[1] < len(negative)
+    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
+    target.start(encoded.cond, encoded.mask)
+    assert target.key_mask is not None and target.key_mask.shape == (4, len(negative))
+    for row in range(2):
+        assert target.key_mask[row].sum() == encoded.mask[row].sum()  # no real column added
+        assert bool(target.key_mask[2 + row].all())  # the negative fills the width
+    u_ids, u_mask = target.guidance_rows(torch.zeros(1, len(negative) + 2, dtype=torch.long),
+                                         torch.ones(1, len(negative) + 2, dtype=torch.bool))
+    assert u_ids[0, 2:].tolist() == negative and u_mask[0].tolist() == [False] * 2 + [True] * len(negative)
+
+
+def _step_logits(pipe: lantern.Pipeline, reference: list[tuple[Tensor, list[Tensor], Tensor]]) -> list[Tensor]:
+    """lantern's guided logits [3, V] of the first STEPS codes, fed transformers' codes."""
+    stack = pipe.stack
+    encoded = stack.encode(PROMPTS)
+    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
+    root = tree_from_parents(torch.full((len(PROMPTS), 1), -1))
+    out = []
+    with torch.no_grad():
+        logits, _ = target.start(encoded.cond, encoded.mask)
+        for step in range(STEPS):
+            out.append(logits)
+            fed = torch.stack([codes[step] for codes, _, _ in reference])[:, None]
+            logits = target.verify(fed, root.mask, root.depth)[0][:, 0]  # a row end: read at its new-line
+            target.commit(torch.zeros(len(PROMPTS), 1, dtype=torch.long), torch.ones(len(PROMPTS), dtype=torch.long))
+    return out
+
+
+def test_greedy_codes_and_logits_equal_transformers(folder: Path, pipe: lantern.Pipeline) -> None:
+    """Greedy AR with CFG on, three prompts of different lengths decoded together (left padding):
+    every code equals transformers' per-prompt generation, whose sequence has the end-of-line token
+    after every row and then end-of-frame, end-of-image and EOS; the guided logits of the first 8
+    codes agree within 1e-5 in float32 (fed transformers' own codes)."""
+    reference = _reference(folder)
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    eol = pipe.stack.layout.eol
+    tok = tiny_emu3_processor().tokenizer
+    for row, (codes, _, sequence) in enumerate(reference):
+        assert out.codes[row].tolist() == codes.tolist(), row
+        assert sequence.view(-1)[G :: G + 1][:G].tolist() == [eol] * G
+        assert sequence[-3:].tolist() == [tok.eof_token_id, tok.eoi_token_id, tok.eos_token_id]
+    assert len({c for codes, _, _ in reference for c in codes.tolist()}) > 8  # varied codes: the test has power
+    for step, logits in enumerate(_step_logits(pipe, reference)):
+        for row, (_, ref_logits, _) in enumerate(reference):
+            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
+
+
+def test_the_logit_comparison_has_power(folder: Path, pipe: lantern.Pipeline,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guiding the raw code logits instead of the full-vocabulary log-softmax gives the same greedy
+    codes (a constant per row apart) but logits the 1e-5 comparison rejects."""
+    from lantern.targets.chameleon import ChameleonTarget
+    from lantern.targets.emu3 import Emu3Target
+
+    reference = _reference(folder)
+    monkeypatch.setattr(Emu3Target, "guided_logits", ChameleonTarget.guided_logits)
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    assert all(out.codes[row].tolist() == codes.tolist() for row, (codes, _, _) in enumerate(reference))
+    first = _step_logits(pipe, reference)[0]
+    assert float((first[0] - reference[0][1][0]).abs().max()) > 1e-2
+
+
+def test_the_negative_image_header_variant_equals_transformers(folder: Path, tmp_path: Path) -> None:
+    """``negative_image_header: true`` in generation.json writes the negative like the prompt (BAAI's
+    own script): the codes equal transformers' generation fed those negative ids."""
+    variant = _copy(folder, tmp_path / "variant")
+    (variant / "generation.json").unlink()
+    settings = json.loads((folder / "generation.json").read_text()) | {"negative_image_header": True}
+    (variant / "generation.json").write_text(json.dumps(settings))
+    pipe = lantern.load(variant)
+    assert list(pipe.stack.negative_ids) == _negative_inputs(header=True)["input_ids"][0].tolist()
+    codes, _, _ = _transformers_generate(_reference_model(folder), PROMPTS[1], header=True)
+    assert pipe(prompts=PROMPTS[1:2], method="ar", temperature=0.0, cfg_scale=CFG).codes[0].tolist() == codes.tolist()
+    assert codes.tolist() != _reference(folder)[1][0].tolist()
+
+
+def test_decoded_pixels_equal_the_vq_decoder(folder: Path, pipe: lantern.Pipeline) -> None:
+    """``decode`` is transformers' ``decode_image_tokens`` of the generated sequence (bit for bit),
+    and the images are the bytes of the processor's postprocess."""
+    model = _reference_model(folder)
+    reference = _reference(folder)
+    codes = torch.stack([c for c, _, _ in reference])
+    with torch.no_grad():
+        pixels = model.decode_image_tokens(image_tokens=torch.stack([s for _, _, s in reference]), height=G, width=G)
+    assert torch.equal(pipe.stack.decode(codes), pixels)
+    expected = tiny_emu3_processor().postprocess(list(pixels.float()), return_tensors="PIL.Image.Image")
+    ours = pipe.stack.to_pil(codes)
+    assert ours[0].size == (8 * G, 8 * G)
+    for a, b in zip(ours, expected["pixel_values"], strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+LOSSLESS = {"sjd": {"sjd_window": 6}, "sjd-coupled": {"sjd_window": 6}, "sjd-pac": {"sjd_window": 6},
+            "pjd": {"pjd_window": 2, "pjd_context": G}}  # pjd: context = the row length
+
+
+@pytest.mark.parametrize("method", list(LOSSLESS))
+def test_greedy_lossless_methods_reproduce_ar(pipe: lantern.Pipeline, method: str) -> None:
+    """Windows of 6 cross the end of a row (its new-line token inserted in the tree); PJD opens each
+    row after the row above ends (its new-line shadow committed with the row's last code)."""
+    ar = pipe(prompts=PROMPTS, method="ar", temperature=0.0)
+    out = pipe(prompts=PROMPTS, method=method, temperature=0.0, **LOSSLESS[method])
+    assert torch.equal(out.codes, ar.codes)
+    assert out.stats["target_forwards"] <= ar.stats["target_forwards"]
+
+
+def test_pjd_reads_the_rows_end_from_the_layout(folder: Path, pipe: lantern.Pipeline,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power for the equalities above: without the end-of-line tokens (a layout without ``eol``),
+    greedy AR and PJD no longer give transformers' codes."""
+    from dataclasses import replace
+
+    stack = pipe.stack
+    monkeypatch.setattr(stack, "layout", replace(stack.layout, eol=None))
+    reference = _reference(folder)
+    for method in ("ar", "pjd"):
+        out = pipe(prompts=PROMPTS, method=method, temperature=0.0, cfg_scale=CFG, **LOSSLESS.get(method, {}))
+        assert any(out.codes[row].tolist() != codes.tolist() for row, (codes, _, _) in enumerate(reference))
+
+
+@pytest.mark.parametrize("method,settings", [("ar", {}), ("sjd", {"sjd_window": 4}),
+                                             ("sjd-coupled", {"sjd_window": 4}), ("sjd-pac", {"sjd_window": 4}),
+                                             ("gsd", {"sjd_window": 4}), ("pjd", {"pjd_window": 2, "pjd_context": 2}),
+                                             ("sjd-coupled-lantern", {"sjd_window": 4})])
+def test_sampled_methods_run_and_rows_do_not_depend_on_the_batch(pipe: lantern.Pipeline, method: str,
+                                                                 settings: dict[str, Any]) -> None:
+    """Every method without a drafter runs sampled (the relaxed row with the folder's proximity
+    table); a row's codes are the same alone and in a batch of three (other prompt lengths)."""
+    together = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=3, **settings)
+    assert together.codes.shape == (3, G * G) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
+    for row in (0, 2):
+        alone = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=1, **settings)
+        assert torch.equal(alone.codes[row], together.codes[row]), row
+
+
+def test_drafter_methods_are_refused(pipe: lantern.Pipeline, folder: Path) -> None:
+    with pytest.raises(LanternError, match="Emu3 models have no drafter support"):
+        pipe(prompts=PROMPTS[:1], method="lantern++")
+    with pytest.raises(LanternError, match="--drafter is not used by Emu3"):
+        lantern.load(folder, drafter=folder)
+
+
+def _copy(folder: Path, dest: Path, **config: Any) -> Path:
+    """``folder`` with its config.json changed (links to the other files)."""
+    dest.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (dest / f.name).symlink_to(f)
+    raw = json.loads((folder / "config.json").read_text()) | config
+    (dest / "config.json").write_text(json.dumps(raw))
+    return dest
+
+
+def test_folders_that_need_code_or_pickles_are_refused(folder: Path, tmp_path: Path) -> None:
+    """auto_map (trust_remote_code, e.g. BAAI's original Emu3-Gen) and pickled-only weights: one
+    line each, before any weight or tokenizer is read."""
+    remote = _copy(folder, tmp_path / "remote", auto_map={"AutoModelForCausalLM": "modeling_emu3.Emu3ForCausalLM"})
+    with pytest.raises(LanternError, match="auto_map") as e:
+        lantern.load(remote)
+    assert "\n" not in str(e.value)
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, pickles / f.name)
+    (pickles / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(LanternError, match="safetensors only") as e:
+        lantern.load(pickles)
+    assert "\n" not in str(e.value)
+
+
+def test_flags_of_other_families_and_bad_sizes_are_refused(folder: Path) -> None:
+    for kwargs, flag in (({"layout": "anole"}, "--layout"), ({"vq": "x.ckpt"}, "--vq"), ({"t5": "t5"}, "--t5"),
+                         ({"compile": "default"}, "--compile"), ({"image_size": 30}, "multiple of 8")):
+        with pytest.raises(LanternError, match=flag):
+            lantern.load(folder, **kwargs)
+
+
+def test_image_size_sets_the_grid(folder: Path, tmp_path: Path) -> None:
+    """``image_size`` (pixels a side) gives the size header and the grid: 48 px, 6 x 6 codes; without
+    one in generation.json, Emu3Processor's default 720 px (90 x 90 codes)."""
+    pipe = lantern.load(folder, image_size=48)
+    assert pipe.stack.layout.height == pipe.stack.layout.width == 6
+    assert pipe.stack.tokenize(["a cat"])[0] == _processor_inputs("a cat", grid=6)["input_ids"][0].tolist()
+    out = pipe(prompts=["a cat"], method="pjd", pjd_window=2, pjd_context=6, temperature=0.0)
+    assert out.codes.shape == (1, 36) and out.images[0].size == (48, 48)
+    bare = _copy(folder, tmp_path / "bare")
+    (bare / "generation.json").unlink()
+    layout = lantern.load(bare).stack.layout
+    assert (layout.height, layout.width, layout.pixel_size) == (90, 90, (720, 720))
+    with pytest.raises(LanternError, match="exceed the model's 9216 positions"):
+        lantern.load(folder, image_size=768)  # 96 rows of 97 tokens
+
+
+def test_labels_are_refused(pipe: lantern.Pipeline) -> None:
+    with pytest.raises(LanternError, match="text-to-image"):
+        pipe(labels=[1])
+
+
+def test_sampling_defaults_come_from_the_folder(pipe: lantern.Pipeline) -> None:
+    """generation.json (top_k 8, cfg 3) over generation_config.json (top_k 2048) over BAAI's (cfg 3)."""
+    assert pipe.stack.default_sampling() == {"temperature": 1.0, "top_k": 8, "top_p": 1.0, "cfg_scale": 3.0}
+    assert pipe.stack.sampling_defaults == {"top_k": 2048}
+    assert pipe.stack.model_shape()["family"] == "emu3"
+
+
+def test_the_code_head_is_a_view_when_the_visual_tokens_are_one_run() -> None:
+    """Emu3's visual tokens are consecutive ids: the code head shares the LM head's rows (no copy);
+    the tiny folder's permuted ids get a copy. Either way it is the LM head at the codes."""
+    from lantern.models.emu3 import Emu3LM
+    from lantern.testing import tiny_emu3
+
+    hf = tiny_emu3()
+    hidden = torch.randn(3, hf.config.text_config.hidden_size)
+    permuted = Emu3LM(hf)
+    assert permuted.image_head.weight.data_ptr() != hf.lm_head.weight.data_ptr()
+    vocab = dict(hf.config.vocabulary_map)
+    for c in range(32):
+        vocab[f"<|visual token{c:06d}|>"] = 96 + c
+    hf.config.vocabulary_map = vocab
+    run = Emu3LM(hf)
+    assert run.image_head.weight.data_ptr() == hf.lm_head.weight[96].data_ptr()
+    for lm in (permuted, run):
+        torch.testing.assert_close(lm.image_logits(hidden), hf.lm_head(hidden)[:, lm.image_ids])
+
+
+# -- slow tier: the law of the lossless methods across a row end -----------------------------------
+
+
+DIST_ROWS = 3000
+DIST_CODES = (2, 3, 4)  # the last two codes of row 0 and the first of row 1: across an end-of-line token
+DIST = {"temperature": 1.0, "top_k": 4, "cfg_scale": 2.0}
+DIST_METHODS = {"sjd-coupled": {"sjd_window": 4, "sjd_init": "random"}, "pjd": {"pjd_window": 2, "pjd_context": G}}
+
+
+@torch.no_grad()
+def _exact_law(folder: Path, cfg_scale: float) -> Tensor:
+    """The law of codes 2..4 [32^3], from transformers' modules by full recomputation of both
+    branches (the prompt, and the negative prompt, then the BPE sequence with its end-of-line
+    token), guided by transformers' CFG processor, restricted to the visual tokens, then top-k 4;
+    codes 0 and 1 summed out."""
+    from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+    from lantern.decoding.sampling import probs_from_logits
+
+    model = _reference_model(folder)
+    prompt, negative = _processor_inputs(PROMPTS[0])["input_ids"], _negative_inputs()["input_ids"]
+    mapping = model.vocabulary_mapping
+    visual = torch.tensor([mapping.img2bpe[c] for c in range(32)])
+    sampling = SamplingConfig(**{**DIST, "cfg_scale": cfg_scale})
+    memo: dict[tuple[int, ...], Tensor] = {}
+
+    def probs(codes: tuple[int, ...]) -> Tensor:
+        if codes not in memo:
+            bpe = [int(visual[c]) for c in codes]
+            if len(bpe) >= G:  # the row's end-of-line token, before the next row's first code
+                bpe.insert(G, mapping.eol_token_id)
+            tail = torch.tensor([bpe], dtype=torch.long)
+            guide = UnbatchedClassifierFreeGuidanceLogitsProcessor(cfg_scale, model, torch.cat([negative, tail], 1),
+                                                                   use_cache=False)
+            ids = torch.cat([prompt, tail], 1)
+            guided = guide(ids, model(ids).logits[:, -1])
+            memo[codes] = probs_from_logits(guided[:, visual], sampling)[0].double()
+        return memo[codes]
+
+    law = torch.zeros(32, 32, 32, dtype=torch.float64)
+
+    def walk(codes: tuple[int, ...], p: float) -> None:
+        if len(codes) == 5:
+            law[codes[2], codes[3], codes[4]] += p
+            return
+        step = probs(codes)
+        for c in step.nonzero().flatten().tolist():
+            walk((*codes, c), p * float(step[c]))
+
+    walk((), 1.0)
+    return law.flatten()
+
+
+@cache
+def _dist_codes(folder: Path, method: str) -> Tensor:
+    from lantern.api import resolve_settings
+    from lantern.run import run_conditions
+
+    stack = lantern.load(folder).stack
+    method_cfg, sampling = resolve_settings(stack, method, **DIST, **DIST_METHODS[method])
+    conditions = stack.encode([PROMPTS[0]], repeats=DIST_ROWS)
+    return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, list(DIST_CODES)]
+
+
+# slow (~10 s for both methods): 3000 images each, a chi-square run like the other families'
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(DIST_METHODS))
+def test_lossless_methods_keep_the_models_law_across_a_row_end(folder: Path, method: str) -> None:
+    """Chi-square goodness of fit of codes 2..4 against the exact law from transformers' modules, at
+    significance 0.001 (fixed seeds: deterministic)."""
+    from lantern.testing import chi_square_pooled, chi_square_threshold
+
+    p = _exact_law(folder, DIST["cfg_scale"])
+    codes = _dist_codes(folder, method)
+    assert bool((p[(codes * torch.tensor([32 * 32, 32, 1])).sum(1)] > 0).all()), "a sample outside the support"
+    stat, df = chi_square_pooled(codes, p, 32)
+    assert df >= 20
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+
+
+# slow: reuses the sjd-coupled run above
+@pytest.mark.slow
+def test_the_law_test_has_power(folder: Path) -> None:
+    """The same samples are rejected against another guidance scale (2.5 instead of 2)."""
+    from lantern.testing import chi_square_pooled, chi_square_threshold
+
+    stat, df = chi_square_pooled(_dist_codes(folder, "sjd-coupled"), _exact_law(folder, 2.5), 32)
+    assert stat > chi_square_threshold(df)
