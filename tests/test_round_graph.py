@@ -39,6 +39,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "sjd-coupled": {"sjd_window": 4},
     "sjd-coupled-lantern": {"sjd_window": 4},
     "gsd": {"sjd_window": 4},
+    "sjd-sv": {"sjd_window": 4},  # SJD-SV's run test
+    "sjd-lantern-sv": {"sjd_window": 4},
     "pjd": {"pjd_window": 2, "pjd_context": 2},
 }
 SAMPLED = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
