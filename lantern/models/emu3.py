@@ -45,7 +45,9 @@ if TYPE_CHECKING:  # transformers is an optional extra: import it only where an 
 EMU3_MODEL_TYPE = "emu3"
 EOL_TOKEN = "<|extra_200|>"  # end of each row of codes (transformers' Emu3ImageVocabularyMapping.eol_token_id)
 VISUAL_TOKEN = "<|visual token{code:06d}|>"
-CODEBOOK_KEY = "model.vqmodel.quantize.embedding.weight"  # in the folder's safetensors (as Janus's)
+# The codebook's key in the folder's safetensors: the converted release (and transformers' save_pretrained,
+# which writes Emu3 back in that layout) keeps the VQ-VAE at the top level; the module path, in case.
+CODEBOOK_KEYS = ("vqmodel.quantize.embedding.weight", "model.vqmodel.quantize.embedding.weight")
 # Emu3Processor's generation size: a 1:1 image of image_area 518400 pixels (720 x 720) in codes of
 # 8 x 8 pixels (its downsample_ratio), so 90 x 90 codes.
 DEFAULT_IMAGE_SIZE = 720
@@ -181,6 +183,23 @@ class Emu3LM(nn.Module):
     def codebook(self) -> Tensor:
         """[V, C]: the VQ codebook (its quantizer compares raw vectors: build tables without --normalize)."""
         return self.hf.model.vqmodel.quantize.embedding.weight
+
+
+def read_codebook(directory: Path) -> Tensor:
+    """The VQ codebook [V, C] of an Emu3 folder, read alone from its safetensors (a sharded folder:
+    the file its index names), no model built: what ``build-proximity --tokenizer FOLDER`` ranks."""
+    from lantern.io import read_json_object, read_safetensors
+
+    index = directory / "model.safetensors.index.json"
+    weights = directory / "model.safetensors"
+    if index.is_file():
+        weight_map = read_json_object(index, "safetensors index").get("weight_map") or {}
+        key = next((k for k in CODEBOOK_KEYS if k in weight_map), None)
+        check(key is not None, f"{index}: weight_map has none of {', '.join(CODEBOOK_KEYS)}")
+        weights = directory / str(weight_map[key])
+    tensors, _ = read_safetensors(weights, "Emu3 weights", CODEBOOK_KEYS)
+    check(bool(tensors), f"{weights} has none of {', '.join(CODEBOOK_KEYS)}")
+    return next(iter(tensors.values()))
 
 
 def emu3_layout(model: Emu3LM, header: tuple[int, ...], grid: int) -> ImageLayout:

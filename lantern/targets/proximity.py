@@ -267,12 +267,16 @@ def build_proximity(
 def _codebook_from_folder(folder: Path) -> Tensor:
     config = read_json_object(folder / CONFIG_NAME, "tokenizer config")
     model_type = config.get("model_type")
-    if model_type in ("janus", "emu3"):  # a Janus / Janus-Pro or Emu3 model folder: its VQ codebook, read alone
-        from lantern.models.janus import CODEBOOK_KEY as JANUS_KEY  # Emu3 keeps it at the same key
+    if model_type == "emu3":  # an Emu3 model folder: its VQ-VAE's codebook, read alone
+        from lantern.models.emu3 import read_codebook
+
+        return read_codebook(folder)
+    if model_type == "janus":  # a Janus / Janus-Pro model folder: its VQ model's codebook, read alone
+        from lantern.models.janus import CODEBOOK_KEY as JANUS_KEY
         from lantern.models.janus import codebook_file
 
         weights = codebook_file(folder)
-        tensors, _ = read_safetensors(weights, f"{model_type} weights", [JANUS_KEY])
+        tensors, _ = read_safetensors(weights, "Janus weights", [JANUS_KEY])
         check(JANUS_KEY in tensors, f"{weights} has no {JANUS_KEY!r}")
         return tensors[JANUS_KEY]
     check(model_type == VQ_MODEL_TYPE, f"{folder} holds model_type {model_type!r}, not a {VQ_MODEL_TYPE!r} tokenizer")
