@@ -254,14 +254,17 @@ def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("method", SV)
 def test_every_sv_method_runs_through_the_run_path(random_stack: Path, method: str) -> None:
-    """Resolved with the paper's alpha, prepared with its acceptance, sampled and greedy; sampled
-    rows are relaxed-accepted somewhere in a few images."""
+    """Resolved with the paper's alpha, prepared with its acceptance (the run test is taken: some
+    draft is accepted that its own test refused), sampled and greedy."""
     stack = cached_stack(str(random_stack))
     config = resolve_method(method, sjd_window=6)
     assert config.subsequence == SubsequenceConfig(DEFAULT_SV_ALPHA) and not config.record.lossless
+    relaxed = 0
     for s in (SamplingConfig(temperature=1.0, top_k=50, cfg_scale=2.0), SamplingConfig(temperature=0.0)):
         out = run_generation(stack, [0, 3, 7], 0, s, config, 3)
         assert out.codes.shape[0] == 3 and int(out.codes.min()) >= 0
+        relaxed += sum(o.stats.relaxed_accepts for o in out.output_stats)
+    assert relaxed > 0
 
 
 def test_the_sv_methods_are_relaxed_in_the_table_and_auto_never_calls_them_lossless() -> None:
@@ -305,3 +308,40 @@ def test_a_config_without_its_alpha_or_with_one_it_does_not_take_is_refused() ->
         MethodConfig(method="sjd-sv", tree=sv.tree, jacobi=sv.jacobi)
     with pytest.raises(LanternError, match="method 'sjd' takes no subsequence verification settings"):
         MethodConfig(method="sjd", tree=sv.tree, jacobi=sv.jacobi, subsequence=SubsequenceConfig())
+
+
+def test_alpha_reaches_the_method_from_every_entrance() -> None:
+    """The bench grammar (``sjd-sv/alpha=0.5``), ``lantern generate --sv-alpha`` and the server's
+    ``sv_alpha`` field resolve to the same config; the answer's settings report it."""
+    import argparse
+
+    from lantern.cli.common import method_from_args
+    from lantern.cli.main import build_parser
+    from lantern.eval.methods_grammar import parse_methods
+    from lantern.serve.plan import method_settings
+    from lantern.serve.schema import GenerationRequest
+
+    want = MethodConfig.resolve("sjd-sv", sv_alpha=0.5)
+    (row,) = parse_methods("sjd-sv/alpha=0.5")
+    assert resolve_method(row.method, **row.settings) == want
+    args = build_parser().parse_args(["generate", "--model", "digits", "--out", "unused", "--method", "sjd-sv",
+                                       "--sv-alpha", "0.5"])
+    assert isinstance(args, argparse.Namespace) and method_from_args(args, None) == want
+    request = GenerationRequest(label=1, method="sjd-sv", sv_alpha=0.5)
+    assert request.sv_alpha == 0.5 and method_settings(want)["sv_alpha"] == 0.5
+    with pytest.raises(LanternError, match="--sv-alpha needs --method sjd-sv"):
+        resolve_method("gsd", **parse_methods("gsd/alpha=0.5")[0].settings)
+
+
+def test_a_grid_drafter_with_runs_is_refused_in_one_line() -> None:
+    """SV over PJD's grid is not implemented: refused at the start, not silently ignored."""
+    from lantern.decoding.loop import generate
+    from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
+    from lantern.targets.llamagen import LlamaGenTarget
+
+    model = tiny_llamagen(seed=1, block_size=16)
+    s = SamplingConfig(temperature=0.0)
+    drafter = GridJacobiDrafter(PJDConfig(window=2, context=2), s, model.config.vocab_size, 16)
+    target = LlamaGenTarget(model, s, max_tree_nodes=64)
+    with pytest.raises(LanternError, match="^subsequence verification \\(SJD-SV\\) is not implemented for PJD"):
+        generate(target, torch.tensor([1]), drafter=drafter, acceptance=Acceptance(subsequence=SubsequenceConfig()))

@@ -373,6 +373,8 @@ def start_decode(
         drafter.start(hidden0, root)
     grid = isinstance(drafter, GridDrafter)  # checked once: raster methods keep their round as it was
     acceptance = acceptance or Acceptance()
+    check(not grid or acceptance.subsequence is None, "subsequence verification (SJD-SV) is not implemented for "
+                                                      "PJD's grid of chains")
     ar_tree = _root_only_tree(b, device)
     step = round_fn(_grid_round if grid else _raster_round, compile, device,
                     state=(target, drafter, rng, codes, acceptance, target.sampling, ar_tree))
