@@ -38,6 +38,9 @@ Glossary (the names follow the papers; docs/REFERENCES.md):
   every redraw before it kept the guess it replaced (:func:`clean_context`). Under this rule only
   clean drafts get the relaxed credit (:func:`credited`); a redraw conditioned on a guess the
   test will not see is tested exactly.
+* run (SJD-SV, ``lantern.decoding.subsequence``): a stretch of a chain's drafts along which p(x)
+  does not decrease, accepted as a unit on one uniform tested against its high-confidence tail's
+  joint ratio (relaxed: the run's head is never tested on its own).
 * relaxed mass ``p̃(x) = r(A(x)) = r(x) + Σ_{t < m_len} r(N_t)``. The relaxed target ``p̃_x``
   moves the mass of A(x)∖{x} onto x, so ``TV(r, p̃_x) = p̃(x) - r(x) <= bound`` ([LANTERN]; docs/relaxation_budget.md).
 

@@ -27,8 +27,8 @@ Left open by the paper as we read it (the choices are ours, and the docs say so)
   the same event, so one u decides them all; a row's random numbers stay a fixed count per round).
   A run uses the uniform of its first draft, so a run of one draft is SJD's own test of it.
 * When even the one-draft tail x_g fails: the first failed position is g, so x_g is resampled and
-  the head x_b..x_{g-1} stands (the summary's "only the positions from the first failure on are
-  resampled"; the head is never what rejects a run).
+  the head x_b..x_{g-1} stands (the fallback resamples from the first failed position on, and the
+  head is never what rejects a run).
 * A run whose probabilities sum to 0: its tail is its last draft.
 * Drafts the paper's Jacobi methods do not have: a draft no model drew (a Jacobi initial guess,
   ``member`` False: lantern.decoding.acceptance, drawn / undrawn) or that the target cannot produce
