@@ -104,7 +104,10 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     """
     cdf = cumsum_last(probs)  # [B, V]
     target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
+    # first index with cdf > target: for a non-decreasing cdf, the count of entries <= target (what
+    # searchsorted(right=True) returns). A count is a plain reduction; torch 2.11's inductor cannot
+    # lower searchsorted on the blocked scan's view (NotImplementedError: View, on an H200).
+    idx = (cdf <= target).sum(dim=-1)
     # Float round-off can push idx past the last positive entry; clamp to it (0 if none is).
     positions = torch.arange(probs.shape[-1], device=probs.device)
     last_positive = torch.where(probs > 0, positions, 0).amax(dim=-1)
