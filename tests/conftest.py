@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import random
 import re
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -49,6 +51,11 @@ from lantern.targets.proximity import build_proximity
 from lantern.testing import chi_square_pooled, single_thread, tiny_chameleon, tiny_llamagen, tiny_vq
 
 F64 = torch.float64
+
+# The calibrations of the machine's user (``--method auto``, and ``lantern serve``'s default method
+# when one exists) must not change what a test runs: every test process, and every server it
+# starts, reads an empty folder of its own unless a test points elsewhere.
+os.environ["LANTERN_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="lantern-test-calibrations-")
 
 
 @pytest.fixture(autouse=True, scope="session")

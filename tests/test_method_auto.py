@@ -316,3 +316,74 @@ def test_calibrate_writes_what_auto_reads(stack: Path, calibration_dir: Path,
     result = lantern.load(stack)(labels=[0], method="auto", quality="lossless", batch_size=2)
     assert result.config["auto_method"]["calibration"] == str(setup.user_file)
     assert result.config["method"]["method"] == result.config["auto_method"]["method"]
+
+
+# -- the server: --method auto resolved once at start, the default when a calibration exists -------
+
+SERVE_TABLE = {"ar": (0.5, 0.4, "within", []), "sjd": (0.4, 0.3, "within", []),
+               "sjd-coupled": (0.3, 0.2, "within", []), "sjd-lantern": (0.1, 0.05, "out", ["fid"])}
+
+
+def test_the_server_default_is_auto_and_falls_back_without_a_calibration(
+        stack: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No --method: auto's choice at --max-batch when a calibration exists, else the fallback,
+    said on the console with the command that makes one; --method auto named without a
+    calibration is the one-line error. Fails if the server ignored the calibration, picked a method
+    outside the class, or refused to start when the user named no method."""
+    from lantern.cli.serve import FALLBACK_METHOD, FALLBACK_NO_DRAFTER, server_method
+    from lantern.serve.plan import runnable_methods
+
+    pipe = lantern.load(stack)
+    method, auto = server_method(pipe, None, None, 8)
+    assert auto is None and method == (FALLBACK_METHOD if FALLBACK_METHOD in runnable_methods(pipe)
+                                       else FALLBACK_NO_DRAFTER)
+    assert f"lantern calibrate --model {stack}" in capsys.readouterr().out
+    with pytest.raises(LanternError, match="lantern calibrate --model"):
+        server_method(pipe, "auto", None, 8)
+    assert server_method(pipe, "sjd", None, 8) == ("sjd", None)  # a named method reads no calibration
+    write_for(stack, SERVE_TABLE)
+    method, auto = server_method(pipe, None, None, 8)
+    assert auto is not None and method == auto.method == "sjd-coupled"  # sjd-lantern is faster but out
+    assert (auto.quality, auto.batch_size, auto.measured_batch_size) == ("ar", 8, 8)
+    assert "sjd-coupled" in capsys.readouterr().out
+
+
+def test_the_servers_answers_say_what_auto_chose(stack: Path) -> None:
+    """A request naming no method, or ``auto``, runs the server's choice and its settings carry
+    the choice (the same record as run.json's); a named method's answer has none, and GET
+    /v1/methods shows it. A server without auto refuses ``auto`` naming the field. Fails if auto
+    were resolved per request (another method), or not reported."""
+    from fastapi.testclient import TestClient
+
+    from lantern.cli.serve import server_method
+    from lantern.serve.app import create_app
+    from lantern.serve.scheduler import Scheduler
+
+    write_for(stack, SERVE_TABLE)
+    pipe = lantern.load(stack)
+    method, auto = server_method(pipe, None, None, 2)
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    scheduler.start()
+    with TestClient(create_app(scheduler, pipeline=pipe, default_method=method, auto=auto)) as client:
+        answers = [client.post("/v1/images/generations", json={"label": 0, "seed": 5, **extra}).json()
+                   for extra in ({}, {"method": "auto"}, {"method": "sjd"})]
+        listed = client.get("/v1/methods").json()
+    assert auto is not None and [a["method"] for a in answers] == ["sjd-coupled", "sjd-coupled", "sjd"]
+    assert answers[0]["settings"]["auto_method"] == answers[1]["settings"]["auto_method"] == auto.to_dict()
+    assert "auto_method" not in answers[2]["settings"]
+    assert listed["default"] == "sjd-coupled" and listed["auto"]["method"] == "sjd-coupled"
+    assert answers[0]["data"][0]["b64_json"] == answers[1]["data"][0]["b64_json"]  # one method, one seed
+    plain = Scheduler(pipe, max_batch=2, max_queue=8)
+    plain.start()
+    with TestClient(create_app(plain, pipeline=pipe, default_method="sjd")) as client:
+        refused = client.post("/v1/images/generations", json={"label": 0, "seed": 5, "method": "auto"})
+    assert refused.status_code == 400 and refused.json()["error"]["field"] == "method"
+    assert "--method auto" in refused.json()["error"]["message"]
+
+
+def test_serve_refuses_quality_without_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    """--quality only means something to auto: with a named method it is a one-line refusal before
+    anything loads. Fails if the flag were silently ignored."""
+    assert main(["serve", "--model", "digits", "--method", "sjd", "--quality", "lossless"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--quality" in err

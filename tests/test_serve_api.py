@@ -299,7 +299,7 @@ def test_health_and_the_methods_of_this_model(client: TestClient) -> None:
 def test_a_model_without_drafter_or_table_offers_only_what_it_can_run() -> None:
     bare = SimpleNamespace(parts=SimpleNamespace(has_drafter=False, has_table=False))
     names = runnable_methods(bare)  # type: ignore[arg-type]
-    assert {"ar", "sjd", "sjd-coupled", "gsd", "pjd", "sjd-pac"} == set(names)
+    assert {"ar", "sjd", "sjd-coupled", "gsd", "pjd", "sjd-pac", "sjd-sv", "sjd-coupled-sv", "gsd-sv"} == set(names)
 
 
 def test_metrics_count_what_was_served(client: TestClient) -> None:

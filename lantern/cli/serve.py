@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lantern.calibration import AUTO, QUALITY_CLASSES, MethodChoice, check_quality
 from lantern.cli.common import (
     add_chameleon_args,
     add_compile_arg,
@@ -35,6 +36,8 @@ MAX_PROMPT_CHARS = 100_000
 MAX_CONNECTIONS = 65_536
 BYTES_PER_PROMPT_CHAR = 12  # a JSON body's worst case: a character outside the BMP as two \uXXXX escapes
 HTTP_DEFAULTS = HttpLimits()
+FALLBACK_METHOD = "lantern++"  # no --method and no calibration: the drafter method of the README's fast tier
+FALLBACK_NO_DRAFTER = "sjd-coupled"  # ... for a model without a drafter: the lossless training-free one
 DRAIN_GRACE = 10.0  # s past --drain-timeout that uvicorn waits for the app's own 503s to be written
 
 
@@ -45,8 +48,14 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                     "a web page at /. No authentication: it binds 127.0.0.1 unless --host is given (docs/serving.md).",
     )
     p.add_argument("--model", required=True, help="a preset (digits, photos), a model folder or a Hub repo id")
-    p.add_argument("--method", default="lantern++", choices=list(METHOD_TABLE),
-                   help="the method of requests that name none (default lantern++)")
+    p.add_argument("--method", default=None, choices=[*METHOD_TABLE, AUTO],
+                   help="the method of requests that name none. auto: the fastest method of --quality's class "
+                        "for this model, device and --max-batch, from the model's calibration (lantern calibrate). "
+                        f"Default: auto when a calibration exists, else {FALLBACK_METHOD} (or {FALLBACK_NO_DRAFTER} "
+                        "for a model without a drafter)")
+    p.add_argument("--quality", default=None, choices=list(QUALITY_CLASSES),
+                   help="with --method auto: lossless (the target's own distribution) or ar (default: within "
+                        "AR's quality on the calibration's yardstick)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the "
                         "unauthenticated server to the network)")
@@ -133,6 +142,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         check("*" not in host[1:] and (not host.startswith("*") or host == "*" or host.startswith("*.")),
               f"--allowed-hosts: {host!r}: a wildcard must be a whole first label (*.example.com) or * alone")
     check_compile(args)
+    check_quality(args.quality, AUTO if args.method is None else args.method)
 
 
 def host_list(text: str) -> list[str]:
@@ -167,7 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous,
                           threads=threads)
     host, port = sock.getsockname()[:2]
-    app = create_app(scheduler, pipeline=pipe, default_method=args.method,
+    args.method, auto = server_method(pipe, args.method, args.quality, args.max_batch)
+    app = create_app(scheduler, pipeline=pipe, default_method=args.method, auto=auto,
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
                      drain_timeout=args.drain_timeout, model=_model_name(args.model),
                      max_tree_nodes=args.max_tree_nodes, http=http_limits(args),
@@ -197,6 +208,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LanternError(f"the server did not start on {host}:{port} (see the log above)")
     print("lantern serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def server_method(pipe: Any, method: str | None, quality: str | None,
+                  max_batch: int) -> tuple[str, MethodChoice | None]:
+    """The server's default method, resolved once at start: a named one; ``auto``'s choice from the
+    model's calibration at ``max_batch`` (no calibration: a one-line error); with no --method,
+    auto's choice when a calibration exists, else lantern++ (sjd-coupled without a drafter), said
+    on the console with the command that makes a calibration."""
+    if method is not None and method != AUTO:
+        return method, None
+    try:
+        choice = pipe.auto_method(quality, batch_size=max_batch)
+    except LanternError as e:
+        if method == AUTO:
+            raise
+        from lantern.serve.plan import runnable_methods
+
+        fallback = FALLBACK_METHOD if FALLBACK_METHOD in runnable_methods(pipe) else FALLBACK_NO_DRAFTER
+        print(f"lantern serve: --method {fallback} (no --method given; auto was not possible: {e})", flush=True)
+        return fallback, None
+    print(f"lantern serve: --method auto --quality {choice.quality}: {choice.explanation}", flush=True)
+    return choice.method, choice
 
 
 def _check_default_round(state: Any, method: str) -> None:

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lantern.api import Pipeline
+from lantern.calibration import MethodChoice
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE
 from lantern.serve.guards import HostCheck
@@ -80,8 +81,9 @@ class ServeState:
     """What the routes share: the scheduler, the model, the server's limits and its counters."""
 
     def __init__(self, scheduler: Scheduler, pipeline: Pipeline, default_method: str, limits: Limits,
-                 http: HttpLimits, drain_timeout: float, model: str) -> None:
+                 http: HttpLimits, drain_timeout: float, model: str, auto: MethodChoice | None = None) -> None:
         self.scheduler, self.pipeline, self.default_method = scheduler, pipeline, default_method
+        self.auto = auto  # what --method auto chose at start (default_method is its method)
         self.limits, self.http, self.drain_timeout, self.model = limits, http, drain_timeout, model
         self.metrics = Metrics()
         self.closing = False
@@ -106,18 +108,21 @@ class ServeState:
 def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str = "lantern++",
                max_images_per_request: int = 8, max_prompt_chars: int = 1000, drain_timeout: float = 30.0,
                model: str | None = None, max_tree_nodes: int | None = None, http: HttpLimits | None = None,
-               allowed_hosts: Sequence[str] | None = None) -> FastAPI:
+               allowed_hosts: Sequence[str] | None = None, auto: MethodChoice | None = None) -> FastAPI:
     """The app. The caller starts the scheduler (and warms it up); the app shuts it down when the
     server stops: :meth:`ServeState.drain` (``lantern serve`` starts it when shutdown begins,
     the lifespan's end otherwise). ``max_tree_nodes``: the most nodes a round may verify (default:
     ``lantern.serve.plan.round_limits``'s per method); ``http``: the body's bounds (size, time);
-    ``allowed_hosts``: the Host header values answered (None: any, for tests and embedding)."""
+    ``allowed_hosts``: the Host header values answered (None: any, for tests and embedding);
+    ``auto``: what ``--method auto`` chose (``default_method`` must be its method)."""
     if default_method not in runnable_methods(pipeline):
         raise LanternError(f"--method {default_method}: this model cannot run it; it runs "
                            f"{', '.join(runnable_methods(pipeline))}")
     limits = Limits(max_images_per_request, max_prompt_chars, round_limits(pipeline, max_tree_nodes))
+    if auto is not None and auto.method != default_method:
+        raise LanternError(f"--method auto chose {auto.method}, but the default method is {default_method}")
     state = ServeState(scheduler, pipeline, default_method, limits, http or HttpLimits(), drain_timeout,
-                       model or Path(str(pipeline.stack.root)).name)
+                       model or Path(str(pipeline.stack.root)).name, auto)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -245,7 +250,8 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     async def methods() -> dict[str, Any]:
         return {"methods": [{"name": m, "lossless": METHOD_TABLE[m].lossless, "drafter": METHOD_TABLE[m].needs_drafter,
                              "default": m == state.default_method} for m in runnable_methods(state.pipeline)],
-                "default": state.default_method}
+                "default": state.default_method,
+                "auto": None if state.auto is None else state.auto.to_dict()}
 
     @_get(app, "/v1/model", response_model=ModelResponse)
     async def model() -> dict[str, Any]:
@@ -328,7 +334,7 @@ def _warm_planning(state: ServeState) -> None:
 
 def _plan(state: ServeState, raw: bytes) -> tuple[GenerationRequest, Resolved]:
     body = parse_body(raw)
-    return body, plan_request(body, state.scheduler, state.default_method, state.limits)
+    return body, plan_request(body, state.scheduler, state.default_method, state.limits, state.auto)
 
 
 def _submit(state: ServeState, resolved: Resolved, on_preview: PreviewSink | None = None) -> list[Ticket]:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
 
 from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
+from lantern.calibration import AUTO, MethodChoice
 from lantern.errors import LanternError
 from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig
 from lantern.run import verify_nodes
@@ -124,15 +125,23 @@ def runnable_methods(pipeline: Pipeline) -> list[str]:
             if (has_drafter or not r.needs_drafter) and (has_table or not r.needs_proximity)]
 
 
-def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: str, limits: Limits) -> Resolved:
+def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: str, limits: Limits,
+                 auto: MethodChoice | None = None) -> Resolved:
     """The request checked against the model and the server's limits, then resolved once (in the
     request's worker thread: resolving may load a method and encodes the prompt); raises
-    :class:`RequestError`."""
+    :class:`RequestError`. ``auto``: what the server's ``--method auto`` chose at start (it is
+    ``default_method``); a request that names no method, or ``auto``, runs it and says so."""
     pipeline = scheduler.pipeline
     condition = _condition(body, pipeline, limits)
     if body.n > limits.max_images_per_request:
         raise RequestError(f"n: at most {limits.max_images_per_request} images per request, got {body.n}", "n")
     method = body.method if body.method is not None else default_method
+    chosen = auto if body.method in (None, AUTO) else None
+    if method == AUTO:
+        if auto is None:
+            raise RequestError(f"method: 'auto' is the method a server started with --method auto chose from its "
+                               f"calibration; this one serves --method {default_method}: name a method", "method")
+        method = auto.method
     runnable = runnable_methods(pipeline)
     if method not in runnable:
         why = "unknown method" if method not in METHOD_TABLE else "this model cannot run method"
@@ -144,10 +153,11 @@ def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: 
     preview = body.preview_every if body.preview_every is not None else DEFAULT_PREVIEW_EVERY
     bound = round_bound(pipeline, method, limits.round_nodes.get(method), given)
     try:
-        return scheduler.resolve(condition, body.seed, method, given, range(body.n),
-                                 preview if body.stream else 0, bound)
+        resolved = scheduler.resolve(condition, body.seed, method, given, range(body.n),
+                                     preview if body.stream else 0, bound)
     except LanternError as e:
         raise setting_error(e) from None
+    return resolved if chosen is None else replace(resolved, auto_method=chosen.to_dict())
 
 
 def _condition(body: GenerationRequest, pipeline: Pipeline, limits: Limits) -> int | str:
@@ -178,8 +188,10 @@ def setting_error(error: LanternError) -> RequestError:
 
 
 def answer_settings(request: Resolved) -> dict[str, Any]:
-    """Every setting of a resolved request as the run uses it (defaults filled in): the answer's ``settings``."""
-    return {**request.sampling.to_dict(), **method_settings(request.method_cfg)}
+    """Every setting of a resolved request as the run uses it (defaults filled in), and what
+    ``--method auto`` chose when it chose the method: the answer's ``settings``."""
+    auto = {} if request.auto_method is None else {"auto_method": dict(request.auto_method)}
+    return {**request.sampling.to_dict(), **method_settings(request.method_cfg), **auto}
 
 
 def method_settings(method: MethodConfig) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class Resolved:
     sampling: SamplingConfig
     prepared: PreparedMethod  # the pipeline's, prepared once per key (drafter, table, compiled round)
     preview_every: int = 0  # rounds between previews of the codes so far (0: none)
+    auto_method: Mapping[str, Any] | None = None  # what the server's --method auto chose (None: named)
 
     @property
     def key(self) -> MethodKey:

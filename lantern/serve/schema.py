@@ -41,7 +41,8 @@ class GenerationRequest(Strict):
     label: int | None = Field(None, ge=0, description="class-conditional models: the class id")
     n: int = Field(1, ge=1, description="images (at most the server's --max-images-per-request)")
     seed: int = Field(0, ge=0, lt=INT64, description="base seed in [0, 2^63): image i uses image_seed(seed, i)")
-    method: str | None = Field(None, description="a method of GET /v1/methods (default: the server's --method)")
+    method: str | None = Field(None, description="a method of GET /v1/methods, or auto (what the server's "
+                                                  "--method auto chose; default: the server's --method)")
     # Sampling (null: the model's generation.json, then lantern's defaults)
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)
@@ -126,6 +127,7 @@ class MethodInfo(BaseModel):
 class MethodsResponse(BaseModel):
     methods: list[MethodInfo]
     default: str
+    auto: dict[str, Any] | None = None  # what --method auto chose from the calibration (None: --method named one)
 
 
 class ModelResponse(BaseModel):
