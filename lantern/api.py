@@ -405,13 +405,13 @@ def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, lay
 
     check_not_compiled(compile)
     flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--image-size", image_size),
-             ("--vq", vq), ("--drafter", paths["drafter"]))
+             ("--vq", vq))
     for flag, value in flags:
         if value is not None:
             raise LanternError(f"{flag} is not used by Janus models (they read prompts with their own tokenizer and "
-                               "chat template, decode with their own VQ model, and have no drafters yet)")
+                               "chat template, and decode with their own VQ model)")
     stack = load_janus_stack(root, dtype, device)
-    return Pipeline(stack, device, compile, ModelParts(stack, None, proximity))
+    return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], proximity))
 
 
 def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,

@@ -349,11 +349,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train-chameleon-drafter", help="train an EAGLE drafter for an Anole / Lumina-mGPT model",
+        "train-chameleon-drafter", help="train an EAGLE drafter for an Anole / Lumina-mGPT / Janus model",
         description="The target generates images for the prompts (AR, the sampling settings below), its "
                     "teacher-forced features (conditional and unconditional streams) train the drafter with "
                     "the same loss as train-drafter; the last --eval-prompts prompts are held out.")
-    p.add_argument("--model", required=True, help="Chameleon-family model folder (as for generate)")
+    p.add_argument("--model", required=True, help="Chameleon-family or Janus model folder (as for generate)")
     p.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
                    help="image layout (default: \"layout\" in the folder's generation.json)")
     p.add_argument("--image-size", type=int, default=None, help="lumina-mgpt: image side in pixels (768)")

@@ -9,7 +9,7 @@ the image can never be fully accepted). Each check raises :class:`LanternError` 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from lantern.errors import check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
+
+if TYPE_CHECKING:  # Janus models load through transformers, an optional extra
+    from lantern.models.janus import JanusLM
 
 
 def check_drafter_matches_target(drafter_cfg: DrafterConfig, target_cfg: LlamaGenConfig) -> None:
@@ -106,7 +109,7 @@ def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtyp
     return torch.float32 if device.type == "cpu" else target_dtype
 
 
-def chameleon_drafter_config(model: ChameleonLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
+def chameleon_drafter_config(model: ChameleonLM | JanusLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
     """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
     cfg = model.config
     # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
@@ -122,7 +125,8 @@ def _rope_theta(cfg: Any) -> float:
     return float(params["rope_theta"]) if isinstance(params, dict) and "rope_theta" in params else float(cfg.rope_theta)
 
 
-def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: ImageLayout, path: object) -> None:
+def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM | JanusLM, layout: ImageLayout, path: object,
+                            family: str = "Chameleon") -> None:
     want = chameleon_drafter_config(model, layout)
     problems = [
         f"{name} {getattr(drafter, name)} (target needs {getattr(want, name)})"
@@ -131,4 +135,4 @@ def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM, layout: 
     ]
     if drafter.block_size < layout.num_tokens:  # its RoPE table would run out before the image ends
         problems.append(f"block_size {drafter.block_size} (the layout has {layout.num_tokens} image tokens)")
-    check(not problems, f"drafter {path} does not fit this Chameleon target and layout: {'; '.join(problems)}")
+    check(not problems, f"drafter {path} does not fit this {family} target and layout: {'; '.join(problems)}")

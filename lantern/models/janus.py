@@ -62,6 +62,27 @@ def codebook_file(directory: Path) -> Path:
     return directory / "model.safetensors"
 
 
+class GenerationHead(nn.Module):
+    """Janus's image-generation head (``proj_out``, GELU, ``vision_head``) behind the one member
+    of ``nn.Linear`` that the drafting code reads besides the call: ``weight``, whose dtype and
+    device the drafter casts its features to. The loop, the drafters and their training call it
+    on final-norm hidden states exactly as they call Chameleon's Linear code head."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    @property
+    def weight(self) -> Tensor:
+        """The first layer's weight: the dtype / device inputs must have (all layers share them)."""
+        weight = self.head.proj_out.weight
+        assert isinstance(weight, Tensor)
+        return weight
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden)
+
+
 class JanusLM(nn.Module):
     """A transformers Janus run over lantern's static KV cache, in code space (image generation)."""
 
@@ -76,9 +97,9 @@ class JanusLM(nn.Module):
         self.n_head = cfg.text_config.num_attention_heads
         self.kv_heads = cfg.text_config.num_key_value_heads or self.n_head
         self.head_dim = getattr(cfg.text_config, "head_dim", None) or cfg.text_config.hidden_size // self.n_head
-        # The code-space head: generation_head (an MLP, not a Linear; drafters, which need a Linear
-        # head to share, are not supported for Janus).
-        self.image_head = hf_model.model.generation_head
+        # The code-space head: generation_head (an MLP), wrapped so a drafter can share it as it
+        # shares Chameleon's Linear head.
+        self.image_head = GenerationHead(hf_model.model.generation_head)
 
     @property
     def device(self) -> torch.device:

@@ -25,6 +25,8 @@ from lantern.targets.base import Conditions, StackFolder, check_condition_kind, 
 
 if TYPE_CHECKING:
     from PIL import Image
+
+    from lantern.models.janus import JanusLM
 from lantern.drafters.checks import chameleon_drafter_config
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
 
@@ -180,10 +182,13 @@ def load_prompt_tokenizer(root: Path, family: str = "Chameleon") -> Any:
                            f"{transformers_reason(e)}") from None
 
 
-def init_chameleon_drafter(model: ChameleonLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:
-    """A fresh drafter whose token embedding is the target's embedding of each code (EAGLE's start)."""
+def init_chameleon_drafter(model: ChameleonLM | JanusLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:
+    """A fresh drafter whose token embedding is the target's embedding of each code (EAGLE's start):
+    ``model.embed`` of the code's model id, so a Janus model's codes start from its generation
+    embedding and aligner, as its own input path embeds them."""
     torch.manual_seed(seed)
     drafter = EagleDrafterModel(chameleon_drafter_config(model, layout))
     with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(model.hf.model.embed_tokens.weight[model.image_ids].float())
+        codes = torch.arange(model.num_codes, device=model.device)
+        drafter.embed_tokens.weight.copy_(model.embed(model.code_to_bpe(codes)[None])[0].float())
     return drafter

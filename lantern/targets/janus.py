@@ -30,8 +30,9 @@ from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import DraftBackend
 from lantern.decoding.loop import Target
-from lantern.errors import LanternError, check
+from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
+from lantern.models.drafter import EagleDrafterModel
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
 from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 # DeepSeek's defaults (generation_inference.py: cfg_weight 5, temperature 1, no top-k / top-p);
 # the folder's generation_config.json and generation.json come on top.
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 5.0}
-NO_DRAFTER = ("Janus models have no drafter support yet: use a method without one (ar, sjd, sjd-coupled, sjd-pac, "
-              "gsd, pjd, or their relaxed rows with a proximity table)")
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,8 @@ class JanusStack(StackFolder):
     """A Janus / Janus-Pro folder loaded: the :class:`~lantern.targets.base.Stack` for Janus targets.
 
     Conditions are prompts in the model's chat template, ended by the image-start token;
-    images come from the model's VQ decoder. Drafter methods are refused (no Janus drafters yet)."""
+    images come from the model's VQ decoder; drafters are lantern-trained EAGLE drafters (1D RoPE,
+    the image-start token's feature as their prefix), as for Chameleon models."""
 
     model: JanusLM
     layout: ImageLayout
@@ -86,7 +86,6 @@ class JanusStack(StackFolder):
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
 
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
-    DRAFTER_REFUSAL: ClassVar[str | None] = NO_DRAFTER
 
     kind = "janus"
     num_classes = None
@@ -157,12 +156,21 @@ class JanusStack(StackFolder):
         return probe.cache_bytes(batch, conditions.cond.shape[1])
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
-        raise LanternError(NO_DRAFTER)
+        from lantern.drafters.checks import drafter_dtype
+
+        drafter = load_janus_drafter(path, self.model, self.layout)
+        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
 
     def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
-        raise LanternError(NO_DRAFTER)
+        """The Chameleon stack's EAGLE backend: the drafter reads the image-start token's features,
+        then the codes' (both guidance streams), and shares the model's generation head."""
+        from lantern.drafters.eagle import EagleBackend
+
+        assert isinstance(drafter, EagleDrafterModel)
+        context = len(self.layout.prefix) + self.layout.num_tokens + slots
+        return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -174,6 +182,41 @@ class JanusStack(StackFolder):
         # (x + 1) / 2 * 255, truncated: DeepSeek's generation_inference.py, and transformers'
         # JanusImageProcessor.postprocess with the released mean = std = 0.5 (tested equal)
         return to_pil(self.decode(codes), "truncate")
+
+
+def load_janus_drafter(path: str | os.PathLike[str], model: JanusLM, layout: ImageLayout) -> EagleDrafterModel:
+    """A lantern-trained drafter folder (``lantern train-chameleon-drafter --model`` a Janus folder),
+    checked against the model: what it was trained on, then its shapes."""
+    from lantern.drafters.checks import check_chameleon_drafter
+    from lantern.models.chameleon_drafter import is_released_drafter_folder
+
+    # LANTERN's released drafters read Chameleon's BPE ids: the shape checks could not say why they fail here
+    check(not is_released_drafter_folder(path), f"--drafter {path} is one of LANTERN's released Anole / "
+                                                f"Lumina-mGPT drafters, not a drafter for a Janus model: {TRAIN_HINT}")
+    check_trained_for_janus(Path(path))
+    drafter = EagleDrafterModel.from_pretrained(path)
+    check_chameleon_drafter(drafter.config, model, layout, path, family="Janus")
+    return drafter
+
+
+TRAIN_HINT = "train one with `lantern train-chameleon-drafter --model <this Janus folder>`"
+
+
+def check_trained_for_janus(path: Path) -> None:
+    """A drafter's training record (``drafter_training.json``, when there is one) names the family it
+    was trained for: a drafter for a LlamaGen or Chameleon model of the same sizes would otherwise
+    pass the shape checks and only draft badly."""
+    from lantern.io import read_json_object
+    from lantern.train.drafter import TRAINING_INFO_FILE
+
+    info_file = path / TRAINING_INFO_FILE
+    if not info_file.is_file():
+        return
+    info = read_json_object(info_file, "drafter training record")
+    trained_for = "a LlamaGen target" if "target_fingerprint" in info else None
+    if info.get("layout") not in (None, "janus"):
+        trained_for = f"a Chameleon-family model (layout {info['layout']!r})"
+    check(trained_for is None, f"--drafter {path} was trained for {trained_for}, not a Janus model: {TRAIN_HINT}")
 
 
 def check_not_compiled(compile: str | None) -> None:

@@ -1,10 +1,15 @@
 """EAGLE drafters for Chameleon-family targets (Anole, Lumina-mGPT), trained on self-distilled images.
 
+Janus / Janus-Pro models train the same way: their target is the Chameleon adapter with Janus's
+guidance rows, the drafter's prefix is the image-start token's feature, its code embeddings start
+from the model's generation embedding + aligner and its logits come from the model's generation
+head (an MLP, shared frozen like Chameleon's Linear code head).
+
 LANTERN trains its Lumina-mGPT / Anole drafters on sequences the target generated itself, plus an
 unconditional copy ([LANTERN code] generate_train_data.py). Here:
 
 1. the target samples ``num_per_prompt`` images per prompt (plain AR, the run's sampling settings);
-2. one teacher-forced pass per batch through :class:`lantern.targets.chameleon.ChameleonTarget` (the chain
+2. one teacher-forced pass per batch through the stack's own target (the chain
    of all codes verified as one tree) gives, for the conditional *and* the unconditional stream,
    exactly the features the drafter reads at inference: the image prefix's features, then per code
    the state that predicts the next code (at Lumina-mGPT's new-line token after a row's last code);
@@ -23,7 +28,7 @@ import copy
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +40,8 @@ from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.models.drafter import EagleDrafterModel
 from lantern.run import run_conditions
-from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.base import Conditions
+from lantern.targets.chameleon import encode_prompts
 from lantern.targets.chameleon_stack import ChameleonStack, init_chameleon_drafter
 from lantern.train.drafter import (
     TRAINING_INFO_FILE,
@@ -49,27 +55,42 @@ from lantern.train.drafter import (
 )
 from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, launched_as_main, train
 
+if TYPE_CHECKING:  # Janus models load through transformers, an optional extra
+    from lantern.targets.janus import JanusStack
+
 
 @torch.no_grad()
 def teacher_forced_features(stack: ChameleonStack, token_lists: Sequence[Sequence[int]], codes: Tensor,
                             cfg_scale: float = 3.0) -> Tensor:
-    """[2B, P + N, D] drafter features for prompts and their codes [B, N]: conditional rows, then
-    unconditional ones (the guidance context), as the target hands them to the drafter."""
+    """[2B, P + N, D] drafter features for a Chameleon stack's prompt token lists and their codes [B, N]
+    (:func:`stack_features` of the prompts as ``encode_prompts`` lays them out)."""
+    ids, mask = encode_prompts(token_lists, stack.layout)
+    return stack_features(stack, Conditions(ids.to(stack.device), mask.to(stack.device)), codes, cfg_scale)
+
+
+@torch.no_grad()
+def stack_features(stack: ChameleonStack | JanusStack, conditions: Conditions, codes: Tensor,
+                   cfg_scale: float = 3.0) -> Tensor:
+    """[2B, P + N, D] drafter features for encoded prompts and their codes [B, N]: conditional rows,
+    then unconditional ones, as the stack's own target hands them to the drafter (so a Janus
+    model's guidance rows are its pad-token prompts, not Chameleon's guidance context)."""
     layout, lm = stack.layout, stack.model
     b, n = codes.shape
     check(n == layout.num_tokens, f"codes have {n} tokens per image, the layout {layout.num_tokens}")
     sampling = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=max(cfg_scale, 1.0 + 1e-3))  # 2 streams
-    target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=n)
-    ids, mask = encode_prompts(token_lists, layout)
-    _, prefix = target.start(ids.to(lm.device), mask.to(lm.device))  # [2B, P, D]
+    target = stack.make_target(sampling, max_tree_nodes=n)
+    _, prefix = target.start(conditions.cond.to(lm.device), None if conditions.mask is None
+                             else conditions.mask.to(lm.device))  # [2B, P, D]
     chain = tree_from_parents(torch.arange(-1, n - 1, device=lm.device).expand(b, -1).contiguous())
     _, hidden = target.verify(codes.to(lm.device), chain.mask, chain.depth)  # [2B, N, D]
     return torch.cat([prefix, hidden], dim=1)
 
 
-def head_fingerprint(stack: ChameleonStack) -> str:
-    """sha256 of the image head the drafter shares: a different target changes it."""
-    return hashlib.sha256(stack.model.image_head.weight.detach().float().cpu().numpy().tobytes()).hexdigest()
+def head_fingerprint(stack: ChameleonStack | JanusStack) -> str:
+    """sha256 of the code head the drafter shares (all its parameters: Janus's is an MLP): a
+    different target changes it."""
+    data = b"".join(p.detach().float().cpu().numpy().tobytes() for p in stack.model.image_head.parameters())
+    return hashlib.sha256(data).hexdigest()
 
 
 class ChameleonDrafterTask(TrainTask):
@@ -77,7 +98,7 @@ class ChameleonDrafterTask(TrainTask):
 
     kind = "drafter"
 
-    def __init__(self, stack: ChameleonStack, hidden: Tensor, codes: Tensor, test_hidden: Tensor,
+    def __init__(self, stack: ChameleonStack | JanusStack, hidden: Tensor, codes: Tensor, test_hidden: Tensor,
                  test_codes: Tensor, recipe: DrafterRecipe, seed: int, initial: EagleDrafterModel | None,
                  data_id: str) -> None:
         check(hidden.shape[0] >= 1, "drafter training: no training examples")
@@ -85,7 +106,7 @@ class ChameleonDrafterTask(TrainTask):
         self.hidden, self.codes, self.test_hidden, self.test_codes = hidden, codes, test_hidden, test_codes
         self.cls = len(stack.layout.prefix)
         if initial is not None:
-            check_chameleon_drafter(initial.config, stack.model, stack.layout, "--initial")
+            check_chameleon_drafter(initial.config, stack.model, stack.layout, "--initial", family=stack.kind)
             self.model: EagleDrafterModel = copy.deepcopy(initial).float()
         else:
             self.model = init_chameleon_drafter(stack.model, stack.layout, seed).float()
@@ -150,7 +171,7 @@ def teacher_forced_metrics(drafter: EagleDrafterModel, head: nn.Module, hidden: 
 
 
 def train_chameleon_drafter(
-    stack: ChameleonStack, prompts: Sequence[str], loop: LoopConfig, options: RunOptions, *,
+    stack: ChameleonStack | JanusStack, prompts: Sequence[str], loop: LoopConfig, options: RunOptions, *,
     sampling: SamplingConfig, num_per_prompt: int = 1, eval_prompts: int = 1, recipe: DrafterRecipe | None = None,
     initial: EagleDrafterModel | None = None, batch_size: int = 8,
 ) -> TrainResult:
@@ -160,13 +181,13 @@ def train_chameleon_drafter(
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
     check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
     all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
-    result = run_conditions(stack, stack.encode(all_prompts), loop.seed, sampling, MethodConfig(), batch_size,
+    conditions = stack.encode(all_prompts)
+    result = run_conditions(stack, conditions, loop.seed, sampling, MethodConfig(), batch_size,
                             progress=options.progress and launched_as_main())
-    token_lists = stack.tokenize(all_prompts)
     feats: list[tuple[Tensor, Tensor]] = []
     for lo in range(0, len(all_prompts), batch_size):
         hi = min(lo + batch_size, len(all_prompts))
-        h = teacher_forced_features(stack, token_lists[lo:hi], result.codes[lo:hi], sampling.cfg_scale)
+        h = stack_features(stack, conditions.rows(lo, hi), result.codes[lo:hi], sampling.cfg_scale)
         feats.append((h.to("cpu", torch.bfloat16), result.codes[lo:hi].cpu()))
     cond = torch.cat([h[: h.shape[0] // 2] for h, _ in feats])  # [I, P+N, D] per image, prompt order
     uncond = torch.cat([h[h.shape[0] // 2 :] for h, _ in feats])
