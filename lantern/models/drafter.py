@@ -37,6 +37,9 @@ from lantern.io import (
 from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, keep_rope_float32, rope_table_1d, rope_table_2d
 
 MODEL_TYPE = "lantern-eagle-drafter"
+# What training saves beside the weights (the target it was trained for, the recipe, the data):
+# here, below the trainers, so loaders can read it to refuse a drafter of another model.
+TRAINING_INFO_FILE = "drafter_training.json"
 
 # The official drafter configs name the target family; the RoPE layout is hard-coded from it.
 _OFFICIAL_INPUT_TYPES = {"t2i": (120, 256), "t2i2": (120, 1024), "c2i": (1, 576)}

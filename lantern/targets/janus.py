@@ -207,7 +207,7 @@ def check_trained_for_janus(path: Path) -> None:
     was trained for: a drafter for a LlamaGen or Chameleon model of the same sizes would otherwise
     pass the shape checks and only draft badly."""
     from lantern.io import read_json_object
-    from lantern.train.drafter import TRAINING_INFO_FILE
+    from lantern.models.drafter import TRAINING_INFO_FILE
 
     info_file = path / TRAINING_INFO_FILE
     if not info_file.is_file():

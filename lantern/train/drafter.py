@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.io import atomic_path, ensure_writable_dir, read_json, save_safetensors, write_json
-from lantern.models.drafter import DrafterConfig, EagleDrafterModel
+from lantern.models.drafter import TRAINING_INFO_FILE, DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, causal_mask
 from lantern.train.codes import CodeSet
 from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, step_generator, train
@@ -51,7 +51,6 @@ DATA_VERSION = 1
 META_FILE = "meta.json"
 SOURCES = ("real", "generated")
 NOISE_STREAM = 1  # step_generator stream of the feature noise (stream 0 is left to the loop)
-TRAINING_INFO_FILE = "drafter_training.json"
 
 
 def target_fingerprint(target: LlamaGen) -> str:
