@@ -420,11 +420,10 @@ def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layo
     from lantern.targets.emu3 import check_not_compiled, load_emu3_stack
 
     check_not_compiled(compile)
-    flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--vq", vq),
-             ("--drafter", paths["drafter"]))
+    flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--vq", vq))
     for flag, value in flags:
         if value is not None:
             raise LanternError(f"{flag} is not used by Emu3 models (they read prompts with their own tokenizer, "
-                               "decode with their own VQ model, and have no drafters yet)")
+                               "and decode with their own VQ model)")
     stack = load_emu3_stack(root, dtype, device, image_size=image_size)
-    return Pipeline(stack, device, compile, ModelParts(stack, None, proximity))
+    return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], proximity))

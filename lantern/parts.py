@@ -78,7 +78,7 @@ class ModelParts:
         """The drafter on the stack's device, read once; ``method`` names the refusal when there is none."""
         with self._lock:
             if self._drafter is None:
-                refusal = getattr(self.stack, "DRAFTER_REFUSAL", None)  # a family without drafters (Emu3)
+                refusal = getattr(self.stack, "DRAFTER_REFUSAL", None)  # a family without drafters
                 check(refusal is None, f"--method {method}: {refusal}")
                 path = self.drafter_source
                 check(path is not None,

@@ -75,8 +75,7 @@ def test_generate_sampled_relaxed_row_with_the_folders_table(folder: Path, tmp_p
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--method", "lantern++"], "Emu3 models have no drafter support yet"),
-        (["--drafter", "/tmp"], "--drafter is not used by Emu3 models"),
+        (["--method", "lantern++"], "--method lantern++ needs a drafter: pass --drafter DIR"),
         (["--layout", "anole"], "--layout is not used by Emu3 models"),
         (["--t5", "/tmp"], "--t5 is not used by Emu3 models"),
         (["--compile"], "--compile is implemented for LlamaGen targets only, not Emu3 models"),

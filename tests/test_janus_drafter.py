@@ -112,9 +112,13 @@ def _other_drafters(tmp: Path) -> dict[str, tuple[Path, str]]:
     from lantern.models.chameleon_drafter import save_released_drafter
 
     small = make_tiny_janus_folder(tmp / "small", grid=2)
-    out = {"chameleon": (tmp / "d-chameleon", "was trained for a Chameleon-family model (layout 'lumina-mgpt')"),
-           "smaller janus": (tmp / "d-small", "does not fit this Janus target and layout: block_size 4"),
-           "released": (save_released_drafter(released, tmp / "d-released"), "LANTERN's released Anole / Lumina-mGPT")}
+    out = {
+        "chameleon": (tmp / "d-chameleon",
+                      "was trained for a Chameleon-family model (layout 'lumina-mgpt'), not this Janus model"),
+        "smaller janus": (tmp / "d-small", "does not fit this Janus target and layout: block_size 4"),
+        "released": (save_released_drafter(released, tmp / "d-released"),
+                     "LANTERN's released Anole / Lumina-mGPT drafters, not a drafter for this Janus model"),
+    }
     assert _train(chameleon, out["chameleon"][0], "--image-size", "64") == 0
     assert _train(small, out["smaller janus"][0]) == 0
     return out

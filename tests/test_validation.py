@@ -188,7 +188,7 @@ def test_train_chameleon_drafter_names_the_missing_or_wrong_folder(
     base = ["train-chameleon-drafter", "--prompts", str(prompts), "--out", str(tmp_path / "o")]
     err = fails_with([*base, "--model", str(tmp_path / "nope")], "--model: no such folder", capsys)
     assert "is a Chameleon-family model" not in err
-    err = fails_with([*base, "--model", str(stack)], "is not a Chameleon-family or Janus model folder", capsys)
+    err = fails_with([*base, "--model", str(stack)], "is not a Chameleon-family, Janus or Emu3 model folder", capsys)
     fails_with(["extract-codes", "--tokenizer", str(tmp_path / "nope"), "--data", "digits", "--out",
                 str(tmp_path / "o")], "--tokenizer: no such folder", capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]

@@ -307,16 +307,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def check_chameleon_model(root: Path) -> None:
     """``--model`` of a command that only runs models on the Chameleon adapter (train-chameleon-drafter):
-    Chameleon-family folders and Janus ones."""
+    Chameleon-family folders, Janus and Emu3 ones."""
     from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
 
     if not root.is_dir():  # before asking for a layout: a missing folder is not a Chameleon model
         raise LanternError(f"--model: no such folder {root}")
-    if not (is_chameleon_folder(root) or is_janus_folder(root)):
-        raise LanternError(f"--model {root} is not a Chameleon-family or Janus model folder (no config.json with "
-                           "model_type 'chameleon' or 'janus': an Anole, Lumina-mGPT or Janus folder in the "
-                           "transformers format)")
+    if not (is_chameleon_folder(root) or is_janus_folder(root) or is_emu3_folder(root)):
+        raise LanternError(f"--model {root} is not a Chameleon-family, Janus or Emu3 model folder (no config.json "
+                           "with model_type 'chameleon', 'janus' or 'emu3': an Anole, Lumina-mGPT, Janus or Emu3 "
+                           "folder in the transformers format)")
 
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:

@@ -349,14 +349,15 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train-chameleon-drafter", help="train an EAGLE drafter for an Anole / Lumina-mGPT / Janus model",
+        "train-chameleon-drafter", help="train an EAGLE drafter for an Anole / Lumina-mGPT / Janus / Emu3 model",
         description="The target generates images for the prompts (AR, the sampling settings below), its "
                     "teacher-forced features (conditional and unconditional streams) train the drafter with "
                     "the same loss as train-drafter; the last --eval-prompts prompts are held out.")
-    p.add_argument("--model", required=True, help="Chameleon-family or Janus model folder (as for generate)")
+    p.add_argument("--model", required=True, help="Chameleon-family, Janus or Emu3 model folder (as for generate)")
     p.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
                    help="image layout (default: \"layout\" in the folder's generation.json)")
-    p.add_argument("--image-size", type=int, default=None, help="lumina-mgpt: image side in pixels (768)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="image side in pixels (lumina-mgpt: 768; emu3: generation.json's, else 720)")
     p.add_argument("--vq", default=None, metavar="CKPT", help="vqgan.ckpt, if not inside --model")
     p.add_argument("--prompts", required=True, metavar="FILE", help="UTF-8 text file, one prompt per line")
     p.add_argument("--num-per-prompt", type=int, default=1, help="images generated per prompt (default 1)")

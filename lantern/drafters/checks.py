@@ -9,6 +9,8 @@ the image can never be fully accepted). Each check raises :class:`LanternError` 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +22,10 @@ from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGenConfig
 
 if TYPE_CHECKING:  # Janus models load through transformers, an optional extra
+    from lantern.models.emu3 import Emu3LM
     from lantern.models.janus import JanusLM
+
+    AdapterLM = ChameleonLM | JanusLM | Emu3LM  # the models behind lantern.targets.chameleon.ChameleonTarget
 
 
 def check_drafter_matches_target(drafter_cfg: DrafterConfig, target_cfg: LlamaGenConfig) -> None:
@@ -109,7 +114,7 @@ def drafter_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtyp
     return torch.float32 if device.type == "cpu" else target_dtype
 
 
-def chameleon_drafter_config(model: ChameleonLM | JanusLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
+def chameleon_drafter_config(model: AdapterLM, layout: ImageLayout, **overrides: Any) -> DrafterConfig:
     """An EAGLE drafter sized like one Chameleon layer, in code space, with 1D RoPE."""
     cfg = model.config
     # One Chameleon layer's sizes, in code space, positions counted from the image prefix.
@@ -125,7 +130,49 @@ def _rope_theta(cfg: Any) -> float:
     return float(params["rope_theta"]) if isinstance(params, dict) and "rope_theta" in params else float(cfg.rope_theta)
 
 
-def check_chameleon_drafter(drafter: DrafterConfig, model: ChameleonLM | JanusLM, layout: ImageLayout, path: object,
+# What a drafter's training record names, as the family it was trained for.
+TRAINED_FOR = {"llamagen": "a LlamaGen target", "anole": "a Chameleon-family model (layout 'anole')",
+               "lumina-mgpt": "a Chameleon-family model (layout 'lumina-mgpt')", "janus": "a Janus model",
+               "emu3": "an Emu3 model"}
+
+
+def load_trained_drafter(path: str | os.PathLike[str], model: JanusLM | Emu3LM, layout: ImageLayout,
+                         family: str) -> EagleDrafterModel:
+    """A lantern-trained drafter folder (``lantern train-chameleon-drafter --model`` a folder of
+    ``family``) for a model on the Chameleon adapter that has no released drafters, checked
+    against the model: what it was trained for, then its shapes."""
+    from lantern.models.chameleon_drafter import is_released_drafter_folder
+
+    hint = f"train one with `lantern train-chameleon-drafter --model <this {family} folder>`"
+    # LANTERN's released drafters read Chameleon's BPE ids: the shape checks could not say why they fail here
+    check(not is_released_drafter_folder(path), f"--drafter {path} is one of LANTERN's released Anole / "
+                                                f"Lumina-mGPT drafters, not a drafter for this {family} model: {hint}")
+    trained = trained_layout(Path(path))
+    check(trained in (None, layout.name), f"--drafter {path} was trained for "
+                                          f"{TRAINED_FOR.get(str(trained), repr(trained))}, not this {family} model: "
+                                          f"{hint}")
+    drafter = EagleDrafterModel.from_pretrained(path)
+    check_chameleon_drafter(drafter.config, model, layout, path, family=family)
+    return drafter
+
+
+def trained_layout(path: Path) -> str | None:
+    """The layout a drafter's training record (``drafter_training.json``) names ("llamagen" for
+    train-drafter's record of a LlamaGen target); None without a record. A drafter for another
+    family's model of the same sizes would otherwise pass the shape checks and only draft badly."""
+    from lantern.io import read_json_object
+    from lantern.models.drafter import TRAINING_INFO_FILE
+
+    info_file = path / TRAINING_INFO_FILE
+    if not info_file.is_file():
+        return None
+    info = read_json_object(info_file, "drafter training record")
+    if "target_fingerprint" in info:
+        return "llamagen"
+    return None if info.get("layout") is None else str(info["layout"])
+
+
+def check_chameleon_drafter(drafter: DrafterConfig, model: AdapterLM, layout: ImageLayout, path: object,
                             family: str = "Chameleon") -> None:
     want = chameleon_drafter_config(model, layout)
     problems = [

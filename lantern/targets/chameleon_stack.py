@@ -113,8 +113,16 @@ class ChameleonStack(StackFolder):
 
             assert isinstance(target, ChameleonTarget)
             return ReleasedDrafterBackend(drafter, head, sampling, target, 2 * slots)
-        context = len(self.layout.prefix) + self.layout.num_tokens + slots
-        return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
+
+
+def eagle_backend(drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig, target: Target,
+                  layout: ImageLayout, slots: int, cache_pool: CachePool | None) -> EagleBackend:
+    """lantern's EAGLE backend for a target on the Chameleon adapter (Chameleon, Janus, Emu3): its
+    cache holds the image prefix's features, every code's and one round's drafts."""
+    assert isinstance(drafter, EagleDrafterModel)
+    context = len(layout.prefix) + layout.num_tokens + slots
+    return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:

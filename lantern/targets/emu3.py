@@ -44,12 +44,12 @@ from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import DraftBackend
 from lantern.decoding.loop import Target
 from lantern.decoding.sampling import apply_cfg
-from lantern.errors import LanternError, check
+from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
 from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for, read_generation_settings
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import load_prompt_tokenizer
+from lantern.targets.chameleon_stack import eagle_backend, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
 if TYPE_CHECKING:
@@ -62,8 +62,6 @@ NEGATIVE_PROMPT = ("lowres, bad anatomy, bad hands, text, error, missing fingers
                    "worst quality, low quality, normal quality, jpeg artifacts, signature, watermark, username, "
                    "blurry.")
 BOI_TOKEN, WRAPPER_TOKEN = "<|image start|>", "<|image token|>"  # the tokenizer's boi_token, image_wrapper_token
-NO_DRAFTER = ("Emu3 models have no drafter support yet: use a method without one (ar, sjd, sjd-coupled, sjd-pac, "
-              "gsd, pjd, or their relaxed rows with a proximity table)")
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,8 @@ class Emu3Stack(StackFolder):
     """An Emu3 folder loaded: the :class:`~lantern.targets.base.Stack` for Emu3 targets.
 
     Conditions are prompts with Emu3's size header; guidance rows the negative prompt; images come
-    from the model's VQ decoder. Drafter methods are refused (no Emu3 drafters yet)."""
+    from the model's VQ decoder; drafters are lantern-trained EAGLE drafters (1D RoPE, the size
+    header's features as their prefix), as for Chameleon and Janus models."""
 
     model: Emu3LM
     layout: ImageLayout
@@ -146,7 +145,6 @@ class Emu3Stack(StackFolder):
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
 
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
-    DRAFTER_REFUSAL: ClassVar[str | None] = NO_DRAFTER
 
     kind = "emu3"
     num_classes = None
@@ -214,12 +212,19 @@ class Emu3Stack(StackFolder):
         return probe.cache_bytes(batch, probe.context_width(conditions.cond.shape[1]))
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
-        raise LanternError(NO_DRAFTER)
+        from lantern.drafters.checks import drafter_dtype, load_trained_drafter
+
+        drafter = load_trained_drafter(path, self.model, self.layout, "Emu3")
+        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
 
     def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
-        raise LanternError(NO_DRAFTER)
+        """The Chameleon stack's EAGLE backend over the code rows of the LM head. Its guidance (of
+        raw code logits) gives the target's law over codes: the target guides full-vocabulary
+        log-softmaxes, which differ from the raw logits by one constant per row and stream, and
+        ``u + s (c - u)`` of those constants is again one constant per row, which softmax drops."""
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:

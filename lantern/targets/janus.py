@@ -32,11 +32,10 @@ from lantern.decoding.drafting import DraftBackend
 from lantern.decoding.loop import Target
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
-from lantern.models.drafter import EagleDrafterModel
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
 from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import load_prompt_tokenizer
+from lantern.targets.chameleon_stack import eagle_backend, load_prompt_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -156,9 +155,9 @@ class JanusStack(StackFolder):
         return probe.cache_bytes(batch, conditions.cond.shape[1])
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
-        from lantern.drafters.checks import drafter_dtype
+        from lantern.drafters.checks import drafter_dtype, load_trained_drafter
 
-        drafter = load_janus_drafter(path, self.model, self.layout)
+        drafter = load_trained_drafter(path, self.model, self.layout, "Janus")
         return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
 
     def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
@@ -166,11 +165,7 @@ class JanusStack(StackFolder):
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """The Chameleon stack's EAGLE backend: the drafter reads the image-start token's features,
         then the codes' (both guidance streams), and shares the model's generation head."""
-        from lantern.drafters.eagle import EagleBackend
-
-        assert isinstance(drafter, EagleDrafterModel)
-        context = len(self.layout.prefix) + self.layout.num_tokens + slots
-        return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -182,41 +177,6 @@ class JanusStack(StackFolder):
         # (x + 1) / 2 * 255, truncated: DeepSeek's generation_inference.py, and transformers'
         # JanusImageProcessor.postprocess with the released mean = std = 0.5 (tested equal)
         return to_pil(self.decode(codes), "truncate")
-
-
-def load_janus_drafter(path: str | os.PathLike[str], model: JanusLM, layout: ImageLayout) -> EagleDrafterModel:
-    """A lantern-trained drafter folder (``lantern train-chameleon-drafter --model`` a Janus folder),
-    checked against the model: what it was trained on, then its shapes."""
-    from lantern.drafters.checks import check_chameleon_drafter
-    from lantern.models.chameleon_drafter import is_released_drafter_folder
-
-    # LANTERN's released drafters read Chameleon's BPE ids: the shape checks could not say why they fail here
-    check(not is_released_drafter_folder(path), f"--drafter {path} is one of LANTERN's released Anole / "
-                                                f"Lumina-mGPT drafters, not a drafter for a Janus model: {TRAIN_HINT}")
-    check_trained_for_janus(Path(path))
-    drafter = EagleDrafterModel.from_pretrained(path)
-    check_chameleon_drafter(drafter.config, model, layout, path, family="Janus")
-    return drafter
-
-
-TRAIN_HINT = "train one with `lantern train-chameleon-drafter --model <this Janus folder>`"
-
-
-def check_trained_for_janus(path: Path) -> None:
-    """A drafter's training record (``drafter_training.json``, when there is one) names the family it
-    was trained for: a drafter for a LlamaGen or Chameleon model of the same sizes would otherwise
-    pass the shape checks and only draft badly."""
-    from lantern.io import read_json_object
-    from lantern.models.drafter import TRAINING_INFO_FILE
-
-    info_file = path / TRAINING_INFO_FILE
-    if not info_file.is_file():
-        return
-    info = read_json_object(info_file, "drafter training record")
-    trained_for = "a LlamaGen target" if "target_fingerprint" in info else None
-    if info.get("layout") not in (None, "janus"):
-        trained_for = f"a Chameleon-family model (layout {info['layout']!r})"
-    check(trained_for is None, f"--drafter {path} was trained for {trained_for}, not a Janus model: {TRAIN_HINT}")
 
 
 def check_not_compiled(compile: str | None) -> None:

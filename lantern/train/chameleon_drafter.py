@@ -1,9 +1,11 @@
 """EAGLE drafters for Chameleon-family targets (Anole, Lumina-mGPT), trained on self-distilled images.
 
-Janus / Janus-Pro models train the same way: their target is the Chameleon adapter with Janus's
-guidance rows, the drafter's prefix is the image-start token's feature, its code embeddings start
-from the model's generation embedding + aligner and its logits come from the model's generation
-head (an MLP, shared frozen like Chameleon's Linear code head).
+Janus / Janus-Pro and Emu3 models train the same way, through their own target (the Chameleon
+adapter with their guidance rows). Janus: the drafter's prefix is the image-start token's feature,
+its code embeddings start from the model's generation embedding + aligner and its logits come from
+the model's generation head (an MLP, shared frozen like Chameleon's Linear code head). Emu3: the
+prefix is the size header's features, and row ends are read at the end-of-line token, as for
+Lumina-mGPT.
 
 LANTERN trains its Lumina-mGPT / Anole drafters on sequences the target generated itself, plus an
 unconditional copy ([LANTERN code] generate_train_data.py). Here:
