@@ -115,15 +115,6 @@ class ChameleonStack(StackFolder):
             return ReleasedDrafterBackend(drafter, head, sampling, target, 2 * slots)
         return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
 
-
-def eagle_backend(drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig, target: Target,
-                  layout: ImageLayout, slots: int, cache_pool: CachePool | None) -> EagleBackend:
-    """lantern's EAGLE backend for a target on the Chameleon adapter (Chameleon, Janus, Emu3): its
-    cache holds the image prefix's features, every code's and one round's drafts."""
-    assert isinstance(drafter, EagleDrafterModel)
-    context = len(layout.prefix) + layout.num_tokens + slots
-    return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
-
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
         return self.vq.decode_grid(codes.to(self.device), self.layout.height, self.layout.width)
@@ -200,3 +191,12 @@ def init_chameleon_drafter(model: ChameleonLM | JanusLM, layout: ImageLayout, se
         codes = torch.arange(model.num_codes, device=model.device)
         drafter.embed_tokens.weight.copy_(model.embed(model.code_to_bpe(codes)[None])[0].float())
     return drafter
+
+
+def eagle_backend(drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig, target: Target,
+                  layout: ImageLayout, slots: int, cache_pool: CachePool | None) -> EagleBackend:
+    """lantern's EAGLE backend for a target on the Chameleon adapter (Chameleon, Janus, Emu3): its
+    cache holds the image prefix's features, every code's and one round's drafts."""
+    assert isinstance(drafter, EagleDrafterModel)
+    context = len(layout.prefix) + layout.num_tokens + slots
+    return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
