@@ -347,7 +347,8 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
     from lantern.decoding.compiling import resolve_compile
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.emu3 import is_emu3_folder
-    from lantern.models.janus import is_janus_folder, refuse_remote_code
+    from lantern.models.hf_folder import refuse_remote_code
+    from lantern.models.janus import is_janus_folder
     from lantern.targets.base import inference_dtype
     from lantern.targets.llamagen_stack import load_stack
     from lantern.validate import check_device

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
+from lantern.models.hf_folder import check_safetensors_header
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -310,19 +311,7 @@ def check_chameleon_folder(directory: Path) -> None:
     weights = list(directory.glob("*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
     check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (*.safetensors)")
     for path in sorted(directory.glob("*.safetensors")):
-        _check_safetensors_header(path)
-
-
-def _check_safetensors_header(path: Path) -> None:
-    """Open ``path``'s header (no tensor is read): a truncated file, or a header whose offsets
-    point past its end, is named here rather than deep inside transformers' loader."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt"):
-            pass
-    except SafetensorError as e:
-        raise LanternError(f"--model: {path} is not a readable safetensors file ({e})") from None
+        check_safetensors_header(path)
 
 
 def is_chameleon_folder(directory: str | os.PathLike[str]) -> bool:

@@ -31,13 +31,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.decoding.cache import KVCache
-from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
+from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
-from lantern.models.janus import read_model_config, refuse_remote_code
+from lantern.models.hf_folder import (
+    CachedDecoder,
+    check_safetensors_weights,
+    load_pretrained,
+    read_model_config,
+    refuse_remote_code,
+)
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where an Emu3 is loaded
     from transformers import Emu3ForConditionalGeneration
@@ -80,15 +84,14 @@ def code_rows(weight: Tensor, ids: Tensor) -> nn.Parameter:
     return nn.Parameter(weight[ids.to(weight.device)].clone(), requires_grad=False)
 
 
-class Emu3LM(nn.Module):
+class Emu3LM(CachedDecoder):
     """A transformers Emu3 run over lantern's static KV cache, in code space (image generation)."""
 
     def __init__(self, hf_model: Emu3ForConditionalGeneration) -> None:
         super().__init__()
         cfg = hf_model.config
         self.hf = hf_model.eval()
-        self.lm = hf_model.model.text_model  # the decoder (no LM head)
-        self.config = cfg.text_config  # what the target adapter reads: num_hidden_layers, hidden_size
+        self._set_decoder(hf_model.model.text_model, cfg.text_config)  # the decoder (no LM head)
         self.num_codes = int(cfg.vq_config.codebook_size)
         vocabulary = dict(cfg.vocabulary_map or {})
         check(EOL_TOKEN in vocabulary, f"config.vocabulary_map has no end-of-line token {EOL_TOKEN!r}")
@@ -96,9 +99,6 @@ class Emu3LM(nn.Module):
         self.register_buffer("image_ids", image_token_ids(vocabulary, self.num_codes), persistent=False)
         check(int(self.image_ids.max()) < self.config.vocab_size,
               f"visual token ids reach {int(self.image_ids.max())}, past the vocabulary ({self.config.vocab_size})")
-        self.n_head = self.config.num_attention_heads
-        self.kv_heads = self.config.num_key_value_heads or self.n_head
-        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.n_head
         # The code-space head (a Linear over the codes' rows of lm_head): what the loop reads as lm_head.
         weight = hf_model.lm_head.weight
         self.image_head = nn.Linear(self.config.hidden_size, self.num_codes, bias=False, device="meta")
@@ -111,14 +111,6 @@ class Emu3LM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.hf.lm_head.weight.dtype
-
-    @property
-    def n_layer(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def pixels_per_code(self) -> int:
@@ -145,34 +137,6 @@ class Emu3LM(nn.Module):
     def _code_log_probs(self, hidden: Tensor) -> Tensor:
         logits = self.hf.lm_head(hidden).float()
         return logits.index_select(-1, self.image_ids) - logits.logsumexp(-1, keepdim=True)
-
-    def _attention(self, layer_idx: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
-                   slots: Tensor) -> Tensor:
-        from transformers.models.emu3.modeling_emu3 import apply_rotary_pos_emb
-
-        attn = self.lm.layers[layer_idx].self_attn
-        n, t, _ = x.shape
-        q = attn.q_proj(x).view(n, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache.write(layer_idx, slots, k, v)
-        k, v = cache.read(layer_idx, mask.shape[-1])
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kv_heads != self.n_head:
-            rep = self.n_head // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=attn.scaling)
-        return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
-
-    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
-        """ids / positions / slots [N, T], mask [N, T, kv_len] bool -> final-norm hidden [N, T, D]."""
-        x = self.embed(ids)
-        cos, sin = self.lm.rotary_emb(x, positions)
-        for i, layer in enumerate(self.lm.layers):
-            x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm.norm(x)
 
     @torch.no_grad()
     def decode_codes(self, codes: Tensor, height: int, width: int) -> Tensor:
@@ -223,19 +187,7 @@ def load_emu3(directory: str | os.PathLike[str], dtype: torch.dtype | None = Non
     safetensors only; no code from the folder runs."""
     directory = Path(directory)
     check_emu3_folder(directory)
-    try:
-        from transformers import Emu3ForConditionalGeneration
-    except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
-        raise LanternError("Emu3 targets need transformers: pip install 'lantern-ar[t2i]'") from e
-    from safetensors import SafetensorError
-
-    try:
-        model = Emu3ForConditionalGeneration.from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
-                                                             use_safetensors=True)
-    except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
-        raise LanternError(f"--model {directory}: transformers could not load the Emu3 weights: "
-                           f"{transformers_reason(e)}") from None
-    return Emu3LM(model.to(device))
+    return Emu3LM(load_pretrained("Emu3ForConditionalGeneration", directory, "Emu3", dtype).to(device))
 
 
 def check_emu3_folder(directory: Path) -> None:
@@ -249,24 +201,7 @@ def check_emu3_folder(directory: Path) -> None:
           f"--model: {directory}/config.json is not an Emu3 config (model_type {EMU3_MODEL_TYPE!r} expected)")
     check(isinstance(raw.get("vocabulary_map"), dict),
           f"--model: {directory}/config.json has no vocabulary_map (Emu3's visual tokens are named there)")
-    weights = sorted(directory.glob("*.safetensors"))
-    if not weights:
-        other = sorted(p.name for p in directory.glob("*.bin"))
-        raise LanternError(f"--model: {directory} has an Emu3 config but no *.safetensors weights"
-                           + (f" ({', '.join(other)} are pickles: lantern reads Emu3 weights from safetensors only)"
-                              if other else ""))
-    for path in weights:
-        _check_safetensors_header(path)
-
-
-def _check_safetensors_header(path: Path) -> None:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt"):
-            pass
-    except SafetensorError as e:
-        raise LanternError(f"--model: {path} is not a readable safetensors file ({e})") from None
+    check_safetensors_weights(directory, "Emu3")
 
 
 def is_emu3_folder(directory: str | os.PathLike[str]) -> bool:

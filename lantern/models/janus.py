@@ -29,23 +29,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern.decoding.cache import KVCache
-from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
+from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
+from lantern.models.hf_folder import (
+    CachedDecoder,
+    check_safetensors_weights,
+    load_pretrained,
+    read_model_config,
+    refuse_remote_code,
+)
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Janus is loaded
     from transformers import JanusForConditionalGeneration
 
 JANUS_MODEL_TYPE = "janus"
-# DeepSeek's original release (deepseek-ai/Janus-Pro-7B): its config names a class of DeepSeek's own
-# `janus` package, which transformers cannot build; the transformers conversion is what lantern reads.
-ORIGINAL_MODEL_TYPES = ("multi_modality",)
 BOI_TOKEN = "<begin_of_image>"  # the image-start token of DeepSeek's tokenizer (``tokenizer.boi_token``)
 CODEBOOK_KEY = "model.vqmodel.quantize.embedding.weight"  # in the folder's safetensors
 
@@ -83,20 +85,16 @@ class GenerationHead(nn.Module):
         return self.head(hidden)
 
 
-class JanusLM(nn.Module):
+class JanusLM(CachedDecoder):
     """A transformers Janus run over lantern's static KV cache, in code space (image generation)."""
 
     def __init__(self, hf_model: JanusForConditionalGeneration) -> None:
         super().__init__()
         cfg = hf_model.config
         self.hf = hf_model.eval()
-        self.lm = hf_model.model.language_model  # the Llama decoder (no LM head)
-        self.config = cfg.text_config  # what the target adapter reads: num_hidden_layers, hidden_size
+        self._set_decoder(hf_model.model.language_model, cfg.text_config)  # the Llama decoder (no LM head)
         self.num_codes = int(cfg.vq_config.num_embeddings)
         self.text_vocab = int(cfg.text_config.vocab_size)
-        self.n_head = cfg.text_config.num_attention_heads
-        self.kv_heads = cfg.text_config.num_key_value_heads or self.n_head
-        self.head_dim = getattr(cfg.text_config, "head_dim", None) or cfg.text_config.hidden_size // self.n_head
         # The code-space head: generation_head (an MLP), wrapped so a drafter can share it as it
         # shares Chameleon's Linear head.
         self.image_head = GenerationHead(hf_model.model.generation_head)
@@ -108,14 +106,6 @@ class JanusLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm.embed_tokens.weight.dtype
-
-    @property
-    def n_layer(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def grid(self) -> int:
@@ -138,34 +128,6 @@ class JanusLM(nn.Module):
     def image_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., D] (after the final norm) -> logits over the VQ codes [..., V], float32."""
         return self.image_head(hidden).float()
-
-    def _attention(self, layer_idx: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
-                   slots: Tensor) -> Tensor:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        attn = self.lm.layers[layer_idx].self_attn
-        n, t, _ = x.shape
-        q = attn.q_proj(x).view(n, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache.write(layer_idx, slots, k, v)
-        k, v = cache.read(layer_idx, mask.shape[-1])
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kv_heads != self.n_head:
-            rep = self.n_head // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=attn.scaling)
-        return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
-
-    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
-        """ids / positions / slots [N, T], mask [N, T, kv_len] bool -> final-norm hidden [N, T, D]."""
-        x = self.embed(ids)
-        cos, sin = self.lm.rotary_emb(x, positions)
-        for i, layer in enumerate(self.lm.layers):
-            x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm.norm(x)
 
     @torch.no_grad()
     def decode_codes(self, codes: Tensor) -> Tensor:
@@ -202,57 +164,13 @@ def load_janus(directory: str | os.PathLike[str], dtype: torch.dtype | None = No
     Weights are read from safetensors only; no code from the folder runs."""
     directory = Path(directory)
     check_janus_folder(directory)
-    try:
-        from transformers import JanusForConditionalGeneration
-    except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
-        raise LanternError("Janus targets need transformers: pip install 'lantern-ar[t2i]'") from e
-    from safetensors import SafetensorError
-
-    try:
-        model = JanusForConditionalGeneration.from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
-                                                              use_safetensors=True)
-    except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
-        raise LanternError(f"--model {directory}: transformers could not load the Janus weights: "
-                           f"{transformers_reason(e)}") from None
+    model = load_pretrained("JanusForConditionalGeneration", directory, "Janus", dtype)
     num_patches = int(model.config.vq_config.num_patches)
     tokens = int(model.config.vision_config.num_image_tokens)
     check(num_patches * num_patches == tokens,
           f"--model {directory}/config.json: vision_config.num_image_tokens {tokens} is not a square grid of "
           f"{num_patches} x {num_patches} codes (image_size / patch_size)")
     return JanusLM(model.to(device))
-
-
-def read_model_config(directory: Path) -> dict[str, Any] | None:
-    """``directory/config.json`` as a dict, or None when there is none or it is not JSON (not a
-    model folder; the family's own loader names a broken file)."""
-    import json
-
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
-def refuse_remote_code(directory: str | os.PathLike[str]) -> None:
-    """A one-line error when the folder's ``config.json`` needs the folder's own Python code
-    (``auto_map``: transformers' ``trust_remote_code``) or a model package lantern does not run
-    (DeepSeek's original Janus release); lantern never runs a model folder's code."""
-    root = Path(directory)
-    raw = read_model_config(root)
-    if raw is None:
-        return
-    if "auto_map" in raw:
-        raise LanternError(f"--model {root}/config.json asks to run the folder's own Python code (auto_map, "
-                           "transformers' trust_remote_code), which lantern never does: use a transformers-native "
-                           "conversion of the model")
-    if raw.get("model_type") in ORIGINAL_MODEL_TYPES:
-        raise LanternError(f"--model {root} is DeepSeek's original Janus release (model_type "
-                           f"{raw['model_type']!r}), which needs DeepSeek's own code: use the transformers conversion "
-                           "(deepseek-community/Janus-Pro-7B, or transformers' convert_janus_weights_to_hf.py)")
 
 
 def check_janus_folder(directory: Path) -> None:
@@ -266,24 +184,7 @@ def check_janus_folder(directory: Path) -> None:
     check(text.get("model_type", "llama") == "llama",
           f"--model: {directory}/config.json: text_config.model_type {text.get('model_type')!r}; lantern runs Janus "
           "models whose language model is a Llama (every Janus / Janus-Pro release)")
-    weights = sorted(directory.glob("*.safetensors"))
-    if not weights:
-        other = sorted(p.name for p in directory.glob("*.bin"))
-        raise LanternError(f"--model: {directory} has a Janus config but no *.safetensors weights"
-                           + (f" ({', '.join(other)} are pickles: lantern reads Janus weights from safetensors only)"
-                              if other else ""))
-    for path in weights:
-        _check_safetensors_header(path)
-
-
-def _check_safetensors_header(path: Path) -> None:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt"):
-            pass
-    except SafetensorError as e:
-        raise LanternError(f"--model: {path} is not a readable safetensors file ({e})") from None
+    check_safetensors_weights(directory, "Janus")
 
 
 def is_janus_folder(directory: str | os.PathLike[str]) -> bool:

@@ -1,0 +1,161 @@
+"""What every transformers-format model folder shares (Janus / Janus-Pro, Emu3; Chameleon reads its
+safetensors check): reading ``config.json`` without running anything, refusing folders that need
+their own code, reading weights from safetensors only, and running a Llama-style decoder of
+transformers' modules over lantern's static KV cache.
+
+Why one place: each family's loader must refuse the same things the same way (a folder's own
+Python code, pickled weights, a truncated safetensors file), and the cached decoder is the piece
+that makes a transformers model speak lantern's loop (per-row slots, positions and tree masks);
+a fix to either must reach every family.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lantern.decoding.cache import KVCache
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError
+
+# model_type values of releases that need their authors' own code package (DeepSeek's original Janus)
+ORIGINAL_MODEL_TYPES = ("multi_modality",)
+
+
+def read_model_config(directory: Path) -> dict[str, Any] | None:
+    """``directory/config.json`` as a dict, or None when there is none or it is not JSON (not a
+    model folder; the family's own loader names a broken file)."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def refuse_remote_code(directory: str | os.PathLike[str]) -> None:
+    """A one-line error when the folder's ``config.json`` needs the folder's own Python code
+    (``auto_map``: transformers' ``trust_remote_code``) or a model package lantern does not run
+    (DeepSeek's original Janus release); lantern never runs a model folder's code."""
+    root = Path(directory)
+    raw = read_model_config(root)
+    if raw is None:
+        return
+    if "auto_map" in raw:
+        raise LanternError(f"--model {root}/config.json asks to run the folder's own Python code (auto_map, "
+                           "transformers' trust_remote_code), which lantern never does: use a transformers-native "
+                           "conversion of the model")
+    if raw.get("model_type") in ORIGINAL_MODEL_TYPES:
+        raise LanternError(f"--model {root} is DeepSeek's original Janus release (model_type "
+                           f"{raw['model_type']!r}), which needs DeepSeek's own code: use the transformers conversion "
+                           "(deepseek-community/Janus-Pro-7B, or transformers' convert_janus_weights_to_hf.py)")
+
+
+def check_safetensors_header(path: Path) -> None:
+    """Open ``path``'s header (no tensor is read): a truncated file, or a header whose offsets
+    point past its end, is named here rather than deep inside transformers' loader."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as e:
+        raise LanternError(f"--model: {path} is not a readable safetensors file ({e})") from None
+
+
+def check_safetensors_weights(directory: Path, family: str) -> None:
+    """The folder's weights are safetensors with readable headers; pickles (``*.bin``) are never
+    read, and the error names them."""
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        other = sorted(p.name for p in directory.glob("*.bin"))
+        raise LanternError(f"--model: {directory} has {'an' if family[0] in 'AEIOU' else 'a'} {family} config but no "
+                           "*.safetensors weights"
+                           + (f" ({', '.join(other)} are pickles: lantern reads {family} weights from safetensors "
+                              "only)" if other else ""))
+    for path in weights:
+        check_safetensors_header(path)
+
+
+def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.dtype | None) -> Any:
+    """transformers' ``class_name.from_pretrained`` on a checked folder: safetensors only, bf16
+    unless told, its failures as one line naming the folder."""
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
+        raise LanternError(f"{family} targets need transformers: pip install 'lantern-ar[t2i]'") from e
+    from safetensors import SafetensorError
+
+    from lantern.errors import transformers_reason
+
+    try:
+        return getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
+                                                                 use_safetensors=True)
+    except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
+        raise LanternError(f"--model {directory}: transformers could not load the {family} weights: "
+                           f"{transformers_reason(e)}") from None
+
+
+class CachedDecoder(nn.Module):
+    """A transformers Llama-style decoder (``lm``: embed_tokens, layers of self_attn / mlp and
+    their norms, norm, rotary_emb) run over lantern's static KV cache: the queries' keys and values
+    are written at per-row ``slots`` and attention reads the cache under lantern's [N, T, S] mask,
+    so one forward serves prefill, AR steps and tree or Jacobi verification alike. Subclasses set
+    ``self.lm`` and ``self.config`` (the text config) through :meth:`_set_decoder` and define
+    :meth:`embed`."""
+
+    lm: Any
+    config: Any
+
+    def _set_decoder(self, lm: nn.Module, text_config: Any) -> None:
+        self.lm, self.config = lm, text_config
+        self.n_head = text_config.num_attention_heads
+        self.kv_heads = text_config.num_key_value_heads or self.n_head
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.n_head
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    def embed(self, ids: Tensor) -> Tensor:  # pragma: no cover - every family defines its own
+        raise NotImplementedError
+
+    def _attention(self, layer_idx: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
+                   slots: Tensor) -> Tensor:
+        # Llama's rotary helper: Janus's language model is a Llama, and Emu3's copy is the same code.
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = self.lm.layers[layer_idx].self_attn
+        n, t, _ = x.shape
+        q = attn.q_proj(x).view(n, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache.write(layer_idx, slots, k, v)
+        k, v = cache.read(layer_idx, mask.shape[-1])
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.kv_heads != self.n_head:
+            rep = self.n_head // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+
+    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
+        """ids / positions / slots [N, T], mask [N, T, kv_len] bool -> final-norm hidden [N, T, D]."""
+        x = self.embed(ids)
+        cos, sin = self.lm.rotary_emb(x, positions)
+        for i, layer in enumerate(self.lm.layers):
+            x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm.norm(x)
