@@ -1,6 +1,7 @@
 """``demo``, ``bench``, ``profile`` and ``generate --tree auto`` on every model family: a tiny
 Lumina-mGPT folder (row-end tokens), a tiny Anole folder and a tiny text-to-image LlamaGen stack
-(prompts instead of labels), built offline. They write the files they write for the presets
+(prompts instead of labels), built offline, and Janus / Emu3 folders for `profile --trace`. They
+write the files they write for the presets
 (``digits``): the same names, the same row fields, the chosen tree in run.json."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from lantern.cli.main import main
 from lantern.decoding.config import TreeConfig
-from lantern.testing import make_tiny_chameleon_folder
+from lantern.testing import make_tiny_chameleon_folder, make_tiny_emu3_folder, make_tiny_janus_folder
 
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
@@ -131,6 +132,24 @@ def test_profile(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> N
     assert set(profile["overhead"]) == {"exact", "lantern", "lantern++"}
     assert profile["model_shape"]["block_size"] == TOKENS[kind]
     assert profile["prefix_tokens"] == TOKENS[kind] // 2
+
+
+def test_trace_on_prompt_models(tmp_path: Path) -> None:
+    """``profile --trace`` on Janus and Emu3 folders (prompts, guidance rows, Emu3's row ends): every
+    round of every image is accounted for (AR: one per token after the prefill's), and a Janus
+    forward adds no host sync to the decoder both families share (its image embedding once read
+    the ids on the host: a sync per round, a graph break when compiled)."""
+    folders = {"janus": make_tiny_janus_folder(tmp_path / "janus"), "emu3": make_tiny_emu3_folder(tmp_path / "emu3")}
+    traces = {}
+    for name, folder in folders.items():
+        out = tmp_path / f"trace-{name}"
+        assert main(["profile", "--model", str(folder), "--trace", "ar,sjd-coupled/window=4", "--trace-images", "2",
+                     "--batch-size", "2", "--out", str(out), "--no-progress"]) == 0
+        traces[name] = {m["method"]: m for m in _json(out / "trace.json")["methods"]}
+        ar, sjd = traces[name]["ar"], traces[name]["sjd-coupled/window=4"]
+        assert ar["tau"] == 1.0 and ar["rounds"] == 16 - 1  # both tiny folders: 4 x 4 codes, one batch of 2
+        assert sjd["tau"] >= 1.0 and sjd["rounds"] <= ar["rounds"]
+    assert traces["janus"]["ar"]["syncs"]["verify"] == traces["emu3"]["ar"]["syncs"]["verify"]
 
 
 @pytest.mark.slow

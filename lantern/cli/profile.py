@@ -12,7 +12,6 @@ from lantern.cli.common import (
     check_compile,
     load_tool_stack,
 )
-from lantern.errors import LanternError
 
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
@@ -65,8 +64,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     stack = load_tool_stack(args, args.device)
     sampling = sampling_from(stack, args)
     if args.trace is not None:
-        if stack.kind != "c2i":
-            raise LanternError(f"--trace traces class-label runs; {args.model} is a {stack.kind} model")
         from lantern.eval.roundtrace import cmd_trace
 
         return cmd_trace(args, stack, sampling, out)

@@ -49,7 +49,7 @@ from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.outputs import OutputFolder
 from lantern.run import PreparedMethod, image_seed, prepare_method
-from lantern.targets.llamagen_stack import ModelStack
+from lantern.targets.base import Conditions, Stack
 
 ROUND_PHASES = tuple(p for p in PHASES if p != "prefill") + ("other",)
 # The model forwards; everything else is loop overhead. A compiled ``round`` holds the forwards
@@ -92,51 +92,52 @@ class RoundTrace:
 
 
 def trace_methods(
-    stack: ModelStack,
+    stack: Stack,
     sampling: SamplingConfig,
     methods: Mapping[str, MethodConfig],
-    labels: Sequence[int],
+    labels: Sequence[Any],
     *,
     seed: int = 0,
     batch_size: int = 1,
     compile: str | None = None,
 ) -> list[RoundTrace]:
-    """Trace every method on the same ``labels`` (one batch of ``batch_size`` rows at a time).
+    """Trace every method on the same ``labels`` (class labels, or prompts for a text model; one
+    batch of ``batch_size`` rows at a time).
 
     With ``compile``, each compiled region shows as one ``Torch-Compiled Region`` op plus the
     library kernels it calls (matmuls); its fused kernels are not counted."""
     check("ar" in methods, "--trace needs ar among the methods: its round is the unit (an AR step)")
     check(len(labels) >= 1, "--trace-images must be >= 1")
-    label_t = torch.tensor(list(labels), dtype=torch.long, device=stack.target.device)
-    stack.target.check_labels(label_t)
+    conditions = stack.encode(list(labels))  # checked and encoded once: every method runs the same rows
     out = []
     for name, cfg in methods.items():
         prepared = prepare_method(stack, cfg, sampling, compile=compile)
         size = min(batch_size, len(labels))  # warm-up (and compilation) at the traced batch shape
-        prepared.generate(label_t[:size], make_generators([image_seed(seed + 7, i) for i in range(size)],
-                                                          label_t.device))
-        out.append(_trace_one(name, prepared, label_t, seed, batch_size))
+        warm = conditions.rows(0, size)
+        prepared.generate(warm.cond, make_generators([image_seed(seed + 7, i) for i in range(size)], stack.device),
+                          cond_mask=warm.mask)
+        out.append(_trace_one(name, prepared, conditions, seed, batch_size))
     return out
 
 
-def _run(prepared: PreparedMethod, labels: torch.Tensor, seed: int, batch_size: int) -> list[GenerationOutput]:
+def _run(prepared: PreparedMethod, conditions: Conditions, seed: int, batch_size: int) -> list[GenerationOutput]:
     outs = []
-    for lo in range(0, labels.shape[0], batch_size):
-        chunk = labels[lo : lo + batch_size]
-        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], labels.device)
-        outs.append(prepared.generate(chunk, gens))
+    for lo in range(0, len(conditions), batch_size):
+        chunk = conditions.rows(lo, lo + batch_size)
+        gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], prepared.stack.device)
+        outs.append(prepared.generate(chunk.cond, gens, cond_mask=chunk.mask))
     return outs
 
 
-def _trace_one(name: str, prepared: PreparedMethod, labels: torch.Tensor, seed: int, batch_size: int) -> RoundTrace:
+def _trace_one(name: str, prepared: PreparedMethod, conditions: Conditions, seed: int, batch_size: int) -> RoundTrace:
     from lantern.eval.report import tree_label
 
-    device = labels.device
+    device = prepared.stack.device
     clock = PhaseClock(device)
     install_clock(clock)
     try:
         t0, calls0 = clock._now(), compiling.region_calls
-        outs = _run(prepared, labels, seed, batch_size)
+        outs = _run(prepared, conditions, seed, batch_size)
         wall_ms = 1000.0 * (clock._now() - t0)
         calls = compiling.region_calls - calls0
     finally:
@@ -145,7 +146,7 @@ def _trace_one(name: str, prepared: PreparedMethod, labels: torch.Tensor, seed: 
     check(rounds > 0, f"method {name}: no decoding rounds to trace")
     ms = {p: clock.ms.get(p, 0.0) / rounds for p in PHASES if p != "prefill"}
     ms["other"] = (wall_ms - sum(clock.ms.values())) / rounds
-    ops, syncs, cuda_syncs = count_ops(lambda: _run(prepared, labels, seed, batch_size), device)
+    ops, syncs, cuda_syncs = count_ops(lambda: _run(prepared, conditions, seed, batch_size), device)
     tokens = sum(o.codes.numel() for o in outs)
     forwards = sum(int(o.stats.target_forwards.sum()) for o in outs)
     return RoundTrace(
@@ -253,17 +254,17 @@ def trace_markdown(traces: Sequence[RoundTrace]) -> str:
     return "\n".join(lines)
 
 
-def trace_meta(stack: ModelStack, sampling: SamplingConfig, labels: Sequence[int], batch_size: int,
+def trace_meta(stack: Stack, sampling: SamplingConfig, labels: Sequence[Any], batch_size: int,
                model_name: str) -> dict[str, Any]:
     from lantern.eval.report import machine_description
 
-    return {"model": model_name, "device": str(stack.target.device), "dtype": str(stack.target.dtype),
+    return {"model": model_name, "device": str(stack.device), "dtype": str(stack.dtype),
             "machine": machine_description(), "torch_threads": torch.get_num_threads(),
             "sampling": sampling.to_dict(), "images": len(labels), "batch_size": batch_size,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: OutputFolder) -> int:
+def cmd_trace(args: Any, stack: Stack, sampling: SamplingConfig, out: OutputFolder) -> int:
     """``lantern profile --trace METHODS``: trace, print the table, write trace.json / trace.md
     (all-or-nothing, into the checked ``--out``)."""
     from lantern.eval.bench import bench_labels
@@ -272,14 +273,16 @@ def cmd_trace(args: Any, stack: ModelStack, sampling: SamplingConfig, out: Outpu
     from lantern.machine import watch_load
 
     methods = {m.name: m.resolve(stack) for m in parse_methods(args.trace, flag="--trace")}
-    labels = bench_labels(stack.target.config.num_classes, args.trace_images)
+    # labels spread over the classes (as bench's), or the stack's measurement prompts
+    labels = (bench_labels(stack.num_classes, args.trace_images) if stack.num_classes
+              else stack.sample_conditions(args.trace_images))
     with watch_load() as watch:  # were other processes competing for the cores while we timed?
         traces = trace_methods(stack, sampling, methods, labels, seed=args.seed, batch_size=args.batch_size,
                                compile=args.compile)
     assert watch.result is not None
     table = trace_markdown(traces)
     meta = trace_meta(stack, sampling, labels, args.batch_size, str(args.model))
-    meta["compile"] = resolve_compile(args.compile, stack.target.device)
+    meta["compile"] = resolve_compile(args.compile, stack.device)
     meta["machine_load"] = watch.result.to_dict()
     meta["busy_warning"] = warning = watch.result.warning()
     if warning is not None:

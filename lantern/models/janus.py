@@ -120,8 +120,8 @@ class JanusLM(CachedDecoder):
         """ids [N, T] (text ids, or ``V_text + code``) -> input embeddings [N, T, D]."""
         is_code = ids >= self.text_vocab
         text = self.lm.embed_tokens(torch.where(is_code, 0, ids))
-        if not bool(is_code.any()):
-            return text
+        # Both paths for every position, then a select: skipping the image path when no id is a code
+        # would read the ids on the host, a sync in every round and a graph break when compiled.
         image = self.hf.prepare_embeddings_for_image_generation(torch.where(is_code, ids - self.text_vocab, 0))
         return torch.where(is_code[..., None], image.to(text.dtype), text)
 
