@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import re
 import select
 import signal
@@ -327,9 +328,11 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
 
 
-def test_streams_are_counted_by_how_they_ended(pipe: lantern.Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_streams_are_counted_by_how_they_ended(pipe: lantern.Pipeline, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
     """Before: a stream counted 200 when it started, so one that ended in an ``error`` event or whose
-    client left was a success in the metrics."""
+    client left was a success in the metrics; and a failed round's 500 told the client the
+    exception's first line (a kernel's message can hold paths and allocator detail)."""
     scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
     scheduler.start()
     app = create_app(scheduler, pipeline=pipe, default_method="ar")
@@ -349,8 +352,15 @@ def test_streams_are_counted_by_how_they_ended(pipe: lantern.Pipeline, monkeypat
         before = _requests_by_status(url)
         r = http.post(GENERATE, json={"label": 2, "stream": True})
         assert r.status_code == 200 and r.text.startswith("event: error"), r.text
-        plain = http.post(GENERATE, json={"label": 2})
-        assert plain.status_code == 500 and "a kernel failed" in _error(plain)["message"]
+        with caplog.at_level(logging.ERROR, logger="lantern.serve"):
+            plain = http.post(GENERATE, json={"label": 2})
+        # The client gets an incident id, never the exception's text; the log has the traceback under it.
+        message = _error(plain)["message"]
+        assert plain.status_code == 500 and "a kernel failed" not in message and "a kernel failed" not in r.text
+        incident = re.search(r"incident ([0-9a-f]{8})", message)
+        assert incident is not None, message
+        logged = [rec for rec in caplog.records if incident.group(1) in rec.getMessage()]
+        assert len(logged) == 1 and "a kernel failed" in str(logged[0].exc_info[1])
         assert _delta(before, _requests_by_status(url)) == {"500": 2}
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -131,6 +133,18 @@ def side_thread() -> None:
     before loading the model, a web worker before decoding images): one intra-op thread, so its
     OpenMP team does not slow the decode thread (see the module docstring)."""
     torch.set_num_threads(1)
+
+
+LOG = logging.getLogger("lantern.serve")
+
+
+def engine_failure(error: BaseException) -> LanternError:
+    """What a client is told when decoding failed: an incident id, never the exception's text (a
+    kernel's message can hold paths, shapes or allocator detail); the server's log has the
+    traceback under that id. Call inside the ``except`` block (the traceback is the current one)."""
+    incident = secrets.token_hex(4)
+    LOG.error("generation failed (incident %s)", incident, exc_info=error)
+    return LanternError(f"generation failed (incident {incident}; the server's log has the cause)")
 
 
 def rows_move(prepared: PreparedMethod) -> bool:
@@ -522,8 +536,9 @@ class Scheduler:
             try:
                 self._lanes[key].admit(tickets)
             except Exception as e:  # one failing request never takes the server down
+                error = e if isinstance(e, LanternError) else engine_failure(e)
                 for t in tickets:
-                    _fail(t, e if isinstance(e, LanternError) else LanternError(f"generation failed: {e}"))
+                    _fail(t, error)
                 self._lanes.pop(key, None)
         self._drop_idle_lanes()
 
@@ -534,7 +549,7 @@ class Scheduler:
         try:
             lane.step()
         except Exception as e:  # a failed round fails its rows, not the server
-            lane.cancel_all(LanternError(f"generation failed: {e}"))
+            lane.cancel_all(engine_failure(e))
             self._lanes = OrderedDict((k, v) for k, v in self._lanes.items() if v is not lane)
             return
         if not lane.busy:
