@@ -203,11 +203,17 @@ class StackFolder:
         raise NotImplementedError
 
     def default_sampling(self) -> dict[str, float]:
-        """The stack's recommended sampling settings (``generation.json``, then the family's), or {}."""
+        """The stack's recommended sampling settings, or {}: the family's, then what the model's own
+        config states (:meth:`config_sampling`), then ``generation.json``'s."""
         raw = read_generation_settings(self.root)
-        values = dict(self.FAMILY_SAMPLING)
+        values = dict(self.FAMILY_SAMPLING) | self.config_sampling()
         values.update({k: raw[k] for k in SAMPLING_KEYS if k in raw})
         return values
+
+    def config_sampling(self) -> dict[str, float]:
+        """Sampling settings the model folder's own config states (transformers-format families:
+        ``generation_config.json``), between the family's and ``generation.json``'s; none here."""
+        return {}
 
 
 def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:

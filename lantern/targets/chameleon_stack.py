@@ -37,7 +37,32 @@ VQ_NAMES = ("vqgan.ckpt", "tokenizer/vqgan.ckpt")  # where a model folder may ho
 
 
 @dataclass
-class ChameleonStack(StackFolder):
+class PromptStack(StackFolder):
+    """What the stacks on the Chameleon adapter share (Chameleon, Janus, Emu3): the model and its
+    image layout, the grid read off them, and prompts as conditions. Each family's stack narrows
+    ``model`` to its own class and adds its fields after these."""
+
+    model: Any  # ChameleonLM, JanusLM or Emu3LM: ``num_codes`` image codes
+    layout: ImageLayout
+
+    num_classes = None
+    num_tokens: int = field(init=False)  # image codes (the layout's)
+    grid_width: int = field(init=False)  # codes per image row (row-end tokens not counted)
+    vocab_size: int = field(init=False)  # the model's image codes
+
+    def __post_init__(self) -> None:
+        self.num_tokens, self.grid_width = self.layout.num_tokens, self.layout.width
+        self.vocab_size = self.model.num_codes
+
+    def network(self) -> torch.nn.Module:
+        return self.model
+
+    def sample_conditions(self, n: int) -> list[Any]:
+        return prompts_for(n)
+
+
+@dataclass
+class ChameleonStack(PromptStack):
     """An Anole / Lumina-mGPT folder loaded: the :class:`~lantern.targets.base.Stack` for Chameleon targets.
 
     Conditions are prompts (the layout's template around the model's own tokenizer; CFG's
@@ -46,24 +71,12 @@ class ChameleonStack(StackFolder):
     LANTERN's released ones (``lantern.drafters.released``)."""
 
     model: ChameleonLM
-    layout: ImageLayout
     vq: Any  # lantern.models.chameleon_vq.ChameleonVQGAN, or None when only codes are wanted
     tokenizer: Any  # a transformers tokenizer for the prompts
 
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
     kind = "chameleon"
-    num_classes = None
-    num_tokens: int = field(init=False)  # image codes (the layout's)
-    grid_width: int = field(init=False)  # codes per image row (row-end tokens not counted)
-    vocab_size: int = field(init=False)  # the VQGAN's codes
-
-    def __post_init__(self) -> None:
-        self.num_tokens, self.vocab_size = self.layout.num_tokens, self.model.num_codes
-        self.grid_width = self.layout.width
-
-    def network(self) -> torch.nn.Module:
-        return self.model
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
@@ -84,9 +97,6 @@ class ChameleonStack(StackFolder):
         prompts = check_condition_kind(conditions, str, self.root)
         ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout)
         return Conditions(ids.to(self.device), mask.to(self.device))
-
-    def sample_conditions(self, n: int) -> list[Any]:
-        return prompts_for(n)
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> ChameleonTarget:

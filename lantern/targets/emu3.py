@@ -47,9 +47,9 @@ from lantern.decoding.sampling import apply_cfg
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
-from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for, read_generation_settings
+from lantern.targets.base import Conditions, check_condition_kind, read_generation_settings
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import eagle_backend, load_prompt_tokenizer
+from lantern.targets.chameleon_stack import PromptStack, eagle_backend, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class Emu3Target(ChameleonTarget):
 
 
 @dataclass
-class Emu3Stack(StackFolder):
+class Emu3Stack(PromptStack):
     """An Emu3 folder loaded: the :class:`~lantern.targets.base.Stack` for Emu3 targets.
 
     Conditions are prompts with Emu3's size header; guidance rows the negative prompt; images come
@@ -138,7 +138,6 @@ class Emu3Stack(StackFolder):
     header's features as their prefix), as for Chameleon and Janus models."""
 
     model: Emu3LM
-    layout: ImageLayout
     tokenizer: Any  # a transformers tokenizer
     prompting: Emu3Prompting
     negative_ids: tuple[int, ...]
@@ -147,24 +146,10 @@ class Emu3Stack(StackFolder):
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
     kind = "emu3"
-    num_classes = None
-    num_tokens: int = field(init=False)
-    grid_width: int = field(init=False)
-    vocab_size: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.num_tokens, self.grid_width = self.layout.num_tokens, self.layout.width
-        self.vocab_size = self.model.num_codes
-
-    def network(self) -> torch.nn.Module:
-        return self.model
-
-    def default_sampling(self) -> dict[str, float]:
-        """BAAI's defaults, then generation_config.json's, then generation.json's."""
-        from lantern.targets.base import SAMPLING_KEYS
-
-        raw = read_generation_settings(self.root)
-        return dict(self.FAMILY_SAMPLING) | self.sampling_defaults | {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+    def config_sampling(self) -> dict[str, float]:
+        """generation_config.json's, between BAAI's defaults and generation.json's."""
+        return self.sampling_defaults
 
     def format_prompt(self, prompt: str) -> str:
         """The text transformers' Emu3Processor tokenizes for an image prompt."""
@@ -198,9 +183,6 @@ class Emu3Stack(StackFolder):
         texts = [ids[:-p] for ids in self.tokenize([q for q in prompts for _ in range(repeats)])]
         ids, mask = encode_prompts(texts, self.layout)
         return Conditions(ids.to(self.device), mask.to(self.device))
-
-    def sample_conditions(self, n: int) -> list[Any]:
-        return prompts_for(n)
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> Emu3Target:

@@ -33,9 +33,9 @@ from lantern.decoding.loop import Target
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
-from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
+from lantern.targets.base import Conditions, check_condition_kind
 from lantern.targets.chameleon import ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import eagle_backend, load_prompt_tokenizer
+from lantern.targets.chameleon_stack import PromptStack, eagle_backend, load_prompt_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -70,7 +70,7 @@ class JanusTarget(ChameleonTarget):
 
 
 @dataclass
-class JanusStack(StackFolder):
+class JanusStack(PromptStack):
     """A Janus / Janus-Pro folder loaded: the :class:`~lantern.targets.base.Stack` for Janus targets.
 
     Conditions are prompts in the model's chat template, ended by the image-start token;
@@ -78,7 +78,6 @@ class JanusStack(StackFolder):
     the image-start token's feature as their prefix), as for Chameleon models."""
 
     model: JanusLM
-    layout: ImageLayout
     tokenizer: Any  # a transformers tokenizer
     tokens: JanusTokens
     chat_template: str | None = None  # None: the tokenizer's own
@@ -87,24 +86,10 @@ class JanusStack(StackFolder):
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
     kind = "janus"
-    num_classes = None
-    num_tokens: int = field(init=False)
-    grid_width: int = field(init=False)
-    vocab_size: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.num_tokens, self.grid_width = self.layout.num_tokens, self.layout.width
-        self.vocab_size = self.model.num_codes
-
-    def network(self) -> torch.nn.Module:
-        return self.model
-
-    def default_sampling(self) -> dict[str, float]:
-        """DeepSeek's defaults, then generation_config.json's, then generation.json's."""
-        from lantern.targets.base import SAMPLING_KEYS, read_generation_settings
-
-        raw = read_generation_settings(self.root)
-        return dict(self.FAMILY_SAMPLING) | self.sampling_defaults | {k: raw[k] for k in SAMPLING_KEYS if k in raw}
+    def config_sampling(self) -> dict[str, float]:
+        """generation_config.json's, between DeepSeek's defaults and generation.json's."""
+        return self.sampling_defaults
 
     def format_prompt(self, prompt: str) -> str:
         """The text transformers tokenizes for an image prompt: the chat template's user turn with
@@ -141,9 +126,6 @@ class JanusStack(StackFolder):
         texts = [ids[:-1] for ids in self.tokenize([p for p in prompts for _ in range(repeats)])]
         ids, mask = encode_prompts(texts, self.layout)
         return Conditions(ids.to(self.device), mask.to(self.device))
-
-    def sample_conditions(self, n: int) -> list[Any]:
-        return prompts_for(n)
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> JanusTarget:
