@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+import math
 import os
 import random
 import re
@@ -31,6 +33,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+import lantern
 from lantern.cli.main import main
 from lantern.decoding import compiling
 from lantern.decoding.acceptance import num_uniforms, verify_chain_sampled, verify_tree_sampled
@@ -40,6 +43,8 @@ from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput, generate
 from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
 from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
+from lantern.decoding.trees import tree_from_parents
+from lantern.errors import LanternError
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.invariant import make_batch_invariant
@@ -690,3 +695,340 @@ def serve_process(log: Path, *flags: str) -> Iterator[tuple[Any, str]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# --------------------------------------------------------------------------------------------------
+# Janus and Emu3 (test_janus*.py, test_emu3*.py): transformers-format prompt models on the Chameleon
+# adapter, checked the same way through the API, the CLI and their drafters
+# --------------------------------------------------------------------------------------------------
+
+# Every method without a drafter, at settings the tiny folders' 4 x 4 codes take.
+SAMPLED_METHODS = [("ar", {}), ("sjd", {"sjd_window": 4}), ("sjd-coupled", {"sjd_window": 4}),
+                   ("sjd-pac", {"sjd_window": 4}), ("gsd", {"sjd_window": 4}),
+                   ("pjd", {"pjd_window": 2, "pjd_context": 2}), ("sjd-coupled-lantern", {"sjd_window": 4})]
+
+
+def copy_with_config(folder: Path, dest: Path, **config: Any) -> Path:
+    """``folder`` with its config.json changed (links to the other files)."""
+    dest.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (dest / f.name).symlink_to(f)
+    raw = json.loads((folder / "config.json").read_text()) | config
+    (dest / "config.json").write_text(json.dumps(raw))
+    return dest
+
+
+def copy_with_pickles_only(folder: Path, dest: Path) -> Path:
+    """``folder``'s files but its safetensors (copied), and a ``pytorch_model.bin`` instead."""
+    dest.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dest / f.name)
+    (dest / "pytorch_model.bin").write_bytes(b"not read")
+    return dest
+
+
+def assert_left_padded(encoded: Any, ids: list[list[int]]) -> None:
+    """Each prompt's ids end its row of ``encoded`` (the batch is left-padded), and the mask holds
+    exactly them."""
+    width = max(len(i) for i in ids)
+    for row, own in enumerate(ids):
+        assert encoded.cond[row, width - len(own):].tolist() == own
+        assert encoded.mask[row].sum() == len(own) and bool(encoded.mask[row, width - len(own):].all())
+
+
+def guided_step_logits(stack: Any, prompts: list[str], codes: Tensor, steps: int, cfg_scale: float) -> list[Tensor]:
+    """The target's guided logits [B, V] before each of the first ``steps`` codes of ``prompts``
+    decoded together, fed ``codes`` [B, >= steps] one at a time (a row end is read at its new-line)."""
+    encoded = stack.encode(prompts)
+    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg_scale))
+    root = tree_from_parents(torch.full((len(prompts), 1), -1))
+    out = []
+    with torch.no_grad():
+        logits, _ = target.start(encoded.cond, encoded.mask)
+        for step in range(steps):
+            out.append(logits)
+            logits = target.verify(codes[:, step : step + 1], root.mask, root.depth)[0][:, 0]
+            target.commit(torch.zeros(len(prompts), 1, dtype=torch.long), torch.ones(len(prompts), dtype=torch.long))
+    return out
+
+
+def assert_greedy_method_reproduces_ar(pipe: Any, prompts: list[str], method: str, settings: dict[str, Any]) -> None:
+    """Greedy ``method`` gives greedy AR's codes in no more target forwards."""
+    ar = pipe(prompts=prompts, method="ar", temperature=0.0)
+    out = pipe(prompts=prompts, method=method, temperature=0.0, **settings)
+    assert torch.equal(out.codes, ar.codes)
+    assert out.stats["target_forwards"] <= ar.stats["target_forwards"]
+
+
+def assert_sampled_rows_do_not_depend_on_the_batch(pipe: Any, prompts: list[str], method: str,
+                                                   settings: dict[str, Any], num_codes: int) -> None:
+    """Sampled ``method`` runs on three prompts (codes of a 32-code vocabulary), and rows 0 and 2
+    are the same decoded alone as in the batch of three (other prompt lengths)."""
+    together = pipe(prompts=prompts, method=method, seed=3, batch_size=3, **settings)
+    assert together.codes.shape == (3, num_codes) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
+    for row in (0, 2):
+        alone = pipe(prompts=prompts, method=method, seed=3, batch_size=1, **settings)
+        assert torch.equal(alone.codes[row], together.codes[row]), row
+
+
+# ``lantern.load`` options of other families, with what their refusal names.
+OTHER_FAMILIES_OPTIONS = [({"layout": "anole"}, "--layout"), ({"vq": "x.ckpt"}, "--vq"), ({"t5": "t5"}, "--t5"),
+                          ({"compile": "default"}, "--compile")]
+
+
+def assert_load_refuses(folder: Path, refusals: list[tuple[dict[str, Any], str]]) -> None:
+    """``lantern.load(folder, **kwargs)`` raises a LanternError matching ``flag``, for each pair."""
+    for kwargs, flag in refusals:
+        with pytest.raises(LanternError, match=flag):
+            lantern.load(folder, **kwargs)
+
+
+def dist_codes(folder: Path, prompt: str, method: str, settings: dict[str, Any], rows: int, columns: Any) -> Tensor:
+    """``columns`` of ``rows`` images of ``prompt`` sampled by ``method`` at ``settings`` (seeds 0..)."""
+    from lantern.api import resolve_settings
+    from lantern.run import run_conditions
+
+    stack = lantern.load(folder).stack
+    method_cfg, sampling = resolve_settings(stack, method, **settings)
+    conditions = stack.encode([prompt], repeats=rows)
+    return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, columns]
+
+
+def assert_law(codes: Tensor, p: Tensor, min_df: int) -> None:
+    """Chi-square goodness of fit of three codes [N, 3] of a 32-code vocabulary against their exact
+    law ``p`` [32^3], at significance 0.001, with at least ``min_df`` degrees of freedom."""
+    from lantern.testing import chi_square_threshold
+
+    v = 32
+    assert bool((p[(codes * torch.tensor([v * v, v, 1])).sum(1)] > 0).all()), "a sample outside the top-k support"
+    stat, df = chi_square_pooled(codes, p, v)
+    assert df >= min_df
+    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+
+
+# The CLI tests (test_janus_cli.py, test_emu3_cli.py)
+
+CLI_PROMPTS = ("a red car", "a cat on the grass")
+
+
+def generate_prompts(folder: Path, out: Path, *extra: str) -> int:
+    """``lantern generate`` of CLI_PROMPTS with ``folder``'s model."""
+    return main(["generate", "--model", str(folder), *(a for p in CLI_PROMPTS for a in ("--prompt", p)), "--out",
+                 str(out), "--no-progress", *extra])
+
+
+def cli_refusals(family: str) -> list[tuple[list[str], str]]:
+    """``lantern generate`` options a ``family`` model does not take, with the line that refuses each."""
+    return [
+        (["--method", "lantern++"], "--method lantern++ needs a drafter: pass --drafter DIR"),
+        (["--layout", "anole"], f"--layout is not used by {family} models"),
+        (["--t5", "/tmp"], f"--t5 is not used by {family} models"),
+        (["--compile"], f"--compile is implemented for LlamaGen targets only, not {family} models"),
+        (["--method", "sjd-coupled", "--sjd-window", "auto"], f"pass a number for {family} models"),
+    ]
+
+
+def assert_generate_refuses_in_one_line(folder: Path, tmp_path: Path, extra: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``lantern generate`` with ``extra`` exits 2, its last line of stderr holds ``message``, and
+    nothing is written."""
+    out = tmp_path / "out"
+    assert generate_prompts(folder, out, *extra) == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+    assert not out.exists()
+
+
+def assert_generate_greedy_methods_agree_with_the_api(folder: Path, tmp_path: Path, sjd_window: int,
+                                                      layout: dict[str, Any]) -> None:
+    """Greedy AR, coupled SJD and PJD at context = row length give the same codes through the CLI
+    as through ``lantern.load``; the images have the VQ decoder's size; run.json records the grid
+    (``layout``) and the folder's sampling defaults."""
+    runs = {"ar": [], "sjd-coupled": ["--sjd-window", str(sjd_window)],
+            "pjd": ["--pjd-window", "2", "--pjd-context", "4"]}
+    codes = {}
+    for method, extra in runs.items():
+        out = tmp_path / method
+        assert generate_prompts(folder, out, "--method", method, "--temperature", "0", *extra) == 0
+        codes[method] = np.load(out / "codes.npy")
+    assert codes["ar"].shape == (2, 16)
+    assert (codes["sjd-coupled"] == codes["ar"]).all() and (codes["pjd"] == codes["ar"]).all()
+    api = lantern.load(folder)(prompts=list(CLI_PROMPTS), method="ar", temperature=0.0)
+    assert (api.codes.numpy() == codes["ar"]).all()
+    run = json.loads((tmp_path / "ar" / "run.json").read_text())
+    assert run["layout"] == layout
+    assert run["sampling"]["cfg_scale"] == 3.0 and run["sampling"]["top_k"] == 8  # the folder's generation.json
+    assert Image.open(tmp_path / "ar" / "0001_prompt1.png").size == tuple(layout["pixel_size"])
+
+
+def assert_generate_sampled_relaxed_row_with_the_folders_table(folder: Path, tmp_path: Path) -> None:
+    """Sampled coupled SJD with LANTERN++ relaxation (the folder's proximity table) runs, gives the
+    same codes twice at one seed, and run.json records the relaxation."""
+    args = ("--method", "sjd-coupled-lantern++", "--sjd-window", "4", "--seed", "5")
+    assert generate_prompts(folder, tmp_path / "a", *args) == 0
+    assert generate_prompts(folder, tmp_path / "b", *args) == 0
+    a, b = np.load(tmp_path / "a" / "codes.npy"), np.load(tmp_path / "b" / "codes.npy")
+    assert (a == b).all() and a.min() >= 0 and a.max() < 32
+    run = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert run["method"]["relaxation"]["mode"] == "relative"
+
+
+def assert_generate_refuses_labels_and_remote_code(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   family: str, auto_map: dict[str, str]) -> None:
+    """Labels are refused naming the ``family``; a copy of ``folder`` whose config asks for remote
+    code (``auto_map``) is refused in a last line naming auto_map."""
+    assert main(["generate", "--model", str(folder), "--labels", "1", "--out", str(tmp_path / "o")]) == 2
+    assert f"text-to-image {family} model; pass --prompt" in capsys.readouterr().err
+    remote = copy_with_config(folder, tmp_path / "remote", auto_map=auto_map)
+    assert main(["generate", "--model", str(remote), "--prompt", "a cat", "--out", str(tmp_path / "o2")]) == 2
+    assert "auto_map" in capsys.readouterr().err.splitlines()[-1]
+
+
+def assert_demo_runs(folder: Path, tmp_path: Path) -> None:
+    """``lantern demo`` of greedy AR and coupled SJD: AR takes a forward a code, SJD no more."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", str(folder), "--methods", "ar,sjd-coupled", "--sjd-window", "4",
+                 "--temperature", "0", "--num-images", "2", "--dtype", "float32", "--out", str(out),
+                 "--no-progress"]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "demo.json").read_text())["results"]}
+    assert rows["ar"]["target_forwards"] == 2 * 16 and rows["ar"]["mean_accepted"] == 1.0
+    assert rows["sjd-coupled"]["target_forwards"] <= rows["ar"]["target_forwards"]
+
+
+def assert_bench_runs(folder: Path, tmp_path: Path, image_size: int) -> None:
+    """bench.json has a row per method, quality against AR's own images at other seeds (a random
+    feature net for ``image_size``-pixel images)."""
+    from lantern.models.features import FeatureNet, FeatureNetConfig
+
+    torch.manual_seed(0)
+    features = tmp_path / "features"
+    FeatureNet(FeatureNetConfig(image_size=image_size, num_classes=2, widths=(8, 16), feature_dim=16,
+                                norm_groups=4)).save_pretrained(features)
+    out = tmp_path / "bench"
+    methods = "ar,sjd-coupled/sjd_window=4,pjd/pjd_window=2/pjd_context=2"
+    assert main(["bench", "--model", str(folder), "--methods", methods, "--num-images", "4", "--speed-images", "2",
+                 "--batch-size", "4", "--num-real", "4", "--curve-images", "0", "--no-ar-spread", "--feature-net",
+                 str(features), "--dtype", "float32", "--out", str(out), "--no-progress"]) == 0
+    rows = json.loads((out / "bench.json").read_text())
+    assert [r["base_method"] for r in rows] == ["ar", "sjd-coupled", "pjd"]
+    for row in rows:
+        assert all(math.isfinite(row[k]) for k in ("fid", "kid", "precision", "recall"))
+        assert row["num_images"] == 4 and row["mean_accepted"] >= 1.0
+    assert json.loads((out / "run.json").read_text())["reference"] == "ar"
+
+
+def assert_serve_gives_the_apis_codes(folder: Path, method: dict[str, Any]) -> None:
+    """A prompt request to the server with ``method`` (the method and its settings) gives the codes
+    of ``lantern.load(folder)(prompts=[...])``; a label is the wrong field; the methods offered
+    need no drafter."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from lantern.serve.app import create_app
+    from lantern.serve.plan import runnable_methods
+    from lantern.serve.scheduler import Scheduler
+
+    pipe = lantern.load(folder, deterministic=True)  # the server's default
+    assert "lantern++" not in runnable_methods(pipe) and "sjd-coupled" in runnable_methods(pipe)
+    scheduler = Scheduler(pipe, max_batch=2, max_queue=4)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=pipe, default_method="ar", max_prompt_chars=40)
+    with TestClient(app) as c:
+        r = c.post("/v1/images/generations", json={"label": 1})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "label", r.text
+        body = {"prompt": "a red car", "n": 2, "seed": 4, "return_codes": True, **method}
+        r = c.post("/v1/images/generations", json=body)
+        assert r.status_code == 200, r.text
+    expected = pipe(prompts=["a red car"], num_per_label=2, seed=4, **method)
+    assert [d["codes"] for d in r.json()["data"]] == expected.codes.tolist()
+
+
+def assert_build_proximity_from_the_model_folder(folder: Path, tmp_path: Path, normalize: bool,
+                                                 generate: list[str]) -> None:
+    """``build-proximity --tokenizer FOLDER`` reads the VQ codebook out of the model's safetensors
+    (no model is built); the table fits the stack, its nearest neighbours are the codebook's (of
+    unit vectors with ``normalize``), and it runs a relaxed row (``generate``'s method) through
+    ``--proximity``."""
+    from lantern.targets.proximity import ProximityTable
+
+    out = tmp_path / "prox.safetensors"
+    assert main(["build-proximity", "--tokenizer", str(folder), "--k-max", "7", *(["--normalize"] if normalize else []),
+                 "--out", str(out)]) == 0
+    pipe = lantern.load(folder, proximity=out)
+    codebook = pipe.stack.codebook()
+    ProximityTable.load(out).validate(codebook)
+    if normalize:
+        codebook = torch.nn.functional.normalize(codebook, dim=-1)
+    d = torch.cdist(codebook, codebook)
+    d.fill_diagonal_(float("inf"))
+    assert ProximityTable.load(out).neighbours[:, 0].long().tolist() == d.argmin(1).tolist()
+    assert generate_prompts(folder, tmp_path / "g", *generate, "--lantern-k", "7", "--proximity", str(out)) == 0
+
+
+# The drafter tests (test_janus_drafter.py, test_emu3_drafter.py)
+
+DRAFTER_TRAIN_PROMPTS = ["a red car", "a cat on the grass", "a photo of a mountain lake at dawn", "a cat",
+                         "a red mountain", "the grass at dawn"]
+
+GREEDY_DRAFTING = [
+    ("sd", {"tree": "chain:3"}),
+    ("sd", {}),  # the default dynamic tree
+    ("lantern", {"tree": "chain:3", "lantern_delta": 0.0}),
+]
+
+
+def train_chameleon_drafter(model: Path, out: Path, *extra: str) -> int:
+    """``lantern train-chameleon-drafter``: a few steps, enough to save a drafter (quality is not tested)."""
+    prompts = out.parent / f"{out.name}-prompts.txt"
+    prompts.write_text("\n".join(DRAFTER_TRAIN_PROMPTS) + "\n")
+    return main(["train-chameleon-drafter", "--model", str(model), "--prompts", str(prompts), "--eval-prompts", "1",
+                 "--out", str(out), "--steps", "20", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "2",
+                 "--precision", "fp32", "--dtype", "float32", "--no-progress", *extra])
+
+
+def assert_greedy_drafting_reproduces_greedy_ar(pipe: Any, prompts: list[str], method: str,
+                                                settings: dict[str, Any]) -> None:
+    """Greedy ``method`` with the pipeline's drafter gives greedy AR's codes with guidance on (both
+    streams drafted and verified), and the drafter ran."""
+    ar = pipe(prompts=prompts, method="ar", temperature=0.0)
+    assert ar.config["sampling"]["cfg_scale"] == 3.0  # guidance on: both streams are drafted and verified
+    out = pipe(prompts=prompts, method=method, temperature=0.0, **settings)
+    assert torch.equal(out.codes, ar.codes)
+    assert out.stats["drafter_forwards"] > 0
+
+
+def assert_drafted_rows_do_not_depend_on_the_batch(pipe: Any, prompts: list[str], method: str) -> None:
+    """Sampled ``method`` (chain:3 drafts) gives 4 x 4 codes of 32, the same in batches of 3 and 1."""
+    together = pipe(prompts=prompts, method=method, seed=3, batch_size=3, tree="chain:3")
+    assert together.codes.shape == (3, 16) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
+    alone = pipe(prompts=prompts, method=method, seed=3, batch_size=1, tree="chain:3")
+    assert torch.equal(alone.codes, together.codes)
+
+
+def assert_generate_with_drafter_gives_ar_codes(folder: Path, drafter: Path, tmp_path: Path,
+                                                prompts: list[str]) -> None:
+    """``lantern generate --method sd --drafter`` at temperature 0 gives greedy AR's codes."""
+    codes = {}
+    for method, extra in (("ar", []), ("sd", ["--drafter", str(drafter), "--tree", "chain:3"])):
+        out = tmp_path / method
+        assert main(["generate", "--model", str(folder), *(a for p in prompts for a in ("--prompt", p)),
+                     "--out", str(out), "--no-progress", "--method", method, "--temperature", "0", *extra]) == 0
+        codes[method] = np.load(out / "codes.npy")
+    assert (codes["sd"] == codes["ar"]).all()
+
+
+def assert_drafters_refused_in_one_line(folder: Path, others: dict[str, tuple[Path, str]], prompt: str,
+                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each drafter folder of ``others`` (name: path, the line that must refuse it) is refused in
+    that one line by ``lantern.load(folder, drafter=...)`` and by ``lantern generate`` (exit 2,
+    nothing written)."""
+    for name, (path, message) in others.items():
+        with pytest.raises(LanternError, match="^[^\n]*$") as e:  # one line
+            lantern.load(folder, drafter=path)(prompts=[prompt], method="sd", temperature=0.0)
+        assert message in str(e.value), (name, str(e.value))
+        capsys.readouterr()
+        out = tmp_path / f"out-{name}"
+        assert main(["generate", "--model", str(folder), "--prompt", prompt, "--out", str(out), "--no-progress",
+                     "--method", "sd", "--drafter", str(path)]) == 2
+        assert message in capsys.readouterr().err.splitlines()[-1] and not out.exists()

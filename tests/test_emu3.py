@@ -20,7 +20,6 @@ end-of-sequence), one prompt at a time; lantern decodes the prompts together, le
 from __future__ import annotations
 
 import json
-import shutil
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,22 @@ from torch import Tensor
 
 pytest.importorskip("transformers")
 
+from conftest import (  # noqa: E402
+    OTHER_FAMILIES_OPTIONS,
+    SAMPLED_METHODS,
+    assert_greedy_method_reproduces_ar,
+    assert_law,
+    assert_left_padded,
+    assert_load_refuses,
+    assert_sampled_rows_do_not_depend_on_the_batch,
+    copy_with_config,
+    copy_with_pickles_only,
+    dist_codes,
+    guided_step_logits,
+)
+
 import lantern  # noqa: E402
 from lantern.decoding.config import SamplingConfig  # noqa: E402
-from lantern.decoding.trees import tree_from_parents  # noqa: E402
 from lantern.errors import LanternError  # noqa: E402
 from lantern.targets.emu3 import NEGATIVE_PROMPT  # noqa: E402
 from lantern.testing import TINY_EMU3_GRID, make_tiny_emu3_folder, tiny_emu3_processor  # noqa: E402
@@ -132,11 +144,7 @@ def test_prompt_ids_equal_the_processors(pipe: lantern.Pipeline) -> None:
     for prompt, own in zip(PROMPTS, ids, strict=True):
         assert own == _processor_inputs(prompt)["input_ids"][0].tolist()
     assert list(stack.negative_ids) == _negative_inputs()["input_ids"][0].tolist()
-    encoded = stack.encode(PROMPTS)
-    width = max(len(i) for i in ids)
-    for row, own in enumerate(ids):
-        assert encoded.cond[row, width - len(own):].tolist() == own
-        assert encoded.mask[row].sum() == len(own) and bool(encoded.mask[row, width - len(own):].all())
+    assert_left_padded(stack.encode(PROMPTS), ids)
 
 
 def test_guidance_rows_are_the_negative_prompt(pipe: lantern.Pipeline) -> None:
@@ -159,19 +167,7 @@ def test_guidance_rows_are_the_negative_prompt(pipe: lantern.Pipeline) -> None:
 
 def _step_logits(pipe: lantern.Pipeline, reference: list[tuple[Tensor, list[Tensor], Tensor]]) -> list[Tensor]:
     """lantern's guided logits [3, V] of the first STEPS codes, fed transformers' codes."""
-    stack = pipe.stack
-    encoded = stack.encode(PROMPTS)
-    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
-    root = tree_from_parents(torch.full((len(PROMPTS), 1), -1))
-    out = []
-    with torch.no_grad():
-        logits, _ = target.start(encoded.cond, encoded.mask)
-        for step in range(STEPS):
-            out.append(logits)
-            fed = torch.stack([codes[step] for codes, _, _ in reference])[:, None]
-            logits = target.verify(fed, root.mask, root.depth)[0][:, 0]  # a row end: read at its new-line
-            target.commit(torch.zeros(len(PROMPTS), 1, dtype=torch.long), torch.ones(len(PROMPTS), dtype=torch.long))
-    return out
+    return guided_step_logits(pipe.stack, PROMPTS, torch.stack([codes for codes, _, _ in reference]), STEPS, CFG)
 
 
 def test_greedy_codes_and_logits_equal_transformers(folder: Path, pipe: lantern.Pipeline) -> None:
@@ -211,7 +207,7 @@ def test_the_logit_comparison_has_power(folder: Path, pipe: lantern.Pipeline,
 def test_the_negative_image_header_variant_equals_transformers(folder: Path, tmp_path: Path) -> None:
     """``negative_image_header: true`` in generation.json writes the negative like the prompt (BAAI's
     own script): the codes equal transformers' generation fed those negative ids."""
-    variant = _copy(folder, tmp_path / "variant")
+    variant = copy_with_config(folder, tmp_path / "variant")
     (variant / "generation.json").unlink()
     settings = json.loads((folder / "generation.json").read_text()) | {"negative_image_header": True}
     (variant / "generation.json").write_text(json.dumps(settings))
@@ -246,10 +242,7 @@ LOSSLESS = {"sjd": {"sjd_window": 6}, "sjd-coupled": {"sjd_window": 6}, "sjd-pac
 def test_greedy_lossless_methods_reproduce_ar(pipe: lantern.Pipeline, method: str) -> None:
     """Windows of 6 cross the end of a row (its new-line token inserted in the tree); PJD opens each
     row after the row above ends (its new-line shadow committed with the row's last code)."""
-    ar = pipe(prompts=PROMPTS, method="ar", temperature=0.0)
-    out = pipe(prompts=PROMPTS, method=method, temperature=0.0, **LOSSLESS[method])
-    assert torch.equal(out.codes, ar.codes)
-    assert out.stats["target_forwards"] <= ar.stats["target_forwards"]
+    assert_greedy_method_reproduces_ar(pipe, PROMPTS, method, LOSSLESS[method])
 
 
 def test_pjd_reads_the_rows_end_from_the_layout(folder: Path, pipe: lantern.Pipeline,
@@ -266,19 +259,12 @@ def test_pjd_reads_the_rows_end_from_the_layout(folder: Path, pipe: lantern.Pipe
         assert any(out.codes[row].tolist() != codes.tolist() for row, (codes, _, _) in enumerate(reference))
 
 
-@pytest.mark.parametrize("method,settings", [("ar", {}), ("sjd", {"sjd_window": 4}),
-                                             ("sjd-coupled", {"sjd_window": 4}), ("sjd-pac", {"sjd_window": 4}),
-                                             ("gsd", {"sjd_window": 4}), ("pjd", {"pjd_window": 2, "pjd_context": 2}),
-                                             ("sjd-coupled-lantern", {"sjd_window": 4})])
+@pytest.mark.parametrize("method,settings", SAMPLED_METHODS)
 def test_sampled_methods_run_and_rows_do_not_depend_on_the_batch(pipe: lantern.Pipeline, method: str,
                                                                  settings: dict[str, Any]) -> None:
     """Every method without a drafter runs sampled (the relaxed row with the folder's proximity
     table); a row's codes are the same alone and in a batch of three (other prompt lengths)."""
-    together = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=3, **settings)
-    assert together.codes.shape == (3, G * G) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
-    for row in (0, 2):
-        alone = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=1, **settings)
-        assert torch.equal(alone.codes[row], together.codes[row]), row
+    assert_sampled_rows_do_not_depend_on_the_batch(pipe, PROMPTS, method, settings, num_codes=G * G)
 
 
 def test_drafter_methods_without_a_drafter_are_refused(pipe: lantern.Pipeline) -> None:
@@ -287,40 +273,22 @@ def test_drafter_methods_without_a_drafter_are_refused(pipe: lantern.Pipeline) -
         pipe(prompts=PROMPTS[:1], method="lantern++")
 
 
-def _copy(folder: Path, dest: Path, **config: Any) -> Path:
-    """``folder`` with its config.json changed (links to the other files)."""
-    dest.mkdir()
-    for f in folder.iterdir():
-        if f.is_file() and f.name != "config.json":
-            (dest / f.name).symlink_to(f)
-    raw = json.loads((folder / "config.json").read_text()) | config
-    (dest / "config.json").write_text(json.dumps(raw))
-    return dest
-
-
 def test_folders_that_need_code_or_pickles_are_refused(folder: Path, tmp_path: Path) -> None:
     """auto_map (trust_remote_code, e.g. BAAI's original Emu3-Gen) and pickled-only weights: one
     line each, before any weight or tokenizer is read."""
-    remote = _copy(folder, tmp_path / "remote", auto_map={"AutoModelForCausalLM": "modeling_emu3.Emu3ForCausalLM"})
+    remote = copy_with_config(folder, tmp_path / "remote",
+                              auto_map={"AutoModelForCausalLM": "modeling_emu3.Emu3ForCausalLM"})
     with pytest.raises(LanternError, match="auto_map") as e:
         lantern.load(remote)
     assert "\n" not in str(e.value)
-    pickles = tmp_path / "pickles"
-    pickles.mkdir()
-    for f in folder.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, pickles / f.name)
-    (pickles / "pytorch_model.bin").write_bytes(b"not read")
+    pickles = copy_with_pickles_only(folder, tmp_path / "pickles")
     with pytest.raises(LanternError, match="safetensors only") as e:
         lantern.load(pickles)
     assert "\n" not in str(e.value)
 
 
 def test_flags_of_other_families_and_bad_sizes_are_refused(folder: Path) -> None:
-    for kwargs, flag in (({"layout": "anole"}, "--layout"), ({"vq": "x.ckpt"}, "--vq"), ({"t5": "t5"}, "--t5"),
-                         ({"compile": "default"}, "--compile"), ({"image_size": 30}, "multiple of 8")):
-        with pytest.raises(LanternError, match=flag):
-            lantern.load(folder, **kwargs)
+    assert_load_refuses(folder, [*OTHER_FAMILIES_OPTIONS, ({"image_size": 30}, "multiple of 8")])
 
 
 def test_image_size_sets_the_grid(folder: Path, tmp_path: Path) -> None:
@@ -331,7 +299,7 @@ def test_image_size_sets_the_grid(folder: Path, tmp_path: Path) -> None:
     assert pipe.stack.tokenize(["a cat"])[0] == _processor_inputs("a cat", grid=6)["input_ids"][0].tolist()
     out = pipe(prompts=["a cat"], method="pjd", pjd_window=2, pjd_context=6, temperature=0.0)
     assert out.codes.shape == (1, 36) and out.images[0].size == (48, 48)
-    bare = _copy(folder, tmp_path / "bare")
+    bare = copy_with_config(folder, tmp_path / "bare")
     (bare / "generation.json").unlink()
     layout = lantern.load(bare).stack.layout
     assert (layout.height, layout.width, layout.pixel_size) == (90, 90, (720, 720))
@@ -426,13 +394,7 @@ def _exact_law(folder: Path, cfg_scale: float) -> Tensor:
 
 @cache
 def _dist_codes(folder: Path, method: str) -> Tensor:
-    from lantern.api import resolve_settings
-    from lantern.run import run_conditions
-
-    stack = lantern.load(folder).stack
-    method_cfg, sampling = resolve_settings(stack, method, **DIST, **DIST_METHODS[method])
-    conditions = stack.encode([PROMPTS[0]], repeats=DIST_ROWS)
-    return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, list(DIST_CODES)]
+    return dist_codes(folder, PROMPTS[0], method, {**DIST, **DIST_METHODS[method]}, DIST_ROWS, list(DIST_CODES))
 
 
 # slow (~10 s for both methods): 3000 images each, a chi-square run like the other families'
@@ -441,14 +403,7 @@ def _dist_codes(folder: Path, method: str) -> Tensor:
 def test_lossless_methods_keep_the_models_law_across_a_row_end(folder: Path, method: str) -> None:
     """Chi-square goodness of fit of codes 2..4 against the exact law from transformers' modules, at
     significance 0.001 (fixed seeds: deterministic)."""
-    from lantern.testing import chi_square_pooled, chi_square_threshold
-
-    p = _exact_law(folder, DIST["cfg_scale"])
-    codes = _dist_codes(folder, method)
-    assert bool((p[(codes * torch.tensor([32 * 32, 32, 1])).sum(1)] > 0).all()), "a sample outside the support"
-    stat, df = chi_square_pooled(codes, p, 32)
-    assert df >= 20
-    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert_law(_dist_codes(folder, method), _exact_law(folder, DIST["cfg_scale"]), min_df=20)
 
 
 # slow: reuses the sjd-coupled run above

@@ -10,28 +10,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
+from conftest import (  # noqa: E402
+    GREEDY_DRAFTING,
+    assert_drafted_rows_do_not_depend_on_the_batch,
+    assert_drafters_refused_in_one_line,
+    assert_generate_with_drafter_gives_ar_codes,
+    assert_greedy_drafting_reproduces_greedy_ar,
+    train_chameleon_drafter,
+)
+
 import lantern  # noqa: E402
-from lantern.cli.main import main  # noqa: E402
 from lantern.errors import LanternError  # noqa: E402
 from lantern.testing import make_tiny_emu3_folder, make_tiny_janus_folder  # noqa: E402
 
 PROMPTS = ["a red car", "a cat on the grass", "a photo of a mountain lake at dawn"]  # three lengths
-TRAIN_PROMPTS = [*PROMPTS, "a cat", "a red mountain", "the grass at dawn"]
-
-
-def _train(model: Path, out: Path, *extra: str) -> int:
-    """``lantern train-chameleon-drafter``: a few steps, enough to save a drafter (quality is not tested)."""
-    prompts = out.parent / f"{out.name}-prompts.txt"
-    prompts.write_text("\n".join(TRAIN_PROMPTS) + "\n")
-    return main(["train-chameleon-drafter", "--model", str(model), "--prompts", str(prompts), "--eval-prompts", "1",
-                 "--out", str(out), "--steps", "20", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "2",
-                 "--precision", "fp32", "--dtype", "float32", "--no-progress", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +38,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def drafter(folder: Path) -> Path:
     out = folder.parent / "drafter"
-    assert _train(folder, out) == 0
+    assert train_chameleon_drafter(folder, out) == 0
     return out
 
 
@@ -60,35 +56,18 @@ def test_training_saves_a_safetensors_drafter_for_emu3(drafter: Path, pipe: lant
     assert config["block_size"] == 16
 
 
-@pytest.mark.parametrize("method,settings", [
-    ("sd", {"tree": "chain:3"}),
-    ("sd", {}),  # the default dynamic tree
-    ("lantern", {"tree": "chain:3", "lantern_delta": 0.0}),
-])
+@pytest.mark.parametrize("method,settings", GREEDY_DRAFTING)
 def test_greedy_drafting_reproduces_greedy_ar(pipe: lantern.Pipeline, method: str, settings: dict[str, object]) -> None:
-    ar = pipe(prompts=PROMPTS, method="ar", temperature=0.0)
-    assert ar.config["sampling"]["cfg_scale"] == 3.0  # guidance on: both streams are drafted and verified
-    out = pipe(prompts=PROMPTS, method=method, temperature=0.0, **settings)
-    assert torch.equal(out.codes, ar.codes)
-    assert out.stats["drafter_forwards"] > 0
+    assert_greedy_drafting_reproduces_greedy_ar(pipe, PROMPTS, method, settings)
 
 
 @pytest.mark.parametrize("method", ["sd", "lantern", "lantern++"])
 def test_sampled_rows_do_not_depend_on_the_batch(pipe: lantern.Pipeline, method: str) -> None:
-    together = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=3, tree="chain:3")
-    assert together.codes.shape == (3, 16) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
-    alone = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=1, tree="chain:3")
-    assert torch.equal(alone.codes, together.codes)
+    assert_drafted_rows_do_not_depend_on_the_batch(pipe, PROMPTS, method)
 
 
 def test_generate_with_drafter_gives_ar_codes(folder: Path, drafter: Path, tmp_path: Path) -> None:
-    codes = {}
-    for method, extra in (("ar", []), ("sd", ["--drafter", str(drafter), "--tree", "chain:3"])):
-        out = tmp_path / method
-        assert main(["generate", "--model", str(folder), *(a for p in PROMPTS[:2] for a in ("--prompt", p)),
-                     "--out", str(out), "--no-progress", "--method", method, "--temperature", "0", *extra]) == 0
-        codes[method] = np.load(out / "codes.npy")
-    assert (codes["sd"] == codes["ar"]).all()
+    assert_generate_with_drafter_gives_ar_codes(folder, drafter, tmp_path, PROMPTS[:2])
 
 
 def test_drafter_methods_without_a_drafter_ask_for_one(folder: Path) -> None:
@@ -102,14 +81,6 @@ def test_a_drafter_for_another_model_is_refused_in_one_line(folder: Path, tmp_pa
         "janus": (tmp_path / "d-janus", "was trained for a Janus model, not this Emu3 model"),
         "smaller image": (tmp_path / "d-small", "does not fit this Emu3 target and layout: block_size 4"),
     }
-    assert _train(make_tiny_janus_folder(tmp_path / "janus"), others["janus"][0]) == 0
-    assert _train(folder, others["smaller image"][0], "--image-size", "16") == 0  # 2 x 2 codes
-    for name, (path, message) in others.items():
-        with pytest.raises(LanternError, match="^[^\n]*$") as e:  # one line
-            lantern.load(folder, drafter=path)(prompts=PROMPTS[:1], method="sd", temperature=0.0)
-        assert message in str(e.value), (name, str(e.value))
-        capsys.readouterr()
-        out = tmp_path / f"out-{name}"
-        assert main(["generate", "--model", str(folder), "--prompt", PROMPTS[0], "--out", str(out), "--no-progress",
-                     "--method", "sd", "--drafter", str(path)]) == 2
-        assert message in capsys.readouterr().err.splitlines()[-1] and not out.exists()
+    assert train_chameleon_drafter(make_tiny_janus_folder(tmp_path / "janus"), others["janus"][0]) == 0
+    assert train_chameleon_drafter(folder, others["smaller image"][0], "--image-size", "16") == 0  # 2 x 2 codes
+    assert_drafters_refused_in_one_line(folder, others, PROMPTS[0], tmp_path, capsys)

@@ -19,7 +19,6 @@ one prompt at a time; lantern decodes the prompts together, left-padded. Checked
 from __future__ import annotations
 
 import json
-import shutil
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,22 @@ from torch import Tensor
 
 pytest.importorskip("transformers")
 
+from conftest import (  # noqa: E402
+    OTHER_FAMILIES_OPTIONS,
+    SAMPLED_METHODS,
+    assert_greedy_method_reproduces_ar,
+    assert_law,
+    assert_left_padded,
+    assert_load_refuses,
+    assert_sampled_rows_do_not_depend_on_the_batch,
+    copy_with_config,
+    copy_with_pickles_only,
+    dist_codes,
+    guided_step_logits,
+)
+
 import lantern  # noqa: E402
 from lantern.decoding.config import SamplingConfig  # noqa: E402
-from lantern.decoding.trees import tree_from_parents  # noqa: E402
 from lantern.errors import LanternError  # noqa: E402
 from lantern.testing import make_tiny_janus_folder, tiny_janus_processor  # noqa: E402
 
@@ -102,11 +114,7 @@ def test_prompt_ids_equal_the_processors(pipe: lantern.Pipeline) -> None:
     ids = stack.tokenize(PROMPTS)
     for prompt, own in zip(PROMPTS, ids, strict=True):
         assert own == _processor_inputs(prompt)["input_ids"][0].tolist()
-    encoded = stack.encode(PROMPTS)
-    width = max(len(i) for i in ids)
-    for row, own in enumerate(ids):
-        assert encoded.cond[row, width - len(own):].tolist() == own
-        assert encoded.mask[row].sum() == len(own) and bool(encoded.mask[row, width - len(own):].all())
+    assert_left_padded(stack.encode(PROMPTS), ids)
 
 
 def test_guidance_rows_are_the_prompt_with_pad_tokens(pipe: lantern.Pipeline) -> None:
@@ -133,19 +141,10 @@ def test_greedy_codes_and_logits_equal_transformers(folder: Path, pipe: lantern.
         assert out.codes[row].tolist() == codes.tolist(), row
     assert len({c for codes, _ in reference for c in codes.tolist()}) > 8  # varied codes: the test has power
     # the logits, step by step through the target adapter
-    stack = pipe.stack
-    encoded = stack.encode(PROMPTS)
-    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
-    with torch.no_grad():
-        logits, _ = target.start(encoded.cond, encoded.mask)
-        root = tree_from_parents(torch.full((len(PROMPTS), 1), -1))
-        for step in range(STEPS):
-            for row, (_, ref_logits) in enumerate(reference):
-                torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
-            fed = torch.stack([codes[step] for codes, _ in reference])[:, None]
-            step_logits, _ = target.verify(fed, root.mask, root.depth)
-            target.commit(torch.zeros(len(PROMPTS), 1, dtype=torch.long), torch.ones(len(PROMPTS), dtype=torch.long))
-            logits = step_logits[:, 0]
+    fed = torch.stack([codes for codes, _ in reference])
+    for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, fed, STEPS, CFG)):
+        for row, (_, ref_logits) in enumerate(reference):
+            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
 
 
 def test_decoded_pixels_equal_the_vq_decoder(folder: Path, pipe: lantern.Pipeline) -> None:
@@ -172,25 +171,15 @@ LOSSLESS = {"sjd": {"sjd_window": 4}, "sjd-coupled": {"sjd_window": 4}, "sjd-pac
 
 @pytest.mark.parametrize("method", list(LOSSLESS))
 def test_greedy_lossless_methods_reproduce_ar(pipe: lantern.Pipeline, method: str) -> None:
-    ar = pipe(prompts=PROMPTS, method="ar", temperature=0.0)
-    out = pipe(prompts=PROMPTS, method=method, temperature=0.0, **LOSSLESS[method])
-    assert torch.equal(out.codes, ar.codes)
-    assert out.stats["target_forwards"] <= ar.stats["target_forwards"]
+    assert_greedy_method_reproduces_ar(pipe, PROMPTS, method, LOSSLESS[method])
 
 
-@pytest.mark.parametrize("method,settings", [("ar", {}), ("sjd", {"sjd_window": 4}),
-                                             ("sjd-coupled", {"sjd_window": 4}), ("sjd-pac", {"sjd_window": 4}),
-                                             ("gsd", {"sjd_window": 4}), ("pjd", {"pjd_window": 2, "pjd_context": 2}),
-                                             ("sjd-coupled-lantern", {"sjd_window": 4})])
+@pytest.mark.parametrize("method,settings", SAMPLED_METHODS)
 def test_sampled_methods_run_and_rows_do_not_depend_on_the_batch(pipe: lantern.Pipeline, method: str,
                                                                  settings: dict[str, Any]) -> None:
     """Every method without a drafter runs sampled (the relaxed row with the folder's proximity
     table); a row's codes are the same alone and in a batch of three (other prompt lengths)."""
-    together = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=3, **settings)
-    assert together.codes.shape == (3, 16) and int(together.codes.min()) >= 0 and int(together.codes.max()) < 32
-    for row in (0, 2):
-        alone = pipe(prompts=PROMPTS, method=method, seed=3, batch_size=1, **settings)
-        assert torch.equal(alone.codes[row], together.codes[row]), row
+    assert_sampled_rows_do_not_depend_on_the_batch(pipe, PROMPTS, method, settings, num_codes=16)
 
 
 def test_drafter_methods_without_a_drafter_are_refused(pipe: lantern.Pipeline) -> None:
@@ -199,42 +188,23 @@ def test_drafter_methods_without_a_drafter_are_refused(pipe: lantern.Pipeline) -
         pipe(prompts=PROMPTS[:1], method="lantern++")
 
 
-def _copy(folder: Path, dest: Path, **config: Any) -> Path:
-    """``folder`` with its config.json changed (links to the other files)."""
-    dest.mkdir()
-    for f in folder.iterdir():
-        if f.is_file() and f.name != "config.json":
-            (dest / f.name).symlink_to(f)
-    raw = json.loads((folder / "config.json").read_text()) | config
-    (dest / "config.json").write_text(json.dumps(raw))
-    return dest
-
-
 def test_folders_that_need_code_or_pickles_are_refused(folder: Path, tmp_path: Path) -> None:
     """auto_map (trust_remote_code), DeepSeek's original release and pickled-only weights: one line
     each, before any weight or tokenizer is read."""
-    remote = _copy(folder, tmp_path / "remote", auto_map={"AutoModel": "modeling_janus_x.JanusX"})
+    remote = copy_with_config(folder, tmp_path / "remote", auto_map={"AutoModel": "modeling_janus_x.JanusX"})
     with pytest.raises(LanternError, match="auto_map") as e:
         lantern.load(remote)
     assert "\n" not in str(e.value)
-    original = _copy(folder, tmp_path / "original", model_type="multi_modality")
+    original = copy_with_config(folder, tmp_path / "original", model_type="multi_modality")
     with pytest.raises(LanternError, match="DeepSeek's original Janus release"):
         lantern.load(original)
-    pickles = tmp_path / "pickles"
-    pickles.mkdir()
-    for f in folder.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, pickles / f.name)
-    (pickles / "pytorch_model.bin").write_bytes(b"not read")
+    pickles = copy_with_pickles_only(folder, tmp_path / "pickles")
     with pytest.raises(LanternError, match="safetensors only"):
         lantern.load(pickles)
 
 
 def test_flags_of_other_families_are_refused(folder: Path) -> None:
-    for kwargs, flag in (({"layout": "anole"}, "--layout"), ({"vq": "x.ckpt"}, "--vq"), ({"t5": "t5"}, "--t5"),
-                         ({"compile": "default"}, "--compile")):
-        with pytest.raises(LanternError, match=flag):
-            lantern.load(folder, **kwargs)
+    assert_load_refuses(folder, OTHER_FAMILIES_OPTIONS)
 
 
 def test_labels_are_refused(pipe: lantern.Pipeline) -> None:
@@ -283,20 +253,12 @@ def test_larger_model_equals_transformers(tmp_path: Path) -> None:
     out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
     for row, (codes, _) in enumerate(reference):
         assert out.codes[row].tolist() == codes.tolist(), row
-    stack = pipe.stack
-    encoded = stack.encode(PROMPTS)
-    target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
-    root = tree_from_parents(torch.full((len(PROMPTS), 1), -1))
+    codes = torch.stack([c for c, _ in reference])
+    for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, codes, STEPS, CFG)):
+        for row, (_, ref_logits) in enumerate(reference):
+            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
     with torch.no_grad():
-        logits, _ = target.start(encoded.cond, encoded.mask)
-        for step in range(STEPS):
-            for row, (_, ref_logits) in enumerate(reference):
-                torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
-            fed = torch.stack([codes[step] for codes, _ in reference])[:, None]
-            logits = target.verify(fed, root.mask, root.depth)[0][:, 0]
-            target.commit(torch.zeros(len(PROMPTS), 1, dtype=torch.long), torch.ones(len(PROMPTS), dtype=torch.long))
-        codes = torch.stack([c for c, _ in reference])
-        assert torch.equal(stack.decode(codes).permute(0, 2, 3, 1), model.decode_image_tokens(codes))
+        assert torch.equal(pipe.stack.decode(codes).permute(0, 2, 3, 1), model.decode_image_tokens(codes))
     greedy_pjd = pipe(prompts=PROMPTS, method="pjd", temperature=0.0, cfg_scale=CFG, pjd_window=3, pjd_context=6)
     assert torch.equal(greedy_pjd.codes, out.codes)
 
@@ -347,13 +309,7 @@ def _exact_joint(folder: Path, cfg_scale: float) -> Tensor:
 
 @cache
 def _dist_codes(folder: Path, method: str) -> Tensor:
-    from lantern.api import resolve_settings
-    from lantern.run import run_conditions
-
-    stack = lantern.load(folder).stack
-    method_cfg, sampling = resolve_settings(stack, method, **DIST, **DIST_METHODS[method])
-    conditions = stack.encode([PROMPTS[0]], repeats=DIST_ROWS)
-    return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, :DIST_TOKENS]
+    return dist_codes(folder, PROMPTS[0], method, {**DIST, **DIST_METHODS[method]}, DIST_ROWS, slice(0, DIST_TOKENS))
 
 
 # slow (~25 s for the four methods): 4000 images per method, a chi-square run like the other families'
@@ -362,15 +318,7 @@ def _dist_codes(folder: Path, method: str) -> Tensor:
 def test_lossless_methods_keep_the_models_law(folder: Path, method: str) -> None:
     """Chi-square goodness of fit of codes 0..2 against the exact joint from transformers' modules,
     at significance 0.001 (fixed seeds: deterministic)."""
-    from lantern.testing import chi_square_pooled, chi_square_threshold
-
-    p = _exact_joint(folder, DIST["cfg_scale"])
-    codes = _dist_codes(folder, method)
-    v = 32
-    assert bool((p[(codes * torch.tensor([v * v, v, 1])).sum(1)] > 0).all()), "a sample outside the top-k support"
-    stat, df = chi_square_pooled(codes, p, v)
-    assert df >= 30
-    assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
+    assert_law(_dist_codes(folder, method), _exact_joint(folder, DIST["cfg_scale"]), min_df=30)
 
 
 # slow: reuses the sjd-coupled run above (4000 images)
