@@ -167,6 +167,25 @@ def test_two_processes_give_the_images_of_one_on_a_chameleon_folder(tmp_path: Pa
     assert [r["images"] for r in run["stats"]["ranks"]] == [2, 1] and run["layout"]["name"] == "lumina-mgpt"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+def test_two_processes_give_the_images_of_one_on_janus_and_emu3(tmp_path: Path, family: str) -> None:
+    """Janus's guidance rows (pad-token prompts) and Emu3's (its negative prompt, end-of-line tokens)
+    shard like any stack: two processes write the images one writes."""
+    from lantern.testing import make_tiny_emu3_folder, make_tiny_janus_folder
+
+    build = make_tiny_janus_folder if family == "janus" else make_tiny_emu3_folder
+    model = build(tmp_path / family)
+    args = ["--prompt", "a red car", "--prompt", "a dog", "--prompt", "a lake", "--method", "sjd-coupled",
+            "--sjd-window", "4", "--batch-size", "2", "--seed", "4"]
+    assert generate(model, tmp_path / "one", *args) == 0
+    proc = torchrun(["generate", "--model", str(model), "--out", str(tmp_path / "two"), *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_images(tmp_path / "one", tmp_path / "two")
+    run = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert [r["images"] for r in run["stats"]["ranks"]] == [2, 1]
+
+
 # ---- resumable jobs -------------------------------------------------------------------------
 
 
