@@ -234,6 +234,32 @@ def test_decoded_pixels_equal_the_vq_decoder(folder: Path, pipe: lantern.Pipelin
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
+def test_larger_model_equals_transformers(tmp_path: Path) -> None:
+    """The golden equality on a 4-layer model with 6 x 6 codes (42 steps with the row ends; prompts
+    of three lengths decoded together): codes, the first 8 codes' guided logits, pixels, and greedy
+    PJD at context = row. Its head is scaled down as the deeper stack's logits grow, so float32
+    rounding stays under 1e-5."""
+    grid = 6
+    folder = make_tiny_emu3_folder(tmp_path / "model", seed=1, num_layers=4, grid=grid, logit_std=0.025)
+    model, pipe = _reference_model(folder), lantern.load(folder)
+    reference = [_transformers_generate(model, p, grid) for p in PROMPTS]
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    for row, (codes, _, _) in enumerate(reference):
+        assert out.codes[row].tolist() == codes.tolist(), row
+    codes = torch.stack([c for c, _, _ in reference])
+    assert len(set(codes.flatten().tolist())) > 8  # varied codes: the equality has power
+    for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, codes, STEPS, CFG)):
+        for row, (_, ref_logits, _) in enumerate(reference):
+            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        pixels = model.decode_image_tokens(image_tokens=torch.stack([s for _, _, s in reference]), height=grid,
+                                           width=grid)
+    assert torch.equal(pipe.stack.decode(codes), pixels)
+    greedy_pjd = pipe(prompts=PROMPTS, method="pjd", temperature=0.0, cfg_scale=CFG, pjd_window=3, pjd_context=grid)
+    assert torch.equal(greedy_pjd.codes, out.codes)
+
+
 LOSSLESS = {"sjd": {"sjd_window": 6}, "sjd-coupled": {"sjd_window": 6}, "sjd-pac": {"sjd_window": 6},
             "pjd": {"pjd_window": 2, "pjd_context": G}}  # pjd: context = the row length
 
