@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
-from lantern.models.hf_folder import check_safetensors_header
+from lantern.models.hf_folder import cached_attention, check_safetensors_header
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -231,13 +230,7 @@ class ChameleonLM(nn.Module):
         k = k.reshape(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache.write(layer_idx, slots, k, v)
-        k, v = cache.read(layer_idx, mask.shape[-1])
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kv_heads != self.n_head:
-            rep = self.n_head // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        out = cached_attention(q, k, v, mask, cache, layer_idx, slots)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
     def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:

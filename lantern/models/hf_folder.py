@@ -103,6 +103,20 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
                            f"{transformers_reason(e)}") from None
 
 
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCache, layer_idx: int, slots: Tensor,
+                     scale: float | None = None) -> Tensor:
+    """Attention of the queries over lantern's cache: the new keys and values ([N, Hkv, T, Dh],
+    rotated) are written at per-row ``slots`` first, then every query reads the cache's first
+    ``mask.shape[-1]`` slots under ``mask`` [N, T, S] (grouped heads repeated). -> [N, H, T, Dh]."""
+    cache.write(layer_idx, slots, k, v)
+    k, v = cache.read(layer_idx, mask.shape[-1])
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+
+
 class CachedDecoder(nn.Module):
     """A transformers Llama-style decoder (``lm``: embed_tokens, layers of self_attn / mlp and
     their norms, norm, rotary_emb) run over lantern's static KV cache: the queries' keys and values
@@ -142,13 +156,7 @@ class CachedDecoder(nn.Module):
         k = attn.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache.write(layer_idx, slots, k, v)
-        k, v = cache.read(layer_idx, mask.shape[-1])
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kv_heads != self.n_head:
-            rep = self.n_head // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=attn.scaling)
+        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, scale=attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
     def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
