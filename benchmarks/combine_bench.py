@@ -8,7 +8,11 @@ not depend on machine load, wall-clock ratios do.
 Several quality runs (same model, seed, images and real set) add their rows in order; AR's spread is
 the first run's, and a method already listed is not repeated.
 
-Writes ``combined/bench.md`` (the table, both commands, AR's bounds and the rule) and ``combined/frontier.png``.
+Writes ``combined/bench.md`` (the table, both commands, AR's bounds and the rule) and ``combined/frontier.png``;
+with ``--save-calibration FILE``, also the calibration ``--method auto`` reads: the speed run's
+timings (its ``--speed-batch-size`` list gives the batch sizes) with the quality runs' verdicts,
+for the rows run at their method's defaults (what ``lantern bench --save-calibration`` writes from
+one run; here the timings come from a quiet run and the verdicts from a run that may have been busy).
 """
 
 from __future__ import annotations
@@ -56,8 +60,30 @@ def combine(speed_dir: Path, quality_dirs: list[Path]) -> tuple[BenchResult, dic
             ar_spread.judge(row)
         rows.append(row)
     meta = {"model": runs_q[0].get("model", "?"),
-            "feature_net_short": runs_q[0].get("feature_net_short", "lantern feature net")}
-    return BenchResult(rows, meta, ar_spread, {}, [], {}, []), run_s, runs_q
+            "feature_net_short": runs_q[0].get("feature_net_short", "lantern feature net"),
+            "feature_net": runs_q[0].get("feature_net"), "quality_commands": [r["command"] for r in runs_q]}
+    meta.update({k: run_s[k] for k in ("config", "methods", "threads", "sampling", "machine", "busy_warning")
+                 if k in run_s})
+    return BenchResult(rows, meta, ar_spread, {}, [], {}, [], run_s.get("throughput", [])), run_s, runs_q
+
+
+def save_calibration(result: BenchResult, run_s: dict, path: Path) -> Path:
+    """The combined rows as a calibration of the speed run's model and device setting."""
+    from lantern.api import load
+    from lantern.calibration import Setup
+    from lantern.eval.calibrate import calibration_from_bench
+
+    cfg = run_s["config"]
+    unjudged = [m for m in run_s["methods"] if m not in {r.method for r in result.rows}]
+    if unjudged:
+        raise SystemExit(f"the quality runs lack the methods {unjudged}: their verdicts are needed")
+    pipe = load(run_s["model"], device=run_s["device"], dtype=run_s["dtype"], compile=cfg.get("compile"))
+    setup = Setup.of(run_s["model"], pipe.stack.root, run_s["device"], pipe.stack.dtype, cfg.get("compile"))
+    command = f"{run_s['command']}  +  " + "  +  ".join(r for r in result.meta["quality_commands"])
+    calibration, skipped = calibration_from_bench(result, pipe.stack, setup, command)
+    print(f"calibration: {len(calibration.methods)} methods at their defaults, batch sizes "
+          f"{list(calibration.batch_sizes)}; not at their defaults, left out: {', '.join(skipped) or 'none'}")
+    return calibration.save(path)
 
 
 def main() -> None:
@@ -66,6 +92,8 @@ def main() -> None:
     p.add_argument("--quality", type=Path, nargs="+", required=True,
                    help="`lantern bench` output folders with quality (AR's spread from the first)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--save-calibration", type=Path, default=None, metavar="FILE",
+                   help="also write the calibration --method auto reads (speed run's timings, quality runs' verdicts)")
     args = p.parse_args()
     result, run_s, runs_q = combine(args.speed, args.quality)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -79,6 +107,8 @@ def main() -> None:
     (args.out / "bench.md").write_text("\n".join(lines))
     save_plots(result, args.out)
     print("\n".join(lines))
+    if args.save_calibration is not None:
+        print(f"wrote {save_calibration(result, run_s, args.save_calibration)}")
 
 
 if __name__ == "__main__":
