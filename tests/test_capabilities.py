@@ -34,7 +34,7 @@ def test_the_forced_kernels_are_avx2() -> None:
 # kernels' floats depend on the batch, and their kernels are those of the method they vary, so the
 # child skips them (each costs ~15 s there; the native run still checks every method).
 AVX2_SKIPPED_METHODS = ("sjd-lantern++", "sjd-coupled-lantern++", "pjd-lantern++", "sjd-coupled-lantern", "sjd-sv",
-                        "sjd-coupled-sv", "gsd-sv")
+                        "sjd-coupled-sv", "sjd-coupled-lantern-sv", "gsd-sv")
 EVERY_METHOD_TEST = ("tests/test_batch_invariance.py::"
                      "test_every_method_gives_each_image_its_alone_codes_in_batches_of_2_4_and_8")
 

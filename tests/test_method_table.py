@@ -29,7 +29,7 @@ from lantern.run import prepare_method
 ROOT = Path(__file__).resolve().parents[1]
 ALL = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern", "sjd-lantern++", "sjd-coupled",
        "sjd-coupled-lantern", "sjd-coupled-lantern++", "gsd", "sjd-pac", "pjd", "pjd-lantern", "pjd-lantern++",
-       "sjd-sv", "sjd-coupled-sv", "sjd-lantern-sv", "gsd-sv")
+       "sjd-sv", "sjd-coupled-sv", "sjd-lantern-sv", "sjd-coupled-lantern-sv", "gsd-sv")
 
 
 def test_the_table_holds_what_each_method_is() -> None:
@@ -38,19 +38,21 @@ def test_the_table_holds_what_each_method_is() -> None:
     assert method_names(lambda r: r.needs_drafter) == ("sd", "sd-static", "lantern", "lantern++")
     assert family_methods("sjd") == ("sjd", "sjd-lantern", "sjd-lantern++", "sjd-coupled", "sjd-coupled-lantern",
                                      "sjd-coupled-lantern++", "gsd", "sjd-pac", "sjd-sv", "sjd-coupled-sv",
-                                     "sjd-lantern-sv", "gsd-sv")
+                                     "sjd-lantern-sv", "sjd-coupled-lantern-sv", "gsd-sv")
     assert family_methods("pjd") == ("pjd", "pjd-lantern", "pjd-lantern++")
     assert method_names(lambda r: r.lossless) == ("ar", "sd", "sd-static", "sjd", "sjd-coupled", "sjd-pac")
     assert method_names(lambda r: r.needs_proximity) == ("lantern", "lantern++", "sjd-lantern", "sjd-lantern++",
                                                          "sjd-coupled-lantern", "sjd-coupled-lantern++",
-                                                         "pjd-lantern", "pjd-lantern++", "sjd-lantern-sv")
+                                                         "pjd-lantern", "pjd-lantern++", "sjd-lantern-sv",
+                                                         "sjd-coupled-lantern-sv")
     assert method_names(lambda r: r.rule == "gsd") == ("gsd", "gsd-sv")
     assert method_names(lambda r: not r.movable_rows) == ("pjd", "pjd-lantern", "pjd-lantern++")
     assert method_names(lambda r: bool(r.couplings)) == ("sjd-coupled", "sjd-coupled-lantern",
                                                          "sjd-coupled-lantern++", "gsd", "sjd-pac", "sjd-coupled-sv",
-                                                         "gsd-sv")
+                                                         "sjd-coupled-lantern-sv", "gsd-sv")
     assert method_names(lambda r: r.proactive) == ("sjd-pac",)
-    assert method_names(lambda r: r.subsequence) == ("sjd-sv", "sjd-coupled-sv", "sjd-lantern-sv", "gsd-sv")
+    assert method_names(lambda r: r.subsequence) == ("sjd-sv", "sjd-coupled-sv", "sjd-lantern-sv",
+                                                     "sjd-coupled-lantern-sv", "gsd-sv")
 
 
 def test_a_record_is_frozen_and_an_unknown_name_names_its_field() -> None:
@@ -90,12 +92,13 @@ def test_defaults_pinned_for_a_few_methods() -> None:
                          "sjd-coupled": "maximal", "sjd-coupled-lantern": "maximal",
                          "sjd-coupled-lantern++": "maximal", "gsd": "independent", "sjd-pac": "maximal",
                          "sjd-sv": "independent", "sjd-coupled-sv": "maximal", "sjd-lantern-sv": "independent",
-                         "gsd-sv": "independent"}
+                         "sjd-coupled-lantern-sv": "maximal", "gsd-sv": "independent"}
     assert MethodConfig.resolve("pjd").pjd.init == "row_above"  # type: ignore[union-attr]
 
 
 def test_coupling_refusals_read_the_record() -> None:
-    takers = "sjd-coupled or sjd-coupled-lantern or sjd-coupled-lantern++ or gsd or sjd-pac or sjd-coupled-sv or gsd-sv"
+    takers = ("sjd-coupled or sjd-coupled-lantern or sjd-coupled-lantern++ or gsd or sjd-pac or sjd-coupled-sv or "
+              "sjd-coupled-lantern-sv or gsd-sv")
     with pytest.raises(LanternError, match=f"--sjd-coupling needs --method {re.escape(takers)}; sjd redraws"):
         MethodConfig.resolve("sjd", sjd_coupling="maximal")
     with pytest.raises(LanternError, match="--sjd-coupling must be one of maximal, gumbel, got 'independent'"):

@@ -33,7 +33,7 @@ from lantern.methods import METHOD_TABLE, MethodConfig, method_names, resolve_me
 from lantern.run import run_generation
 from lantern.testing import make_random_stack, tiny_llamagen
 
-SV = ("sjd-sv", "sjd-coupled-sv", "sjd-lantern-sv", "gsd-sv")
+SV = ("sjd-sv", "sjd-coupled-sv", "sjd-lantern-sv", "sjd-coupled-lantern-sv", "gsd-sv")
 
 
 # ---- the paper's rule, one draft at a time ------------------------------------------------------
@@ -273,7 +273,8 @@ def test_the_sv_methods_are_relaxed_in_the_table_and_auto_never_calls_them_lossl
         record = METHOD_TABLE[name]
         assert record.relaxed and not record.lossless and record.family == "sjd"
         assert MethodCalibration(name, 3.0, {1: 0.1}).why_not("lossless") == "not lossless at its defaults"
-    base = {"sjd-sv": "sjd", "sjd-coupled-sv": "sjd-coupled", "sjd-lantern-sv": "sjd-lantern", "gsd-sv": "gsd"}
+    base = {"sjd-sv": "sjd", "sjd-coupled-sv": "sjd-coupled", "sjd-lantern-sv": "sjd-lantern",
+            "sjd-coupled-lantern-sv": "sjd-coupled-lantern", "gsd-sv": "gsd"}
     for sv, plain in base.items():  # the base method's drafts: redraws, first guesses, rule
         a, b = MethodConfig.resolve(sv), MethodConfig.resolve(plain)
         assert (a.jacobi, a.relaxation, a.tree) == (b.jacobi, b.relaxation, b.tree) and b.subsequence is None
@@ -289,7 +290,8 @@ def test_the_sv_methods_are_relaxed_in_the_table_and_auto_never_calls_them_lossl
     (lambda: SubsequenceConfig(alpha=True), r"--sv-alpha must be a number.*got True", "sv_alpha"),
     (lambda: MethodConfig.resolve("sjd-sv", sv_alpha=-1), r"--sv-alpha must be a number.*got -1", "sv_alpha"),
     (lambda: MethodConfig.resolve("sjd", sv_alpha=0.5),
-     "--sv-alpha needs --method sjd-sv or sjd-coupled-sv or sjd-lantern-sv or gsd-sv, got --method sjd", "sv_alpha"),
+     "--sv-alpha needs --method sjd-sv or sjd-coupled-sv or sjd-lantern-sv or sjd-coupled-lantern-sv or gsd-sv, "
+     "got --method sjd", "sv_alpha"),
     (lambda: MethodConfig.resolve("pjd", sv_alpha=0.5), "--sv-alpha needs --method sjd-sv or", "sv_alpha"),
     (lambda: MethodConfig.resolve("sjd-sv", lantern_delta=0.1), "--lantern-\\* options need a relaxed method",
      "lantern_delta"),

@@ -164,8 +164,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "(and close in probability); G >= 1 (default 7)",
     )
     p.add_argument("--sv-alpha", type=float, default=None,
-                   help="sjd-sv, sjd-coupled-sv, sjd-lantern-sv, gsd-sv (SJD-SV): a run of drafts is tested on its "
-                        "tail holding this share of the run's target probability, in (0, 1] (default 0.8)")
+                   help="sjd-sv, sjd-coupled-sv, sjd-lantern-sv, sjd-coupled-lantern-sv, gsd-sv (SJD-SV): a run of "
+                        "drafts is tested on its tail holding this share of the run's target probability, in (0, 1] "
+                        "(default 0.8)")
     add_pjd_args(p)
     p.add_argument("--batch-size", type=int, default=8, help="images generated together (default 8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
