@@ -46,9 +46,9 @@ CALIBRATION_DIR = "calibration"  # the folder a model may ship its calibrations 
 IDENTITY_SAMPLE = 1 << 20  # bytes hashed from each end of every file of the model folder
 MAX_MODEL_FILES = 10_000
 VERDICTS = (None, "within", "out")
-# Rough cost of a --quick calibration, for the message that asks for one: every method at batch 1
-# and 8, about 30 images each (estimated from the s/img in benchmarks/RESULTS.md).
-QUICK_COST = "about 5 min for photos, 2 for digits, on a 2-core CPU"
+# Cost of a --quick calibration, for the message that asks for one: every method at batch 1 and 8
+# (timed on a 2-core Xeon, float32, 21 methods: photos 8.5 min, digits 1.9 min).
+QUICK_COST = "about 9 min for photos, 2 for digits, on a 2-core CPU"
 
 # The top-level keys of a calibration file: required ones, then provenance (optional).
 _REQUIRED = ("format", "version", "model_id", "key", "batch_sizes", "quality", "methods")
