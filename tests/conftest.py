@@ -63,6 +63,19 @@ F64 = torch.float64
 os.environ["LANTERN_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="lantern-test-calibrations-")
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``pytest -n auto``: one worker per CPU this process may run on (every test runs on one
+    intra-op thread, so a 2-vCPU machine whose CPUs are hyperthreads of one core still gets two;
+    xdist's own count would be its physical cores), at most 8 (a worker holds up to ~1.5 GB)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 8))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` (minutes in one process) run first: under ``-n auto --dist worksteal``
+    a worker starts one at once while the others share the rest, instead of one ending the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
     """Every test runs on one intra-op thread, and so does every process a test starts (they inherit

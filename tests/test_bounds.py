@@ -245,6 +245,7 @@ def _generate_compiled(cache: Path, out: Path) -> subprocess.CompletedProcess[st
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~80 s: a cold compile, then two damaged copies of its cache
 def test_a_damaged_compile_cache_is_named(tmp_path: Path) -> None:
     """Random bytes in the cache's generated modules (``.py``) or compiled libraries (``.so``).
     Old behaviour: a BackendCompilerFailed traceback (a UnicodeDecodeError, or a failed C++ rebuild)."""

@@ -39,6 +39,7 @@ EVERY_METHOD_TEST = ("tests/test_batch_invariance.py::"
                      "test_every_method_gives_each_image_its_alone_codes_in_batches_of_2_4_and_8")
 
 
+@pytest.mark.long  # ~7 min: the marked tests again, in one child process
 def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None:
     # Its own compile cache: inductor's keys do not tell forced-AVX2 artifacts from native ones, so
     # a later native test must never load what this child compiled.
