@@ -58,7 +58,8 @@ def test_readme_is_a_front_page() -> None:
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/"
     first = "\n".join(lines[:FIRST_SCREEN])
     assert "bash scripts/setup.sh && .venv/bin/lantern demo" in first  # set up and run
-    assert '.venv/bin/python -m pytest -m "not slow"' in first  # the tests
+    assert '.venv/bin/python -m pytest -n auto -m "not slow"' in first  # the tests, on every CPU as CI runs them
+    assert ".venv/bin/python -m pytest -n auto " in (ROOT / ".ci" / "run").read_text()
     assert "![demo grid, photos](docs/demo_photos.png)" in first  # the picture
     assert 'lantern.load("photos")' in first  # the Python example
     assert (ROOT / "docs" / "demo_photos.png").stat().st_size > 0
