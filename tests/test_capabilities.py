@@ -32,11 +32,13 @@ def test_the_forced_kernels_are_avx2() -> None:
 # Methods whose round is another listed method's round with other acceptance constants (λ for δ,
 # coupled redraws, a run test over the same ratios): under forced AVX2 the question is whether the
 # kernels' floats depend on the batch, and their kernels are those of the method they vary, so the
-# child skips them (each costs ~15 s there; the native run still checks every method).
+# child skips them in the every-method and the rows tests (~20 s each there; the native run still checks
+# every method).
 AVX2_SKIPPED_METHODS = ("sjd-lantern++", "sjd-coupled-lantern++", "pjd-lantern++", "sjd-coupled-lantern", "sjd-sv",
                         "sjd-coupled-sv", "sjd-coupled-lantern-sv", "gsd-sv")
 EVERY_METHOD_TEST = ("tests/test_batch_invariance.py::"
                      "test_every_method_gives_each_image_its_alone_codes_in_batches_of_2_4_and_8")
+ROWS_TEST = "tests/test_rows.py::test_rows_joining_leaving_and_moving_give_their_alone_codes"  # movable methods only
 
 
 @pytest.mark.long  # ~7 min: the marked tests again, in one child process
@@ -46,7 +48,8 @@ def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None
     from lantern.methods import METHOD_TABLE
 
     assert set(AVX2_SKIPPED_METHODS) < set(METHOD_TABLE)  # a renamed method must not silently run again
-    deselect = [arg for m in AVX2_SKIPPED_METHODS for arg in ("--deselect", f"{EVERY_METHOD_TEST}[{m}]")]
+    deselect = [arg for m in AVX2_SKIPPED_METHODS for test in (EVERY_METHOD_TEST, ROWS_TEST)
+                for arg in ("--deselect", f"{test}[{m}]")]
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "invariance and not slow", *deselect,
          str(TESTS)],
