@@ -41,7 +41,7 @@ EVERY_METHOD_TEST = ("tests/test_batch_invariance.py::"
 ROWS_TEST = "tests/test_rows.py::test_rows_joining_leaving_and_moving_give_their_alone_codes"  # movable methods only
 
 
-@pytest.mark.long  # ~7 min: the marked tests again, in one child process
+@pytest.mark.long  # ~5.5 min: the marked tests again, in one child process
 def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None:
     # Its own compile cache: inductor's keys do not tell forced-AVX2 artifacts from native ones, so
     # a later native test must never load what this child compiled.
