@@ -67,7 +67,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``pytest -n auto``: one worker per CPU this process may run on (every test runs on one
     intra-op thread, so a 2-vCPU machine whose CPUs are hyperthreads of one core still gets two;
     xdist's own count would be its physical cores), at most 8 (a worker holds up to ~1.5 GB)."""
-    return max(1, min(len(os.sched_getaffinity(0)), 8))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
+    return max(1, min(cpus or 1, 8))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
