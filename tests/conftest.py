@@ -671,12 +671,7 @@ def served(app: Any, timeout: float = 30.0) -> Iterator[str]:
 
 
 SERVE_START_TIMEOUT = 60.0  # import, load digits, warm up: about 5 s on 2 idle cores
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+SERVE_URL = re.compile(r"^lantern serve: .* on (http://127\.0\.0\.1:\d+)$", re.M)  # the line serve prints
 
 
 @contextmanager
@@ -688,16 +683,23 @@ def serve_process(log: Path, *flags: str) -> Iterator[tuple[Any, str]]:
 
     import httpx
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", "digits", "--port", str(port), *flags]
+    # --port 0: the server binds a free port itself and prints it. A port chosen here and passed in
+    # could be taken in between by another test worker (pytest -n) or any outgoing connection.
+    cmd = [sys.executable, "-m", "lantern.cli", "serve", "--model", "digits", "--port", "0", *flags]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    url: str | None = None
     try:
         deadline = time.monotonic() + SERVE_START_TIMEOUT
         while True:
             assert proc.poll() is None, f"lantern serve exited with {proc.returncode}:\n{log.read_text()}"
             assert time.monotonic() < deadline, f"no /health within {SERVE_START_TIMEOUT} s:\n{log.read_text()}"
+            if url is None:
+                bound = SERVE_URL.search(log.read_text(errors="replace"))
+                if bound is None:
+                    time.sleep(0.2)
+                    continue
+                url = bound.group(1)
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
