@@ -49,9 +49,10 @@ class TimedTarget(LlamaGenTarget):
         self.seconds += time.perf_counter() - t0
         return out
 
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+               ) -> tuple[Tensor, Tensor]:
         t0 = time.perf_counter()
-        out = super().verify(tokens, tree_mask, depth)
+        out = super().verify(tokens, tree_mask, depth, leaves)
         self.seconds += time.perf_counter() - t0
         return out
 

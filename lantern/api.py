@@ -388,9 +388,8 @@ def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtyp
 def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
                     image_size: int | None, dtype: torch.dtype, device: str, compile: str,
                     proximity: str | None) -> Pipeline:
-    from lantern.targets.chameleon_stack import check_not_compiled, load_chameleon_stack
+    from lantern.targets.chameleon_stack import load_chameleon_stack
 
-    check_not_compiled(compile)
     for flag, value in (("--t5", paths["t5"]), ("--tokenizer", tokenizer)):
         if value is not None:
             raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
@@ -402,9 +401,8 @@ def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object,
 def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
                 image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str,
                 proximity: str | None) -> Pipeline:
-    from lantern.targets.janus import check_not_compiled, load_janus_stack
+    from lantern.targets.janus import load_janus_stack
 
-    check_not_compiled(compile)
     flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--image-size", image_size),
              ("--vq", vq))
     for flag, value in flags:
@@ -418,9 +416,8 @@ def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, lay
 def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
                image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str,
                proximity: str | None) -> Pipeline:
-    from lantern.targets.emu3 import check_not_compiled, load_emu3_stack
+    from lantern.targets.emu3 import load_emu3_stack
 
-    check_not_compiled(compile)
     flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--vq", vq))
     for flag, value in flags:
         if value is not None:

@@ -75,8 +75,8 @@ class _Recording(LlamaGenTarget):
 
     rounds: list[list[Tensor]]
 
-    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
-        logits = super().verify_grid(tokens, cells, rows)
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor, chains: int | None = None) -> Tensor:
+        logits = super().verify_grid(tokens, cells, rows, chains)
         self.rounds = [*getattr(self, "rounds", []), [tokens.clone(), cells.clone(), rows.clone(), logits.clone()]]
         return logits
 

@@ -75,7 +75,8 @@ class Target(Protocol):
 
     def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
 
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]: ...
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+               ) -> tuple[Tensor, Tensor]: ...
 
     def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
 
@@ -84,7 +85,7 @@ class GridTarget(Target, Protocol):
     """A target that can verify PJD's grid blocks (``lantern.decoding.pjd``): tokens at explicit image
     cells, visibility from the row-causal mask, commits out of raster order."""
 
-    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor: ...
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor, chains: int | None = None) -> Tensor: ...
 
     def commit_grid(self, keep: Tensor, num_keep: Tensor) -> None: ...
 
@@ -410,7 +411,9 @@ def _raster_round(
             tree = drafter.propose(rng, active, max_depth)
     # 3. Verify: one target forward over every row's tree.
     with phase("verify"):
-        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth)
+        # leaves (a static shape): bounds the row-end tokens a target inserts (Lumina-mGPT's new-lines)
+        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth,
+                                       leaves=tree.buffers.retrieve.shape[1])
     # 4. Accept.
     with phase("accept"):
         path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, rng, acceptance)
@@ -445,7 +448,7 @@ def _grid_round(
     with phase("propose"):
         block = drafter.propose_grid(rng)
     with phase("verify"):
-        logits = target.verify_grid(block.tokens, block.cells, block.rows)
+        logits = target.verify_grid(block.tokens, block.cells, block.rows, chains=block.max_depth.shape[1])
     with phase("accept"):
         b, r = block.max_depth.shape
         t = block.tokens.shape[1] // r

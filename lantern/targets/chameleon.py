@@ -16,6 +16,12 @@ is Chameleon-specific stays here:
   hang under the shadow, positions count the inserted tokens, and the logits / hidden state that
   predict the node's children are read at the shadow. ``commit`` keeps each accepted node's
   shadow with it. The drafter and the acceptance rules never see a new-line token.
+* **Compiled rounds** (``compile``). Every shape is static and nothing reads the device: the
+  forward attends over the whole cache (masked) instead of the longest row, and the new-line shadows
+  take a fixed number of slots, the most row ends the tree can hold (``row_end_slots``), whether
+  or not a row reaches its row end this round (padding shadows attend to themselves and are never
+  kept). Prompt contexts are left-padded to a multiple of ``CONTEXT_BUCKET`` (masked columns),
+  so that prompts of other lengths reuse the compiled round.
 * **Drafter context.** ``start`` hands the drafter the features of the image prefix only (the
   same positions in conditional and unconditional rows, no padding); the prompt reaches the
   drafter through the target's features there.
@@ -23,13 +29,16 @@ is Chameleon-specific stays here:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from lantern.decoding.cache import KVCache
+from lantern.decoding.cache import CachePool, KVCache
+from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.pjd import commit_cells, grid_verify_mask, kept_offsets
 from lantern.decoding.sampling import apply_cfg
@@ -39,6 +48,11 @@ from lantern.models.chameleon import ChameleonLM, ImageLayout
 if TYPE_CHECKING:
     from lantern.models.emu3 import Emu3LM
     from lantern.models.janus import JanusLM
+
+
+# Compiled rounds: prompt contexts are left-padded to a multiple of this many columns, so that a
+# batch of other prompts reuses the round compiled for the bucket (one graph per bucket).
+CONTEXT_BUCKET = 32
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
@@ -63,18 +77,24 @@ class ChameleonTarget:
     they are combined)."""
 
     def __init__(self, model: ChameleonLM | JanusLM | Emu3LM, layout: ImageLayout, sampling: SamplingConfig,
-                 max_tree_nodes: int = 1) -> None:
+                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None) -> None:
+        """compile: None (eager) or a mode of :func:`lantern.decoding.compiling.resolve_compile`;
+        cache_pool: caches kept across images (static buffer addresses, as CUDA graphs need)."""
         self.model = model
         self.layout = layout
         self.sampling = sampling
         self.max_tree_nodes = max_tree_nodes
+        self.compile = resolve_compile(compile, model.device)
+        self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.streams = 2 if sampling.use_cfg else 1
         # What the loop and the drafter read (code space: the image rows of the LM head).
         self.vocab_size, self.hidden_size, self.lm_head = model.num_codes, model.hidden_size, model.image_head
         self.num_tokens, self.device = layout.num_tokens, model.device
         self.prefix_len = len(layout.prefix)  # positions ``start`` hands the drafter (the image prefix)
         self.cache: KVCache | None = None
-        self.forwards = 0
+        # Model forwards (prefill + verify), for stats: a device counter, so that a compiled round
+        # counts in place instead of baking a Python int into its graph.
+        self.forwards = torch.zeros((), dtype=torch.long, device=model.device)
         self.key_mask: Tensor | None = None  # [S*B, L] real prompt columns
         self.pos_offset: Tensor | None = None  # [S*B] left padding of each row (position = slot - offset)
         self.root_index: Tensor | None = None  # [B] code index of the pending root token
@@ -108,14 +128,18 @@ class ChameleonTarget:
             length >= p and bool((cond[:, -p:] == prefix).all()) and bool(mask[:, -p:].all()),
             "every prompt context must end with the layout's image prefix (build them with encode_prompts)",
         )
+        if self.compile is not None:  # one compiled round for every prompt length up to the bucket
+            extra = -length % CONTEXT_BUCKET
+            cond, mask, length = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False), length + extra
         ids, mask = cond, mask
         if self.streams == 2:
             u_ids, u_mask = self.guidance_rows(cond, mask)
             ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
         n_rows = ids.shape[0]
         cfg = self.model.config
-        self.cache = KVCache(cfg.num_hidden_layers, n_rows, self.model.kv_heads, self._cache_len(length),
-                             self.model.head_dim, self.model.dtype, self.model.device)
+        self.cache = self.cache_pool.get("target", cfg.num_hidden_layers, n_rows, self.model.kv_heads,
+                                         self._cache_len(length), self.model.head_dim, self.model.dtype,
+                                         self.model.device, static=self.compile is not None)
         self.key_mask = mask
         self.pos_offset = (~mask).sum(1)
         self.root_index = torch.zeros(b, dtype=torch.long, device=cond.device)
@@ -128,7 +152,9 @@ class ChameleonTarget:
         self.cache.lengths.fill_(length)
         self.forwards += 1
         self.prefill = (ids, hidden)
-        self.slot_cell = None
+        # PJD's slot -> grid key map, made here rather than on the first grid verify: every round then
+        # sees the same state (a compiled round is one graph from the first round on).
+        self.slot_cell = torch.full((n_rows, self.cache.max_len), -1, dtype=torch.long, device=cond.device)
         logits = self.guided_logits(hidden[:, -1])
         return logits, hidden[:, length - p :]
 
@@ -150,9 +176,12 @@ class ChameleonTarget:
         return u_ids, u_mask
 
     @torch.no_grad()
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+               ) -> tuple[Tensor, Tensor]:
         """One forward over each row's tree of codes (node 0 = the pending root), with end-of-row
-        tokens inserted as shadow nodes. Returns (guided logits [B, T, V], hidden [S*B, T, D])."""
+        tokens inserted as shadow nodes. ``leaves``: the tree's root-to-leaf paths (at most T), which
+        bound the shadows a compiled forward makes room for. Returns (guided logits [B, T, V],
+        hidden [S*B, T, D])."""
         cache = self._cache()
         assert self.root_index is not None and self.pos_offset is not None
         s, (b, t) = self.streams, tokens.shape
@@ -163,7 +192,7 @@ class ChameleonTarget:
         row_end = torch.zeros(b, t, dtype=torch.bool, device=tokens.device)
         if self.layout.eol is not None:
             row_end = (self.root_index[:, None] + depth + 1) % self.layout.width == 0
-        e = int(row_end.sum(1).max())
+        e = self._shadow_count(row_end, leaves or t, t)
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         shadow_slot = torch.full((b, t), -1, dtype=torch.long, device=tokens.device)
         if e > 0:
@@ -174,7 +203,7 @@ class ChameleonTarget:
         lengths = cache.lengths  # [S*B]
         slots = lengths[:, None] + torch.arange(n, device=tokens.device)
         positions = lengths[:, None] - self.pos_offset[:, None] + model_depth.repeat(s, 1)
-        attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n)
+        attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n, self._kv_len(lengths, n))
         hidden = self.model.forward_cached(ids.repeat(s, 1), positions, slots, attn, cache)
         self.forwards += 1
         self.node_hidden = hidden[:, :t]
@@ -189,20 +218,21 @@ class ChameleonTarget:
         assert self.root_index is not None and self._shadows is not None
         row_end, shadow_slot = self._shadows
         keep, count = path, num_keep
-        if bool(row_end.any()):
+        if self.layout.eol is not None and (self.compile is not None or bool(row_end.any())):
             keep, count = _with_shadows(path, num_keep, row_end, shadow_slot)
         cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
         self.root_index = self.root_index + num_keep
         self.last_path = path
 
     @torch.no_grad()
-    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor, chains: int | None = None) -> Tensor:
         """PJD's forward (``lantern.decoding.pjd``): codes [B, T] at image cells, in windows ``rows`` (-1 =
         padding). Lumina-mGPT's new-line tokens: a node at a row's last cell (a chain root: a
         stand-in or a flushed row end) gets a shadow carrying the new-line token one position
         later, in its own window, and its logits are read there (as :meth:`verify` does). In the
         mask, cells are doubled so a new-line token sits between its row's last cell and the next
-        row's first. Returns guided logits [B, T, V]."""
+        row's first. ``chains``: windows per row (at most T), which bound the shadows a compiled
+        forward makes room for. Returns guided logits [B, T, V]."""
         cache = self._cache()
         assert self.pos_offset is not None and self.key_mask is not None
         s, (b, t), width = self.streams, tokens.shape, self.layout.width
@@ -210,7 +240,8 @@ class ChameleonTarget:
         positions = self.key_mask.shape[1] + cells + (cells // width if self.layout.eol is not None else 0)
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         row_end = (rows >= 0) & (cells % width == width - 1) & (self.layout.eol is not None)
-        e = int(row_end.sum(1).max())
+        chains = chains or t
+        e = self._shadow_count(row_end, chains, t // chains)
         owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]  # [B, E]
         valid = torch.arange(e, device=tokens.device)[None, :] < row_end.sum(1, keepdim=True)
         if e > 0:
@@ -221,10 +252,9 @@ class ChameleonTarget:
             positions = torch.cat([positions, positions.gather(1, owner) + 1], dim=1)
             shadow = t + torch.arange(e, device=tokens.device).expand(b, -1)
             read_at = read_at.scatter(1, owner, torch.where(valid, shadow, owner))
-        if self.slot_cell is None:
-            self.slot_cell = torch.full((cache.rows, cache.max_len), -1, dtype=torch.long, device=tokens.device)
+        assert self.slot_cell is not None
         keys_s, lengths, n = keys.repeat(s, 1), cache.lengths, ids.shape[1]
-        mask = grid_verify_mask(self.slot_cell, lengths, keys_s, model_rows.repeat(s, 1), int(lengths.max()) + n)
+        mask = grid_verify_mask(self.slot_cell, lengths, keys_s, model_rows.repeat(s, 1), self._kv_len(lengths, n))
         prompt = self.key_mask.shape[1]
         mask[:, :, :prompt] &= self.key_mask[:, None, :]  # left padding is never attended
         slots = lengths[:, None] + torch.arange(n, device=tokens.device)
@@ -272,10 +302,24 @@ class ChameleonTarget:
             raise RuntimeError("ChameleonTarget.start() must be called before verify/commit")
         return self.cache
 
-    def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int) -> Tensor:
+    def _shadow_count(self, row_end: Tensor, paths: int, path_len: int) -> int:
+        """New-line shadows per row in this forward: eager, the most row ends a row has (a host read);
+        compiled, the most a forward can have (static), ``paths`` paths of ``path_len`` nodes with at
+        most one row end in every ``width`` consecutive positions."""
+        if self.layout.eol is None:
+            return 0
+        if self.compile is None:
+            return int(row_end.sum(1).max())
+        return min(row_end.shape[1], paths * math.ceil(path_len / self.layout.width))
+
+    def _kv_len(self, lengths: Tensor, n: int) -> int:
+        """Key columns of a forward of ``n`` tokens: eager, up to the longest row's last one (a host
+        read); compiled, the whole cache (static: masked columns cost attention, not a sync)."""
+        return self._cache().max_len if self.compile is not None else int(lengths.max()) + n
+
+    def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int, kv_len: int) -> Tensor:
         """[S*B, T, kv_len] bool: the row's real prefix columns, then its tree mask at its slots."""
         assert self.key_mask is not None
-        kv_len = int(lengths.max()) + t
         cols = torch.arange(kv_len, device=lengths.device)
         rel = cols[None, :] - lengths[:, None]
         prefix = rel < 0

@@ -100,8 +100,8 @@ class ChameleonStack(PromptStack):
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> ChameleonTarget:
-        check_not_compiled(compile)
-        return ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
+        return ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
+                               cache_pool=cache_pool)
 
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
         probe = ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
@@ -122,8 +122,10 @@ class ChameleonStack(PromptStack):
             from lantern.drafters.released import ReleasedDrafterBackend
 
             assert isinstance(target, ChameleonTarget)
+            check(compile in (None, "off"), "--compile does not run LANTERN's released Chameleon drafters (their "
+                                            "backend reads the model sequence between rounds): use --compile off")
             return ReleasedDrafterBackend(drafter, head, sampling, target, 2 * slots)
-        return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -133,11 +135,6 @@ class ChameleonStack(PromptStack):
         from lantern.images import to_pil
 
         return to_pil(self.decode(codes), "truncate")  # as Chameleon's _pil_from_chw_tensor
-
-
-def check_not_compiled(compile: str | None) -> None:
-    """Chameleon rounds run eager: refuse a ``--compile`` mode (None and "off" are eager)."""
-    check(compile in (None, "off"), "--compile is implemented for LlamaGen targets only, not Chameleon-family models")
 
 
 def find_vq(root: Path, vq: str | os.PathLike[str] | None) -> Path:
@@ -204,9 +201,9 @@ def init_chameleon_drafter(model: ChameleonLM | JanusLM, layout: ImageLayout, se
 
 
 def eagle_backend(drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig, target: Target,
-                  layout: ImageLayout, slots: int, cache_pool: CachePool | None) -> EagleBackend:
+                  layout: ImageLayout, slots: int, compile: str | None, cache_pool: CachePool | None) -> EagleBackend:
     """lantern's EAGLE backend for a target on the Chameleon adapter (Chameleon, Janus, Emu3): its
     cache holds the image prefix's features, every code's and one round's drafts."""
     assert isinstance(drafter, EagleDrafterModel)
     context = len(layout.prefix) + layout.num_tokens + slots
-    return EagleBackend(drafter, head, sampling, target.streams, context, cache_pool=cache_pool)
+    return EagleBackend(drafter, head, sampling, target.streams, context, compile=compile, cache_pool=cache_pool)

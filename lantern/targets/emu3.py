@@ -89,8 +89,9 @@ class Emu3Target(ChameleonTarget):
     """The Chameleon adapter over an Emu3 model: negative-prompt guidance rows, guided log-probs."""
 
     def __init__(self, model: Emu3LM, layout: ImageLayout, sampling: SamplingConfig, negative: Sequence[int],
-                 max_tree_nodes: int = 1) -> None:
-        super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes)
+                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None) -> None:
+        super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
+                         cache_pool=cache_pool)
         self.emu3 = model
         self.negative = torch.tensor(list(negative), dtype=torch.long)
 
@@ -186,8 +187,8 @@ class Emu3Stack(PromptStack):
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> Emu3Target:
-        check_not_compiled(compile)
-        return Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes)
+        return Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes,
+                          compile=compile, cache_pool=cache_pool)
 
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
         probe = Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes)
@@ -206,7 +207,7 @@ class Emu3Stack(PromptStack):
         raw code logits) gives the target's law over codes: the target guides full-vocabulary
         log-softmaxes, which differ from the raw logits by one constant per row and stream, and
         ``u + s (c - u)`` of those constants is again one constant per row, which softmax drops."""
-        return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -218,10 +219,6 @@ class Emu3Stack(PromptStack):
         # (x + 1) / 2 * 255, truncated: transformers' Emu3ImageProcessor.postprocess with the
         # released mean = std = 0.5 (tested equal)
         return to_pil(self.decode(codes), "truncate")
-
-
-def check_not_compiled(compile: str | None) -> None:
-    check(compile in (None, "off"), "--compile is implemented for LlamaGen targets only, not Emu3 models")
 
 
 def tokenize_text(tokenizer: Any, text: str) -> list[int]:

@@ -59,8 +59,9 @@ class JanusTarget(ChameleonTarget):
     """The Chameleon adapter over a Janus model, with Janus's guidance rows."""
 
     def __init__(self, model: JanusLM, layout: ImageLayout, sampling: SamplingConfig, tokens: JanusTokens,
-                 max_tree_nodes: int = 1) -> None:
-        super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes)
+                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None) -> None:
+        super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
+                         cache_pool=cache_pool)
         self.tokens = tokens
 
     def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -129,8 +130,8 @@ class JanusStack(PromptStack):
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> JanusTarget:
-        check_not_compiled(compile)
-        return JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes)
+        return JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes,
+                           compile=compile, cache_pool=cache_pool)
 
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
         probe = JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes)
@@ -147,7 +148,7 @@ class JanusStack(PromptStack):
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """The Chameleon stack's EAGLE backend: the drafter reads the image-start token's features,
         then the codes' (both guidance streams), and shares the model's generation head."""
-        return eagle_backend(drafter, head, sampling, target, self.layout, slots, cache_pool)
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -159,10 +160,6 @@ class JanusStack(PromptStack):
         # (x + 1) / 2 * 255, truncated: DeepSeek's generation_inference.py, and transformers'
         # JanusImageProcessor.postprocess with the released mean = std = 0.5 (tested equal)
         return to_pil(self.decode(codes), "truncate")
-
-
-def check_not_compiled(compile: str | None) -> None:
-    check(compile in (None, "off"), "--compile is implemented for LlamaGen targets only, not Janus models")
 
 
 def load_janus_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = None,

@@ -130,11 +130,13 @@ class LlamaGenTarget:
         return logits, hidden
 
     @torch.no_grad()
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+               ) -> tuple[Tensor, Tensor]:
         """One forward over a tree per row, written after each row's committed prefix.
 
         tokens [B, T] (node 0 = the pending root token), tree_mask [B, T, T] bool (ancestors and
-        self), depth [B, T]. Returns (guided logits [B, T, V], hidden [S*B, T, D]).
+        self), depth [B, T]; ``leaves`` is not needed (LlamaGen inserts no row-end tokens).
+        Returns (guided logits [B, T, V], hidden [S*B, T, D]).
         """
         cache = self._cache()
         t = tokens.shape[1]
@@ -151,10 +153,11 @@ class LlamaGenTarget:
         step_fn(_commit_step, self.compile, self.device)(self._cache(), path, num_keep, self.streams)
 
     @torch.no_grad()
-    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor) -> Tensor:
+    def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor, chains: int | None = None) -> Tensor:
         """PJD's forward (``lantern.decoding.pjd``): block tokens [B, T] at image cells [B, T], in windows
         ``rows`` [B, T] (-1 = padding), written after each row's cached slots; positions from the
-        grid, visibility from :func:`lantern.decoding.pjd.grid_verify_mask`. Returns guided logits [B, T, V]."""
+        grid, visibility from :func:`lantern.decoding.pjd.grid_verify_mask` (``chains`` is not needed).
+        Returns guided logits [B, T, V]."""
         cache = self._cache()
         if tokens.shape[1] > self.max_tree_nodes:
             raise LanternError(f"grid block of {tokens.shape[1]} nodes exceeds the {self.max_tree_nodes} "
