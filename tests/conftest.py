@@ -841,7 +841,6 @@ def cli_refusals(family: str) -> list[tuple[list[str], str]]:
         (["--method", "lantern++"], "--method lantern++ needs a drafter: pass --drafter DIR"),
         (["--layout", "anole"], f"--layout is not used by {family} models"),
         (["--t5", "/tmp"], f"--t5 is not used by {family} models"),
-        (["--compile"], f"--compile is implemented for LlamaGen targets only, not {family} models"),
         (["--method", "sjd-coupled", "--sjd-window", "auto"], f"pass a number for {family} models"),
     ]
 

@@ -1,0 +1,185 @@
+"""``--compile`` on the Chameleon family (Anole, Lumina-mGPT, Janus, Emu3): one compiled region per round.
+
+The adapter's compiled forward has static shapes: it attends over the whole cache (masked), makes
+room for a fixed number of new-line shadows (Lumina-mGPT and Emu3 insert a row-end token the loop
+never sees) and pads prompt contexts to a bucket. These tests hold it to what the LlamaGen round
+is held to (tests/test_round_graph.py): every round traces as one graph with no break, a decode
+compiles once and never again across rounds, prompt lengths and batches, and the compiled round
+decodes exactly what the eager round decodes. Tracing tests use dynamo's ``eager`` backend (the
+``eager_backend`` fixture); the inductor tests check the generated kernels, greedily against AR.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import lantern
+from lantern.api import Pipeline
+from lantern.cli.main import main
+from lantern.decoding import compiling, loop
+from lantern.decoding.config import SamplingConfig
+from lantern.decoding.rng import RowRandom
+from lantern.decoding.sampling import make_generators
+from lantern.methods import MethodConfig
+from lantern.run import PreparedMethod, prepare_method
+from lantern.testing import make_tiny_chameleon_folder, make_tiny_emu3_folder, make_tiny_janus_folder
+
+pytest.importorskip("transformers")
+pytest.importorskip("yaml")
+
+# method -> MethodConfig.resolve keyword arguments, sized for the 4 x 4 codes of the tiny folders
+# (Lumina-mGPT layout: a row-end token after every 4 codes, so every window and tree crosses one).
+METHODS: dict[str, dict[str, Any]] = {
+    "ar": {},
+    "sd": {"tree": "chain:3"},
+    "lantern": {},  # EAGLE-2 dynamic tree, relaxed
+    "lantern++": {},  # static tree, relaxed
+    "sjd-coupled": {"sjd_window": 4},
+    "pjd": {"pjd_window": 2, "pjd_context": 2},
+}
+EAGLE = {"sd", "lantern", "lantern++"}  # the methods with a drafter model
+SAMPLED = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
+GREEDY = SamplingConfig(temperature=0.0, cfg_scale=3.0)
+# Prompts of 1 to 8 words (context widths 8 to 15 tokens): one bucket, so one compiled round
+PROMPTS = ["a red car", "a cat", "a red car on the beach with blue sky"]
+OTHER_PROMPTS = ["a dog in snow", "mountains", "a painting of a house on the beach"]
+
+
+@pytest.fixture(scope="module")
+def lumina(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
+    folder = make_tiny_chameleon_folder(tmp_path_factory.mktemp("lumina") / "model")
+    return lantern.load(folder, drafter=folder / "drafter", image_size=64)
+
+
+def _method(name: str) -> MethodConfig:
+    return MethodConfig.resolve(name, **METHODS[name])
+
+
+def _prepare(pipe: Pipeline, name: str, sampling: SamplingConfig, compile: str | None = None) -> PreparedMethod:
+    return prepare_method(pipe.stack, _method(name), sampling, pipe.parts, compile=compile)
+
+
+def _run(prepared: PreparedMethod, prompts: list[str], seeds: list[int]) -> loop.GenerationOutput:
+    conditions = prepared.stack.encode(prompts)
+    return prepared.generate(conditions.cond, make_generators(seeds), cond_mask=conditions.mask)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_round_is_one_graph(lumina: Pipeline, name: str) -> None:
+    """``torch._dynamo.explain`` of a compiled-shape round on a Lumina-mGPT layout: one graph, no
+    graph break (an ``int(...)`` or ``bool(...)`` of a tensor, the eager adapter's host reads,
+    would be one)."""
+    prepared = _prepare(lumina, name, SAMPLED, compile="default")  # the adapter's static shapes
+    target, drafter = prepared.parts()
+    conditions = lumina.stack.encode(PROMPTS)
+    with torch.inference_mode():
+        decode = loop.start_decode(target, conditions.cond, RowRandom.from_seeds([1, 2, 3], "cpu"), drafter,
+                                   prepared.acceptance, conditions.mask)
+        fn = loop._grid_round if decode.grid else loop._raster_round
+        explained = torch._dynamo.explain(fn)(*decode.step_args(decode.n < lumina.stack.num_tokens))
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
+    assert explained.op_count > 50  # the forward is in it, not only bookkeeping
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_compiled_round_never_recompiles(lumina: Pipeline, name: str, eager_backend: None) -> None:
+    """A decode compiles its round once: no recompilation across rounds (rows accept different
+    numbers of codes and cross their row ends at different rounds), nor for other prompts of other
+    lengths in the same bucket and other seeds. One region call per round; the codes equal the
+    eager decode's."""
+    eager = _prepare(lumina, name, SAMPLED)
+    compiled = _prepare(lumina, name, SAMPLED, compile="default")
+    # An EAGLE drafter also absorbs the image prefix's features in the prefill (the Lumina layout's
+    # 3 tokens): one more region, compiled on its own, called once per decode.
+    prefill = 1 if name in EAGLE else 0
+    before, calls = counters["stats"]["unique_graphs"], compiling.region_calls
+    first = _run(compiled, PROMPTS, [1, 2, 3])
+    assert counters["stats"]["unique_graphs"] == before + 1 + prefill
+    assert compiling.region_calls - calls == first.stats.steps + prefill  # one region per round, nothing else
+    second = _run(compiled, OTHER_PROMPTS, [7, 8, 9])
+    assert counters["stats"]["unique_graphs"] == before + 1 + prefill  # the same graphs: no recompilation
+    assert torch.equal(first.codes, _run(eager, PROMPTS, [1, 2, 3]).codes)
+    assert torch.equal(second.codes, _run(eager, OTHER_PROMPTS, [7, 8, 9]).codes)
+    assert torch.equal(first.stats.target_forwards, _run(eager, PROMPTS, [1, 2, 3]).stats.target_forwards)
+    if name != "ar":  # rows really took different numbers of codes per round (padding was exercised)
+        assert any(len(set(step.tolist())) > 1 for step in first.stats.tokens_per_step)
+
+
+@pytest.mark.parametrize("name", ["lantern++", "sjd-coupled", "pjd"])
+def test_compiled_rows_independent_of_batch(lumina: Pipeline, name: str, eager_backend: None) -> None:
+    """A row's sampled codes are the same alone and in a batch of three prompts of other lengths
+    (other left padding, rows crossing row ends at other rounds), compiled."""
+    prepared = _prepare(lumina, name, SAMPLED, compile="default")
+    batch = _run(prepared, PROMPTS, [11, 12, 13])
+    for i, prompt in enumerate(PROMPTS):
+        alone = _run(prepared, [prompt], [11 + i])
+        assert torch.equal(batch.codes[i], alone.codes[0]), i
+
+
+@pytest.mark.parametrize("name,reference", [
+    ("sjd-coupled", "ar"), pytest.param("sd", "ar", marks=pytest.mark.slow),
+    pytest.param("pjd", "pjd", marks=pytest.mark.slow),  # rows decoded in parallel: lossy, so its own eager codes
+])
+def test_inductor_compiled_greedy_equals_eager(lumina: Pipeline, name: str, reference: str) -> None:
+    """Inductor's kernels (not only dynamo's trace), greedy, on the Lumina-mGPT layout (row-end
+    shadows in the round): exact speculative decoding compiled gives greedy AR's codes token for
+    token; PJD compiled gives eager PJD's."""
+    expected = _run(_prepare(lumina, reference, GREEDY), PROMPTS, [0, 0, 0])
+    out = _run(_prepare(lumina, name, GREEDY, compile="default"), PROMPTS, [0, 0, 0])
+    assert torch.equal(out.codes, expected.codes)
+    assert out.stats.mean_accepted > 1.0  # drafts were accepted: the speculative path ran
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+def test_janus_and_emu3_compile_one_graph_with_the_eager_codes(family: str, tmp_path: Path,
+                                                                eager_backend: None) -> None:
+    """Janus (no row-end token) and Emu3 (a row-end token, its own guidance rows and guided
+    log-probs) compile the same way: one graph for two batches of other prompt lengths, the eager
+    codes, greedy (AR's) and sampled."""
+    make = make_tiny_janus_folder if family == "janus" else make_tiny_emu3_folder
+    pipe = lantern.load(make(tmp_path / family))
+    before = counters["stats"]["unique_graphs"]
+    for sampling, seeds in ((SAMPLED, [1, 2, 3]), (GREEDY, [0, 0, 0])):
+        compiled = _prepare(pipe, "sjd-coupled", sampling, compile="default")
+        for prompts in (PROMPTS, OTHER_PROMPTS):
+            out = _run(compiled, prompts, seeds)
+            assert torch.equal(out.codes, _run(_prepare(pipe, "sjd-coupled", sampling), prompts, seeds).codes)
+    assert counters["stats"]["unique_graphs"] == before + 2  # one graph per sampling setting
+    greedy_ar = _run(_prepare(pipe, "ar", GREEDY), PROMPTS, [0, 0, 0])
+    assert torch.equal(_run(_prepare(pipe, "sjd-coupled", GREEDY, compile="default"), PROMPTS, [0, 0, 0]).codes,
+                       greedy_ar.codes)
+
+
+def test_cli_compile_on_a_chameleon_folder(lumina: Pipeline, tmp_path: Path, eager_backend: None) -> None:
+    """``lantern generate --compile`` on a Lumina-mGPT folder writes the eager run's codes; a
+    released-layout drafter, whose backend reads the model sequence between rounds, is refused with
+    one line before anything is written."""
+    folder = lumina.stack.root
+    common = ["generate", "--model", str(folder), "--prompt", "a red car", "--prompt", "a cat", "--image-size", "64",
+              "--method", "sjd-coupled", "--sjd-window", "4", "--seed", "5", "--no-progress"]
+    assert main([*common, "--out", str(tmp_path / "eager")]) == 0
+    assert main([*common, "--out", str(tmp_path / "compiled"), "--compile", "default"]) == 0
+    assert (np.load(tmp_path / "compiled" / "codes.npy") == np.load(tmp_path / "eager" / "codes.npy")).all()
+
+
+def test_released_drafter_is_refused_compiled(lumina: Pipeline, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import tiny_released_drafter
+
+    save_released_drafter(tiny_released_drafter(lumina.stack.model, "lumina-mgpt"), tmp_path / "released")
+    out = tmp_path / "o"
+    assert main(["generate", "--model", str(lumina.stack.root), "--prompt", "a cat", "--image-size", "64",
+                 "--method", "sd", "--tree", "chain:3", "--drafter", str(tmp_path / "released"), "--compile",
+                 "default", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("lantern: error: --compile does not run LANTERN's released Chameleon drafters (their backend "
+                       "reads the model sequence between rounds): use --compile off")
+    assert not out.exists()
