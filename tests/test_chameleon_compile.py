@@ -183,3 +183,25 @@ def test_released_drafter_is_refused_compiled(lumina: Pipeline, tmp_path: Path,
     assert err[-1] == ("lantern: error: --compile does not run LANTERN's released Chameleon drafters (their backend "
                        "reads the model sequence between rounds): use --compile off")
     assert not out.exists()
+
+
+def test_profile_trace_counts_one_region_per_compiled_round(tmp_path: Path, eager_backend: None) -> None:
+    """``lantern profile --trace --compile`` on an Emu3 folder (row-end tokens, guidance rows of its
+    own): one compiled-region call per round and no host read inside it, where the eager verify
+    reads the device twice (the longest row, the most row ends)."""
+    import json
+
+    folder = make_tiny_emu3_folder(tmp_path / "emu3")
+    methods = {}
+    for mode in ("off", "default"):
+        out = tmp_path / mode
+        assert main(["profile", "--model", str(folder), "--trace", "ar,sjd-coupled/window=4", "--trace-images", "2",
+                     "--batch-size", "2", "--compile", mode, "--out", str(out), "--no-progress"]) == 0
+        methods[mode] = {m["method"]: m for m in json.loads((out / "trace.json").read_text())["methods"]}
+    for name in ("ar", "sjd-coupled/window=4"):
+        eager, compiled = methods["off"][name], methods["default"][name]
+        assert eager["regions_per_round"] == 0 and eager["syncs"]["verify"] == 2
+        assert compiled["regions_per_round"] == 1.0
+        # none in the round: what is left ("other") is the loop's end test and the prefill's checks
+        assert all(v == 0 for phase, v in compiled["syncs"].items() if phase != "other"), compiled["syncs"]
+        assert compiled["rounds"] == eager["rounds"]
