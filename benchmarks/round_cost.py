@@ -7,7 +7,12 @@ EAGLE layer), each tree and batch size, the script times
 * the AR round: one token per round (forward, sampling, code write, position advance), and
 * a speculative round: drafter chain or tree, verify, acceptance, commits,
 
-both through the loop's own round (``lantern.decoding.loop.start_decode``), compiled as one region
+``Chameleon-B`` / ``Chameleon-7B`` run the Chameleon adapter itself (transformers' Chameleon layers
+with q/k LayerNorms, Lumina-mGPT's layout: a new-line token after every row of codes, inserted as
+shadow nodes, whose slots a compiled round always carries) at GPT-B's width with a 256 x 256 image
+(16 x 16 codes) and at Lumina-mGPT-7B's with a 768 x 768 one (48 x 48; 2 and 4 layers, scaled to 32).
+
+Both are timed through the loop's own round (``lantern.decoding.loop.start_decode``), compiled as one region
 with ``--compile`` (the default: ``auto``, i.e. CUDA graphs on a GPU), with classifier-free
 guidance (2 model rows per image). Weights are random, so every round accepts exactly ``--accept``
 drafts (``Acceptance.fixed_accept``: a benchmark-only override; the acceptance rule still runs).
@@ -16,6 +21,7 @@ tokens per round measured on ``photos`` for that tree (``--tau``; a device-indep
 
     python benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,4 --out benchmarks/results/round-cost-cpu
     python benchmarks/round_cost.py --configs GPT-XL --batch-sizes 1,16 --device cuda --out round-cost-gpu
+    python benchmarks/round_cost.py --configs GPT-B,Chameleon-B --batch-sizes 1 --compile off --out round-cost-eager
 
 Writes OUT/round_cost.json and OUT/round_cost.md.
 """
@@ -43,11 +49,22 @@ from lantern.eval.report import machine_description
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig, llamagen_config
 from lantern.targets.base import inference_dtype
+from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon_stack import eagle_backend, init_chameleon_drafter
 from lantern.targets.llamagen import LlamaGenTarget
 
 # tau measured on photos (README demo / benchmarks/RESULTS.md): tree -> tokens per round
 PHOTOS_TAU = {"chain:6": 4.84, "chain:8": 7.06, "chain:3": 2.64}
 LUMINA_LAYERS = 32  # Lumina-mGPT 7B
+# Chameleon-family shapes through the Chameleon adapter: transformers ChameleonConfig fields, the
+# Lumina-mGPT image size, and the layer counts built (two: the cost is extrapolated to ``layers``)
+CHAMELEON_SHAPES: dict[str, dict[str, Any]] = {
+    "Chameleon-B": {"config": dict(hidden_size=768, intermediate_size=2048, num_attention_heads=12,
+                                   num_key_value_heads=12), "image_size": 256, "built": [12], "layers": 12},
+    "Chameleon-7B": {"config": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                                    num_key_value_heads=32), "image_size": 768, "built": [2, 4], "layers": 32},
+}
+PROMPT = list(range(100, 112))  # 12 text tokens
 
 
 def shape(name: str, layers: int | None) -> tuple[LlamaGenConfig, int]:
@@ -67,25 +84,35 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_rounds(model: LlamaGen, drafter: EagleDrafterModel | None, tree: TreeConfig | None, batch: int,
+def time_rounds(model: LlamaGen | Any, drafter: EagleDrafterModel | None, tree: TreeConfig | None, batch: int,
                 accept: int, compile: str | None, rounds: int, repeats: int) -> tuple[float, float]:
     """(median ms per round, first-round seconds: compilation included) of ``rounds`` rounds from
-    the start of an image, ``repeats`` times (a fresh decode each, the graphs reused)."""
-    device = model.device
+    the start of an image, ``repeats`` times (a fresh decode each, the graphs reused). ``model``: a
+    LlamaGen, or a ``(ChameleonLM, ImageLayout)`` pair."""
     sampling = SamplingConfig(temperature=1.0, top_k=1000, cfg_scale=4.0)
     nodes = 1 if tree is None else tree.num_nodes
-    target = LlamaGenTarget(model, sampling, max_tree_nodes=nodes, compile=compile)
-    cond = torch.arange(batch, device=device) % model.config.num_classes
+    if isinstance(model, LlamaGen):
+        device, cfg, mask = model.device, model.config, None
+        target: Any = LlamaGenTarget(model, sampling, max_tree_nodes=nodes, compile=compile)
+        cond = torch.arange(batch, device=device) % cfg.num_classes
+        head, vocab, context = model.output, cfg.vocab_size, cfg.cls_token_num + cfg.block_size
+    else:
+        lm, layout = model
+        device = lm.device
+        target = ChameleonTarget(lm, layout, sampling, max_tree_nodes=nodes, compile=compile)
+        cond, mask = (t.to(device) for t in encode_prompts([PROMPT] * batch, layout))
+        head, vocab = lm.image_head, lm.num_codes
     samples, first = [], 0.0
     for rep in range(repeats + 1):
         tree_drafter = None
         if drafter is not None and tree is not None:
-            cfg = model.config
-            backend = EagleBackend(drafter, model.output, sampling, 2, cfg.cls_token_num + cfg.block_size
-                                   + tree.drafter_slots, compile=compile)
-            tree_drafter = TreeDrafter(backend, tree, sampling, cfg.vocab_size)
+            if isinstance(model, LlamaGen):
+                backend: Any = EagleBackend(drafter, head, sampling, 2, context + tree.drafter_slots, compile=compile)
+            else:
+                backend = eagle_backend(drafter, head, sampling, target, layout, tree.drafter_slots, compile, None)
+            tree_drafter = TreeDrafter(backend, tree, sampling, vocab)
         rng = RowRandom.from_seeds(list(range(batch)), device)
-        decode = start_decode(target, cond, rng, tree_drafter, Acceptance(fixed_accept=accept), compile=compile)
+        decode = start_decode(target, cond, rng, tree_drafter, Acceptance(fixed_accept=accept), mask, compile=compile)
         active = torch.ones(batch, dtype=torch.bool, device=device)
         _sync(device)
         t0 = time.perf_counter()
@@ -102,18 +129,41 @@ def time_rounds(model: LlamaGen, drafter: EagleDrafterModel | None, tree: TreeCo
     return statistics.median(samples), first
 
 
+def build(name: str, layers: int | None, device: torch.device, dtype: torch.dtype
+          ) -> tuple[Any, EagleDrafterModel, int, int]:
+    """(model for :func:`time_rounds`, its drafter, layers built, real layers) of a config name."""
+    if name in CHAMELEON_SHAPES:
+        from lantern.models.chameleon import ChameleonLM, layout_by_name
+        from lantern.testing import tiny_chameleon
+
+        spec = CHAMELEON_SHAPES[name]
+        n = layers or spec["built"][0]
+        hf = tiny_chameleon(num_codes=8192, logit_std=0.02, vocab_size=65536, num_hidden_layers=n,
+                            max_position_embeddings=4096, initializer_range=0.02, **spec["config"])
+        lm = ChameleonLM(hf).to(device, dtype).eval()
+        layout = layout_by_name("lumina-mgpt", spec["image_size"])
+        drafter = init_chameleon_drafter(lm, layout).to(device, drafter_dtype(dtype, device)).eval()
+        return (lm, layout), drafter, n, spec["layers"]
+    cfg, real_layers = shape(name, layers)
+    model = LlamaGen(cfg).init_weights(seed=0, zero_output=False).to(device, dtype).eval()
+    drafter = EagleDrafterModel(DrafterConfig.for_target(cfg)).to(device, drafter_dtype(dtype, device)).eval()
+    return model, drafter, cfg.n_layer, real_layers
+
+
 def run(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     rows = []
-    layer_points = [None] if name != "Lumina-7B" else [2, 4]
+    layer_points: list[int | None] = [None]
+    if name == "Lumina-7B":
+        layer_points = [2, 4]
+    elif name in CHAMELEON_SHAPES:
+        layer_points = list(CHAMELEON_SHAPES[name]["built"])
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         per_layers: dict[int, dict[str, float]] = {}
         for layers in layer_points:
-            cfg, real_layers = shape(name, layers)
-            model = LlamaGen(cfg).init_weights(seed=0, zero_output=False).to(device, dtype).eval()
-            drafter = EagleDrafterModel(DrafterConfig.for_target(cfg)).to(device, drafter_dtype(dtype, device)).eval()
+            model, drafter, built, real_layers = build(name, layers, device, dtype)
             ms: dict[str, float] = {}
             ms["ar"], start = time_rounds(model, None, None, batch, 0, args.compile, args.rounds, args.repeats)
-            print(f"{name} ({cfg.n_layer} layers) B={batch} ar: {ms['ar']:.2f} ms/round (first round {start:.1f} s)")
+            print(f"{name} ({built} layers) B={batch} ar: {ms['ar']:.2f} ms/round (first round {start:.1f} s)")
             for spec in args.trees.split(","):
                 tree = TreeConfig.parse(spec)
                 accept = min(args.accept, tree.max_depth)
@@ -121,9 +171,9 @@ def run(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.
                                               args.repeats)
                 print(f"  {spec}: {ms[spec]:.2f} ms/round = {ms[spec] / ms['ar']:.2f} AR steps "
                       f"(first round {start:.1f} s)")
-            per_layers[cfg.n_layer] = ms
+            per_layers[built] = ms
             del model, drafter
-        if name == "Lumina-7B":  # linear in layers: per-layer slope, extrapolated to the real count
+        if len(per_layers) == 2:  # linear in layers: per-layer slope, extrapolated to the real count
             (l0, a), (l1, b) = sorted(per_layers.items())
             ms = {k: a[k] + (b[k] - a[k]) / (l1 - l0) * (real_layers - l0) for k in a}
         for spec in args.trees.split(","):
@@ -146,7 +196,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="GPT-B", help="GPT-B, GPT-L, GPT-XL, Lumina-7B (comma-separated)")
+    ap.add_argument("--configs", default="GPT-B",
+                    help="GPT-B, GPT-L, GPT-XL, Lumina-7B, Chameleon-B, Chameleon-7B (comma-separated)")
     ap.add_argument("--trees", default="chain:6,chain:8", help="tree specs (chain:N, static:NAME, dynamic)")
     ap.add_argument("--tau", type=float, default=4.8, help="tokens per round for trees not in PHOTOS_TAU")
     ap.add_argument("--accept", type=int, default=4, help="drafts accepted per round (fixed)")

@@ -7,7 +7,7 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,serve,invariance-det,sizes.
+# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,serve,invariance-det,sizes,chameleon-7b.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,sizes,targets-b1-more,targets-b8,invariance}
+STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,sizes,targets-b1-more,targets-b8,invariance,chameleon-7b}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -37,8 +37,8 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 # sizes: QUICK=1 shrinks every stage to check the plumbing, not to measure
-if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; B8=2; INV=2; SERVE_REQ=1
-else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; B8=8; INV=16; SERVE_REQ=4; fi
+if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; CH=Chameleon-B; B8=2; INV=2; SERVE_REQ=1
+else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; CH=Chameleon-7B; B8=8; INV=16; SERVE_REQ=4; fi
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 pack() { tar czf "$OUT/results.tgz.part" -C "$WORK" --exclude='*.pt' . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
@@ -60,7 +60,7 @@ stage() {
 }
 
 stage env 5 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
-  $PY -c 'import torch, lantern, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name()); import fastapi, uvicorn; print(\"fastapi\", fastapi.__version__)'; nproc"
+  $PY -c 'import torch, lantern, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name()); import fastapi, uvicorn; print(\"fastapi\", fastapi.__version__); import transformers; print(\"transformers\", transformers.__version__)'; nproc"
 # the headline: photos, batch 1, every fast method against compiled AR in the same run
 stage targets-b1 60 260 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
   --methods ar,lantern,lantern++,sjd-coupled --speed-images "$IMGS" --num-images "$IMGS" --repeats "$REPS" \
@@ -97,4 +97,8 @@ stage invariance 40 150 bash -c "$PY benchmarks/batch_invariance.py --model phot
   --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-default.json && \
   $PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --compile $COMPILE --deterministic \
   --images $INV --methods ar,lantern++,sjd-coupled --batch-sizes $B8 --out $WORK/invariance-deterministic.json"
+# the Chameleon adapter (transformers' Chameleon layers, Lumina-mGPT's new-line tokens) at Lumina-mGPT-7B's
+# width, 768 x 768, 2 and 4 layers scaled to 32: compiled AR against a chain:6 round (needs transformers)
+stage chameleon-7b 120 300 "$PY" benchmarks/round_cost.py --configs "$CH" --batch-sizes 1 --trees chain:6 \
+  --device "$DEVICE" --compile "$COMPILE" --rounds "$ROUNDS" --repeats "$REPS" --out "$WORK/round-cost-chameleon"
 echo "== done $(date +%T), $(left) s of the budget left"

@@ -205,3 +205,22 @@ def test_profile_trace_counts_one_region_per_compiled_round(tmp_path: Path, eage
         # none in the round: what is left ("other") is the loop's end test and the prefill's checks
         assert all(v == 0 for phase, v in compiled["syncs"].items() if phase != "other"), compiled["syncs"]
         assert compiled["rounds"] == eager["rounds"]
+
+
+def test_cache_bytes_is_what_a_compiled_start_allocates() -> None:
+    """The memory check's figure for a batch is the cache a compiled ``start`` allocates (its
+    context padded to the bucket), and bounds the eager one (no padding)."""
+    from conftest import CHAMELEON_PROMPTS, LUMINA, chameleon_lm
+
+    from lantern.targets.chameleon import CONTEXT_BUCKET, ChameleonTarget, encode_prompts
+
+    ids, mask = encode_prompts(CHAMELEON_PROMPTS, LUMINA)
+    assert ids.shape[1] % CONTEXT_BUCKET != 0  # the bucket pads this context
+    eager, compiled = (ChameleonTarget(chameleon_lm(), LUMINA, SAMPLED, max_tree_nodes=5, compile=mode)
+                       for mode in (None, "default"))
+    allocated = []
+    for target in (eager, compiled):
+        target.start(ids, mask)
+        assert target.cache is not None
+        allocated.append(target.cache.k.nbytes + target.cache.v.nbytes)
+    assert eager.cache_bytes(len(CHAMELEON_PROMPTS), ids.shape[1]) == allocated[1] > allocated[0]

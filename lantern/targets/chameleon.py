@@ -288,9 +288,11 @@ class ChameleonTarget:
         return context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
 
     def cache_bytes(self, batch: int, context: int) -> int:
-        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts of ``context`` tokens."""
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts of ``context``
+        tokens, at most: the context rounded up to ``CONTEXT_BUCKET``, as a compiled run pads it."""
         m = self.model
-        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads, self._cache_len(context),
+        bucketed = context + -context % CONTEXT_BUCKET
+        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads, self._cache_len(bucketed),
                               m.head_dim, m.dtype)
 
     def _max_model_tokens(self) -> int:
