@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch
 from PIL import Image
 
 from lantern.cli.main import main
+from lantern.errors import LanternError
 from lantern.testing import make_tiny_chameleon_folder
 
 pytest.importorskip("transformers")
@@ -232,3 +235,56 @@ def test_a_batch_whose_cache_cannot_fit_is_refused_before_decoding(
     assert last.startswith("lantern: error: --batch-size: decoding 2 images together needs about")  # 2 prompts
     assert last.endswith("more than the 1000 bytes free on cpu; use a smaller --batch-size")
     assert not (tmp_path / "o").exists()
+
+
+def test_training_features_are_kept_on_disk_and_removed(folder: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train-chameleon-drafter`` keeps the teacher-forced features in files under ``--feature-dir``
+    (memory-mapped, not in memory), each row the features of its image and stream (training images
+    conditional then unconditional, then the held-out ones), and removes them when the run ends; a
+    disk too small for them is refused in one line before any image is generated."""
+    import lantern.train.chameleon_drafter as cd
+    from lantern.decoding.config import SamplingConfig
+    from lantern.models.chameleon import layout_by_name
+    from lantern.targets.chameleon_stack import load_chameleon_stack
+    from lantern.train.loop import LoopConfig, RunOptions
+
+    stack = load_chameleon_stack(folder, layout_by_name("lumina-mgpt", 64), dtype=torch.float32)
+    prompts = _prompts(5, 0)
+    sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
+    seen: dict[str, Any] = {}
+
+    def inspect(task: Any, loop: Any, options: Any) -> str:
+        seen["task"] = task
+        seen["files"] = sorted(p.name for p in (tmp_path / "feats").glob("*/*"))
+        return "trained"
+
+    monkeypatch.setattr(cd, "train", inspect)
+    loop, options = LoopConfig(steps=1, batch_size=2, seed=4), RunOptions(out=tmp_path / "drafter", progress=False)
+    kwargs: dict[str, Any] = dict(sampling=sampling, num_per_prompt=2, eval_prompts=1, batch_size=3,
+                                  feature_dir=tmp_path / "feats")
+    assert cd.train_chameleon_drafter(stack, prompts, loop, options, **kwargs) == "trained"
+    task = seen["task"]
+    assert seen["files"] == ["test.bf16", "train.bf16"]
+    assert task.hidden.untyped_storage().filename.startswith(str(tmp_path / "feats"))
+    assert list(task.hidden.shape) == [16, 3 + 16, stack.model.hidden_size] and task.test_hidden.shape[0] == 4
+    assert not any((tmp_path / "feats").iterdir())  # the temporary folder is gone
+    # rows against a direct recomputation, batch by batch as the run made them: images 0..9 (8 for
+    # training, 2 held out), conditional and unconditional streams
+    conditions = stack.encode([p for p in prompts for _ in range(2)])
+    codes = torch.cat([task.codes[:8], task.test_codes[:2]])
+    cond, uncond = [], []
+    for lo in range(0, 10, 3):
+        h = cd.stack_features(stack, conditions.rows(lo, lo + 3), codes[lo : lo + 3], 3.0).to(torch.bfloat16)
+        cond.append(h[: h.shape[0] // 2])
+        uncond.append(h[h.shape[0] // 2 :])
+    c, u = torch.cat(cond), torch.cat(uncond)
+    assert torch.equal(task.hidden, torch.cat([c[:8], u[:8]]))
+    assert torch.equal(task.test_hidden, torch.cat([c[8:], u[8:]]))
+    # a disk without room: refused before self-distillation
+    full = shutil.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr(cd.shutil, "disk_usage", lambda path: full)
+    monkeypatch.setattr(cd, "run_conditions", lambda *a, **k: pytest.fail("images were generated"))
+    with pytest.raises(LanternError, match=r"^drafter training needs 0\.\d+ GB for its features in .*feats, which has "
+                                           r"0\.00 GB free: pass --feature-dir on a larger disk, or fewer prompts$"):
+        cd.train_chameleon_drafter(stack, prompts, loop, options, **kwargs)

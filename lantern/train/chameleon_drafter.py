@@ -19,15 +19,22 @@ unconditional copy ([LANTERN code] generate_train_data.py). Here:
    (:func:`lantern.train.drafter.teacher_forced_batch`, ``cls`` = the image prefix length), using
    the shared loop (accelerate, checkpoints, exact resume).
 
-The features are held in memory (bfloat16): 2 x (prefix + codes) x hidden per image, about 38 MB
-per Lumina-mGPT-768 image at 7B size, so a run over thousands of prompts needs a machine sized
-for it, or several runs started from each other's drafter (``initial``).
+The features are kept on disk, not in memory (bfloat16, 2 x (prefix + codes) x hidden per image:
+about 38 MB per Lumina-mGPT-768 image at 7B size, 380 GB for LANTERN's 10,000 images): one
+file-backed tensor (``torch.from_file``, memory-mapped) per split in a temporary folder beside
+``--out`` (or in ``feature_dir``), removed when the run ends. A batch reads its rows from it, so
+memory holds what the page cache keeps, and the disk, checked before any image is generated, bounds
+the run. Under ``torchrun`` each process writes its own copy.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import math
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +45,7 @@ from torch import Tensor, nn
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
 from lantern.drafters.checks import check_chameleon_drafter
-from lantern.errors import check
+from lantern.errors import LanternError, check
 from lantern.methods import MethodConfig
 from lantern.models.drafter import EagleDrafterModel
 from lantern.run import run_conditions
@@ -176,28 +183,76 @@ def train_chameleon_drafter(
     stack: ChameleonStack | JanusStack, prompts: Sequence[str], loop: LoopConfig, options: RunOptions, *,
     sampling: SamplingConfig, num_per_prompt: int = 1, eval_prompts: int = 1, recipe: DrafterRecipe | None = None,
     initial: EagleDrafterModel | None = None, batch_size: int = 8,
+    feature_dir: str | os.PathLike[str] | None = None,
 ) -> TrainResult:
     """Self-distil images for ``prompts`` (the last ``eval_prompts`` held out), extract features,
     train; the result in ``options.out`` loads with ``EagleDrafterModel.from_pretrained``. Data-parallel,
-    every process self-distils all images (deterministic: the same on each), then trains its slice."""
+    every process self-distils all images (deterministic: the same on each), then trains its slice.
+    ``feature_dir``: where the features' temporary folder goes (default: beside ``options.out``)."""
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
     check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
     all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
+    images = len(all_prompts)
+    split = images - eval_prompts * num_per_prompt  # the last prompts' images are held out
+    width = len(stack.layout.prefix) + stack.layout.num_tokens
+    parent = feature_parent(options.out, feature_dir)
+    check_feature_space(parent, 2 * images * width * stack.model.hidden_size * torch.bfloat16.itemsize)
     conditions = stack.encode(all_prompts)
     result = run_conditions(stack, conditions, loop.seed, sampling, MethodConfig(), batch_size,
                             progress=options.progress and launched_as_main())
-    feats: list[tuple[Tensor, Tensor]] = []
-    for lo in range(0, len(all_prompts), batch_size):
-        hi = min(lo + batch_size, len(all_prompts))
-        h = stack_features(stack, conditions.rows(lo, hi), result.codes[lo:hi], sampling.cfg_scale)
-        feats.append((h.to("cpu", torch.bfloat16), result.codes[lo:hi].cpu()))
-    cond = torch.cat([h[: h.shape[0] // 2] for h, _ in feats])  # [I, P+N, D] per image, prompt order
-    uncond = torch.cat([h[h.shape[0] // 2 :] for h, _ in feats])
     codes = result.codes.cpu()
-    split = len(all_prompts) - eval_prompts * num_per_prompt  # the last prompts' images are held out
-    hidden, test_hidden = torch.cat([cond[:split], uncond[:split]]), torch.cat([cond[split:], uncond[split:]])
     train_codes, test_codes = torch.cat([codes[:split], codes[:split]]), torch.cat([codes[split:], codes[split:]])
     data_id = hashlib.sha256(codes.numpy().tobytes() + repr(list(prompts)).encode()).hexdigest()
-    task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe or DrafterRecipe(),
-                                loop.seed, initial, data_id)
-    return train(task, loop, options)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{Path(options.out).name}-features-") as folder:
+        shape = (width, stack.model.hidden_size)
+        # rows: conditional images then unconditional ones, each split in prompt order
+        hidden = file_tensor(Path(folder) / "train.bf16", (2 * split, *shape))
+        test_hidden = file_tensor(Path(folder) / "test.bf16", (2 * (images - split), *shape))
+        for lo in range(0, images, batch_size):
+            hi = min(lo + batch_size, images)
+            h = stack_features(stack, conditions.rows(lo, hi), result.codes[lo:hi], sampling.cfg_scale)
+            _write_rows(hidden, test_hidden, h.to("cpu", torch.bfloat16), lo, split, images)
+        task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe or DrafterRecipe(),
+                                    loop.seed, initial, data_id)
+        return train(task, loop, options)
+
+
+def feature_parent(out: str | os.PathLike[str], feature_dir: str | os.PathLike[str] | None) -> Path:
+    """The folder the features' temporary folder goes in: ``feature_dir``, else ``out``'s parent
+    (the disk the user chose for the run), created if missing."""
+    parent = Path(feature_dir) if feature_dir is not None else Path(out).resolve().parent
+    flag = "--feature-dir" if feature_dir is not None else "--out"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LanternError(f"{flag}: cannot create {parent} for the training features ({e.strerror or e})") from None
+    check(parent.is_dir(), f"{flag}: {parent} is not a folder (the training features are kept there)")
+    return parent
+
+
+def check_feature_space(parent: Path, needed: int) -> None:
+    """One line, before any image is generated, when ``parent``'s disk cannot hold ``needed`` bytes."""
+    free = shutil.disk_usage(parent).free
+    check(needed <= free, f"drafter training needs {needed / 1e9:.2f} GB for its features in {parent}, which has "
+                          f"{free / 1e9:.2f} GB free: pass --feature-dir on a larger disk, or fewer prompts")
+
+
+def file_tensor(path: Path, shape: tuple[int, ...]) -> Tensor:
+    """A zeroed bfloat16 tensor of ``shape`` backed by the file ``path`` (memory-mapped, shared):
+    writes go to the file, reads come from the page cache."""
+    numel = math.prod(shape)
+    if numel == 0:  # mmap cannot map an empty file
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    return torch.from_file(str(path), shared=True, size=numel, dtype=torch.bfloat16).view(shape)
+
+
+def _write_rows(hidden: Tensor, test_hidden: Tensor, h: Tensor, lo: int, split: int, images: int) -> None:
+    """Rows of ``h`` [2b, W, D] (images lo..lo+b: conditional, then unconditional) into their places:
+    training image i at rows i and split + i, held-out image i at i - split and i - split + held-out."""
+    b = h.shape[0] // 2
+    idx = torch.arange(lo, lo + b)
+    train, held = idx < split, idx >= split
+    hidden[idx[train]] = h[:b][train]
+    hidden[split + idx[train]] = h[b:][train]
+    test_hidden[idx[held] - split] = h[:b][held]
+    test_hidden[images - split + idx[held] - split] = h[b:][held]
