@@ -932,10 +932,10 @@ def assert_bench_runs(folder: Path, tmp_path: Path, image_size: int) -> None:
     assert json.loads((out / "run.json").read_text())["reference"] == "ar"
 
 
-def assert_serve_gives_the_apis_codes(folder: Path, method: dict[str, Any]) -> None:
+def assert_serve_gives_the_apis_codes(folder: Path, method: dict[str, Any], compile: str = "off") -> None:
     """A prompt request to the server with ``method`` (the method and its settings) gives the codes
-    of ``lantern.load(folder)(prompts=[...])``; a label is the wrong field; the methods offered
-    need no drafter."""
+    of ``lantern.load(folder)(prompts=[...])`` (eager, whatever the server's ``compile``); a label
+    is the wrong field; the methods offered need no drafter."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
@@ -943,7 +943,7 @@ def assert_serve_gives_the_apis_codes(folder: Path, method: dict[str, Any]) -> N
     from lantern.serve.plan import runnable_methods
     from lantern.serve.scheduler import Scheduler
 
-    pipe = lantern.load(folder, deterministic=True)  # the server's default
+    pipe = lantern.load(folder, deterministic=True, compile=compile)  # the server's default
     assert "lantern++" not in runnable_methods(pipe) and "sjd-coupled" in runnable_methods(pipe)
     scheduler = Scheduler(pipe, max_batch=2, max_queue=4)
     scheduler.start()
@@ -954,7 +954,8 @@ def assert_serve_gives_the_apis_codes(folder: Path, method: dict[str, Any]) -> N
         body = {"prompt": "a red car", "n": 2, "seed": 4, "return_codes": True, **method}
         r = c.post("/v1/images/generations", json=body)
         assert r.status_code == 200, r.text
-    expected = pipe(prompts=["a red car"], num_per_label=2, seed=4, **method)
+    eager = pipe if compile == "off" else lantern.load(folder, deterministic=True)
+    expected = eager(prompts=["a red car"], num_per_label=2, seed=4, **method)
     assert [d["codes"] for d in r.json()["data"]] == expected.codes.tolist()
 
 

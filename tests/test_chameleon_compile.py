@@ -224,3 +224,12 @@ def test_cache_bytes_is_what_a_compiled_start_allocates() -> None:
         assert target.cache is not None
         allocated.append(target.cache.k.nbytes + target.cache.v.nbytes)
     assert eager.cache_bytes(len(CHAMELEON_PROMPTS), ids.shape[1]) == allocated[1] > allocated[0]
+
+
+def test_serve_compiled_emu3_gives_the_eager_apis_codes(tmp_path: Path, eager_backend: None) -> None:
+    """``lantern serve --compile`` on an Emu3 folder (its row-end token in every compiled round): a
+    request's codes are the eager API's."""
+    from conftest import assert_serve_gives_the_apis_codes
+
+    folder = make_tiny_emu3_folder(tmp_path / "emu3")
+    assert_serve_gives_the_apis_codes(folder, {"method": "sjd-coupled", "sjd_window": 4}, compile="default")
