@@ -20,8 +20,9 @@ is Chameleon-specific stays here:
   forward attends over the whole cache (masked) instead of the longest row, and the new-line shadows
   take a fixed number of slots, the most row ends the tree can hold (``_shadow_count``: the loop
   passes the tree's leaf count), whether or not a row reaches its row end this round (padding
-  shadows attend to themselves and are never kept). Prompt contexts are left-padded to a multiple of ``CONTEXT_BUCKET`` (masked columns),
-  so that prompts of other lengths reuse the compiled round.
+  shadows attend to themselves and are never kept). Prompt contexts are left-padded to a
+  multiple of ``CONTEXT_BUCKET`` (masked columns), so that prompts of other lengths reuse the
+  compiled round.
 * **Drafter context.** ``start`` hands the drafter the features of the image prefix only (the
   same positions in conditional and unconditional rows, no padding); the prompt reaches the
   drafter through the target's features there.
