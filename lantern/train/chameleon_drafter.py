@@ -251,8 +251,8 @@ def _write_rows(hidden: Tensor, test_hidden: Tensor, h: Tensor, lo: int, split: 
     training image i at rows i and split + i, held-out image i at i - split and i - split + held-out."""
     b = h.shape[0] // 2
     idx = torch.arange(lo, lo + b)
-    train, held = idx < split, idx >= split
-    hidden[idx[train]] = h[:b][train]
-    hidden[split + idx[train]] = h[b:][train]
+    fit, held = idx < split, idx >= split  # training images, held-out images
+    hidden[idx[fit]] = h[:b][fit]
+    hidden[split + idx[fit]] = h[b:][fit]
     test_hidden[idx[held] - split] = h[:b][held]
     test_hidden[images - split + idx[held] - split] = h[b:][held]
