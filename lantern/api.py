@@ -26,7 +26,7 @@ from torch import Tensor
 from lantern.calibration import AUTO, MethodChoice, Setup, check_quality
 from lantern.calibration import auto_method as calibrated_method
 from lantern.decoding.config import SamplingConfig
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 from lantern.hub import resolve_location
 from lantern.methods import METHOD_SETTINGS, MethodConfig, resolve_method
 from lantern.parts import ModelParts
@@ -321,18 +321,27 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
          dtype: str | torch.dtype = "float32", compile: str = "off", tokenizer: str | os.PathLike[str] | None = None,
          t5: str | os.PathLike[str] | None = None, vq: str | os.PathLike[str] | None = None,
          layout: str | None = None, image_size: int | None = None,
-         proximity: str | os.PathLike[str] | None = None, deterministic: bool = False) -> Pipeline:
+         proximity: str | os.PathLike[str] | None = None, deterministic: bool = False,
+         prompt_width: int | None = None) -> Pipeline:
     """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
     folder (c2i or t2i), an Anole / Lumina-mGPT folder, a Janus / Janus-Pro or Emu3 folder (transformers
     layout; ``image_size``: an Emu3 image's side in pixels), or a Hugging Face repo id of any of these.
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
     ``bfloat16``, ``auto``) or a torch dtype. ``deterministic=True``: batch-invariant matmuls
     (:mod:`lantern.models.invariant`), so an image's codes never depend on the batch it runs in,
-    whatever the kernel library (the server's default; slower, and other samples than the default)."""
+    whatever the kernel library (the server's default; slower, and other samples than the default).
+    ``prompt_width`` (Chameleon family): the tokens every prompt context is padded to, the prompt in
+    its template (default 256); a longer prompt is refused."""
     if not isinstance(deterministic, bool):
         raise LanternError(f"deterministic must be True or False, got {deterministic!r}", field="deterministic")
+    check(prompt_width is None or (type(prompt_width) is int and prompt_width >= 1),
+          f"prompt_width must be a positive number of tokens, got {prompt_width!r}", field="prompt_width")
     pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5, vq=vq,
                  layout=layout, image_size=image_size, proximity=proximity)
+    if prompt_width is not None:
+        check(hasattr(pipe.stack, "prompt_width"), "--prompt-width is only used with Chameleon-family models "
+                                                   "(Anole, Lumina-mGPT, Janus, Emu3)", field="prompt_width")
+        pipe.stack.prompt_width = prompt_width
     if deterministic:
         from lantern.models.invariant import make_batch_invariant
 
@@ -379,10 +388,11 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
 
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
                      layout: str | None = None, image_size: int | None = None,
-                     vq: str | os.PathLike[str] | None = None) -> Any:
+                     vq: str | os.PathLike[str] | None = None, prompt_width: int | None = None) -> Any:
     """The :class:`~lantern.targets.base.Stack` of any model :func:`load` takes, on ``device``: what
     ``demo``, ``bench`` and ``profile`` run on."""
-    return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq).stack
+    return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq,
+                prompt_width=prompt_width).stack
 
 
 def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,

@@ -2,7 +2,7 @@
 
 The adapter's compiled forward has static shapes: it attends over the whole cache (masked), makes
 room for a fixed number of new-line shadows (Lumina-mGPT and Emu3 insert a row-end token the loop
-never sees) and pads prompt contexts to a bucket. These tests hold it to what the LlamaGen round
+never sees) and pads prompt contexts to the prompt width. These tests hold it to what the LlamaGen round
 is held to (tests/test_round_graph.py): every round traces as one graph with no break, a decode
 compiles once and never again across rounds, prompt lengths and batches, and the compiled round
 decodes exactly what the eager round decodes. Tracing tests use dynamo's ``eager`` backend (the
@@ -46,7 +46,7 @@ METHODS: dict[str, dict[str, Any]] = {
 EAGLE = {"sd", "lantern", "lantern++"}  # the methods with a drafter model
 SAMPLED = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
 GREEDY = SamplingConfig(temperature=0.0, cfg_scale=3.0)
-# Prompts of 1 to 8 words (context widths 8 to 15 tokens): one bucket, so one compiled round
+# Prompts of 1 to 8 words (context widths 8 to 15 tokens), all padded to the prompt width: one compiled round
 PROMPTS = ["a red car", "a cat", "a red car on the beach with blue sky"]
 OTHER_PROMPTS = ["a dog in snow", "mountains", "a painting of a house on the beach"]
 
@@ -92,7 +92,7 @@ def test_every_round_is_one_graph(lumina: Pipeline, name: str) -> None:
 def test_compiled_round_never_recompiles(lumina: Pipeline, name: str, eager_backend: None) -> None:
     """A decode compiles its round once: no recompilation across rounds (rows accept different
     numbers of codes and cross their row ends at different rounds), nor for other prompts of other
-    lengths in the same bucket and other seeds. One region call per round; the codes equal the
+    lengths and other seeds. One region call per round; the codes equal the
     eager decode's."""
     eager = _prepare(lumina, name, SAMPLED)
     compiled = _prepare(lumina, name, SAMPLED, compile="default")
@@ -207,23 +207,26 @@ def test_profile_trace_counts_one_region_per_compiled_round(tmp_path: Path, eage
         assert compiled["rounds"] == eager["rounds"]
 
 
-def test_cache_bytes_is_what_a_compiled_start_allocates() -> None:
-    """The memory check's figure for a batch is the cache a compiled ``start`` allocates (its
-    context padded to the bucket), and bounds the eager one (no padding)."""
+def test_cache_bytes_is_what_a_start_allocates() -> None:
+    """The memory check's figure for a batch is the cache ``start`` allocates, eager and compiled:
+    prompts padded to the prompt width, so it grows with the width and not with the prompts."""
     from conftest import CHAMELEON_PROMPTS, LUMINA, chameleon_lm
 
-    from lantern.targets.chameleon import CONTEXT_BUCKET, ChameleonTarget, encode_prompts
+    from lantern.targets.chameleon import ChameleonTarget, encode_prompts
 
     ids, mask = encode_prompts(CHAMELEON_PROMPTS, LUMINA)
-    assert ids.shape[1] % CONTEXT_BUCKET != 0  # the bucket pads this context
-    eager, compiled = (ChameleonTarget(chameleon_lm(), LUMINA, SAMPLED, max_tree_nodes=5, compile=mode)
-                       for mode in (None, "default"))
-    allocated = []
-    for target in (eager, compiled):
-        target.start(ids, mask)
-        assert target.cache is not None
-        allocated.append(target.cache.k.nbytes + target.cache.v.nbytes)
-    assert eager.cache_bytes(len(CHAMELEON_PROMPTS), ids.shape[1]) == allocated[1] > allocated[0]
+    for width in (ids.shape[1], 64):
+        targets = [ChameleonTarget(chameleon_lm(), LUMINA, SAMPLED, max_tree_nodes=5, compile=mode, prompt_width=width)
+                   for mode in (None, "default")]
+        allocated = []
+        for target in targets:
+            target.start(ids, mask)
+            assert target.cache is not None
+            allocated.append(target.cache.k.nbytes + target.cache.v.nbytes)
+        assert targets[0].cache_bytes(len(CHAMELEON_PROMPTS)) == allocated[0] == allocated[1]
+    narrow, wide = (ChameleonTarget(chameleon_lm(), LUMINA, SAMPLED, max_tree_nodes=5, prompt_width=w).cache_bytes(1)
+                    for w in (ids.shape[1], 64))
+    assert wide > narrow
 
 
 def test_serve_compiled_emu3_gives_the_eager_apis_codes(tmp_path: Path, eager_backend: None) -> None:

@@ -149,17 +149,18 @@ def test_prompt_ids_equal_the_processors(pipe: lantern.Pipeline) -> None:
 
 def test_guidance_rows_are_the_negative_prompt(pipe: lantern.Pipeline) -> None:
     """The negative prompt (longer than these prompts) in every guidance row, left-padded; the
-    prompts are widened to it with masked columns."""
+    prompts and the negative prompt are widened to the prompt width with masked columns."""
     stack = pipe.stack
     encoded = stack.encode(PROMPTS[:2])
     negative = list(stack.negative_ids)
-    assert encoded.cond.shape[1] < len(negative)
+    assert encoded.cond.shape[1] < len(negative) < stack.prompt_width
     target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=CFG))
     target.start(encoded.cond, encoded.mask)
-    assert target.key_mask is not None and target.key_mask.shape == (4, len(negative))
+    assert target.key_mask is not None and target.key_mask.shape == (4, stack.prompt_width)
     for row in range(2):
         assert target.key_mask[row].sum() == encoded.mask[row].sum()  # no real column added
-        assert bool(target.key_mask[2 + row].all())  # the negative fills the width
+        assert target.key_mask[2 + row].tolist() == [False] * (stack.prompt_width - len(negative)) + [True] * len(
+            negative)  # the negative, right-aligned
     u_ids, u_mask = target.guidance_rows(torch.zeros(1, len(negative) + 2, dtype=torch.long),
                                          torch.ones(1, len(negative) + 2, dtype=torch.bool))
     assert u_ids[0, 2:].tolist() == negative and u_mask[0].tolist() == [False] * 2 + [True] * len(negative)

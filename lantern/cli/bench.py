@@ -16,6 +16,7 @@ from lantern.cli.common import (
     add_budget_arg,
     add_overwrite_arg,
     add_tool_args,
+    chameleon_options,
 )
 from lantern.errors import check
 from lantern.eval.bench import (
@@ -77,8 +78,7 @@ def cmd_bench(args: Any) -> int:
     out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
     progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
-    stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, layout=args.layout,
-                             image_size=args.image_size, vq=args.vq)
+    stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))
     sampling = sampling_from(stack, args)
     parts = ModelParts(stack)  # the drafter and table, read once for every choice and run below
     given = config

@@ -13,6 +13,7 @@ from lantern.cli.common import (
     add_compile_arg,
     add_deterministic_arg,
     add_trust_checkpoint_arg,
+    chameleon_options,
 )
 from lantern.errors import LanternError, check
 
@@ -45,8 +46,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     sizes = batch_sizes(args.batch_sizes)
     check_device(args.device)
     compile_mode = resolve_compile(args.compile, args.device)
-    pipe = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile, layout=args.layout,
-                image_size=args.image_size, vq=args.vq, deterministic=args.deterministic)
+    pipe = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
+                deterministic=args.deterministic, **chameleon_options(args))
     stack = pipe.stack
     setup = Setup.of(args.model, stack.root, args.device, stack.dtype, compile_mode, args.deterministic)
     runnable = runnable_methods(pipe.parts)

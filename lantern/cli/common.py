@@ -183,14 +183,26 @@ def add_chameleon_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vq", default=None, metavar="CKPT",
                    help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
                         "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+    add_prompt_width_arg(g)
+
+
+def add_prompt_width_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--prompt-width", type=int, default=None, metavar="TOKENS",
+                   help="Chameleon family, Janus, Emu3: every prompt, in the model's template, is left-padded to "
+                        "this many tokens, so a row's floats never depend on its batch-mates' prompts; a longer "
+                        "prompt is refused; each token costs every row a cache column (default 256)")
+
+
+def chameleon_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Chameleon-family flags of ``add_chameleon_args`` as ``lantern.load`` keywords."""
+    return {"layout": args.layout, "image_size": args.image_size, "vq": args.vq, "prompt_width": args.prompt_width}
 
 
 def load_tool_stack(args: argparse.Namespace, device: str = "cpu") -> Any:
     """demo / bench / profile: the stack of any family (``lantern.load``) for ``--model``."""
     from lantern.api import load_model_stack
 
-    return load_model_stack(args.model, device=device, dtype=args.dtype, layout=args.layout,
-                            image_size=args.image_size, vq=args.vq)
+    return load_model_stack(args.model, device=device, dtype=args.dtype, **chameleon_options(args))
 
 
 def add_budget_arg(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from lantern.cli.common import (
     add_overwrite_arg,
     add_pjd_args,
     auto_window_refusal,
+    chameleon_options,
     check_auto_tree,
     check_auto_window,
     check_compile,
@@ -325,8 +326,8 @@ def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:
                 raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
                                    "or --prompts FILE")
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
-                tokenizer=args.tokenizer, t5=args.t5, vq=args.vq, layout=args.layout, image_size=args.image_size,
-                proximity=args.proximity, deterministic=args.deterministic)
+                tokenizer=args.tokenizer, t5=args.t5, proximity=args.proximity, deterministic=args.deterministic,
+                **chameleon_options(args))
     check_model_condition(pipe.stack, args.model, text)
     return pipe
 

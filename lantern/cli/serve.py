@@ -24,6 +24,7 @@ from lantern.cli.common import (
     add_compile_arg,
     add_deterministic_arg,
     add_trust_checkpoint_arg,
+    chameleon_options,
     check_compile,
 )
 from lantern.errors import LanternError, check
@@ -172,8 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     side_thread()
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,
-                vq=args.vq, layout=args.layout, image_size=args.image_size, proximity=args.proximity,
-                deterministic=args.deterministic)
+                proximity=args.proximity, deterministic=args.deterministic, **chameleon_options(args))
     scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous,
                           threads=threads)
     host, port = sock.getsockname()[:2]

@@ -348,6 +348,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
+    from lantern.cli.common import add_prompt_width_arg
+
     p = sub.add_parser(
         "train-chameleon-drafter", help="train an EAGLE drafter for an Anole / Lumina-mGPT / Janus / Emu3 model",
         description="The target generates images for the prompts (AR, the sampling settings below), its "
@@ -359,6 +361,7 @@ def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-size", type=int, default=None,
                    help="image side in pixels (lumina-mgpt: 768; emu3: generation.json's, else 720)")
     p.add_argument("--vq", default=None, metavar="CKPT", help="vqgan.ckpt, if not inside --model")
+    add_prompt_width_arg(p)
     p.add_argument("--prompts", required=True, metavar="FILE", help="UTF-8 text file, one prompt per line")
     p.add_argument("--num-per-prompt", type=int, default=1, help="images generated per prompt (default 1)")
     p.add_argument("--eval-prompts", type=int, default=1, help="prompts held out for evaluation (default 1)")
@@ -395,7 +398,7 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     check_chameleon_model(Path(args.model))
     stack = load_model_stack(args.model, device=str(device), dtype=args.dtype, layout=args.layout,
-                             image_size=args.image_size, vq=args.vq)
+                             image_size=args.image_size, vq=args.vq, prompt_width=args.prompt_width)
     result = train_chameleon_drafter(
         stack, prompts, loop, _run_options(args), sampling=sampling_from(stack, args),
         num_per_prompt=args.num_per_prompt, eval_prompts=args.eval_prompts, recipe=recipe,

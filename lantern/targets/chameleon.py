@@ -16,13 +16,19 @@ is Chameleon-specific stays here:
   hang under the shadow, positions count the inserted tokens, and the logits / hidden state that
   predict the node's children are read at the shadow. ``commit`` keeps each accepted node's
   shadow with it. The drafter and the acceptance rules never see a new-line token.
-* **Compiled rounds** (``compile``). Every shape is static and nothing reads the device: the
-  forward attends over the whole cache (masked) instead of the longest row, and the new-line shadows
-  take a fixed number of slots, the most row ends the tree can hold (``_shadow_count``: the loop
-  passes the tree's leaf count), whether or not a row reaches its row end this round (padding
-  shadows attend to themselves and are never kept). Prompt contexts are left-padded to a
-  multiple of ``CONTEXT_BUCKET`` (masked columns), so that prompts of other lengths reuse the
-  compiled round.
+* **A fixed prompt width.** Every prompt context is left-padded to ``prompt_width`` columns
+  (masked), whatever the other prompts of its batch: a row's keys sit at the same cache columns
+  alone and in any batch, and a row can move between batches (``row_tensors``). Attention kernels
+  split the key axis into blocks by column, so a batch-dependent padding would change a row's
+  floats (measured: ATen's CPU kernel gives other bits for 32 more padding columns).
+* **Static shapes** (``compile``, or the batch-invariant mode of ``lantern.models.invariant``).
+  Nothing reads the device and no shape depends on the batch: the forward attends over the whole
+  cache (masked) instead of the longest row, and the new-line shadows take a fixed number of
+  slots, the most row ends the tree can hold (``_shadow_count``: the loop passes the tree's leaf
+  count), whether or not a row reaches its row end this round (padding shadows attend to
+  themselves and are never kept). Eager default decoding sizes both to the batch (host reads:
+  cheaper, and its floats may differ from a row's alone in the last bits, as the default mode's
+  matmuls may).
 * **Drafter context.** ``start`` hands the drafter the features of the image prefix only (the
   same positions in conditional and unconditional rows, no padding); the prompt reaches the
   drafter through the target's features there.
@@ -45,28 +51,40 @@ from lantern.decoding.pjd import commit_cells, grid_verify_mask, kept_offsets
 from lantern.decoding.sampling import apply_cfg
 from lantern.errors import LanternError, check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
+from lantern.models.invariant import is_batch_invariant
 
 if TYPE_CHECKING:
     from lantern.models.emu3 import Emu3LM
     from lantern.models.janus import JanusLM
 
 
-# Compiled rounds: prompt contexts are left-padded to a multiple of this many columns, so that a
-# batch of other prompts reuses the round compiled for the bucket (one graph per bucket).
-CONTEXT_BUCKET = 32
+# Columns every prompt context is left-padded to (the prompt in its template: the layout's head,
+# tail and image prefix included). Real prompts of the field's benchmarks (GenEval, DPG, COCO
+# captions) take 20-120 tokens in Lumina-mGPT's template; Emu3's negative prompt ~60.
+DEFAULT_PROMPT_WIDTH = 256
 
 
-def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout) -> tuple[Tensor, Tensor]:
-    """Conditional contexts for text token lists: (ids [B, L] left-padded, mask [B, L] True = real)."""
+def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout,
+                   width: int | None = None) -> tuple[Tensor, Tensor]:
+    """Conditional contexts for text token lists: (ids [B, L] left-padded, mask [B, L] True = real).
+    ``width``: the target's prompt width, which a context may not exceed (None: no bound)."""
     check(len(token_lists) > 0, "no prompts to generate from")
     rows = [[*layout.head, *map(int, t), *layout.tail, *layout.prefix] for t in token_lists]
     length = max(len(r) for r in rows)
+    if width is not None:
+        check_prompt_width(length, width)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, r in enumerate(rows):
         ids[i, length - len(r) :] = torch.tensor(r)
         mask[i, length - len(r) :] = True
     return ids, mask
+
+
+def check_prompt_width(length: int, width: int) -> None:
+    check(length <= width, f"prompt: {length} tokens in the model's template, more than --prompt-width {width} "
+                           "(shorten it, or raise --prompt-width: every row then pays that many cache columns)",
+          field="prompt")
 
 
 class ChameleonTarget:
@@ -78,14 +96,20 @@ class ChameleonTarget:
     they are combined)."""
 
     def __init__(self, model: ChameleonLM | JanusLM | Emu3LM, layout: ImageLayout, sampling: SamplingConfig,
-                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None) -> None:
+                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None,
+                 prompt_width: int = DEFAULT_PROMPT_WIDTH) -> None:
         """compile: None (eager) or a mode of :func:`lantern.decoding.compiling.resolve_compile`;
-        cache_pool: caches kept across images (static buffer addresses, as CUDA graphs need)."""
+        cache_pool: caches kept across images (static buffer addresses, as CUDA graphs need);
+        prompt_width: the columns every prompt context is left-padded to."""
         self.model = model
         self.layout = layout
         self.sampling = sampling
         self.max_tree_nodes = max_tree_nodes
         self.compile = resolve_compile(compile, model.device)
+        self.prompt_width = prompt_width
+        # Static shapes (see the module docstring): compiled, or batch-invariant, whose promise is a
+        # row's floats alone in every batch.
+        self.static = self.compile is not None or is_batch_invariant(model)
         self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.streams = 2 if sampling.use_cfg else 1
         # What the loop and the drafter read (code space: the image rows of the LM head).
@@ -129,9 +153,9 @@ class ChameleonTarget:
             length >= p and bool((cond[:, -p:] == prefix).all()) and bool(mask[:, -p:].all()),
             "every prompt context must end with the layout's image prefix (build them with encode_prompts)",
         )
-        if self.compile is not None:  # one compiled round for every prompt length up to the bucket
-            extra = -length % CONTEXT_BUCKET
-            cond, mask, length = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False), length + extra
+        check_prompt_width(length, self.prompt_width)
+        extra = self.prompt_width - length  # the same columns for every row, alone or in any batch
+        cond, mask, length = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False), self.prompt_width
         ids, mask = cond, mask
         if self.streams == 2:
             u_ids, u_mask = self.guidance_rows(cond, mask)
@@ -219,7 +243,7 @@ class ChameleonTarget:
         assert self.root_index is not None and self._shadows is not None
         row_end, shadow_slot = self._shadows
         keep, count = path, num_keep
-        if self.layout.eol is not None and (self.compile is not None or bool(row_end.any())):
+        if self.layout.eol is not None and (self.static or bool(row_end.any())):
             keep, count = _with_shadows(path, num_keep, row_end, shadow_slot)
         cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
         self.root_index = self.root_index + num_keep
@@ -288,13 +312,20 @@ class ChameleonTarget:
     def _cache_len(self, context: int) -> int:
         return context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
 
-    def cache_bytes(self, batch: int, context: int) -> int:
-        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts of ``context``
-        tokens, at most: the context rounded up to ``CONTEXT_BUCKET``, as a compiled run pads it."""
+    def cache_bytes(self, batch: int) -> int:
+        """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts (each padded
+        to the prompt width)."""
         m = self.model
-        bucketed = context + -context % CONTEXT_BUCKET
-        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads, self._cache_len(bucketed),
-                              m.head_dim, m.dtype)
+        return KVCache.nbytes(m.config.num_hidden_layers, batch * self.streams, m.kv_heads,
+                              self._cache_len(self.prompt_width), m.head_dim, m.dtype)
+
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): the cache, the prompt mask and padding, the
+        root's code index, PJD's slot map. Rows of one prompt width have the same shapes, so a row
+        prefilled alone can join a running batch."""
+        s = self.streams
+        return [*self._cache().row_tensors(s), (self.key_mask, s, 0), (self.pos_offset, s, 0),
+                (self.root_index, 1, 0), (self.slot_cell, s, 0)]
 
     def _max_model_tokens(self) -> int:
         extra = self.layout.height if self.layout.eol is not None else 0
@@ -307,18 +338,19 @@ class ChameleonTarget:
 
     def _shadow_count(self, row_end: Tensor, paths: int, path_len: int) -> int:
         """New-line shadows per row in this forward: eager, the most row ends a row has (a host read);
-        compiled, the most a forward can have (static), ``paths`` paths of ``path_len`` nodes with at
-        most one row end in every ``width`` consecutive positions."""
+        static, the most a forward can have, ``paths`` paths of ``path_len`` nodes with at most one
+        row end in every ``width`` consecutive positions."""
         if self.layout.eol is None:
             return 0
-        if self.compile is None:
+        if not self.static:
             return int(row_end.sum(1).max())
         return min(row_end.shape[1], paths * math.ceil(path_len / self.layout.width))
 
     def _kv_len(self, lengths: Tensor, n: int) -> int:
         """Key columns of a forward of ``n`` tokens: eager, up to the longest row's last one (a host
-        read); compiled, the whole cache (static: masked columns cost attention, not a sync)."""
-        return self._cache().max_len if self.compile is not None else int(lengths.max()) + n
+        read); static, the whole cache (masked columns cost attention, not a sync, and a row's keys
+        meet the same kernel blocks whatever its batch-mates' lengths)."""
+        return self._cache().max_len if self.static else int(lengths.max()) + n
 
     def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int, kv_len: int) -> Tensor:
         """[S*B, T, kv_len] bool: the row's real prefix columns, then its tree mask at its slots."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from lantern.models.janus import JanusLM
 from lantern.drafters.checks import chameleon_drafter_config
-from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, encode_prompts
 
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2000, "top_p": 1.0, "cfg_scale": 3.0}  # Lumina / LANTERN defaults
 
@@ -44,6 +44,8 @@ class PromptStack(StackFolder):
 
     model: Any  # ChameleonLM, JanusLM or Emu3LM: ``num_codes`` image codes
     layout: ImageLayout
+    # columns every prompt context is padded to (ChameleonTarget's prompt_width; --prompt-width)
+    prompt_width: int = field(default=DEFAULT_PROMPT_WIDTH, kw_only=True)
 
     num_classes = None
     num_tokens: int = field(init=False)  # image codes (the layout's)
@@ -59,6 +61,9 @@ class PromptStack(StackFolder):
 
     def sample_conditions(self, n: int) -> list[Any]:
         return prompts_for(n)
+
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+        return self.make_target(sampling, max_tree_nodes).cache_bytes(batch)
 
 
 @dataclass
@@ -95,17 +100,14 @@ class ChameleonStack(PromptStack):
                t5: str | os.PathLike[str] | None = None) -> Conditions:
         check(t5 is None, "--t5 is not used by Chameleon-family models (they read prompts with their own tokenizer)")
         prompts = check_condition_kind(conditions, str, self.root)
-        ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout)
+        ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout,
+                                   self.prompt_width)
         return Conditions(ids.to(self.device), mask.to(self.device))
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> ChameleonTarget:
         return ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
-                               cache_pool=cache_pool)
-
-    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
-        probe = ChameleonTarget(self.model, self.layout, sampling, max_tree_nodes=max_tree_nodes)
-        return probe.cache_bytes(batch, conditions.cond.shape[1])
+                               cache_pool=cache_pool, prompt_width=self.prompt_width)
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
         from lantern.drafters.released import load_chameleon_drafter

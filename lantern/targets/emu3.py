@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lantern.decoding.cache import CachePool
@@ -48,7 +47,7 @@ from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
 from lantern.targets.base import Conditions, check_condition_kind, read_generation_settings
-from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, encode_prompts
 from lantern.targets.chameleon_stack import PromptStack, eagle_backend, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
@@ -89,32 +88,19 @@ class Emu3Target(ChameleonTarget):
     """The Chameleon adapter over an Emu3 model: negative-prompt guidance rows, guided log-probs."""
 
     def __init__(self, model: Emu3LM, layout: ImageLayout, sampling: SamplingConfig, negative: Sequence[int],
-                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None) -> None:
+                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None,
+                 prompt_width: int = DEFAULT_PROMPT_WIDTH) -> None:
         super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
-                         cache_pool=cache_pool)
+                         cache_pool=cache_pool, prompt_width=prompt_width)
         self.emu3 = model
         self.negative = torch.tensor(list(negative), dtype=torch.long)
 
-    def context_width(self, width: int) -> int:
-        """Prompt columns ``start`` prefills for prompts ``width`` wide: the negative prompt's rows
-        share them, so the longer of the two under guidance."""
-        return max(width, len(self.negative)) if self.streams == 2 else width
-
-    @torch.no_grad()
-    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Prefill (see ChameleonTarget.start); prompts narrower than the negative prompt are first
-        widened by masked left padding, which changes no position and no attention."""
-        mask = torch.ones_like(cond, dtype=torch.bool) if cond_mask is None else cond_mask.bool()
-        extra = self.context_width(cond.shape[1]) - cond.shape[1]
-        if extra > 0:
-            cond, mask = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False)
-        return super().start(cond, mask)
-
     def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """The negative prompt in every row, left-padded to the prompts' width."""
+        """The negative prompt in every row, left-padded to the prompt width."""
         b, length = cond.shape
         n = len(self.negative)
-        check(n <= length, "prompt contexts are narrower than the negative prompt (Emu3Target.start widens them)")
+        check(n <= length, f"Emu3's negative prompt takes {n} tokens, more than --prompt-width {length}: raise it",
+              field="prompt_width")
         u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
         u_ids[:, length - n :] = self.negative.to(cond.device)
         u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
@@ -182,17 +168,13 @@ class Emu3Stack(PromptStack):
         prompts = check_condition_kind(conditions, str, self.root)
         p = len(self.layout.prefix)  # the size header: encode_prompts appends it again
         texts = [ids[:-p] for ids in self.tokenize([q for q in prompts for _ in range(repeats)])]
-        ids, mask = encode_prompts(texts, self.layout)
+        ids, mask = encode_prompts(texts, self.layout, self.prompt_width)
         return Conditions(ids.to(self.device), mask.to(self.device))
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> Emu3Target:
         return Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes,
-                          compile=compile, cache_pool=cache_pool)
-
-    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
-        probe = Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes)
-        return probe.cache_bytes(batch, probe.context_width(conditions.cond.shape[1]))
+                          compile=compile, cache_pool=cache_pool, prompt_width=self.prompt_width)
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
         from lantern.drafters.checks import drafter_dtype, load_trained_drafter

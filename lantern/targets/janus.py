@@ -34,7 +34,7 @@ from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
 from lantern.targets.base import Conditions, check_condition_kind
-from lantern.targets.chameleon import ChameleonTarget, encode_prompts
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, encode_prompts
 from lantern.targets.chameleon_stack import PromptStack, eagle_backend, load_prompt_tokenizer
 
 if TYPE_CHECKING:
@@ -59,9 +59,10 @@ class JanusTarget(ChameleonTarget):
     """The Chameleon adapter over a Janus model, with Janus's guidance rows."""
 
     def __init__(self, model: JanusLM, layout: ImageLayout, sampling: SamplingConfig, tokens: JanusTokens,
-                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None) -> None:
+                 max_tree_nodes: int = 1, compile: str | None = None, cache_pool: CachePool | None = None,
+                 prompt_width: int = DEFAULT_PROMPT_WIDTH) -> None:
         super().__init__(model, layout, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
-                         cache_pool=cache_pool)
+                         cache_pool=cache_pool, prompt_width=prompt_width)
         self.tokens = tokens
 
     def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,17 +126,13 @@ class JanusStack(PromptStack):
         prompts = check_condition_kind(conditions, str, self.root)
         # the layout's prefix is the image-start token: encode_prompts appends it again
         texts = [ids[:-1] for ids in self.tokenize([p for p in prompts for _ in range(repeats)])]
-        ids, mask = encode_prompts(texts, self.layout)
+        ids, mask = encode_prompts(texts, self.layout, self.prompt_width)
         return Conditions(ids.to(self.device), mask.to(self.device))
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> JanusTarget:
         return JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes,
-                           compile=compile, cache_pool=cache_pool)
-
-    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
-        probe = JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes)
-        return probe.cache_bytes(batch, conditions.cond.shape[1])
+                           compile=compile, cache_pool=cache_pool, prompt_width=self.prompt_width)
 
     def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
         from lantern.drafters.checks import drafter_dtype, load_trained_drafter
