@@ -1,0 +1,236 @@
+"""A Chameleon-family row (Lumina-mGPT, Janus, Emu3) does not depend on its batch, by construction.
+
+Prompts have different lengths, so a batch left-pads them, and rows of a speculative batch reach
+different lengths and row ends at different rounds. ATen's attention splits the key axis into
+blocks by column, so a row whose keys sat at other columns, or met other trailing masked
+columns, would get other floats in a batch than alone (measured before the fix: every verify of
+a shorter prompt differed in the last bits, in deterministic mode). Now every prompt is padded to
+the stack's prompt width and, in deterministic mode, every verify attends over the whole cache
+with a fixed number of new-line slots, so:
+
+* a row's verify logits are bit-identical alone and in a batch (power: a planted 1e-6 that
+  depends on the batch size is caught);
+* rows join a running batch and move into a larger one with their alone codes, so ``lantern
+  serve`` batches these models continuously, and its images are the API's;
+* a prompt wider than the prompt width is refused in one line, before anything is decoded.
+
+Marked ``invariance``: tests/test_capabilities.py reruns them under forced AVX2 kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import lantern
+from lantern.api import resolve_settings
+from lantern.cli.main import main
+from lantern.decoding.loop import Decode
+from lantern.decoding.rows import movable
+from lantern.errors import LanternError
+from lantern.run import PreparedMethod, image_seed, prepare_method
+from lantern.targets import chameleon
+from lantern.testing import make_tiny_chameleon_folder, make_tiny_emu3_folder, make_tiny_janus_folder
+
+pytest.importorskip("transformers")
+pytest.importorskip("yaml")
+pytestmark = pytest.mark.invariance
+
+# 1 to 8 words: contexts of other lengths, so other left padding in a batch than alone
+PROMPTS = ["a red car on the beach with blue sky", "a cat", "a red car", "mountains", "a dog in snow",
+           "a painting of a house on the beach"]
+SEED = 5
+# settings for the tiny folders' 4 x 4 codes (a row end after every 4 on Lumina and Emu3)
+SETTINGS: dict[str, dict[str, Any]] = {"ar": {}, "lantern": {}, "lantern++": {}, "sjd-coupled": {"sjd_window": 4},
+                                       "pjd": {"pjd_window": 2, "pjd_context": 2}}
+FOLDERS: dict[str, Callable[[Path], Path]] = {"lumina": make_tiny_chameleon_folder, "janus": make_tiny_janus_folder,
+                                              "emu3": make_tiny_emu3_folder}
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, lantern.Pipeline]:
+    """Each family's tiny folder, deterministic (the server's default). Only Lumina's has a drafter."""
+    out = {}
+    for name, make in FOLDERS.items():
+        folder = make(tmp_path_factory.mktemp(name) / "model")
+        drafter = folder / "drafter" if (folder / "drafter").is_dir() else None
+        size = 64 if name == "lumina" else None
+        out[name] = lantern.load(folder, drafter=drafter, deterministic=True, image_size=size)
+    return out
+
+
+def _prepared(pipe: lantern.Pipeline, method: str) -> PreparedMethod:
+    method_cfg, sampling = resolve_settings(pipe.stack, method, **SETTINGS[method])
+    return prepare_method(pipe.stack, method_cfg, sampling, pipe.parts)
+
+
+def _start(prepared: PreparedMethod, indices: list[int], eager: bool = False) -> Decode:
+    return prepared.start(prepared.stack.encode([PROMPTS[i] for i in indices]),
+                          [image_seed(SEED, i) for i in indices], eager=eager)
+
+
+def _drive(decode: Decode, rounds: int | None = None) -> Tensor:
+    """Rounds until every row is done (or ``rounds`` of them); returns the codes [B, N]."""
+    n_total = decode.target.num_tokens
+    with torch.inference_mode():
+        while (rounds is None or rounds > 0) and bool((decode.n < n_total).any()):
+            decode.round(decode.n < n_total)
+            rounds = None if rounds is None else rounds - 1
+    return decode.codes[:, :n_total].clone()
+
+
+@pytest.fixture
+def verify_logits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Tensor]]:
+    """Every verify's guided logits [B, T, V] (raster and grid rounds), in order."""
+    seen: list[Tensor] = []
+    raster, grid = chameleon.ChameleonTarget.verify, chameleon.ChameleonTarget.verify_grid
+
+    def verify(self: chameleon.ChameleonTarget, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        logits, hidden = raster(self, *args, **kwargs)
+        seen.append(logits.clone())
+        return logits, hidden
+
+    def verify_grid(self: chameleon.ChameleonTarget, *args: Any, **kwargs: Any) -> Tensor:
+        logits = grid(self, *args, **kwargs)
+        seen.append(logits.clone())
+        return logits
+
+    monkeypatch.setattr(chameleon.ChameleonTarget, "verify", verify)
+    monkeypatch.setattr(chameleon.ChameleonTarget, "verify_grid", verify_grid)
+    yield seen
+
+
+def _logit_dependence(prepared: PreparedMethod, seen: list[Tensor], indices: list[int]) -> list[tuple[int, int]]:
+    """(row, round) of every verify whose logits for a row differ, by one bit, in the batch of
+    ``indices`` from the row's decode alone (over the rounds the row runs alone)."""
+    seen.clear()
+    _drive(_start(prepared, indices))
+    together = list(seen)
+    found = []
+    for r, i in enumerate(indices):
+        seen.clear()
+        _drive(_start(prepared, [i]))
+        alone = list(seen)
+        assert len(alone) <= len(together)
+        found += [(r, k) for k, a in enumerate(alone) if not torch.equal(a[0], together[k][r])]
+    return found
+
+
+@pytest.mark.parametrize("family,method", [("lumina", "ar"), ("lumina", "lantern++"), ("lumina", "sjd-coupled"),
+                                           ("lumina", "pjd"), ("janus", "sjd-coupled"), ("emu3", "ar")])
+def test_a_rows_verify_logits_are_bit_identical_alone_and_in_a_batch(
+        pipes: dict[str, lantern.Pipeline], verify_logits: list[Tensor], family: str, method: str) -> None:
+    """Three prompts of three lengths, decoded together and each alone: every verify's logits of a
+    row are the same bits (deterministic mode). Before the fixed prompt width, the two shorter
+    prompts differed from the first round on."""
+    prepared = _prepared(pipes[family], method)
+    assert _logit_dependence(prepared, verify_logits, [0, 1, 2]) == []
+
+
+def test_the_logit_check_catches_a_planted_batch_dependence(pipes: dict[str, lantern.Pipeline],
+                                                           verify_logits: list[Tensor],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power: logits that move by 1e-6 with the batch size are found, in every round."""
+    guided = chameleon.ChameleonTarget.guided_logits
+
+    def planted(self: chameleon.ChameleonTarget, hidden: Tensor) -> Tensor:
+        logits = guided(self, hidden)
+        return logits + 1e-6 * logits.shape[0] * logits.abs().max()
+
+    monkeypatch.setattr(chameleon.ChameleonTarget, "guided_logits", planted)
+    prepared = _prepared(pipes["lumina"], "ar")
+    found = _logit_dependence(prepared, verify_logits, [0, 1])
+    assert {row for row, _ in found} == {0, 1} and len(found) >= pipes["lumina"].stack.num_tokens
+
+
+@pytest.mark.parametrize("family,method", [("lumina", "ar"), ("lumina", "lantern"), ("lumina", "lantern++"),
+                                           ("lumina", "sjd-coupled"), ("janus", "sjd-coupled"), ("emu3", "ar")])
+def test_rows_joining_and_moving_give_their_alone_codes(pipes: dict[str, lantern.Pipeline], family: str,
+                                                        method: str) -> None:
+    """A 4-row batch starts with prompt 0 alone (3 rows free); after 2 rounds prompts 1 and 2
+    (other lengths) join, prefilled together; after one more round the running rows move into an
+    8-row batch, where prompt 3 joins. Every image equals its decode alone."""
+    prepared = _prepared(pipes[family], method)
+    alone = [_drive(_start(prepared, [i]))[0] for i in range(4)]
+    with torch.inference_mode():
+        batch = _start(prepared, [0, 0, 0, 0])
+        assert movable(batch.target, batch.drafter)
+        batch.finish_rows(torch.tensor([1, 2, 3]))
+        _drive(batch, rounds=2)
+        batch.take_rows(_start(prepared, [1, 2], eager=True), torch.tensor([1, 2]))
+        _drive(batch, rounds=1)
+        big = _start(prepared, [0] * 8)
+        big.finish_rows(torch.arange(8))
+        big.take_rows(batch, torch.arange(3), torch.arange(3))
+        big.take_rows(_start(prepared, [3], eager=True), torch.tensor([3]))
+        codes = _drive(big)
+    for i in range(4):
+        assert torch.equal(codes[i], alone[i]), f"{family} {method}: image {i} changed by joining / moving"
+    # Power: the comparison sees another stream (the same prompt, the next image's seed).
+    other = prepared.start(prepared.stack.encode([PROMPTS[3]]), [image_seed(SEED, 4)])
+    assert not torch.equal(alone[3], _drive(other)[0])
+
+
+def test_a_server_batches_these_models_continuously_with_the_apis_images(pipes: dict[str, lantern.Pipeline]) -> None:
+    """``lantern serve``'s engine on a Lumina folder: two images of one prompt start; after three
+    rounds two of a prompt of another length join the running batch (it grows from 2 to 4 rows).
+    Each image is the one ``lantern.load(folder)(prompts=[...])`` gives."""
+    from lantern.serve.scheduler import Scheduler
+
+    pipe = pipes["lumina"]
+    sched = Scheduler(pipe, max_batch=4)
+    first = sched.submit(sched.resolve(PROMPTS[0], 11, "lantern++", {}, (0, 1)))
+    with torch.inference_mode():
+        sched._admit()
+        lane = sched._lane(first[0].request)
+        assert lane.continuous
+        for _ in range(3):
+            sched._step(lane)
+        assert lane.busy == 2 and not any(t.future.done() for t in first)
+        later = sched.submit(sched.resolve(PROMPTS[1], 5, "lantern++", {}, (0, 1)))
+        sched._admit()
+    assert lane.decode is not None and lane.decode.batch == 4 and lane.busy == 4  # joined mid-batch
+    sched.run_until_idle()
+    for tickets, prompt, seed in ((first, PROMPTS[0], 11), (later, PROMPTS[1], 5)):
+        expected = pipe(prompts=[prompt], num_per_label=2, seed=seed, method="lantern++").codes
+        for t in tickets:
+            assert torch.equal(t.future.result(0).codes, expected[t.index])
+
+
+def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict[str, lantern.Pipeline],
+                                                                    tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A prompt whose context (the template included) exceeds ``prompt_width`` is refused naming
+    the flag, before any decode; a prompt that fits decodes as it does at the default width (other
+    floats in its padding columns only: greedy codes are the same); a bad width, or a width for a
+    LlamaGen model, is refused too."""
+    folder = pipes["lumina"].stack.root
+    wide = lantern.load(folder, image_size=64)
+    short, long = (int(wide.stack.encode([p]).cond.shape[1]) for p in (PROMPTS[1], PROMPTS[0]))
+    assert short < long <= wide.stack.prompt_width == 256
+    narrow = lantern.load(folder, image_size=64, prompt_width=short)
+    assert narrow.stack.prompt_width == short
+    with pytest.raises(LanternError, match=rf"^prompt: {long} tokens in the model's template, more than "
+                                           rf"--prompt-width {short} \(shorten it, or raise --prompt-width") as e:
+        narrow(prompts=[PROMPTS[0]])
+    assert e.value.field == "prompt"
+    greedy = {"temperature": 0.0}
+    assert torch.equal(narrow(prompts=[PROMPTS[1]], **greedy).codes, wide(prompts=[PROMPTS[1]], **greedy).codes)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(LanternError, match="prompt_width must be a positive number of tokens"):
+            lantern.load(folder, image_size=64, prompt_width=bad)
+    with pytest.raises(LanternError, match="--prompt-width is only used with Chameleon-family models"):
+        lantern.load("digits", prompt_width=64)
+    out = tmp_path / "out"
+    argv = ["generate", "--model", str(folder), "--image-size", "64", "--prompt", PROMPTS[0], "--prompt-width",
+            str(short), "--out", str(out), "--no-progress"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"more than --prompt-width {short}" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
