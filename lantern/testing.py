@@ -243,15 +243,19 @@ def tiny_released_drafter(lm: Any, layout_name: str = "lumina-mgpt", seed: int =
 
 
 def chameleon_parts(lm: Any, layout: Any, sampling: Any, method: Any, drafter: torch.nn.Module | None,
-                    head: torch.nn.Linear, compile: str | None = None) -> tuple[Any, Any]:
+                    head: torch.nn.Linear, compile: str | None = None,
+                    prompt_width: int | None = None) -> tuple[Any, Any]:
     """A fresh Chameleon target adapter and drafter for one batch, as the run path builds them
     (``PreparedMethod.parts``), for a bare ``ChameleonLM`` and layout: tests drive the loop with these.
-    ``compile``: a resolved mode (the parts' static shapes; pass it to ``generate`` too)."""
+    ``compile``: a resolved mode (the parts' static shapes; pass it to ``generate`` too);
+    ``prompt_width``: the target's (None: the default)."""
     from lantern.decoding.loop import Acceptance
     from lantern.run import PreparedMethod
     from lantern.targets.chameleon_stack import ChameleonStack
 
     stack = ChameleonStack(root=Path("."), model=lm, layout=layout, vq=None, tokenizer=None)
+    if prompt_width is not None:
+        stack.prompt_width = prompt_width
     prepared = PreparedMethod(stack, method, sampling, drafter if method.tree.kind != "none" else None, Acceptance(),
                               compile=compile)
     return prepared.parts(head)

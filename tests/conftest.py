@@ -805,7 +805,7 @@ def dist_codes(folder: Path, prompt: str, method: str, settings: dict[str, Any],
     from lantern.api import resolve_settings
     from lantern.run import run_conditions
 
-    stack = lantern.load(folder).stack
+    stack = lantern.load(folder, prompt_width=64).stack  # the tiny prompts and negative prompt fit: fewer columns
     method_cfg, sampling = resolve_settings(stack, method, **settings)
     conditions = stack.encode([prompt], repeats=rows)
     return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, columns]

@@ -299,18 +299,20 @@ def _dist_run(method: str) -> GenerationOutput:
     mode = "default" if compiled else None
     lm = _dist_lm()
     ids, mask = encode_prompts([DIST_PROMPT] * DIST_ROWS, DIST_LAYOUT)
+    width = ids.shape[1]  # one prompt: no padding column for any of the 2 x 4000 cache rows
     gens = make_generators(list(range(DIST_ROWS)))
     if method == "ar":
-        return generate(ChameleonTarget(lm, DIST_LAYOUT, DIST_SAMPLING), ids, generators=gens, cond_mask=mask)
+        target = ChameleonTarget(lm, DIST_LAYOUT, DIST_SAMPLING, prompt_width=width)
+        return generate(target, ids, generators=gens, cond_mask=mask)
     if method.startswith("sjd-coupled"):  # coupled SJD: its redraws cross the row end (a shadow node)
         coupling = method.split(":")[1]
         resolved = MethodConfig.resolve("sjd-coupled", sjd_window=3, sjd_init="random", sjd_coupling=coupling)
-        target, draft = chameleon_parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, None, lm.image_head, mode)
+        target, draft = chameleon_parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, None, lm.image_head, mode, width)
         return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask, compile=mode)
     tree = {"sd": "chain:3", "sd-static": "static:mc_sim_7b_63"}[method]
     resolved = MethodConfig.resolve("sd", tree=tree)
     drafter = init_chameleon_drafter(lm, DIST_LAYOUT, seed=1).eval()
-    target, draft = chameleon_parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, drafter, lm.image_head, mode)
+    target, draft = chameleon_parts(lm, DIST_LAYOUT, DIST_SAMPLING, resolved, drafter, lm.image_head, mode, width)
     return generate(target, ids, generators=gens, drafter=draft, cond_mask=mask, compile=mode)
 
 

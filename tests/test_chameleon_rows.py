@@ -215,10 +215,18 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     assert short < long <= wide.stack.prompt_width == 256
     narrow = lantern.load(folder, image_size=64, prompt_width=short)
     assert narrow.stack.prompt_width == short
-    with pytest.raises(LanternError, match=rf"^prompt: {long} tokens in the model's template, more than "
+    with pytest.raises(LanternError, match=rf"^the prompt takes {long} tokens in the model's template, more than "
                                            rf"--prompt-width {short} \(shorten it, or raise --prompt-width") as e:
         narrow(prompts=[PROMPTS[0]])
     assert e.value.field == "prompt"
+    from lantern.serve.plan import setting_error
+    from lantern.serve.scheduler import Scheduler
+
+    with pytest.raises(LanternError) as e:  # a server refuses the request as it resolves it: a 400 naming the prompt
+        Scheduler(narrow).resolve(PROMPTS[0], 0, "ar")
+    refusal = setting_error(e.value)
+    assert (refusal.status, refusal.field) == (400, "prompt")
+    assert str(refusal).startswith(f"prompt: the prompt takes {long} tokens")
     greedy = {"temperature": 0.0}
     assert torch.equal(narrow(prompts=[PROMPTS[1]], **greedy).codes, wide(prompts=[PROMPTS[1]], **greedy).codes)
     for bad in (0, -3, 2.5, True):

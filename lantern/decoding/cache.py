@@ -54,9 +54,9 @@ class KVCache:
         self.k[index] = k.transpose(1, 2).to(self.k.dtype)
         self.v[index] = v.transpose(1, 2).to(self.v.dtype)
 
-    def read(self, layer: int, kv_len: int) -> tuple[Tensor, Tensor]:
-        """Keys and values of the first ``kv_len`` slots: [N, H, kv_len, Dh] each."""
-        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+    def read(self, layer: int, kv_len: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """Keys and values of slots ``start`` .. ``kv_len - 1``: [N, H, kv_len - start, Dh] each."""
+        return self.k[layer, :, :, start:kv_len], self.v[layer, :, :, start:kv_len]
 
     def commit(self, keep: Tensor, num_keep: Tensor) -> None:
         """Keep fresh slots ``lengths + keep[:, j]`` (j < num_keep) at ``lengths + j``; advance.

@@ -218,7 +218,7 @@ class ChameleonLM(nn.Module):
         return self.image_head(hidden).float()
 
     def _attention(self, layer_idx: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
-                   slots: Tensor) -> Tensor:
+                   slots: Tensor, kv_start: int = 0) -> Tensor:
         from transformers.models.chameleon.modeling_chameleon import apply_rotary_pos_emb
 
         attn = self.hf.model.layers[layer_idx].self_attn
@@ -230,19 +230,21 @@ class ChameleonLM(nn.Module):
         k = k.reshape(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = cached_attention(q, k, v, mask, cache, layer_idx, slots)
+        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, kv_start=kv_start)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
-    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
-        """ids / positions / slots [N, T], mask [N, T, kv_len] bool -> final-norm hidden [N, T, D]."""
+    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,
+                       kv_start: int = 0) -> Tensor:
+        """ids / positions / slots [N, T], mask [N, T, S] bool over cache slots ``kv_start`` ..
+        ``kv_start + S - 1`` -> final-norm hidden [N, T, D]."""
         x = self.embed(ids)
         cos, sin = self.hf.model.rotary_emb(x, positions)
         for i, layer in enumerate(self.hf.model.layers):
             if self.swin_norm:  # Chameleon-30B: norms after attention / MLP instead of before
-                x = x + layer.input_layernorm(self._attention(i, x, cos, sin, mask, cache, slots))
+                x = x + layer.input_layernorm(self._attention(i, x, cos, sin, mask, cache, slots, kv_start))
                 x = x + layer.post_attention_layernorm(layer.mlp(x))
             else:
-                x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots)
+                x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots, kv_start)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.hf.model.norm(x)
 

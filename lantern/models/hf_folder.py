@@ -104,12 +104,12 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCache, layer_idx: int, slots: Tensor,
-                     scale: float | None = None) -> Tensor:
+                     scale: float | None = None, kv_start: int = 0) -> Tensor:
     """Attention of the queries over lantern's cache: the new keys and values ([N, Hkv, T, Dh],
-    rotated) are written at per-row ``slots`` first, then every query reads the cache's first
-    ``mask.shape[-1]`` slots under ``mask`` [N, T, S] (grouped heads repeated). -> [N, H, T, Dh]."""
+    rotated) are written at per-row ``slots`` first, then every query reads the ``mask.shape[-1]``
+    slots from ``kv_start`` on under ``mask`` [N, T, S] (grouped heads repeated). -> [N, H, T, Dh]."""
     cache.write(layer_idx, slots, k, v)
-    k, v = cache.read(layer_idx, mask.shape[-1])
+    k, v = cache.read(layer_idx, kv_start + mask.shape[-1], kv_start)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
@@ -146,7 +146,7 @@ class CachedDecoder(nn.Module):
         raise NotImplementedError
 
     def _attention(self, layer_idx: int, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
-                   slots: Tensor) -> Tensor:
+                   slots: Tensor, kv_start: int = 0) -> Tensor:
         # Llama's rotary helper: Janus's language model is a Llama, and Emu3's copy is the same code.
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -156,14 +156,16 @@ class CachedDecoder(nn.Module):
         k = attn.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, scale=attn.scaling)
+        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, scale=attn.scaling, kv_start=kv_start)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
-    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
-        """ids / positions / slots [N, T], mask [N, T, kv_len] bool -> final-norm hidden [N, T, D]."""
+    def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,
+                       kv_start: int = 0) -> Tensor:
+        """ids / positions / slots [N, T], mask [N, T, S] bool over cache slots ``kv_start`` ..
+        ``kv_start + S - 1`` -> final-norm hidden [N, T, D]."""
         x = self.embed(ids)
         cos, sin = self.lm.rotary_emb(x, positions)
         for i, layer in enumerate(self.lm.layers):
-            x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots)
+            x = x + self._attention(i, layer.input_layernorm(x), cos, sin, mask, cache, slots, kv_start)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm.norm(x)

@@ -24,11 +24,12 @@ is Chameleon-specific stays here:
 * **Static shapes** (``compile``, or the batch-invariant mode of ``lantern.models.invariant``).
   Nothing reads the device and no shape depends on the batch: the forward attends over the whole
   cache (masked) instead of the longest row, and the new-line shadows take a fixed number of
-  slots, the most row ends the tree can hold (``_shadow_count``: the loop passes the tree's leaf
+  slots, the most row ends the tree can hold (``_window``: the loop passes the tree's leaf
   count), whether or not a row reaches its row end this round (padding shadows attend to
-  themselves and are never kept). Eager default decoding sizes both to the batch (host reads:
-  cheaper, and its floats may differ from a row's alone in the last bits, as the default mode's
-  matmuls may).
+  themselves and are never kept). Eager default decoding sizes both to the batch and skips the
+  columns that are padding in every row, in the prefill too (one host read per forward: cheaper,
+  and its floats may differ from a row's alone in the last bits, as the default mode's matmuls
+  may); deterministic mode computes the prefill over every column.
 * **Drafter context.** ``start`` hands the drafter the features of the image prefix only (the
   same positions in conditional and unconditional rows, no padding); the prompt reaches the
   drafter through the target's features there.
@@ -82,9 +83,9 @@ def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout,
 
 
 def check_prompt_width(length: int, width: int) -> None:
-    check(length <= width, f"prompt: {length} tokens in the model's template, more than --prompt-width {width} "
-                           "(shorten it, or raise --prompt-width: every row then pays that many cache columns)",
-          field="prompt")
+    check(length <= width, f"the prompt takes {length} tokens in the model's template, more than --prompt-width "
+                           f"{width} (shorten it, or raise --prompt-width: every row then pays that many cache "
+                           "columns)", field="prompt")
 
 
 class ChameleonTarget:
@@ -107,9 +108,10 @@ class ChameleonTarget:
         self.max_tree_nodes = max_tree_nodes
         self.compile = resolve_compile(compile, model.device)
         self.prompt_width = prompt_width
-        # Static shapes (see the module docstring): compiled, or batch-invariant, whose promise is a
-        # row's floats alone in every batch.
-        self.static = self.compile is not None or is_batch_invariant(model)
+        # Static shapes (see the module docstring): compiled, or batch-invariant (deterministic mode,
+        # whose promise is a row's floats alone in every batch: then no shape follows the batch).
+        self.invariant = is_batch_invariant(model)
+        self.static = self.compile is not None or self.invariant
         self.cache_pool = cache_pool if cache_pool is not None else CachePool()
         self.streams = 2 if sampling.use_cfg else 1
         # What the loop and the drafter read (code space: the image rows of the LM head).
@@ -168,20 +170,26 @@ class ChameleonTarget:
         self.key_mask = mask
         self.pos_offset = (~mask).sum(1)
         self.root_index = torch.zeros(b, dtype=torch.long, device=cond.device)
-        cols = torch.arange(length, device=cond.device)
+        # The prefill computes every column in deterministic mode; otherwise it starts at the
+        # longest prompt's first token (the columns before it are padding in every row: skipping
+        # them changes no real token's attention, only, possibly, its rounding).
+        lo = 0 if self.invariant else int(self.pos_offset.min())
+        cols = torch.arange(lo, length, device=cond.device)
         positions = (cols[None, :] - self.pos_offset[:, None]).clamp(min=0)
-        causal = torch.ones(length, length, dtype=torch.bool, device=cond.device).tril()
-        attn = (causal[None] & mask[:, None, :]) | torch.eye(length, dtype=torch.bool, device=cond.device)
+        causal = torch.ones(length - lo, length - lo, dtype=torch.bool, device=cond.device).tril()
+        attn = (causal[None] & mask[:, None, lo:]) | torch.eye(length - lo, dtype=torch.bool, device=cond.device)
         slots = cols.expand(n_rows, -1)
-        hidden = self.model.forward_cached(ids, positions, slots, attn, self.cache)
+        hidden = self.model.forward_cached(ids[:, lo:], positions, slots, attn, self.cache, kv_start=lo)
         self.cache.lengths.fill_(length)
         self.forwards += 1
-        self.prefill = (ids, hidden)
+        self.prefill = (ids, F.pad(hidden, (0, 0, lo, 0)))  # a feature per column (zeros: padding not computed)
         # PJD's slot -> grid key map, made here rather than on the first grid verify: every round then
         # sees the same state (a compiled round is one graph from the first round on).
         self.slot_cell = torch.full((n_rows, self.cache.max_len), -1, dtype=torch.long, device=cond.device)
         logits = self.guided_logits(hidden[:, -1])
-        return logits, hidden[:, length - p :]
+        # contiguous: the prefix's strides would follow the batch's prompts (a compiled drafter
+        # prefill would recompile on them)
+        return logits, hidden[:, hidden.shape[1] - p :].contiguous()
 
     def guided_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S*B, ..., D] of both streams -> guided code logits [B, ..., V]: CFG of the raw code
@@ -217,7 +225,7 @@ class ChameleonTarget:
         row_end = torch.zeros(b, t, dtype=torch.bool, device=tokens.device)
         if self.layout.eol is not None:
             row_end = (self.root_index[:, None] + depth + 1) % self.layout.width == 0
-        e = self._shadow_count(row_end, leaves or t, t)
+        e, kv_start, kv_end = self._window(row_end, leaves or t, t)
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         shadow_slot = torch.full((b, t), -1, dtype=torch.long, device=tokens.device)
         if e > 0:
@@ -228,8 +236,8 @@ class ChameleonTarget:
         lengths = cache.lengths  # [S*B]
         slots = lengths[:, None] + torch.arange(n, device=tokens.device)
         positions = lengths[:, None] - self.pos_offset[:, None] + model_depth.repeat(s, 1)
-        attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n, self._kv_len(lengths, n))
-        hidden = self.model.forward_cached(ids.repeat(s, 1), positions, slots, attn, cache)
+        attn = self._verify_mask(mask.repeat(s, 1, 1), lengths, n, kv_end)[:, :, kv_start:]
+        hidden = self.model.forward_cached(ids.repeat(s, 1), positions, slots, attn, cache, kv_start)
         self.forwards += 1
         self.node_hidden = hidden[:, :t]
         idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
@@ -266,7 +274,7 @@ class ChameleonTarget:
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         row_end = (rows >= 0) & (cells % width == width - 1) & (self.layout.eol is not None)
         chains = chains or t
-        e = self._shadow_count(row_end, chains, t // chains)
+        e, kv_start, kv_end = self._window(row_end, chains, t // chains)
         owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]  # [B, E]
         valid = torch.arange(e, device=tokens.device)[None, :] < row_end.sum(1, keepdim=True)
         if e > 0:
@@ -279,12 +287,12 @@ class ChameleonTarget:
             read_at = read_at.scatter(1, owner, torch.where(valid, shadow, owner))
         assert self.slot_cell is not None
         keys_s, lengths, n = keys.repeat(s, 1), cache.lengths, ids.shape[1]
-        mask = grid_verify_mask(self.slot_cell, lengths, keys_s, model_rows.repeat(s, 1), self._kv_len(lengths, n))
+        mask = grid_verify_mask(self.slot_cell, lengths, keys_s, model_rows.repeat(s, 1), kv_end)
         prompt = self.key_mask.shape[1]
         mask[:, :, :prompt] &= self.key_mask[:, None, :]  # left padding is never attended
         slots = lengths[:, None] + torch.arange(n, device=tokens.device)
         hidden = self.model.forward_cached(ids.repeat(s, 1), positions.repeat(s, 1) - self.pos_offset[:, None],
-                                           slots, mask, cache)
+                                           slots, mask[:, :, kv_start:], cache, kv_start)
         self.forwards += 1
         self._grid = (keys_s, owner, valid)
         idx = read_at.repeat(s, 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
@@ -336,21 +344,24 @@ class ChameleonTarget:
             raise RuntimeError("ChameleonTarget.start() must be called before verify/commit")
         return self.cache
 
-    def _shadow_count(self, row_end: Tensor, paths: int, path_len: int) -> int:
-        """New-line shadows per row in this forward: eager, the most row ends a row has (a host read);
-        static, the most a forward can have, ``paths`` paths of ``path_len`` nodes with at most one
-        row end in every ``width`` consecutive positions."""
-        if self.layout.eol is None:
-            return 0
-        if not self.static:
-            return int(row_end.sum(1).max())
-        return min(row_end.shape[1], paths * math.ceil(path_len / self.layout.width))
+    def _window(self, row_end: Tensor, paths: int, path_len: int) -> tuple[int, int, int]:
+        """(new-line shadows per row, first key column, key columns' end) of a forward over
+        ``row_end``'s T nodes and their shadows.
 
-    def _kv_len(self, lengths: Tensor, n: int) -> int:
-        """Key columns of a forward of ``n`` tokens: eager, up to the longest row's last one (a host
-        read); static, the whole cache (masked columns cost attention, not a sync, and a row's keys
-        meet the same kernel blocks whatever its batch-mates' lengths)."""
-        return self._cache().max_len if self.static else int(lengths.max()) + n
+        Static: the most shadows a forward can have (``paths`` paths of ``path_len`` nodes, at most
+        one row end in every ``width`` consecutive positions) over the whole cache: nothing is
+        read and no shape follows the batch. Eager: one host read of the most row ends a row has,
+        the longest row and the least left padding (the columns before it are padding in every
+        row), so the forward spans the batch's real columns only."""
+        t = row_end.shape[1]
+        cache = self._cache()
+        if self.static:
+            e = 0 if self.layout.eol is None else min(t, paths * math.ceil(path_len / self.layout.width))
+            return e, 0, cache.max_len
+        assert self.pos_offset is not None
+        ends = row_end.sum(1).max() if self.layout.eol is not None else torch.zeros_like(cache.lengths[0])
+        e, longest, lo = torch.stack([ends, cache.lengths.max(), self.pos_offset.min()]).tolist()
+        return e, lo, longest + t + e
 
     def _verify_mask(self, tree_mask: Tensor, lengths: Tensor, t: int, kv_len: int) -> Tensor:
         """[S*B, T, kv_len] bool: the row's real prefix columns, then its tree mask at its slots."""
