@@ -800,6 +800,17 @@ def assert_load_refuses(folder: Path, refusals: list[tuple[dict[str, Any], str]]
             lantern.load(folder, **kwargs)
 
 
+def drive_rounds(decode: Any, rounds: int | None = None) -> Tensor:
+    """Rounds of a running ``lantern.decoding.loop.Decode`` until every row is done (or ``rounds``
+    of them); returns the codes [B, N] (tests/test_rows.py, tests/test_chameleon_rows.py)."""
+    n_total = decode.target.num_tokens
+    with torch.inference_mode():
+        while (rounds is None or rounds > 0) and bool((decode.n < n_total).any()):
+            decode.round(decode.n < n_total)
+            rounds = None if rounds is None else rounds - 1
+    return decode.codes[:, :n_total].clone()
+
+
 def dist_codes(folder: Path, prompt: str, method: str, settings: dict[str, Any], rows: int, columns: Any) -> Tensor:
     """``columns`` of ``rows`` images of ``prompt`` sampled by ``method`` at ``settings`` (seeds 0..)."""
     from lantern.api import resolve_settings

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import drive_rounds
 from torch import Tensor
 
 import lantern
@@ -74,16 +75,6 @@ def _start(prepared: PreparedMethod, indices: list[int], eager: bool = False) ->
                           [image_seed(SEED, i) for i in indices], eager=eager)
 
 
-def _drive(decode: Decode, rounds: int | None = None) -> Tensor:
-    """Rounds until every row is done (or ``rounds`` of them); returns the codes [B, N]."""
-    n_total = decode.target.num_tokens
-    with torch.inference_mode():
-        while (rounds is None or rounds > 0) and bool((decode.n < n_total).any()):
-            decode.round(decode.n < n_total)
-            rounds = None if rounds is None else rounds - 1
-    return decode.codes[:, :n_total].clone()
-
-
 @pytest.fixture
 def verify_logits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Tensor]]:
     """Every verify's guided logits [B, T, V] (raster and grid rounds), in order."""
@@ -109,12 +100,12 @@ def _logit_dependence(prepared: PreparedMethod, seen: list[Tensor], indices: lis
     """(row, round) of every verify whose logits for a row differ, by one bit, in the batch of
     ``indices`` from the row's decode alone (over the rounds the row runs alone)."""
     seen.clear()
-    _drive(_start(prepared, indices))
+    drive_rounds(_start(prepared, indices))
     together = list(seen)
     found = []
     for r, i in enumerate(indices):
         seen.clear()
-        _drive(_start(prepared, [i]))
+        drive_rounds(_start(prepared, [i]))
         alone = list(seen)
         assert len(alone) <= len(together)
         found += [(r, k) for k, a in enumerate(alone) if not torch.equal(a[0], together[k][r])]
@@ -156,24 +147,24 @@ def test_rows_joining_and_moving_give_their_alone_codes(pipes: dict[str, lantern
     (other lengths) join, prefilled together; after one more round the running rows move into an
     8-row batch, where prompt 3 joins. Every image equals its decode alone."""
     prepared = _prepared(pipes[family], method)
-    alone = [_drive(_start(prepared, [i]))[0] for i in range(4)]
+    alone = [drive_rounds(_start(prepared, [i]))[0] for i in range(4)]
     with torch.inference_mode():
         batch = _start(prepared, [0, 0, 0, 0])
         assert movable(batch.target, batch.drafter)
         batch.finish_rows(torch.tensor([1, 2, 3]))
-        _drive(batch, rounds=2)
+        drive_rounds(batch, rounds=2)
         batch.take_rows(_start(prepared, [1, 2], eager=True), torch.tensor([1, 2]))
-        _drive(batch, rounds=1)
+        drive_rounds(batch, rounds=1)
         big = _start(prepared, [0] * 8)
         big.finish_rows(torch.arange(8))
         big.take_rows(batch, torch.arange(3), torch.arange(3))
         big.take_rows(_start(prepared, [3], eager=True), torch.tensor([3]))
-        codes = _drive(big)
+        codes = drive_rounds(big)
     for i in range(4):
         assert torch.equal(codes[i], alone[i]), f"{family} {method}: image {i} changed by joining / moving"
     # Power: the comparison sees another stream (the same prompt, the next image's seed).
     other = prepared.start(prepared.stack.encode([PROMPTS[3]]), [image_seed(SEED, 4)])
-    assert not torch.equal(alone[3], _drive(other)[0])
+    assert not torch.equal(alone[3], drive_rounds(other)[0])
 
 
 def test_a_server_batches_these_models_continuously_with_the_apis_images(pipes: dict[str, lantern.Pipeline]) -> None:

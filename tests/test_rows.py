@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import drive_rounds
 
 import lantern
 from lantern.api import resolve_settings
-from lantern.decoding.loop import Decode
 from lantern.decoding.rows import movable
 from lantern.errors import LanternError
 from lantern.methods import method_names
@@ -31,17 +31,7 @@ def _prepared(pipe: lantern.Pipeline, method: str) -> PreparedMethod:
 
 
 def _alone(prepared: PreparedMethod, i: int) -> torch.Tensor:
-    return _drive(prepared.start(prepared.stack.encode([LABELS[i]]), [image_seed(SEED, i)]))[0]
-
-
-def _drive(decode: Decode, rounds: int | None = None) -> torch.Tensor:
-    """Rounds until every row is done (or ``rounds`` of them); returns the codes [B, N]."""
-    n_total = decode.target.num_tokens
-    with torch.inference_mode():
-        while (rounds is None or rounds > 0) and bool((decode.n < n_total).any()):
-            decode.round(decode.n < n_total)
-            rounds = None if rounds is None else rounds - 1
-    return decode.codes[:, :n_total].clone()
+    return drive_rounds(prepared.start(prepared.stack.encode([LABELS[i]]), [image_seed(SEED, i)]))[0]
 
 
 @pytest.mark.parametrize("method", method_names(lambda r: r.movable_rows))
@@ -59,12 +49,12 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
         assert movable(batch.target, batch.drafter)
         batch.finish_rows(torch.tensor([2]))
         owner: list[int | None] = [0, 1, None]
-        _drive(batch, rounds=2)
+        drive_rounds(batch, rounds=2)
         batch.take_rows(prepared.start(stack.encode([LABELS[2]]), [seeds[2]], eager=True), torch.tensor([2]))
         owner[2] = 2
         waiting = [3, 4]
         while any(o is not None for o in owner):
-            _drive(batch, rounds=1)
+            drive_rounds(batch, rounds=1)
             for r, o in enumerate(owner):
                 if o is not None and int(batch.n[r]) >= n_total:
                     got[o], owner[r] = batch.codes[r, :n_total].clone(), None
@@ -75,7 +65,7 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
                 batch.take_rows(joining, torch.tensor(free[:2]))
                 owner[free[0]], owner[free[1]], waiting = waiting[0], waiting[1], []
                 break
-        _drive(batch, rounds=1)
+        drive_rounds(batch, rounds=1)
         # Move the running rows into a larger batch, where image 5 joins.
         big = prepared.start(stack.encode([LABELS[0]] * 4), [0] * 4)
         big.finish_rows(torch.arange(4))
@@ -85,7 +75,7 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
         assert len(running) < 4
         big.take_rows(prepared.start(stack.encode([LABELS[5]]), [seeds[5]], eager=True), torch.tensor([len(running)]))
         owner[len(running)] = 5
-        codes = _drive(big)
+        codes = drive_rounds(big)
     for r, o in enumerate(owner):
         if o is not None:
             got[o] = codes[r]
@@ -93,7 +83,7 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
     for i in range(len(LABELS)):
         assert torch.equal(got[i], alone[i]), f"image {i} changed by joining / moving ({method})"
     # Power: the comparison sees a changed stream (the same label, the next image seed).
-    assert not torch.equal(alone[3], _drive(prepared.start(stack.encode([LABELS[3]]), [seeds[4]]))[0])
+    assert not torch.equal(alone[3], drive_rounds(prepared.start(stack.encode([LABELS[3]]), [seeds[4]]))[0])
 
 
 def test_rows_refuse_a_decode_of_another_shape(pipe: lantern.Pipeline) -> None:
