@@ -32,6 +32,7 @@ from torch import Tensor
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import generate
 from lantern.decoding.sampling import make_generators
+from lantern.decoding.trees import TreeBuffers
 from lantern.drafters.oracle import OracleBackend, make_oracle_drafter
 from lantern.models.llamagen import LlamaGen
 from lantern.targets.llamagen import LlamaGenTarget
@@ -49,10 +50,10 @@ class TimedTarget(LlamaGenTarget):
         self.seconds += time.perf_counter() - t0
         return out
 
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, tree: TreeBuffers | None = None
                ) -> tuple[Tensor, Tensor]:
         t0 = time.perf_counter()
-        out = super().verify(tokens, tree_mask, depth, leaves)
+        out = super().verify(tokens, tree_mask, depth, tree)
         self.seconds += time.perf_counter() - t0
         return out
 

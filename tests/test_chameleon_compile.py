@@ -236,3 +236,41 @@ def test_serve_compiled_emu3_gives_the_eager_apis_codes(tmp_path: Path, eager_ba
 
     folder = make_tiny_emu3_folder(tmp_path / "emu3")
     assert_serve_gives_the_apis_codes(folder, {"method": "sjd-coupled", "sjd_window": 4}, compile="default")
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 7, 48, 90])
+def test_new_line_slots_hold_every_row_end_a_forward_can_meet(width: int) -> None:
+    """The slots a static verify makes for new-line tokens (``new_line_slots`` of the tree's widest
+    level and depth levels) hold every row end, at every position of the root in its image row:
+    for the static trees, a chain, AR's root and random trees; and the bound is met (it is the
+    count at some position), so it wastes nothing the tree's sizes could save."""
+    from lantern.decoding.trees import chain_choices, static_tree, tree_from_parents
+    from lantern.targets.chameleon import new_line_slots
+
+    gen = torch.Generator().manual_seed(width)
+    parents = [static_tree(name).parents for name in ("naive_extend_57", "mc_sim_7b_63")]
+    parents += [static_tree(chain_choices(6)).parents, torch.tensor([-1])]
+    for t in (5, 17, 40):  # random trees: each node's parent is an earlier node
+        parents.append(torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)]))
+    for p in parents:
+        tree = tree_from_parents(p[None])
+        depth, t = tree.depth[0], tree.num_nodes
+        slots = new_line_slots(t, tree.widest, tree.max_depth + 1, width)
+        counts = [int(((root + depth + 1) % width == 0).sum()) for root in range(width)]
+        assert max(counts) <= slots, (t, width)
+        if tree.max_depth + 1 <= width:
+            assert max(counts) == slots  # one depth ends a row at a time: the widest level's
+
+
+def test_the_default_trees_verify_fewer_new_line_slots_than_their_nodes() -> None:
+    """On Lumina-mGPT-768's 48 codes per row, a static verify of LANTERN++'s default tree
+    (naive_extend_57: 58 nodes, 16 at its widest depth) carries 16 new-line slots, 74 tokens;
+    the bound by leaves x ceil(T / width) made it 58, 116 tokens."""
+    from lantern.decoding.trees import static_tree, tree_from_parents
+    from lantern.methods import MethodConfig
+    from lantern.targets.chameleon import new_line_slots
+
+    tree_cfg = MethodConfig.resolve("lantern++").tree
+    tree = tree_from_parents(static_tree(tree_cfg.name).parents[None])
+    assert (tree_cfg.name, tree.num_nodes, tree.widest, tree.max_depth) == ("naive_extend_57", 58, 16, 5)
+    assert new_line_slots(tree.num_nodes, tree.widest, tree.max_depth + 1, 48) == 16

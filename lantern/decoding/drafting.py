@@ -278,8 +278,9 @@ class TreeDrafter:
         with phase("tree"):
             sel, parents = dynamic_tree_select(scores, parent_flat, total)
             tokens = torch.cat([self.root[:, None], tokens_flat.gather(1, sel)], dim=1)
-            # Static sizes (no sync): depth <= depth + 1, at most top_k children, at most total leaves.
-            buffers = tree_from_parents(parents, bounds=(depth + 1, min(k, total), total))
+            # Static sizes (no sync): depth <= depth + 1, at most top_k children, at most total leaves,
+            # and at most k * k nodes at one depth (k expanded nodes, k children each).
+            buffers = tree_from_parents(parents, bounds=(depth + 1, min(k, total), total, min(k * k, total)))
         return DraftTree(tokens=tokens, buffers=buffers, q_draft=None)
 
     def _log_q(self, logits: Tensor) -> Tensor:

@@ -75,7 +75,7 @@ class Target(Protocol):
 
     def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
 
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, tree: TreeBuffers | None = None
                ) -> tuple[Tensor, Tensor]: ...
 
     def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
@@ -411,9 +411,8 @@ def _raster_round(
             tree = drafter.propose(rng, active, max_depth)
     # 3. Verify: one target forward over every row's tree.
     with phase("verify"):
-        # leaves (a static shape): bounds the row-end tokens a target inserts (Lumina-mGPT's new-lines)
-        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth,
-                                       leaves=tree.buffers.retrieve.shape[1])
+        # the tree's static sizes bound the row-end tokens a target inserts (Lumina-mGPT's new-lines)
+        logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth, tree=tree.buffers)
     # 4. Accept.
     with phase("accept"):
         path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, rng, acceptance)

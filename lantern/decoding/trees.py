@@ -166,6 +166,10 @@ class TreeBuffers:
     mask: Tensor  # [B, T, T] bool, mask[b, i, j] = j is an ancestor of i or i itself
     children: Tensor  # [B, T, C] int64, children in ascending node order, -1 padded; C >= 1
     retrieve: Tensor  # [B, P, Dmax+1] int64, root->leaf paths, -1 padded (rows too), sorted
+    # The most nodes at one depth, over the batch (a bound for a tree kind built with bounds): a
+    # static size, like the shapes above. It bounds, with the depth levels, the nodes one forward can
+    # hold at depths that share a residue (Lumina-mGPT's row ends: ChameleonTarget.verify).
+    widest: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -187,10 +191,11 @@ class TreeBuffers:
             mask=self.mask.to(device),
             children=self.children.to(device),
             retrieve=self.retrieve.to(device),
+            widest=self.widest,
         )
 
 
-def tree_from_parents(parents: Tensor, bounds: tuple[int, int, int] | None = None) -> TreeBuffers:
+def tree_from_parents(parents: Tensor, bounds: tuple[int, ...] | None = None) -> TreeBuffers:
     """Build :class:`TreeBuffers` from parent arrays ``[T]`` or ``[B, T]`` (rows may differ).
 
     Requires ``parents[..., 0] == -1`` and ``0 <= parents[..., i] < i`` for ``i >= 1`` (parents
@@ -198,8 +203,9 @@ def tree_from_parents(parents: Tensor, bounds: tuple[int, int, int] | None = Non
     fixed number of squarings. Without ``bounds`` it costs two host syncs: one to validate, one to
     learn the output sizes (C, P and Dmax depend on the trees). ``bounds`` = (max depth, max
     children, max leaves) that every tree of this kind respects (e.g. a dynamic tree's by its
-    top-k and depth): then the sizes are those bounds, nothing is read back and nothing is
-    validated, so a compiled round can build its trees inside the graph.
+    top-k and depth), and optionally the most nodes at one depth (default: max leaves, which bounds
+    it: each node of a level has its own leaf below it): then the sizes are those bounds, nothing
+    is read back and nothing is validated, so a compiled round can build its trees inside the graph.
     """
     if bounds is None:
         parents = _checked_parents(parents)  # [B, T]
@@ -209,17 +215,20 @@ def tree_from_parents(parents: Tensor, bounds: tuple[int, int, int] | None = Non
     num_children = is_child.sum(dim=-1)  # [B, T]
     is_leaf = num_children == 0  # [B, T]
     if bounds is None:
-        max_depth, max_children, max_leaves = torch.stack(
-            [depth.max(), num_children.max(), is_leaf.sum(dim=-1).max()]
+        per_level = torch.zeros_like(depth).scatter_add_(1, depth, torch.ones_like(depth))  # [B, T]
+        max_depth, max_children, max_leaves, widest = torch.stack(
+            [depth.max(), num_children.max(), is_leaf.sum(dim=-1).max(), per_level.max()]
         ).tolist()
     else:
-        max_depth, max_children, max_leaves = bounds
+        max_depth, max_children, max_leaves = bounds[:3]
+        widest = bounds[3] if len(bounds) > 3 else max_leaves
     return TreeBuffers(
         parents=parents,
         depth=depth,
         mask=mask,
         children=_children(is_child, max(max_children, 1)),
         retrieve=_retrieve(mask, depth, is_leaf, max_depth, max_leaves),
+        widest=widest,
     )
 
 

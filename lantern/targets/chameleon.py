@@ -24,8 +24,8 @@ is Chameleon-specific stays here:
 * **Static shapes** (``compile``, or the batch-invariant mode of ``lantern.models.invariant``).
   Nothing reads the device and no shape depends on the batch: the forward attends over the whole
   cache (masked) instead of the longest row, and the new-line shadows take a fixed number of
-  slots, the most row ends the tree can hold (``_window``: the loop passes the tree's leaf
-  count), whether or not a row reaches its row end this round (padding shadows attend to
+  slots, the most row ends the tree can hold (``_window``: the loop passes the tree's static
+  sizes), whether or not a row reaches its row end this round (padding shadows attend to
   themselves and are never kept). Eager default decoding sizes both to the batch and skips the
   columns that are padding in every row, in the prefill too (one host read per forward: cheaper,
   and its floats may differ from a row's alone in the last bits, as the default mode's matmuls
@@ -50,6 +50,7 @@ from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.pjd import commit_cells, grid_verify_mask, kept_offsets
 from lantern.decoding.sampling import apply_cfg
+from lantern.decoding.trees import TreeBuffers
 from lantern.errors import LanternError, check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.invariant import is_batch_invariant
@@ -80,6 +81,14 @@ def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout,
         ids[i, length - len(r) :] = torch.tensor(r)
         mask[i, length - len(r) :] = True
     return ids, mask
+
+
+def new_line_slots(nodes: int, per_depth: int, levels: int, width: int) -> int:
+    """The most row-end nodes a forward over ``nodes`` nodes can hold, whatever the row's position:
+    the nodes span ``levels`` depths with at most ``per_depth`` at each, and a node ends an image
+    row where root index + depth + 1 is a multiple of ``width``, so at most ceil(levels / width)
+    of the depths can."""
+    return min(nodes, per_depth * math.ceil(levels / width))
 
 
 def check_prompt_width(length: int, width: int) -> None:
@@ -209,12 +218,12 @@ class ChameleonTarget:
         return u_ids, u_mask
 
     @torch.no_grad()
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, tree: TreeBuffers | None = None
                ) -> tuple[Tensor, Tensor]:
         """One forward over each row's tree of codes (node 0 = the pending root), with end-of-row
-        tokens inserted as shadow nodes. ``leaves``: the tree's root-to-leaf paths (at most T), which
-        bound the shadows a compiled forward makes room for. Returns (guided logits [B, T, V],
-        hidden [S*B, T, D])."""
+        tokens inserted as shadow nodes. ``tree``: the tree's buffers, whose static sizes (the most
+        nodes at one depth, the depth levels) bound the shadows a static forward makes room for
+        (None: T). Returns (guided logits [B, T, V], hidden [S*B, T, D])."""
         cache = self._cache()
         assert self.root_index is not None and self.pos_offset is not None
         s, (b, t) = self.streams, tokens.shape
@@ -225,7 +234,8 @@ class ChameleonTarget:
         row_end = torch.zeros(b, t, dtype=torch.bool, device=tokens.device)
         if self.layout.eol is not None:
             row_end = (self.root_index[:, None] + depth + 1) % self.layout.width == 0
-        e, kv_start, kv_end = self._window(row_end, leaves or t, t)
+        per_depth, levels = (t, t) if tree is None else (tree.widest, tree.max_depth + 1)
+        e, kv_start, kv_end = self._window(row_end, per_depth, levels)
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         shadow_slot = torch.full((b, t), -1, dtype=torch.long, device=tokens.device)
         if e > 0:
@@ -274,7 +284,7 @@ class ChameleonTarget:
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         row_end = (rows >= 0) & (cells % width == width - 1) & (self.layout.eol is not None)
         chains = chains or t
-        e, kv_start, kv_end = self._window(row_end, chains, t // chains)
+        e, kv_start, kv_end = self._window(row_end, chains, t // chains)  # a chain's cells: one per depth
         owner = torch.argsort((~row_end).to(torch.int8), dim=1, stable=True)[:, :e]  # [B, E]
         valid = torch.arange(e, device=tokens.device)[None, :] < row_end.sum(1, keepdim=True)
         if e > 0:
@@ -344,19 +354,20 @@ class ChameleonTarget:
             raise RuntimeError("ChameleonTarget.start() must be called before verify/commit")
         return self.cache
 
-    def _window(self, row_end: Tensor, paths: int, path_len: int) -> tuple[int, int, int]:
+    def _window(self, row_end: Tensor, per_depth: int, levels: int) -> tuple[int, int, int]:
         """(new-line shadows per row, first key column, key columns' end) of a forward over
         ``row_end``'s T nodes and their shadows.
 
-        Static: the most shadows a forward can have (``paths`` paths of ``path_len`` nodes, at most
-        one row end in every ``width`` consecutive positions) over the whole cache: nothing is
-        read and no shape follows the batch. Eager: one host read of the most row ends a row has,
+        Static: the most shadows a forward can have over the whole cache, so nothing is read and
+        no shape follows the batch. Nodes span ``levels`` depths with at most ``per_depth`` at
+        each; a row ends where root index + depth + 1 is a multiple of ``width``, so at most
+        ceil(levels / width) depths can hold row ends. Eager: one host read of the most row ends a row has,
         the longest row and the least left padding (the columns before it are padding in every
         row), so the forward spans the batch's real columns only."""
         t = row_end.shape[1]
         cache = self._cache()
         if self.static:
-            e = 0 if self.layout.eol is None else min(t, paths * math.ceil(path_len / self.layout.width))
+            e = 0 if self.layout.eol is None else new_line_slots(t, per_depth, levels, self.layout.width)
             return e, 0, cache.max_len
         assert self.pos_offset is not None
         ends = row_end.sum(1).max() if self.layout.eol is not None else torch.zeros_like(cache.lengths[0])

@@ -22,6 +22,7 @@ from lantern.decoding.compiling import resolve_compile, step_fn
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.pjd import commit_cells, grid_positions, grid_verify_mask
 from lantern.decoding.sampling import apply_cfg
+from lantern.decoding.trees import TreeBuffers
 from lantern.errors import LanternError, check
 from lantern.models.llamagen import LlamaGen
 
@@ -130,12 +131,12 @@ class LlamaGenTarget:
         return logits, hidden
 
     @torch.no_grad()
-    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, leaves: int | None = None
+    def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, tree: TreeBuffers | None = None
                ) -> tuple[Tensor, Tensor]:
         """One forward over a tree per row, written after each row's committed prefix.
 
         tokens [B, T] (node 0 = the pending root token), tree_mask [B, T, T] bool (ancestors and
-        self), depth [B, T]; ``leaves`` is not needed (LlamaGen inserts no row-end tokens).
+        self), depth [B, T]; ``tree``'s sizes are not needed (LlamaGen inserts no row-end tokens).
         Returns (guided logits [B, T, V], hidden [S*B, T, D]).
         """
         cache = self._cache()
