@@ -169,7 +169,7 @@ class TreeBuffers:
     # The most nodes at one depth, over the batch (a bound for a tree kind built with bounds): a
     # static size, like the shapes above. It bounds, with the depth levels, the nodes one forward can
     # hold at depths that share a residue (Lumina-mGPT's row ends: ChameleonTarget.verify).
-    widest: int = 0
+    widest: int
 
     @property
     def batch_size(self) -> int:
