@@ -95,6 +95,7 @@ def process_group(ctx: DistContext, device: str) -> Iterator[None]:
     if dist.is_initialized():  # someone else's (an embedding program's): theirs to destroy
         yield
         return
+    before_process_group()
     dist.init_process_group("nccl" if cuda else "gloo", rank=ctx.rank, world_size=ctx.world_size,
                             timeout=datetime.timedelta(minutes=30))
     failed = True
@@ -105,6 +106,22 @@ def process_group(ctx: DistContext, device: str) -> Iterator[None]:
         end_process_group(failed=failed)
 
 
+def before_process_group() -> None:
+    """Call before creating the default process group, so that :func:`end_process_group` can free it.
+
+    ``torch.distributed.nn.functional`` declares ``group=group.WORLD`` defaults, evaluated when the
+    module is first imported. ``torch._dynamo`` imports it, and creating an optimizer or compiling
+    imports ``torch._dynamo``, so in a training run it is first imported after the group exists.
+    Its defaults then hold the group for good: ``destroy_process_group`` drops every other
+    reference, but the gloo threads live on to interpreter exit, and there now and then end the
+    process (issue 30). Imported first, the defaults are None.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        import torch.distributed.nn.functional  # noqa: F401
+
+
 def end_process_group(*, failed: bool = False) -> None:
     """Destroy the default process group now, if there is one (issue 30).
 
@@ -113,7 +130,8 @@ def end_process_group(*, failed: bool = False) -> None:
     a finalizing interpreter, which ends the thread with ``pthread_exit``; that unwind through a
     ``noexcept`` destructor is ``std::terminate``, "terminate called without an active
     exception", now and then, when exit is slow (a loaded machine). Destroying the group here
-    joins those threads while Python is whole.
+    joins those threads while Python is whole, provided nothing else holds the group
+    (:func:`before_process_group`).
 
     No barrier first: a rank whose peers are done with it may leave (rank 0 still evaluating and
     writing must not hold the others up to the timeout, nor hang them if it fails). After a

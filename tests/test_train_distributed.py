@@ -56,7 +56,8 @@ def _launch(args: list[str], launcher: str = "torchrun") -> subprocess.Completed
         head = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *head, "-m", "lantern.cli", *args], env=env, cwd=ROOT,
+    # tests/rank_main.py: lantern.cli's main, then a check that no gloo thread outlives it (issue 30)
+    return subprocess.run([sys.executable, *head, str(ROOT / "tests" / "rank_main.py"), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -68,7 +69,9 @@ PORT_TAKEN = "The server socket has failed to listen on any local network addres
 def _launch_ok(args: list[str], launcher: str = "torchrun") -> str:
     """The launch's stdout; any failure fails the test. A rank that aborts in C++ ("terminate called
     without an active exception") is a bug, not flakiness: issue 30, fixed by destroying the process
-    group before interpreter exit (``lantern.distributed.end_process_group``)."""
+    group before interpreter exit (``lantern.distributed.end_process_group``) with nothing else
+    holding it (``before_process_group``); ``rank_main.py`` fails a rank whose gloo threads are
+    still alive when lantern's main returns, which decides that on every launch."""
     proc = _launch(args, launcher)
     if proc.returncode != 0 and PORT_TAKEN in proc.stderr:
         proc = _launch(args, launcher)  # the launcher never started a rank: nothing of lantern ran

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lantern.distributed import end_process_group
+from lantern.distributed import before_process_group, end_process_group
 from lantern.errors import LanternError, check
 from lantern.io import (
     ensure_writable_dir,
@@ -570,6 +570,7 @@ def _make_accelerator(accelerator_cls: Any, precision: str) -> Any:
     run (tests, notebooks) may train twice with different precisions, so reset it there."""
     from accelerate.state import AcceleratorState, DistributedType, PartialState
 
+    before_process_group()  # accelerate's state creates the group: let end_process_group free it
     mixed = "bf16" if precision == "bf16" else "no"
     reset = getattr(AcceleratorState, "_reset_state", None)  # private API: skip if a release drops it
     if getattr(AcceleratorState, "_shared_state", None) and reset is not None \
