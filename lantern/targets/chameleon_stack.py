@@ -48,6 +48,8 @@ class PromptStack(StackFolder):
     prompt_width: int = field(default=DEFAULT_PROMPT_WIDTH, kw_only=True)
 
     num_classes = None
+    kind: ClassVar[str]  # in records: "chameleon", "janus", "emu3"
+    family: ClassVar[str]  # in messages: "Chameleon-family", "Janus", "Emu3"
     num_tokens: int = field(init=False)  # image codes (the layout's)
     grid_width: int = field(init=False)  # codes per image row (row-end tokens not counted)
     vocab_size: int = field(init=False)  # the model's image codes
@@ -64,6 +66,41 @@ class PromptStack(StackFolder):
 
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
         return self.make_target(sampling, max_tree_nodes).cache_bytes(batch)
+
+    def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Each prompt's token ids in the model's template, up to the layout's prefix (which
+        ``encode_prompts`` appends, with the layout's head and tail)."""
+        raise NotImplementedError
+
+    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
+               t5: str | os.PathLike[str] | None = None) -> Conditions:
+        check(t5 is None, f"--t5 is not used by {self.family} models (they read prompts with their own tokenizer)")
+        prompts = check_condition_kind(conditions, str, self.root)
+        ids, mask = encode_prompts(self.prompt_ids([p for p in prompts for _ in range(repeats)]), self.layout,
+                                   self.prompt_width)
+        return Conditions(ids.to(self.device), mask.to(self.device))
+
+    def codebook(self) -> Tensor | None:
+        return self.model.codebook()
+
+    def model_shape(self) -> dict[str, int | str]:
+        c = self.model.config
+        return {"family": self.kind, "dim": c.hidden_size, "n_layer": c.num_hidden_layers,
+                "block_size": self.num_tokens, "vocab_size": self.vocab_size}
+
+    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
+        """A lantern-trained EAGLE drafter of this model."""
+        from lantern.drafters.checks import load_trained_drafter
+
+        drafter = load_trained_drafter(path, self.model, self.layout, self.family)
+        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
+
+    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+                      target: Target, slots: int, compile: str | None = None,
+                      cache_pool: CachePool | None = None) -> DraftBackend:
+        """lantern's EAGLE backend: the drafter reads the features of the layout's prefix, then the
+        codes' (both guidance streams), and shares the model's head over codes."""
+        return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
 
 @dataclass
@@ -82,27 +119,20 @@ class ChameleonStack(PromptStack):
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
     kind = "chameleon"
+    family = "Chameleon-family"
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
         return [list(self.tokenizer(self.layout.format_prompt(p), add_special_tokens=False)["input_ids"])
                 for p in prompts]
 
+    prompt_ids = tokenize  # the layout's head, tail and prefix are all special tokens
+
     def codebook(self) -> Tensor | None:
         return None if self.vq is None else self.vq.codebook()
 
     def model_shape(self) -> dict[str, int | str]:
-        c = self.model.config
-        return {"family": "chameleon", "layout": self.layout.name, "dim": c.hidden_size,
-                "n_layer": c.num_hidden_layers, "block_size": self.layout.num_tokens, "vocab_size": self.vocab_size}
-
-    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
-               t5: str | os.PathLike[str] | None = None) -> Conditions:
-        check(t5 is None, "--t5 is not used by Chameleon-family models (they read prompts with their own tokenizer)")
-        prompts = check_condition_kind(conditions, str, self.root)
-        ids, mask = encode_prompts(self.tokenize([p for p in prompts for _ in range(repeats)]), self.layout,
-                                   self.prompt_width)
-        return Conditions(ids.to(self.device), mask.to(self.device))
+        return {**super().model_shape(), "layout": self.layout.name}
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> ChameleonTarget:

@@ -40,15 +40,13 @@ from torch import Tensor
 
 from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
-from lantern.decoding.drafting import DraftBackend
-from lantern.decoding.loop import Target
 from lantern.decoding.sampling import apply_cfg
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
-from lantern.targets.base import Conditions, check_condition_kind, read_generation_settings
-from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import PromptStack, eagle_backend, load_prompt_tokenizer
+from lantern.targets.base import read_generation_settings
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
+from lantern.targets.chameleon_stack import PromptStack, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
 if TYPE_CHECKING:
@@ -122,7 +120,12 @@ class Emu3Stack(PromptStack):
 
     Conditions are prompts with Emu3's size header; guidance rows the negative prompt; images come
     from the model's VQ decoder; drafters are lantern-trained EAGLE drafters (1D RoPE, the size
-    header's features as their prefix), as for Chameleon and Janus models."""
+    header's features as their prefix), as for Chameleon and Janus models.
+
+    The drafter backend guides raw code logits, and that gives the target's law over codes: the
+    target guides full-vocabulary log-softmaxes, which differ from the raw logits by one constant
+    per row and stream, and ``u + s (c - u)`` of those constants is again one constant per row,
+    which softmax drops."""
 
     model: Emu3LM
     tokenizer: Any  # a transformers tokenizer
@@ -133,6 +136,7 @@ class Emu3Stack(PromptStack):
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
     kind = "emu3"
+    family = "Emu3"
 
     def config_sampling(self) -> dict[str, float]:
         """generation_config.json's, between BAAI's defaults and generation.json's."""
@@ -154,42 +158,14 @@ class Emu3Stack(PromptStack):
             out.append(ids)
         return out
 
-    def codebook(self) -> Tensor | None:
-        return self.model.codebook()
-
-    def model_shape(self) -> dict[str, int | str]:
-        c = self.model.config
-        return {"family": "emu3", "dim": c.hidden_size, "n_layer": c.num_hidden_layers,
-                "block_size": self.num_tokens, "vocab_size": self.vocab_size}
-
-    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
-               t5: str | os.PathLike[str] | None = None) -> Conditions:
-        check(t5 is None, "--t5 is not used by Emu3 models (they read prompts with their own tokenizer)")
-        prompts = check_condition_kind(conditions, str, self.root)
-        p = len(self.layout.prefix)  # the size header: encode_prompts appends it again
-        texts = [ids[:-p] for ids in self.tokenize([q for q in prompts for _ in range(repeats)])]
-        ids, mask = encode_prompts(texts, self.layout, self.prompt_width)
-        return Conditions(ids.to(self.device), mask.to(self.device))
+    def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        p = len(self.layout.prefix)  # the layout's prefix is the size header
+        return [ids[:-p] for ids in self.tokenize(prompts)]
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> Emu3Target:
         return Emu3Target(self.model, self.layout, sampling, self.negative_ids, max_tree_nodes=max_tree_nodes,
                           compile=compile, cache_pool=cache_pool, prompt_width=self.prompt_width)
-
-    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
-        from lantern.drafters.checks import drafter_dtype, load_trained_drafter
-
-        drafter = load_trained_drafter(path, self.model, self.layout, "Emu3")
-        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
-
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
-                      target: Target, slots: int, compile: str | None = None,
-                      cache_pool: CachePool | None = None) -> DraftBackend:
-        """The Chameleon stack's EAGLE backend over the code rows of the LM head. Its guidance (of
-        raw code logits) gives the target's law over codes: the target guides full-vocabulary
-        log-softmaxes, which differ from the raw logits by one constant per row and stream, and
-        ``u + s (c - u)`` of those constants is again one constant per row, which softmax drops."""
-        return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:

@@ -28,14 +28,11 @@ from torch import Tensor
 
 from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
-from lantern.decoding.drafting import DraftBackend
-from lantern.decoding.loop import Target
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
-from lantern.targets.base import Conditions, check_condition_kind
-from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, encode_prompts
-from lantern.targets.chameleon_stack import PromptStack, eagle_backend, load_prompt_tokenizer
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
+from lantern.targets.chameleon_stack import PromptStack, load_prompt_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -88,6 +85,7 @@ class JanusStack(PromptStack):
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = DEFAULT_SAMPLING
 
     kind = "janus"
+    family = "Janus"
 
     def config_sampling(self) -> dict[str, float]:
         """generation_config.json's, between DeepSeek's defaults and generation.json's."""
@@ -112,40 +110,13 @@ class JanusStack(PromptStack):
             out.append(ids)
         return out
 
-    def codebook(self) -> Tensor | None:
-        return self.model.codebook()
-
-    def model_shape(self) -> dict[str, int | str]:
-        c = self.model.config
-        return {"family": "janus", "dim": c.hidden_size, "n_layer": c.num_hidden_layers,
-                "block_size": self.num_tokens, "vocab_size": self.vocab_size}
-
-    def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
-               t5: str | os.PathLike[str] | None = None) -> Conditions:
-        check(t5 is None, "--t5 is not used by Janus models (they read prompts with their own tokenizer)")
-        prompts = check_condition_kind(conditions, str, self.root)
-        # the layout's prefix is the image-start token: encode_prompts appends it again
-        texts = [ids[:-1] for ids in self.tokenize([p for p in prompts for _ in range(repeats)])]
-        ids, mask = encode_prompts(texts, self.layout, self.prompt_width)
-        return Conditions(ids.to(self.device), mask.to(self.device))
+    def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        return [ids[:-1] for ids in self.tokenize(prompts)]  # the layout's prefix is the image-start token
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> JanusTarget:
         return JanusTarget(self.model, self.layout, sampling, self.tokens, max_tree_nodes=max_tree_nodes,
                            compile=compile, cache_pool=cache_pool, prompt_width=self.prompt_width)
-
-    def load_drafter(self, path: str | os.PathLike[str]) -> torch.nn.Module:
-        from lantern.drafters.checks import drafter_dtype, load_trained_drafter
-
-        drafter = load_trained_drafter(path, self.model, self.layout, "Janus")
-        return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
-
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
-                      target: Target, slots: int, compile: str | None = None,
-                      cache_pool: CachePool | None = None) -> DraftBackend:
-        """The Chameleon stack's EAGLE backend: the drafter reads the image-start token's features,
-        then the codes' (both guidance streams), and shares the model's generation head."""
-        return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
