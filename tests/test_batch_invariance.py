@@ -2,7 +2,7 @@
 
 The float level first: a row's logits are bit-identical in every batch size and at every position,
 for the chunked linear layer alone and for a whole target network. Then the codes: every method
-gives each image its alone codes in batches of 2, 4 and 8 (joining and moving rows:
+gives each image its alone codes in batches of 3 and 8 (joining and moving rows:
 tests/test_rows.py). tests/test_capabilities.py runs the tests marked ``invariance`` again under
 forced AVX2 kernels (MKL's AVX2 sgemm is the one whose row results depend on the batch).
 """
@@ -125,11 +125,12 @@ def test_make_batch_invariant_is_reversible_and_keeps_the_state_dict() -> None:
 
 
 @pytest.mark.parametrize("method", list(METHOD_TABLE))
-def test_every_method_gives_each_image_its_alone_codes_in_batches_of_2_4_and_8(pipe: lantern.Pipeline,
-                                                                               method: str) -> None:
-    """Eight images decoded one at a time, then in batches of 2, 4 and 8: the same codes."""
+def test_every_method_gives_each_image_its_alone_codes_in_batches_of_3_and_8(pipe: lantern.Pipeline,
+                                                                             method: str) -> None:
+    """Eight images decoded one at a time, then in batches of 3 (3 + 3 + 2: two batch sizes in one
+    pass, every image at another row than alone) and of 8: the same codes."""
     alone = pipe(labels=LABELS, seed=SEED, method=method, batch_size=1).codes
-    for batch in (2, 4, 8):
+    for batch in (3, 8):
         codes = pipe(labels=LABELS, seed=SEED, method=method, batch_size=batch).codes
         differ = [i for i in range(len(LABELS)) if not torch.equal(codes[i], alone[i])]
         assert differ == [], f"{method}: images {differ} changed at batch size {batch}"
