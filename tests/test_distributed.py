@@ -3,7 +3,8 @@
 Under N processes a request gives the same images (codes, PNGs) as in one process, because the
 shard rule is deterministic and every image keeps its own seed; a killed ``--resume`` job
 continues with the images it had not recorded. The multi-process runs are real ``torchrun``
-launches of ``python -m lantern.cli`` (2 processes, one thread each), so they are few.
+launches of lantern.cli's ``main`` (2 processes, one thread each; through ``tests/rank_main.py``,
+which also checks the process group's threads are gone when it returns), so they are few.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Every trainer under 2 CPU processes (gloo), launched as users launch it, against one process.
 
-Each data-parallel run is the real command (``torchrun`` or ``accelerate launch`` ``-m
-lantern.cli train-...``); the single-process reference is the same command in this process,
-with the same global ``--batch-size``. Both use one intra-op thread and fp32.
+Each data-parallel run is the real command (``torchrun`` or ``accelerate launch`` of lantern.cli's
+``main``, through ``tests/rank_main.py``, which also checks the process group's threads are gone
+when it returns); the single-process reference is the same command in this process, with the
+same global ``--batch-size``. Both use one intra-op thread and fp32.
 
 Tolerance: 2 processes average two half-batch gradients where 1 process sums the whole batch, so
 the sums are taken in another order: not bit-identical, but equal up to float32 rounding, which
