@@ -232,6 +232,21 @@ def test_only_errors_from_loading_the_cache_are_called_damage(tmp_path: Path,
         b"\x97".decode()  # the same error anywhere else (a compiler bug, a model's own code) is not the cache's
     except UnicodeDecodeError as e:
         assert compiling.cache_damage(e) is None
+    for error, named in ((ImportError, True), (RuntimeError, False)):  # only a library that does not load
+        try:
+            try:
+                _load_library_inner(error)
+            except Exception as e:
+                raise RuntimeError("InductorError") from e
+        except RuntimeError as e:
+            damage = compiling.cache_damage(e)
+        assert (damage is not None) == named, error
+        assert damage is None or str(damage).startswith(
+            f"LANTERN_COMPILE_CACHE={tmp_path / 'c'} is damaged (ImportError loading a cached kernel)")
+
+
+def _load_library_inner(error: type[Exception]) -> None:  # named as inductor's loader of a compiled library
+    raise error("invalid ELF header")
 
 
 def _generate_compiled(cache: Path, out: Path) -> subprocess.CompletedProcess[str]:

@@ -106,19 +106,28 @@ def check_cache_dir() -> None:
 # Inductor's functions that load a cache hit's artifacts (its generated module and compiled library):
 # an error raised under one of them comes from a damaged cache file, not from compiling.
 _CACHE_HIT_LOADERS = frozenset({"_lookup_graph", "cache_hit_post_compile", "after_deserialization"})
+# Where inductor opens a compiled library. It rebuilds a library only when its file is missing, so
+# a damaged ``.so`` is loaded even when the graph itself is compiled afresh (an FX graph cache miss:
+# seen on AMD EPYC, where the error is an ImportError "invalid ELF header" under these frames).
+_LIBRARY_LOADERS = frozenset({"_load_library", "_load_library_inner"})
+
+
+def _frames(error: BaseException) -> set[str]:
+    return {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
 
 
 def cache_damage(error: BaseException) -> LanternError | None:
     """One line for an error that loading the compile cache raised (random bytes in a cached
-    ``.py`` end in a UnicodeDecodeError, in a ``.so`` in a failed rebuild, both wrapped in dynamo's
-    BackendCompilerFailed), found by the frames it passed through; None for any other error."""
+    ``.py`` end in a UnicodeDecodeError, in a ``.so`` in a failed rebuild or an ImportError, all
+    wrapped in dynamo's BackendCompilerFailed or inductor's InductorError), found by the frames it
+    passed through; None for any other error."""
     chain: list[BaseException] = []
     cause: BaseException | None = error
     while cause is not None and all(cause is not seen for seen in chain):
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
-    if not any(frame.f_code.co_name in _CACHE_HIT_LOADERS
-               for e in chain for frame, _ in traceback.walk_tb(e.__traceback__)):
+    if not any(_frames(e) & _CACHE_HIT_LOADERS or (isinstance(e, ImportError) and _frames(e) & _LIBRARY_LOADERS)
+               for e in chain):
         return None
     path, named, variable = _cache_in_use()
     return LanternError(f"{named} is damaged ({type(chain[-1]).__name__} loading a cached kernel): delete the folder "
