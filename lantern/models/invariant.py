@@ -15,8 +15,10 @@ What that leaves is a row's position inside a chunk. A GEMM's code path does not
 values, only on the shape and the position, so :func:`invariant_rows` checks each chunk size on
 this device once per weight shape (every position against position 0, random data, two trials)
 and takes the first candidate at which a row's result is the same at every position; one row
-per call always qualifies. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 fails at 8
-(rows 6 and 7 sit in an edge tile) and passes at 16.
+per call always qualifies. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on
+an Intel Xeon fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on an AMD EPYC
+(Zen 3, AVX2 only) 8 passes at every shape tried (16 to 4096 inputs) and 6 fails at a 16-in,
+32-out layer, so the answer is the probe's, never a table's.
 
 Cost (2-core CPU, photos shapes): 1.5-2.5x per matmul at mid and large row counts, up to 7x at
 2 rows, which is why this is a mode (``lantern.load(..., deterministic=True)``, the server's
