@@ -108,7 +108,7 @@ def check_cache_dir() -> None:
 _CACHE_HIT_LOADERS = frozenset({"_lookup_graph", "cache_hit_post_compile", "after_deserialization"})
 # Where inductor opens a compiled library. It rebuilds a library only when its file is missing, so
 # a damaged ``.so`` is loaded even when the graph itself is compiled afresh (seen on AMD EPYC, where
-# inductor gave up the cache hit; the error is an ImportError "invalid ELF header" under these frames).
+# the damage changed the FX graph key; the error is an ImportError "invalid ELF header" under these frames).
 _LIBRARY_LOADERS = frozenset({"_load_library", "_load_library_inner"})
 
 
