@@ -22,6 +22,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, **FORCED_AVX2}
 
 
+def _skip_where_the_cpus_own_kernels_are_avx2(what: str) -> None:
+    """A child under forced AVX2 repeats tests that this run already ran on the same kernels where
+    the CPU has no AVX-512 (AMD EPYC): ATen, MKL, oneDNN and inductor's vector code are AVX2 there.
+    ATen lowered by hand on an AVX-512 CPU may leave MKL's AVX-512 code on: the child runs."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() == "AVX2" and "ATEN_CPU_CAPABILITY" not in os.environ:
+        pytest.skip(f"this CPU's own kernels are AVX2: {what} ran under them in this run")
+
+
 def test_the_forced_kernels_are_avx2() -> None:
     """The environment really lowers ATen's kernels (else the child run below proves nothing new)."""
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
@@ -45,15 +55,9 @@ ROWS_TEST = "tests/test_rows.py::test_rows_joining_leaving_and_moving_give_their
 def test_invariance_tests_pass_under_forced_avx2_kernels(tmp_path: Path) -> None:
     # Its own compile cache: inductor's keys do not tell forced-AVX2 artifacts from native ones, so
     # a later native test must never load what this child compiled.
-    import torch
-
     from lantern.methods import METHOD_TABLE
 
-    if torch.backends.cpu.get_cpu_capability() == "AVX2" and "ATEN_CPU_CAPABILITY" not in os.environ:
-        # A CPU without AVX-512 (AMD EPYC): ATen, MKL and oneDNN already run their AVX2 code in this
-        # run, so the child would repeat the marked tests on the same kernels (7 min of one worker
-        # there). ATen lowered by hand on an AVX-512 CPU may leave MKL's AVX-512 code on: the child runs.
-        pytest.skip("this CPU's own kernels are AVX2: the invariance tests ran under them in this run")
+    _skip_where_the_cpus_own_kernels_are_avx2("the invariance tests")
     assert set(AVX2_SKIPPED_METHODS) < set(METHOD_TABLE)  # a renamed method must not silently run again
     deselect = [arg for m in AVX2_SKIPPED_METHODS for test in (EVERY_METHOD_TEST, ROWS_TEST)
                 for arg in ("--deselect", f"{test}[{m}]")]
@@ -74,6 +78,7 @@ def test_the_compiled_sjd_round_is_right_under_forced_avx2_kernels(tmp_path: Pat
     aborts); lantern compiles without SIMD there (``compiling.cpu_vector_options``). The compiled
     chi-square test of coupled SJD, in a child under forced AVX2, with its own compile cache."""
     test = "tests/test_sjd_coupled.py::test_coupled_sjd_matches_target_distribution[maximal-compiled]"
+    _skip_where_the_cpus_own_kernels_are_avx2(test.split("::")[1])
     child = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", test],
                            env={**_env(), "LANTERN_COMPILE_CACHE": str(tmp_path)}, cwd=TESTS.parent,
                            capture_output=True, text=True, timeout=1500)
