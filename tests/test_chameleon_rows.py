@@ -207,9 +207,25 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     narrow = lantern.load(folder, image_size=64, prompt_width=short)
     assert narrow.stack.prompt_width == short
     with pytest.raises(LanternError, match=rf"^the prompt takes {long} tokens in the model's template, more than "
-                                           rf"--prompt-width {short} \(shorten it, or raise --prompt-width") as e:
+                                           rf"--prompt-width {short} \(shorten it, or raise --prompt-width to "
+                                           rf"{long} or more") as e:
         narrow(prompts=[PROMPTS[0]])
     assert e.value.field == "prompt"
+    # Of several prompts, the first too long is named by its index, with the longest (the width to ask for)
+    lengths = {p: int(wide.stack.encode([p]).cond.shape[1]) for p in PROMPTS}
+    several = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[1]]
+    assert lengths[PROMPTS[1]] == short < lengths[PROMPTS[2]] < long
+    with pytest.raises(LanternError, match=rf"^prompt 1 takes {lengths[PROMPTS[2]]} tokens in the model's template, "
+                                           rf"more than --prompt-width {short} \(2 of 4 prompts do; the longest, "
+                                           rf"prompt 2, takes {long}\): shorten them, or raise --prompt-width to "
+                                           rf"{long} or more") as e:
+        narrow(prompts=several, num_per_label=3)
+    assert e.value.field == "prompt"
+    encoded = wide.stack.encode(several, repeats=3)  # each prompt tokenized once, its context repeated in a row
+    assert encoded.cond.shape == (12, long)
+    for i, p in enumerate(several):
+        alone = wide.stack.encode([p]).cond
+        assert all(torch.equal(encoded.cond[3 * i + r, -alone.shape[1]:], alone[0]) for r in range(3))
     from lantern.serve.plan import setting_error
     from lantern.serve.scheduler import Scheduler
 

@@ -67,14 +67,16 @@ DEFAULT_PROMPT_WIDTH = 256
 
 
 def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout,
-                   width: int | None = None) -> tuple[Tensor, Tensor]:
-    """Conditional contexts for text token lists: (ids [B, L] left-padded, mask [B, L] True = real).
-    ``width``: the target's prompt width, which a context may not exceed (None: no bound)."""
+                   width: int | None = None, repeats: int = 1) -> tuple[Tensor, Tensor]:
+    """Conditional contexts for text token lists: (ids [B, L] left-padded, mask [B, L] True = real),
+    each list's context ``repeats`` times in a row. ``width``: the target's prompt width, which no
+    context may exceed (None: no bound); the first that does is named by its index in the list."""
     check(len(token_lists) > 0, "no prompts to generate from")
     rows = [[*layout.head, *map(int, t), *layout.tail, *layout.prefix] for t in token_lists]
-    length = max(len(r) for r in rows)
     if width is not None:
-        check_prompt_width(length, width)
+        check_prompt_widths([len(r) for r in rows], width)
+    rows = [r for r in rows for _ in range(repeats)]
+    length = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, r in enumerate(rows):
@@ -91,10 +93,22 @@ def new_line_slots(nodes: int, per_depth: int, levels: int, width: int) -> int:
     return min(nodes, per_depth * math.ceil(levels / width))
 
 
-def check_prompt_width(length: int, width: int) -> None:
-    check(length <= width, f"the prompt takes {length} tokens in the model's template, more than --prompt-width "
-                           f"{width} (shorten it, or raise --prompt-width: every row then pays that many cache "
-                           "columns)", field="prompt")
+def check_prompt_widths(lengths: Sequence[int], width: int) -> None:
+    """Every prompt context (``lengths``: tokens in the model's template) fits ``width`` columns.
+    Of several prompts, the first that does not is named by its index (as the image files and
+    ``--prompts`` order name them), with the longest, so that one rerun with the right
+    ``--prompt-width`` suffices."""
+    over = [i for i, n in enumerate(lengths) if n > width]
+    if not over:
+        return
+    cost = "every row then pays that many cache columns"
+    if len(lengths) == 1:
+        check(False, f"the prompt takes {lengths[0]} tokens in the model's template, more than --prompt-width "
+                     f"{width} (shorten it, or raise --prompt-width to {lengths[0]} or more: {cost})", field="prompt")
+    j = max(range(len(lengths)), key=lengths.__getitem__)
+    check(False, f"prompt {over[0]} takes {lengths[over[0]]} tokens in the model's template, more than --prompt-width "
+                 f"{width} ({len(over)} of {len(lengths)} prompts do; the longest, prompt {j}, takes {lengths[j]}): "
+                 f"shorten them, or raise --prompt-width to {lengths[j]} or more ({cost})", field="prompt")
 
 
 class ChameleonTarget:
@@ -164,7 +178,7 @@ class ChameleonTarget:
             length >= p and bool((cond[:, -p:] == prefix).all()) and bool(mask[:, -p:].all()),
             "every prompt context must end with the layout's image prefix (build them with encode_prompts)",
         )
-        check_prompt_width(length, self.prompt_width)
+        check_prompt_widths([length], self.prompt_width)
         extra = self.prompt_width - length  # the same columns for every row, alone or in any batch
         cond, mask, length = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False), self.prompt_width
         ids, mask = cond, mask

@@ -76,8 +76,7 @@ class PromptStack(StackFolder):
                t5: str | os.PathLike[str] | None = None) -> Conditions:
         check(t5 is None, f"--t5 is not used by {self.family} models (they read prompts with their own tokenizer)")
         prompts = check_condition_kind(conditions, str, self.root)
-        ids, mask = encode_prompts(self.prompt_ids([p for p in prompts for _ in range(repeats)]), self.layout,
-                                   self.prompt_width)
+        ids, mask = encode_prompts(self.prompt_ids(prompts), self.layout, self.prompt_width, repeats)
         return Conditions(ids.to(self.device), mask.to(self.device))
 
     def codebook(self) -> Tensor | None:
