@@ -395,6 +395,27 @@ def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtyp
                 prompt_width=prompt_width).stack
 
 
+def read_prompter(model: str | os.PathLike[str], layout: str | None = None, image_size: int | None = None) -> Any:
+    """A Chameleon-family folder's prompt side (``lantern.targets.chameleon_stack.Prompter``: its
+    tokenizer and template), read without its weights; None for a model of another family. What
+    ``lantern generate`` measures prompts with before it reads a (large) model."""
+    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.emu3 import is_emu3_folder
+    from lantern.models.janus import is_janus_folder
+    from lantern.targets.chameleon_stack import ChameleonPrompter, load_prompt_tokenizer
+    from lantern.targets.emu3 import read_emu3_prompter
+    from lantern.targets.janus import read_janus_prompter
+
+    root = Path(model)
+    if is_janus_folder(root):
+        return read_janus_prompter(root)
+    if is_emu3_folder(root):
+        return read_emu3_prompter(root, image_size)
+    if is_chameleon_folder(root):
+        return ChameleonPrompter(load_prompt_tokenizer(root), chameleon_layout(root, layout, image_size))
+    return None
+
+
 def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
                     image_size: int | None, dtype: torch.dtype, device: str, compile: str,
                     proximity: str | None) -> Pipeline:

@@ -249,3 +249,40 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     err = capsys.readouterr().err
     assert f"more than --prompt-width {short}" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("family", list(FOLDERS))
+def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, lantern.Pipeline], family: str,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The folder's prompt side, read without its weights, measures each prompt as the loaded stack
+    encodes it; so ``lantern generate`` refuses a prompt wider than ``--prompt-width`` before the
+    model is read (its loader here raises if called)."""
+    from lantern.api import read_prompter
+
+    stack = pipes[family].stack
+    size = ["--image-size", "64"] if family == "lumina" else []
+    prompter = read_prompter(stack.root, image_size=64 if family == "lumina" else None)
+    lengths = [int(stack.encode([p]).cond.shape[1]) for p in PROMPTS]
+    assert prompter.context_lengths(PROMPTS) == lengths and len(set(lengths)) > 2
+    assert read_prompter("digits") is None
+    loaders = {"lumina": "lantern.models.chameleon.load_chameleon", "janus": "lantern.models.janus.load_janus",
+               "emu3": "lantern.models.emu3.load_emu3"}
+
+    def no_weights(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model's weights were read before its prompts were measured")
+
+    monkeypatch.setattr(loaders[family], no_weights)
+    short = lengths[1]
+    assert short < lengths[0]
+    out = tmp_path / "out"
+    argv = ["generate", "--model", str(stack.root), *size, "--prompt", PROMPTS[1], "--prompt", PROMPTS[0],
+            "--no-progress", "--prompt-width"]
+    capsys.readouterr()
+    assert main([*argv, str(short), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1].startswith(f"lantern: error: prompt 1 takes {lengths[0]} tokens in the model's "
+                                           f"template, more than --prompt-width {short} (1 of 2 prompts do"), err
+    assert "Traceback" not in err and (not out.exists() or not any(out.iterdir()))
+    with pytest.raises(AssertionError, match="weights were read"):  # the loader is really the one patched
+        main([*argv, str(lengths[0]), "--out", str(tmp_path / "fits")])

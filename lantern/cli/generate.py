@@ -206,7 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     auto = check_auto_tree(args.tree, [args.method], args.profile)
     method_from_args(args, None)  # every method setting (a tree's size too) from the flags alone, before loading
     args.device = ctx.device(args.device)
-    pipe = _load_generate_pipeline(args, prompts is not None)
+    pipe = _load_generate_pipeline(args, prompts)
     auto_window = check_auto_window(args, auto_window_refusal(pipe.stack))
     if ctx.enabled and (auto or auto_window):
         raise LanternError("--tree auto / --sjd-window auto / --pjd-window auto time this process alone; under "
@@ -311,24 +311,32 @@ def _auto_method(args: argparse.Namespace, ctx: Any) -> MethodChoice | None:
     return choice
 
 
-def _load_generate_pipeline(args: argparse.Namespace, text: bool) -> Pipeline:
+def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None) -> Pipeline:
     """generate's pipeline (any family) for ``--model``: ``lantern.load``'s, whose drafter, table and
-    T5 are read on first need."""
-    from lantern.api import load
+    T5 are read on first need. A Chameleon-family model's prompts are measured against
+    ``--prompt-width`` first, with the folder's tokenizer: a 7B model takes minutes to read."""
+    from lantern.api import load, read_prompter
+    from lantern.hub import resolve_location
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
+    from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, check_prompt_widths
 
+    model = resolve_location(args.model, "--model")  # a Hub repo id: its snapshot folder
     for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder), ("Emu3", is_emu3_folder)):
-        if found(args.model):  # refused before the (large) model is read
+        if found(model):  # refused before the (large) model is read
             check_auto_window(args, f"{family}-family" if family == "Chameleon" else family)
-            if not text:
+            if prompts is None:
                 raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
                                    "or --prompts FILE")
-    pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
+    width = DEFAULT_PROMPT_WIDTH if args.prompt_width is None else args.prompt_width
+    prompter = read_prompter(model, args.layout, args.image_size) if prompts is not None and width > 0 else None
+    if prompter is not None:  # a bad width is refused by load, naming the flag
+        check_prompt_widths(prompter.context_lengths(prompts), width)
+    pipe = load(model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
                 tokenizer=args.tokenizer, t5=args.t5, proximity=args.proximity, deterministic=args.deterministic,
                 **chameleon_options(args))
-    check_model_condition(pipe.stack, args.model, text)
+    check_model_condition(pipe.stack, args.model, prompts is not None)
     return pipe
 
 

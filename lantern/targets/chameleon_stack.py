@@ -36,6 +36,32 @@ DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2000, "top_p": 1.0, "cfg_scale"
 VQ_NAMES = ("vqgan.ckpt", "tokenizer/vqgan.ckpt")  # where a model folder may hold the VQGAN
 
 
+class Prompter:
+    """How a Chameleon-family folder writes prompts as token ids, read without its weights (the
+    tokenizer, the template, the layout's ends): what the stack encodes with, and what
+    ``lantern generate`` checks against ``--prompt-width`` before the model is read."""
+
+    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
+        """Each prompt's context length: its ids in the template, the layout's fixed tokens included."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ChameleonPrompter(Prompter):
+    """Anole / Lumina-mGPT: the layout's template around the folder's tokenizer."""
+
+    tokenizer: Any
+    layout: ImageLayout
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        return [list(self.tokenizer(self.layout.format_prompt(p), add_special_tokens=False)["input_ids"])
+                for p in prompts]
+
+    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
+        ends = len(self.layout.head) + len(self.layout.tail) + len(self.layout.prefix)  # as encode_prompts adds
+        return [ends + len(ids) for ids in self.tokenize(prompts)]
+
+
 @dataclass
 class PromptStack(StackFolder):
     """What the stacks on the Chameleon adapter share (Chameleon, Janus, Emu3): the model and its
@@ -122,8 +148,7 @@ class ChameleonStack(PromptStack):
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
-        return [list(self.tokenizer(self.layout.format_prompt(p), add_special_tokens=False)["input_ids"])
-                for p in prompts]
+        return ChameleonPrompter(self.tokenizer, self.layout).tokenize(prompts)
 
     prompt_ids = tokenize  # the layout's head, tail and prefix are all special tokens
 

@@ -46,7 +46,7 @@ from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
 from lantern.targets.base import read_generation_settings
 from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
-from lantern.targets.chameleon_stack import PromptStack, load_prompt_tokenizer
+from lantern.targets.chameleon_stack import Prompter, PromptStack, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
 if TYPE_CHECKING:
@@ -80,6 +80,48 @@ class Emu3Prompting:
 
     def negative_prompt(self, grid: int) -> str:
         return self.prompt(self.negative, grid) if self.negative_header else f"{self.bos}{self.negative}"
+
+
+@dataclass(frozen=True)
+class Emu3Prompter(Prompter):
+    """An Emu3 folder's prompts: BOS, the text, then the size header of a ``grid`` x ``grid`` image."""
+
+    root: Path
+    tokenizer: Any
+    prompting: Emu3Prompting
+    grid: int  # codes per side
+    header: tuple[int, ...]  # the size header's ids: the layout's prefix, which ends every prompt
+
+    def format_prompt(self, prompt: str) -> str:
+        """The text transformers' Emu3Processor tokenizes for an image prompt."""
+        return self.prompting.prompt(prompt, self.grid)
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt, BOS first and the size header last (checked)."""
+        header = list(self.header)
+        out = []
+        for p in prompts:
+            ids = tokenize_text(self.tokenizer, self.format_prompt(p))
+            check(ids[-len(header):] == header,
+                  f"--model {self.root}: the tokenizer does not end the prompt with the size header "
+                  f"{self.prompting.header(self.grid)!r} (ids {header}); got ids {ids[-len(header):]}")
+            out.append(ids)
+        return out
+
+    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenize(prompts)]  # the layout adds no token: the prompt ends with its prefix
+
+
+def read_emu3_prompter(root: Path, image_size: int | None = None) -> Emu3Prompter:
+    """The folder's prompt side, without its weights (``image_size``: as :func:`load_emu3_stack`)."""
+    from lantern.models.emu3 import check_emu3_folder
+
+    check_emu3_folder(root)  # before the tokenizer: a remote-code folder is refused first
+    settings = read_generation_settings(root)
+    grid = grid_for(image_size if image_size is not None else folder_image_size(root, settings))
+    tokenizer = load_prompt_tokenizer(root, "Emu3")
+    prompting = emu3_prompting(root, tokenizer, settings)
+    return Emu3Prompter(root, tokenizer, prompting, grid, tuple(tokenize_text(tokenizer, prompting.header(grid))))
 
 
 class Emu3Target(ChameleonTarget):
@@ -142,21 +184,15 @@ class Emu3Stack(PromptStack):
         """generation_config.json's, between BAAI's defaults and generation.json's."""
         return self.sampling_defaults
 
+    @property
+    def prompter(self) -> Emu3Prompter:
+        return Emu3Prompter(self.root, self.tokenizer, self.prompting, self.layout.width, self.layout.prefix)
+
     def format_prompt(self, prompt: str) -> str:
-        """The text transformers' Emu3Processor tokenizes for an image prompt."""
-        return self.prompting.prompt(prompt, self.layout.width)
+        return self.prompter.format_prompt(prompt)
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each prompt, BOS first and the size header last (checked)."""
-        header = list(self.layout.prefix)
-        out = []
-        for p in prompts:
-            ids = tokenize_text(self.tokenizer, self.format_prompt(p))
-            check(ids[-len(header):] == header,
-                  f"--model {self.root}: the tokenizer does not end the prompt with the size header "
-                  f"{self.prompting.header(self.layout.width)!r} (ids {header}); got ids {ids[-len(header):]}")
-            out.append(ids)
-        return out
+        return self.prompter.tokenize(prompts)
 
     def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
         p = len(self.layout.prefix)  # the layout's prefix is the size header
@@ -189,16 +225,12 @@ def load_emu3_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = N
     """An Emu3 folder as a stack: the model (safetensors only), tokenizer, size header, negative prompt.
     ``image_size``: the square image's side in pixels (default: generation.json's ``image_size``, else
     Emu3Processor's 720)."""
-    from lantern.models.emu3 import check_emu3_folder, load_emu3
+    from lantern.models.emu3 import load_emu3
 
     root = Path(model)
-    check_emu3_folder(root)  # before the tokenizer: a remote-code folder is refused first
-    settings = read_generation_settings(root)
-    grid = grid_for(image_size if image_size is not None else folder_image_size(root, settings))
-    tokenizer = load_prompt_tokenizer(root, "Emu3")
-    prompting = emu3_prompting(root, tokenizer, settings)
+    prompter = read_emu3_prompter(root, image_size)
+    tokenizer, prompting, grid, header = prompter.tokenizer, prompter.prompting, prompter.grid, prompter.header
     lm = load_emu3(root, dtype=dtype, device=device)
-    header = tuple(tokenize_text(tokenizer, prompting.header(grid)))
     negative = tuple(tokenize_text(tokenizer, prompting.negative_prompt(grid)))
     check(bool(header) and max(header + negative) < lm.config.vocab_size,
           f"--model {root}: the size header / negative prompt ids {header} / {negative[:4]}... do not fit the "

@@ -32,7 +32,7 @@ from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
 from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
-from lantern.targets.chameleon_stack import PromptStack, load_prompt_tokenizer
+from lantern.targets.chameleon_stack import Prompter, PromptStack, load_prompt_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -68,6 +68,48 @@ class JanusTarget(ChameleonTarget):
         return torch.where(keep, cond, torch.full_like(cond, self.tokens.pad)), mask
 
 
+@dataclass(frozen=True)
+class JanusPrompter(Prompter):
+    """A Janus folder's prompts: its chat template around its tokenizer, ended by the image-start token."""
+
+    root: Path
+    tokenizer: Any
+    tokens: JanusTokens
+    chat_template: str | None  # None: the tokenizer's own
+
+    def format_prompt(self, prompt: str) -> str:
+        """The text transformers tokenizes for an image prompt: the chat template's user turn with
+        the generation prompt, then the image-start token."""
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+        return str(text) + self.tokens.boi_text
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt, BOS first and the image-start token last (checked)."""
+        out = []
+        for p in prompts:
+            ids = [int(i) for i in self.tokenizer(self.format_prompt(p))["input_ids"]]
+            check(bool(ids) and ids[-1] == self.tokens.boi,
+                  f"--model {self.root}: the tokenizer does not end the prompt with the image-start token "
+                  f"{self.tokens.boi_text!r} (id {self.tokens.boi}); got ids {ids[-3:]}")
+            out.append(ids)
+        return out
+
+    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenize(prompts)]  # the layout adds no token: the prompt ends with its prefix
+
+
+def read_janus_prompter(root: Path) -> JanusPrompter:
+    """The folder's prompt side, without its weights."""
+    from lantern.models.janus import check_janus_folder
+
+    check_janus_folder(root)  # before the tokenizer: a remote-code folder is refused first
+    tokenizer = load_prompt_tokenizer(root, "Janus")
+    template = read_chat_template(root, tokenizer)
+    return JanusPrompter(root, tokenizer, janus_tokens(root, tokenizer, read_generation_config(root)), template)
+
+
 @dataclass
 class JanusStack(PromptStack):
     """A Janus / Janus-Pro folder loaded: the :class:`~lantern.targets.base.Stack` for Janus targets.
@@ -91,24 +133,15 @@ class JanusStack(PromptStack):
         """generation_config.json's, between DeepSeek's defaults and generation.json's."""
         return self.sampling_defaults
 
+    @property
+    def prompter(self) -> JanusPrompter:
+        return JanusPrompter(self.root, self.tokenizer, self.tokens, self.chat_template)
+
     def format_prompt(self, prompt: str) -> str:
-        """The text transformers tokenizes for an image prompt: the chat template's user turn with
-        the generation prompt, then the image-start token."""
-        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
-        text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
-        return str(text) + self.tokens.boi_text
+        return self.prompter.format_prompt(prompt)
 
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each prompt, BOS first and the image-start token last (checked)."""
-        out = []
-        for p in prompts:
-            ids = [int(i) for i in self.tokenizer(self.format_prompt(p))["input_ids"]]
-            check(bool(ids) and ids[-1] == self.tokens.boi,
-                  f"--model {self.root}: the tokenizer does not end the prompt with the image-start token "
-                  f"{self.tokens.boi_text!r} (id {self.tokens.boi}); got ids {ids[-3:]}")
-            out.append(ids)
-        return out
+        return self.prompter.tokenize(prompts)
 
     def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
         return [ids[:-1] for ids in self.tokenize(prompts)]  # the layout's prefix is the image-start token
@@ -133,17 +166,16 @@ class JanusStack(PromptStack):
 def load_janus_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = None,
                      device: str | torch.device = "cpu") -> JanusStack:
     """A Janus folder as a stack: the model (safetensors only), tokenizer, chat template, token ids."""
-    from lantern.models.janus import check_janus_folder, load_janus
+    from lantern.models.janus import load_janus
 
     root = Path(model)
-    check_janus_folder(root)  # before the tokenizer: a remote-code folder is refused first
-    tokenizer = load_prompt_tokenizer(root, "Janus")
-    template = read_chat_template(root, tokenizer)
+    prompter = read_janus_prompter(root)
     settings = read_generation_config(root)
-    tokens = janus_tokens(root, tokenizer, settings)
+    tokens = prompter.tokens
     lm = load_janus(root, dtype=dtype, device=device)
-    stack = JanusStack(root=root, model=lm, layout=janus_layout(lm, tokens.boi), tokenizer=tokenizer,
-                       tokens=tokens, chat_template=template, sampling_defaults=sampling_from_config(settings))
+    stack = JanusStack(root=root, model=lm, layout=janus_layout(lm, tokens.boi), tokenizer=prompter.tokenizer,
+                       tokens=tokens, chat_template=prompter.chat_template,
+                       sampling_defaults=sampling_from_config(settings))
     check(max(tokens.bos, tokens.pad, tokens.boi) < lm.text_vocab,
           f"--model {root}: special token ids {tokens} past the text vocabulary ({lm.text_vocab})")
     return stack
