@@ -441,3 +441,24 @@ def test_the_law_test_has_power(folder: Path) -> None:
 
     stat, df = chi_square_pooled(_dist_codes(folder, "sjd-coupled"), _exact_law(folder, 2.5), 32)
     assert stat > chi_square_threshold(df)
+
+
+def test_a_prompt_the_tokenizer_does_not_end_with_the_size_header_is_refused() -> None:
+    """The prompt side checks that every tokenized prompt ends with the layout's prefix (here the
+    size header): a tokenizer that splits it otherwise would put the image at another place."""
+    from lantern.targets.emu3 import Emu3Prompter, Emu3Prompting
+
+    def tokenizer(cut: int) -> Any:
+        def encode(text: str) -> dict[str, list[int]]:
+            ids = [1, *(ord(c) % 50 + 10 for c in text.removesuffix("<boi>2*2<wrap>")), 7, 8]
+            return {"input_ids": ids[: len(ids) - cut]}
+        return encode
+
+    def prompter(cut: int) -> Emu3Prompter:
+        return Emu3Prompter(Path("m"), tokenizer(cut), Emu3Prompting(bos="", boi="<boi>", wrapper="<wrap>"),
+                            grid=2, header=(7, 8))
+
+    assert prompter(0).context_lengths(["a cat", "mountains"]) == [8, 12]
+    with pytest.raises(LanternError, match=r"^--model m: the tokenizer does not end the prompt with the size header "
+                                           r"'<boi>2\*2<wrap>' \(ids \[7, 8\]\); got ids \[\d+, \d+, \d+, 7\]$"):
+        prompter(1).tokenize(["a cat"])

@@ -46,6 +46,36 @@ class Prompter:
         raise NotImplementedError
 
 
+class EndedPrompter(Prompter):
+    """A family whose template writes the whole context, ended by the layout's prefix (Janus: the
+    image-start token; Emu3: the size header), which every tokenized prompt is checked to end with."""
+
+    root: Path
+    tokenizer: Any
+
+    def format_prompt(self, prompt: str) -> str:
+        raise NotImplementedError
+
+    def ending(self) -> tuple[tuple[int, ...], str]:
+        """The prefix's ids, and how an error names them."""
+        raise NotImplementedError
+
+    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt, BOS first (the template writes it) and the prefix last."""
+        end, name = self.ending()
+        out = []
+        for p in prompts:
+            ids = [int(i) for i in self.tokenizer(self.format_prompt(p))["input_ids"]]
+            check(tuple(ids[-len(end):]) == end,
+                  f"--model {self.root}: the tokenizer does not end the prompt with {name} (ids {list(end)}); "
+                  f"got ids {ids[-len(end) - 2:]}")
+            out.append(ids)
+        return out
+
+    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenize(prompts)]  # the layout adds no token
+
+
 @dataclass(frozen=True)
 class ChameleonPrompter(Prompter):
     """Anole / Lumina-mGPT: the layout's template around the folder's tokenizer."""

@@ -46,7 +46,7 @@ from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
 from lantern.targets.base import read_generation_settings
 from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
-from lantern.targets.chameleon_stack import Prompter, PromptStack, load_prompt_tokenizer
+from lantern.targets.chameleon_stack import EndedPrompter, PromptStack, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Emu3Prompting:
 
 
 @dataclass(frozen=True)
-class Emu3Prompter(Prompter):
+class Emu3Prompter(EndedPrompter):
     """An Emu3 folder's prompts: BOS, the text, then the size header of a ``grid`` x ``grid`` image."""
 
     root: Path
@@ -96,20 +96,8 @@ class Emu3Prompter(Prompter):
         """The text transformers' Emu3Processor tokenizes for an image prompt."""
         return self.prompting.prompt(prompt, self.grid)
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each prompt, BOS first and the size header last (checked)."""
-        header = list(self.header)
-        out = []
-        for p in prompts:
-            ids = tokenize_text(self.tokenizer, self.format_prompt(p))
-            check(ids[-len(header):] == header,
-                  f"--model {self.root}: the tokenizer does not end the prompt with the size header "
-                  f"{self.prompting.header(self.grid)!r} (ids {header}); got ids {ids[-len(header):]}")
-            out.append(ids)
-        return out
-
-    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
-        return [len(ids) for ids in self.tokenize(prompts)]  # the layout adds no token: the prompt ends with its prefix
+    def ending(self) -> tuple[tuple[int, ...], str]:
+        return self.header, f"the size header {self.prompting.header(self.grid)!r}"
 
 
 def read_emu3_prompter(root: Path, image_size: int | None = None) -> Emu3Prompter:

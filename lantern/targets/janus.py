@@ -32,7 +32,7 @@ from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.janus import BOI_TOKEN, JanusLM, janus_layout
 from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
-from lantern.targets.chameleon_stack import Prompter, PromptStack, load_prompt_tokenizer
+from lantern.targets.chameleon_stack import EndedPrompter, PromptStack, load_prompt_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -69,7 +69,7 @@ class JanusTarget(ChameleonTarget):
 
 
 @dataclass(frozen=True)
-class JanusPrompter(Prompter):
+class JanusPrompter(EndedPrompter):
     """A Janus folder's prompts: its chat template around its tokenizer, ended by the image-start token."""
 
     root: Path
@@ -85,19 +85,8 @@ class JanusPrompter(Prompter):
                                                   add_generation_prompt=True)
         return str(text) + self.tokens.boi_text
 
-    def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each prompt, BOS first and the image-start token last (checked)."""
-        out = []
-        for p in prompts:
-            ids = [int(i) for i in self.tokenizer(self.format_prompt(p))["input_ids"]]
-            check(bool(ids) and ids[-1] == self.tokens.boi,
-                  f"--model {self.root}: the tokenizer does not end the prompt with the image-start token "
-                  f"{self.tokens.boi_text!r} (id {self.tokens.boi}); got ids {ids[-3:]}")
-            out.append(ids)
-        return out
-
-    def context_lengths(self, prompts: Sequence[str]) -> list[int]:
-        return [len(ids) for ids in self.tokenize(prompts)]  # the layout adds no token: the prompt ends with its prefix
+    def ending(self) -> tuple[tuple[int, ...], str]:
+        return (self.tokens.boi,), f"the image-start token {self.tokens.boi_text!r}"
 
 
 def read_janus_prompter(root: Path) -> JanusPrompter:
