@@ -256,8 +256,8 @@ def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, la
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """The folder's prompt side, read without its weights, measures each prompt as the loaded stack
-    encodes it; so ``lantern generate`` refuses a prompt wider than ``--prompt-width`` before the
-    model is read (its loader here raises if called)."""
+    encodes it; so ``lantern generate`` refuses a prompt wider than ``--prompt-width`` (and, on Emu3,
+    a width its negative prompt does not fit) before the model is read (its loader here raises if called)."""
     from lantern.api import read_prompter
 
     stack = pipes[family].stack
@@ -272,6 +272,11 @@ def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, la
     def no_weights(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the model's weights were read before its prompts were measured")
 
+    if family == "emu3":  # the API refuses a width below the negative prompt as it starts decoding
+        negative = len(stack.negative_ids)
+        with pytest.raises(LanternError, match=f"^Emu3's negative prompt takes {negative} tokens, more than "
+                                               f"--prompt-width {negative - 1}: raise it$"):
+            lantern.load(stack.root, prompt_width=negative - 1)(prompts=[PROMPTS[1]])
     monkeypatch.setattr(loaders[family], no_weights)
     short = lengths[1]
     assert short < lengths[0]
@@ -284,5 +289,11 @@ def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, la
     assert err.splitlines()[-1].startswith(f"lantern: error: prompt 1 takes {lengths[0]} tokens in the model's "
                                            f"template, more than --prompt-width {short} (1 of 2 prompts do"), err
     assert "Traceback" not in err and (not out.exists() or not any(out.iterdir()))
+    if family == "emu3":  # its guidance rows, the negative prompt, are padded to the width too
+        negative = len(stack.negative_ids)
+        assert main([*argv, str(negative - 1), "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"lantern: error: Emu3's negative prompt takes {negative} tokens, more than --prompt-width {negative - 1}: "
+            "raise it")
     with pytest.raises(AssertionError, match="weights were read"):  # the loader is really the one patched
-        main([*argv, str(lengths[0]), "--out", str(tmp_path / "fits")])
+        main([*argv, str(max(lengths[0], len(getattr(stack, "negative_ids", ())))), "--out", str(tmp_path / "fits")])

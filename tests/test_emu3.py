@@ -456,7 +456,7 @@ def test_a_prompt_the_tokenizer_does_not_end_with_the_size_header_is_refused() -
 
     def prompter(cut: int) -> Emu3Prompter:
         return Emu3Prompter(Path("m"), tokenizer(cut), Emu3Prompting(bos="", boi="<boi>", wrapper="<wrap>"),
-                            grid=2, header=(7, 8))
+                            grid=2, header=(7, 8), negative=(1, 9))
 
     assert prompter(0).context_lengths(["a cat", "mountains"]) == [8, 12]
     with pytest.raises(LanternError, match=r"^--model m: the tokenizer does not end the prompt with the size header "

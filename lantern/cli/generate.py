@@ -320,7 +320,7 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
-    from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, check_prompt_widths
+    from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH
 
     model = resolve_location(args.model, "--model")  # a Hub repo id: its snapshot folder
     for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder), ("Emu3", is_emu3_folder)):
@@ -332,7 +332,7 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
     width = DEFAULT_PROMPT_WIDTH if args.prompt_width is None else args.prompt_width
     prompter = read_prompter(model, args.layout, args.image_size) if prompts is not None and width > 0 else None
     if prompter is not None:  # a bad width is refused by load, naming the flag
-        check_prompt_widths(prompter.context_lengths(prompts), width)
+        prompter.check_fits(prompts, width)
     pipe = load(model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
                 tokenizer=args.tokenizer, t5=args.t5, proximity=args.proximity, deterministic=args.deterministic,
                 **chameleon_options(args))

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from lantern.models.janus import JanusLM
 from lantern.drafters.checks import chameleon_drafter_config
-from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, encode_prompts
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, check_prompt_widths, encode_prompts
 
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_k": 2000, "top_p": 1.0, "cfg_scale": 3.0}  # Lumina / LANTERN defaults
 
@@ -44,6 +44,11 @@ class Prompter:
     def context_lengths(self, prompts: Sequence[str]) -> list[int]:
         """Each prompt's context length: its ids in the template, the layout's fixed tokens included."""
         raise NotImplementedError
+
+    def check_fits(self, prompts: Sequence[str], width: int) -> None:
+        """Every context ``prompts`` make fits a prompt width of ``width`` columns (one line naming
+        the first that does not)."""
+        check_prompt_widths(self.context_lengths(prompts), width)
 
 
 class EndedPrompter(Prompter):

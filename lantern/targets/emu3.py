@@ -91,6 +91,7 @@ class Emu3Prompter(EndedPrompter):
     prompting: Emu3Prompting
     grid: int  # codes per side
     header: tuple[int, ...]  # the size header's ids: the layout's prefix, which ends every prompt
+    negative: tuple[int, ...]  # the negative prompt's ids: the guidance rows, padded to the prompt width too
 
     def format_prompt(self, prompt: str) -> str:
         """The text transformers' Emu3Processor tokenizes for an image prompt."""
@@ -98,6 +99,15 @@ class Emu3Prompter(EndedPrompter):
 
     def ending(self) -> tuple[tuple[int, ...], str]:
         return self.header, f"the size header {self.prompting.header(self.grid)!r}"
+
+    def check_fits(self, prompts: Sequence[str], width: int) -> None:
+        super().check_fits(prompts, width)
+        check_negative_fits(len(self.negative), width)
+
+
+def check_negative_fits(tokens: int, width: int) -> None:
+    check(tokens <= width, f"Emu3's negative prompt takes {tokens} tokens, more than --prompt-width {width}: raise it",
+          field="prompt_width")
 
 
 def read_emu3_prompter(root: Path, image_size: int | None = None) -> Emu3Prompter:
@@ -109,7 +119,8 @@ def read_emu3_prompter(root: Path, image_size: int | None = None) -> Emu3Prompte
     grid = grid_for(image_size if image_size is not None else folder_image_size(root, settings))
     tokenizer = load_prompt_tokenizer(root, "Emu3")
     prompting = emu3_prompting(root, tokenizer, settings)
-    return Emu3Prompter(root, tokenizer, prompting, grid, tuple(tokenize_text(tokenizer, prompting.header(grid))))
+    return Emu3Prompter(root, tokenizer, prompting, grid, tuple(tokenize_text(tokenizer, prompting.header(grid))),
+                        tuple(tokenize_text(tokenizer, prompting.negative_prompt(grid))))
 
 
 class Emu3Target(ChameleonTarget):
@@ -127,8 +138,7 @@ class Emu3Target(ChameleonTarget):
         """The negative prompt in every row, left-padded to the prompt width."""
         b, length = cond.shape
         n = len(self.negative)
-        check(n <= length, f"Emu3's negative prompt takes {n} tokens, more than --prompt-width {length}: raise it",
-              field="prompt_width")
+        check_negative_fits(n, length)
         u_ids = torch.zeros(b, length, dtype=torch.long, device=cond.device)
         u_ids[:, length - n :] = self.negative.to(cond.device)
         u_mask = torch.zeros(b, length, dtype=torch.bool, device=cond.device)
@@ -174,7 +184,8 @@ class Emu3Stack(PromptStack):
 
     @property
     def prompter(self) -> Emu3Prompter:
-        return Emu3Prompter(self.root, self.tokenizer, self.prompting, self.layout.width, self.layout.prefix)
+        return Emu3Prompter(self.root, self.tokenizer, self.prompting, self.layout.width, self.layout.prefix,
+                            self.negative_ids)
 
     def format_prompt(self, prompt: str) -> str:
         return self.prompter.format_prompt(prompt)
@@ -217,9 +228,8 @@ def load_emu3_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = N
 
     root = Path(model)
     prompter = read_emu3_prompter(root, image_size)
-    tokenizer, prompting, grid, header = prompter.tokenizer, prompter.prompting, prompter.grid, prompter.header
+    tokenizer, grid, header, negative = prompter.tokenizer, prompter.grid, prompter.header, prompter.negative
     lm = load_emu3(root, dtype=dtype, device=device)
-    negative = tuple(tokenize_text(tokenizer, prompting.negative_prompt(grid)))
     check(bool(header) and max(header + negative) < lm.config.vocab_size,
           f"--model {root}: the size header / negative prompt ids {header} / {negative[:4]}... do not fit the "
           f"vocabulary ({lm.config.vocab_size})")
@@ -228,7 +238,7 @@ def load_emu3_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = N
           f"--image-size {grid * lm.pixels_per_code}: {grid} x {grid} codes and their row tokens exceed the "
           f"model's {max_len} positions")
     return Emu3Stack(root=root, model=lm, layout=emu3_layout(lm, header, grid), tokenizer=tokenizer,
-                     prompting=prompting, negative_ids=negative,
+                     prompting=prompter.prompting, negative_ids=negative,
                      sampling_defaults=sampling_from_config(read_generation_config(root)))
 
 
