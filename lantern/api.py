@@ -342,6 +342,8 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
         check(hasattr(pipe.stack, "prompt_width"), "--prompt-width is only used with Chameleon-family models "
                                                    "(Anole, Lumina-mGPT, Janus, Emu3)", field="prompt_width")
         pipe.stack.prompt_width = prompt_width
+    if hasattr(pipe.stack, "prompter"):  # what every prompt shares must fit (Emu3: its negative prompt)
+        pipe.stack.prompter.check_fits((), pipe.stack.prompt_width)
     if deterministic:
         from lantern.models.invariant import make_batch_invariant
 

@@ -272,11 +272,12 @@ def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, la
     def no_weights(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the model's weights were read before its prompts were measured")
 
-    if family == "emu3":  # the API refuses a width below the negative prompt as it starts decoding
+    if family == "emu3":  # the API (and so the server) refuses a width below the negative prompt as it loads
         negative = len(stack.negative_ids)
         with pytest.raises(LanternError, match=f"^Emu3's negative prompt takes {negative} tokens, more than "
                                                f"--prompt-width {negative - 1}: raise it$"):
-            lantern.load(stack.root, prompt_width=negative - 1)(prompts=[PROMPTS[1]])
+            lantern.load(stack.root, prompt_width=negative - 1)
+        assert lantern.load(stack.root, prompt_width=negative).stack.prompt_width == negative
     monkeypatch.setattr(loaders[family], no_weights)
     short = lengths[1]
     assert short < lengths[0]

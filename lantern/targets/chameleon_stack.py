@@ -128,6 +128,11 @@ class PromptStack(StackFolder):
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
         return self.make_target(sampling, max_tree_nodes).cache_bytes(batch)
 
+    @property
+    def prompter(self) -> Prompter:
+        """The family's prompt side (what :func:`lantern.api.read_prompter` reads without the weights)."""
+        raise NotImplementedError
+
     def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
         """Each prompt's token ids in the model's template, up to the layout's prefix (which
         ``encode_prompts`` appends, with the layout's head and tail)."""
@@ -181,9 +186,13 @@ class ChameleonStack(PromptStack):
     kind = "chameleon"
     family = "Chameleon-family"
 
+    @property
+    def prompter(self) -> ChameleonPrompter:
+        return ChameleonPrompter(self.tokenizer, self.layout)
+
     def tokenize(self, prompts: Sequence[str]) -> list[list[int]]:
         """Text token ids of each prompt in the layout's template (no special tokens: the layout adds them)."""
-        return ChameleonPrompter(self.tokenizer, self.layout).tokenize(prompts)
+        return self.prompter.tokenize(prompts)
 
     prompt_ids = tokenize  # the layout's head, tail and prefix are all special tokens
 
