@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from lantern.hub import resolve_location
 from lantern.methods import METHOD_SETTINGS, MethodConfig, resolve_method
 from lantern.parts import ModelParts
 from lantern.run import PreparedMethod, RunResult
+
+if TYPE_CHECKING:
+    from lantern.targets.chameleon_stack import Prompter
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
 
@@ -397,10 +400,11 @@ def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtyp
                 prompt_width=prompt_width).stack
 
 
-def read_prompter(model: str | os.PathLike[str], layout: str | None = None, image_size: int | None = None) -> Any:
-    """A Chameleon-family folder's prompt side (``lantern.targets.chameleon_stack.Prompter``: its
-    tokenizer and template), read without its weights; None for a model of another family. What
-    ``lantern generate`` measures prompts with before it reads a (large) model."""
+def read_prompter(model: str | os.PathLike[str], layout: str | None = None,
+                  image_size: int | None = None) -> Prompter | None:
+    """A Chameleon-family folder's prompt side (its tokenizer and template), read without its
+    weights; None for a model of another family. What ``lantern generate`` measures prompts with
+    before it reads a (large) model."""
     from lantern.models.chameleon import is_chameleon_folder
     from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
