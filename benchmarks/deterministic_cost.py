@@ -1,10 +1,12 @@
 """What ``--deterministic`` (batch-invariant matmuls) costs: the same images decoded by a default and
-a deterministic pipeline, side by side in one process, in alternating order (drift hits both alike).
+a deterministic pipeline, side by side in one process, in rotating order (drift hits both alike).
 
     python benchmarks/deterministic_cost.py --model photos --methods ar,lantern++,sjd-coupled \
-        --batch-sizes 1,8 --images 8 --repeats 3 [--compile default]
+        --batch-sizes 1,8 --images 8 --repeats 3 [--compile default] [--smallest-calls]
 
 Prints, per method and batch size, the median wall seconds per image of each mode and their ratio.
+``--smallest-calls`` adds a third pipeline, deterministic with every layer held to its smallest
+call size (how the mode chunked rows before larger calls were probed), to show what they save.
 Run it alone on the machine: timings on a busy machine lie.
 """
 
@@ -15,6 +17,16 @@ import statistics
 import time
 
 import lantern
+from lantern.models.invariant import RowChunkedLinear
+
+
+def smallest_calls_only(pipe: lantern.Pipeline) -> lantern.Pipeline:
+    """``pipe`` with every chunked layer held to its smallest call size (the same bits)."""
+    for net in (pipe.stack.network(), pipe.drafter):
+        for layer in [] if net is None else net.modules():
+            if type(layer) is RowChunkedLinear:
+                layer.invariant_chunks = layer.invariant_chunks[:1]
+    return pipe
 
 
 def main() -> None:
@@ -25,23 +37,30 @@ def main() -> None:
     p.add_argument("--images", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", default="off")
+    p.add_argument("--smallest-calls", action="store_true")
     args = p.parse_args()
-    pipes = {mode: lantern.load(args.model, compile=args.compile, deterministic=mode) for mode in (False, True)}
-    labels = [i % (pipes[False].stack.num_classes or 1) for i in range(args.images)]
-    print(f"{'method':<12} {'batch':>5} {'default s/img':>14} {'deterministic s/img':>20} {'ratio':>6}")
+    pipes = {mode: lantern.load(args.model, compile=args.compile, deterministic=mode != "default")
+             for mode in ("default", "deterministic", *(["smallest calls"] if args.smallest_calls else []))}
+    if args.smallest_calls:
+        smallest_calls_only(pipes["smallest calls"])
+    modes = list(pipes)
+    labels = [i % (pipes["default"].stack.num_classes or 1) for i in range(args.images)]
+    print(f"{'method':<12} {'batch':>5} " + " ".join(f"{m + ' s/img':>20} {'ratio':>6}" for m in modes))
     for method in args.methods.split(","):
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(2):  # warm-up (and compilation) for both
+            times: dict[str, list[float]] = {mode: [] for mode in modes}
+            for _ in range(2):  # warm-up (and compilation) for every mode
                 for pipe in pipes.values():
                     pipe(labels=labels[:batch], method=method, batch_size=batch, seed=99)
             for r in range(args.repeats):
-                for mode in ((False, True) if r % 2 == 0 else (True, False)):
+                for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
                     start = time.perf_counter()
                     pipes[mode](labels=labels, method=method, batch_size=batch, seed=r)
                     times[mode].append((time.perf_counter() - start) / len(labels))
-            off, on = statistics.median(times[False]), statistics.median(times[True])
-            print(f"{method:<12} {batch:>5} {off:>14.3f} {on:>20.3f} {on / off:>5.2f}x", flush=True)
+            base = statistics.median(times["default"])
+            print(f"{method:<12} {batch:>5} " + " ".join(
+                f"{statistics.median(times[m]):>20.3f} {statistics.median(times[m]) / base:>5.2f}x" for m in modes),
+                flush=True)
 
 
 if __name__ == "__main__":

@@ -66,40 +66,81 @@ def test_the_check_catches_a_dependence_on_batch_size_or_position() -> None:
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("shape", [(256, 768), (704, 256), (64, 1024)])
 def test_a_chunked_linear_row_is_the_same_in_every_batch(threads: int, shape: tuple[int, int]) -> None:
-    """Rows of a batch-invariant ``nn.Linear`` are bit-identical at batch sizes 1..40 and every
-    position (40 rows: several chunks and, at 2 threads, the sizes where a BLAS splits work), and
-    equal ``F.linear`` up to float rounding."""
+    """Rows of a batch-invariant ``nn.Linear`` are bit-identical at batch sizes 1..12 and every
+    position, and in one call of 300 rows (every call size the layer makes, and at 2 threads the
+    sizes where a BLAS splits work), and equal ``F.linear`` up to float rounding."""
     gen = torch.Generator().manual_seed(threads)
     layer = nn.Linear(*shape, bias=shape[0] == 64)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / shape[0] ** 0.5)
     make_batch_invariant(layer)
-    assert type(layer) is RowChunkedLinear and layer.invariant_rows in invariant.CANDIDATE_ROWS
-    x = torch.randn(40, shape[0], generator=gen)
+    assert type(layer) is RowChunkedLinear and layer.invariant_chunks[0] in invariant.CANDIDATE_ROWS
+    x = torch.randn(300, shape[0], generator=gen)
     with torch.no_grad():
         assert batch_dependence(layer, x[:12], 12) == []
         full = layer(x)
-        assert all(torch.equal(full[i], layer(x[i : i + 1])[0]) for i in range(40))
+        assert all(torch.equal(full[i], layer(x[i : i + 1])[0]) for i in range(300))
         torch.testing.assert_close(full, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def one_row_per_call_plus(offset: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+    """A linear kernel that computes one row per call (so this machine's own GEMM cannot depend on
+    the position or the call size) and adds ``offset(x)``, a planted dependence on them."""
+    real = F.linear
+
+    def kernel(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        out = torch.cat([real(row[None], w, b) for row in x])
+        return out + torch.as_tensor(offset(x), dtype=out.dtype)
+
+    return kernel
 
 
 def test_the_chunk_size_skips_sizes_whose_rows_depend_on_their_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe is a real check: a kernel whose rows 6 and 7 of every 8 come out differently (as
-    MKL's AVX2 edge tiles do) is refused at 16, 12 and 8 and accepted at 6. The kernel under the
-    injected edge computes one row per call, so this machine's own GEMM (which may itself depend on
-    the position at 6 rows, as MKL's AVX2 code does on AMD EPYC) cannot move the answer."""
-    real = F.linear
-
-    def edge_tiles(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        out = torch.cat([real(row[None], w, b) for row in x])
-        return out + 1e-3 * (torch.arange(x.shape[0]) % 8 >= 6).to(out.dtype)[:, None]
-
+    MKL's AVX2 edge tiles do) is refused at 16, 12 and 8 and accepted at 6, and no larger call is
+    kept (a 12-row call has rows in the edge too). The kernel under the injected edge computes one
+    row per call, so this machine's own GEMM (which may itself depend on the position at 6 rows, as
+    MKL's AVX2 code does on AMD EPYC) cannot move the answer."""
+    edge = one_row_per_call_plus(lambda x: 1e-3 * (torch.arange(x.shape[0]) % 8 >= 6)[:, None])
     monkeypatch.setattr(invariant, "_probed", {})
-    monkeypatch.setattr(invariant.F, "linear", edge_tiles)
-    assert invariant.invariant_rows(torch.randn(32, 16)) == 6
-    monkeypatch.setattr(invariant.F, "linear", real)
+    monkeypatch.setattr(invariant.F, "linear", edge)
+    assert invariant.invariant_chunks(torch.randn(32, 16)) == (6,)
+    monkeypatch.undo()
     monkeypatch.setattr(invariant, "_probed", {})
-    assert invariant.invariant_rows(torch.randn(32, 16)) in invariant.CANDIDATE_ROWS
+    assert invariant.invariant_chunks(torch.randn(32, 16))[0] in invariant.CANDIDATE_ROWS
+
+
+def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose 32-row calls give every row other bits (a size-driven kernel choice, as
+    cuBLAS makes): 32 is refused and the other sizes kept; a layer on that kernel still gives a
+    row its alone bits in every batch up to 300 rows, 32 rows included (24 + 8)."""
+    monkeypatch.setattr(invariant, "_probed", {})
+    monkeypatch.setattr(invariant.F, "linear", one_row_per_call_plus(lambda x: 1e-3 * (x.shape[0] == 32)))
+    layer = make_batch_invariant(nn.Linear(16, 32))
+    assert layer.invariant_chunks == (8, 16, 24, 40, 48, 56, 64, 128, 256)
+    assert invariant.call_sizes(32, layer.invariant_chunks) == (24, 8)
+    x = torch.randn(300, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full, alone = layer(x), torch.cat([layer(row[None]) for row in x])
+        assert torch.equal(full, alone)
+        assert batch_dependence(layer, x[:40], 40) == []
+        # power: the same kernel without the refusal changes the rows of a 32-row call
+        layer.invariant_chunks = (8, 16, 24, 32, 40, 48, 56, 64, 128, 256)
+        assert not torch.equal(layer(x[:32]), alone[:32])
+
+
+@pytest.mark.parametrize(("m", "sizes"), [(1, (8,)), (8, (8,)), (9, (16,)), (34, (40,)), (64, (64,)),
+                                          (65, (64, 8)), (112, (64, 48)), (200, (128, 64, 8)), (257, (256, 8)),
+                                          (600, (256, 256, 64, 24))])
+def test_a_row_count_takes_few_calls_and_pads_to_the_smallest_chunk(m: int, sizes: tuple[int, ...]) -> None:
+    """What this machine's MKL allows on an AMD EPYC (every multiple of 8 rows up to 64, then
+    doublings): at most one call up to 64 rows, padding below 8 rows; one chunk size alone pads to
+    a multiple of it."""
+    chunks = (8, *invariant.larger_calls(8, 256))
+    assert chunks == (8, 16, 24, 32, 40, 48, 56, 64, 128, 256)
+    assert invariant.call_sizes(m, chunks) == sizes
+    assert invariant.call_sizes(m, (6,)) == (6,) * -(-m // 6)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)

@@ -1,4 +1,4 @@
-"""Batch-invariant linear layers: every matmul call computes the same number of rows.
+"""Batch-invariant linear layers: every matmul call runs at a row count known to give a row the same bits.
 
 Why: a BLAS picks its kernel, its blocking and its thread split from the matrix shape. On x86
 MKL's AVX2 sgemm (what MKL runs on AMD EPYC, and on Intel with ``MKL_ENABLE_INSTRUCTIONS=AVX2``)
@@ -7,80 +7,145 @@ edge take another micro-kernel), so the same image row gets other logits in a ba
 alone, and a draw that lands near a CDF boundary flips (measured: 1 image in 48-96 on ``digits``).
 cuBLAS chooses kernels by shape too. vLLM's batch-invariant mode and SGLang's deterministic
 inference fix the tile of every kernel; the portable version of that is to call the BLAS only
-with one fixed shape: the rows of ``x`` are cut into chunks of ``rows`` (the last one padded with
-zeros) and each chunk is one ``F.linear`` call, so the kernel, blocking and reduction order never
-change with the batch.
+at row counts known to give a row the same bits: the rows of ``x`` are padded with zeros and cut
+into calls of those sizes, so the kernel, blocking and reduction order a row meets never change
+with the batch.
 
-What that leaves is a row's position inside a chunk. A GEMM's code path does not branch on the
-values, only on the shape and the position, so :func:`invariant_rows` checks each chunk size on
-this device once per weight shape (every position against position 0, random data, two trials)
-and takes the first candidate at which a row's result is the same at every position; one row
-per call always qualifies. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on
-an Intel Xeon fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on an AMD EPYC
-(Zen 3, AVX2 only) 8 passes at every shape tried (16 to 4096 inputs) and 6 fails at a 16-in,
-32-out layer, so the answer is the probe's, never a table's.
+What that leaves is a row's position inside a call, and which sizes agree. A GEMM's code path
+does not branch on the values, only on the shape and the position, so :func:`invariant_chunks`
+checks this device once per weight shape: the smallest call is the first candidate at which a
+row's result is the same at every position (every position against position 0, random data, two
+trials; one row per call always qualifies), and larger calls are kept where a row's result at
+every position equals its result in the smallest. Measured: MKL AVX-512 passes every size up to
+64, MKL AVX2 forced on an Intel Xeon fails at 8 (rows 6 and 7 sit in an edge tile) and passes at
+16; on an AMD EPYC (Zen 3, AVX2 only) 8 passes at every shape tried (16 to 4096 inputs), 6 fails
+at a 16-in, 32-out layer, and every multiple of 8 up to 256 rows gives the 8-row bits, so the
+answer is the probe's, never a table's.
 
-Cost (2-core CPU, photos shapes): 1.5-2.5x per matmul at mid and large row counts, up to 7x at
-2 rows, which is why this is a mode (``lantern.load(..., deterministic=True)``, the server's
-default) and not always on: docs/DESIGN.md, "Batch invariance".
+Cost: one to three calls per layer where the native kernel makes one, plus the padding (a batch-1
+AR step's 2 rows take an 8-row call), which is why this is a mode (``lantern.load(...,
+deterministic=True)``, the server's default) and not always on: docs/DESIGN.md, "Batch
+invariance".
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Chunk sizes tried, cheapest first at the row counts decoding sees (2 .. a few hundred rows).
+# Chunk sizes tried for a layer's smallest call, cheapest first at the row counts decoding sees
+# (2 .. a few hundred rows).
 CANDIDATE_ROWS = (8, 16, 12, 6, 4, 2, 1)
 # On a GPU a small-row matmul costs its launch and one read of the weights whatever its rows, so
 # 64-row chunks cost what 8-row ones do while 8-row chunks multiply the launches: a LANTERN++
 # round at batch 8 verifies a few hundred rows, 40+ calls per layer at 8 rows (measured on an
 # H200: the server, deterministic by default, made 5 images/s where batch-8 decoding made 81).
 CUDA_CANDIDATE_ROWS = (64, 32, 16, 8, 4, 2, 1)
+# The largest call a layer may make. A layer's larger calls are its smallest chunk times 2 .. 8,
+# then times 16, 32, ... up to this, each kept only where it gives a row the smallest chunk's bits
+# at every position, so a round's rows take one to three calls, not dozens of weight reads: on the
+# AMD EPYC an 8-row call costs 2.5-4x per row what a 256-row one does, and MKL's AVX2 sgemm gives
+# a row the same bits in every call whose rows are a multiple of 4 there (its edge kernel takes
+# the rest).
+LARGEST_CALL_ROWS = 256
+CUDA_LARGEST_CALL_ROWS = 512
 
 
 def candidate_rows(device: torch.device) -> tuple[int, ...]:
-    """The chunk sizes :func:`invariant_rows` tries on ``device``, cheapest first."""
+    """The chunk sizes :func:`invariant_chunks` tries for the smallest call on ``device``,
+    cheapest first."""
     return CUDA_CANDIDATE_ROWS if device.type == "cuda" else CANDIDATE_ROWS
+
+
+def largest_call_rows(device: torch.device) -> int:
+    return CUDA_LARGEST_CALL_ROWS if device.type == "cuda" else LARGEST_CALL_ROWS
+
+
 _PROBE_TRIALS = 2
 
-# (in, out, bias, dtype, device) -> rows: a property of the kernels, found once per process
-_probed: dict[tuple[Any, ...], int] = {}
+# (in, out, bias, dtype, device) -> chunk sizes: a property of the kernels, found once per process
+_probed: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
 
-def chunked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -> Tensor:
-    """``F.linear(x, weight, bias)`` computed ``rows`` rows per call (zero-padded last chunk)."""
+def larger_calls(smallest: int, largest: int) -> list[int]:
+    """The call sizes tried above ``smallest``: every multiple up to 8x (so that a round's row count
+    pads to the next multiple of ``smallest``, in one call), then doublings up to ``largest``."""
+    sizes = [smallest * j for j in range(2, 9)] + [smallest << j for j in range(4, 32)]
+    return [size for size in sizes if size <= largest]
+
+
+@functools.cache
+def call_sizes(m: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """The row counts of the calls that cover ``m`` rows: ``m`` padded up to a multiple of the
+    smallest chunk, then the largest chunks first (every chunk is a multiple of the smallest).
+    Cached: a decode asks for the same few row counts every step."""
+    left = -(-m // chunks[0]) * chunks[0]
+    sizes: list[int] = []
+    for size in sorted(chunks, reverse=True):
+        count, left = divmod(left, size)
+        sizes += [size] * count
+    return tuple(sizes)
+
+
+def chunked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, chunks: tuple[int, ...]) -> Tensor:
+    """``F.linear(x, weight, bias)`` computed in calls of the sizes in ``chunks`` (which give a row
+    the same bits; the last rows zero-padded to a multiple of the smallest)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     m = flat.shape[0]
-    pad = -m % rows
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, k)])
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(rows)])
+    sizes = call_sizes(m, chunks)
+    if sum(sizes) > m:
+        flat = F.pad(flat, (0, 0, 0, sum(sizes) - m))  # zeros: any rows would do (rows are independent)
+    if len(sizes) == 1:
+        out = F.linear(flat, weight, bias)
+    else:
+        out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(sizes)])
     return out[:m].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _randn(gen: torch.Generator, like: Tensor, *shape: int) -> Tensor:
+    return torch.randn(*shape, generator=gen).to(like.device, like.dtype)
 
 
 def _same_at_every_position(weight: Tensor, bias: Tensor | None, rows: int, gen: torch.Generator) -> bool:
     """Whether a row's output is bit-identical wherever it sits in a ``rows``-row call."""
     k = weight.shape[1]
-
-    def randn(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen).to(weight.device, weight.dtype)
-
-    probe = randn(1, k)
-    first = randn(rows, k)
+    probe = _randn(gen, weight, 1, k)
+    first = _randn(gen, weight, rows, k)
     first[0] = probe[0]
     reference = F.linear(first, weight, bias)[0]
     for _ in range(_PROBE_TRIALS):
         for position in range(1, rows):
-            chunk = randn(rows, k)
+            chunk = _randn(gen, weight, rows, k)
             chunk[position] = probe[0]
             if not torch.equal(F.linear(chunk, weight, bias)[position], reference):
                 return False
+    return True
+
+
+def _same_as_in_the_smallest_chunk(weight: Tensor, bias: Tensor | None, smallest: int, rows: int,
+                                   gen: torch.Generator) -> bool:
+    """Whether a row's output at every position of a ``rows``-row call is its output in a
+    ``smallest``-row call, bit for bit. Each trial puts the row at every other position, among
+    random rows, so the trials cover every position in one call each (a GEMM's code path depends
+    on the shape and the position, never on the values)."""
+    k = weight.shape[1]
+    probe = _randn(gen, weight, 1, k)
+    first = _randn(gen, weight, smallest, k)
+    first[0] = probe[0]
+    reference = F.linear(first, weight, bias)[0]
+    for trial in range(_PROBE_TRIALS):
+        chunk = _randn(gen, weight, rows, k)
+        chunk[trial::_PROBE_TRIALS] = probe[0]
+        out = F.linear(chunk, weight, bias)[trial::_PROBE_TRIALS]
+        if not torch.equal(out, reference.expand_as(out)):
+            return False
     return True
 
 
@@ -91,12 +156,12 @@ def _probe_threads() -> list[int]:
     return sorted({1, torch.get_num_threads(), max(1, min(os.cpu_count() or 1, 64))})
 
 
-def _passes(w: Tensor, b: Tensor | None, rows: int, gen: torch.Generator) -> bool:
+def _at_every_thread_count(check: Callable[[], bool]) -> bool:
     before = torch.get_num_threads()
     try:
         for threads in _probe_threads():
             torch.set_num_threads(threads)
-            if not _same_at_every_position(w, b, rows, gen):
+            if not check():
                 return False
         return True
     finally:
@@ -104,16 +169,23 @@ def _passes(w: Tensor, b: Tensor | None, rows: int, gen: torch.Generator) -> boo
 
 
 @torch.no_grad()
-def invariant_rows(weight: Tensor, bias: Tensor | None = None) -> int:
-    """The first candidate chunk size at which this device's matmul gives a row the same result
-    at every position, at every thread count of :func:`_probe_threads` (checked on ``weight``'s
-    shape, dtype and device; cached per process)."""
+def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, ...]:
+    """The call sizes at which this device's matmul gives a row one result wherever it sits,
+    smallest first, at every thread count of :func:`_probe_threads` (checked on ``weight``'s
+    shape, dtype and device; cached per process). The smallest is the first candidate at which
+    a row's result is the same at every position of the call; the others are the
+    :func:`larger_calls` at which a row's result at every position equals its result in the
+    smallest call."""
     key = (weight.shape[1], weight.shape[0], bias is not None, weight.dtype, weight.device)
     if key not in _probed:
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(weight.shape, generator=gen).to(weight.device, weight.dtype)
-        b = None if bias is None else torch.randn(bias.shape, generator=gen).to(bias.device, bias.dtype)
-        _probed[key] = next(r for r in candidate_rows(weight.device) if r == 1 or _passes(w, b, r, gen))
+        w = _randn(gen, weight, *weight.shape)
+        b = None if bias is None else _randn(gen, bias, *bias.shape)
+        smallest = next(r for r in candidate_rows(weight.device)
+                        if r == 1 or _at_every_thread_count(lambda r=r: _same_at_every_position(w, b, r, gen)))
+        larger = larger_calls(smallest, largest_call_rows(weight.device))
+        _probed[key] = (smallest, *(r for r in larger if _at_every_thread_count(
+            lambda r=r: _same_as_in_the_smallest_chunk(w, b, smallest, r, gen))))
     return _probed[key]
 
 
@@ -123,10 +195,10 @@ class RowChunkedLinear(nn.Linear):
     Modules become one by :func:`make_batch_invariant` (a class swap, so transformers' layers and
     lantern's own convert alike, and the checkpoint keys do not change)."""
 
-    invariant_rows: int
+    invariant_chunks: tuple[int, ...]
 
     def forward(self, x: Tensor) -> Tensor:
-        return chunked_linear(x, self.weight, self.bias, self.invariant_rows)
+        return chunked_linear(x, self.weight, self.bias, self.invariant_chunks)
 
 
 def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
@@ -134,7 +206,7 @@ def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
     ``enabled=False``). In place; returns ``module``."""
     for sub in module.modules():
         if enabled and type(sub) is nn.Linear:
-            sub.invariant_rows = invariant_rows(sub.weight, sub.bias)
+            sub.invariant_chunks = invariant_chunks(sub.weight, sub.bias)
             sub.__class__ = RowChunkedLinear
         elif not enabled and type(sub) is RowChunkedLinear:
             sub.__class__ = nn.Linear
