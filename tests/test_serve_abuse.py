@@ -252,6 +252,43 @@ def test_connections_past_the_limit_are_closed_at_once(server: str) -> None:
         time.sleep(0.1)
 
 
+def test_every_connection_inside_the_limit_is_answered(server: str) -> None:
+    """With ``--max-connections`` open, a request on the last of them is answered. Before: uvicorn's
+    ``limit_concurrency`` answered every request a plain-text 503 ("Service Unavailable") once that
+    many were open, the connections inside the limit included. A try whose socket is closed
+    unanswered met a connection of an earlier test not yet gone: it is made again (10 at most)."""
+    for _ in range(10):
+        idle = [_connect(server) for _ in range(MAX_CONNECTIONS - 1)]
+        try:
+            with _connect(server) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                try:
+                    status, headers, body = _response(sock)
+                except (AssertionError, ConnectionError):
+                    time.sleep(0.5)
+                    continue
+        finally:
+            for s in idle:
+                s.close()
+        assert status == 200 and json.loads(body)["status"] == "ok", (status, body[:200])
+        return
+    pytest.fail("every try at the limit met a connection left over")
+
+
+@pytest.mark.parametrize("request_head", [b"NOT HTTP AT ALL\r\n\r\n",
+                                          b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20000
+                                          + b"\r\n\r\n"], ids=["malformed", "headers-past-the-limit"])
+def test_a_request_that_is_not_http_is_refused_in_json(server: str, request_head: bytes) -> None:
+    """Before: uvicorn's plain text "Invalid HTTP request received.", the one refusal not in the
+    API's JSON. (Headers of 20,000 bytes are past the default --max-header-bytes, 16,384.)"""
+    with _connect(server) as sock:
+        sock.sendall(request_head)
+        status, headers, body = _response(sock)
+    assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
+    error = _error(body)
+    assert error["field"] == "http" and "--max-header-bytes" in error["message"], error
+
+
 # --------------------------------------------------------------------------------------------------
 # Finding 4: the Host header is checked (DNS rebinding)
 # --------------------------------------------------------------------------------------------------

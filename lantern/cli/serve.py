@@ -110,8 +110,8 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout, metavar="SECONDS",
                    help=f"seconds an idle connection stays open between requests (default {d.keep_alive_timeout:g})")
     g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
-                   help="open connections at most: past it a new one is closed at once, and a request while "
-                        f"this many are open gets 503 (default {d.max_connections})")
+                   help="open connections at most: past it a new one is closed at once "
+                        f"(default {d.max_connections})")
     g.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
                    help="Host header values answered besides localhost, 127.0.0.1, [::1] and --host "
                         "(e.g. a proxy's public name; *.example.com for its subdomains; * for any)")

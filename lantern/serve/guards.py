@@ -3,8 +3,10 @@ request's headers may take, the Host it names, and the uvicorn settings that car
 
 uvicorn bounds a header's size (h11's ``max_incomplete_event_size``) and the idle time between
 requests (``timeout_keep_alive``), but not the time a new connection may take to send its headers
-nor how many connections are open (``limit_concurrency`` answers 503 to *requests*; idle sockets
-that never send one stay open). :class:`BoundedH11Protocol` adds both. A request's body is bounded
+nor how many connections are open (``limit_concurrency`` answers a plain-text 503 to *requests*
+once the limit is reached, even on the connections inside it; idle sockets that never send one
+stay open). :class:`BoundedH11Protocol` adds both, and answers a request h11 cannot parse in the
+API's JSON instead of uvicorn's plain text. A request's body is bounded
 in size and time where it is read (``lantern.serve.app``); these bounds come before any of that.
 
 The numbers are the flags of ``lantern serve`` (docs/serving.md, "Limits"); behind a reverse
@@ -14,9 +16,11 @@ proxy, the proxy's own limits come first (docs/serving.md, "Deploying behind a p
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import h11
 import uvicorn
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import JSONResponse
@@ -37,6 +41,10 @@ class BoundedH11Protocol(H11Protocol):
 
     limits: HttpLimits = HttpLimits()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = HeaderBoundedConnection(h11.SERVER, self.limits.max_header_bytes)
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
@@ -52,11 +60,46 @@ class BoundedH11Protocol(H11Protocol):
         if self.cycle is None or self.cycle.response_complete:  # (pipelined: the next request is here)
             self.loop.call_later(self.limits.header_timeout, self._header_deadline, self.cycle)
 
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a malformed request line or header, or a line and headers
+        past ``--max-header-bytes``), refused as every refusal of the API is: one JSON line."""
+        body = json.dumps({"error": {"message": "http: not a valid HTTP/1.1 request, or its line and headers "
+                                     f"are longer than this server's {self.limits.max_header_bytes} bytes "
+                                     "(lantern serve --max-header-bytes)", "field": "http"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def _header_deadline(self, cycle: Any) -> None:
         """No new request's headers since the deadline was armed: close (nothing can be answered
         before a request line has arrived)."""
         if self.cycle is cycle and not self.transport.is_closing():
             self.transport.close()
+
+
+class HeaderBoundedConnection(h11.Connection):
+    """h11's connection, refusing a request whose line and headers are longer than
+    ``max_header_bytes`` however they arrive. h11's own bound (``max_incomplete_event_size``) only
+    counts headers still incomplete, so a header block that arrives in one read (up to 256 KiB on
+    loopback) passed it."""
+
+    def __init__(self, our_role: type[h11.SERVER], max_header_bytes: int) -> None:
+        super().__init__(our_role, max_incomplete_event_size=max_header_bytes)
+        self.max_header_bytes = max_header_bytes
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request) and header_bytes(event) > self.max_header_bytes:
+            raise h11.RemoteProtocolError("request line and headers too long", error_status_hint=431)
+        return event
+
+
+def header_bytes(request: h11.Request) -> int:
+    """The size of ``request``'s line and headers as sent (less any spaces around header values)."""
+    line = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
 
 
 def protocol_for(limits: HttpLimits) -> type[BoundedH11Protocol]:
@@ -70,7 +113,8 @@ def uvicorn_config(app: Any, limits: HttpLimits, *, graceful_timeout: float, log
         app, log_level=log_level, lifespan="on", http=protocol_for(limits),
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # (a float works: call_later)
-        limit_concurrency=limits.max_connections,  # past it, requests get 503 (the socket cap is the protocol's)
+        # no limit_concurrency: the protocol closes a connection past --max-connections, so every
+        # open one may make requests (and the queue bounds the work, with a JSON 429)
         timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]
     )
 
