@@ -113,17 +113,22 @@ def _randn(gen: torch.Generator, like: Tensor, *shape: int) -> Tensor:
     return torch.randn(*shape, generator=gen).to(like.device, like.dtype)
 
 
+def _row_in_a_call(weight: Tensor, bias: Tensor | None, rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """A random row and its output at position 0 of a ``rows``-row call among random rows."""
+    k = weight.shape[1]
+    probe = _randn(gen, weight, 1, k)[0]
+    first = _randn(gen, weight, rows, k)
+    first[0] = probe
+    return probe, F.linear(first, weight, bias)[0]
+
+
 def _same_at_every_position(weight: Tensor, bias: Tensor | None, rows: int, gen: torch.Generator) -> bool:
     """Whether a row's output is bit-identical wherever it sits in a ``rows``-row call."""
-    k = weight.shape[1]
-    probe = _randn(gen, weight, 1, k)
-    first = _randn(gen, weight, rows, k)
-    first[0] = probe[0]
-    reference = F.linear(first, weight, bias)[0]
+    probe, reference = _row_in_a_call(weight, bias, rows, gen)
     for _ in range(_PROBE_TRIALS):
         for position in range(1, rows):
-            chunk = _randn(gen, weight, rows, k)
-            chunk[position] = probe[0]
+            chunk = _randn(gen, weight, rows, weight.shape[1])
+            chunk[position] = probe
             if not torch.equal(F.linear(chunk, weight, bias)[position], reference):
                 return False
     return True
@@ -135,14 +140,10 @@ def _same_as_in_the_smallest_chunk(weight: Tensor, bias: Tensor | None, smallest
     ``smallest``-row call, bit for bit. Each trial puts the row at every other position, among
     random rows, so the trials cover every position in one call each (a GEMM's code path depends
     on the shape and the position, never on the values)."""
-    k = weight.shape[1]
-    probe = _randn(gen, weight, 1, k)
-    first = _randn(gen, weight, smallest, k)
-    first[0] = probe[0]
-    reference = F.linear(first, weight, bias)[0]
+    probe, reference = _row_in_a_call(weight, bias, smallest, gen)
     for trial in range(_PROBE_TRIALS):
-        chunk = _randn(gen, weight, rows, k)
-        chunk[trial::_PROBE_TRIALS] = probe[0]
+        chunk = _randn(gen, weight, rows, weight.shape[1])
+        chunk[trial::_PROBE_TRIALS] = probe
         out = F.linear(chunk, weight, bias)[trial::_PROBE_TRIALS]
         if not torch.equal(out, reference.expand_as(out)):
             return False
