@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import lantern
-from lantern.decoding.pjd import PJD_INITS
+from lantern.decoding.config import PJD_INITS
 
 # PJD at its defaults (window 4, context 8), and lossless (context = the row length: one row at a
 # time, windows running across row ends) with the default window and with SJD's window of 16.

@@ -20,8 +20,7 @@ from lantern.version import DISTRIBUTION, __version__
 
 if TYPE_CHECKING:
     from lantern.api import Pipeline, PipelineOutput, load, resolve_settings
-    from lantern.decoding.config import RelaxationConfig, SamplingConfig, TreeConfig
-    from lantern.decoding.jacobi import JacobiConfig
+    from lantern.decoding.config import JacobiConfig, RelaxationConfig, SamplingConfig, TreeConfig
     from lantern.decoding.loop import Acceptance, Drafter, GenerationOutput, SpecStats, Target, generate
     from lantern.errors import LanternError
     from lantern.methods import MethodConfig
@@ -38,8 +37,7 @@ _EXPORTS = {
     for module, names in {
         "lantern.api": ("load", "Pipeline", "PipelineOutput", "resolve_settings"),
         "lantern.decoding.loop": ("generate", "GenerationOutput", "SpecStats", "Drafter", "Acceptance", "Target"),
-        "lantern.decoding.config": ("SamplingConfig", "TreeConfig", "RelaxationConfig"),
-        "lantern.decoding.jacobi": ("JacobiConfig",),
+        "lantern.decoding.config": ("SamplingConfig", "TreeConfig", "RelaxationConfig", "JacobiConfig"),
         "lantern.methods": ("MethodConfig",),
         "lantern.run": ("RunResult", "run_generation", "run_generation_t2i", "run_conditions"),
         "lantern.targets.base": ("Stack", "Conditions"),

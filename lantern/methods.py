@@ -47,11 +47,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from lantern.decoding.config import CREDITS, RESIDUALS, RelaxationConfig, TreeConfig, check_tree_nodes
-from lantern.decoding.jacobi import COUPLINGS, JacobiConfig
-from lantern.decoding.pac import DEFAULT_PAC_DEPTH, DEFAULT_PAC_WIDTH, PACConfig
-from lantern.decoding.pjd import DEFAULT_PJD_CONTEXT, DEFAULT_PJD_WINDOW, PJDConfig
-from lantern.decoding.subsequence import DEFAULT_SV_ALPHA, SubsequenceConfig
+from lantern.decoding.config import (
+    COUPLINGS,
+    CREDITS,
+    DEFAULT_PAC_DEPTH,
+    DEFAULT_PAC_WIDTH,
+    DEFAULT_PJD_CONTEXT,
+    DEFAULT_PJD_WINDOW,
+    DEFAULT_SV_ALPHA,
+    RESIDUALS,
+    JacobiConfig,
+    PACConfig,
+    PJDConfig,
+    RelaxationConfig,
+    SubsequenceConfig,
+    TreeConfig,
+    check_tree_nodes,
+)
 from lantern.errors import LanternError, check, first_given
 
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen ([LANTERN code])

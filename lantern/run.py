@@ -14,9 +14,9 @@ from torch import Tensor
 
 from lantern.decoding.cache import CachePool
 from lantern.decoding.compiling import resolve_compile
-from lantern.decoding.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig, check_pjd_fits, check_window_fits
 from lantern.decoding.drafting import TreeDrafter
-from lantern.decoding.jacobi import JacobiDrafter, check_window_fits
+from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import (
     Acceptance,
     Decode,
@@ -28,11 +28,7 @@ from lantern.decoding.loop import (
     start_decode,
 )
 from lantern.decoding.pac import PACDrafter
-from lantern.decoding.pjd import (
-    GridJacobiDrafter,
-    check_pjd_fits,
-    grid_chains,
-)
+from lantern.decoding.pjd import GridJacobiDrafter, grid_chains
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators, validate_sampling_for_vocab
 from lantern.errors import check

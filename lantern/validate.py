@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from numbers import Integral
-
-import torch
+from typing import TYPE_CHECKING
 
 from lantern.errors import LanternError, check
+
+# torch is imported by the checks that need a device, not here: the CLI's parser reads this
+# module's limits (MAX_TRAIN_STEPS in a --help text), and `lantern --help` should not wait for torch.
+if TYPE_CHECKING:
+    import torch
 
 # Images one run may ask for: far more than any evaluation needs (FID-50k), and small enough that
 # the per-image labels, seeds and codes of a run stay in memory. A typo such as
@@ -68,6 +72,8 @@ def check_label_values(labels: Sequence[int], num_classes: int, arg: str = "--la
 
 def check_device(name: str | torch.device, arg: str = "--device") -> torch.device:
     """A device this machine has: ``cpu``, ``cuda``/``cuda:N`` with CUDA present, or ``mps``."""
+    import torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
@@ -89,6 +95,8 @@ def check_device(name: str | torch.device, arg: str = "--device") -> torch.devic
 def available_memory(device: torch.device) -> int | None:
     """Bytes that can still be allocated on ``device`` (None when unknown)."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
@@ -128,6 +136,8 @@ def check_batch_memory(needed: int, rows: int, device: torch.device, arg: str = 
 def check_host_memory(needed: int, what: str, arg: str) -> None:
     """Refuse, before allocating, ``needed`` bytes of CPU memory for ``what`` when this machine has
     less free: one line naming ``arg`` instead of a failed allocation (or the OOM killer) later."""
+    import torch
+
     free = available_memory(torch.device("cpu"))
     if free is None or needed <= free:
         return

@@ -38,10 +38,10 @@ from lantern.cli.main import main
 from lantern.decoding import compiling
 from lantern.decoding.acceptance import num_uniforms, verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.cache import KVCache
-from lantern.decoding.config import SamplingConfig
-from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.config import JacobiConfig, PJDConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput, generate
-from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
+from lantern.decoding.pjd import GridJacobiDrafter
 from lantern.decoding.sampling import apply_cfg, make_generators, probs_from_logits
 from lantern.decoding.trees import tree_from_parents
 from lantern.errors import LanternError

@@ -22,8 +22,7 @@ import torch
 import lantern
 from lantern.cli.main import main
 from lantern.decoding import compiling
-from lantern.decoding.config import MAX_TREE_NODES, TreeConfig
-from lantern.decoding.pac import PACConfig, pac_tree_nodes
+from lantern.decoding.config import MAX_TREE_NODES, PACConfig, TreeConfig, pac_tree_nodes
 from lantern.decoding.trees import STATIC_TREES
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE, resolve_method

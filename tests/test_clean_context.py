@@ -27,10 +27,10 @@ from conftest import assert_rows_independent, cached_stack, generate_jacobi
 from torch import Tensor
 
 from lantern.decoding.acceptance import clean_context
-from lantern.decoding.config import RelaxationConfig, SamplingConfig
-from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.config import JacobiConfig, PJDConfig, RelaxationConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import Acceptance, DraftTree, _accept
-from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
+from lantern.decoding.pjd import GridJacobiDrafter
 from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError
 from lantern.methods import MethodConfig

@@ -95,8 +95,8 @@ def test_greedy_an_undrawn_guess_must_be_the_argmax() -> None:
 def test_sjd_marks_its_initial_guesses_undrawn() -> None:
     """SJD's window: carried guesses (redrawn from the target's last prediction) are drawn, the
     slots initialised this round are not: the first round's whole window, then the new tail."""
-    from lantern.decoding.config import SamplingConfig
-    from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+    from lantern.decoding.config import JacobiConfig, SamplingConfig
+    from lantern.decoding.jacobi import JacobiDrafter
     from lantern.decoding.rng import RowRandom
 
     drafter = JacobiDrafter(JacobiConfig(window=4, init="random"), SamplingConfig(temperature=1.0), 8, 16)

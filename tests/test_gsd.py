@@ -19,8 +19,7 @@ from torch import Tensor
 
 from lantern.cli.main import main
 from lantern.decoding.acceptance import GSD_PROB_GAP, group_mask, relaxed_mass, verify_chain_sampled
-from lantern.decoding.config import RelaxationConfig, SamplingConfig
-from lantern.decoding.jacobi import JacobiConfig
+from lantern.decoding.config import JacobiConfig, RelaxationConfig, SamplingConfig
 from lantern.decoding.loop import Acceptance
 from lantern.errors import LanternError
 from lantern.methods import MethodConfig

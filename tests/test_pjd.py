@@ -17,7 +17,8 @@ from conftest import PJD_WIDTH, PJDToken, pjd_model, pjd_reference
 from torch import Tensor
 
 from lantern.decoding.cache import KVCache
-from lantern.decoding.pjd import PJDConfig, active_rows, check_pjd_fits, commit_cells, grid_positions, grid_verify_mask
+from lantern.decoding.config import PJDConfig, check_pjd_fits
+from lantern.decoding.pjd import active_rows, commit_cells, grid_positions, grid_verify_mask
 from lantern.errors import LanternError
 from lantern.models.llamagen import LlamaGen
 

@@ -22,9 +22,9 @@ from conftest import CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, chameleon_greedy_ar, 
 from torch import Tensor
 
 from lantern.cli.common import add_pjd_args
-from lantern.decoding.config import SamplingConfig
+from lantern.decoding.config import PJDConfig, SamplingConfig
 from lantern.decoding.loop import GenerationOutput, generate
-from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig, last_predicted_cell
+from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, last_predicted_cell
 from lantern.decoding.rng import RowRandom
 from lantern.eval.methods_grammar import parse_methods
 from lantern.methods import MethodConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lantern.decoding.config import SamplingConfig
-from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
+from lantern.decoding.config import PJDConfig, SamplingConfig
+from lantern.decoding.pjd import GridJacobiDrafter
 from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError
 

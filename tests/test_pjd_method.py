@@ -40,9 +40,9 @@ from torch import Tensor
 import lantern
 from lantern.autotree.window import AutoWindowChoice, WindowTrial, choose_window, with_window
 from lantern.cli.main import main
-from lantern.decoding.config import SamplingConfig
+from lantern.decoding.config import PJDConfig, SamplingConfig
 from lantern.decoding.loop import GenerationOutput
-from lantern.decoding.pjd import GridBlock, GridJacobiDrafter, PJDConfig
+from lantern.decoding.pjd import GridBlock, GridJacobiDrafter
 from lantern.errors import LanternError
 from lantern.eval.bench import BenchConfig, resolve_auto_windows
 from lantern.eval.methods_grammar import parse_methods

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from lantern.cli.main import main
 from lantern.decoding.acceptance import aggregated_mask, relaxed_mass
-from lantern.decoding.config import RelaxationConfig, SamplingConfig
-from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.config import JacobiConfig, RelaxationConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import probs_from_logits

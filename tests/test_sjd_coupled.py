@@ -35,8 +35,8 @@ from torch import Tensor
 
 from lantern.cli.main import main
 from lantern.decoding.acceptance import maximal_coupling
-from lantern.decoding.config import RelaxationConfig, SamplingConfig
-from lantern.decoding.jacobi import JacobiConfig, JacobiDrafter
+from lantern.decoding.config import JacobiConfig, RelaxationConfig, SamplingConfig
+from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import Acceptance, GenerationOutput
 from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError

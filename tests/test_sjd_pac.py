@@ -42,10 +42,9 @@ from torch._dynamo.utils import counters
 
 from lantern.cli.main import main
 from lantern.decoding import compiling, loop
-from lantern.decoding.config import SamplingConfig
-from lantern.decoding.jacobi import JacobiConfig
+from lantern.decoding.config import JacobiConfig, PACConfig, SamplingConfig
 from lantern.decoding.loop import GenerationOutput, generate
-from lantern.decoding.pac import PACConfig, PACDrafter, draw_siblings
+from lantern.decoding.pac import PACDrafter, draw_siblings
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError

@@ -21,12 +21,11 @@ from torch import Tensor
 
 from lantern.calibration import MethodCalibration
 from lantern.decoding.acceptance import verify_chain_sampled
-from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.config import DEFAULT_SV_ALPHA, JacobiConfig, RelaxationConfig, SamplingConfig, SubsequenceConfig
 from lantern.decoding.greedy import verify_chain_greedy_subsequence, verify_tree_greedy
-from lantern.decoding.jacobi import JacobiConfig
 from lantern.decoding.loop import Acceptance
 from lantern.decoding.sampling import sample_from_probs
-from lantern.decoding.subsequence import DEFAULT_SV_ALPHA, SubsequenceConfig, subsequence_accepted
+from lantern.decoding.subsequence import subsequence_accepted
 from lantern.decoding.trees import tree_from_parents
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE, MethodConfig, method_names, resolve_method
@@ -337,8 +336,9 @@ def test_alpha_reaches_the_method_from_every_entrance() -> None:
 
 def test_a_grid_drafter_with_runs_is_refused_in_one_line() -> None:
     """SV over PJD's grid is not implemented: refused at the start, not silently ignored."""
+    from lantern.decoding.config import PJDConfig
     from lantern.decoding.loop import generate
-    from lantern.decoding.pjd import GridJacobiDrafter, PJDConfig
+    from lantern.decoding.pjd import GridJacobiDrafter
     from lantern.targets.llamagen import LlamaGenTarget
 
     model = tiny_llamagen(seed=1, block_size=16)

@@ -7,9 +7,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lantern.cli.common import (
     MODEL_HELP,
@@ -19,21 +17,18 @@ from lantern.cli.common import (
     chameleon_options,
 )
 from lantern.errors import check
-from lantern.eval.bench import (
-    BenchConfig,
-    BenchRunner,
-    QualityScorer,
-    resolve_auto_trees,
-    resolve_auto_windows,
-    run_bench,
-)
-from lantern.eval.methods_grammar import parse_batch_sizes, parse_methods, parse_tree_options
-from lantern.eval.report import format_table, save_bench, throughput_table
+
+# The bench's machinery imports torch: it is read when the command runs, so that building the
+# parser (``lantern --help``, a mistyped flag) stays fast.
+if TYPE_CHECKING:
+    from lantern.eval.bench import BenchConfig
 
 
 def bench_config(args: Any) -> BenchConfig:
     """``lantern bench``'s flags as a checked :class:`BenchConfig` (nothing loaded yet)."""
     from lantern.decoding.compiling import resolve_compile
+    from lantern.eval.bench import BenchConfig
+    from lantern.eval.methods_grammar import parse_batch_sizes, parse_methods, parse_tree_options
 
     trees = parse_tree_options(args.tree)
     batch_sizes = parse_batch_sizes(args.speed_batch_size)
@@ -62,9 +57,13 @@ def cmd_bench(args: Any) -> int:
     (:mod:`lantern.eval.ranks`: the images are shared out, rank 0 scores and writes)."""
     import shlex
 
+    import torch
+
     from lantern.api import load_model_stack, sampling_from
     from lantern.distributed import DistContext, process_group
+    from lantern.eval.bench import BenchRunner, QualityScorer, resolve_auto_trees, resolve_auto_windows, run_bench
     from lantern.eval.ranks import RankRunner, check_bench_ranks, no_metrics
+    from lantern.eval.report import format_table, save_bench, throughput_table
     from lantern.outputs import OutputFolder
     from lantern.parts import ModelParts
     from lantern.validate import check_device

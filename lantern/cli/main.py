@@ -89,13 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
     func: Callable[[argparse.Namespace], Any] = args.func
-    from lantern.io import trusted_checkpoints
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         check_sampling_flags(args)
         check_seed_flags(args)
+        from lantern.io import trusted_checkpoints  # imports torch: only once the flags are known good
+
         with trusted_checkpoints(getattr(args, "trust_checkpoint", False)):
             return int(func(args) or 0)
     except LanternError as e:

@@ -63,9 +63,9 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.budget import TokenBudget, uses_token_budget
-from lantern.decoding.config import RelaxationConfig
+from lantern.decoding.config import RelaxationConfig, SubsequenceConfig
 from lantern.decoding.sampling import sample_from_probs
-from lantern.decoding.subsequence import SubsequenceConfig, subsequence_accepted
+from lantern.decoding.subsequence import subsequence_accepted
 from lantern.errors import check
 
 

@@ -2,10 +2,15 @@
 
 Each config validates itself in ``__post_init__`` and raises :class:`LanternError` naming the
 offending field, so a bad value fails where the user typed it and not deep inside torch.
+
+Importing this module imports no torch (the tree helpers a static tree needs are read when one is
+built): ``lantern.methods`` and the ``lantern`` command's parser read these configs, and
+``lantern --help`` should not wait for torch (tests/test_cli_startup.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -340,3 +345,214 @@ class TreeConfig:
         return d
 
 
+# The Jacobi family's settings (SJD and coupled SJD, SJD-PAC, PJD, SJD-SV). They live here, beside
+# the other configs and away from the drafters that use them (lantern.decoding.jacobi, pac, pjd,
+# subsequence), so that reading a method's settings (lantern.methods, the CLI's parser) imports
+# no torch. Each drafter module re-exports its own.
+
+JACOBI_INITS = ("random", "repeat_horizon")
+# How a carried guess is redrawn from one iteration to the next: independently (SJD), or coupled
+# with the guess it replaces (SCD: ``maximal`` coupling or shared ``gumbel`` noise).
+COUPLINGS = ("independent", "maximal", "gumbel")
+DEFAULT_WINDOW = 16  # SJD's max_num_new_tokens ([SJD code])
+
+
+@dataclass(frozen=True)
+class JacobiConfig:
+    """SJD's window: ``window`` guesses per row; ``init`` fills new window positions.
+
+    * ``random``: a token drawn uniformly from the image vocabulary (SJD's default for
+      Lumina-mGPT and Emu3).
+    * ``repeat_horizon``: the token one cell to the left in the same image row (SJD's default for
+      LlamaGen). At the start of an image row there is no left cell; we copy the token one row up
+      instead (always a known token or an earlier guess), since image tokens correlate vertically
+      as well as horizontally and the copy costs no randomness.
+
+    ``coupling`` redraws a carried guess (the next iteration's draft at a position that is still
+    open) from the new forward's p, either independently (``independent``: SJD) or coupled with the
+    guess it replaces (SCD, So et al., arXiv 2510.24211), which keeps every draft's law p and so
+    stays lossless but changes far fewer drafts between iterations:
+
+    * ``maximal``: keep the old guess x (drawn from q) with probability min(1, p(x)/q(x)), else
+      draw from norm(max(p - q, 0)) (:func:`lantern.decoding.acceptance.maximal_coupling`): the coupling
+      that keeps x most often, Pr = 1 - TV(p, q).
+    * ``gumbel``: y = argmax(log p + g) with the same Gumbel noise g at a position in every
+      iteration (until it is decided), so y only changes where p moved enough to change the argmax.
+    """
+
+    window: int = DEFAULT_WINDOW
+    init: str = "random"
+    coupling: str = "independent"
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
+            f"--sjd-window must be an integer >= 1, got {self.window!r}", field="sjd_window",
+        )
+        check_tree_nodes(self.window + 1, f"--sjd-window {self.window}", "sjd_window")  # the root and its guesses
+        check(self.init in JACOBI_INITS, f"--sjd-init must be one of {', '.join(JACOBI_INITS)}, got {self.init!r}",
+              field="sjd_init")
+        check(
+            self.coupling in COUPLINGS,
+            f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}", field="sjd_coupling",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_window_fits(config: JacobiConfig, num_tokens: int) -> None:
+    """A window as long as the image can never be used in full (after token 0 only N - 1 remain):
+    almost surely a wrong ``--sjd-window`` for this image size (mirrors ``check_tree_fits``)."""
+    check(
+        config.window < num_tokens,
+        f"--sjd-window ({config.window}) must be less than the image's {num_tokens} tokens", field="sjd_window",
+    )
+
+
+DEFAULT_PAC_WIDTH = 4  # K, candidates per tree position (README: K = 4, D = 3, "the paper's Tab. 3")
+DEFAULT_PAC_DEPTH = 3  # D, the tree's depth counting its root: candidates at the D - 1 positions after it
+
+
+def pac_tree_nodes(window: int, width: int, depth: int) -> float:
+    """Nodes SJD-PAC verifies per round, root included, by arithmetic (the tree is never built):
+    the root, the chain of ``window`` guesses, and the full ``width``-ary subtree of ``depth`` - 1
+    levels (K + K^2 + ... + K^(D-1)) less its D - 1 first-candidate nodes, which are the chain's.
+    A float, so that any K and D cost one power: exact below 2^53, inf past 1e308."""
+    levels = depth - 1
+    try:
+        subtree = float(levels) if width == 1 else width * (float(width) ** levels - 1) / (width - 1)
+    except OverflowError:
+        return math.inf
+    return 1 + window + subtree - min(levels, window)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class PACConfig:
+    """Proactive drafting's tree (SJD-PAC, ``lantern.decoding.pac``): ``width`` candidates (K) at
+    each of the ``depth`` - 1 positions after the root (D counts the root, as the paper's).
+    ``width`` 1 or ``depth`` 1: no siblings."""
+
+    width: int = DEFAULT_PAC_WIDTH
+    depth: int = DEFAULT_PAC_DEPTH
+
+    def __post_init__(self) -> None:
+        # Each alone within the cap (a K or D past it cannot make a tree that fits, but a depth of 1 would
+        # hide any width); together they are checked with the window (check_window).
+        for flag, value in (("--pac-width", self.width), ("--pac-depth", self.depth)):
+            name = flag[2:].replace("-", "_")
+            check(_positive_int(value), f"{flag} must be an integer >= 1, got {value!r}", field=name)
+            check(value <= MAX_TREE_NODES, f"{flag} must be at most {MAX_TREE_NODES} (the nodes a tree may have), "
+                                           f"got {value}", field=name)
+
+    @property
+    def levels(self) -> int:
+        """Positions after the root that get K candidates."""
+        return self.depth - 1
+
+    def check_window(self, window: int) -> None:
+        """The subtree fits under ``window``'s chain, and the whole tree within MAX_TREE_NODES:
+        checked by arithmetic, before :meth:`choices` builds anything."""
+        check(self.levels <= window,
+              f"--pac-depth {self.depth} needs a window of at least {self.levels} guesses, got --sjd-window {window}",
+              field="pac_depth")
+        check_tree_nodes(pac_tree_nodes(window, self.width, self.depth),
+                         f"--pac-width {self.width} --pac-depth {self.depth} (--sjd-window {window})",
+                         self._to_lower(window))
+
+    def _to_lower(self, window: int) -> str:
+        """The setting a too large tree names: the first of K, D and the window whose default
+        would make it fit (the one the user raised), else D (the exponent)."""
+        for name, nodes in (("pac_width", pac_tree_nodes(window, DEFAULT_PAC_WIDTH, self.depth)),
+                            ("pac_depth", pac_tree_nodes(window, self.width, DEFAULT_PAC_DEPTH)),
+                            ("sjd_window", pac_tree_nodes(DEFAULT_WINDOW, self.width, self.depth))):
+            if nodes <= MAX_TREE_NODES:
+                return name
+        return "pac_depth"
+
+    def choices(self, window: int) -> tuple[tuple[int, ...], ...]:
+        """The tree as child ranks (EAGLE's choices): the chain of ``window`` guesses and the full
+        K-ary subtree of D - 1 levels under the root; sorted by depth, then lexicographically."""
+        self.check_window(window)
+        nodes = {(0,) * d for d in range(1, window + 1)}
+        for d in range(1, self.levels + 1):
+            nodes.update(itertools.product(range(self.width), repeat=d))
+        return tuple(sorted(nodes, key=lambda c: (len(c), c)))
+
+    def tree(self, window: int) -> TreeConfig:
+        """What ``sjd-pac`` verifies per round (``MethodConfig.tree``: sizes the target's cache)."""
+        return TreeConfig.from_choices(self.choices(window), prefix="sjd_pac")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT_PJD_WINDOW = 4
+DEFAULT_PJD_CONTEXT = 8
+# How a cell's first guess is made, before any forward predicted it: uniform noise (SJD's
+# ``random``), or the token of the cell above (``row_above``: images are 2-D, and a new row's best
+# cheap guess is the row it continues), falling back to the cell to the left, then to noise; or
+# ``above_mode``: the same neighbours, but the most likely token of the target's last prediction
+# for that neighbour instead of the token it holds. A point-mass guess x is accepted with
+# probability p(x); were the cell's law the neighbour's law p', guessing a draw from p' would be
+# accepted with sum p'^2 <= max p', the mode's chance. (Greedy: the mode is the token, so it is
+# ``row_above``.)
+PJD_INITS = ("random", "row_above", "above_mode")
+
+
+@dataclass(frozen=True)
+class PJDConfig:
+    """PJD's grid (``lantern.decoding.pjd``): ``window``: drafts per active row and round;
+    ``context``: committed tokens row r needs before row r + 1 opens (``context`` >= the row
+    length: one row at a time, which is lossless); ``init``: how a cell's first guess is made
+    (:data:`PJD_INITS`)."""
+
+    window: int = DEFAULT_PJD_WINDOW
+    context: int = DEFAULT_PJD_CONTEXT
+    init: str = "random"
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--pjd-window", self.window), ("--pjd-context", self.context)):
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                  f"{flag} must be an integer >= 1, got {value!r}", field=flag[2:].replace("-", "_"))
+        # Each open row's chain: the root and its guesses (the rows' chains together are bounded
+        # by the image, as the window is by its row: check_pjd_fits).
+        check_tree_nodes(self.window + 1, f"--pjd-window {self.window}", "pjd_window")
+        check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}",
+              field="pjd_init")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_pjd_fits(config: PJDConfig, height: int, width: int) -> None:
+    """A window or context longer than an image row can never be used as such."""
+    check(config.window <= width, f"--pjd-window ({config.window}) must be at most the image row length ({width})",
+          field="pjd_window")
+    check(config.context <= width,
+          f"--pjd-context ({config.context}) must be at most the image row length ({width}); "
+          f"{width} already decodes one row at a time", field="pjd_context")
+    check(height >= 1, f"the image needs at least one row, got {height}")
+
+
+DEFAULT_SV_ALPHA = 0.8  # the paper's confidence proportion threshold (its ablation: 0.5 .. 1.0)
+
+
+@dataclass(frozen=True)
+class SubsequenceConfig:
+    """SJD-SV's one setting (``lantern.decoding.subsequence``): ``alpha`` in (0, 1], the share of a
+    run's confidence its tested tail holds (1: the whole run, but drafts of probability 0 at its start)."""
+
+    alpha: float = DEFAULT_SV_ALPHA
+
+    def __post_init__(self) -> None:
+        value = self.alpha
+        check(isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0 < value <= 1,
+              f"--sv-alpha must be a number in (0, 1] (the paper's 0.8), got {value!r}", field="sv_alpha")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

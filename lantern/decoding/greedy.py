@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.acceptance import VerifyResult, _active_relaxation, _probability_dtype, relaxed_mass
-from lantern.decoding.config import RelaxationConfig
-from lantern.decoding.subsequence import SubsequenceConfig, subsequence_accepted
+from lantern.decoding.config import RelaxationConfig, SubsequenceConfig
+from lantern.decoding.subsequence import subsequence_accepted
 from lantern.errors import check
 
 

@@ -58,14 +58,17 @@ and end of the image) and its ``*sample*`` initialisations.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lantern.decoding.acceptance import clean_context, maximal_coupling
-from lantern.decoding.config import SamplingConfig, check_tree_nodes
+
+# The window's settings live in the torch-free lantern.decoding.config; re-exported here, where they were defined first.
+from lantern.decoding.config import COUPLINGS as COUPLINGS
+from lantern.decoding.config import DEFAULT_WINDOW as DEFAULT_WINDOW
+from lantern.decoding.config import JACOBI_INITS as JACOBI_INITS
+from lantern.decoding.config import JacobiConfig, SamplingConfig, check_window_fits
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
 from lantern.decoding.rng import RowRandom
@@ -73,65 +76,7 @@ from lantern.decoding.sampling import one_hot, probs_from_logits, sample_from_pr
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
-JACOBI_INITS = ("random", "repeat_horizon")
-# How a carried guess is redrawn from one iteration to the next: independently (SJD), or coupled
-# with the guess it replaces (SCD: ``maximal`` coupling or shared ``gumbel`` noise).
-COUPLINGS = ("independent", "maximal", "gumbel")
-DEFAULT_WINDOW = 16  # SJD's max_num_new_tokens ([SJD code])
 GREEDY_INIT_SEED = 0  # seed of the private streams for random guesses when decoding greedily
-
-
-@dataclass(frozen=True)
-class JacobiConfig:
-    """SJD's window: ``window`` guesses per row; ``init`` fills new window positions.
-
-    * ``random``: a token drawn uniformly from the image vocabulary (SJD's default for
-      Lumina-mGPT and Emu3).
-    * ``repeat_horizon``: the token one cell to the left in the same image row (SJD's default for
-      LlamaGen). At the start of an image row there is no left cell; we copy the token one row up
-      instead (always a known token or an earlier guess), since image tokens correlate vertically
-      as well as horizontally and the copy costs no randomness.
-
-    ``coupling`` redraws a carried guess (the next iteration's draft at a position that is still
-    open) from the new forward's p, either independently (``independent``: SJD) or coupled with the
-    guess it replaces (SCD, So et al., arXiv 2510.24211), which keeps every draft's law p and so
-    stays lossless but changes far fewer drafts between iterations:
-
-    * ``maximal``: keep the old guess x (drawn from q) with probability min(1, p(x)/q(x)), else
-      draw from norm(max(p - q, 0)) (:func:`lantern.decoding.acceptance.maximal_coupling`): the coupling
-      that keeps x most often, Pr = 1 - TV(p, q).
-    * ``gumbel``: y = argmax(log p + g) with the same Gumbel noise g at a position in every
-      iteration (until it is decided), so y only changes where p moved enough to change the argmax.
-    """
-
-    window: int = DEFAULT_WINDOW
-    init: str = "random"
-    coupling: str = "independent"
-
-    def __post_init__(self) -> None:
-        check(
-            isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
-            f"--sjd-window must be an integer >= 1, got {self.window!r}", field="sjd_window",
-        )
-        check_tree_nodes(self.window + 1, f"--sjd-window {self.window}", "sjd_window")  # the root and its guesses
-        check(self.init in JACOBI_INITS, f"--sjd-init must be one of {', '.join(JACOBI_INITS)}, got {self.init!r}",
-              field="sjd_init")
-        check(
-            self.coupling in COUPLINGS,
-            f"--sjd-coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}", field="sjd_coupling",
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def check_window_fits(config: JacobiConfig, num_tokens: int) -> None:
-    """A window as long as the image can never be used in full (after token 0 only N - 1 remain):
-    almost surely a wrong ``--sjd-window`` for this image size (mirrors ``check_tree_fits``)."""
-    check(
-        config.window < num_tokens,
-        f"--sjd-window ({config.window}) must be less than the image's {num_tokens} tokens", field="sjd_window",
-    )
 
 
 class JacobiDrafter:

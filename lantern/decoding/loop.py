@@ -38,14 +38,13 @@ from tqdm.auto import tqdm
 
 from lantern.decoding.acceptance import credited, verify_chain_sampled, verify_tree_sampled
 from lantern.decoding.compiling import resolve_compile, round_fn
-from lantern.decoding.config import RelaxationConfig, SamplingConfig
+from lantern.decoding.config import RelaxationConfig, SamplingConfig, SubsequenceConfig
 from lantern.decoding.greedy import verify_chain_greedy_subsequence, verify_tree_greedy
 from lantern.decoding.phases import NO_PHASE, phase
 from lantern.decoding.pjd import GridBlock
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.rows import copy_rows, movable
 from lantern.decoding.sampling import probs_from_logits, sample_from_probs
-from lantern.decoding.subsequence import SubsequenceConfig
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 

@@ -100,100 +100,23 @@ Every round has one shape (the tree is fixed; levels whose siblings repeat are s
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lantern.decoding.config import MAX_TREE_NODES, SamplingConfig, TreeConfig, check_tree_nodes
-from lantern.decoding.jacobi import DEFAULT_WINDOW, JacobiConfig, JacobiDrafter
+# The tree's settings live in the torch-free lantern.decoding.config; re-exported here, where they were defined first.
+from lantern.decoding.config import DEFAULT_PAC_DEPTH as DEFAULT_PAC_DEPTH
+from lantern.decoding.config import DEFAULT_PAC_WIDTH as DEFAULT_PAC_WIDTH
+from lantern.decoding.config import JacobiConfig, PACConfig, SamplingConfig
+from lantern.decoding.config import pac_tree_nodes as pac_tree_nodes
+from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import DraftTree
 from lantern.decoding.phases import phase
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
-
-DEFAULT_PAC_WIDTH = 4  # K, candidates per tree position (README: K = 4, D = 3, "the paper's Tab. 3")
-DEFAULT_PAC_DEPTH = 3  # D, the tree's depth counting its root: candidates at the D - 1 positions after it
-
-
-def pac_tree_nodes(window: int, width: int, depth: int) -> float:
-    """Nodes SJD-PAC verifies per round, root included, by arithmetic (the tree is never built):
-    the root, the chain of ``window`` guesses, and the full ``width``-ary subtree of ``depth`` - 1
-    levels (K + K^2 + ... + K^(D-1)) less its D - 1 first-candidate nodes, which are the chain's.
-    A float, so that any K and D cost one power: exact below 2^53, inf past 1e308."""
-    levels = depth - 1
-    try:
-        subtree = float(levels) if width == 1 else width * (float(width) ** levels - 1) / (width - 1)
-    except OverflowError:
-        return math.inf
-    return 1 + window + subtree - min(levels, window)
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-@dataclass(frozen=True)
-class PACConfig:
-    """Proactive drafting's tree: ``width`` candidates (K) at each of the ``depth`` - 1 positions
-    after the root (D counts the root, as the paper's). ``width`` 1 or ``depth`` 1: no siblings."""
-
-    width: int = DEFAULT_PAC_WIDTH
-    depth: int = DEFAULT_PAC_DEPTH
-
-    def __post_init__(self) -> None:
-        # Each alone within the cap (a K or D past it cannot make a tree that fits, but a depth of 1 would
-        # hide any width); together they are checked with the window (check_window).
-        for flag, value in (("--pac-width", self.width), ("--pac-depth", self.depth)):
-            field = flag[2:].replace("-", "_")
-            check(_positive_int(value), f"{flag} must be an integer >= 1, got {value!r}", field=field)
-            check(value <= MAX_TREE_NODES, f"{flag} must be at most {MAX_TREE_NODES} (the nodes a tree may have), "
-                                           f"got {value}", field=field)
-
-    @property
-    def levels(self) -> int:
-        """Positions after the root that get K candidates."""
-        return self.depth - 1
-
-    def check_window(self, window: int) -> None:
-        """The subtree fits under ``window``'s chain, and the whole tree within MAX_TREE_NODES:
-        checked by arithmetic, before :meth:`choices` builds anything."""
-        check(self.levels <= window,
-              f"--pac-depth {self.depth} needs a window of at least {self.levels} guesses, got --sjd-window {window}",
-              field="pac_depth")
-        check_tree_nodes(pac_tree_nodes(window, self.width, self.depth),
-                         f"--pac-width {self.width} --pac-depth {self.depth} (--sjd-window {window})",
-                         self._to_lower(window))
-
-    def _to_lower(self, window: int) -> str:
-        """The setting a too large tree names: the first of K, D and the window whose default
-        would make it fit (the one the user raised), else D (the exponent)."""
-        for field, nodes in (("pac_width", pac_tree_nodes(window, DEFAULT_PAC_WIDTH, self.depth)),
-                             ("pac_depth", pac_tree_nodes(window, self.width, DEFAULT_PAC_DEPTH)),
-                             ("sjd_window", pac_tree_nodes(DEFAULT_WINDOW, self.width, self.depth))):
-            if nodes <= MAX_TREE_NODES:
-                return field
-        return "pac_depth"
-
-    def choices(self, window: int) -> tuple[tuple[int, ...], ...]:
-        """The tree as child ranks (EAGLE's choices): the chain of ``window`` guesses and the full
-        K-ary subtree of D - 1 levels under the root; sorted by depth, then lexicographically."""
-        self.check_window(window)
-        nodes = {(0,) * d for d in range(1, window + 1)}
-        for d in range(1, self.levels + 1):
-            nodes.update(itertools.product(range(self.width), repeat=d))
-        return tuple(sorted(nodes, key=lambda c: (len(c), c)))
-
-    def tree(self, window: int) -> TreeConfig:
-        """What ``sjd-pac`` verifies per round (``MethodConfig.tree``: sizes the target's cache)."""
-        return TreeConfig.from_choices(self.choices(window), prefix="sjd_pac")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -38,66 +38,22 @@ when the row below already has tokens, so later rows see it (ZipAR's ``last_toke
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lantern.decoding.acceptance import clean_context
-from lantern.decoding.config import SamplingConfig, check_tree_nodes
+
+# The grid's settings live in the torch-free lantern.decoding.config; re-exported here, where they were defined first.
+from lantern.decoding.config import DEFAULT_PJD_CONTEXT as DEFAULT_PJD_CONTEXT
+from lantern.decoding.config import DEFAULT_PJD_WINDOW as DEFAULT_PJD_WINDOW
+from lantern.decoding.config import PJD_INITS as PJD_INITS
+from lantern.decoding.config import PJDConfig, SamplingConfig, check_pjd_fits
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import one_hot, probs_from_logits, sample_from_probs
 from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
-
-DEFAULT_PJD_WINDOW = 4
-DEFAULT_PJD_CONTEXT = 8
-
-
-# How a cell's first guess is made, before any forward predicted it: uniform noise (SJD's
-# ``random``), or the token of the cell above (``row_above``: images are 2-D, and a new row's best
-# cheap guess is the row it continues), falling back to the cell to the left, then to noise; or
-# ``above_mode``: the same neighbours, but the most likely token of the target's last prediction
-# for that neighbour instead of the token it holds. A point-mass guess x is accepted with
-# probability p(x); were the cell's law the neighbour's law p', guessing a draw from p' would be
-# accepted with sum p'^2 <= max p', the mode's chance. (Greedy: the mode is the token, so it is
-# ``row_above``.)
-PJD_INITS = ("random", "row_above", "above_mode")
-
-
-@dataclass(frozen=True)
-class PJDConfig:
-    """``window``: drafts per active row and round; ``context``: committed tokens row r needs
-    before row r + 1 opens (``context`` >= the row length: one row at a time, which is lossless);
-    ``init``: how a cell's first guess is made (:data:`PJD_INITS`)."""
-
-    window: int = DEFAULT_PJD_WINDOW
-    context: int = DEFAULT_PJD_CONTEXT
-    init: str = "random"
-
-    def __post_init__(self) -> None:
-        for flag, value in (("--pjd-window", self.window), ("--pjd-context", self.context)):
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                  f"{flag} must be an integer >= 1, got {value!r}", field=flag[2:].replace("-", "_"))
-        # Each open row's chain: the root and its guesses (the rows' chains together are bounded
-        # by the image, as the window is by its row: check_pjd_fits).
-        check_tree_nodes(self.window + 1, f"--pjd-window {self.window}", "pjd_window")
-        check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}",
-              field="pjd_init")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def check_pjd_fits(config: PJDConfig, height: int, width: int) -> None:
-    """A window or context longer than an image row can never be used as such."""
-    check(config.window <= width, f"--pjd-window ({config.window}) must be at most the image row length ({width})",
-          field="pjd_window")
-    check(config.context <= width,
-          f"--pjd-context ({config.context}) must be at most the image row length ({width}); "
-          f"{width} already decodes one row at a time", field="pjd_context")
-    check(height >= 1, f"the image needs at least one row, got {height}")
 
 
 def active_rows(committed: Tensor, context: int, width: int) -> Tensor:

@@ -44,33 +44,12 @@ Not implemented: subsequence verification of trees (SJD-PAC) and of PJD's grid.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-from numbers import Real
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from lantern.errors import check
-
-DEFAULT_SV_ALPHA = 0.8  # the paper's confidence proportion threshold (its ablation: 0.5 .. 1.0)
-
-
-@dataclass(frozen=True)
-class SubsequenceConfig:
-    """SJD-SV's one setting: ``alpha`` in (0, 1], the share of a run's confidence its tested tail
-    holds (1: the whole run, but drafts of probability 0 at its start)."""
-
-    alpha: float = DEFAULT_SV_ALPHA
-
-    def __post_init__(self) -> None:
-        value = self.alpha
-        check(isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0 < value <= 1,
-              f"--sv-alpha must be a number in (0, 1] (the paper's 0.8), got {value!r}", field="sv_alpha")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+# SJD-SV's setting lives in the torch-free lantern.decoding.config; re-exported here, where it was defined first.
+from lantern.decoding.config import DEFAULT_SV_ALPHA as DEFAULT_SV_ALPHA
+from lantern.decoding.config import SubsequenceConfig as SubsequenceConfig
 
 
 def run_starts(conf: Tensor, member: Tensor) -> Tensor:

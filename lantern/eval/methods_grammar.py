@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lantern.decoding.config import TreeConfig
 from lantern.errors import LanternError, check
@@ -17,7 +17,9 @@ from lantern.methods import (
     resolve_method,
     setting_name,
 )
-from lantern.targets.base import Stack
+
+if TYPE_CHECKING:  # for annotations only: lantern.targets imports torch, the grammar needs none
+    from lantern.targets.base import Stack
 
 DEFAULT_METHODS = ("ar", "sd", "sd-static", "lantern", "lantern++", "sjd", "sjd-lantern")
 DRAFTER_METHODS = method_names(lambda r: r.drafts_a_tree)  # the ones a --tree applies to

@@ -14,9 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lantern.decoding.config import CREDITS, MAX_CFG_SCALE, RESIDUALS
-from lantern.decoding.jacobi import COUPLINGS, JACOBI_INITS
-from lantern.decoding.pjd import PJD_INITS
+from lantern.decoding.config import COUPLINGS, CREDITS, JACOBI_INITS, MAX_CFG_SCALE, PJD_INITS, RESIDUALS
 from lantern.decoding.trees import STATIC_TREES
 from lantern.methods import BUDGETS
 
