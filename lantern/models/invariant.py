@@ -30,7 +30,6 @@ invariance".
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -80,14 +79,13 @@ def larger_calls(smallest: int, largest: int) -> list[int]:
     return [size for size in sizes if size <= largest]
 
 
-@functools.cache
 def call_sizes(m: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
     """The row counts of the calls that cover ``m`` rows: ``m`` padded up to a multiple of the
-    smallest chunk, then the largest chunks first (every chunk is a multiple of the smallest).
-    Cached: a decode asks for the same few row counts every step."""
+    smallest chunk, then the largest chunks first (``chunks`` ascending, each a multiple of the
+    first). Plain Python, not cached: a compiled round traces it (dynamo warns on a cache)."""
     left = -(-m // chunks[0]) * chunks[0]
     sizes: list[int] = []
-    for size in sorted(chunks, reverse=True):
+    for size in reversed(chunks):
         count, left = divmod(left, size)
         sizes += [size] * count
     return tuple(sizes)
