@@ -7,7 +7,7 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,serve,invariance-det,sizes,chameleon-7b.
+# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,invariance-det,invariance-layers,sizes,chameleon-7b.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,sizes,targets-b1-more,targets-b8,invariance,chameleon-7b}
+STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,targets-b1-more,targets-b8,invariance,chameleon-7b}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -82,6 +82,16 @@ stage serve 150 330 env TORCH_LOGS=recompiles "$PY" benchmarks/serve_load.py --m
 stage invariance-det 40 150 "$PY" benchmarks/batch_invariance.py --model photos --device "$DEVICE" --dtype auto \
   --compile "$COMPILE" --deterministic --images "$INV" --methods ar,lantern++,sjd-coupled --batch-sizes "$B8" \
   --out "$WORK/invariance-deterministic.json"
+# where the deterministic mode's AR still depends on the batch on CUDA (7/16 images on 2026-11-27):
+# the first module whose input or output differs for one image alone and in a batch (eager, bf16),
+# then the same images eager, end to end (compiled was measured above: eager against compiled
+# separates the kernels from inductor's generated reductions)
+stage invariance-layers 40 150 bash -c "$PY benchmarks/invariance_layers.py --model photos --device $DEVICE \
+  --dtype auto --deterministic --batch-size $B8 --calls 4 --out $WORK/invariance-layers-det.json && \
+  $PY benchmarks/invariance_layers.py --model photos --device $DEVICE --dtype auto --batch-size $B8 --calls 4 \
+  --out $WORK/invariance-layers-default.json && \
+  $PY benchmarks/batch_invariance.py --model photos --device $DEVICE --dtype auto --compile off --deterministic \
+  --images $INV --methods ar --batch-sizes $B8 --out $WORK/invariance-deterministic-eager.json"
 stage sizes 90 300 bash -c "$PY benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,$B8,32 --trees chain:6 \
   --device $DEVICE --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-b && \
   $PY benchmarks/round_cost.py --configs $XL --batch-sizes $B8,32 --trees chain:6 --device $DEVICE \

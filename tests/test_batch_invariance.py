@@ -9,8 +9,10 @@ forced AVX2 kernels (MKL's AVX2 sgemm is the one whose row results depend on the
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -198,3 +200,46 @@ def test_a_text_models_prompt_encoder_follows_its_targets_mode(t2i_stack: Path) 
     assert torch.equal(beside[0], alone[0])
     assert is_batch_invariant(pipe.parts.t5().model)
     assert not is_batch_invariant(lantern.load(t2i_stack).parts.t5().model)
+
+
+def _invariance_layers() -> object:
+    """benchmarks/invariance_layers.py, imported from its path (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "invariance_layers.py"
+    spec = importlib.util.spec_from_file_location("invariance_layers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_layer_diagnostic_names_the_first_module_a_batch_changes(pipe: lantern.Pipeline) -> None:
+    """benchmarks/invariance_layers.py (what a GPU session runs to find where a batch changes a row):
+    in deterministic mode no module's input or output differs for image 0 alone and at row 0 of 3;
+    with a planted batch-size term in layer 1's MLP it names that layer's ``w3`` first, at the
+    prefill, and what follows it differs too."""
+    tool: Any = _invariance_layers()
+    args = argparse.Namespace(seed=SEED, method="ar")
+
+    def run(calls: int) -> list[dict[str, Any]]:
+        recorder = tool.Recorder(pipe.stack.network(), calls)
+        try:
+            tool._decode(pipe, recorder, LABELS[:1], args)
+            alone, order = recorder.outputs, recorder.order
+            tool._decode(pipe, recorder, LABELS[:3], args)
+            assert recorder.call == calls and len(recorder.order) == len(order)  # stopped after `calls` forwards
+            return tool.compare(alone, order, recorder.outputs)
+        finally:
+            recorder.remove()
+
+    assert run(3) == []
+    # registered before the recorder's hook, so the recorder sees the planted output
+    planted = pipe.stack.network().layers[1].feed_forward.w3.register_forward_hook(
+        lambda _module, _args, out: out + 1e-6 * out.shape[0])
+    try:
+        differ = run(2)
+    finally:
+        planted.remove()
+    assert differ[0]["call"] == 0 and differ[0]["module"] == "layers.1.feed_forward.w3"
+    assert {d["module"] for d in differ} >= {"layers.1.feed_forward.w2 (input)", "norm"}
