@@ -7,6 +7,7 @@ loop pads, and the compiled path decodes exactly what the eager path decodes.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -227,3 +228,26 @@ def test_compiling_raises_no_deprecation_warning_from_torch(quiet: bool) -> None
                           text=True, cwd=Path(__file__).resolve().parents[1])
     assert (proc.returncode == 0) is quiet, proc.stderr[-500:]
     assert quiet or "torch.jit.script_method` is deprecated" in proc.stderr
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_compiling_on_a_cpu_logs_nothing_about_cuda(quiet: bool, tmp_path: Path) -> None:
+    """A CUDA build of torch (``pip install torch`` on Linux) on a machine with a CUDA toolkit and
+    no GPU logs "No CUDA runtime is found, using CUDA_HOME=..." when inductor imports
+    torch.utils.cpp_extension, so a compiled run's one-line error came second (found with torch
+    2.13.0+cu130 on Python 3.13). A fresh process stands in for that build (``_is_compiled`` and
+    ``version.cuda`` set, ``CUDA_HOME`` an existing folder): after ``compiled``'s quiet import,
+    inductor's import logs nothing; without it the line is logged (power)."""
+    import subprocess
+    import sys
+
+    fake_cuda_build = ("import torch; torch.cuda._is_compiled = lambda: True; torch.version.cuda = '13.0'; "
+                       "torch.cuda.is_available = lambda: False; ")
+    quiet_import = "from lantern.decoding.compiling import _quiet_inductor_imports; _quiet_inductor_imports(); "
+    inductors_import = "import torch.utils.cpp_extension as c; print(c.CUDA_HOME)"
+    code = fake_cuda_build + (quiet_import if quiet else "") + inductors_import
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path), proc.stderr[-500:]  # the build was faked
+    assert ("No CUDA runtime is found" in proc.stderr) is not quiet, proc.stderr[-500:]

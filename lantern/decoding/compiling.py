@@ -29,6 +29,7 @@ Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs), `
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 import types
@@ -196,16 +197,31 @@ def cpu_vector_options() -> dict[str, Any]:
 
 
 def _quiet_inductor_imports() -> None:
-    """Import ``torch.utils.mkldnn`` now, with its one DeprecationWarning silenced: inductor
-    imports it during the first compilation, and its classes are built with the deprecated
-    ``torch.jit.script_method`` (torch's own code, nothing of ours), which would otherwise warn
-    once per process, in the middle of a user's run or a test."""
+    """Import what inductor imports during the first compilation now, without the two messages
+    those imports print about torch's own code, once per process, in the middle of a user's run
+    or before a one-line error:
+
+    - ``torch.utils.mkldnn``: its classes are built with the deprecated
+      ``torch.jit.script_method`` (a DeprecationWarning);
+    - ``torch.utils.cpp_extension``: a CUDA build of torch (what ``pip install torch`` gives on
+      Linux) on a machine with a CUDA toolkit and no GPU logs "No CUDA runtime is found, using
+      CUDA_HOME=..." when it is imported. A CPU compilation builds no CUDA extension, so the line
+      only misleads; with a GPU present it is never logged."""
+    import logging
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
                                 category=DeprecationWarning)
         import torch.utils.mkldnn  # noqa: F401
+    if "torch.utils.cpp_extension" not in sys.modules and not torch.cuda.is_available():
+        log = logging.getLogger("torch.utils.cpp_extension")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            import torch.utils.cpp_extension  # noqa: F401
+        finally:
+            log.setLevel(level)
 
 
 def _no_guards(entries: list[Any]) -> list[bool]:
