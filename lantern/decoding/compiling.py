@@ -28,6 +28,8 @@ Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs), `
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 import tempfile
@@ -215,13 +217,17 @@ def _quiet_inductor_imports() -> None:
                                 category=DeprecationWarning)
         import torch.utils.mkldnn  # noqa: F401
     if "torch.utils.cpp_extension" not in sys.modules and not torch.cuda.is_available():
-        log = logging.getLogger("torch.utils.cpp_extension")
+        log = logging.getLogger("torch.utils.cpp_extension")  # torch 2.13 logs the line
         level = log.level
         log.setLevel(logging.ERROR)
+        printed = io.StringIO()  # torch 2.6 prints it to stderr
         try:
-            import torch.utils.cpp_extension  # noqa: F401
+            with contextlib.redirect_stderr(printed):
+                import torch.utils.cpp_extension  # noqa: F401
         finally:
             log.setLevel(level)
+            sys.stderr.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                     if not line.startswith("No CUDA runtime is found")))
 
 
 def _no_guards(entries: list[Any]) -> list[bool]:
