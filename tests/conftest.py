@@ -14,7 +14,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -1058,3 +1060,19 @@ def assert_drafters_refused_in_one_line(folder: Path, others: dict[str, tuple[Pa
         assert main(["generate", "--model", str(folder), "--prompt", prompt, "--out", str(out), "--no-progress",
                      "--method", "sd", "--drafter", str(path)]) == 2
         assert message in capsys.readouterr().err.splitlines()[-1] and not out.exists()
+
+
+def run_launcher(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a launcher
+    (torchrun, accelerate) whose ranks are its children: on a timeout the whole process group is
+    killed, ranks included, before ``TimeoutExpired`` is raised. ``subprocess.run`` kills only the
+    launcher, so a hung rank outlived the test (seen with torch 2.6, whose gloo teardown can hang)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_launcher
 from PIL import Image
 
 from lantern.cli.main import main
@@ -50,7 +51,7 @@ def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess[str
     (through ``tests/rank_main.py``, which also fails a rank whose gloo threads outlive main: issue 30)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "tests" / "rank_main.py"), *args, "--no-progress"]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    return run_launcher(cmd, timeout=300, env=_env())
 
 
 def generate(model: Path, out: Path, *extra: str) -> int:
@@ -304,3 +305,27 @@ def test_npz_holds_grayscale_as_three_equal_channels_and_refuses_mixed_sizes(tmp
     with pytest.raises(LanternError, match=r"small.png is \(4, 4, 3\), the first image \(6, 5, 3\)"):
         write_npz(tmp_path / "bad.npz", [*paths, tmp_path / "small.png"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.png", "1.png", "2.png", "s.npz", "small.png"]  # no temp
+
+
+def test_a_launch_past_its_timeout_takes_its_ranks_with_it(tmp_path: Path) -> None:
+    """``run_launcher`` (what the torchrun tests use): a launcher whose child hangs is killed with the
+    child at the timeout. ``subprocess.run`` killed only the launcher, and a rank hung in torch
+    2.6's gloo teardown stayed alive after the test (power: the child is alive before the timeout)."""
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    launcher = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_launcher([sys.executable, "-c", launcher], timeout=5)
+    assert time.monotonic() - start < 60
+    pid = int(pid_file.read_text())  # the child ran (written before the timeout)
+    for _ in range(100):  # SIGKILL is delivered at once; reaping by init may take a moment
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            break  # a zombie: dead, not yet reaped
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the launcher's child {pid} outlived the timeout")

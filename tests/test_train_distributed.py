@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import image_folder
+from conftest import image_folder, run_launcher
 from safetensors.torch import load_file
 
 from lantern.cli.main import main
@@ -58,8 +58,8 @@ def _launch(args: list[str], launcher: str = "torchrun") -> subprocess.Completed
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # tests/rank_main.py: lantern.cli's main, then a check that no gloo thread outlives it (issue 30)
-    return subprocess.run([sys.executable, *head, str(ROOT / "tests" / "rank_main.py"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return run_launcher([sys.executable, *head, str(ROOT / "tests" / "rank_main.py"), *args], timeout=600, env=env,
+                        cwd=ROOT)
 
 
 # The port _free_port found free was taken before the launcher's store bound it (another launch
