@@ -92,11 +92,20 @@ def _resolved(path: str | os.PathLike[str], what: str = "--out") -> Path:
     p = Path(path)
     if not p.is_symlink():
         return p
+    loop = LanternError(f"{what}: {p} is a symbolic link loop (following it never reaches a file or folder); "
+                        "remove the link or choose another path")
     try:
+        # strict: Python 3.13's non-strict resolve returns a loop as it is, without an error
+        return p.resolve(strict=True)
+    except RuntimeError:  # a loop, before Python 3.13
+        raise loop from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a loop, from Python 3.13
+            raise loop from None
+    try:  # a link to a path not made yet (allowed): resolved as far as it goes
         return p.resolve(strict=False)
-    except (RuntimeError, OSError):  # Python < 3.13 raises RuntimeError on a loop, later ones OSError (ELOOP)
-        raise LanternError(f"{what}: {p} is a symbolic link loop (following it never reaches a file or "
-                           "folder); remove the link or choose another path") from None
+    except RuntimeError:
+        raise loop from None
 
 
 def _nearest_existing(path: Path) -> Path:
