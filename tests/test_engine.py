@@ -226,9 +226,9 @@ def test_compiling_raises_no_deprecation_warning_from_torch(quiet: bool) -> None
     code = prelude + "import torch.fx.experimental.optimization"
     proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True,
                           text=True, cwd=Path(__file__).resolve().parents[1])
-    # older torch (2.6) does not deprecate script_method: there is nothing to silence
-    assert (proc.returncode == 0) is (quiet or not _script_method_warns()), proc.stderr[-500:]
-    assert quiet or not _script_method_warns() or "torch.jit.script_method` is deprecated" in proc.stderr
+    warns = _script_method_warns()  # older torch (2.6) does not deprecate script_method: nothing to silence
+    assert (proc.returncode == 0) is (quiet or not warns), proc.stderr[-500:]
+    assert quiet or not warns or "torch.jit.script_method` is deprecated" in proc.stderr
 
 
 def _script_method_warns() -> bool:
