@@ -424,3 +424,43 @@ def test_relaxed_jacobi_methods_start_from_drawn_guesses(method: str, init: str)
     assert resolved.jacobi is not None and resolved.jacobi.init == init
     forced = MethodConfig.resolve(method, sjd_init="random")
     assert forced.jacobi is not None and forced.jacobi.init == "random"
+
+
+# ---- repeat_horizon guesses, made at once ---------------------------------------------------------
+
+
+def _slot_by_slot_repeat_horizon(canvas: Tensor, n: Tensor, first_new: Tensor, window: int, grid: int) -> None:
+    """SJD's ``repeat_horizon`` as its reference code writes it: one slot after the other, in place,
+    each new guess copying the cell to its left (the cell above at an image row's start)."""
+    for i in range(window):
+        pos = n + i  # [B]
+        src = torch.where(pos % grid > 0, pos - 1, pos - grid)
+        value = canvas.gather(1, src[:, None])[:, 0]
+        current = canvas.gather(1, pos[:, None])[:, 0]
+        canvas.scatter_(1, pos[:, None], torch.where(i >= first_new, value, current)[:, None])
+
+
+@pytest.mark.parametrize(("grid", "window"), [(4, 3), (4, 4), (4, 9), (8, 16), (16, 16), (16, 5)])
+def test_repeat_horizon_made_at_once_equals_slot_by_slot(grid: int, window: int) -> None:
+    """The drafter fills every new slot in one gather; the reference fills them in order, so a new
+    guess can copy one made just before it. Every row start and every first new slot, windows
+    shorter and longer than an image row (where a row start copies a new slot above it)."""
+    num_tokens, b = grid * grid, 64
+    gen = torch.Generator().manual_seed(7)
+    drafter = JacobiDrafter(JacobiConfig(window=window, init="repeat_horizon"), SamplingConfig(temperature=0.0),
+                            1000, num_tokens)
+    drafter.start(torch.zeros(0), torch.zeros(b, dtype=torch.long))
+    checked = 0
+    for _ in range(8):
+        n = torch.randint(1, num_tokens + 1, (b,), generator=gen)
+        n[: grid + 1] = torch.arange(1, grid + 2)  # rows at every position of an image row
+        first_new = torch.randint(0, window + 1, (b,), generator=gen)
+        first_new[:4] = torch.tensor([0, 1, window - 1, window]).clamp(max=window)
+        canvas = torch.randint(0, 1000, (b, num_tokens + window), generator=gen)
+        expected = canvas.clone()
+        _slot_by_slot_repeat_horizon(expected, n, first_new, window, grid)
+        drafter.canvas, drafter.n = canvas.clone(), n
+        drafter._initialise_repeat_horizon(first_new)
+        assert torch.equal(drafter.canvas, expected)
+        checked += int((expected != canvas).any(dim=1).sum())
+    assert checked > 8 * b // 2  # most rows had new slots whose guess changed (the check has power)

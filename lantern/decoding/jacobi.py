@@ -307,14 +307,24 @@ class JacobiDrafter:
 
     def _initialise_repeat_horizon(self, first_new: Tensor) -> None:
         """Copy the token one cell to the left (one row up at a row start), slot by slot, so a new
-        guess may copy a new guess just made to its left."""
+        guess may copy a new guess just made to its left.
+
+        Done at once, not slot by slot (L gathers and scatters a round, the largest share of the
+        draft sampling's kernels): following the copies left through a run of new slots ends at the
+        cell before the run's start, unless an image row starts inside the run; then it ends one row
+        above that row's start, itself a new slot when the window is longer than an image row (each
+        pass below moves such a source up a row). tests/test_sjd.py holds the slot-by-slot reference."""
         assert self.canvas is not None and self.n is not None
-        for i in range(self.window):  # every slot (masked): no sync to find the first new one
-            pos = self.n + i  # [B]
-            src = torch.where(pos % self.grid > 0, pos - 1, pos - self.grid)
-            value = self.canvas.gather(1, src[:, None])[:, 0]
-            current = self.canvas.gather(1, pos[:, None])[:, 0]
-            self.canvas.scatter_(1, pos[:, None], torch.where(i >= first_new, value, current)[:, None])
+        slot = torch.arange(self.window, device=self.n.device)[None, :]
+        pos = self.n[:, None] + slot  # [B, L]
+        start = (self.n + first_new)[:, None]  # each row's first new position
+        src = pos
+        for _ in range(self.window // self.grid + 1):  # static count: every source ends before start
+            row_start = src - src % self.grid
+            up = torch.where(row_start >= start, row_start - self.grid, start - 1)
+            src = torch.where(src >= start, up, src)
+        value = self.canvas.gather(1, src)
+        self.canvas.scatter_(1, pos, torch.where(slot >= first_new[:, None], value, self.canvas.gather(1, pos)))
 
     def _window_q(self, guesses: Tensor, first_new: Tensor, carried: Tensor | None) -> Tensor:
         """[B, L, V] q of each guess: the carried p for slots < first_new, one-hot for new guesses.
