@@ -119,8 +119,8 @@ def _acceptance_of(tree: DraftTree, slot: int, relax: RelaxationConfig) -> float
                      buffers=tree_from_parents(torch.arange(-1, 3)[None].expand(G, -1).contiguous()),
                      relaxable=tree.relaxable.expand(G, -1), clean=tree.clean.expand(G, -1))
     logits = P.log().expand(G, 4, V)
-    _, num_acc, _, _ = _accept(logits, grid, torch.full((G,), 3), torch.ones(G, dtype=torch.bool), SAMPLED,
-                               Fixed(), Acceptance(relax, NEIGHBOURS))  # type: ignore[arg-type]
+    num_acc = _accept(logits, grid, torch.full((G,), 3), torch.ones(G, dtype=torch.bool), SAMPLED,
+                      Fixed(), Acceptance(relax, NEIGHBOURS)).num_accepted  # type: ignore[arg-type]
     assert bool((num_acc >= slot).all())  # every earlier draft passed
     return (num_acc > slot).double().mean().item()
 

@@ -98,6 +98,7 @@ class JacobiDrafter:
         self.n: Tensor | None = None  # [B] known tokens per row
         self.q: Tensor | None = None  # [B, L, V] (sampled decoding only)
         self._logits: Tensor | None = None  # [B, L+1, V] guided logits of the last verify forward
+        self._probs: Tensor | None = None  # [B, L+1, V] their probabilities (sampled decoding only)
         self._num_new: Tensor | None = None  # [B] tokens the last round added (0: none yet / inactive)
         self._own_rng: RowRandom | None = None
         self._buffers: TreeBuffers | None = None
@@ -129,7 +130,8 @@ class JacobiDrafter:
         self.n = torch.ones(b, dtype=torch.long, device=device)
         # The first round is shaped like every other (one compiled graph): it "carries over" from
         # all-zero logits with num_new = L + 1, which keeps no guess and makes slot 0 the first new one.
-        self._logits = torch.zeros(b, self.window + 1, self.vocab_size, device=device)
+        self._logits = torch.zeros(b, self.num_nodes, self.vocab_size, device=device)
+        self._probs = None if self.sampling.greedy else probs_from_logits(self._logits, self.sampling)
         self._num_new = torch.full((b,), self.window + 1, dtype=torch.long, device=device)
         self.q = None if self.sampling.greedy else torch.zeros(b, self.window, self.vocab_size, device=device)
         self._own_rng = RowRandom.from_seeds([GREEDY_INIT_SEED] * b, device)
@@ -144,14 +146,18 @@ class JacobiDrafter:
     def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
         """Per-row state (``lantern.decoding.rows``): canvas, counts, the last logits and q, the noise ring."""
         assert self._own_rng is not None
-        rows = (self.canvas, self.n, self._logits, self._num_new, self.q, self._first_new, self._noise,
-                self._noise_pos)
+        rows = (self.canvas, self.n, self._logits, self._probs, self._num_new, self.q, self._first_new,
+                self._noise, self._noise_pos)
         return [*((t, 1, 0) for t in rows), *self._own_rng.row_tensors()]
 
-    def observe_verify(self, logits: Tensor) -> None:
-        """Guided logits [B, L+1, V] of the verify forward: the predictions carried over."""
+    def observe_verify(self, logits: Tensor, probs: Tensor | None = None) -> None:
+        """Guided logits [B, L+1, V] of the verify forward: the predictions carried over; ``probs``
+        their probabilities if the round's acceptance made them (else made here): the next round
+        redraws from them, so the loop does not compute p twice."""
         assert self._logits is not None
         self._logits.copy_(logits)  # in place: a compiled round's state keeps its addresses
+        if self._probs is not None:
+            self._probs.copy_(probs if probs is not None else probs_from_logits(logits, self.sampling))
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         """next_tokens[:, :num_new] are each row's new known tokens (accepted guesses, then the
@@ -204,18 +210,17 @@ class JacobiDrafter:
         """
         assert self.canvas is not None and self.n is not None and self._logits is not None
         assert self._num_new is not None
-        logits = self._predictions()  # [B, L, V] predictions for positions n_old+1 .. n_old+L
-        b, length, _ = logits.shape
+        length = self.window
         n_old = self.n - self._num_new
-        pos = n_old[:, None] + torch.arange(1, length + 1, device=logits.device)  # [B, L]
+        pos = n_old[:, None] + torch.arange(1, length + 1, device=self.n.device)  # [B, L]
         # Positions below n are now known (accepted or recovered); only later guesses move.
         keep = (pos >= self.n[:, None]) & (self._num_new > 0)[:, None]
         pos = pos.clamp(0, self.canvas.shape[1] - 1)  # the first round's positions lie before 0: kept by none
         old = self.canvas.gather(1, pos)  # [B, L] the guesses being replaced (-1: none yet)
-        if self.sampling.greedy:
-            p, y = None, logits.argmax(dim=-1)
+        if self._probs is None:  # greedy
+            p, y = None, self._predictions(self._logits).argmax(dim=-1)
         else:
-            p = probs_from_logits(logits, self.sampling)  # [B, L, V]
+            p = self._predictions(self._probs)  # [B, L, V] the target's p for positions n_old+1 .. n_old+L
             y = self._redraw(p, old, pos, gens)
         self._count_stability(old, y, keep)
         self.canvas.scatter_(1, pos, torch.where(keep, y, old))
@@ -233,11 +238,11 @@ class JacobiDrafter:
         pred = first_open[:, None] + slot
         return clean.gather(1, pred.clamp(0, self.window - 1)) & (pred < self.window)
 
-    def _predictions(self) -> Tensor:
-        """[B, L, V] the last verify forward's logits that predicted positions n_old+1 .. n_old+L:
-        nodes 1..L of the chain (``lantern.decoding.pac`` picks them in its tree)."""
-        assert self._logits is not None
-        return self._logits[:, 1:]
+    def _predictions(self, per_node: Tensor) -> Tensor:
+        """[B, L, V] of the last verify forward's ``per_node`` [B, T, V] (logits or probabilities),
+        those that predicted positions n_old+1 .. n_old+L: nodes 1..L of the chain
+        (``lantern.decoding.pac`` picks them in its tree)."""
+        return per_node[:, 1:]
 
     def _redraw(self, p: Tensor, old: Tensor, pos: Tensor, gens: RowRandom) -> Tensor:
         """New guesses [B, L] for positions ``pos`` [B, L] from p [B, L, V], replacing ``old``."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -129,8 +129,10 @@ class VerifyObserver(Protocol):
     every verify forward, before ``commit``. SJD (``lantern.decoding.jacobi``) drafts from them (Jacobi
     carry-over); EAGLE drafters read hidden states in ``commit`` and do not need it."""
 
-    def observe_verify(self, logits: Tensor) -> None:
-        """logits [B, T, V]: the target's guided logits at every node of the verified tree."""
+    def observe_verify(self, logits: Tensor, probs: Tensor | None = None) -> None:
+        """logits [B, T, V]: the target's guided logits at every node of the verified tree; probs
+        [B, T, V]: their probabilities under the run's sampling, when the acceptance made them
+        (sampled decoding of a tree), else None."""
 
 
 @runtime_checkable
@@ -414,8 +416,9 @@ def _raster_round(
         logits, hidden = target.verify(tree.tokens, tree.buffers.mask, tree.buffers.depth, tree=tree.buffers)
     # 4. Accept.
     with phase("accept"):
-        path, num_acc, next_token, relaxed = _accept(logits, tree, max_depth, active, sampling, rng, acceptance)
-        num_acc = torch.where(active, num_acc, 0)
+        accepted = _accept(logits, tree, max_depth, active, sampling, rng, acceptance)
+        path, next_token = accepted.path, accepted.next_token
+        num_acc = torch.where(active, accepted.num_accepted, 0)
     # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
     with phase("commit"):
         new = torch.where(active, num_acc + 1, 0)
@@ -426,9 +429,9 @@ def _raster_round(
         )
         if drafter is not None:
             if isinstance(drafter, VerifyObserver):
-                drafter.observe_verify(logits)
+                drafter.observe_verify(logits, accepted.p_target)
             drafter.commit(path_hidden, follow, new)
-    return new, root, n, relaxed
+    return new, root, n, accepted.relaxed
 
 
 def _grid_round(
@@ -490,6 +493,16 @@ def _uniforms(rng: RowRandom | None, n: int) -> Tensor:
     return rng.uniform(n)
 
 
+class Accepted(NamedTuple):
+    """What a raster round's acceptance decided (:func:`_accept`)."""
+
+    path: Tensor  # [B, D+1] accepted tree nodes, root first, -1 padded
+    num_accepted: Tensor  # [B] drafts accepted
+    next_token: Tensor  # [B] the recovered or bonus token
+    relaxed: Tensor  # [] accepts of active rows that only the relaxation allowed
+    p_target: Tensor | None  # [B, T, V] the target's p at every node (sampled trees; else None)
+
+
 def _accept(
     logits: Tensor,  # [B, T, V] guided
     tree: DraftTree,
@@ -498,26 +511,25 @@ def _accept(
     sampling: SamplingConfig,
     rng: RowRandom | None,
     acceptance: Acceptance,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(path [B, D+1], num_accepted [B], next_token [B], relaxed-only accepts of active rows []).
-
-    The random numbers come from the rows' streams; everything else is :func:`_accept_core`.
-    """
+) -> Accepted:
+    """The random numbers come from the rows' streams; everything else is :func:`_accept_core`."""
     b, t = tree.tokens.shape
-    u = None
+    u = p_target = None
     if not sampling.greedy:
         with phase("sampling"):  # AR draws one uniform per row, a tree T + 1 (see num_uniforms)
             u = _uniforms(rng, 1 if t == 1 else t + 1)
+        if t > 1:  # made here, not in _accept_core: a Jacobi drafter redraws from the same p next round
+            p_target = probs_from_logits(logits, sampling)
     buffers = tree.buffers
     path, num_acc, next_token, num_relaxed = _accept_core(
         logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
         acceptance.neighbours, acceptance.relaxation, sampling,
-        credited(tree.relaxable, tree.clean, acceptance.relaxation), acceptance.subsequence,
+        credited(tree.relaxable, tree.clean, acceptance.relaxation), acceptance.subsequence, p_target,
     )
     if acceptance.fixed_accept is not None:
         path, num_acc = _fixed_path(buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
     relaxed = torch.where(active, num_relaxed, 0).sum()  # a device scalar: no sync
-    return path, num_acc, next_token, relaxed
+    return Accepted(path, num_acc, next_token, relaxed, p_target)
 
 
 def _fixed_path(retrieve: Tensor, max_depth: Tensor, accept: int, width: int) -> tuple[Tensor, Tensor]:
@@ -542,6 +554,7 @@ def _accept_core(
     sampling: SamplingConfig,
     relaxable: Tensor | None = None,  # [B, T] bool: a relaxed rule may credit the node (None: every node)
     subsequence: SubsequenceConfig | None = None,  # SJD-SV's runs (chains only)
+    p_target: Tensor | None = None,  # [B, T, V] probs_from_logits(logits, sampling) if already made
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
     b, t, _ = logits.shape
@@ -558,11 +571,11 @@ def _accept_core(
         res = verify_tree_greedy(logits, tokens, retrieve, max_depth, neighbours=neighbours, relaxation=relaxation,
                                  relaxable=relaxable)
     elif chain:
-        p_target = probs_from_logits(logits, sampling)
+        p_target = probs_from_logits(logits, sampling) if p_target is None else p_target
         res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation, relaxable,
                                    subsequence)
     else:
-        p_target = probs_from_logits(logits, sampling)
+        p_target = probs_from_logits(logits, sampling) if p_target is None else p_target
         res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,
                                   neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1,
                                   relaxable=relaxable)

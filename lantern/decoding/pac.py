@@ -207,7 +207,6 @@ class PACDrafter(JacobiDrafter):
     def start(self, hidden: Tensor, root: Tensor) -> None:
         super().start(hidden, root)
         b, device = root.shape[0], root.device
-        self._logits = torch.zeros(b, self.num_nodes, self.vocab_size, device=device)  # every node's logits
         lay = self._layout
         self._node_depth, self._extra_source = lay.depth.to(device), lay.extra_source.to(device)
         self._descent, self._by_ranks = lay.descent.to(device), lay.by_ranks.to(device)
@@ -269,18 +268,19 @@ class PACDrafter(JacobiDrafter):
     def _slot_logits(self, levels: int) -> Tensor:
         """[B, levels, V] the logits that predicted window slots 0 .. levels-1 (carried slots)."""
         assert self._num_new is not None
-        preds = self._predictions()
+        assert self._logits is not None
+        preds = self._predictions(self._logits)
         slot = torch.arange(levels, device=preds.device)[None, :]
         node = (self._num_new[:, None] + slot - 1).clamp(0, self.window - 1)  # as JacobiDrafter._window_q
         return preds.gather(1, node[:, :, None].expand(-1, -1, preds.shape[-1]))
 
-    def _predictions(self) -> Tensor:
-        """[B, L, V]: for window depth j + 1, the node at that depth below the last accepted node
-        along first children (the accepted path's own context, as far as the tree has it), else
-        the chain's node j + 1."""
-        assert self._logits is not None and self._descent is not None and self._last is not None
+    def _predictions(self, per_node: Tensor) -> Tensor:
+        """[B, L, V] of ``per_node`` [B, T, V]: for window depth j + 1, the node at that depth below
+        the last accepted node along first children (the accepted path's own context, as far as the
+        tree has it), else the chain's node j + 1."""
+        assert self._descent is not None and self._last is not None
         node = self._descent[self._last]  # [B, L]
-        return self._logits.gather(1, node[:, :, None].expand(-1, -1, self._logits.shape[-1]))
+        return per_node.gather(1, node[:, :, None].expand(-1, -1, per_node.shape[-1]))
 
     def _last_node(self, follow: Tensor, num_new: Tensor) -> Tensor:
         """[B] the last accepted node, found from the accepted tokens (``follow[:, :num_new - 1]``):
