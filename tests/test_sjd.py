@@ -37,6 +37,7 @@ from conftest import (
     tv,
 )
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lantern.cli.main import main
 from lantern.decoding.acceptance import aggregated_mask, relaxed_mass
@@ -464,3 +465,55 @@ def test_repeat_horizon_made_at_once_equals_slot_by_slot(grid: int, window: int)
         assert torch.equal(drafter.canvas, expected)
         checked += int((expected != canvas).any(dim=1).sum())
     assert checked > 8 * b // 2  # most rows had new slots whose guess changed (the check has power)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it (what a GPU launches, one kernel or more each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _propose_ops(window: int, init: str, coupling: str, greedy: bool) -> int:
+    """Ops dispatched by the second round's ``propose`` (carry-over, new guesses, q) of a Jacobi drafter."""
+    v, b, num_tokens = 64, 2, 256
+    sampling = SamplingConfig(temperature=0.0) if greedy else SamplingConfig(temperature=1.0, top_k=10)
+    drafter = JacobiDrafter(JacobiConfig(window, init, coupling), sampling, v, num_tokens)
+    drafter.start(torch.zeros(0), torch.zeros(b, dtype=torch.long))
+    gens = RowRandom.from_seeds([1, 2], "cpu")
+    active, depth = torch.ones(b, dtype=torch.bool), torch.full((b,), num_tokens)
+    logits = torch.randn(b, window + 1, v, generator=torch.Generator().manual_seed(0))
+    drafter.propose(gens, active, depth)
+    drafter.observe_verify(logits, None if greedy else probs_from_logits(logits, sampling))
+    drafter.commit(torch.zeros(0), torch.ones(b, 2, dtype=torch.long), torch.tensor([1, 2]))
+    with _CountOps() as ops:
+        drafter.propose(gens, active, depth)
+    return ops.count
+
+
+@pytest.mark.parametrize(("init", "coupling", "greedy"), [
+    ("repeat_horizon", "maximal", False), ("repeat_horizon", "independent", True), ("random", "gumbel", False),
+    ("random", "independent", False)])
+def test_a_jacobi_round_drafts_with_as_many_ops_for_any_window(init: str, coupling: str, greedy: bool) -> None:
+    """A round's draft work is a fixed set of ops whatever the window: on a GPU a round is
+    launch-bound, and a per-slot loop (repeat_horizon's copies made one slot at a time, 6 ops a
+    slot) would add kernels with every slot. The power check: the slot-by-slot copy adds them."""
+    counts = {w: _propose_ops(w, init, coupling, greedy) for w in (4, 16)}
+    assert counts[4] == counts[16], counts
+    if init == "repeat_horizon":
+        slow = JacobiDrafter._initialise_repeat_horizon
+
+        def by_slot(self: JacobiDrafter, first_new: Tensor) -> None:
+            assert self.canvas is not None and self.n is not None
+            _slot_by_slot_repeat_horizon(self.canvas, self.n, first_new, self.window, self.grid)
+
+        try:
+            JacobiDrafter._initialise_repeat_horizon = by_slot  # type: ignore[method-assign]
+            assert _propose_ops(16, init, coupling, greedy) - _propose_ops(4, init, coupling, greedy) >= 12 * 5
+        finally:
+            JacobiDrafter._initialise_repeat_horizon = slow  # type: ignore[method-assign]

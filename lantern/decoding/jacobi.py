@@ -324,7 +324,7 @@ class JacobiDrafter:
         pos = self.n[:, None] + slot  # [B, L]
         start = (self.n + first_new)[:, None]  # each row's first new position
         src = pos
-        for _ in range(self.window // self.grid + 1):  # static count: every source ends before start
+        for _ in range((self.window - 1) // self.grid + 1):  # a pass per image row the window spans
             row_start = src - src % self.grid
             up = torch.where(row_start >= start, row_start - self.grid, start - 1)
             src = torch.where(src >= start, up, src)
