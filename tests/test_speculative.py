@@ -18,6 +18,7 @@ import torch
 from conftest import DIST_LABEL, DIST_ROWS, DIST_SAMPLING, chi_square, dist_model, exact_joint
 from torch import Tensor
 
+from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.loop import GenerationOutput, generate
@@ -311,6 +312,43 @@ def test_commit_equals_sequential_decoding() -> None:
     for row, length in enumerate(a.lengths.tolist()):
         assert (a.k[:, row, :, :length] - b.k[:, row, :, :length]).abs().max() <= 1e-5
         assert (a.v[:, row, :, :length] - b.v[:, row, :, :length]).abs().max() <= 1e-5
+
+
+def _committed(parents: Tensor, path: Tensor, keep: Tensor, in_order: bool) -> KVCache:
+    """The cache after a prefix, one verify of the tree ``parents`` and the commit of ``path``."""
+    model, s = _model(), SamplingConfig(temperature=0, cfg_scale=3.0)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 256, (2, 4), generator=gen)
+    buffers = tree_from_parents(parents.expand(2, -1).contiguous())
+    target = LlamaGenTarget(model, s, max_tree_nodes=8)
+    target.start(torch.tensor([3, 7]))
+    _commit_chain(target, prefix, torch.tensor([4, 2]))
+    target.verify(torch.randint(0, 256, (2, parents.shape[0]), generator=gen), buffers.mask, buffers.depth)
+    target.commit(path, keep, in_order=in_order)
+    assert target.cache is not None
+    return target.cache
+
+
+def _same_cache(a: KVCache, b: KVCache) -> bool:
+    return torch.equal(a.lengths, b.lengths) and all(
+        torch.equal(a.k[:, row, :, :n], b.k[:, row, :, :n]) and torch.equal(a.v[:, row, :, :n], b.v[:, row, :, :n])
+        for row, n in enumerate(a.lengths.tolist()))
+
+
+def test_a_chain_commits_in_place_as_the_moving_commit_would() -> None:
+    """A chain's accepted path is its first nodes, so ``in_order`` (the loop's flag for chains and
+    AR) only advances the lengths: the cache equals the one the gather-and-scatter commit leaves,
+    bit for bit, for every accepted length. Power: on a tree path that skips nodes the flag would
+    leave other keys in place (so the equality above is not a no-op)."""
+    chain = torch.arange(-1, 5)
+    for keep in ([1, 1], [2, 5], [6, 3], [4, 6]):
+        j = torch.arange(6)[None, :]
+        path = torch.where(j < torch.tensor(keep)[:, None], j, -1)
+        assert _same_cache(_committed(chain, path, torch.tensor(keep), True),
+                           _committed(chain, path, torch.tensor(keep), False)), keep
+    tree, path = torch.tensor([-1, 0, 0, 1, 2, 2]), torch.tensor([[0, 2, 5], [0, 1, 3]])
+    assert not _same_cache(_committed(tree, path, torch.tensor([3, 2]), True),
+                           _committed(tree, path, torch.tensor([3, 2]), False))
 
 
 # ---- rows of a batch are independent --------------------------------------------------------

@@ -58,8 +58,9 @@ class KVCache:
         """Keys and values of slots ``start`` .. ``kv_len - 1``: [N, H, kv_len - start, Dh] each."""
         return self.k[layer, :, :, start:kv_len], self.v[layer, :, :, start:kv_len]
 
-    def commit(self, keep: Tensor, num_keep: Tensor) -> None:
+    def commit(self, keep: Tensor, num_keep: Tensor, in_order: bool = False) -> None:
         """Keep fresh slots ``lengths + keep[:, j]`` (j < num_keep) at ``lengths + j``; advance.
+        ``in_order``: the caller knows ``keep[:, j] == j`` (a chain's path): only the lengths move.
 
         keep: [N, A] offsets relative to each row's length (e.g. the accepted tree path, root
         first), -1 padded; num_keep: [N]. Offsets must be >= their destination (j), which holds for
@@ -67,6 +68,9 @@ class KVCache:
         """
         n, a = keep.shape
         if a == 0:
+            return
+        if in_order:
+            self.lengths += num_keep
             return
         j = torch.arange(a, device=keep.device)[None, :]  # [1, A]
         valid = j < num_keep[:, None]  # [N, A]

@@ -77,7 +77,9 @@ class Target(Protocol):
     def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, tree: TreeBuffers | None = None
                ) -> tuple[Tensor, Tensor]: ...
 
-    def commit(self, path: Tensor, num_keep: Tensor) -> None: ...
+    def commit(self, path: Tensor, num_keep: Tensor, in_order: bool = False) -> None:
+        """Keep tree nodes ``path[:, :num_keep]`` (root first) in the cache. ``in_order``: every path is
+        nodes 0, 1, 2 ... (a chain, or AR's lone root), which already sit where the cache keeps them."""
 
 
 class GridTarget(Target, Protocol):
@@ -422,7 +424,8 @@ def _raster_round(
     # 5. Commit: root + accepted drafts enter the cache; next_token is the new pending root.
     with phase("commit"):
         new = torch.where(active, num_acc + 1, 0)
-        target.commit(path, new)
+        # A chain's accepted nodes are its first ones (a node's index is its depth): nothing moves.
+        target.commit(path, new, in_order=tree.buffers.children.shape[-1] == 1)
         # follow[b, j]: the token after path node j (accepted draft j+1, then next_token).
         follow, path_hidden, root, n = _advance(
             codes, n, root, tree.tokens, path, num_acc, next_token, active, hidden, target.streams

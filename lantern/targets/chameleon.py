@@ -269,15 +269,16 @@ class ChameleonTarget:
         logits = self.guided_logits(hidden)
         return logits, hidden
 
-    def commit(self, path: Tensor, num_keep: Tensor) -> None:
-        """Keep tree nodes ``path[:, :num_keep]`` (root first), each with its end-of-row shadow."""
+    def commit(self, path: Tensor, num_keep: Tensor, in_order: bool = False) -> None:
+        """Keep tree nodes ``path[:, :num_keep]`` (root first), each with its end-of-row shadow
+        (``in_order``: ``Target.commit``'s; it holds here only without new-line shadows)."""
         cache = self._cache()
         assert self.root_index is not None and self._shadows is not None
         row_end, shadow_slot = self._shadows
         keep, count = path, num_keep
         if self.layout.eol is not None and (self.static or bool(row_end.any())):
-            keep, count = _with_shadows(path, num_keep, row_end, shadow_slot)
-        cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams))
+            keep, count, in_order = *_with_shadows(path, num_keep, row_end, shadow_slot), False
+        cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams), in_order)
         self.root_index = self.root_index + num_keep
         self.last_path = path
 

@@ -149,9 +149,10 @@ class LlamaGenTarget:
         self.forwards += 1
         return logits, hidden
 
-    def commit(self, path: Tensor, num_keep: Tensor) -> None:
-        """Keep tree nodes ``path[:, :num_keep]`` (node indices, root first) in the cache."""
-        step_fn(_commit_step, self.compile, self.device)(self._cache(), path, num_keep, self.streams)
+    def commit(self, path: Tensor, num_keep: Tensor, in_order: bool = False) -> None:
+        """Keep tree nodes ``path[:, :num_keep]`` (node indices, root first) in the cache
+        (``in_order``: ``Target.commit``'s)."""
+        step_fn(_commit_step, self.compile, self.device)(self._cache(), path, num_keep, self.streams, in_order)
 
     @torch.no_grad()
     def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor, chains: int | None = None) -> Tensor:
@@ -240,9 +241,9 @@ def _verify_grid_step(
     return apply_cfg(model.logits(hidden), cfg_scale, streams)
 
 
-def _commit_step(cache: KVCache, path: Tensor, num_keep: Tensor, streams: int) -> tuple[()]:
+def _commit_step(cache: KVCache, path: Tensor, num_keep: Tensor, streams: int, in_order: bool) -> tuple[()]:
     """The cache commit of every CFG stream (a compiled region: one fused gather + scatter)."""
-    cache.commit(path.repeat(streams, 1), num_keep.repeat(streams))
+    cache.commit(path.repeat(streams, 1), num_keep.repeat(streams), in_order)
     return ()
 
 
