@@ -59,9 +59,10 @@ class _Recording(GridJacobiDrafter):
         return block
 
     def commit_grid(self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor,
-                    rng: RowRandom | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    rng: RowRandom | None, probs: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         self.blocks[-1] = (block, num_acc.clone())
-        return super().commit_grid(block, num_acc, next_token, logits, rng)
+        return super().commit_grid(block, num_acc, next_token, logits, rng, probs)
 
 
 def _run(model: LlamaGen, labels: list[int], s: SamplingConfig, config: PJDConfig, seeds: list[int] | None = None,

@@ -517,3 +517,42 @@ def test_a_jacobi_round_drafts_with_as_many_ops_for_any_window(init: str, coupli
             assert _propose_ops(16, init, coupling, greedy) - _propose_ops(4, init, coupling, greedy) >= 12 * 5
         finally:
             JacobiDrafter._initialise_repeat_horizon = slow  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("method", ["sjd-coupled-lantern-sv", "sjd-pac", "pjd"])
+@pytest.mark.parametrize("hand_over", [True, False])
+def test_a_jacobi_round_makes_the_targets_p_once(random_stack: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                                                 hand_over: bool) -> None:
+    """The acceptance's p (top-k and softmax over every window node) is what the drafter redraws
+    from next round: the loop makes it and hands it over, the drafter never makes it again (but
+    once, for its first round's all-zero logits). Power: without the hand-over (the loop passing
+    None) the drafter makes it every round."""
+    import lantern.decoding.jacobi as jacobi_module
+    import lantern.decoding.loop as loop_module
+    import lantern.decoding.pjd as pjd_module
+
+    calls = {"loop": 0, "drafter": 0}
+
+    def counted(where: str):  # type: ignore[no-untyped-def]
+        def probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+            calls[where] += 1
+            return probs_from_logits(logits, cfg)
+        return probs
+
+    monkeypatch.setattr(loop_module, "probs_from_logits", counted("loop"))
+    monkeypatch.setattr(jacobi_module, "probs_from_logits", counted("drafter"))
+    monkeypatch.setattr(pjd_module, "probs_from_logits", counted("drafter"))
+    if not hand_over:
+        observe, commit_grid = jacobi_module.JacobiDrafter.observe_verify, pjd_module.GridJacobiDrafter.commit_grid
+        monkeypatch.setattr(jacobi_module.JacobiDrafter, "observe_verify",
+                            lambda self, logits, probs=None: observe(self, logits, None))
+        monkeypatch.setattr(pjd_module.GridJacobiDrafter, "commit_grid",
+                            lambda self, *args, probs=None: commit_grid(self, *args[:5], None))
+    stack = cached_stack(str(random_stack))
+    sampling = SamplingConfig(temperature=1.0, top_k=20, cfg_scale=2.0)
+    result = run_generation(stack, [3], 0, sampling, MethodConfig.resolve(method), 1)
+    rounds = int(result.stats_dict()["target_forwards"]) - 1  # forwards after the prefill
+    assert rounds > 3
+    assert calls["loop"] == rounds + 1  # every round's acceptance, and the prefill's first token
+    first = 0 if method == "pjd" else 1  # SJD's first round carries over from all-zero logits
+    assert calls["drafter"] == (first if hand_over else first + rounds)

@@ -151,7 +151,9 @@ class GridDrafter(Protocol):
 
     def commit_grid(
         self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor, rng: RowRandom | None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+        probs: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``probs``: the target's p from ``logits`` [B, T, V] if the acceptance made it (sampled)."""
 
 
 @dataclass
@@ -456,22 +458,24 @@ def _grid_round(
     with phase("accept"):
         b, r = block.max_depth.shape
         t = block.tokens.shape[1] // r
-        u = None
+        u = p_target = None
         if not sampling.greedy:  # a fixed count per row and round, from the row's own stream
             with phase("sampling"):
                 u = _uniforms(rng, r * (t + 1)).view(b * r, t + 1)
+            p_target = probs_from_logits(logits, sampling)  # the acceptance's, and the carry-over's
+        flat_p = None if p_target is None else p_target.view(b * r, t, -1)
         buffers = block.buffers
         credit = credited(block.relaxable, block.clean, acceptance.relaxation)
         assert credit is not None
         _, num_acc, next_token, num_relaxed = _accept_core(
             logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
             buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
-            acceptance.relaxation, sampling, credit.view(b * r, t),
+            acceptance.relaxation, sampling, credit.view(b * r, t), p_target=flat_p,
         )
         relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
     with phase("commit"):
         keep, num_keep, cells, vals, new = drafter.commit_grid(block, num_acc.view(b, r), next_token.view(b, r),
-                                                               logits, rng)
+                                                               logits, rng, p_target)
         target.commit_grid(keep, num_keep)
         codes.scatter_(1, cells, vals)
     return new, relaxed

@@ -319,8 +319,10 @@ class GridJacobiDrafter:
 
     def commit_grid(
         self, block: GridBlock, num_acc: Tensor, next_token: Tensor, logits: Tensor, rng: RowRandom | None,
+        probs: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Record a round: ``num_acc`` / ``next_token`` [B, R] per chain, ``logits`` [B, T, V] guided.
+        """Record a round: ``num_acc`` / ``next_token`` [B, R] per chain, ``logits`` [B, T, V] guided,
+        ``probs`` their p if the acceptance made it (else made here, when sampling).
 
         Returns (keep [B, T] block offsets to cache, ascending, -1 padded; num_keep [B]; cells
         [B, R * (W + 1)] and values to write into the codes, masked writes aimed at cell N; new
@@ -350,13 +352,16 @@ class GridJacobiDrafter:
         keep, num_keep = kept_offsets(kept.view(b, -1))
         gens = rng if rng is not None else self._own_rng
         assert gens is not None
-        self._carry_over(block, a, new_cell, logits.view(b, r, w + 1, -1), gens)
+        self._carry_over(block, a, new_cell, logits.view(b, r, w + 1, -1), gens,
+                         None if probs is None else probs.view(b, r, w + 1, -1))
         return keep, num_keep, cells, vals, torch.where(block.decodes, a + 1, 0).sum(1)
 
-    def _carry_over(self, block: GridBlock, a: Tensor, new_cell: Tensor, logits: Tensor, gens: RowRandom) -> None:
+    def _carry_over(self, block: GridBlock, a: Tensor, new_cell: Tensor, logits: Tensor, gens: RowRandom,
+                    probs: Tensor | None = None) -> None:
         """Redraw the guess at every cell a usable node predicted that is still unknown (Jacobi
         carry-over, per row as in ``lantern.decoding.jacobi``); its q becomes the node's p. ``a``
-        [B, R]: guesses each chain accepted (node a + 1 held the rejected one)."""
+        [B, R]: guesses each chain accepted (node a + 1 held the rejected one); ``probs``: p of
+        ``logits`` [B, R, t, V] if already made."""
         b, r, t, v = logits.shape
         j = torch.arange(t, device=logits.device)
         cell_row = torch.div(new_cell, self.width, rounding_mode="floor").clamp(max=self.height - 1)  # [B, R, t]
@@ -373,7 +378,7 @@ class GridJacobiDrafter:
         if self.q is None:
             y = logits.argmax(dim=-1).view(b, -1)
         else:
-            p = probs_from_logits(logits, self.sampling).view(b, r * t, v)
+            p = (probs if probs is not None else probs_from_logits(logits, self.sampling)).view(b, r * t, v)
             u = gens.uniform(r * t)
             y = sample_from_probs(p.reshape(-1, v), u.view(-1)).view(b, -1)
             flat = carry.view(b, -1)
