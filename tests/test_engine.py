@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.phases import phase
 from lantern.decoding.sampling import make_generators
 from lantern.errors import LanternError
-from lantern.eval.roundtrace import ROUND_PHASES, count_ops, trace_markdown, trace_methods
+from lantern.eval.roundtrace import ROUND_PHASES, count_ops, device_kernels, trace_markdown, trace_methods
 from lantern.methods import MethodConfig
 from lantern.run import prepare_method
 from lantern.targets.llamagen_stack import load_stack
@@ -52,11 +54,28 @@ def test_count_ops_attributes_ops_and_syncs_to_phases() -> None:
         with phase("commit"):
             y[y > 3].sum()
 
-    ops, syncs, cuda = count_ops(run, torch.device("cpu"))
-    assert cuda is None
+    counts = count_ops(run, torch.device("cpu"))
+    ops, syncs = counts.ops, counts.syncs
+    assert counts.cuda_syncs is None and counts.cuda_kernels is None
     assert ops["verify"] == 2
     assert syncs["accept"] == 3 and syncs["commit"] >= 1 and syncs["verify"] == 0
     assert sum(syncs.values()) == syncs["accept"] + syncs["commit"]  # nothing from prefill
+
+
+def test_device_kernels_are_the_device_events_that_are_not_copies() -> None:
+    """What the trace counts as a GPU round's kernels (profiler events, faked here: this CPU has no
+    CUDA): device events that are neither copies nor fills; the CPU-side ops never count, nor does a
+    launch call made on the host."""
+
+    def event(name: str, device: DeviceType) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=device)
+
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = [event("triton_poi_fused_add_0", cuda), event("void at::native::gemv<float>", cuda),
+              event("Memcpy DtoH (Device -> Pinned)", cuda), event("Memset (Device)", cuda),
+              event("aten::mm", cpu), event("cudaGraphLaunch", cpu), event("cudaLaunchKernel", cpu)]
+    assert device_kernels(events) == 2
+    assert device_kernels([]) == 0
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ Host syncs are the ops whose output size or value the host must wait for: ``item
 ``bool()`` (``aten::_local_scalar_dense``), ``nonzero`` (also behind boolean-mask indexing),
 ``masked_select``, ``unique``, and ``Tensor.tolist``, which dispatches no op and is counted by a
 wrapper installed for the profiled run only. On CUDA, ``torch.cuda.set_sync_debug_mode`` counts
-the syncs the driver actually saw as well.
+the syncs the driver actually saw as well, and the profiler's CUDA activity counts the kernels the
+device ran (graph replays included: CUPTI records each kernel of a replayed graph), per round: what
+a small target's round costs on a GPU, where it is launch-bound.
 
 Under ``--compile`` a round is one compiled region (``lantern.decoding.compiling.round_fn``): its
 phases are inside the region, so the clock sees one phase, ``round``, and "other" is the loop's own
@@ -33,11 +35,12 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from lantern.decoding import compiling
 from lantern.decoding.compiling import resolve_compile
@@ -73,6 +76,7 @@ class RoundTrace:
     ops: Mapping[str, float]  # per round, by phase
     syncs: Mapping[str, float]  # per round, by phase
     cuda_syncs: float | None = None  # per round, as seen by the CUDA sync debug mode
+    cuda_kernels: float | None = None  # device kernels per round (CUDA), the prefill's spread over the rounds
     regions: float = 0.0  # compiled-region calls (CUDA-graph replays) per round; 0 when eager
 
     @property
@@ -146,13 +150,14 @@ def _trace_one(name: str, prepared: PreparedMethod, conditions: Conditions, seed
     check(rounds > 0, f"method {name}: no decoding rounds to trace")
     ms = {p: clock.ms.get(p, 0.0) / rounds for p in PHASES if p != "prefill"}
     ms["other"] = (wall_ms - sum(clock.ms.values())) / rounds
-    ops, syncs, cuda_syncs = count_ops(lambda: _run(prepared, conditions, seed, batch_size), device)
+    counts = count_ops(lambda: _run(prepared, conditions, seed, batch_size), device)
     tokens = sum(o.codes.numel() for o in outs)
     forwards = sum(int(o.stats.target_forwards.sum()) for o in outs)
     return RoundTrace(
         method=name, tree=tree_label(prepared.method), rounds=rounds, tau=tokens / forwards, ms=ms,
-        ops={p: v / rounds for p, v in ops.items()}, syncs={p: v / rounds for p, v in syncs.items()},
-        cuda_syncs=None if cuda_syncs is None else cuda_syncs / rounds, regions=calls / rounds,
+        ops={p: v / rounds for p, v in counts.ops.items()}, syncs={p: v / rounds for p, v in counts.syncs.items()},
+        cuda_syncs=None if counts.cuda_syncs is None else counts.cuda_syncs / rounds, regions=calls / rounds,
+        cuda_kernels=None if counts.cuda_kernels is None else counts.cuda_kernels / rounds,
     )
 
 
@@ -172,27 +177,45 @@ def _counted_tolist() -> Iterator[None]:
         torch.Tensor.tolist = original  # type: ignore[method-assign]
 
 
-def count_ops(
-    run: Callable[[], Any], device: torch.device
-) -> tuple[dict[str, float], dict[str, float], float | None]:
-    """(dispatched ops by phase, host syncs by phase, CUDA-observed syncs) while ``run()`` runs;
-    ops inside ``phase("prefill")`` are left out (they are not part of a round)."""
+@dataclass(frozen=True)
+class OpCounts:
+    """What :func:`count_ops` saw while a run ran."""
+
+    ops: dict[str, float]  # dispatched ops by phase (the prefill's left out)
+    syncs: dict[str, float]  # host syncs by phase (the prefill's left out)
+    cuda_syncs: float | None  # syncs the CUDA sync debug mode saw (None off CUDA)
+    cuda_kernels: float | None  # kernels the device ran, the prefill's included (None off CUDA)
+
+
+def device_kernels(events: Iterable[Any]) -> int:
+    """Kernels among profiler events: device-side (CUDA) events that are not copies or fills
+    (``Memcpy`` / ``Memset`` records, which CUPTI lists beside kernels)."""
+    return sum(1 for e in events if e.device_type == DeviceType.CUDA and "mem" not in e.name.lower())
+
+
+def count_ops(run: Callable[[], Any], device: torch.device) -> OpCounts:
+    """Dispatched ops and host syncs by phase while ``run()`` runs (ops inside ``phase("prefill")``
+    are left out: they are not part of a round), and on CUDA the syncs and kernels the device saw."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with warnings.catch_warnings(record=True) as caught, _counted_tolist():
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=activities) as prof:
                 run()
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     ops = dict.fromkeys(ROUND_PHASES, 0.0)
     syncs = dict.fromkeys(ROUND_PHASES, 0.0)
-    for event in prof.events():
+    events = prof.events()
+    for event in events:
+        if event.device_type != DeviceType.CPU:
+            continue
         is_op = event.name.startswith(("aten::", "Torch-Compiled Region"))
         is_sync = event.name in SYNC_OPS
         if not (is_op or is_sync):
@@ -205,7 +228,7 @@ def count_ops(
         if is_sync and not nested_sync:
             syncs[where] += 1
     cuda_syncs = float(sum("synchroniz" in str(w.message) for w in caught)) if cuda else None
-    return ops, syncs, cuda_syncs
+    return OpCounts(ops, syncs, cuda_syncs, float(device_kernels(events)) if cuda else None)
 
 
 def _ancestry(event: Any) -> tuple[str, bool, bool]:
@@ -238,14 +261,17 @@ def trace_markdown(traces: Sequence[RoundTrace]) -> str:
     """Per method: round cost in AR steps, each phase's share of the round, overhead, ops, syncs."""
     ar_ms = _ar_ms(traces)
     shown = [p for p in ROUND_PHASES if any(t.ms.get(p, 0.0) > 0 for t in traces)]
+    kernels = any(t.cuda_kernels is not None for t in traces)
     head = ["method", "tree", "τ", "round (AR steps)", *[f"{p} %" for p in shown], "overhead (AR steps)",
-            "ops/round", "syncs/round", "regions/round"]
+            "ops/round", "syncs/round", "regions/round", *(["kernels/round"] if kernels else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in traces:
         cells = [t.method, t.tree, f"{t.tau:.2f}", f"{t.round_ms / ar_ms:.2f}"]
         cells += [f"{100 * t.ms.get(p, 0.0) / t.round_ms:.0f}" for p in shown]
         cells += [f"{t.overhead_ms / ar_ms:.2f}", f"{sum(t.ops.values()):.0f}", f"{sum(t.syncs.values()):.1f}",
                   f"{t.regions:.1f}"]
+        if kernels:
+            cells.append("-" if t.cuda_kernels is None else f"{t.cuda_kernels:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"AR step = {ar_ms:.3f} ms (plain AR's round). Syncs by phase: "
