@@ -72,6 +72,7 @@ class RankRunner:
     def time(self, stack: Stack, sampling: SamplingConfig, resolved: Mapping[str, MethodConfig],
              conditions: Conditions, seed: int, batch_size: int = 1, repeats: int = 1, progress: bool = False,
              compile: str | None = None, startup: dict[str, float] | None = None,
+             chunk_walls: dict[str, list[list[float]]] | None = None,
              ) -> tuple[dict[str, RunResult], dict[str, list[float]]]:
         from lantern.eval.bench import time_methods
 
@@ -79,16 +80,20 @@ class RankRunner:
         part = None
         if mine:
             own: dict[str, float] = {}
+            chunks: dict[str, list[list[float]]] = {}
             runs, walls = time_methods(stack, sampling, resolved, conditions.rows(mine[0], mine[-1] + 1), seed,
-                                       batch_size,
-                                       repeats, progress, compile, own, indices=mine, parts=self.loaded(stack))
-            part = ({name: _payload(r) for name, r in runs.items()}, walls, own)
+                                       batch_size, repeats, progress, compile, own, indices=mine,
+                                       parts=self.loaded(stack), chunk_walls=chunks)
+            part = ({name: _payload(r) for name, r in runs.items()}, walls, own, chunks)
         parts = [p for p in all_gather(part, self.ctx) if p is not None]
         merged = {name: _merge([p[0][name] for p in parts], cfg) for name, cfg in resolved.items()}
         # The ranks decode in parallel: a pass is over when its slowest rank is.
         walls = {name: [max(p[1][name][rep] for p in parts) for rep in range(repeats)] for name in resolved}
         if startup is not None:
             startup.update({name: max(p[2].get(name, 0.0) for p in parts) for name in resolved})
+        if chunk_walls is not None:  # every rank's chunks, in rank order (each timed beside AR on its rank)
+            chunk_walls.update({name: [[s for p in parts for s in p[3][name][rep]] for rep in range(repeats)]
+                                for name in resolved})
         return merged, walls
 
 

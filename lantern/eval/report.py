@@ -46,6 +46,8 @@ class BenchRow:
     num_images: int = 0
     speed_images: int = 0
     wall_seconds_repeats: list[float] = field(default_factory=list)
+    # 95 % interval of speedup_vs_ar over the timed images (lantern.eval.bench.speedup_interval); None: not measured
+    speedup_ci: list[float] | None = None
     startup_seconds: float = 0.0  # the untimed first image: loading, allocation, compilation
     # The judged metrics worse than AR's bound: the row is out when any (None: no spread measured).
     outside_ar_spread: list[str] | None = None
@@ -266,8 +268,14 @@ def format_quality(q: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {format_cell(q.get(k))}" for k in QUALITY_KEYS)
 
 
+def _interval_cell(ci: list[float] | None) -> str:
+    return "-" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}x"
+
+
 def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
-    head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", "FID", "KID", "prec", "recall", "class acc"]
+    interval = any(r.speedup_ci is not None for r in rows)
+    head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", *(["95% CI"] if interval else []),
+            "FID", "KID", "prec", "recall", "class acc"]
     spread = any(r.outside_ar_spread is not None for r in rows)
     if spread:
         head.append("vs AR spread")
@@ -279,6 +287,7 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
             f"{r.target_forwards:.1f}",
             f"{r.seconds_per_image:.3f}",
             f"{r.speedup_vs_ar:.2f}x",
+            *([_interval_cell(r.speedup_ci)] if interval else []),
             format_cell(r.quality.get("fid"), 2),
             format_cell(r.quality.get("kid"), 4),
             format_cell(r.quality.get("precision")),
@@ -334,7 +343,8 @@ def markdown_report(result: BenchResult, command: str) -> str:
         f"device {m['device']}, {m['dtype']}",
         f"- sampling: {m['sampling']}",
         f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
-        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded",
+        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded; the speed-up's 95% CI (where "
+        "shown): over the timed batches, each with AR's time on the same images (ratio estimator, t interval)",
         *([f"- **{m['busy_warning']}**"] if m.get("busy_warning") else []),
         *(
             [
