@@ -26,8 +26,8 @@ from lantern.eval.report import ARSpread, BenchResult, BenchRow, format_table, s
 
 # bench.json fields no longer written (sides of the earlier two-sided verdict): rows are re-judged here.
 LEGACY_FIELDS = ("outside_sides",)
-SPEED_FIELDS = ("wall_seconds", "seconds_per_image", "speedup_vs_ar", "speed_images", "wall_seconds_repeats",
-                "startup_seconds")
+SPEED_FIELDS = ("wall_seconds", "seconds_per_image", "speedup_vs_ar", "speedup_ci", "speed_images",
+                "wall_seconds_repeats", "startup_seconds")
 
 
 def read_rows(folder: Path) -> dict[str, BenchRow]:
