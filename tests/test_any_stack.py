@@ -31,9 +31,9 @@ PROFILE_FILES = {"profile.json", "verify_cost.png"}
 BENCH_FILES = {"bench.json", "bench.md", "run.json", "grid_ar.png", "grid_sd.png", "frontier.png"}
 # A preset's bench.json row, less class accuracy (these models have no classes).
 BENCH_ROW_FIELDS = {"method", "base_method", "tree", "relaxation", "mean_accepted", "target_forwards", "wall_seconds",
-                    "seconds_per_image", "speedup_vs_ar", "num_images", "speed_images", "wall_seconds_repeats",
-                    "startup_seconds", "fid", "kid", "precision", "recall", "kid_std", "feature_net",
-                    "outside_ar_spread", "better_than_ar"}
+                    "seconds_per_image", "speedup_vs_ar", "speedup_ci", "num_images", "speed_images",
+                    "wall_seconds_repeats", "startup_seconds", "fid", "kid", "precision", "recall", "kid_std",
+                    "feature_net", "outside_ar_spread", "better_than_ar"}
 CHAIN_2 = TreeConfig.parse("chain:2").to_dict()  # as run.json records it
 TOKENS = {"lumina": 16, "anole": 1024, "t2i": 64}  # image tokens of each tiny model
 PIXELS = {"lumina": 8, "t2i": 32}  # image side of each tiny model
@@ -111,6 +111,7 @@ def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Non
         assert all(math.isfinite(row[k]) for k in ("fid", "kid", "precision", "recall"))
         assert row["num_images"] == 4 and row["speed_images"] == 2
     assert rows["sd"]["tree"] == "chain:2" and rows["ar"]["speedup_vs_ar"] == 1.0
+    assert rows["ar"]["speedup_ci"] == [1.0, 1.0] and 0 < rows["sd"]["speedup_ci"][0] <= rows["sd"]["speedup_ci"][1]
     assert rows["sd"]["mean_accepted"] >= 1.0 and rows["ar"]["mean_accepted"] == 1.0
     run = _json(out / "run.json")
     assert run["reference"] == "ar" and run["num_real"] == 4
