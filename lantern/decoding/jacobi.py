@@ -97,8 +97,10 @@ class JacobiDrafter:
         self.canvas: Tensor | None = None  # [B, N + L] known tokens, then guesses; -1 = none yet
         self.n: Tensor | None = None  # [B] known tokens per row
         self.q: Tensor | None = None  # [B, L, V] (sampled decoding only)
-        self._logits: Tensor | None = None  # [B, L+1, V] guided logits of the last verify forward
-        self._probs: Tensor | None = None  # [B, L+1, V] their probabilities (sampled decoding only)
+        # What the last verify forward predicted at each node, [B, L+1, V]: its guided logits when
+        # decoding greedily (argmax redraws), its probabilities when sampling (one or the other is kept)
+        self._logits: Tensor | None = None
+        self._probs: Tensor | None = None
         self._num_new: Tensor | None = None  # [B] tokens the last round added (0: none yet / inactive)
         self._own_rng: RowRandom | None = None
         self._buffers: TreeBuffers | None = None
@@ -130,8 +132,9 @@ class JacobiDrafter:
         self.n = torch.ones(b, dtype=torch.long, device=device)
         # The first round is shaped like every other (one compiled graph): it "carries over" from
         # all-zero logits with num_new = L + 1, which keeps no guess and makes slot 0 the first new one.
-        self._logits = torch.zeros(b, self.num_nodes, self.vocab_size, device=device)
-        self._probs = None if self.sampling.greedy else probs_from_logits(self._logits, self.sampling)
+        zeros = torch.zeros(b, self.num_nodes, self.vocab_size, device=device)
+        self._logits = zeros if self.sampling.greedy else None
+        self._probs = None if self.sampling.greedy else probs_from_logits(zeros, self.sampling)
         self._num_new = torch.full((b,), self.window + 1, dtype=torch.long, device=device)
         self.q = None if self.sampling.greedy else torch.zeros(b, self.window, self.vocab_size, device=device)
         self._own_rng = RowRandom.from_seeds([GREEDY_INIT_SEED] * b, device)
@@ -154,10 +157,12 @@ class JacobiDrafter:
         """Guided logits [B, L+1, V] of the verify forward: the predictions carried over; ``probs``
         their probabilities if the round's acceptance made them (else made here): the next round
         redraws from them, so the loop does not compute p twice."""
-        assert self._logits is not None
-        self._logits.copy_(logits)  # in place: a compiled round's state keeps its addresses
+        # in place: a compiled round's state keeps its addresses
         if self._probs is not None:
             self._probs.copy_(probs if probs is not None else probs_from_logits(logits, self.sampling))
+        else:
+            assert self._logits is not None
+            self._logits.copy_(logits)
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         """next_tokens[:, :num_new] are each row's new known tokens (accepted guesses, then the
@@ -208,7 +213,7 @@ class JacobiDrafter:
 
         Node j of the last round (j = 1..L: the guess at position n_old + j - 1) predicted position n_old + j.
         """
-        assert self.canvas is not None and self.n is not None and self._logits is not None
+        assert self.canvas is not None and self.n is not None
         assert self._num_new is not None
         length = self.window
         n_old = self.n - self._num_new
@@ -218,6 +223,7 @@ class JacobiDrafter:
         pos = pos.clamp(0, self.canvas.shape[1] - 1)  # the first round's positions lie before 0: kept by none
         old = self.canvas.gather(1, pos)  # [B, L] the guesses being replaced (-1: none yet)
         if self._probs is None:  # greedy
+            assert self._logits is not None
             p, y = None, self._predictions(self._logits).argmax(dim=-1)
         else:
             p = self._predictions(self._probs)  # [B, L, V] the target's p for positions n_old+1 .. n_old+L
