@@ -26,6 +26,7 @@ from lantern.decoding.config import MAX_TREE_NODES, PACConfig, TreeConfig, pac_t
 from lantern.decoding.trees import STATIC_TREES
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE, resolve_method
+from lantern.testing import make_random_stack
 from lantern.validate import SEED_LIMIT, check_count, check_seed
 
 
@@ -248,23 +249,26 @@ def _load_library_inner(error: type[Exception]) -> None:  # named as inductor's 
     raise error("invalid ELF header")
 
 
-def _generate_compiled(cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def _generate_compiled(model: Path, cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
     """``lantern generate`` compiled, in a fresh process (which reads the cache from disk), on ``cache``."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["LANTERN_COMPILE_CACHE"] = str(cache)
-    argv = ["generate", "--model", "digits", "--labels", "0", "--batch-size", "1", "--compile", "default",
+    argv = ["generate", "--model", str(model), "--labels", "0", "--batch-size", "1", "--compile", "default",
             "--no-progress", "--out", str(out)]
     return subprocess.run([sys.executable, "-m", "lantern.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=900)
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~80 s: a cold compile, then two damaged copies of its cache
+@pytest.mark.long  # ~50 s: a cold compile, then two damaged copies of its cache
 def test_a_damaged_compile_cache_is_named(tmp_path: Path) -> None:
     """Random bytes in the cache's generated modules (``.py``) or compiled libraries (``.so``).
-    Old behaviour: a BackendCompilerFailed traceback (a UnicodeDecodeError, or a failed C++ rebuild)."""
+    Old behaviour: a BackendCompilerFailed traceback (a UnicodeDecodeError, or a failed C++ rebuild).
+    The model is the smallest stack (2 layers, a 4x4 grid): its AR round compiles in half the time
+    of digits', and the cache holds the same kinds of files."""
+    model = make_random_stack(tmp_path / "model", grid=4)
     cache = tmp_path / "cache"
-    first = _generate_compiled(cache, tmp_path / "first")
+    first = _generate_compiled(model, cache, tmp_path / "first")
     assert first.returncode == 0, first.stderr[-2000:]
     for suffix in (".py", ".so"):
         damaged = tmp_path / f"damaged{suffix}"
@@ -273,7 +277,7 @@ def test_a_damaged_compile_cache_is_named(tmp_path: Path) -> None:
         assert files
         for path in files:
             path.write_bytes(os.urandom(4096))
-        run = _generate_compiled(damaged, tmp_path / f"out{suffix}")
+        run = _generate_compiled(model, damaged, tmp_path / f"out{suffix}")
         assert run.returncode == 2, run.stderr[-2000:]
         assert run.stderr.startswith(f"lantern: error: LANTERN_COMPILE_CACHE={damaged} is damaged (")
         assert run.stderr.count("\n") == 1 and f"delete the folder {damaged}" in run.stderr, run.stderr

@@ -311,7 +311,7 @@ def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 def test_killed_training_resumes_to_the_same_weights(folder: Path, tmp_path: Path) -> None:
     """A real SIGKILL mid-run: the last complete checkpoint is intact and resuming matches."""
     args = ["-m", "lantern.cli", "train-tokenizer", "--data", str(folder), "--codebook-size", "64", "--ch", "16",
-            "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8", "--steps", "200", "--batch-size", "4",
+            "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8", "--steps", "60", "--batch-size", "4",
             "--checkpoint-every", "5", "--eval-images", "2", "--no-progress", "--precision", "fp32"]
     env = dict(os.environ)
     cwd = Path(__file__).resolve().parents[1]
