@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
+from lantern.decoding import compiling
 from lantern.decoding.rng import RowRandom, fmix32, uniforms_at
 from lantern.decoding.sampling import make_generators
 
@@ -98,5 +99,6 @@ def test_compiled_uniforms_equal_eager_bit_for_bit() -> None:
     k0 = fmix32(torch.tensor([1, 2, 3]))
     k1 = fmix32(torch.tensor([4, 5, 6]))
     offset = torch.tensor((1 << 32) - 100)  # the stream crosses into the counter's high word
+    compiling._quiet_inductor_imports()  # as lantern's own compiles do: torch.utils.mkldnn's deprecation, once
     compiled = torch.compile(uniforms_at, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(k0, k1, offset, 4096), uniforms_at(k0, k1, offset, 4096))
