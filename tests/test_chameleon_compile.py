@@ -71,10 +71,11 @@ def _run(prepared: PreparedMethod, prompts: list[str], seeds: list[int]) -> loop
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_every_round_is_one_graph(lumina: Pipeline, name: str) -> None:
+def test_every_round_is_one_graph(lumina: Pipeline, name: str, eager_backend: None) -> None:
     """``torch._dynamo.explain`` of a compiled-shape round on a Lumina-mGPT layout: one graph, no
     graph break (an ``int(...)`` or ``bool(...)`` of a tensor, the eager adapter's host reads,
-    would be one)."""
+    would be one). The prefill's own region (EAGLE methods) goes through dynamo's eager backend:
+    inductor's kernels are the subject of test_inductor_compiled_greedy_equals_eager."""
     prepared = _prepare(lumina, name, SAMPLED, compile="default")  # the adapter's static shapes
     target, drafter = prepared.parts()
     conditions = lumina.stack.encode(PROMPTS)
