@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lantern.calibration import AUTO, MethodChoice, Setup, check_quality
 from lantern.calibration import auto_method as calibrated_method
+from lantern.decoding.compiling import compile_notices
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError, check
 from lantern.hub import resolve_location
@@ -198,11 +199,12 @@ class Pipeline:
         if method == AUTO:
             choice = self.auto_method(quality, batch_size, **settings)
             method, chosen = choice.method, {"auto_method": choice.to_dict()}
-        if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
-            method_cfg, sampling, auto = self._auto(method, settings, seed, batch_size, progress)
-        else:
-            (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
-        result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
+        with compile_notices(progress):  # a compiled round's first call: seconds to minutes
+            if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
+                method_cfg, sampling, auto = self._auto(method, settings, seed, batch_size, progress)
+            else:
+                (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
+            result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
         return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes,
                               stats=result.stats_dict(), config={**run_config(seed, batch_size, self.device, sampling,
                                                                              result.method,

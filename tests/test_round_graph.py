@@ -11,6 +11,7 @@ tests/test_engine.py, tests/test_speculative.py and tests/test_sjd_coupled.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,59 @@ def test_trace_counts_one_region_per_compiled_round(stack: ModelStack, eager_bac
     assert "| 1.0 |" in trace_markdown(compiled)
     eager = trace_methods(stack, SAMPLED, methods, [0, 1], batch_size=2)
     assert [t.regions for t in eager] == [0.0, 0.0] and all(t.ms["verify"] > 0 for t in eager)
+
+
+def test_a_compiled_regions_first_call_is_announced_once(stack: ModelStack, eager_backend: None) -> None:
+    """Compiling takes seconds to minutes before a decode's first tokens: within
+    ``announce_compiles`` the round's first call says so, before and after (one line each); the
+    same round's later calls, eager decoding, and a first call outside the block say nothing."""
+    lines: list[str] = []
+    compiled = prepare_method(stack, _method("lantern-chain"), SAMPLED, compile="default")
+    eager = prepare_method(stack, _method("lantern-chain"), SAMPLED)
+    labels = torch.tensor([0, 1])
+    with compiling.announce_compiles(lines.append):
+        first = compiled.generate(labels, make_generators([1, 2]))
+        assert len(lines) == 2  # the announcement, then the time it took
+        compiled.generate(labels, make_generators([3, 4]))  # the same region, already compiled
+        eager.generate(labels, make_generators([1, 2]))
+    assert first.stats.steps > 1  # several rounds ran: only the first was announced
+    assert lines[0] == (f"compiling the decoding round (once per method and batch size in a process; inductor's "
+                        f"kernels are cached in {compiling.compile_cache_dir()}) ...")
+    assert re.fullmatch(r"compiled the decoding round in \d+\.\d s", lines[1]), lines[1]
+    prepare_method(stack, _method("ar"), SAMPLED, compile="default").generate(labels, make_generators([1, 2]))
+    assert len(lines) == 2  # another method's first call, outside the block: nothing
+
+
+def test_the_cli_announces_a_compile_unless_told_not_to(eager_backend: None, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``lantern generate --compile``: the round's compile is a line on stderr; ``--no-progress``
+    leaves it out (each run a fresh process's regions)."""
+    from lantern.cli.main import main
+
+    argv = ["generate", "--model", "digits", "--labels", "0", "--compile", "default"]
+    for quiet in (False, True):
+        monkeypatch.setattr(compiling, "_rounds", {})
+        assert main([*argv, "--out", str(tmp_path / str(quiet)), *(["--no-progress"] if quiet else [])]) == 0
+        err = capsys.readouterr().err
+        announced = "lantern: compiling the decoding round (" in err
+        assert announced == ("lantern: compiled the decoding round in " in err)  # both lines, or neither
+        assert announced != quiet, err[-2000:]
+
+
+def test_the_api_announces_a_compile_with_its_progress(eager_backend: None, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipe(..., progress=True)`` shows the compile's lines on stderr; ``progress=False`` (the
+    default) prints nothing."""
+    import lantern
+
+    pipe = lantern.load("digits", compile="default")
+    for progress in (False, True):
+        monkeypatch.setattr(compiling, "_rounds", {})
+        pipe(labels=[1], seed=0, method="ar", progress=progress)
+        err = capsys.readouterr().err
+        assert ("lantern: compiling the decoding round (" in err) == progress, err[-2000:]
+        assert ("lantern: compiled the decoding round in " in err) == progress
 
 
 def test_compile_cache_dir_is_lanterns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ Every run writes its resolved configuration next to its outputs. Bad arguments e
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -77,6 +79,14 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or _cpu_allocator_failed(e)
 
 
+def _compile_notices(args: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
+    """A compiled region's first call (seconds to minutes before the first tokens) gets a line on
+    stderr, above any progress bar; not under ``--no-progress``, nor from a torchrun rank other than 0."""
+    from lantern.decoding.compiling import compile_notices
+
+    return compile_notices(not getattr(args, "no_progress", False) and os.environ.get("RANK", "0") == "0")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
     running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
@@ -97,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_seed_flags(args)
         from lantern.io import trusted_checkpoints  # imports torch: only once the flags are known good
 
-        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)):
+        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _compile_notices(args):
             return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)

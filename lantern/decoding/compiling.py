@@ -20,7 +20,9 @@ uses them outside the loop (the prefill, ``lantern profile``'s cost probes).
 **Start-up.** Each (method, tree, batch size) is traced and compiled once per process. Inductor's
 generated kernels are cached on disk (:func:`compile_cache_dir`: ``$LANTERN_COMPILE_CACHE``, else
 ``$XDG_CACHE_HOME/lantern/compile`` or ``~/.cache/lantern/compile``), so a second run of the same
-command skips code generation and C++ compilation and pays only the trace.
+command skips code generation and C++ compilation and pays only the trace. That first call takes
+seconds to minutes before the first round's tokens; within :func:`announce_compiles` (the CLI,
+unless ``--no-progress``) it is announced, so that a progress bar frozen at 0 does not look like a hang.
 
 Modes: ``default`` (inductor kernels), ``reduce-overhead`` (plus CUDA graphs), ``max-autotune``.
 ``auto`` picks ``reduce-overhead`` on CUDA and ``default`` elsewhere.
@@ -33,9 +35,10 @@ import io
 import os
 import sys
 import tempfile
+import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ _rounds: dict[tuple[object, ...], Callable[..., Any]] = {}  # round_fn's compile
 # Calls of compiled regions made by the engine since import (``lantern profile --trace`` reads the
 # difference across a round: its ``regions_per_round``).
 region_calls = 0
+_announcers: list[Callable[[str], None]] = []  # announce_compiles' writers, innermost last
 
 
 def compile_cache_dir() -> Path:
@@ -238,7 +242,7 @@ def step_fn(fn: Callable[..., Any], mode: str | None, device: torch.device) -> C
     """``fn`` itself (eager, or inlined when traced inside a compiled round) or its compiled form."""
     if mode is None or torch.compiler.is_compiling():
         return fn
-    return _counted(compiled(fn, mode, device.type), uses_cuda_graphs(mode, device))
+    return _counted(compiled(fn, mode, device.type), uses_cuda_graphs(mode, device), "a prefill step")
 
 
 def round_fn(
@@ -272,7 +276,7 @@ def round_fn(
         name = f"{fn.__name__}_{len(_rounds)}"
         code = fn.__code__.replace(co_name=name, co_qualname=name)
         copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-        _rounds[key] = _counted(compiled(copy, mode, device.type, guards=False), graphs)
+        _rounds[key] = _counted(compiled(copy, mode, device.type, guards=False), graphs, "the decoding round")
     return _rounds[key]
 
 
@@ -300,15 +304,44 @@ def _fingerprint(obj: object, tensors: list[torch.Tensor], depth: int = 6) -> ob
     return (type(obj).__qualname__, id(obj))
 
 
-def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
+@contextlib.contextmanager
+def announce_compiles(write: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, the first call of each compiled region (it traces and compiles, or loads
+    the cache: seconds to minutes) is announced with ``write``, before and after: one line each."""
+    _announcers.append(write)
+    try:
+        yield
+    finally:
+        _announcers.remove(write)
+
+
+def compile_notices(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """:func:`announce_compiles` as ``lantern: ...`` lines on stderr, above any tqdm bar (what the
+    CLI and ``pipe(..., progress=True)`` show), or nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from tqdm.auto import tqdm
+
+    return announce_compiles(lambda line: tqdm.write(f"lantern: {line}", file=sys.stderr))
+
+
+def _counted(step: Callable[..., Any], graphs: bool, what: str) -> Callable[..., Any]:
     """Count every call (``region_calls``); under CUDA graphs, open a new replay step and clone the
-    outputs on return (a later replay would overwrite them while the loop still reads them)."""
+    outputs on return (a later replay would overwrite them while the loop still reads them).
+    ``what`` names the region in the first call's announcement (:func:`announce_compiles`)."""
+    first = True
 
     def run(*args: Any) -> Any:
         global region_calls
+        nonlocal first
         region_calls += 1
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        write = _announcers[-1] if first and _announcers else None
+        if write is not None:
+            write(f"compiling {what} (once per method and batch size in a process; inductor's kernels are "
+                  f"cached in {compile_cache_dir()}) ...")
+        start = time.perf_counter()
         try:  # the first call compiles (or loads the cache): a damaged cache is one line
             out = step(*args)
         except Exception as e:
@@ -316,6 +349,10 @@ def _counted(step: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
             if damage is None:
                 raise
             raise damage from e
+        if first:
+            first = False
+            if write is not None:
+                write(f"compiled {what} in {time.perf_counter() - start:.1f} s")
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out) if graphs else out
 
     return run
