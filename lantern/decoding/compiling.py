@@ -341,7 +341,7 @@ def _counted(step: Callable[..., Any], graphs: bool, what: str) -> Callable[...,
         if write is not None:
             write(f"compiling {what} (once per method and batch size in a process; inductor's kernels are "
                   f"cached in {compile_cache_dir()}) ...")
-        start = time.perf_counter()
+            start = time.perf_counter()
         try:  # the first call compiles (or loads the cache): a damaged cache is one line
             out = step(*args)
         except Exception as e:
