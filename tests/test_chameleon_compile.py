@@ -101,7 +101,11 @@ def test_compiled_round_never_recompiles(lumina: Pipeline, name: str, eager_back
     # 3 tokens): one more region, compiled on its own, called once per decode.
     prefill = 1 if name in EAGLE else 0
     before, calls = counters["stats"]["unique_graphs"], compiling.region_calls
-    first = _run(compiled, PROMPTS, [1, 2, 3])
+    lines: list[str] = []
+    with compiling.announce_compiles(lines.append):
+        first = _run(compiled, PROMPTS, [1, 2, 3])
+    assert [line.split(" (")[0] for line in lines[::2]] == (["compiling the context step"] if prefill else []) + [
+        "compiling the decoding round"]  # each region's first call, named
     assert counters["stats"]["unique_graphs"] == before + 1 + prefill
     assert compiling.region_calls - calls == first.stats.steps + prefill  # one region per round, nothing else
     second = _run(compiled, OTHER_PROMPTS, [7, 8, 9])

@@ -242,7 +242,8 @@ def step_fn(fn: Callable[..., Any], mode: str | None, device: torch.device) -> C
     """``fn`` itself (eager, or inlined when traced inside a compiled round) or its compiled form."""
     if mode is None or torch.compiler.is_compiling():
         return fn
-    return _counted(compiled(fn, mode, device.type), uses_cuda_graphs(mode, device), "a prefill step")
+    what = "the " + fn.__name__.strip("_").replace("_", " ")  # "the context step": an EAGLE prefill's
+    return _counted(compiled(fn, mode, device.type), uses_cuda_graphs(mode, device), what)
 
 
 def round_fn(
