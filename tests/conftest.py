@@ -610,21 +610,28 @@ def assert_cli_error(
 
 
 @pytest.fixture
-def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Compile rounds with dynamo's ``eager`` backend (fullgraph, static shapes, every guard kept)."""
+def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Compile rounds as dynamo's ``eager`` backend does (fullgraph, static shapes, every guard
+    kept: no C++ is generated). Yields the op count of every graph dynamo hands the backend, in
+    order (a round's graph holds its forwards: hundreds of ops, not a few of bookkeeping)."""
     made: dict[Any, Any] = {}
+    graph_ops: list[int] = []
+
+    def eager(gm: torch.fx.GraphModule, _example_inputs: Any) -> Any:
+        graph_ops.append(sum(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes))
+        return gm.forward  # what backend="eager" returns
 
     def compiled(fn: Any, mode: str, device_type: str = "cpu", guards: bool = True) -> Any:
         # Guards kept (round_fn skips them): a round that would need a second graph shows up as a
         # recompilation here instead of silently reusing the first.
         if fn not in made:
-            made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
+            made[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend=eager)
         return made[fn]
 
     monkeypatch.setattr(compiling, "compiled", compiled)
     monkeypatch.setattr(compiling, "_rounds", {})
     torch._dynamo.reset()
-    yield
+    yield graph_ops
     torch._dynamo.reset()
 
 

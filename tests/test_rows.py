@@ -82,8 +82,8 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
     assert sorted(got) == list(range(len(LABELS)))
     for i in range(len(LABELS)):
         assert torch.equal(got[i], alone[i]), f"image {i} changed by joining / moving ({method})"
-    # Power: the comparison sees a changed stream (the same label, the next image seed).
-    assert not torch.equal(alone[3], drive_rounds(prepared.start(stack.encode([LABELS[3]]), [seeds[4]]))[0])
+    # Power: the comparison sees a changed stream (images 1 and 3: the same label, other image seeds).
+    assert LABELS[1] == LABELS[3] and not torch.equal(alone[1], alone[3])
 
 
 def test_rows_refuse_a_decode_of_another_shape(pipe: lantern.Pipeline) -> None:

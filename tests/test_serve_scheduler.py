@@ -155,7 +155,7 @@ def test_threaded_server_shuts_down_finishing_running_jobs(pipe: lantern.Pipelin
     assert not results.not_done
 
 
-def test_compiled_server_compiles_at_warm_up_only(pipe: lantern.Pipeline, eager_backend: None) -> None:
+def test_compiled_server_compiles_at_warm_up_only(pipe: lantern.Pipeline, eager_backend: list[int]) -> None:
     """With --compile, warm-up compiles every batch size; then rows joining a running batch, the
     batch growing and shrinking, compile nothing (dynamo's eager backend: guards as in a real
     compile), and the codes equal the eager API's."""
@@ -235,7 +235,7 @@ def test_a_method_whose_rows_cannot_move_runs_static_batches(pipe: lantern.Pipel
         assert torch.equal(t.future.result(0).codes, _expected(pipe, t, 4))
 
 
-def test_a_compiled_static_lane_warms_every_batch_size(pipe: lantern.Pipeline, eager_backend: None) -> None:
+def test_a_compiled_static_lane_warms_every_batch_size(pipe: lantern.Pipeline, eager_backend: list[int]) -> None:
     """PJD's lane runs static batches of exactly its jobs, so warm-up compiles every size up to
     max_batch (not only the powers of two 1, 2, 4), and a batch of 3 then compiles nothing."""
     compiled = lantern.load("digits", compile="default")

@@ -318,7 +318,7 @@ def test_round_is_one_graph(small_stack: ModelStack, sampling: SamplingConfig) -
 
 
 @pytest.mark.slow
-def test_compiled_round_never_recompiles(small_stack: ModelStack, eager_backend: None) -> None:
+def test_compiled_round_never_recompiles(small_stack: ModelStack, eager_backend: list[int]) -> None:
     """``compile="default"``: one graph for the decode, one region call per round, no recompilation
     for a second batch, and the eager codes."""
     method = _pac_method()
