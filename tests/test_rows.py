@@ -30,18 +30,25 @@ def _prepared(pipe: lantern.Pipeline, method: str) -> PreparedMethod:
     return prepare_method(pipe.stack, method_cfg, sampling)
 
 
-def _alone(prepared: PreparedMethod, i: int) -> torch.Tensor:
-    return drive_rounds(prepared.start(prepared.stack.encode([LABELS[i]]), [image_seed(SEED, i)]))[0]
+def _batch(prepared: PreparedMethod, order: list[int]) -> dict[int, torch.Tensor]:
+    """The images ``order`` decoded in one plain batch (row r: image ``order[r]``), by image."""
+    codes = drive_rounds(prepared.start(prepared.stack.encode([LABELS[i] for i in order]),
+                                        [image_seed(SEED, i) for i in order]))
+    return {i: codes[r] for r, i in enumerate(order)}
 
 
 @pytest.mark.parametrize("method", method_names(lambda r: r.movable_rows))
 def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pipeline, method: str) -> None:
     """A 3-row batch starts with images 0 and 1 (row 2 free); image 2 joins after 2 rounds, images
     3 and 4 join together (prefilled as one batch of 2) when rows free up, and then the running
-    rows move into a 4-row batch where image 5 joins. Every image equals its decode alone."""
+    rows move into a 4-row batch where image 5 joins. Every image equals its codes in one plain
+    batch of the six (in reverse order), and image 3 (joined, then moved) its decode alone too:
+    plain batches give every image its alone codes (tests/test_batch_invariance.py), and each
+    alone decode costs what the batch of six costs (deterministic mode pads a call to 8 rows)."""
     prepared = _prepared(pipe, method)
     stack, n_total = prepared.stack, pipe.stack.num_tokens
-    alone = [_alone(prepared, i) for i in range(len(LABELS))]
+    alone = _batch(prepared, list(range(len(LABELS)))[::-1])
+    assert torch.equal(alone[3], _batch(prepared, [3])[3]), f"image 3: one batch differs from alone ({method})"
     seeds = [image_seed(SEED, i) for i in range(len(LABELS))]
     got: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
