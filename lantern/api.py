@@ -10,6 +10,7 @@ same codes from either side.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections import OrderedDict
@@ -120,6 +121,8 @@ class Pipeline:
         self.stack, self.device, self.compile = stack, device, compile
         self.parts = parts if parts is not None else ModelParts(stack)
         self._prepared: OrderedDict[tuple[MethodConfig, SamplingConfig], PreparedMethod] = OrderedDict()
+        # tree="auto" choices, measured once per (method, its settings, sampling, batch size)
+        self._auto_choices: OrderedDict[tuple[Any, ...], tuple[MethodConfig, dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -236,15 +239,29 @@ class Pipeline:
     def _auto(self, method: str, settings: dict[str, Any], seed: int, batch_size: int,
               progress: bool) -> tuple[MethodConfig, SamplingConfig, dict[str, Any]]:
         """``tree="auto"``: the method with the tree or window measured fastest here (``choose_auto``),
-        its profile and calibration on this pipeline's loaded drafter and table."""
+        its profile and calibration on this pipeline's loaded drafter and table. Measured on the
+        first such call (10-20 s on a CPU) and kept: a later call with the same method, method
+        settings, sampling and batch size runs the same choice (its record, with the seconds the
+        measurement took, is the first call's); the last ``MAX_PREPARED`` choices are kept."""
         from lantern.autotree.choose import choose_auto
 
         rest = {k: v for k, v in settings.items() if k != "tree"}
         _, sampling = resolve_settings(self.stack, method, **rest)  # checks every setting first
         method_settings = {k: v for k, v in rest.items() if k in METHOD_SETTINGS}
-        method_cfg, record = choose_auto(self.stack, method, sampling, method_settings, seed=seed,
-                                         batch_size=batch_size, parts=self.parts, progress=progress)
-        return method_cfg, sampling, record
+        key = (method, repr(sorted(method_settings.items())), sampling, batch_size)
+        with self._lock:
+            kept = self._auto_choices.get(key)
+            if kept is not None:
+                self._auto_choices.move_to_end(key)
+        if kept is None:
+            kept = choose_auto(self.stack, method, sampling, method_settings, seed=seed, batch_size=batch_size,
+                               parts=self.parts, progress=progress)
+            with self._lock:
+                self._auto_choices[key] = kept
+                while len(self._auto_choices) > MAX_PREPARED:
+                    self._auto_choices.popitem(last=False)
+        method_cfg, record = kept
+        return method_cfg, sampling, copy.deepcopy(record)
 
     def _check_conditions(self, labels: Any, prompts: Any) -> list[Any]:
         from lantern.targets.text import check_prompts

@@ -115,16 +115,33 @@ def test_prepared_methods_are_kept_and_bounded(monkeypatch: pytest.MonkeyPatch) 
     assert pipe.prepare(*api_module.resolve_settings(pipe.stack, "sd")).drafter is first.drafter  # one drafter
 
 
-def test_tree_auto_reads_the_drafter_once(reads: Reads) -> None:
-    """``tree="auto"``: the profile, the calibration and the run share one drafter read."""
+def test_tree_auto_reads_the_drafter_once_and_measures_once(reads: Reads, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tree="auto"``: the profile, the calibration and the run share one drafter read; a later
+    call with the same method, settings, sampling and batch size runs the kept choice (no
+    measurement, no read), another batch size or sampling measures anew."""
+    from lantern.autotree import choose
+
     pipe = lantern.load("digits")
     reads.clear()
     out = pipe(labels=[3], method="lantern++", seed=1, batch_size=1, tree="auto")
     assert "auto_tree" in out.config
     assert reads.drafter_loads == 1 and reads.files["drafter"] == 1 and reads.files["proximity"] == 1
     reads.clear()
-    pipe(labels=[3], method="lantern++", seed=1, batch_size=1, tree="auto")  # measured again, read never
-    assert reads.total() == 0
+    measured: list[int] = []
+
+    def not_again(*args: Any, **kwargs: Any) -> Any:
+        measured.append(kwargs["batch_size"])
+        raise RuntimeError("measured again")
+
+    monkeypatch.setattr(choose, "choose_auto", not_again)
+    again = pipe(labels=[5], method="lantern++", seed=2, batch_size=1, tree="auto")
+    assert reads.total() == 0 and measured == []
+    assert again.config["auto_tree"] == out.config["auto_tree"]
+    assert again.config["auto_tree"] is not out.config["auto_tree"]  # a copy: one call's record cannot edit another's
+    for other in ({"batch_size": 2}, {"batch_size": 1, "temperature": 0.5}):
+        with pytest.raises(RuntimeError, match="measured again"):
+            pipe(labels=[3], method="lantern++", seed=1, tree="auto", **other)
+    assert measured == [2, 1]
 
 
 def test_cli_tree_auto_reads_the_drafter_once(reads: Reads, tmp_path: Path) -> None:
