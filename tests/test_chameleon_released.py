@@ -441,8 +441,9 @@ def test_released_drafter_through_lantern_load(tmp_path: Path) -> None:
     drafter = save_released_drafter(tiny_released_drafter(load_chameleon(folder, dtype=torch.float32)),
                                     tmp_path / "released")
     prompts = ["a cat", "a dog"]
-    ar = lantern.load(folder)(prompts=prompts, method="ar", seed=0, temperature=0)
-    sd = lantern.load(folder, drafter=str(drafter))(prompts=prompts, method="sd", seed=0, temperature=0,
-                                                    tree="chain:3")
+    # 64 px: 4 x 4 codes with a row end after each row (the folder's default size decodes 16 x 16)
+    ar = lantern.load(folder, image_size=64)(prompts=prompts, method="ar", seed=0, temperature=0)
+    sd = lantern.load(folder, drafter=str(drafter), image_size=64)(prompts=prompts, method="sd", seed=0,
+                                                                   temperature=0, tree="chain:3")
     assert torch.equal(torch.as_tensor(ar.codes), torch.as_tensor(sd.codes))
     assert sd.stats["drafter_forwards"] > 0 and sd.stats["target_forwards"] < ar.stats["target_forwards"]
