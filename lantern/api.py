@@ -112,7 +112,8 @@ class Pipeline:
     It holds loaded parts, not paths: the target (its ``stack``), and in ``parts`` the drafter,
     proximity table and T5 encoder, each read on first need and then kept; and the last
     ``MAX_PREPARED`` prepared methods (:meth:`prepare`), so a second call with the same method and
-    settings reads nothing from disk and reuses its caches and compiled round. A call is not
+    settings reads nothing from disk and reuses its caches and compiled round (and, with
+    ``tree="auto"``, the tree or window the first call measured). A call is not
     thread-safe (a prepared method's caches serve one batch at a time); :meth:`prepare` is."""
 
     def __init__(self, stack: Any, device: str = "cpu", compile: str = "off", parts: ModelParts | None = None) -> None:
