@@ -13,8 +13,6 @@ fi
 PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-# --no-compile: no bytecode for every file of every package at install (~30 s, most of it torch's);
-# Python writes it for the modules a process imports, on their first import.
-.venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-.venv/bin/python -m pip install -q --no-compile -e ".[dev]"
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
 echo "lantern installed in $(pwd)/.venv"
