@@ -13,6 +13,9 @@ fi
 PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+# Bytecode is compiled at install on purpose: where PYTHONDONTWRITEBYTECODE=1 (these machines, CI)
+# Python never writes it later, and without it every process of the tests (torchrun ranks, CLI
+# runs) compiled torch's sources again: `pip install --no-compile` saved 30 s here and cost minutes.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
 echo "lantern installed in $(pwd)/.venv"
