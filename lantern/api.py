@@ -249,7 +249,7 @@ class Pipeline:
         rest = {k: v for k, v in settings.items() if k != "tree"}
         _, sampling = resolve_settings(self.stack, method, **rest)  # checks every setting first
         method_settings = {k: v for k, v in rest.items() if k in METHOD_SETTINGS}
-        key = (method, repr(sorted(method_settings.items())), sampling, batch_size)
+        key = (method, repr(sorted(method_settings.items())), sampling, batch_size, self.compile)
         with self._lock:
             kept = self._auto_choices.get(key)
             if kept is not None:
