@@ -47,8 +47,8 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
     alone decode costs what the batch of six costs (deterministic mode pads a call to 8 rows)."""
     prepared = _prepared(pipe, method)
     stack, n_total = prepared.stack, pipe.stack.num_tokens
-    alone = _batch(prepared, list(range(len(LABELS)))[::-1])
-    assert torch.equal(alone[3], _batch(prepared, [3])[3]), f"image 3: one batch differs from alone ({method})"
+    plain = _batch(prepared, list(range(len(LABELS)))[::-1])
+    assert torch.equal(plain[3], _batch(prepared, [3])[3]), f"image 3: one batch differs from alone ({method})"
     seeds = [image_seed(SEED, i) for i in range(len(LABELS))]
     got: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
@@ -88,9 +88,9 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
             got[o] = codes[r]
     assert sorted(got) == list(range(len(LABELS)))
     for i in range(len(LABELS)):
-        assert torch.equal(got[i], alone[i]), f"image {i} changed by joining / moving ({method})"
+        assert torch.equal(got[i], plain[i]), f"image {i} changed by joining / moving ({method})"
     # Power: the comparison sees a changed stream (images 1 and 3: the same label, other image seeds).
-    assert LABELS[1] == LABELS[3] and not torch.equal(alone[1], alone[3])
+    assert LABELS[1] == LABELS[3] and not torch.equal(plain[1], plain[3])
 
 
 def test_rows_refuse_a_decode_of_another_shape(pipe: lantern.Pipeline) -> None:
