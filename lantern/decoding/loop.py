@@ -464,13 +464,10 @@ def _grid_round(
                 u = _uniforms(rng, r * (t + 1)).view(b * r, t + 1)
             p_target = probs_from_logits(logits, sampling)  # the acceptance's, and the carry-over's
         flat_p = None if p_target is None else p_target.view(b * r, t, -1)
-        buffers = block.buffers
-        credit = credited(block.relaxable, block.clean, acceptance.relaxation)
-        assert credit is not None
+        chains = DraftTree(tokens=block.tokens.view(b * r, t), buffers=block.buffers, q_draft=block.q_draft,
+                           relaxable=block.relaxable.view(b * r, t), clean=block.clean.view(b * r, t))
         _, num_acc, next_token, num_relaxed = _accept_core(
-            logits.view(b * r, t, -1), block.tokens.view(b * r, t), buffers.children, buffers.depth,
-            buffers.retrieve, block.max_depth.view(-1), u, block.q_draft, acceptance.neighbours,
-            acceptance.relaxation, sampling, credit.view(b * r, t), p_target=flat_p,
+            logits.view(b * r, t, -1), chains, block.max_depth.view(-1), u, acceptance, sampling, flat_p
         )
         relaxed = torch.where(block.decodes.view(-1), num_relaxed, 0).sum()
     with phase("commit"):
@@ -527,14 +524,9 @@ def _accept(
             u = _uniforms(rng, 1 if t == 1 else t + 1)
         if t > 1:  # made here, not in _accept_core: a Jacobi drafter redraws from the same p next round
             p_target = probs_from_logits(logits, sampling)
-    buffers = tree.buffers
-    path, num_acc, next_token, num_relaxed = _accept_core(
-        logits, tree.tokens, buffers.children, buffers.depth, buffers.retrieve, max_depth, u, tree.q_draft,
-        acceptance.neighbours, acceptance.relaxation, sampling,
-        credited(tree.relaxable, tree.clean, acceptance.relaxation), acceptance.subsequence, p_target,
-    )
+    path, num_acc, next_token, num_relaxed = _accept_core(logits, tree, max_depth, u, acceptance, sampling, p_target)
     if acceptance.fixed_accept is not None:
-        path, num_acc = _fixed_path(buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
+        path, num_acc = _fixed_path(tree.buffers.retrieve, max_depth, acceptance.fixed_accept, path.shape[1])
     relaxed = torch.where(active, num_relaxed, 0).sum()  # a device scalar: no sync
     return Accepted(path, num_acc, next_token, relaxed, p_target)
 
@@ -549,22 +541,18 @@ def _fixed_path(retrieve: Tensor, max_depth: Tensor, accept: int, width: int) ->
 
 def _accept_core(
     logits: Tensor,  # [B, T, V] guided
-    tokens: Tensor,  # [B, T]
-    children: Tensor,  # [B, T, C]
-    depth: Tensor,  # [B, T]
-    retrieve: Tensor,  # [B, P, D+1]
+    tree: DraftTree,  # the verified nodes: tokens [B, T], structure, q_draft, relaxable / clean
     max_depth: Tensor,  # [B]
     u: Tensor | None,  # [B, U] uniforms (None: greedy)
-    q_draft: Tensor | None,  # [B, T, V]
-    neighbours: Tensor | None,
-    relaxation: RelaxationConfig | None,
+    acceptance: Acceptance,
     sampling: SamplingConfig,
-    relaxable: Tensor | None = None,  # [B, T] bool: a relaxed rule may credit the node (None: every node)
-    subsequence: SubsequenceConfig | None = None,  # SJD-SV's runs (chains only)
     p_target: Tensor | None = None,  # [B, T, V] probs_from_logits(logits, sampling) if already made
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The acceptance rule of one round, fused: (path, num_accepted, next_token, num_relaxed [B])."""
     b, t, _ = logits.shape
+    tokens, children, retrieve = tree.tokens, tree.buffers.children, tree.buffers.retrieve
+    neighbours, relaxation, subsequence = acceptance.neighbours, acceptance.relaxation, acceptance.subsequence
+    relaxable = credited(tree.relaxable, tree.clean, relaxation)
     chain = children.shape[-1] == 1  # every node has at most one child: all depths at once
     check(subsequence is None or chain or t == 1, "subsequence verification (SJD-SV) needs a chain of drafts")
     if t == 1:  # AR: nothing to verify, the next token comes straight from p at the root
@@ -579,11 +567,11 @@ def _accept_core(
                                  relaxable=relaxable)
     elif chain:
         p_target = probs_from_logits(logits, sampling) if p_target is None else p_target
-        res = verify_chain_sampled(p_target, tokens, max_depth, u, q_draft, neighbours, relaxation, relaxable,
+        res = verify_chain_sampled(p_target, tokens, max_depth, u, tree.q_draft, neighbours, relaxation, relaxable,
                                    subsequence)
     else:
         p_target = probs_from_logits(logits, sampling) if p_target is None else p_target
-        res = verify_tree_sampled(p_target, tokens, children, depth, max_depth, u, q_draft=q_draft,
+        res = verify_tree_sampled(p_target, tokens, children, tree.buffers.depth, max_depth, u, q_draft=tree.q_draft,
                                   neighbours=neighbours, relaxation=relaxation, levels=retrieve.shape[-1] - 1,
                                   relaxable=relaxable)
     return res.path, res.num_accepted, res.next_token, res.num_relaxed
