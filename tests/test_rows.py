@@ -9,6 +9,7 @@ from conftest import drive_rounds
 
 import lantern
 from lantern.api import resolve_settings
+from lantern.decoding.rng import RowRandom
 from lantern.decoding.rows import movable
 from lantern.errors import LanternError
 from lantern.methods import method_names
@@ -37,18 +38,12 @@ def _batch(prepared: PreparedMethod, order: list[int]) -> dict[int, torch.Tensor
     return {i: codes[r] for r, i in enumerate(order)}
 
 
-@pytest.mark.parametrize("method", method_names(lambda r: r.movable_rows))
-def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pipeline, method: str) -> None:
-    """A 3-row batch starts with images 0 and 1 (row 2 free); image 2 joins after 2 rounds, images
-    3 and 4 join together (prefilled as one batch of 2) when rows free up, and then the running
-    rows move into a 4-row batch where image 5 joins. Every image equals its codes in one plain
-    batch of the six (in reverse order), and image 3 (joined, then moved) its decode alone too:
-    plain batches give every image its alone codes (tests/test_batch_invariance.py), and each
-    alone decode costs what the batch of six costs (deterministic mode pads a call to 8 rows)."""
-    prepared = _prepared(pipe, method)
-    stack, n_total = prepared.stack, pipe.stack.num_tokens
-    plain = _batch(prepared, list(range(len(LABELS)))[::-1])
-    assert torch.equal(plain[3], _batch(prepared, [3])[3]), f"image 3: one batch differs from alone ({method})"
+def _joined(prepared: PreparedMethod) -> dict[int, torch.Tensor]:
+    """The six images decoded by rows that join, leave and move, by image: a 3-row batch starts
+    with images 0 and 1 (row 2 free); image 2 joins after 2 rounds, images 3 and 4 join together
+    (prefilled as one batch of 2) when rows free up, and then the running rows move into a 4-row
+    batch where image 5 joins."""
+    stack, n_total = prepared.stack, prepared.stack.num_tokens
     seeds = [image_seed(SEED, i) for i in range(len(LABELS))]
     got: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
@@ -87,10 +82,36 @@ def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pi
         if o is not None:
             got[o] = codes[r]
     assert sorted(got) == list(range(len(LABELS)))
+    return got
+
+
+@pytest.mark.parametrize("method", method_names(lambda r: r.movable_rows))
+def test_rows_joining_leaving_and_moving_give_their_alone_codes(pipe: lantern.Pipeline, method: str) -> None:
+    """Every image that joins, leaves and moves (:func:`_joined`) equals its codes in one plain
+    batch of the six (in reverse order), and image 3 (joined, then moved) its decode alone too:
+    plain batches give every image its alone codes (tests/test_batch_invariance.py), and each
+    alone decode costs what the batch of six costs (deterministic mode pads a call to 8 rows)."""
+    prepared = _prepared(pipe, method)
+    plain = _batch(prepared, list(range(len(LABELS)))[::-1])
+    assert torch.equal(plain[3], _batch(prepared, [3])[3]), f"image 3: one batch differs from alone ({method})"
+    got = _joined(prepared)
     for i in range(len(LABELS)):
         assert torch.equal(got[i], plain[i]), f"image {i} changed by joining / moving ({method})"
-    # Power: the comparison sees a changed stream (images 1 and 3: the same label, other image seeds).
+    # The comparison can tell images apart (images 1 and 3: the same label, other image seeds).
     assert LABELS[1] == LABELS[3] and not torch.equal(plain[1], plain[3])
+
+
+def test_the_rows_check_sees_a_copy_that_forgets_a_row_counter(pipe: lantern.Pipeline,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power of the test above: when a joining row's random-stream counter is not copied (the row
+    keeps the counter of the row it replaces, so it draws other uniforms from its own key), the
+    joined images differ from their plain-batch codes."""
+    prepared = _prepared(pipe, "ar")
+    plain = _batch(prepared, list(range(len(LABELS))))
+    monkeypatch.setattr(RowRandom, "row_tensors", lambda self: [(self.k0, 1, 0), (self.k1, 1, 0)])
+    got = _joined(prepared)
+    changed = [i for i in range(len(LABELS)) if not torch.equal(got[i], plain[i])]
+    assert 2 in changed, changed  # image 2 joined row 2 after 2 rounds, whose stream had drawn 2 more
 
 
 def test_rows_refuse_a_decode_of_another_shape(pipe: lantern.Pipeline) -> None:
