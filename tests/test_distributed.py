@@ -116,6 +116,9 @@ def test_more_processes_than_images_is_refused_before_loading(
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([*bench, "--num-images", "4", "--tree", "lantern++=auto", "--no-progress"]) == 2
     assert "--tree auto times this process alone" in capsys.readouterr().err
+    assert main([*bench, "--num-images", "4", "--methods", "ar,sjd/window=auto", "--no-progress"]) == 2
+    err = capsys.readouterr().err  # each rank would time its own window and could choose another one
+    assert err.count("\n") == 1 and "window=auto (sjd/window=auto) times this process alone" in err, err
     assert list(tmp_path.iterdir()) == []
 
 

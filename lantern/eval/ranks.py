@@ -31,13 +31,18 @@ from lantern.targets.base import Conditions, Stack
 
 
 def check_bench_ranks(config: Any, ctx: DistContext) -> None:
-    """Before anything loads: enough quality images for every rank, and no per-process auto trees."""
+    """Before anything loads: enough quality images for every rank, and no per-process auto trees or
+    windows (each rank would time itself, and could choose another one)."""
     if not ctx.enabled:
         return
     check_enough_items(config.num_images, ctx, "--num-images images")
     if any(m.tree == "auto" for m in config.methods):
         raise LanternError("--tree auto times this process alone; under several processes pass the trees to use "
                            "(e.g. the ones a single-process run chose)")
+    auto = [m.name for m in config.methods if m.window == "auto"]
+    if auto:
+        raise LanternError(f"window=auto ({auto[0]}) times this process alone; under several processes pass the "
+                           "window to use (e.g. the one a single-process run chose)")
 
 
 def no_metrics(codes: torch.Tensor, labels: list[int]) -> dict[str, Any]:
