@@ -182,7 +182,8 @@ class Pipeline:
         methods the fastest window (recorded in ``config`` as ``auto_tree`` / ``auto_window``).
         ``method="auto"``: the fastest method of the ``quality`` class (``"ar"``, the default, or
         ``"lossless"``) in this model's calibration for this device and ``batch_size``
-        (:meth:`auto_method`; recorded in ``config`` as ``auto_method``).
+        (:meth:`auto_method`; recorded in ``config`` as ``auto_method``). Both choose for the rows a call
+        decodes: ``batch_size``, or the number of images when that is smaller.
 
         ``labels``: a non-empty list or tuple of class ids (Python or numpy integers), or a 1-D
         integer numpy array or tensor (the natural output of a data loader; taken as its list of
@@ -200,12 +201,15 @@ class Pipeline:
         check_image_total(len(conditions), num_per_label, "num_per_label")
         check_quality(quality, method)  # only with method="auto"
         chosen: dict[str, Any] = {}
+        # The rows a call decodes: what method="auto" and tree="auto" choose for (two images at
+        # batch_size 8 decode as a batch of 2, whose fastest method or tree may be another).
+        call_batch = min(batch_size, len(conditions) * num_per_label)
         if method == AUTO:
-            choice = self.auto_method(quality, batch_size, **settings)
+            choice = self.auto_method(quality, call_batch, **settings)
             method, chosen = choice.method, {"auto_method": choice.to_dict()}
         with compile_notices(progress):  # a compiled round's first call: seconds to minutes
             if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
-                method_cfg, sampling, auto = self._auto(method, settings, seed, batch_size, progress)
+                method_cfg, sampling, auto = self._auto(method, settings, seed, call_batch, progress)
             else:
                 (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
             result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)

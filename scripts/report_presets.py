@@ -22,6 +22,45 @@ from lantern.train.heldout import drafter_agreement, encode_dataset, stack_datas
 ROOT = Path(__file__).resolve().parents[1]
 
 
+STEP_ORDER = ("tokenizer", "extract-codes", "target", "make-drafter-data", "drafter")  # each reads the one before
+
+
+def _flag(command: str, flag: str) -> str:
+    """The value of ``flag`` in a recorded command line."""
+    words = command.split()
+    return words[words.index(flag) + 1]
+
+
+def training_commands(prov: dict) -> list[str]:
+    """The preset's commands in the order they can run, then its proximity table's. A step whose
+    command was not recorded (make-drafter-data) is written from its record: its inputs are the
+    other steps' folders, and ``--max-sequences`` its example count (the rest were defaults)."""
+    steps = prov["steps"]
+    lines = []
+    for name in STEP_ORDER:
+        step = steps.get(name)
+        if not isinstance(step, dict):
+            continue
+        if "command" in step:
+            lines.append(step["command"])
+        elif name == "make-drafter-data":
+            drafter = steps["drafter"]["command"]
+            defaults = step["source"] == "real" and step["cond_dropout"] == 0.1 and step["seed"] == 0
+            assert defaults, f"make-drafter-data ran with non-default settings: {step}"
+            lines.append(f"lantern make-drafter-data --target {_flag(drafter, '--target')} "
+                         f"--codes {_flag(steps['extract-codes']['command'], '--out')} "
+                         f"--max-sequences {step['num_real']} --out {_flag(drafter, '--data')}"
+                         "  # not recorded by the run; rebuilt from its record")
+    assert not set(steps) - set(STEP_ORDER), f"steps this report does not order: {set(steps) - set(STEP_ORDER)}"
+    if "command" in prov.get("proximity", {}):
+        command = prov["proximity"]["command"]
+        if "--out" not in command.split():  # the assembly recorded the command without its (required) --out
+            folder = _flag(command, "--tokenizer").rsplit("/", 1)[0]
+            command += f" --out {folder}/proximity.safetensors  # --out not recorded by the run"
+        lines.append(command)
+    return lines
+
+
 def measure(name: str, test_images: int, train_images: int) -> dict:
     stack = load_stack(name)
     test = stack_dataset(stack, "test", num_samples=min(test_images, len(stack_dataset(stack, "test"))))
@@ -51,7 +90,7 @@ def measure(name: str, test_images: int, train_images: int) -> dict:
         "drafter_top3": agree["top3"],
         "drafter_accept_prob": agree["accept_prob"],
         "size_mb": size / 1e6,
-        "commands": {k: v["command"] for k, v in prov["steps"].items() if isinstance(v, dict) and "command" in v},
+        "commands": training_commands(prov),
         "target": {k: stack.target.config.__dict__[k] for k in ("dim", "n_layer", "n_head", "vocab_size",
                                                                   "block_size", "num_classes")},
     }
@@ -92,7 +131,7 @@ def main() -> None:
               "(LANTERN's token selection ambiguity) and the less exact speculative decoding accepts.", "",
               "## Training commands", ""]
     for r in rows:
-        lines += [f"### {r['preset']}", "", "```"] + list(r["commands"].values()) + ["```", ""]
+        lines += [f"### {r['preset']}", "", "```"] + r["commands"] + ["```", ""]
     (ROOT / "docs" / "presets.md").write_text("\n".join(lines))
     print("\n".join(lines[:len(fields) + 6]))
 

@@ -117,7 +117,7 @@ def test_prepared_methods_are_kept_and_bounded(monkeypatch: pytest.MonkeyPatch) 
 
 def test_tree_auto_reads_the_drafter_once_and_measures_once(reads: Reads, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tree="auto"``: the profile, the calibration and the run share one drafter read; a later
-    call with the same method, settings, sampling and batch size runs the kept choice (no
+    call with the same method, settings, sampling and rows per call runs the kept choice (no
     measurement, no read), another batch size or sampling measures anew."""
     from lantern.autotree import choose
 
@@ -138,9 +138,11 @@ def test_tree_auto_reads_the_drafter_once_and_measures_once(reads: Reads, monkey
     assert reads.total() == 0 and measured == []
     assert again.config["auto_tree"] == out.config["auto_tree"]
     assert again.config["auto_tree"] is not out.config["auto_tree"]  # a copy: one call's record cannot edit another's
+    pipe(labels=[3], method="lantern++", seed=1, tree="auto", batch_size=2)  # one image: still a batch of 1
+    assert measured == []
     for other in ({"batch_size": 2}, {"batch_size": 1, "temperature": 0.5}):
         with pytest.raises(RuntimeError, match="measured again"):
-            pipe(labels=[3], method="lantern++", seed=1, tree="auto", **other)
+            pipe(labels=[3, 4], method="lantern++", seed=1, tree="auto", **other)
     assert measured == [2, 1]
 
 

@@ -103,6 +103,7 @@ def test_bench_warns_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert ("WARNING: busy machine (other processes used 75% of the 2 cores" in out) is busy
     assert ("**WARNING: busy machine" in md) is busy
     assert (run["busy_warning"] is not None) is busy
+    assert "| no quality (the rows describe the timed images), speed on 1 at batch 1 |" in out  # not "200 images"
 
 
 @pytest.mark.slow

@@ -212,6 +212,24 @@ def test_the_choice_is_recorded_in_run_json_and_the_api_result(stack: Path, tmp_
     assert result.config["auto_method"] == record
 
 
+def test_auto_chooses_for_the_rows_a_call_decodes(stack: Path, tmp_path: Path) -> None:
+    """One image at the default batch size (8) decodes as a batch of 1: auto picks batch 1's
+    fastest method, in Python and on the command line; eight images pick batch 8's. Fails if the
+    choice is made for ``batch_size`` rather than for the rows decoded (sjd would be sjd-coupled)."""
+    write_for(stack, {"ar": (0.5, 0.2, "within", []), "sjd": (0.3, 0.3, "within", []),
+                      "sjd-coupled": (0.4, 0.1, "within", [])})
+    pipe = lantern.load(stack)
+    one = pipe(labels=[0], method="auto")
+    assert (one.config["method"]["method"], one.config["auto_method"]["batch_size"]) == ("sjd", 1)
+    eight = pipe(labels=[0, 1], num_per_label=4, method="auto")
+    assert (eight.config["method"]["method"], eight.config["auto_method"]["batch_size"]) == ("sjd-coupled", 8)
+    out = tmp_path / "one"
+    assert main(["generate", "--model", str(stack), "--labels", "0", "--method", "auto", "--no-progress",
+                 "--out", str(out)]) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert (run["method"]["method"], run["auto_method"]["batch_size"], run["batch_size"]) == ("sjd", 1, 8)
+
+
 def test_auto_refuses_settings_it_cannot_honour(stack: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """--quality without auto, method settings with auto (the calibration measured defaults) and

@@ -96,7 +96,9 @@ def cmd_bench(args: Any) -> int:
                                          sampling=sampling, seed=config.seed,
                                          batch_size=config.batch_size) if ctx.is_main else no_metrics
         if ctx.is_main:
-            print(f"bench {args.model} | {len(config.methods)} methods | quality on {config.num_images} images, "
+            quality = "no quality (the rows describe the timed images)" if args.no_quality else \
+                f"quality on {config.num_images} images"
+            print(f"bench {args.model} | {len(config.methods)} methods | {quality}, "
                   f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
                   f"{str(stack.dtype).replace('torch.', '')} on {args.device}"
                   + (f" | {ctx.world_size} processes" if ctx.enabled else ""))

@@ -159,11 +159,14 @@ def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool
     return auto
 
 
-def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace, parts: Any = None) -> Any:
-    """``--sjd-window auto``: choose_window, with its explanation printed."""
+def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace, parts: Any = None,
+                       batch_size: int | None = None) -> Any:
+    """``--sjd-window auto``: choose_window at ``batch_size`` rows (default ``--batch-size``), with
+    its explanation printed."""
     from lantern.autotree.window import choose_window
 
-    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=args.batch_size, parts=parts)
+    rows = args.batch_size if batch_size is None else batch_size
+    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=rows, parts=parts)
     flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
     print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice

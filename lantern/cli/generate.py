@@ -199,7 +199,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompt_args(args)
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
-    check_enough_items(len(prompts if prompts is not None else args.labels) * args.num_per_label, ctx)
+    num_images = len(prompts if prompts is not None else args.labels) * args.num_per_label
+    check_enough_items(num_images, ctx)
+    # The rows a call decodes: what --method auto, --tree auto and the auto windows choose for (two
+    # images at --batch-size 8 decode as a batch of 2, whose fastest method may be another).
+    args.call_batch = min(args.batch_size, -(-num_images // ctx.world_size))
     resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
     args.auto_method = _auto_method(args, ctx)
     window_as_tree(args)
@@ -276,11 +280,11 @@ def _generate_method(args: argparse.Namespace, pipe: Pipeline, sampling: Any, au
     if getattr(args, "auto_method", None) is not None:  # chosen before loading; sampling known now
         extra["auto_method"] = args.auto_method.with_sampling(sampling.to_dict()).to_dict()
     if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
-        choice = choose_auto_tree(stack, method, sampling, args.batch_size, args.profile, args.seed,
+        choice = choose_auto_tree(stack, method, sampling, args.call_batch, args.profile, args.seed,
                                   pipe.parts, not args.no_progress)
         method, extra["auto_tree"] = method_from_args(args, stack, choice.tree), choice.to_dict()
     if auto_window:  # time the candidate windows, then run with the fastest
-        window = choose_auto_window(stack, method, sampling, args, pipe.parts)
+        window = choose_auto_window(stack, method, sampling, args, pipe.parts, args.call_batch)
         method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
     return method, extra
 
@@ -304,7 +308,7 @@ def _auto_method(args: argparse.Namespace, ctx: Any) -> MethodChoice | None:
     device = ctx.device(args.device)
     setup = Setup.of(args.model, resolve_model_dir(args.model), device, inference_dtype(args.dtype, device),
                      resolve_compile(args.compile, device), args.deterministic)
-    choice = auto_method(setup, args.quality, args.batch_size, {k: getattr(args, k) for k in METHOD_SETTINGS})
+    choice = auto_method(setup, args.quality, args.call_batch, {k: getattr(args, k) for k in METHOD_SETTINGS})
     if ctx.is_main:
         print(f"--method auto --quality {choice.quality}: {choice.explanation}")
     args.method = choice.method

@@ -19,7 +19,7 @@ RATE_WINDOW = 60.0  # tokens_per_second: over the last minute
 # counts (what reached a client), not the scheduler's.
 SCHEDULER_FIGURES = {
     "queue_depth": ("lantern_queue_depth", "gauge", "images waiting for a batch row"),
-    "batch_rows": ("lantern_batch_rows", "gauge", "rows of the running decode batches"),
+    "batch_rows": ("lantern_batch_rows", "gauge", "rows of the decode batches held (lanes kept idle included)"),
     "busy_rows": ("lantern_busy_rows", "gauge", "rows decoding an image now"),
     "batch_occupancy": ("lantern_batch_occupancy", "gauge", "busy rows / rows, over every round since start"),
     "rounds_total": ("lantern_rounds_total", "counter", "decode rounds run"),
