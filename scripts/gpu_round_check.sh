@@ -7,7 +7,7 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,invariance-det,invariance-layers,sizes,chameleon-7b.
+# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,invariance-det,invariance-layers,sizes,windows,chameleon-7b.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,targets-b1-more,targets-b8,invariance,chameleon-7b}
+STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -96,6 +96,12 @@ stage sizes 90 300 bash -c "$PY benchmarks/round_cost.py --configs GPT-B --batch
   --device $DEVICE --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-b && \
   $PY benchmarks/round_cost.py --configs $XL --batch-sizes $B8,32 --trees chain:6 --device $DEVICE \
   --compile $COMPILE --rounds $ROUNDS --repeats $REPS --out $WORK/round-cost-xl"
+# the frontier row's Jacobi window against compiled AR: on the 2-core CPU 16 is fastest (τ 7.2; 8.8 at 32
+# costs more than it returns); a GPU's verify of 33 tokens may cost about what 17 do (RESULTS.md)
+stage windows 60 200 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
+  --methods ar,sjd-coupled-lantern-sv,sjd-coupled-lantern-sv/window=24,sjd-coupled-lantern-sv/window=32 \
+  --speed-images "$IMGS" --num-images "$IMGS" --repeats "$REPS" --curve-images 0 --compile "$COMPILE" \
+  --out "$WORK/windows" --no-progress
 stage targets-b1-more 60 200 "$PY" -m lantern.cli bench --model photos --device "$DEVICE" --no-quality --no-ar-spread \
   --methods ar,pjd,sjd-coupled-lantern --speed-images "$IMGS" --num-images "$IMGS" --repeats "$REPS" \
   --curve-images 0 --compile "$COMPILE" --out "$WORK/targets-b1-more" --no-progress
