@@ -272,8 +272,9 @@ class Pipeline:
         from lantern.targets.text import check_prompts
 
         if (labels is None) == (prompts is None):
-            raise LanternError("pass labels=[...] (class-conditional models) or prompts=[...] (text-to-image "
-                               "models), not both")
+            given = "neither was given" if labels is None else "not both"
+            raise LanternError(f"pass labels=[...] (class-conditional models) or prompts=[...] (text-to-image "
+                               f"models): {given}")
         if self.kind == "c2i" and labels is None:
             raise LanternError(f"prompts: {self.stack.root} is a class-conditional model; pass labels=[...]")
         if self.kind != "c2i" and prompts is None:
@@ -362,7 +363,8 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     if not isinstance(deterministic, bool):
         raise LanternError(f"deterministic must be True or False, got {deterministic!r}", field="deterministic")
     check(prompt_width is None or (type(prompt_width) is int and prompt_width >= 1),
-          f"prompt_width must be a positive number of tokens, got {prompt_width!r}", field="prompt_width")
+          f"prompt_width (--prompt-width) must be a positive number of tokens, got {prompt_width!r}",
+          field="prompt_width")
     pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5, vq=vq,
                  layout=layout, image_size=image_size, proximity=proximity)
     if prompt_width is not None:

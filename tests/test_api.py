@@ -85,8 +85,10 @@ def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
         digits(labels=[1], temprature=0.5)
     with pytest.raises(LanternError, match="class-conditional model; pass labels"):
         digits(prompts=["a cat"])
-    with pytest.raises(LanternError, match="not both"):
+    with pytest.raises(LanternError, match="prompts=.*: neither was given$"):
         digits()
+    with pytest.raises(LanternError, match="prompts=.*: not both$"):
+        digits(labels=[1], prompts=["a cat"])
     with pytest.raises(LanternError, match="--top-k|top_k"):
         digits(labels=[1], top_k=-1)
     with pytest.raises(LanternError, match="--lantern-lambda belongs to"):

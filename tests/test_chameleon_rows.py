@@ -237,7 +237,7 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     greedy = {"temperature": 0.0}
     assert torch.equal(narrow(prompts=[PROMPTS[1]], **greedy).codes, wide(prompts=[PROMPTS[1]], **greedy).codes)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(LanternError, match="prompt_width must be a positive number of tokens"):
+        with pytest.raises(LanternError, match=r"prompt_width \(--prompt-width\) must be a positive number of tokens"):
             lantern.load(folder, image_size=64, prompt_width=bad)
     with pytest.raises(LanternError, match="--prompt-width is only used with Chameleon-family models"):
         lantern.load("digits", prompt_width=64)

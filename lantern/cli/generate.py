@@ -206,6 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.call_batch = min(args.batch_size, -(-num_images // ctx.world_size))
     resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
     args.auto_method = _auto_method(args, ctx)
+    _refuse_unused_parts(args)
     window_as_tree(args)
     auto = check_auto_tree(args.tree, [args.method], args.profile)
     method_from_args(args, None)  # every method setting (a tree's size too) from the flags alone, before loading
@@ -287,6 +288,20 @@ def _generate_method(args: argparse.Namespace, pipe: Pipeline, sampling: Any, au
         window = choose_auto_window(stack, method, sampling, args, pipe.parts, args.call_batch)
         method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
     return method, extra
+
+
+def _refuse_unused_parts(args: argparse.Namespace) -> None:
+    """``--drafter`` / ``--proximity`` with a method that never reads them: refused, as ``--tree``
+    is, rather than silently ignored (a wrong path there would otherwise go unnoticed)."""
+    from lantern.methods import METHOD_TABLE, method_names
+
+    record = METHOD_TABLE[args.method]
+    if args.drafter is not None and not record.needs_drafter:
+        users = ", ".join(method_names(lambda r: r.needs_drafter))
+        raise LanternError(f"--drafter is only used with the drafter methods ({users}), not {args.method}")
+    if args.proximity is not None and not record.needs_proximity:
+        raise LanternError(f"--proximity is only used with LANTERN's relaxed methods (lantern, lantern++ and the "
+                           f"-lantern / -lantern++ variants), not {args.method}")
 
 
 def _auto_method(args: argparse.Namespace, ctx: Any) -> MethodChoice | None:

@@ -38,6 +38,7 @@ from lantern.models.chameleon import ImageLayout
 from lantern.models.hf_folder import (
     CachedDecoder,
     check_safetensors_weights,
+    check_sub_configs,
     load_pretrained,
     read_model_config,
     refuse_remote_code,
@@ -199,6 +200,7 @@ def check_emu3_folder(directory: Path) -> None:
     assert raw is not None
     check(raw.get("model_type") == EMU3_MODEL_TYPE,
           f"--model: {directory}/config.json is not an Emu3 config (model_type {EMU3_MODEL_TYPE!r} expected)")
+    check_sub_configs(directory, raw, "Emu3", ("text_config", "vq_config"))
     check(isinstance(raw.get("vocabulary_map"), dict),
           f"--model: {directory}/config.json has no vocabulary_map (Emu3's visual tokens are named there)")
     check_safetensors_weights(directory, "Emu3")

@@ -12,7 +12,9 @@ a fix to either must reach every family.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,16 @@ def refuse_remote_code(directory: str | os.PathLike[str]) -> None:
                            "(deepseek-community/Janus-Pro-7B, or transformers' convert_janus_weights_to_hf.py)")
 
 
+def check_sub_configs(directory: Path, raw: dict[str, Any], family: str, names: tuple[str, ...]) -> None:
+    """Every sub-config the family's model is built from is in ``config.json``: without one,
+    transformers builds that part at its default size (a 7B language model, ~17 GB on a CPU)
+    before the weights fail to fit it."""
+    for name in names:
+        if not isinstance(raw.get(name), dict):
+            raise LanternError(f"--model: {directory}/config.json has no {name} (a {family} config holds "
+                               f"{', '.join(names)}): the file is damaged or not a transformers {family} config")
+
+
 def check_safetensors_header(path: Path) -> None:
     """Open ``path``'s header (no tensor is read): a truncated file, or a header whose offsets
     point past its end, is named here rather than deep inside transformers' loader."""
@@ -95,12 +107,37 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
 
     from lantern.errors import transformers_reason
 
+    report = _Report()
+    tf_logger = transformers.utils.logging.get_logger("transformers")
+    tf_logger.addHandler(report)  # transformers logs a loading report of many lines; its first problem is kept
+    transformers.utils.logging.disable_default_handler()
     try:
         return getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
                                                                  use_safetensors=True)
     except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
-        raise LanternError(f"--model {directory}: transformers could not load the {family} weights: "
-                           f"{transformers_reason(e)}") from None
+        reason = transformers_reason(e) if report.first is None else \
+            f"the weights do not fit config.json ({report.first})"
+        raise LanternError(f"--model {directory}: transformers could not load the {family} weights: {reason}") \
+            from None
+    finally:
+        tf_logger.removeHandler(report)
+        transformers.utils.logging.enable_default_handler()
+
+
+class _Report(logging.Handler):
+    """Keeps the first MISMATCH / MISSING / UNEXPECTED row of transformers' loading report, as one line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.first: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.first is not None:
+            return
+        for line in re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()).splitlines():
+            if any(status in line for status in ("MISMATCH", "MISSING", "UNEXPECTED")):
+                self.first = " ".join(line.replace("|", " ").split())[:200]
+                return
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCache, layer_idx: int, slots: Tensor,

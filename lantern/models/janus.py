@@ -39,6 +39,7 @@ from lantern.models.chameleon import ImageLayout
 from lantern.models.hf_folder import (
     CachedDecoder,
     check_safetensors_weights,
+    check_sub_configs,
     load_pretrained,
     read_model_config,
     refuse_remote_code,
@@ -180,7 +181,8 @@ def check_janus_folder(directory: Path) -> None:
     assert raw is not None
     check(raw.get("model_type") == JANUS_MODEL_TYPE,
           f"--model: {directory}/config.json is not a Janus config (model_type {JANUS_MODEL_TYPE!r} expected)")
-    text = raw.get("text_config") or {}
+    check_sub_configs(directory, raw, "Janus", ("text_config", "vq_config"))
+    text = raw["text_config"]
     check(text.get("model_type", "llama") == "llama",
           f"--model: {directory}/config.json: text_config.model_type {text.get('model_type')!r}; lantern runs Janus "
           "models whose language model is a Llama (every Janus / Janus-Pro release)")

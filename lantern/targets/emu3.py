@@ -43,7 +43,7 @@ from lantern.decoding.config import SamplingConfig
 from lantern.decoding.sampling import apply_cfg
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
-from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, Emu3LM, emu3_layout, grid_for
+from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, PIXELS_PER_CODE, Emu3LM, emu3_layout, grid_for
 from lantern.targets.base import read_generation_settings
 from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
 from lantern.targets.chameleon_stack import EndedPrompter, PromptStack, load_prompt_tokenizer
@@ -245,8 +245,10 @@ def load_emu3_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = N
 def folder_image_size(root: Path, settings: dict[str, Any]) -> int:
     """generation.json's ``image_size`` (checked), else Emu3Processor's default side."""
     value = settings.get("image_size", DEFAULT_IMAGE_SIZE)
-    check(isinstance(value, int) and not isinstance(value, bool),
-          f"{root / 'generation.json'}: image_size: expected an integer (pixels), got {value!r}")
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= PIXELS_PER_CODE
+          and value % PIXELS_PER_CODE == 0,
+          f"{root / 'generation.json'}: image_size: expected a positive multiple of {PIXELS_PER_CODE} (pixels), "
+          f"got {value!r}")
     return int(value)
 
 

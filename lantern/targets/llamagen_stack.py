@@ -236,7 +236,7 @@ def check_target_architecture(target_dir: Path) -> None:
     raise LanternError(
         f"--model: unsupported architecture in {config_file} ({found}): lantern runs LlamaGen targets, "
         f"a lantern LlamaGen folder (model_type {MODEL_TYPE!r}) or LANTERN's HF port "
-        "(architectures ['LlamaForCausalLM'])"
+        "(architectures ['LlamaForCausalLM']); and transformers folders of model_type 'chameleon', 'janus' or 'emu3'"
     )
 
 
@@ -254,6 +254,8 @@ def load_stack(
             "lantern.load (any model) or lantern.targets.chameleon_stack.load_chameleon_stack"
         )
     target_dir = root / TARGET_DIR if (root / TARGET_DIR).is_dir() else root
+    if (target_dir / "config.json").is_file():  # a broken or foreign config is named before a missing tokenizer
+        check_target_architecture(target_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
     if not tok_dir.exists():
         raise LanternError(

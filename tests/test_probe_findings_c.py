@@ -1,0 +1,110 @@
+"""Regressions of the bad-input probe of Janus / Emu3 folders (2026-11-29).
+
+Damaged transformers folders (Janus, Emu3) end in one line naming the file and what is wrong,
+before a model is built from a config that cannot be the weights'. Old behaviour (a bad-input
+probe, 2026-11-29): a config.json without ``text_config`` built a default-size language model
+(17 GB of memory on a CPU, killed after 90 s); a vocabulary size that does not fit the weights
+printed transformers' loading report (10+ lines) and "look at the above report!"; a malformed or
+unknown config was reported as a missing ``tokenizer/`` folder."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from lantern.cli.main import main  # noqa: E402
+from lantern.testing import make_tiny_emu3_folder, make_tiny_janus_folder  # noqa: E402
+
+BUILDERS = {"janus": make_tiny_janus_folder, "emu3": make_tiny_emu3_folder}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+def _edit(config: Callable[[dict], None]) -> Callable[[Path], None]:
+    def damage(folder: Path) -> None:
+        path = folder / "config.json"
+        raw = json.loads(path.read_text())
+        config(raw)
+        path.write_text(json.dumps(raw))
+    return damage
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "no text_config": (_edit(lambda c: c.pop("text_config")), r"config\.json has no text_config \(a .* config holds"),
+    "no vq_config": (_edit(lambda c: c.pop("vq_config")), r"config\.json has no vq_config"),
+    "vocabulary of another size": (_edit(lambda c: c["text_config"].update(vocab_size=9999)),
+                                   r"the weights do not fit config\.json \(\S+\.weight MISMATCH .*9999"),
+    "malformed JSON": (lambda f: (f / "config.json").write_text('{"model_type": "janus", '),
+                       r"config\.json is not valid JSON"),
+    "unknown model_type": (_edit(lambda c: c.update(model_type="foo")),
+                           r"unsupported architecture in .*config\.json \(model_type 'foo'.*'janus' or 'emu3'"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_a_damaged_folder_is_one_line_naming_its_config(folders: dict[str, Path], tmp_path: Path, family: str,
+                                                        damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / family
+    shutil.copytree(folders[family], folder)
+    apply, message = DAMAGE[damage]
+    apply(folder)
+    out = tmp_path / "out"
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\n")[-1]  # (transformers' own "Loading weights" bar may come first)
+    assert last.startswith("lantern: error: ") and "LOAD REPORT" not in err and "Traceback" not in err, err
+    assert re.search(message, last), last
+    assert not out.exists()
+
+
+def test_the_undamaged_folders_load(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Power: the same command on the folders as built succeeds, so each refusal above is the damage's."""
+    for family, folder in folders.items():
+        assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress",
+                     "--out", str(tmp_path / family)]) == 0
+
+
+def test_a_bad_image_size_in_generation_json_names_the_file(folders: dict[str, Path], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: ``--image-size must be a positive multiple of 8``, a flag the user never passed."""
+    folder = tmp_path / "emu3"
+    shutil.copytree(folders["emu3"], folder)
+    (folder / "generation.json").write_text('{"image_size": 30}')
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1]
+    assert last == (f"lantern: error: {folder / 'generation.json'}: image_size: expected a positive multiple of 8 "
+                    "(pixels), got 30"), last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flag", "method", "message"), [
+    ("--drafter", "ar", r"--drafter is only used with the drafter methods \(sd, sd-static, lantern, lantern\+\+\), "
+                        r"not ar$"),
+    ("--proximity", "sjd-coupled", r"--proximity is only used with LANTERN's relaxed methods .*, not sjd-coupled$"),
+])
+def test_a_part_the_method_never_reads_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str,
+                                                  method: str, message: str) -> None:
+    """Old behaviour: ignored (rc 0), so a wrong path there went unnoticed; ``--tree`` was already
+    refused for methods without a tree. Refused before anything loads (the path does not exist)."""
+    out = tmp_path / "out"
+    assert main(["generate", "--model", "digits", "--labels", "1", "--method", method, flag, str(tmp_path / "nope"),
+                 "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lantern: error: ") and err.count("\n") == 1 and re.search(message, err.strip()), err
+    assert not out.exists()
+    assert main(["generate", "--model", "digits", "--labels", "1", "--method", "lantern", flag, str(tmp_path / "nope"),
+                 "--no-progress", "--out", str(out)]) == 2  # power: a method that reads it goes on to the path
+    assert "nope" in capsys.readouterr().err
