@@ -9,13 +9,16 @@ unknown config was reported as a missing ``tokenizer/`` folder."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -108,3 +111,32 @@ def test_a_part_the_method_never_reads_is_refused(tmp_path: Path, capsys: pytest
     assert main(["generate", "--model", "digits", "--labels", "1", "--method", "lantern", flag, str(tmp_path / "nope"),
                  "--no-progress", "--out", str(out)]) == 2  # power: a method that reads it goes on to the path
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_load_that_succeeds_still_passes_on_transformers_report(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The loading report is held back only to make a failure one line: a folder whose weights lack
+    a tensor (transformers initialises it) and hold one the model does not use loads as it does in
+    transformers, and transformers' report of both still reaches its log's stream handlers (a
+    stream of our own here: pytest's capture replaced the one transformers made at import)."""
+    from safetensors.torch import load_file, save_file
+
+    from lantern.models.janus import load_janus
+
+    folder = tmp_path / "janus"
+    shutil.copytree(folders["janus"], folder)
+    weights = sorted(folder.glob("*.safetensors"))[0]
+    tensors = load_file(weights)
+    tensors["model.spare.weight"] = torch.zeros(2)
+    tensors.pop("model.vqmodel.quantize.embedding.weight")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("transformers")
+    log.addHandler(handler)
+    try:
+        load_janus(folder)
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    assert "model.spare.weight" in text and "UNEXPECTED" in text and "MISSING" in text, text[-2000:]
+    assert handler not in log.handlers and any(isinstance(h, logging.StreamHandler) for h in log.handlers)

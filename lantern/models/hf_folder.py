@@ -107,21 +107,28 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
 
     from lantern.errors import transformers_reason
 
-    report = _Report()
-    tf_logger = transformers.utils.logging.get_logger("transformers")
-    tf_logger.addHandler(report)  # transformers logs a loading report of many lines; its first problem is kept
-    transformers.utils.logging.disable_default_handler()
+    # transformers logs a loading report of many lines: held back, so that a failure is one line
+    # naming its first problem, and passed on as transformers would print it when the load succeeds
+    root = transformers.utils.logging.get_logger("transformers")
+    report, held = _Report(), [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    for handler in held:
+        root.removeHandler(handler)
+    root.addHandler(report)
     try:
-        return getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
-                                                                 use_safetensors=True)
+        model = getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
+                                                                  use_safetensors=True)
     except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
         reason = transformers_reason(e) if report.first is None else \
             f"the weights do not fit config.json ({report.first})"
         raise LanternError(f"--model {directory}: transformers could not load the {family} weights: {reason}") \
             from None
     finally:
-        tf_logger.removeHandler(report)
-        transformers.utils.logging.enable_default_handler()
+        root.removeHandler(report)
+        for handler in held:
+            root.addHandler(handler)
+    for record in report.records:  # e.g. weights transformers initialised because the folder lacks them
+        logging.getLogger(record.name).handle(record)
+    return model
 
 
 class _Report(logging.Handler):
@@ -130,8 +137,10 @@ class _Report(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.first: str | None = None
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
         if self.first is not None:
             return
         for line in re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()).splitlines():
