@@ -171,12 +171,12 @@ class RelaxationConfig:
         )
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
-            f"lantern_delta (--lantern-delta) must be in [0, 1], got {self.delta}", field="lantern_delta",
+            f"lantern_delta must be in [0, 1], got {self.delta}", field="lantern_delta",
         )
         check(self.credit in CREDITS, f"lantern credit must be one of {', '.join(CREDITS)}, got {self.credit!r}",
               field="lantern_credit")
         check(math.isfinite(self.lam) and self.lam >= 1.0,
-              f"lantern_lambda (--lantern-lambda) must be >= 1, got {self.lam}",
+              f"lantern_lambda must be >= 1, got {self.lam}",
               field="lantern_lambda")
         if self.mode != "relative":
             check(self.lam == 1.0, "lantern lambda is only used with mode='relative' (LANTERN++)")

@@ -127,6 +127,5 @@ def make_generators(seeds: list[int], device: torch.device | str = "cpu") -> lis
 def validate_sampling_for_vocab(cfg: SamplingConfig, vocab_size: int) -> None:
     check(
         cfg.top_k <= vocab_size,
-        f"top_k (--top-k, or the model's generation settings) {cfg.top_k} is larger than the vocabulary "
-        f"({vocab_size} image tokens)", field="top_k",
+        f"top_k ({cfg.top_k}) is larger than the vocabulary ({vocab_size} image tokens)", field="top_k",
     )
