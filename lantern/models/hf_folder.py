@@ -132,7 +132,8 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
 
 
 class _Report(logging.Handler):
-    """Keeps the first MISMATCH / MISSING / UNEXPECTED row of transformers' loading report, as one line."""
+    """Keeps transformers' log records of a load, and the first MISMATCH / MISSING / UNEXPECTED row of
+    its loading report as one line."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
