@@ -254,14 +254,16 @@ def load_stack(
             "lantern.load (any model) or lantern.targets.chameleon_stack.load_chameleon_stack"
         )
     target_dir = root / TARGET_DIR if (root / TARGET_DIR).is_dir() else root
-    if (target_dir / "config.json").is_file():  # a broken or foreign config is named before a missing tokenizer
+    has_config = (target_dir / "config.json").is_file()
+    if has_config:  # a broken or foreign config is named before a missing tokenizer
         check_target_architecture(target_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
     if not tok_dir.exists():
         raise LanternError(
             f"--model {root} has no {TOKENIZER_DIR}/ folder; pass --tokenizer DIR (a VQ tokenizer folder)"
         )
-    check_target_architecture(target_dir)
+    if not has_config:
+        check_target_architecture(target_dir)  # names the missing config.json
     target = LlamaGen.from_pretrained(target_dir, dtype=dtype)
     vq = VQModel.from_pretrained(tok_dir)
     if vq.config.codebook_size != target.config.vocab_size:
