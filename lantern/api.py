@@ -80,8 +80,9 @@ def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> 
     """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``."""
     from lantern.models.chameleon import LAYOUTS, layout_by_name
     from lantern.targets.base import read_generation_settings
+    from lantern.targets.chameleon_stack import CHAMELEON_GENERATION_KEYS
 
-    name = layout if layout is not None else read_generation_settings(root).get("layout")
+    name = layout if layout is not None else read_generation_settings(root, CHAMELEON_GENERATION_KEYS).get("layout")
     if name is None:
         raise LanternError(
             f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "

@@ -90,4 +90,6 @@ def test_argument_errors_exit_2_without_torch(argv: list[str], message: str) -> 
     report = run_child(*argv)
     assert report["codes"] == [2], report
     assert message in report["stderr"], report["stderr"]
+    # one line naming the argument, as every lantern error (not argparse's usage block first)
+    assert len(report["stderr"].splitlines()) == 1 and report["stderr"].startswith("lantern"), report["stderr"]
     assert_no_torch(report)

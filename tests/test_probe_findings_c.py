@@ -93,6 +93,29 @@ def test_a_bad_image_size_in_generation_json_names_the_file(folders: dict[str, P
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("family", "settings", "message"), [
+    # Janus images are 384 px (the model's own); old behaviour: the key was silently ignored
+    ("janus", {"image_size": 256}, "unknown key 'image_size' (this model family reads cfg_scale, temperature, "
+                                   "top_k, top_p, trees)"),
+    ("emu3", {"negativ_prompt": "blurry"}, "unknown key 'negativ_prompt' (this model family reads cfg_scale, "
+                                           "image_size, negative_image_header, negative_prompt, temperature, "
+                                           "top_k, top_p, trees)"),
+])
+def test_a_key_the_family_does_not_read_is_refused(folders: dict[str, Path], tmp_path: Path, family: str,
+                                                   settings: dict, message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / family
+    shutil.copytree(folders[family], folder)
+    path = folder / "generation.json"
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(kept | settings))
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1]
+    assert last == f"lantern: error: {path}: {message}", last
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("flag", "method", "message"), [
     ("--drafter", "ar", r"--drafter is only used with the drafter methods \(sd, sd-static, lantern, lantern\+\+\), "
                         r"not ar$"),
@@ -140,3 +163,19 @@ def test_a_load_that_succeeds_still_passes_on_transformers_report(folders: dict[
     text = stream.getvalue()
     assert "model.spare.weight" in text and "UNEXPECTED" in text and "MISSING" in text, text[-2000:]
     assert handler not in log.handlers and any(isinstance(h, logging.StreamHandler) for h in log.handlers)
+
+
+def test_no_progress_also_hides_transformers_loading_bar(folders: dict[str, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: ``--no-progress`` left transformers' own "Loading weights" bar on stderr (a log
+    of a batch job read it as lantern's). Power: without the flag the bar is drawn."""
+    folder = folders["janus"]
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--out", str(tmp_path / "shown")]) == 0
+    assert "Loading weights" in capsys.readouterr().err
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress",
+                 "--out", str(tmp_path / "quiet")]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # left as it was found

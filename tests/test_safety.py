@@ -334,6 +334,11 @@ def test_non_utf8_config(stack: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     (b'{"top_k": "ten"}', "generation.json: top_k: expected an integer, got 'ten'"),
     (b'{"top_k": -1}', "generation.json: top_k must be an integer >= 0"),
     (b'{"temperature": true}', "generation.json: temperature: expected a number, got True"),
+    # a misspelt key would be ignored, and the run would quietly use the defaults it meant to change
+    (b'{"temprature": 0.5}', "generation.json: unknown key 'temprature' (this model family reads cfg_scale, "
+                             "temperature, top_k, top_p, trees)"),
+    (b'{"layout": "anole"}', "generation.json: unknown key 'layout'"),  # a Chameleon folder's key
+    (b'{"trees": {"lanter++": "chain:2"}}', "generation.json: trees.lanter++: not a method (expected one of ar, "),
 ])
 def test_bad_generation_json_names_the_file_and_field(stack: Path, tmp_path: Path, content: bytes, needle: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:

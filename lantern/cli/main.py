@@ -10,8 +10,8 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 from lantern.cli.bench import add_bench
 from lantern.cli.calibrate import add_calibrate
@@ -25,8 +25,17 @@ from lantern.errors import LanternError
 from lantern.version import DISTRIBUTION, __version__
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line, like every other ``lantern`` error: the
+    argument and what was wrong, then where the usage is (argparse prints its whole usage block
+    first, which buries the one line that matters). Sub-command parsers are this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
+    parser = Parser(prog="lantern", description="Relaxed speculative decoding for visual AR models.")
     parser.add_argument("--version", action="version", version=f"lantern {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate(sub)
@@ -79,12 +88,21 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or _cpu_allocator_failed(e)
 
 
-def _compile_notices(args: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
-    """A compiled region's first call (seconds to minutes before the first tokens) gets a line on
-    stderr, above any progress bar; not under ``--no-progress``, nor from a torchrun rank other than 0."""
+@contextlib.contextmanager
+def _notices(args: argparse.Namespace) -> Iterator[None]:
+    """What a command shows on stderr besides its own bars, off under ``--no-progress`` and on a
+    torchrun rank other than 0: a line before a compiled region's first call (seconds to minutes
+    before the first tokens), and transformers' own "Loading weights" bar."""
     from lantern.decoding.compiling import compile_notices
+    from lantern.models.hf_folder import LOADING_BARS
 
-    return compile_notices(not getattr(args, "no_progress", False) and os.environ.get("RANK", "0") == "0")
+    shown = not getattr(args, "no_progress", False) and os.environ.get("RANK", "0") == "0"
+    token = LOADING_BARS.set(shown)
+    try:
+        with compile_notices(shown):
+            yield
+    finally:
+        LOADING_BARS.reset(token)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_seed_flags(args)
         from lantern.io import trusted_checkpoints  # imports torch: only once the flags are known good
 
-        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _compile_notices(args):
+        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args):
             return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
-from lantern.models.hf_folder import cached_attention, check_safetensors_header
+from lantern.models.hf_folder import cached_attention, check_safetensors_header, loading_bars
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -283,9 +283,10 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
     from safetensors import SafetensorError
 
     try:
-        model = ChameleonForConditionalGeneration.from_pretrained(
-            str(directory), config=config, dtype=dtype or torch.bfloat16
-        )
+        with loading_bars():
+            model = ChameleonForConditionalGeneration.from_pretrained(
+                str(directory), config=config, dtype=dtype or torch.bfloat16
+            )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # SafetensorError: a corrupt or truncated file
         raise LanternError(f"--model {directory}: transformers could not load the Chameleon weights: "
                            f"{transformers_reason(e)}") from None

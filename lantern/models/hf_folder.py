@@ -11,10 +11,13 @@ a fix to either must reach every family.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,26 @@ def check_safetensors_weights(directory: Path, family: str) -> None:
         check_safetensors_header(path)
 
 
+# Whether transformers may draw its own "Loading weights" bar: the command line turns it off with
+# its own bars (--no-progress, and torchrun ranks other than 0), which transformers cannot know.
+LOADING_BARS: ContextVar[bool] = ContextVar("lantern_loading_bars", default=True)
+
+
+@contextlib.contextmanager
+def loading_bars() -> Iterator[None]:
+    """Around a transformers load: its bar off where :data:`LOADING_BARS` says so, as it was after."""
+    from transformers.utils import logging as hf_logging
+
+    off = not LOADING_BARS.get() and hf_logging.is_progress_bar_enabled()
+    if off:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if off:
+            hf_logging.enable_progress_bar()
+
+
 def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.dtype | None) -> Any:
     """transformers' ``class_name.from_pretrained`` on a checked folder: safetensors only, bf16
     unless told, its failures as one line naming the folder."""
@@ -115,8 +138,9 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
         root.removeHandler(handler)
     root.addHandler(report)
     try:
-        model = getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
-                                                                  use_safetensors=True)
+        with loading_bars():
+            model = getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
+                                                                      use_safetensors=True)
     except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
         reason = transformers_reason(e) if report.first is None else \
             f"the weights do not fit config.json ({report.first})"

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
 T5_DIR = "t5"  # text-to-image stacks: a local copy of the T5 encoder (google/flan-t5-xl)
 GENERATION_FILE = "generation.json"  # a stack's default sampling settings
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "cfg_scale")
+COMMON_GENERATION_KEYS = (*SAMPLING_KEYS, "trees")  # every family's; families add their own
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 PRESETS = ("digits", "photos")
 
@@ -174,6 +176,9 @@ class StackFolder:
     FAMILY_SAMPLING: ClassVar[dict[str, float]] = {}
     # Why the family runs no drafter (drafter methods are refused with it), or None.
     DRAFTER_REFUSAL: ClassVar[str | None] = None
+    # The keys the family's generation.json may hold (any other is refused: a misspelt key would
+    # otherwise be silently ignored, and the run would use defaults the user meant to change).
+    GENERATION_KEYS: ClassVar[tuple[str, ...]] = COMMON_GENERATION_KEYS
 
     @property
     def drafter_dir(self) -> Path | None:
@@ -188,7 +193,7 @@ class StackFolder:
 
         Verify cost grows with tree size much faster on a CPU than on a GPU, so a stack meant for
         CPUs can ship smaller trees than the paper's defaults."""
-        return read_generation_settings(self.root).get("trees", {}).get(method)
+        return read_generation_settings(self.root, self.GENERATION_KEYS).get("trees", {}).get(method)
 
     @property
     def device(self) -> torch.device:
@@ -205,7 +210,7 @@ class StackFolder:
     def default_sampling(self) -> dict[str, float]:
         """The stack's recommended sampling settings, or {}: the family's, then what the model's own
         config states (:meth:`config_sampling`), then ``generation.json``'s."""
-        raw = read_generation_settings(self.root)
+        raw = read_generation_settings(self.root, self.GENERATION_KEYS)
         values = dict(self.FAMILY_SAMPLING) | self.config_sampling()
         values.update({k: raw[k] for k in SAMPLING_KEYS if k in raw})
         return values
@@ -231,19 +236,24 @@ def existing_path(path: Path, folder: bool) -> Path | None:
     return path if (path.is_dir() if folder else path.is_file()) else None
 
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "cfg_scale")
 
 
-def read_generation_settings(root: Path) -> dict[str, Any]:
+def read_generation_settings(root: Path, keys: Sequence[str] = COMMON_GENERATION_KEYS) -> dict[str, Any]:
     """``root/generation.json`` ({} when absent), checked field by field: errors name the file and
-    the field (``generation.json: trees.lantern++: ...``), not the command-line flag it stands in for."""
+    the field (``generation.json: trees.lantern++: ...``), not the command-line flag it stands in for.
+    ``keys``: the keys the folder's family reads; any other is refused by name."""
     from lantern.decoding.config import SamplingConfig, TreeConfig
     from lantern.io import read_json_object
+    from lantern.methods import METHOD_TABLE
 
     path = root / GENERATION_FILE
     if not path.is_file():
         return {}
     raw = read_json_object(path, "generation settings")
+    unknown = [key for key in raw if key not in keys]
+    if unknown:
+        raise LanternError(f"{path}: unknown key {unknown[0]!r} (this model family reads "
+                           f"{', '.join(sorted(keys))})")
     sampling = {k: raw[k] for k in SAMPLING_KEYS if k in raw}
     for key, value in sampling.items():
         kind = int if key == "top_k" else (int, float)
@@ -255,6 +265,8 @@ def read_generation_settings(root: Path) -> dict[str, Any]:
     if not isinstance(trees, dict):
         raise LanternError(f"{path}: trees: expected an object mapping methods to --tree specs, got {trees!r}")
     for method, spec in trees.items():
+        if method not in METHOD_TABLE:
+            raise LanternError(f"{path}: trees.{method}: not a method (expected one of {', '.join(METHOD_TABLE)})")
         if not isinstance(spec, str):
             raise LanternError(f"{path}: trees.{method}: expected a --tree spec string, got {spec!r}")
         _with_source(path, f"trees.{method}: ", lambda spec=spec: TreeConfig.parse(spec))

@@ -21,7 +21,13 @@ from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transf
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import EagleDrafterModel
-from lantern.targets.base import Conditions, StackFolder, check_condition_kind, prompts_for
+from lantern.targets.base import (
+    COMMON_GENERATION_KEYS,
+    Conditions,
+    StackFolder,
+    check_condition_kind,
+    prompts_for,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -95,6 +101,10 @@ class ChameleonPrompter(Prompter):
     def context_lengths(self, prompts: Sequence[str]) -> list[int]:
         ends = len(self.layout.head) + len(self.layout.tail) + len(self.layout.prefix)  # as encode_prompts adds
         return [ends + len(ids) for ids in self.tokenize(prompts)]
+
+
+# A Chameleon folder's generation.json may also name its image layout (instead of --layout).
+CHAMELEON_GENERATION_KEYS = (*COMMON_GENERATION_KEYS, "layout")
 
 
 @dataclass
@@ -177,6 +187,7 @@ class ChameleonStack(PromptStack):
     images come from the VQGAN, drafters are lantern-trained EAGLE drafters with 1D RoPE or
     LANTERN's released ones (``lantern.drafters.released``)."""
 
+    GENERATION_KEYS: ClassVar[tuple[str, ...]] = CHAMELEON_GENERATION_KEYS
     model: ChameleonLM
     vq: Any  # lantern.models.chameleon_vq.ChameleonVQGAN, or None when only codes are wanted
     tokenizer: Any  # a transformers tokenizer for the prompts

@@ -44,7 +44,7 @@ from lantern.decoding.sampling import apply_cfg
 from lantern.errors import check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, PIXELS_PER_CODE, Emu3LM, emu3_layout, grid_for
-from lantern.targets.base import read_generation_settings
+from lantern.targets.base import COMMON_GENERATION_KEYS, read_generation_settings
 from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
 from lantern.targets.chameleon_stack import EndedPrompter, PromptStack, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
@@ -115,7 +115,7 @@ def read_emu3_prompter(root: Path, image_size: int | None = None) -> Emu3Prompte
     from lantern.models.emu3 import check_emu3_folder
 
     check_emu3_folder(root)  # before the tokenizer: a remote-code folder is refused first
-    settings = read_generation_settings(root)
+    settings = read_generation_settings(root, Emu3Stack.GENERATION_KEYS)
     grid = grid_for(image_size if image_size is not None else folder_image_size(root, settings))
     tokenizer = load_prompt_tokenizer(root, "Emu3")
     prompting = emu3_prompting(root, tokenizer, settings)
@@ -167,6 +167,9 @@ class Emu3Stack(PromptStack):
     per row and stream, and ``u + s (c - u)`` of those constants is again one constant per row,
     which softmax drops."""
 
+    # generation.json may also set the image side and the negative prompt (one per model).
+    GENERATION_KEYS: ClassVar[tuple[str, ...]] = (*COMMON_GENERATION_KEYS, "image_size", "negative_prompt",
+                                                  "negative_image_header")
     model: Emu3LM
     tokenizer: Any  # a transformers tokenizer
     prompting: Emu3Prompting

@@ -214,11 +214,14 @@ def _load_t5_encoder(path: Path) -> Any:
     ``--trust-checkpoint`` as the way to load it anyway)."""
     from transformers import T5EncoderModel
 
+    from lantern.models.hf_folder import loading_bars
+
     bins = _pickled_weights(path)
     if bins and checkpoints_trusted():
         return _trusted_t5_encoder(path, bins)
     try:
-        return T5EncoderModel.from_pretrained(str(path), local_files_only=True)
+        with loading_bars():
+            return T5EncoderModel.from_pretrained(str(path), local_files_only=True)
     except pickle.UnpicklingError:
         for file in bins:  # raises lantern's one-line refusal naming the file and the class
             load_checkpoint(file, "--t5 weights", trust=False)
