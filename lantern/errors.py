@@ -51,5 +51,9 @@ def transformers_reason(error: BaseException) -> str:
     text = str(error)
     if "trust_remote_code" in text:
         return "its config asks to run the folder's own Python code (auto_map), which lantern never does"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if first.endswith(":"):  # the line announces what follows ("... from one of:"): keep that too
+        first = " ".join(lines)
+        first = first if len(first) <= 300 else first[:299] + "…"
     return f"{type(error).__name__}: {first}" if first else type(error).__name__

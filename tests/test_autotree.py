@@ -418,3 +418,21 @@ def test_profile_for_another_model_is_refused(random_profile: Path, tmp_path: Pa
         err = capsys.readouterr().err
         assert "--profile" in err and needle in err
         assert not out.exists()  # a failing run creates no --out folder
+
+
+@pytest.mark.slow
+def test_profile_of_another_batch_names_the_rows_a_call_decodes(random_stack: Path, random_profile: Path,
+                                                                tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Two images at the default --batch-size decode 2 rows a call, not the profile's 1: the refusal
+    says where the 2 comes from and the two ways out (the same command at --batch-size 1 passes:
+    test_generate_tree_auto_with_saved_profile)."""
+    rc = main(["generate", "--model", str(random_stack), "--labels", "0,1", "--method", "lantern", "--tree", "auto",
+               "--profile", str(random_profile / "profile.json"), "--cfg-scale", "2", "--top-k", "8",
+               "--out", str(tmp_path / "g"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("lantern: error: --profile was measured at batch size 1, and this run decodes 2 row(s) a "
+                           "call (the smaller of --batch-size and the images): measure one with `lantern profile "
+                           "--batch-size 2`, or pass --batch-size 1 with at least as many images"), err
+    assert not (tmp_path / "g").exists()

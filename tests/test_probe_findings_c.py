@@ -179,3 +179,24 @@ def test_no_progress_also_hides_transformers_loading_bar(folders: dict[str, Path
     from transformers.utils import logging as hf_logging
 
     assert hf_logging.is_progress_bar_enabled()  # left as it was found
+
+
+@pytest.mark.parametrize(("family", "message"), [
+    # old behaviour: transformers built an empty GPT-2 tokenizer from no files, and the error was about
+    # the size header's token ids ("got ids [0]"), not the missing file
+    ("emu3", "no tokenizer for the prompts (expected tokenizer.json, or vocab.json and merges.txt in the folder)"),
+    # old behaviour: transformers' first line only, "... from one of:", the list cut off
+    ("janus", "no usable tokenizer (tokenizer.json) for the prompts, and the folder has no tokenizer.json: "
+              "ValueError: Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers`"),
+])
+def test_a_folder_without_its_tokenizer_says_so(folders: dict[str, Path], tmp_path: Path, family: str,
+                                                message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / family
+    shutil.copytree(folders[family], folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink(missing_ok=True)
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1]
+    assert last.startswith(f"lantern: error: --model {folder}: {message}"), last
+    assert not (tmp_path / "out").exists()

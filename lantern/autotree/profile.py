@@ -83,8 +83,12 @@ class DeviceProfile:
         shape = _model_shape(stack)
         check(dict(self.meta.get("model_shape", {})) == shape,
               f"{what} was measured for a model of shape {self.meta.get('model_shape')}, this one is {shape}")
-        check(self.meta.get("batch_size") == batch_size,
-              f"{what} was measured at batch size {self.meta.get('batch_size')}, this run uses {batch_size}")
+        # the rows a call decodes: a run of fewer images than --batch-size decodes fewer
+        measured = self.meta.get("batch_size")
+        check(measured == batch_size,
+              f"{what} was measured at batch size {measured}, and this run decodes {batch_size} row(s) a call (the "
+              f"smaller of --batch-size and the images): measure one with `lantern profile --batch-size "
+              f"{batch_size}`, or pass --batch-size {measured} with at least as many images")
         streams = 2 if sampling.use_cfg else 1
         check(self.meta.get("streams") == streams,
               f"{what} was measured with {self.meta.get('streams')} CFG stream(s), this run uses {streams}")

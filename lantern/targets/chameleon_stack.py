@@ -293,10 +293,19 @@ def load_prompt_tokenizer(root: Path, family: str = "Chameleon") -> Any:
     try:
         # trust_remote_code=False: a folder whose config asks for its own code (auto_map) is refused
         # at once; left unset, transformers asks on the terminal whether to run that code.
-        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
     except TRANSFORMERS_LOAD_ERRORS as e:
-        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: "
+        missing = "" if (root / "tokenizer.json").is_file() else ", and the folder has no tokenizer.json"
+        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts{missing}: "
                            f"{transformers_reason(e)}") from None
+    # With no tokenizer file at all transformers still returns a tokenizer (the config's class,
+    # e.g. GPT-2's, with an empty vocabulary) that turns every prompt into nothing.
+    own = [name for name in dict.fromkeys(getattr(tokenizer, "vocab_files_names", {}).values())
+           if name != "tokenizer.json"]
+    check((root / "tokenizer.json").is_file() or (bool(own) and all((root / name).is_file() for name in own)),
+          f"--model {root}: no tokenizer for the prompts (expected tokenizer.json"
+          f"{', or ' + ' and '.join(own) if own else ''} in the folder)")
+    return tokenizer
 
 
 def init_chameleon_drafter(model: ChameleonLM | JanusLM, layout: ImageLayout, seed: int = 0) -> EagleDrafterModel:
