@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lantern.cli.main import main  # noqa: E402
+from lantern.errors import LanternError  # noqa: E402
 from lantern.testing import make_tiny_emu3_folder, make_tiny_janus_folder  # noqa: E402
 
 BUILDERS = {"janus": make_tiny_janus_folder, "emu3": make_tiny_emu3_folder}
@@ -138,8 +139,8 @@ def test_a_part_the_method_never_reads_is_refused(tmp_path: Path, capsys: pytest
 
 def test_a_load_that_succeeds_still_passes_on_transformers_report(folders: dict[str, Path], tmp_path: Path) -> None:
     """The loading report is held back only to make a failure one line: a folder whose weights lack
-    a tensor (transformers initialises it) and hold one the model does not use loads as it does in
-    transformers, and transformers' report of both still reaches its log's stream handlers (a
+    a tensor of a module lantern never runs (transformers initialises it) and hold one the model
+    does not use loads, and transformers' report of both still reaches its log's stream handlers (a
     stream of our own here: pytest's capture replaced the one transformers made at import)."""
     from safetensors.torch import load_file, save_file
 
@@ -150,7 +151,7 @@ def test_a_load_that_succeeds_still_passes_on_transformers_report(folders: dict[
     weights = sorted(folder.glob("*.safetensors"))[0]
     tensors = load_file(weights)
     tensors["model.spare.weight"] = torch.zeros(2)
-    tensors.pop("model.vqmodel.quantize.embedding.weight")
+    tensors.pop(next(k for k in sorted(tensors) if k.startswith("model.vision_model.")))
     save_file(tensors, weights, metadata={"format": "pt"})
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -200,3 +201,63 @@ def test_a_folder_without_its_tokenizer_says_so(folders: dict[str, Path], tmp_pa
     last = capsys.readouterr().err.rstrip("\n").split("\n")[-1]
     assert last.startswith(f"lantern: error: --model {folder}: {message}"), last
     assert not (tmp_path / "out").exists()
+
+
+def _drop(folder: Path, key: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    assert key in weights, sorted(weights)[:5]
+    del weights[key]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("family", "key", "named"), [
+    ("janus", "model.language_model.layers.0.mlp.down_proj.weight",
+     "model.language_model.layers.0.mlp.down_proj.weight"),
+    ("emu3", "text_model.model.layers.0.mlp.down_proj.weight", "model.text_model.layers.0.mlp.down_proj.weight"),
+])
+def test_a_folder_lacking_a_weight_is_refused(folders: dict[str, Path], tmp_path: Path, family: str, key: str,
+                                             named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: transformers started the missing weight at random, printed its report as a
+    warning, and the run drew images from a damaged model (exit 0)."""
+    folder = tmp_path / family
+    shutil.copytree(folders[family], folder)
+    _drop(folder, key)
+    assert main(["generate", "--model", str(folder), "--prompt", "a red car", "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"lantern: error: --model {folder}: the folder's weights lack 1 tensor(s) of the "
+                           f"{FAMILY[family]} model, e.g. {named} (transformers would start them at random)"), err
+    assert not (tmp_path / "out").exists()
+
+
+FAMILY = {"janus": "Janus", "emu3": "Emu3", "chameleon": "Chameleon"}
+
+
+def test_a_module_lantern_never_runs_may_be_missing(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Janus' understanding tower (SigLIP) and a Chameleon folder's transformers VQ model (images
+    come from vqgan.ckpt) are spare: a folder without them loads; one without a decoder weight does
+    not (the check above, on the same loader)."""
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.janus import load_janus
+    from lantern.testing import make_tiny_chameleon_folder
+
+    janus = tmp_path / "janus"
+    shutil.copytree(folders["janus"], janus)
+    _drop(janus, next(k for k in _keys(janus) if k.startswith("model.vision_model.")))
+    assert load_janus(janus).num_codes > 0
+    chameleon = make_tiny_chameleon_folder(tmp_path / "chameleon")
+    _drop(chameleon, "model.vqmodel.quantize.embedding.weight")
+    assert load_chameleon(chameleon).num_codes > 0
+    _drop(chameleon, "model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(LanternError, match=r"lack 1 tensor\(s\) of the Chameleon model, e\.g\. "
+                                           r"model\.layers\.0\.mlp\.down_proj\.weight"):
+        load_chameleon(chameleon)
+
+
+def _keys(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return sorted(f.keys())

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
-from lantern.models.hf_folder import cached_attention, check_safetensors_header, loading_bars
+from lantern.models.hf_folder import cached_attention, check_safetensors_header, load_pretrained
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -268,10 +268,9 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
     directory = Path(directory)
     check_chameleon_folder(directory)
     try:
-        from transformers import ChameleonForConditionalGeneration
+        from transformers import ChameleonConfig
     except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
         raise LanternError("Chameleon targets need transformers: pip install 'lantern-ar[t2i]'") from e
-    from transformers import ChameleonConfig
 
     try:
         config = ChameleonConfig.from_pretrained(str(directory))
@@ -280,16 +279,10 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
                            f"{transformers_reason(e)}") from None
     if not config.vocabulary_map:  # e.g. LANTERN's anole_config.json: transformers needs one to build the model
         config.vocabulary_map = default_vocabulary_map(config.vq_config.num_embeddings)
-    from safetensors import SafetensorError
-
-    try:
-        with loading_bars():
-            model = ChameleonForConditionalGeneration.from_pretrained(
-                str(directory), config=config, dtype=dtype or torch.bfloat16
-            )
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # SafetensorError: a corrupt or truncated file
-        raise LanternError(f"--model {directory}: transformers could not load the Chameleon weights: "
-                           f"{transformers_reason(e)}") from None
+    # Chameleon folders may hold pytorch_model*.bin (transformers reads them weights-only); images
+    # are decoded by the folder's VQGAN checkpoint (vqgan.ckpt), so transformers' VQ model may be absent
+    model = load_pretrained("ChameleonForConditionalGeneration", directory, "Chameleon", dtype,
+                            spare=("model.vqmodel.",), config=config, use_safetensors=None)
     return ChameleonLM(model.to(device))
 
 

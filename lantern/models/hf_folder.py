@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
-from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError
+from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check
 
 # model_type values of releases that need their authors' own code package (DeepSeek's original Janus)
 ORIGINAL_MODEL_TYPES = ("multi_modality",)
@@ -119,9 +119,12 @@ def loading_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.dtype | None) -> Any:
-    """transformers' ``class_name.from_pretrained`` on a checked folder: safetensors only, bf16
-    unless told, its failures as one line naming the folder."""
+def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.dtype | None,
+                    spare: tuple[str, ...] = (), **options: Any) -> Any:
+    """transformers' ``class_name.from_pretrained`` on a checked folder: safetensors only unless
+    ``options`` say otherwise (more keywords of ``from_pretrained``), bf16 unless told, its failures
+    as one line naming the folder, and strict: a weight the folder lacks is refused
+    (:func:`check_complete`; ``spare``: key prefixes of modules lantern never runs)."""
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
@@ -139,8 +142,9 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
     root.addHandler(report)
     try:
         with loading_bars():
-            model = getattr(transformers, class_name).from_pretrained(str(directory), dtype=dtype or torch.bfloat16,
-                                                                      use_safetensors=True)
+            model, info = getattr(transformers, class_name).from_pretrained(
+                str(directory), **{"use_safetensors": True, **options}, dtype=dtype or torch.bfloat16,
+                output_loading_info=True)
     except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
         reason = transformers_reason(e) if report.first is None else \
             f"the weights do not fit config.json ({report.first})"
@@ -150,9 +154,20 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
         root.removeHandler(report)
         for handler in held:
             root.addHandler(handler)
-    for record in report.records:  # e.g. weights transformers initialised because the folder lacks them
+    check_complete(info, directory, family, spare)
+    for record in report.records:  # e.g. keys of the folder the model has no place for (UNEXPECTED)
         logging.getLogger(record.name).handle(record)
     return model
+
+
+def check_complete(info: dict[str, Any], directory: Path, family: str, spare: tuple[str, ...] = ()) -> None:
+    """Refuse a load that left weights of the model out (``info``: transformers' loading info).
+    transformers starts such weights at random with a warning and the run goes on to draw noise; a
+    folder of another version or conversion (renamed keys) is the usual cause. Keys under
+    ``spare`` (modules lantern never runs) may be missing."""
+    missing = sorted(key for key in info.get("missing_keys", ()) if not key.startswith(spare))
+    check(not missing, f"--model {directory}: the folder's weights lack {len(missing)} tensor(s) of the {family} "
+                       f"model, e.g. {missing[0] if missing else ''} (transformers would start them at random)")
 
 
 class _Report(logging.Handler):

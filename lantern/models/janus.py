@@ -165,7 +165,9 @@ def load_janus(directory: str | os.PathLike[str], dtype: torch.dtype | None = No
     Weights are read from safetensors only; no code from the folder runs."""
     directory = Path(directory)
     check_janus_folder(directory)
-    model = load_pretrained("JanusForConditionalGeneration", directory, "Janus", dtype)
+    # the understanding path (SigLIP tower and its aligner) never runs here: a folder may lack it
+    model = load_pretrained("JanusForConditionalGeneration", directory, "Janus", dtype,
+                            spare=("model.vision_model.", "model.aligner."))
     num_patches = int(model.config.vq_config.num_patches)
     tokens = int(model.config.vision_config.num_image_tokens)
     check(num_patches * num_patches == tokens,
