@@ -81,6 +81,29 @@ def test_settings_decode_in_their_own_batch_and_match_the_api(pipe: lantern.Pipe
     assert len(sched._lanes) == 2
 
 
+@pytest.mark.invariance
+def test_lanes_together_decode_at_most_max_batch_rows(pipe: lantern.Pipeline) -> None:
+    """Requests of other settings open other lanes; all lanes together decode at most ``max_batch``
+    rows, the rest wait in the queue in order. Old behaviour (a probe, 2026-11-29): every lane took
+    rows at once, so 24 clients with settings of their own had 192 rows decoding at ``max_batch`` 8
+    and every request slowed 45-fold. Here the old code peaks at 6 rows."""
+    sched = Scheduler(pipe, max_batch=2)
+    tickets = [t for i in range(3) for t in _submit(sched, 1, i, "ar", (0, 1), temperature=0.6 + 0.1 * i)]
+    peak, first_admitted = 0, None
+    with torch.inference_mode():
+        while sched._queue or sched._busy_lanes():
+            sched._admit()
+            busy = sum(lane.busy for lane in sched._lanes.values())
+            peak = max(peak, busy)
+            if first_admitted is None:
+                first_admitted = [t for t in tickets if t not in sched._queue]
+            for lane in sched._busy_lanes():
+                sched._step(lane)
+    assert peak == 2 and first_admitted == tickets[:2]  # the first request's two images, in queue order
+    for t in tickets:
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t, 2))
+
+
 def test_static_batches_take_no_job_while_running(pipe: lantern.Pipeline) -> None:
     sched = Scheduler(pipe, max_batch=4, continuous=False)
     first = _submit(sched, 1, 0, "ar")

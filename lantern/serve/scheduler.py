@@ -7,7 +7,8 @@ for another's image to finish. A row's random stream is its own (``lantern.decod
 image does not depend on what else is being served: image ``index`` of a request with ``seed`` is
 the image ``lantern.load(model)(..., seed=seed)`` gives at that index.
 
-A lane's batch has a size from 1, 2, 4 ... up to ``max_batch`` rows: it grows (rows moved into a
+A lane's batch has a size from 1, 2, 4 ... up to ``max_batch`` rows, and all lanes together decode
+at most ``max_batch`` rows at a time: a batch grows (rows moved into a
 larger batch) when jobs wait and shrinks when half of it is idle, so a lone request runs at batch
 1, as ``lantern generate`` would. With ``--compile`` each size compiles once (``warm_up`` at
 start-up), and rows join in place, so no request compiles anything. With ``continuous=False``
@@ -61,6 +62,7 @@ Settings = tuple[tuple[str, Any], ...]
 MethodKey = tuple[MethodConfig, SamplingConfig]  # a prepared method's key (lantern.api.Pipeline.prepare)
 # Kept at most: lanes (each holds its batch's caches); idle ones go first, least recently used, so
 # a client sending ever new settings cannot grow memory (prepared methods: lantern.api.MAX_PREPARED).
+# Busy lanes are bounded by the rows the server decodes at once (max_batch, server-wide: _admit).
 MAX_LANES = 8
 
 
@@ -512,13 +514,20 @@ class Scheduler:
         return [lane for lane in list(self._lanes.values()) if lane.busy]
 
     def _admit(self) -> None:
-        """Queued jobs, in order, into their lanes' free rows (a job behind a full lane waits there)."""
+        """Queued jobs, in order, into their lanes' free rows (a job behind a full lane waits there),
+        while the server decodes fewer than ``max_batch`` rows in all: requests of other settings
+        open other lanes, and without the server-wide bound a client varying its settings would
+        have every lane decode at once (memory and every request's latency growing with them)
+        instead of waiting in the queue, where ``max_queue`` answers 429."""
         with self._lock:
             waiting = list(self._queue)
         chosen: dict[MethodKey, list[Ticket]] = {}
         room: dict[MethodKey, int] = {}
+        free = self.max_batch - sum(lane.busy for lane in self._lanes.values())  # rows, server-wide
         dropped = [t for t in waiting if t.cancelled]  # never started
         for ticket in waiting:
+            if free <= 0:
+                break
             if ticket.cancelled:
                 continue
             key = ticket.request.key
@@ -526,6 +535,7 @@ class Scheduler:
                 room[key] = self._lane(ticket.request).capacity_for_new()
             if room[key] > 0:
                 room[key] -= 1
+                free -= 1
                 chosen.setdefault(key, []).append(ticket)
         with self._lock:
             taken = {id(t) for group in (*chosen.values(), dropped) for t in group}
