@@ -201,7 +201,7 @@ def test_a_request_twice_gives_the_same_png_and_the_apis_codes(client: TestClien
     expected = pipe(labels=[3], num_per_label=2, seed=7, method="sjd-coupled")
     assert [d["codes"] for d in a["data"]] == expected.codes.tolist()
     assert a["method"] == "sjd-coupled"
-    assert a["settings"] == {**expected.config["sampling"], "tree": "chain:16", "sjd_window": 16,
+    assert a["settings"] == {**expected.config["sampling"], "sjd_window": 16,  # no tree: SJD takes none
                              "sjd_init": "repeat_horizon", "sjd_coupling": "maximal"}
     for item, image in zip(a["data"], expected.images, strict=True):
         assert _png(item["b64_json"]).tobytes() == image.tobytes()  # the decoded pixels too
@@ -221,6 +221,24 @@ def test_a_method_gives_the_apis_codes(client: TestClient, pipe: lantern.Pipelin
     assert r.json()["data"][0]["codes"] == expected.codes[0].tolist()
     assert r.json()["settings"]["temperature"] == 0.9
     assert "codes" not in client.post(GENERATE, json={**body, "return_codes": False}).json()["data"][0]
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("method", ["lantern", "sjd-pac", "pjd-lantern", "sjd-coupled-lantern-sv"])
+def test_the_answers_settings_sent_back_give_the_same_images(client: TestClient, method: str) -> None:
+    """The answer's ``settings`` are the run's, and a request may send them back. Old behaviour (a
+    probe, 2026-11-29): ``lantern_k`` read 1000 where the run used the table's 128 (sent back:
+    400), the Jacobi and PJD methods reported the chain they verify as a ``tree`` (sent back: 400,
+    they take none), and SJD-PAC its tree's internal name (400: unknown static tree)."""
+    body = {"label": 2, "seed": 5, "method": method, "return_codes": True}
+    first = client.post(GENERATE, json=body)
+    assert first.status_code == 200, first.text
+    settings = first.json()["settings"]
+    again = client.post(GENERATE, json={**body, **settings})
+    assert again.status_code == 200, again.text
+    assert again.json()["data"][0]["codes"] == first.json()["data"][0]["codes"]
+    assert again.json()["settings"] == settings
+    assert ("tree" in settings) == (method == "lantern") and settings.get("lantern_k", 0) <= 128
 
 
 # --------------------------------------------------------------------------------------------------

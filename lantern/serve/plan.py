@@ -188,15 +188,20 @@ def setting_error(error: LanternError) -> RequestError:
 
 
 def answer_settings(request: Resolved) -> dict[str, Any]:
-    """Every setting of a resolved request as the run uses it (defaults filled in), and what
-    ``--method auto`` chose when it chose the method: the answer's ``settings``."""
+    """Every setting of a resolved request as the run uses it (defaults filled in: the prepared
+    method's, so a default ``lantern_k`` reads as capped at the proximity table's K_max), and what
+    ``--method auto`` chose when it chose the method: the answer's ``settings``. Sent back as a
+    request, they give the same images."""
     auto = {} if request.auto_method is None else {"auto_method": dict(request.auto_method)}
-    return {**request.sampling.to_dict(), **method_settings(request.method_cfg), **auto}
+    return {**request.sampling.to_dict(), **method_settings(request.prepared.method), **auto}
 
 
 def method_settings(method: MethodConfig) -> dict[str, Any]:
-    """A resolved method's settings under their request names (those it uses, defaults filled in)."""
-    out: dict[str, Any] = {"tree": method.tree.spec} if method.tree.kind != "none" else {}
+    """A resolved method's settings under their request names (those it uses and a request may set,
+    defaults filled in). The tree is a setting of the drafter methods only: the Jacobi and PJD
+    methods verify a chain of their window, SJD-PAC a tree of its width and depth."""
+    drafted = METHOD_TABLE[method.method].family == "eagle"
+    out: dict[str, Any] = {"tree": method.tree.spec} if drafted and method.tree.kind != "none" else {}
     relaxation = method.relaxation
     if relaxation is not None and relaxation.mode == "group":
         out["gsd_group"] = relaxation.k
