@@ -260,7 +260,8 @@ def check_group_fits(method: MethodConfig, vocab_size: int) -> None:
     if relaxation is None or relaxation.mode != "group":
         return
     check(relaxation.k <= vocab_size,
-          f"--gsd-group must be at most the vocabulary size ({vocab_size} codes), got {relaxation.k}")
+          f"--gsd-group must be at most the vocabulary size ({vocab_size} codes), got {relaxation.k}",
+          field="gsd_group")
 
 
 def prepare_method(
@@ -307,8 +308,10 @@ def load_acceptance(method: MethodConfig, parts: ModelParts) -> tuple[Acceptance
     if relaxation.k + extra > table.k_max and not method.k_explicit:
         relaxation = replace(relaxation, k=table.k_max - extra)
     table.check_k(relaxation.k)
+    # (the table is named by its K_max, not its path: the server answers this to clients)
     check(relaxation.k + extra <= table.k_max,
           f"--lantern-residual {relaxation.residual} removes k+1 = {relaxation.k + 1} neighbours per rejection, "
-          f"but the proximity table {parts.proximity_source} holds K_max = {table.k_max}")
+          f"but the proximity table holds K_max = {table.k_max}: use --lantern-k {table.k_max - 1} or less",
+          field="lantern_residual")
     neighbours = table.neighbours_for(relaxation.k + extra).to(parts.stack.device)
     return Acceptance(relaxation, neighbours, method.subsequence), replace(method, relaxation=relaxation)

@@ -34,6 +34,7 @@ from lantern.serve.app import TicketEvents, create_app, fill_unknown, image_even
 from lantern.serve.plan import runnable_methods
 from lantern.serve.scheduler import Scheduler
 from lantern.serve.schema import GenerationRequest
+from lantern.targets.base import PRESETS_DIR
 
 GENERATE = "/v1/images/generations"
 STATIC = Path(lantern.__file__).parent / "serve" / "static"
@@ -113,6 +114,10 @@ def _events_of(text: str) -> list[tuple[str, dict[str, Any]]]:
         ({"label": 1, "sjd_window": 1000}, 400, "sjd_window"),  # refused by the scheduler's check
         ({"label": 1, "method": "lantern++", "lantern_k": 1000}, 400, "lantern_k"),  # the table holds 128
         ({"label": 1, "method": "lantern++", "tree": "chain:100"}, 400, "tree"),  # deeper than the image
+        # these three were answered as "method" (a probe, 2026-11-29); the last also named the server's table path
+        ({"label": 1, "method": "lantern++", "tree": "chain:0"}, 400, "tree"),
+        ({"label": 1, "method": "gsd", "gsd_group": 2000}, 400, "gsd_group"),
+        ({"label": 1, "method": "lantern", "lantern_residual": "official", "lantern_k": 128}, 400, "lantern_residual"),
     ],
 )
 def test_a_bad_request_is_refused_naming_its_field(client: TestClient, body: dict[str, Any], status: int,
@@ -123,6 +128,7 @@ def test_a_bad_request_is_refused_naming_its_field(client: TestClient, body: dic
     error = r.json()["error"]
     assert error["field"] == field, error
     assert "\n" not in error["message"] and error["message"].startswith(f"{field}: "), error
+    assert str(PRESETS_DIR) not in error["message"] and "safetensors" not in error["message"], error  # no server path
     assert client.app.state.serve.scheduler.metrics()["queue_depth"] == before  # type: ignore[attr-defined]
 
 

@@ -270,12 +270,12 @@ class TreeConfig:
             try:
                 n = int(spec.split(":", 1)[1])
             except ValueError:
-                raise LanternError(f"--tree chain:N needs an integer N, got {spec!r}") from None
-            check(n >= 1, f"--tree chain:N needs N >= 1, got {spec!r}")
+                raise LanternError(f"--tree chain:N needs an integer N, got {spec!r}", field="tree") from None
+            check(n >= 1, f"--tree chain:N needs N >= 1, got {spec!r}", field="tree")
             return cls(kind="chain", depth=n)
         if spec.startswith("static:"):
             return cls(kind="static", name=spec.split(":", 1)[1])
-        raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}")
+        raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}", field="tree")
 
     @property
     def spec(self) -> str:
