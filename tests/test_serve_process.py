@@ -80,6 +80,22 @@ def test_serve_binds_loopback_answers_and_drains_on_sigterm(tmp_path: Path) -> N
         httpx.get(f"{url}/health", timeout=5)
 
 
+def test_ctrl_c_stops_the_server_as_sigterm_does(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) drains and exits 0 with the same last line. Old behaviour (a probe,
+    2026-11-29): uvicorn drained, then raised SIGINT again under Python's handler, and the process
+    ended with "lantern: interrupted" and exit 130 (what the SIGTERM test above would catch for
+    SIGTERM without lantern's handler)."""
+    log = tmp_path / "serve.log"
+    with serve_process(log, "--method", "ar", "--max-batch", "1") as (proc, url):
+        r = httpx.post(f"{url}/v1/images/generations", json={"label": 4, "seed": 2}, timeout=60)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(EXIT_TIMEOUT) == 0, log.read_text()
+    text = log.read_text()
+    assert text.rstrip().endswith("lantern serve: stopped"), text
+    assert "interrupted" not in text and "Traceback" not in text, text
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -197,12 +197,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn_config(app, http_limits(args), graceful_timeout=args.drain_timeout + DRAIN_GRACE)
     server = DrainingServer(config, app.state.serve.drain)
     # uvicorn handles SIGTERM / SIGINT while it serves, then raises the signal again under the
-    # handler it found; for SIGTERM that is lantern's (exit 143), but a drained server exits 0.
-    previous = signal.signal(signal.SIGTERM, _drained)
+    # handler it found: lantern's for SIGTERM (exit 143), Python's KeyboardInterrupt for SIGINT
+    # (exit 130); but a drained server has stopped as asked, and exits 0 either way.
+    previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         scheduler.shutdown(0.0)  # a no-op after the lifespan's; stops the decode thread if startup failed
     if not server.started:
         raise LanternError(f"the server did not start on {host}:{port} (see the log above)")
@@ -247,7 +249,7 @@ def _model_name(model: str) -> str:
 
 
 def _drained(signum: int, frame: Any) -> None:
-    """SIGTERM raised again by uvicorn after its graceful shutdown: nothing left to do."""
+    """SIGTERM / SIGINT raised again by uvicorn after its graceful shutdown: nothing left to do."""
 
 
 def bind(host: str, port: int) -> socket.socket:
