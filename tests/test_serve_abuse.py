@@ -185,6 +185,8 @@ def test_a_declared_body_past_the_limit_is_refused_before_it_is_sent(server: str
         sock.sendall(f"POST {GENERATE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {100 << 20}\r\n\r\n".encode() + b'{"label": 1, "prompt": "')
         status, headers, body = _response(sock)
+        # and the connection ends there (the rest of the body is no request): the server closes it
+        assert headers["connection"] == "close" and _closed_within(sock, 5.0, b"") is not None
     assert status == 413 and headers["content-type"] == "application/json"
     assert _error(body) == {"field": "body", "message": f"body: larger than this server's {MAX_BODY} bytes "
                                                         "(lantern serve --max-body-bytes)"}
@@ -227,8 +229,8 @@ def test_a_slow_body_gets_408(server: str) -> None:
         while not select.select([sock], [], [], 0.25)[0]:
             assert time.monotonic() - start < BODY_TIMEOUT + SLACK, "no answer past the body timeout"
             sock.sendall(b" ")
-        status, _, body = _response(sock)
-    assert status == 408 and _error(body)["field"] == "body"
+        status, headers, body = _response(sock)
+    assert status == 408 and _error(body)["field"] == "body" and headers["connection"] == "close"
     assert time.monotonic() - start >= BODY_TIMEOUT - 0.5
 
 
@@ -302,11 +304,28 @@ def test_only_this_machines_names_and_allowed_hosts_are_answered(server: str, ho
     """Before: any Host was answered, so a page that rebinds its name to 127.0.0.1 could drive the API."""
     host = host.format(port=_port(server))
     for method, path, body in (("GET", "/health", None), ("POST", GENERATE, {"label": 99})):
+        before = _requests_by_status(server)
         r = httpx.request(method, f"{server}{path}", json=body, headers={"Host": host}, timeout=10)
         if allowed:
             assert r.status_code == (200 if method == "GET" else 400), r.text
         else:
             assert r.status_code == 400 and _error(r)["field"] == "host", r.text
+        # a refused Host is counted as the answer it is (it was not, a probe found, 2026-11-29)
+        assert _delta(before, _requests_by_status(server)) == ({"400": 1} if method == "POST" else {})
+
+
+def test_http_1_0_without_a_host_header_is_answered(server: str) -> None:
+    """HTTP/1.0 has no Host header; the Host check (against pages rebound to 127.0.0.1: browsers
+    always send one) let none through before (a probe, 2026-11-29). One that sends a foreign Host
+    is still refused."""
+    for request, status in ((b"GET /health HTTP/1.0\r\n\r\n", b" 200 "),
+                            (b"GET /health HTTP/1.0\r\nHost: evil.example\r\n\r\n", b" 400 ")):
+        with _connect(server) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.split(b"\r\n", 1)[0].startswith(b"HTTP/1.1" + status), answer[:200]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -364,6 +364,15 @@ def test_the_page_and_its_assets_are_served_without_a_cdn(client: TestClient) ->
 # --------------------------------------------------------------------------------------------------
 
 
+def test_a_method_the_route_does_not_take_is_405_with_its_allow_header(client: TestClient) -> None:
+    """HTTP's rule for a 405 (it had none: the JSON error answer dropped Starlette's headers)."""
+    r = client.put(GENERATE, json={"label": 1})
+    assert r.status_code == 405 and r.json()["error"]["field"] is None, r.text
+    assert r.headers["allow"] == "POST"
+    r = client.delete("/health")
+    assert r.status_code == 405 and set(r.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+
+
 def test_a_full_queue_answers_429_and_a_stopping_server_503(pipe: lantern.Pipeline) -> None:
     scheduler = Scheduler(pipe, max_batch=1, max_queue=1)  # never started: what is queued stays queued
     app = create_app(scheduler, pipeline=pipe, default_method="sjd-coupled")
@@ -371,7 +380,7 @@ def test_a_full_queue_answers_429_and_a_stopping_server_503(pipe: lantern.Pipeli
         held = scheduler.submit(scheduler.resolve(0, 0, "sjd-coupled"))  # the queue is full now
         r = c.post(GENERATE, json={"label": 1})
         assert r.status_code == 429 and r.json()["error"]["field"] is None, r.text
-        assert "queue" in r.json()["error"]["message"]
+        assert "queue" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
         assert _metrics(c.get("/metrics").text)['lantern_requests_total{status="429"}'] == 1
         scheduler.shutdown(0.0)  # the held job is cancelled; new ones are refused
         assert held[0].future.exception(0) is not None

@@ -18,7 +18,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from lantern.api import Pipeline
 from lantern.calibration import MethodChoice
@@ -139,9 +140,9 @@ def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str 
     _add_error_handlers(app, state)
     _add_routes(app, state)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    app.add_middleware(CountRequests, state=state)
     if allowed_hosts is not None:
-        app.add_middleware(HostCheck, allowed=allowed_hosts)  # outermost: before anything else runs
+        app.add_middleware(HostCheck, allowed=allowed_hosts)  # before anything else of the app runs
+    app.add_middleware(CountRequests, state=state)  # outermost: a refused Host is an answer too
     return app
 
 
@@ -201,9 +202,15 @@ async def in_worker(fn: Callable[..., Any], *args: Any) -> Any:
     return await run_in_threadpool(call)
 
 
-def _error(status: int, message: str, field: str | None) -> JSONResponse:
+# What an answer of these statuses says besides its body: when to try again (429: the queue is
+# full), and that the connection ends (408, 413: the body was not read whole, so what follows on
+# the connection is not a request).
+STATUS_HEADERS = {429: {"Retry-After": "1"}, 408: {"Connection": "close"}, 413: {"Connection": "close"}}
+
+
+def _error(status: int, message: str, field: str | None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message.splitlines()[0] if message else "error", "field": field}},
-                        status_code=status)
+                        status_code=status, headers={**STATUS_HEADERS.get(status, {}), **(headers or {})})
 
 
 def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
@@ -218,7 +225,17 @@ def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), None)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Allow: every method of the path (Starlette names the first route's only)
+            headers["Allow"] = ", ".join(_methods_of(request))
+        return _error(exc.status_code, str(exc.detail), None, headers)
+
+
+def _methods_of(request: Request) -> list[str]:
+    """The methods the routes of ``request``'s path answer (a GET route's HEAD is a route of its own)."""
+    methods = {m for route in request.app.router.routes if getattr(route, "methods", None)
+               and route.matches(request.scope)[0] != Match.NONE for m in route.methods}
+    return sorted(methods)
 
 
 def _get(app: FastAPI, path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
