@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,10 +219,20 @@ class OutputFolder(_Output):
     """An output folder written all-or-nothing. Make one with :meth:`check`, write with :meth:`write`."""
 
     @classmethod
-    def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False) -> OutputFolder:
-        """Validate the location now (before any model is loaded); creates nothing."""
+    def check(cls, path: str | os.PathLike[str], what: str = "--out", overwrite: bool = False,
+              reads: Mapping[str, str | os.PathLike[str] | None] | None = None) -> OutputFolder:
+        """Validate the location now (before any model is loaded); creates nothing. ``reads``: the
+        paths the command reads, by flag: the folder must be none of them and hold none of them,
+        since writing it replaces it whole (``--overwrite`` would delete the input)."""
         _refuse_linked_overwrite(path, what, overwrite)
         out = cls(_resolved(path, what), what, overwrite)
+        for flag, read in (reads or {}).items():
+            if read is None or not os.path.exists(read):
+                continue
+            source = Path(read).resolve()
+            if source == out.path or out.path in source.parents:
+                raise LanternError(f"{what}: {out.path} is or holds {flag} {read}, which this command reads; "
+                                   "writing it would replace that input: choose another folder")
         if out.path.exists() or out.path.is_symlink():
             if not out.path.is_dir():
                 raise LanternError(f"{what}: {out.path} exists and is not a directory")

@@ -290,7 +290,14 @@ def check_run_args(args: argparse.Namespace, check_out: bool = True) -> OutputFo
     check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
     check_count(args.batch_size, "--batch-size")
     check_device(args.device)
-    return OutputFolder.check(args.out, "--out", args.overwrite) if check_out else None
+    from lantern.targets.base import PRESETS
+
+    # what --out must not be or hold (--overwrite replaces it whole); a preset name is not a path
+    reads = {f"--{name.replace('_', '-')}": getattr(args, name, None)
+             for name in ("model", "drafter", "proximity", "t5", "vq", "prompts", "tokenizer")}
+    if args.model in PRESETS:
+        reads["--model"] = None
+    return OutputFolder.check(args.out, "--out", args.overwrite, reads=reads) if check_out else None
 
 
 def auto_window_refusal(stack: Any) -> str | None:

@@ -191,7 +191,8 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
     from lantern.validate import check_count
 
     check_count(args.batch_size, "--batch-size")
-    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    out = OutputFolder.check(args.out, "--out", args.overwrite, reads={"--tokenizer": args.tokenizer,
+                                                                       "--data": args.data})
     if not Path(args.tokenizer).is_dir():
         raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
     tokenizer = VQModel.from_pretrained(args.tokenizer)
@@ -285,7 +286,8 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
     from lantern.train.codes import CodeSet, load_code_dir
     from lantern.train.drafter import make_drafter_data
 
-    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    out = OutputFolder.check(args.out, "--out", args.overwrite, reads={"--target": args.target,
+                                                                       "--codes": args.codes})
     for name, value in (("--max-sequences", args.max_sequences), ("--max-test-sequences", args.max_test_sequences)):
         if value is not None and value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")

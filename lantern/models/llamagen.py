@@ -66,7 +66,7 @@ class LlamaGenConfig:
     attn_dropout_p: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layer", "n_head", "vocab_size", "cls_token_num", "block_size"):
+        for name in ("dim", "n_layer", "n_head", "vocab_size", "cls_token_num", "block_size", "multiple_of"):
             value = getattr(self, name)
             check(
                 isinstance(value, int) and value > 0,

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 from lantern.distributed import before_process_group, end_process_group
 from lantern.errors import LanternError, check
 from lantern.io import (
+    atomic_path,
     ensure_writable_dir,
     finite_or_null,
     load_checkpoint,
@@ -105,8 +107,11 @@ class LoopConfig:
               f"--schedule must be cosine, linear or constant, got {self.schedule!r}")
         check(self.clip_mode in ("norm", "value"), f"--clip-mode must be norm or value, got {self.clip_mode!r}")
         check(self.precision in ("bf16", "fp32"), f"--precision must be bf16 or fp32, got {self.precision!r}")
-        check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip!r}")
-        check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+        # finite: inf would also fail writing train_config.json, which is strict JSON
+        check(self.grad_clip >= 0 and math.isfinite(self.grad_clip),
+              f"--grad-clip must be a number >= 0 (0 = off), got {self.grad_clip!r}")
+        check(self.weight_decay >= 0 and math.isfinite(self.weight_decay),
+              f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,10 +247,11 @@ def lr_lambda(cfg: LoopConfig) -> Any:
 
 
 def _checkpoints(out: Path) -> list[Path]:
+    """``out``'s finished checkpoints, by step (a copy named ``step-N.bak``, say, is not one)."""
     root = out / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / STATE_FILE).is_file()]
+    done = [p for p in root.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).is_file()]
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -265,21 +271,27 @@ def _config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], pr
     return diffs
 
 
-def _check_resumable(state: Mapping[str, Any], loop: LoopConfig, task: TrainTask, where: Path) -> None:
-    saved_loop = {k: v for k, v in state["loop"].items() if k not in _RESUMABLE_CHANGES}
+def _run_differences(saved: Mapping[str, Any], loop: LoopConfig, task: TrainTask) -> list[str]:
+    """What differs between a saved run's settings (a checkpoint's state, or ``train_config.json``:
+    kind, loop and task; the data fingerprint where saved) and this run's, the kind first (a run of
+    another trainer differs in everything else too)."""
+    if saved.get("kind") != task.kind:
+        return [f"kind: checkpoint {saved.get('kind')!r}, now {task.kind!r}"]
+    saved_loop = {k: v for k, v in dict(saved.get("loop") or {}).items() if k not in _RESUMABLE_CHANGES}
     now_loop = {k: v for k, v in loop.to_dict().items() if k not in _RESUMABLE_CHANGES}
     diffs = _config_differences(saved_loop, now_loop, "loop.")
-    diffs += _config_differences(state["task"], json.loads(json.dumps(task.config_dict())), "task.")
-    if state.get("kind") != task.kind:
-        diffs.append(f"kind: checkpoint {state.get('kind')!r}, now {task.kind!r}")
-    if state.get("data_fingerprint") != task.data_fingerprint():
+    diffs += _config_differences(dict(saved.get("task") or {}), json.loads(json.dumps(task.config_dict())), "task.")
+    if "data_fingerprint" in saved and saved["data_fingerprint"] != task.data_fingerprint():
         diffs.append("training data differs from the data the checkpoint was trained on (fingerprint)")
+    return diffs
+
+
+def _check_resumable(state: Mapping[str, Any], loop: LoopConfig, task: TrainTask, where: Path) -> None:
+    diffs = _run_differences({"data_fingerprint": None, **state}, loop, task)
     if diffs:
-        raise LanternError(
-            f"cannot resume from {where}: the configuration is incompatible with the checkpoint:\n  "
-            + "\n  ".join(diffs)
-            + "\nResume with the original settings, or train into a new --out folder."
-        )
+        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+        raise LanternError(f"cannot resume from {where}: the settings differ from the run's: {diffs[0]}{more}; "
+                           "resume with the original settings, or train into a new --out folder")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +422,7 @@ class _Run:
 def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult:
     from accelerate import Accelerator
 
-    if options.resume and _finished_run(Path(options.out), loop):
+    if _check_out(Path(options.out), loop, task, options.resume):
         return TrainResult(Path(options.out), {}, 0, loop.steps, finished=True, nothing_to_do=True)
     out = ensure_writable_dir(options.out)
     resume, stop_after = options.resume, options.stop_after
@@ -433,6 +445,7 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     start_step = resumed_from or 0
     if accelerator.is_main_process:
         write_json(out / TRAIN_CONFIG_FILE, {"kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict()})
+        _keep_log_until(out / LOG_FILE, start_step)
     check(task.num_examples() >= 1, f"{task.kind} training: the training set is empty")
     t0 = time.time()
     end = loop.steps if stop_after is None else min(loop.steps, stop_after)
@@ -457,14 +470,46 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     return TrainResult(out, metrics, steps_run, resumed_from, finished=True)
 
 
-def _finished_run(out: Path, loop: LoopConfig) -> bool:
-    """``out`` holds a run that finished its ``loop.steps`` steps: its provenance, written last,
-    says so. Resuming it must not touch it (it would rewrite the provenance of a run of no steps).
-    A provenance of another step count is left to the checkpoint's own resume checks."""
-    path = out / PROVENANCE_FILE
-    if not path.is_file():
+def _check_out(out: Path, loop: LoopConfig, task: TrainTask, resume: bool) -> bool:
+    """What ``--out`` may hold before a run writes its model files there: nothing, or a run of this
+    trainer (its ``train_config.json``). A folder of anything else (an input model folder, a
+    user's files) would be overwritten. True when it holds this very run, finished: ``--resume``
+    has nothing to do, and must not touch it (it would rewrite the provenance of a run of no
+    steps); the same command without ``--resume`` is refused rather than retrain over it."""
+    if not out.is_dir() or not any(out.iterdir()):
         return False
-    return read_json_object(path, "training provenance").get("steps") == loop.steps
+    config = out / TRAIN_CONFIG_FILE
+    check(config.is_file(), f"--out {out} is not empty and holds no training run (no {TRAIN_CONFIG_FILE}); "
+                            "train into a new or empty folder")
+    saved = read_json_object(config, "training configuration")
+    check(saved.get("kind") == task.kind, f"--out {out} holds a {saved.get('kind')!r} training run, not a "
+                                          f"{task.kind!r} one; train into another folder")
+    if not (out / PROVENANCE_FILE).is_file():
+        return False  # a run under way or interrupted: the checkpoints decide (_train)
+    check(resume, f"--out {out} already holds a finished {task.kind} run; train into a new --out folder")
+    diffs = _run_differences(saved, loop, task)
+    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+    check(not diffs, f"--resume: {out} holds a finished {task.kind} run of other settings: {diffs[0] if diffs else ''}"
+                     f"{more}; train into a new --out folder")
+    return True
+
+
+def _keep_log_until(path: Path, step: int) -> None:
+    """The log's lines up to ``step``, where this run starts: a resumed run logs the steps after its
+    checkpoint again, and a run started afresh where an interrupted one left its log (no
+    checkpoint yet) would follow that run's lines."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            logged = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(logged, int) and logged <= step:
+            kept.append(line + "\n")
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(kept))
 
 
 def _resume_from(run: _Run, existing: Path) -> int:
@@ -474,8 +519,10 @@ def _resume_from(run: _Run, existing: Path) -> int:
           and isinstance(state.get("step"), int),
           f"checkpoint state {existing / STATE_FILE} lacks its step, loop or task settings")
     _check_resumable(state, run.loop, run.task, existing)
-    _load_training_state(run.accelerator, existing, run.parts)
     step = int(state["step"])
+    check(step == int(existing.name.split("-")[1]) and step >= 0,
+          f"checkpoint state {existing / STATE_FILE} says step {step}, but the checkpoint is {existing.name}")
+    _load_training_state(run.accelerator, existing, run.parts)
     if step > run.loop.steps:
         raise LanternError(f"cannot resume: checkpoint {existing} is at step {step}, past --steps {run.loop.steps}")
     return step

@@ -1,0 +1,162 @@
+"""What a training command may write over, and what its run folder may hold (a bad-input probe of
+the training commands, 2026-11-29).
+
+Old behaviour, each asserted against below: a trainer wrote its model files into any non-empty
+``--out``, an input model folder included (``train-drafter --target t --out t`` replaced the
+target); the same command again over a finished run whose checkpoints were pruned retrained and
+replaced it; ``extract-codes`` / ``make-drafter-data`` / ``generate`` with ``--overwrite`` and
+``--out`` equal to (or a parent of) an input deleted the input; ``--resume`` of a finished run
+ignored changed settings; a copied checkpoint folder (``step-N.bak``) or a tampered step broke or
+misled every resume; a refusal to resume listed every difference on its own line (56 lines for a
+run of another kind); a resumed run logged its steps after the checkpoint twice; ``--grad-clip
+inf`` and ``--multiple-of 0`` ended in tracebacks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lantern.cli.main import main
+
+TOKENIZER = ["--data", "digits", "--steps", "3", "--batch-size", "4", "--ch", "8", "--z-channels", "8",
+             "--norm-groups", "4", "--codebook-size", "32", "--num-samples", "64", "--eval-samples", "16",
+             "--eval-images", "16", "--checkpoint-every", "2", "--no-progress"]
+TARGET = ["--dim", "32", "--n-layer", "1", "--n-head", "2", "--multiple-of", "16", "--batch-size", "4",
+          "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny tokenizer, its codes, and a target trained on them (3 steps, a checkpoint at 2)."""
+    root = tmp_path_factory.mktemp("runs")
+    assert main(["train-tokenizer", *TOKENIZER, "--out", str(root / "tok")]) == 0
+    assert main(["extract-codes", "--tokenizer", str(root / "tok"), "--data", "digits", "--num-samples", "64",
+                 "--eval-samples", "16", "--out", str(root / "codes"), "--no-progress"]) == 0
+    assert main(["train-target", "--codes", str(root / "codes"), *TARGET, "--steps", "3", "--checkpoint-every", "2",
+                 "--out", str(root / "tgt")]) == 0
+    return {"tok": root / "tok", "codes": root / "codes", "tgt": root / "tgt"}
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], needle: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lantern: error: ") and "\n" not in err and needle in err, err
+    return err
+
+
+def _target(codes: Path, out: Path, *extra: str) -> int:
+    return main(["train-target", "--codes", str(codes), *TARGET, "--steps", "2", "--out", str(out), *extra])
+
+
+def test_a_trainer_never_writes_into_a_folder_that_holds_no_run_of_its_own(
+        runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    assert _target(runs["codes"], mine) == 2
+    _one_line(capsys, f"--out {mine} is not empty and holds no training run (no train_config.json)")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json"]
+    # an input model folder, a training run of another kind: the drafter would replace the target
+    target = tmp_path / "tgt"
+    shutil.copytree(runs["tgt"], target)
+    before = _digest(target)
+    assert main(["make-drafter-data", "--target", str(target), "--codes", str(runs["codes"]), "--out",
+                 str(tmp_path / "dd"), "--max-sequences", "16", "--max-test-sequences", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train-drafter", "--target", str(target), "--data", str(tmp_path / "dd"), "--out", str(target),
+                 "--steps", "2", "--batch-size", "4", "--no-progress"]) == 2
+    _one_line(capsys, f"--out {target} holds a 'target' training run, not a 'drafter' one")
+    assert _digest(target) == before
+    # power: an empty folder, or a new one, is trained into
+    (tmp_path / "empty").mkdir()
+    assert _target(runs["codes"], tmp_path / "empty") == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+def test_a_finished_run_is_never_trained_over(runs: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fin"
+    assert _target(runs["codes"], out) == 0  # 2 steps, under --checkpoint-every: no checkpoint is kept
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    before = _digest(out)
+    capsys.readouterr()
+    assert _target(runs["codes"], out, "--lr", "0.5") == 2
+    _one_line(capsys, f"--out {out} already holds a finished target run; train into a new --out folder")
+    assert _target(runs["codes"], out, "--lr", "0.5", "--resume") == 2
+    _one_line(capsys, "holds a finished target run of other settings: loop.lr: checkpoint 0.001, now 0.5")
+    assert _target(runs["codes"], out, "--resume") == 0  # the same settings: nothing to do
+    assert "nothing to do" in capsys.readouterr().out
+    assert main(["train-tokenizer", *TOKENIZER, "--resume", "--out", str(out)]) == 2
+    _one_line(capsys, "holds a 'target' training run, not a 'tokenizer' one")
+    assert _digest(out) == before
+
+
+@pytest.mark.parametrize("command", ["extract-codes", "make-drafter-data", "generate"])
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_overwrite_never_replaces_what_the_command_reads(runs: dict[str, Path], tmp_path: Path, command: str,
+                                                         where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parent = tmp_path / "p"
+    parent.mkdir()
+    read = {"extract-codes": runs["tok"], "make-drafter-data": runs["codes"], "generate": runs["tgt"]}[command]
+    copy = parent / read.name
+    shutil.copytree(read, copy)
+    out = copy if where == "same" else parent
+    before = _digest(parent)
+    argv = {
+        "extract-codes": ["extract-codes", "--tokenizer", str(copy), "--data", "digits", "--num-samples", "16",
+                          "--eval-samples", "4"],
+        "make-drafter-data": ["make-drafter-data", "--target", str(runs["tgt"]), "--codes", str(copy),
+                              "--max-sequences", "4", "--max-test-sequences", "2"],
+        "generate": ["generate", "--model", str(copy), "--labels", "0"],
+    }[command]
+    assert main([*argv, "--out", str(out), "--overwrite", "--no-progress"]) == 2
+    flag = {"extract-codes": "--tokenizer", "make-drafter-data": "--codes", "generate": "--model"}[command]
+    _one_line(capsys, f"is or holds {flag} {copy}, which this command reads")
+    assert _digest(parent) == before
+
+
+def test_resume_reads_only_real_checkpoints_and_their_own_step(runs: dict[str, Path], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert _target(runs["codes"], out, "--steps", "6", "--checkpoint-every", "2", "--log-every", "1",
+                   "--stop-after", "5") == 0
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000005")  # as if killed after step 5 was logged, before its checkpoint
+    latest = sorted(checkpoints.iterdir())[-1]
+    assert latest.name == "step-00000004"
+    shutil.copytree(latest, checkpoints / f"{latest.name}.bak")  # a user's copy: not a checkpoint
+    state = latest / "trainer_state.json"
+    saved = state.read_text()
+    state.write_text(json.dumps({**json.loads(saved), "step": 6}))  # tampered: it would end the run at once
+    capsys.readouterr()
+    assert _target(runs["codes"], out, "--steps", "6", "--checkpoint-every", "2", "--log-every", "1",
+                   "--resume") == 2
+    _one_line(capsys, "says step 6, but the checkpoint is step-00000004")
+    state.write_text(saved)
+    assert _target(runs["codes"], out, "--steps", "6", "--checkpoint-every", "2", "--log-every", "1", "--lr", "0.1",
+                   "--resume") == 2
+    _one_line(capsys, "the settings differ from the run's: loop.lr: checkpoint 0.001, now 0.1")
+    assert _target(runs["codes"], out, "--steps", "6", "--checkpoint-every", "2", "--log-every", "1",
+                   "--resume") == 0
+    steps = [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 5, logged before the stop, once: the resumed run logged it again
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--grad-clip", "inf"], "--grad-clip must be a number >= 0 (0 = off), got inf"),
+    (["--weight-decay", "inf"], "--weight-decay must be a number >= 0, got inf"),
+    (["--multiple-of", "0"], "multiple_of must be a positive integer, got 0"),
+])
+def test_values_that_ended_in_a_traceback_are_one_line(runs: dict[str, Path], tmp_path: Path, flags: list[str],
+                                                       needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _target(runs["codes"], tmp_path / "x", *flags) == 2
+    _one_line(capsys, needle)
+    assert not (tmp_path / "x").exists()
