@@ -160,3 +160,27 @@ def test_values_that_ended_in_a_traceback_are_one_line(runs: dict[str, Path], tm
     assert _target(runs["codes"], tmp_path / "x", *flags) == 2
     _one_line(capsys, needle)
     assert not (tmp_path / "x").exists()
+
+
+def test_data_that_would_fill_the_memory_is_refused_by_its_flag(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: ``--image-size 1000000`` grew to all of the machine's memory (killed by hand),
+    a label of 99999999999 made a class list that large (killed by the kernel, no message), and
+    ``--eval-samples 0`` was reported as ``num_samples``."""
+    from conftest import image_folder
+
+    folder = image_folder(tmp_path / "imgs", n=6)
+    labels = folder / "labels.csv"
+    base = ["train-tokenizer", "--steps", "1", "--no-progress", "--out", str(tmp_path / "out")]
+    cases = [
+        (["--data", "digits", "--image-size", "1000000"], "--image-size must be at most 8192 pixels, got 1000000"),
+        (["--data", "digits", "--eval-samples", "0"], "--eval-samples must be an integer >= 1, got 0"),
+        (["--data", str(folder), "--labels-file", str(folder)], f"labels file {folder} is a folder, not a file"),
+    ]
+    for argv, needle in cases:
+        assert main([*base, *argv]) == 2
+        _one_line(capsys, needle)
+    labels.write_text(labels.read_text().replace("img00.png,0", "img00.png,99999999999"))
+    assert main([*base, "--data", str(folder), "--labels-file", str(labels)]) == 2
+    _one_line(capsys, "label 99999999999 is past the largest class id, 999999")
+    assert not (tmp_path / "out").exists()

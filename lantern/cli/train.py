@@ -19,7 +19,7 @@ import shlex
 import sys
 from typing import Any
 
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 from lantern.validate import MAX_TRAIN_STEPS
 
 
@@ -100,7 +100,16 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 def _datasets(args: argparse.Namespace) -> tuple[Any, Any]:
     from lantern.data import load_dataset
+    from lantern.data.base import MAX_IMAGE_SIDE
+    from lantern.validate import check_count
 
+    # named by their flags here (the data sets know them as num_samples, image_size)
+    for flag, value in (("--num-samples", args.num_samples), ("--eval-samples", args.eval_samples),
+                        ("--image-size", args.image_size)):
+        if value is not None:
+            check_count(value, flag)
+    check(args.image_size is None or args.image_size <= MAX_IMAGE_SIDE,
+          f"--image-size must be at most {MAX_IMAGE_SIDE} pixels, got {args.image_size}")
     common = dict(image_size=args.image_size, seed=args.data_seed, labels_file=args.labels_file,
                   channels=args.channels)
     train = load_dataset(args.data, "train", num_samples=args.num_samples, **common)

@@ -142,10 +142,19 @@ def _check_positive_int(value: Any, arg: str) -> None:
     check(ok, f"{arg} must be a positive integer, got {value!r}")
 
 
+# The largest image side and class id the data sets take: past them, the images or the class list
+# of one run outgrow any machine's memory (a label of 1e11 made a class-name list of 1e11 entries).
+MAX_IMAGE_SIDE = 8192
+MAX_CLASSES = 1_000_000
+
+
 def _check_args(split: str, image_size: int | None, seed: int, num_samples: int | None, channels: int | None) -> None:
     check(split in SPLITS, f"split must be 'train' or 'test', got {split!r}")
     if image_size is not None:
         _check_positive_int(image_size, "image_size")
+        # a side of a million pixels filled the machine's memory before any error (a probe, 2026-11-29)
+        check(image_size <= MAX_IMAGE_SIDE, f"image_size (--image-size) must be at most {MAX_IMAGE_SIDE} pixels, "
+                                            f"got {image_size}")
     if num_samples is not None:
         _check_positive_int(num_samples, "num_samples")
     seed_ok = isinstance(seed, int | np.integer) and not isinstance(seed, bool) and seed >= 0

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from lantern.data.base import ImageDataset, _check_args, _resolve_num_samples, _to_tensor
+from lantern.data.base import MAX_CLASSES, ImageDataset, _check_args, _resolve_num_samples, _to_tensor
 from lantern.errors import LanternError, check
 
 FOLDER_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -100,7 +100,8 @@ def _square(image: Image.Image, size: int) -> Image.Image:
 
 def read_labels_file(path: Path, names: Sequence[str], folder: Path) -> list[int]:
     """Labels for ``names`` from ``filename,label`` lines ('#' comments and blank lines ignored)."""
-    check(path.is_file(), f"labels file not found: {path}")
+    check(path.is_file(), f"labels file {path} is a folder, not a file" if path.is_dir()
+          else f"labels file not found: {path}")
     known = set(names)
     labels: dict[str, int] = {}
     seen_on: dict[str, int] = {}
@@ -142,6 +143,9 @@ def _parse_label_line(line: str, lineno: int, path: Path) -> tuple[str, int]:
         f"line {lineno} of labels file {path} is {line!r}; expected 'filename,label' with a non-negative "
         "integer label (comment out a header line with '#')",
     )
+    check(len(label) <= 7 and int(label) < MAX_CLASSES,
+          f"line {lineno} of labels file {path}: label {label[:20]} is past the largest class id, {MAX_CLASSES - 1} "
+          "(labels are class ids counted from 0)")
     return name, int(label)
 
 
