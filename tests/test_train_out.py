@@ -184,3 +184,34 @@ def test_data_that_would_fill_the_memory_is_refused_by_its_flag(tmp_path: Path,
     assert main([*base, "--data", str(folder), "--labels-file", str(labels)]) == 2
     _one_line(capsys, "label 99999999999 is past the largest class id, 999999")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("damage", "needle"), [
+    ("negative code", "holds code -1, outside its vocabulary of 32"),
+    ("small vocabulary", "holds code {top}, outside its vocabulary of {top}"),  # the largest code, just outside
+    ("no num_classes", "its metadata's num_classes must be a positive integer, got None"),
+    ("label past the classes", "holds label 10, outside its 10 classes"),
+])
+def test_a_damaged_code_set_is_one_line(runs: dict[str, Path], tmp_path: Path, damage: str, needle: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: IndexError (a code past the vocabulary, a negative one) or KeyError
+    (``num_classes``) from inside the training step."""
+    from lantern.train.codes import SPLIT_FILES, CodeSet
+
+    codes = tmp_path / "codes"
+    shutil.copytree(runs["codes"], codes)
+    path = codes / SPLIT_FILES["train"]
+    data = CodeSet.load(path)
+    top = int(data.codes.max())
+    assert data.vocab_size == 32 and data.num_classes == 10  # what the cases assume
+    if damage == "negative code":
+        data.codes[0, 0] = -1
+    elif damage == "small vocabulary":
+        data.meta["vocab_size"] = top
+    elif damage == "no num_classes":
+        del data.meta["num_classes"]
+    else:
+        data.labels[0] = 10
+    data.save(path)
+    assert _target(codes, tmp_path / "out") == 2
+    _one_line(capsys, needle.format(top=top))

@@ -83,6 +83,19 @@ class CodeSet:
               f"{path} is not a lantern code set (no 'lantern' metadata, or no codes/labels tensors)")
         codes, labels = tensors["codes"].long(), tensors["labels"].long()
         check(codes.ndim == 2 and labels.shape == (codes.shape[0],), f"{path}: codes/labels shapes do not match")
+        # the metadata and the values the trainers index with: else an IndexError or KeyError deep in a run
+        for key in ("vocab_size", "num_classes"):
+            value = meta.get(key)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                  f"{path}: its metadata's {key} must be a positive integer, got {value!r}")
+        if codes.numel():
+            low, high = int(codes.min()), int(codes.max())
+            check(low >= 0 and high < meta["vocab_size"],
+                  f"{path} holds code {low if low < 0 else high}, outside its vocabulary of {meta['vocab_size']}")
+        if labels.numel():
+            low, high = int(labels.min()), int(labels.max())
+            check(low >= 0 and high < meta["num_classes"],
+                  f"{path} holds label {low if low < 0 else high}, outside its {meta['num_classes']} classes")
         return cls(codes, labels, meta)
 
 
