@@ -215,3 +215,24 @@ def test_a_damaged_code_set_is_one_line(runs: dict[str, Path], tmp_path: Path, d
     data.save(path)
     assert _target(codes, tmp_path / "out") == 2
     _one_line(capsys, needle.format(top=top))
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda m: m.update(shards=5), "count or shards is damaged"),
+    (lambda m: m["shards"][0].update(file=3), "count or shards is damaged"),
+    (lambda m: m["shards"][0].pop("sha256"), "count or shards is damaged"),
+    (lambda m: m["target_config"].update(dim="32"), "does not record the target config"),
+])
+def test_a_hand_edited_drafter_data_meta_is_one_line(runs: dict[str, Path], tmp_path: Path, edit: object,
+                                                     needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: TypeError or KeyError from the loader."""
+    data = tmp_path / "dd"
+    assert main(["make-drafter-data", "--target", str(runs["tgt"]), "--codes", str(runs["codes"]), "--out", str(data),
+                 "--max-sequences", "8", "--max-test-sequences", "4", "--no-progress"]) == 0
+    meta = json.loads((data / "train" / "meta.json").read_text())
+    edit(meta)  # type: ignore[operator]
+    (data / "train" / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["train-drafter", "--target", str(runs["tgt"]), "--data", str(data), "--out", str(tmp_path / "dr"),
+                 "--steps", "2", "--batch-size", "4", "--no-progress"]) == 2
+    _one_line(capsys, needle)

@@ -127,11 +127,15 @@ class DrafterData:
               f"{directory / META_FILE} is not a drafter data meta file (format {DATA_FORMAT!r} expected)")
         check(meta.get("version") == DATA_VERSION,
               f"{directory} holds drafter data version {meta.get('version')!r}; this lantern reads {DATA_VERSION}")
-        count, shards = int(meta.get("count", 0)), meta.get("shards", [])
+        count, shards = meta.get("count", 0), meta.get("shards", [])
+        # the fields' types too: a hand-edited meta.json ended in TypeError / KeyError before
+        check(_whole(count) and isinstance(shards, list) and all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)
+            for s in shards), f"{directory / META_FILE}: count or shards is damaged (make the data again)")
         check(count >= 1 and bool(shards), f"drafter data folder {directory} holds no examples")
         cfg = meta.get("target_config")
-        check(isinstance(cfg, dict) and all(k in cfg for k in ("dim", "cls_token_num", "block_size")),
-              f"{directory / META_FILE} does not record the target config")
+        check(isinstance(cfg, dict) and all(_whole(cfg.get(k)) for k in ("dim", "cls_token_num", "block_size")),
+              f"{directory / META_FILE} does not record the target config (dim, cls_token_num, block_size)")
         length = cfg["cls_token_num"] + cfg["block_size"]
         hidden = torch.empty(count, length, cfg["dim"], dtype=torch.bfloat16)  # filled in place: no 2x peak
         tokens = torch.empty(count, cfg["block_size"], dtype=torch.long)
@@ -147,6 +151,11 @@ class DrafterData:
             lo += m
         check(lo == count, f"{directory}: shards hold {lo} examples but {META_FILE} says {count}")
         return cls(hidden, tokens, labels, meta, directory)
+
+
+def _whole(value: Any) -> bool:
+    """A count or size as meta.json must hold it: an integer, not a bool, not negative."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_shard(path: Path, sha256: str) -> dict[str, Tensor]:
