@@ -29,6 +29,7 @@ MAX_IMAGES = 1_000_000
 # (10k steps), so never a real limit, while a typo such as ``--steps 9223372036854775808`` would
 # otherwise train until it is killed.
 MAX_TRAIN_STEPS = 10_000_000
+MAX_TRAIN_BATCH = 65_536  # a training step's global batch, in examples
 
 
 # Seeds are 63-bit: image i of a run is seeded with (seed * 1_000_003 + i) mod 2^63

@@ -236,3 +236,18 @@ def test_a_hand_edited_drafter_data_meta_is_one_line(runs: dict[str, Path], tmp_
     assert main(["train-drafter", "--target", str(runs["tgt"]), "--data", str(data), "--out", str(tmp_path / "dr"),
                  "--steps", "2", "--batch-size", "4", "--no-progress"]) == 2
     _one_line(capsys, needle)
+
+
+def test_more_refusals_name_what_the_user_gave(runs: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Old behaviour: a batch of 10^8 examples ran for minutes (killed at 300 s); a file that is no
+    image was reported with Pillow's in-memory name, ``<_io.BytesIO object at 0x...>``."""
+    assert _target(runs["codes"], tmp_path / "x", "--batch-size", "100000000") == 2
+    _one_line(capsys, "--batch-size must be at most 65,536 (the global batch), got 100000000")
+    images = tmp_path / "imgs"
+    images.mkdir()
+    (images / "bad.png").write_bytes(b"not a png")
+    assert main(["train-tokenizer", "--data", str(images), "--steps", "1", "--no-progress",
+                 "--out", str(tmp_path / "y")]) == 2
+    err = _one_line(capsys, f"cannot read image {images / 'bad.png'}: cannot identify image file")
+    assert "BytesIO" not in err

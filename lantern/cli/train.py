@@ -400,11 +400,12 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     from lantern.targets.text import read_prompts
     from lantern.train.chameleon_drafter import train_chameleon_drafter
     from lantern.train.loop import process_device
-    from lantern.validate import check_device
+    from lantern.validate import check_count, check_device
 
     loop = _loop(args)
     recipe = _recipe(args)
     check_device(args.device)
+    check_count(args.gen_batch_size, "--gen-batch-size")  # (the generator would name it --batch-size)
     device = process_device(args.device)
     prompts = read_prompts(args.prompts)
     check_chameleon_model(Path(args.model))

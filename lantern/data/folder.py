@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,9 @@ def _read_image(path: Path) -> _FolderImage:
         # Phone photos store their rotation in EXIF; apply it so sizes and pixels match what viewers show.
         image = ImageOps.exif_transpose(image)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise LanternError(f"cannot read image {path}: {e}") from None
+        # (Pillow names the in-memory file it was given, "<_io.BytesIO object at 0x...>": not the user's)
+        reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))
+        raise LanternError(f"cannot read image {path}: {reason}") from None
     return _FolderImage(path.name, data, image)
 
 

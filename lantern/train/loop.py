@@ -57,7 +57,7 @@ from lantern.io import (
     save_safetensors,
     write_json,
 )
-from lantern.validate import MAX_TRAIN_STEPS
+from lantern.validate import MAX_TRAIN_BATCH, MAX_TRAIN_STEPS
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -99,6 +99,9 @@ class LoopConfig:
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         check(self.steps <= MAX_TRAIN_STEPS, f"--steps must be at most {MAX_TRAIN_STEPS:,} (one run), got {self.steps}")
+        # (a batch of 10^8 examples was gathered for minutes before anything failed)
+        check(self.batch_size <= MAX_TRAIN_BATCH,
+              f"--batch-size must be at most {MAX_TRAIN_BATCH:,} (the global batch), got {self.batch_size}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
               f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr!r}")
