@@ -99,13 +99,14 @@ def test_a_finished_run_is_never_trained_over(runs: dict[str, Path], tmp_path: P
     assert _digest(out) == before
 
 
-@pytest.mark.parametrize("command", ["extract-codes", "make-drafter-data", "generate"])
+@pytest.mark.parametrize("command", ["extract-codes", "make-drafter-data", "generate", "bench"])
 @pytest.mark.parametrize("where", ["same", "parent"])
 def test_overwrite_never_replaces_what_the_command_reads(runs: dict[str, Path], tmp_path: Path, command: str,
                                                          where: str, capsys: pytest.CaptureFixture[str]) -> None:
     parent = tmp_path / "p"
     parent.mkdir()
-    read = {"extract-codes": runs["tok"], "make-drafter-data": runs["codes"], "generate": runs["tgt"]}[command]
+    read = {"extract-codes": runs["tok"], "make-drafter-data": runs["codes"], "generate": runs["tgt"],
+            "bench": runs["tgt"]}[command]
     copy = parent / read.name
     shutil.copytree(read, copy)
     out = copy if where == "same" else parent
@@ -116,9 +117,11 @@ def test_overwrite_never_replaces_what_the_command_reads(runs: dict[str, Path], 
         "make-drafter-data": ["make-drafter-data", "--target", str(runs["tgt"]), "--codes", str(copy),
                               "--max-sequences", "4", "--max-test-sequences", "2"],
         "generate": ["generate", "--model", str(copy), "--labels", "0"],
+        "bench": ["bench", "--model", str(copy), "--methods", "ar", "--no-quality"],
     }[command]
     assert main([*argv, "--out", str(out), "--overwrite", "--no-progress"]) == 2
-    flag = {"extract-codes": "--tokenizer", "make-drafter-data": "--codes", "generate": "--model"}[command]
+    flag = {"extract-codes": "--tokenizer", "make-drafter-data": "--codes", "generate": "--model",
+            "bench": "--model"}[command]
     _one_line(capsys, f"is or holds {flag} {copy}, which this command reads")
     assert _digest(parent) == before
 

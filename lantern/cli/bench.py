@@ -15,6 +15,7 @@ from lantern.cli.common import (
     add_overwrite_arg,
     add_tool_args,
     chameleon_options,
+    model_reads,
 )
 from lantern.errors import check
 
@@ -74,7 +75,8 @@ def cmd_bench(args: Any) -> int:
     ctx = DistContext.from_env()
     check_bench_ranks(config, ctx)
     args.device = ctx.device(args.device)
-    out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite)
+    out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite,
+                             reads=model_reads(args))
     progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))

@@ -290,14 +290,19 @@ def check_run_args(args: argparse.Namespace, check_out: bool = True) -> OutputFo
     check_count(args.num_per_label, "--num-per-label / --num-per-prompt")
     check_count(args.batch_size, "--batch-size")
     check_device(args.device)
+    return OutputFolder.check(args.out, "--out", args.overwrite, reads=model_reads(args)) if check_out else None
+
+
+def model_reads(args: argparse.Namespace) -> dict[str, Any]:
+    """The paths a model command reads, by flag: what its ``--out`` must not be or hold
+    (``--overwrite`` replaces the folder whole). A preset name is not a path."""
     from lantern.targets.base import PRESETS
 
-    # what --out must not be or hold (--overwrite replaces it whole); a preset name is not a path
     reads = {f"--{name.replace('_', '-')}": getattr(args, name, None)
              for name in ("model", "drafter", "proximity", "t5", "vq", "prompts", "tokenizer")}
-    if args.model in PRESETS:
+    if getattr(args, "model", None) in PRESETS:
         reads["--model"] = None
-    return OutputFolder.check(args.out, "--out", args.overwrite, reads=reads) if check_out else None
+    return reads
 
 
 def auto_window_refusal(stack: Any) -> str | None:

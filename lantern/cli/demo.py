@@ -14,6 +14,7 @@ from lantern.cli.common import (
     check_auto_tree,
     check_compile,
     load_tool_stack,
+    model_reads,
     window_arg,
 )
 from lantern.errors import LanternError
@@ -106,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for name in ("num_images", "batch_size", "repeats"):
         if getattr(args, name) is not None:
             check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
-    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    out = OutputFolder.check(args.out, "--out", args.overwrite, reads=model_reads(args))
     torch.manual_seed(0)
     stack = load_tool_stack(args)
     sampling = sampling_from(stack, args)

@@ -11,6 +11,7 @@ from lantern.cli.common import (
     add_tool_args,
     check_compile,
     load_tool_stack,
+    model_reads,
 )
 
 
@@ -60,7 +61,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     settings = ProfileSettings(batch_size=args.batch_size, max_tokens=args.max_tokens, repeats=args.repeats,
                                quick=args.quick, seed=args.seed)
     check_device(args.device)
-    out = OutputFolder.check(args.out, "--out", args.overwrite)
+    out = OutputFolder.check(args.out, "--out", args.overwrite, reads=model_reads(args))
     stack = load_tool_stack(args, args.device)
     sampling = sampling_from(stack, args)
     if args.trace is not None:
