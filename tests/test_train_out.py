@@ -157,6 +157,7 @@ def test_resume_reads_only_real_checkpoints_and_their_own_step(runs: dict[str, P
     (["--grad-clip", "inf"], "--grad-clip must be a number >= 0 (0 = off), got inf"),
     (["--weight-decay", "inf"], "--weight-decay must be a number >= 0, got inf"),
     (["--multiple-of", "0"], "multiple_of must be a positive integer, got 0"),
+    (["--init-std", "-1"], "--init-std must be a positive number, got -1.0"),  # (was accepted: trained as +1)
 ])
 def test_values_that_ended_in_a_traceback_are_one_line(runs: dict[str, Path], tmp_path: Path, flags: list[str],
                                                        needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,3 +255,17 @@ def test_more_refusals_name_what_the_user_gave(runs: dict[str, Path], tmp_path: 
                  "--out", str(tmp_path / "y")]) == 2
     err = _one_line(capsys, f"cannot read image {images / 'bad.png'}: cannot identify image file")
     assert "BytesIO" not in err
+
+
+def test_drafter_metrics_of_no_held_out_images_are_not_a_score() -> None:
+    """``train-chameleon-drafter --eval-prompts 0`` holds no image out: its metrics are NaN (null in
+    provenance.json), not the 0 it reported before, which reads as a measured score."""
+    import math
+
+    import torch
+
+    from lantern.train.chameleon_drafter import teacher_forced_metrics
+
+    module = torch.nn.Linear(2, 2)
+    metrics = teacher_forced_metrics(module, module, torch.empty(0, 3, 2), torch.empty(0, 3, dtype=torch.long), 1)
+    assert set(metrics) == {"top1", "accept_prob"} and all(math.isnan(v) for v in metrics.values())

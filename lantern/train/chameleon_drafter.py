@@ -176,7 +176,9 @@ def teacher_forced_metrics(drafter: EagleDrafterModel, head: nn.Module, hidden: 
         accept += float(torch.minimum(p, q).sum(-1).sum())
         count += int(m.sum())
     drafter.train(was_training)
-    return {"top1": top1 / max(count, 1), "accept_prob": accept / max(count, 1)}
+    if not count:  # no held-out images (--eval-prompts 0): nothing was measured, and 0 would read as a score
+        return {"top1": float("nan"), "accept_prob": float("nan")}
+    return {"top1": top1 / count, "accept_prob": accept / count}
 
 
 def train_chameleon_drafter(

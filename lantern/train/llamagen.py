@@ -134,6 +134,8 @@ def train_target(
     *,
     init_std: float = 0.02,
 ) -> TrainResult:
+    check(isinstance(init_std, int | float) and math.isfinite(init_std) and init_std > 0,
+          f"--init-std must be a positive number, got {init_std!r}")
     model = LlamaGen(config)
     model.init_weights(std=init_std, zero_output=True, seed=loop.seed)
     task = TargetTask(model, data, eval_data, recipe, loop.seed)
