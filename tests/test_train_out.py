@@ -269,3 +269,13 @@ def test_drafter_metrics_of_no_held_out_images_are_not_a_score() -> None:
     module = torch.nn.Linear(2, 2)
     metrics = teacher_forced_metrics(module, module, torch.empty(0, 3, 2), torch.empty(0, 3, dtype=torch.long), 1)
     assert set(metrics) == {"top1", "accept_prob"} and all(math.isnan(v) for v in metrics.values())
+
+
+def test_resume_of_a_folder_without_a_run_says_it_starts_one(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A job script may always pass --resume (the first run starts fresh), but the start is said:
+    before, a mistyped --out silently began a new run."""
+    from lantern.io import LanternWarning
+
+    with pytest.warns(LanternWarning, match=r"--resume: .*new holds no checkpoint of this run; starting it at step 0"):
+        assert _target(runs["codes"], tmp_path / "new", "--resume") == 0
+    assert (tmp_path / "new" / "model.safetensors").is_file()

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -47,6 +48,7 @@ from torch import Tensor, nn
 from lantern.distributed import before_process_group, end_process_group
 from lantern.errors import LanternError, check
 from lantern.io import (
+    LanternWarning,
     atomic_path,
     ensure_writable_dir,
     finite_or_null,
@@ -445,6 +447,10 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     task.bind(accelerator)
     run = _Run(accelerator, task, loop, out, _TrainingState(model, optimizer, scheduler, task.extra_state()))
     resumed_from = _resume_from(run, existing) if resume and existing is not None else None
+    if resume and existing is None and accelerator.is_main_process:
+        # (a job script that always passes --resume is right to; a typo in --out deserves a word)
+        warnings.warn(f"--resume: {out} holds no checkpoint of this run; starting it at step 0", LanternWarning,
+                      stacklevel=2)
     start_step = resumed_from or 0
     if accelerator.is_main_process:
         write_json(out / TRAIN_CONFIG_FILE, {"kind": task.kind, "loop": loop.to_dict(), "task": task.config_dict()})
