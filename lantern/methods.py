@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from lantern.decoding.config import (
@@ -470,6 +471,21 @@ def setting_name(method: str, key: str) -> str:
     return name
 
 
+def check_recommended_trees(stack: Any) -> None:
+    """The methods a stack's ``generation.json`` recommends trees for are methods: a misspelt one
+    ("lanter++") would leave the method it meant on its default tree, silently. (Checked here, where
+    methods are known; the targets layer below checks the file's structure.)"""
+    trees = getattr(stack, "default_trees", None)
+    root = getattr(stack, "root", None)
+    if trees is None or root is None:
+        return
+    from lantern.targets.base import GENERATION_FILE
+
+    unknown = [name for name in trees() if name not in METHOD_TABLE]
+    check(not unknown, f"{Path(root) / GENERATION_FILE}: trees.{unknown[0] if unknown else ''}: not a method "
+                       f"(expected one of {', '.join(METHOD_TABLE)})")
+
+
 def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodConfig:
     """The one resolver every entrance uses (the API, the CLI, demo, bench, ``--tree auto``):
     ``method`` with ``settings`` (:data:`METHOD_SETTINGS`; None = not given), the tree
@@ -479,6 +495,8 @@ def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodCon
     if unknown:
         raise LanternError(f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})",
                            field=unknown[0])
+    if stack is not None:
+        check_recommended_trees(stack)
     if settings.get("tree") is None and stack is not None:
         settings["tree"] = stack.default_tree(method)
     return MethodConfig.resolve(method, **settings)

@@ -193,7 +193,11 @@ class StackFolder:
 
         Verify cost grows with tree size much faster on a CPU than on a GPU, so a stack meant for
         CPUs can ship smaller trees than the paper's defaults."""
-        return read_generation_settings(self.root, self.GENERATION_KEYS).get("trees", {}).get(method)
+        return self.default_trees().get(method)
+
+    def default_trees(self) -> dict[str, str]:
+        """Every recommended tree of ``generation.json``, by method name as written there."""
+        return dict(read_generation_settings(self.root, self.GENERATION_KEYS).get("trees", {}))
 
     @property
     def device(self) -> torch.device:
@@ -244,7 +248,6 @@ def read_generation_settings(root: Path, keys: Sequence[str] = COMMON_GENERATION
     ``keys``: the keys the folder's family reads; any other is refused by name."""
     from lantern.decoding.config import SamplingConfig, TreeConfig
     from lantern.io import read_json_object
-    from lantern.methods import METHOD_TABLE
 
     path = root / GENERATION_FILE
     if not path.is_file():
@@ -264,9 +267,7 @@ def read_generation_settings(root: Path, keys: Sequence[str] = COMMON_GENERATION
     trees = raw.get("trees", {})
     if not isinstance(trees, dict):
         raise LanternError(f"{path}: trees: expected an object mapping methods to --tree specs, got {trees!r}")
-    for method, spec in trees.items():
-        if method not in METHOD_TABLE:
-            raise LanternError(f"{path}: trees.{method}: not a method (expected one of {', '.join(METHOD_TABLE)})")
+    for method, spec in trees.items():  # (its keys are checked against the methods where methods resolve)
         if not isinstance(spec, str):
             raise LanternError(f"{path}: trees.{method}: expected a --tree spec string, got {spec!r}")
         _with_source(path, f"trees.{method}: ", lambda spec=spec: TreeConfig.parse(spec))
