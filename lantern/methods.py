@@ -471,19 +471,21 @@ def setting_name(method: str, key: str) -> str:
     return name
 
 
-def check_recommended_trees(stack: Any) -> None:
-    """The methods a stack's ``generation.json`` recommends trees for are methods: a misspelt one
-    ("lanter++") would leave the method it meant on its default tree, silently. (Checked here, where
-    methods are known; the targets layer below checks the file's structure.)"""
-    trees = getattr(stack, "default_trees", None)
-    root = getattr(stack, "root", None)
-    if trees is None or root is None:
-        return
+def recommended_tree(stack: Any, method: str) -> str | None:
+    """``stack``'s recommended tree for ``method``, its ``generation.json`` read once: every method
+    it names a tree for must be a method, since a misspelt one ("lanter++") would leave the method it
+    meant on its default tree, silently. (Checked here, where methods are known; the targets layer
+    below checks the file's structure.) A stack without a folder's trees answers ``default_tree``."""
+    read, root = getattr(stack, "default_trees", None), getattr(stack, "root", None)
+    if read is None or root is None:
+        return stack.default_tree(method)
     from lantern.targets.base import GENERATION_FILE
 
-    unknown = [name for name in trees() if name not in METHOD_TABLE]
+    trees = read()
+    unknown = [name for name in trees if name not in METHOD_TABLE]
     check(not unknown, f"{Path(root) / GENERATION_FILE}: trees.{unknown[0] if unknown else ''}: not a method "
                        f"(expected one of {', '.join(METHOD_TABLE)})")
+    return trees.get(method)
 
 
 def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodConfig:
@@ -496,7 +498,7 @@ def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodCon
         raise LanternError(f"unknown method setting {unknown[0]!r} (expected one of {', '.join(METHOD_SETTINGS)})",
                            field=unknown[0])
     if stack is not None:
-        check_recommended_trees(stack)
-    if settings.get("tree") is None and stack is not None:
-        settings["tree"] = stack.default_tree(method)
+        recommended = recommended_tree(stack, method)  # (checks the file's trees even when one is given)
+        if settings.get("tree") is None:
+            settings["tree"] = recommended
     return MethodConfig.resolve(method, **settings)
