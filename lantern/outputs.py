@@ -149,6 +149,21 @@ def _remove_empty(folders: list[Path]) -> None:
 
 
 @contextlib.contextmanager
+def made_folder(directory: Path, what: str, purpose: str) -> Iterator[Path]:
+    """``directory``, created with its missing parents for the block, which are removed again
+    after it where they are left empty (a working folder a failed or finished run leaves no trace of)."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LanternError(f"{what}: cannot create {directory} {purpose} ({e.strerror or e})") from None
+    try:
+        yield directory
+    finally:
+        _remove_empty(missing)
+
+
+@contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT / SIGTERM until the block is done (where the platform allows it)."""
     import signal

@@ -268,7 +268,7 @@ def test_training_features_are_kept_on_disk_and_removed(folder: Path, tmp_path: 
     assert seen["files"] == ["test.bf16", "train.bf16"]
     assert task.hidden.untyped_storage().filename.startswith(str(tmp_path / "feats"))
     assert list(task.hidden.shape) == [16, 3 + 16, stack.model.hidden_size] and task.test_hidden.shape[0] == 4
-    assert not any((tmp_path / "feats").iterdir())  # the temporary folder is gone
+    assert not (tmp_path / "feats").exists()  # the temporary folder is gone, and the folder made for it
     # rows against a direct recomputation, batch by batch as the run made them: images 0..9 (8 for
     # training, 2 held out), conditional and unconditional streams
     conditions = stack.encode([p for p in prompts for _ in range(2)])
@@ -288,3 +288,46 @@ def test_training_features_are_kept_on_disk_and_removed(folder: Path, tmp_path: 
     with pytest.raises(LanternError, match=r"^drafter training needs 0\.\d+ GB for its features in .*feats, which has "
                                            r"0\.00 GB free: pass --feature-dir on a larger disk, or fewer prompts$"):
         cd.train_chameleon_drafter(stack, prompts, loop, options, **kwargs)
+
+
+def test_drafter_training_refuses_its_out_before_generating_images(folder: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train-chameleon-drafter`` generates every training image before it trains (hours on a
+    real target). Refusals that need no image come first: before, a changed-settings ``--resume``,
+    a run left without ``--resume`` and an ``--out`` holding other files were refused only after
+    all the images were made. A failed run also leaves no ``--feature-dir`` folder it created."""
+    import lantern.train.chameleon_drafter as cd
+    from lantern.decoding.config import SamplingConfig
+    from lantern.models.chameleon import layout_by_name
+    from lantern.targets.chameleon_stack import load_chameleon_stack
+    from lantern.train.loop import LoopConfig, RunOptions
+
+    stack = load_chameleon_stack(folder, layout_by_name("lumina-mgpt", 64), dtype=torch.float32)
+    prompts, sampling = _prompts(3, 0), SamplingConfig(temperature=1.0, top_k=8, cfg_scale=3.0)
+    out = tmp_path / "drafter"
+    loop = LoopConfig(steps=4, batch_size=2, seed=4, checkpoint_every=1)
+    kwargs: dict[str, Any] = dict(sampling=sampling, eval_prompts=1, batch_size=2)
+    stopped = cd.train_chameleon_drafter(stack, prompts, loop, RunOptions(out, progress=False, stop_after=1), **kwargs)
+    assert not stopped.finished and [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000001"]
+    monkeypatch.setattr(cd, "run_conditions", lambda *a, **k: pytest.fail("images were generated"))
+
+    def refused(options: RunOptions, pattern: str, **extra: Any) -> None:
+        with pytest.raises(LanternError, match=pattern):
+            cd.train_chameleon_drafter(stack, prompts, extra.pop("loop", loop), options, **{**kwargs, **extra})
+
+    other_lr = LoopConfig(steps=4, batch_size=2, seed=4, checkpoint_every=1, lr=1e-3)
+    refused(RunOptions(out, resume=True, progress=False), r"^cannot resume from .*step-00000001: the settings "
+            r"differ from the run's: loop\.lr: checkpoint .*, now 0\.001; resume with", loop=other_lr)
+    refused(RunOptions(out, resume=True, progress=False), r"^cannot resume .*: task\.recipe\.",
+            recipe=cd.DrafterRecipe(noise_width=0.5))
+    refused(RunOptions(out, progress=False), r"^--out .*drafter already holds training checkpoints; pass --resume")
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "notes.txt").write_text("mine")
+    refused(RunOptions(files, progress=False), r"^--out .*files is not empty and holds no training run")
+    # a disk without room, under a --feature-dir that did not exist: refused, and nothing is left
+    full = shutil.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr(cd.shutil, "disk_usage", lambda path: full)
+    refused(RunOptions(tmp_path / "fresh", progress=False), r"^drafter training needs .* GB for its features",
+            feature_dir=tmp_path / "a" / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "fresh").exists()

@@ -279,3 +279,23 @@ def test_resume_of_a_folder_without_a_run_says_it_starts_one(runs: dict[str, Pat
     with pytest.warns(LanternWarning, match=r"--resume: .*new holds no checkpoint of this run; starting it at step 0"):
         assert _target(runs["codes"], tmp_path / "new", "--resume") == 0
     assert (tmp_path / "new" / "model.safetensors").is_file()
+
+
+def test_an_optimizer_state_of_another_model_size_is_one_line(runs: dict[str, Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint's ``optimizer.pt`` copied from a run of another width has as many tensors as
+    this run's parameters, so torch loads it; the first step then ended in a RuntimeError deep in
+    AdamW. Each state tensor's shape is now checked against its parameter's when it is read."""
+    ours, other = tmp_path / "ours", tmp_path / "other"
+    for out, dim in ((ours, "32"), (other, "64")):
+        assert _target(runs["codes"], out, "--dim", dim, "--steps", "3", "--checkpoint-every", "2",
+                       "--stop-after", "2") == 0
+    step = "checkpoints/step-00000002/optimizer.pt"
+    shutil.copyfile(other / step, ours / step)
+    capsys.readouterr()
+    assert _target(runs["codes"], ours, "--steps", "3", "--checkpoint-every", "2", "--resume") == 2
+    _one_line(capsys, f"optimizer state {ours / step} does not fit this run: its exp_avg of "
+                      "cls_embedding.embedding_table.weight has shape (11, 64), the parameter (11, 32)")
+    assert not (ours / "model.safetensors").exists()
+    # power: its own optimizer state resumes
+    assert _target(runs["codes"], other, "--dim", "64", "--steps", "3", "--checkpoint-every", "2", "--resume") == 0

@@ -29,13 +29,14 @@ the run. Under ``torchrun`` each process writes its own copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +46,10 @@ from torch import Tensor, nn
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
 from lantern.drafters.checks import check_chameleon_drafter
-from lantern.errors import LanternError, check
+from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.models.drafter import EagleDrafterModel
+from lantern.outputs import made_folder
 from lantern.run import run_conditions
 from lantern.targets.base import Conditions
 from lantern.targets.chameleon import encode_prompts
@@ -62,7 +64,16 @@ from lantern.train.drafter import (
     state_fingerprint,
     teacher_forced_batch,
 )
-from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, launched_as_main, train
+from lantern.train.loop import (
+    BatchPart,
+    LoopConfig,
+    RunOptions,
+    TrainResult,
+    TrainTask,
+    check_out_before_data,
+    launched_as_main,
+    train,
+)
 
 if TYPE_CHECKING:  # Janus models load through transformers, an optional extra
     from lantern.targets.janus import JanusStack
@@ -102,23 +113,32 @@ def head_fingerprint(stack: ChameleonStack | JanusStack) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def starting_drafter(stack: ChameleonStack | JanusStack, seed: int,
+                     initial: EagleDrafterModel | None) -> EagleDrafterModel:
+    """The drafter training starts from: a float32 copy of ``initial``, else one initialised from the target."""
+    if initial is not None:
+        check_chameleon_drafter(initial.config, stack.model, stack.layout, "--initial", family=stack.kind)
+        return copy.deepcopy(initial).float()
+    return init_chameleon_drafter(stack.model, stack.layout, seed).float()
+
+
+def drafter_settings(recipe: DrafterRecipe, drafter: dict[str, Any], initial_fingerprint: str) -> dict[str, Any]:
+    """The task's settings a resumed run must share, but for its data (``data``, known once the images are made)."""
+    return {"recipe": recipe.to_dict(), "drafter": drafter, "initial_weights": initial_fingerprint}
+
+
 class ChameleonDrafterTask(TrainTask):
     """Drafter training on in-memory teacher-forced features (run by :func:`lantern.train.loop.train`)."""
 
     kind = "drafter"
 
     def __init__(self, stack: ChameleonStack | JanusStack, hidden: Tensor, codes: Tensor, test_hidden: Tensor,
-                 test_codes: Tensor, recipe: DrafterRecipe, seed: int, initial: EagleDrafterModel | None,
-                 data_id: str) -> None:
+                 test_codes: Tensor, recipe: DrafterRecipe, seed: int, start: EagleDrafterModel, data_id: str) -> None:
         check(hidden.shape[0] >= 1, "drafter training: no training examples")
         self.stack, self.recipe, self.seed, self.data_id = stack, recipe, seed, data_id
         self.hidden, self.codes, self.test_hidden, self.test_codes = hidden, codes, test_hidden, test_codes
         self.cls = len(stack.layout.prefix)
-        if initial is not None:
-            check_chameleon_drafter(initial.config, stack.model, stack.layout, "--initial", family=stack.kind)
-            self.model: EagleDrafterModel = copy.deepcopy(initial).float()
-        else:
-            self.model = init_chameleon_drafter(stack.model, stack.layout, seed).float()
+        self.model = start  # (starting_drafter's: trained in place)
         self.model.embed_tokens.weight.requires_grad_(not recipe.freeze_embeddings)
         self.initial_fingerprint = state_fingerprint(self.model)
         self.lm_head = _FrozenHead(stack.model.image_head)
@@ -150,8 +170,8 @@ class ChameleonDrafterTask(TrainTask):
         model.save_pretrained(out, extra_files={TRAINING_INFO_FILE: info})
 
     def config_dict(self) -> dict[str, Any]:
-        return {"recipe": self.recipe.to_dict(), "drafter": self.model.config.to_dict(),
-                "initial_weights": self.initial_fingerprint, "data": self.data_id}
+        return {**drafter_settings(self.recipe, self.model.config.to_dict(), self.initial_fingerprint),
+                "data": self.data_id}
 
     def data_fingerprint(self) -> str:
         return self.data_id
@@ -193,43 +213,47 @@ def train_chameleon_drafter(
     ``feature_dir``: where the features' temporary folder goes (default: beside ``options.out``)."""
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt}")
     check(0 <= eval_prompts < len(prompts), f"--eval-prompts must be in [0, {len(prompts)}), got {eval_prompts}")
+    recipe = recipe or DrafterRecipe()
+    # what would refuse the run after the images are made, refused before (a real target takes hours on them)
+    start = starting_drafter(stack, loop.seed, initial)
+    check_out_before_data(options.out, loop, ChameleonDrafterTask.kind,
+                          drafter_settings(recipe, start.config.to_dict(), state_fingerprint(start)), options.resume)
     all_prompts = [p for p in prompts for _ in range(num_per_prompt)]
     images = len(all_prompts)
     split = images - eval_prompts * num_per_prompt  # the last prompts' images are held out
     width = len(stack.layout.prefix) + stack.layout.num_tokens
-    parent = feature_parent(options.out, feature_dir)
-    check_feature_space(parent, 2 * images * width * stack.model.hidden_size * torch.bfloat16.itemsize)
-    conditions = stack.encode(all_prompts)
-    result = run_conditions(stack, conditions, loop.seed, sampling, MethodConfig(), batch_size,
-                            progress=options.progress and launched_as_main())
-    codes = result.codes.cpu()
-    train_codes, test_codes = torch.cat([codes[:split], codes[:split]]), torch.cat([codes[split:], codes[split:]])
-    data_id = hashlib.sha256(codes.numpy().tobytes() + repr(list(prompts)).encode()).hexdigest()
-    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{Path(options.out).name}-features-") as folder:
-        shape = (width, stack.model.hidden_size)
-        # rows: conditional images then unconditional ones, each split in prompt order
-        hidden = file_tensor(Path(folder) / "train.bf16", (2 * split, *shape))
-        test_hidden = file_tensor(Path(folder) / "test.bf16", (2 * (images - split), *shape))
-        for lo in range(0, images, batch_size):
-            hi = min(lo + batch_size, images)
-            h = stack_features(stack, conditions.rows(lo, hi), result.codes[lo:hi], sampling.cfg_scale)
-            _write_rows(hidden, test_hidden, h.to("cpu", torch.bfloat16), lo, split, images)
-        task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe or DrafterRecipe(),
-                                    loop.seed, initial, data_id)
-        return train(task, loop, options)
+    with feature_parent(options.out, feature_dir) as parent:
+        check_feature_space(parent, 2 * images * width * stack.model.hidden_size * torch.bfloat16.itemsize)
+        conditions = stack.encode(all_prompts)
+        result = run_conditions(stack, conditions, loop.seed, sampling, MethodConfig(), batch_size,
+                                progress=options.progress and launched_as_main())
+        codes = result.codes.cpu()
+        train_codes, test_codes = torch.cat([codes[:split], codes[:split]]), torch.cat([codes[split:], codes[split:]])
+        data_id = hashlib.sha256(codes.numpy().tobytes() + repr(list(prompts)).encode()).hexdigest()
+        with tempfile.TemporaryDirectory(dir=parent, prefix=f".{Path(options.out).name}-features-") as folder:
+            shape = (width, stack.model.hidden_size)
+            # rows: conditional images then unconditional ones, each split in prompt order
+            hidden = file_tensor(Path(folder) / "train.bf16", (2 * split, *shape))
+            test_hidden = file_tensor(Path(folder) / "test.bf16", (2 * (images - split), *shape))
+            for lo in range(0, images, batch_size):
+                hi = min(lo + batch_size, images)
+                h = stack_features(stack, conditions.rows(lo, hi), result.codes[lo:hi], sampling.cfg_scale)
+                _write_rows(hidden, test_hidden, h.to("cpu", torch.bfloat16), lo, split, images)
+            task = ChameleonDrafterTask(stack, hidden, train_codes, test_hidden, test_codes, recipe, loop.seed,
+                                        start, data_id)
+            return train(task, loop, options)
 
 
-def feature_parent(out: str | os.PathLike[str], feature_dir: str | os.PathLike[str] | None) -> Path:
+@contextlib.contextmanager
+def feature_parent(out: str | os.PathLike[str], feature_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
     """The folder the features' temporary folder goes in: ``feature_dir``, else ``out``'s parent
-    (the disk the user chose for the run), created if missing."""
+    (the disk the user chose for the run), created if missing, and removed again afterwards if it
+    was created and is left empty (a failed run leaves no folder behind)."""
     parent = Path(feature_dir) if feature_dir is not None else Path(out).resolve().parent
     flag = "--feature-dir" if feature_dir is not None else "--out"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LanternError(f"{flag}: cannot create {parent} for the training features ({e.strerror or e})") from None
-    check(parent.is_dir(), f"{flag}: {parent} is not a folder (the training features are kept there)")
-    return parent
+    with made_folder(parent, flag, "for the training features") as made:
+        check(made.is_dir(), f"{flag}: {made} is not a folder (the training features are kept there)")
+        yield made
 
 
 def check_feature_space(parent: Path, needed: int) -> None:

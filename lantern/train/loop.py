@@ -276,27 +276,75 @@ def _config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], pr
     return diffs
 
 
-def _run_differences(saved: Mapping[str, Any], loop: LoopConfig, task: TrainTask) -> list[str]:
+def _run_differences(saved: Mapping[str, Any], loop: LoopConfig, kind: str, task_config: Mapping[str, Any],
+                     data_fingerprint: str | None = None) -> list[str]:
     """What differs between a saved run's settings (a checkpoint's state, or ``train_config.json``:
-    kind, loop and task; the data fingerprint where saved) and this run's, the kind first (a run of
-    another trainer differs in everything else too)."""
-    if saved.get("kind") != task.kind:
-        return [f"kind: checkpoint {saved.get('kind')!r}, now {task.kind!r}"]
+    kind, loop and task; the data fingerprint where saved and ``data_fingerprint`` is given) and
+    this run's, the kind first (a run of another trainer differs in everything else too)."""
+    if saved.get("kind") != kind:
+        return [f"kind: checkpoint {saved.get('kind')!r}, now {kind!r}"]
     saved_loop = {k: v for k, v in dict(saved.get("loop") or {}).items() if k not in _RESUMABLE_CHANGES}
     now_loop = {k: v for k, v in loop.to_dict().items() if k not in _RESUMABLE_CHANGES}
     diffs = _config_differences(saved_loop, now_loop, "loop.")
-    diffs += _config_differences(dict(saved.get("task") or {}), json.loads(json.dumps(task.config_dict())), "task.")
-    if "data_fingerprint" in saved and saved["data_fingerprint"] != task.data_fingerprint():
+    diffs += _config_differences(dict(saved.get("task") or {}), json.loads(json.dumps(task_config)), "task.")
+    if data_fingerprint is not None and "data_fingerprint" in saved and saved["data_fingerprint"] != data_fingerprint:
         diffs.append("training data differs from the data the checkpoint was trained on (fingerprint)")
     return diffs
 
 
+def _task_differences(saved: Mapping[str, Any], loop: LoopConfig, task: TrainTask) -> list[str]:
+    return _run_differences(saved, loop, task.kind, task.config_dict(), task.data_fingerprint())
+
+
+def _first_of(diffs: list[str]) -> str:
+    """The first difference, and how many more (a refusal is one line)."""
+    return (diffs[0] if diffs else "") + (f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "")
+
+
 def _check_resumable(state: Mapping[str, Any], loop: LoopConfig, task: TrainTask, where: Path) -> None:
-    diffs = _run_differences({"data_fingerprint": None, **state}, loop, task)
-    if diffs:
-        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-        raise LanternError(f"cannot resume from {where}: the settings differ from the run's: {diffs[0]}{more}; "
-                           "resume with the original settings, or train into a new --out folder")
+    diffs = _task_differences({"data_fingerprint": None, **state}, loop, task)
+    check(not diffs, f"cannot resume from {where}: the settings differ from the run's: {_first_of(diffs)}; "
+                     "resume with the original settings, or train into a new --out folder")
+
+
+def check_out_before_data(out: str | os.PathLike[str], loop: LoopConfig, kind: str, task_config: Mapping[str, Any],
+                          resume: bool, data_keys: tuple[str, ...] = ("data",)) -> None:
+    """The refusals of :func:`train` about ``out`` that need no training data, for a trainer that
+    spends long making its data first (``train-chameleon-drafter`` generates every image): a
+    folder of something else, a run of another trainer, checkpoints or a finished run without
+    ``--resume``, and a resume with other settings. ``task_config``: the task's settings without
+    the keys ``data_keys``, which depend on the data; they are compared again once it is made."""
+    path = Path(out)
+    saved = _saved_run(path, kind)
+    if saved is None:
+        return
+    if (path / PROVENANCE_FILE).is_file():
+        _check_finished_run(path, loop, kind, task_config, resume, saved, data_keys)
+        return
+    latest = latest_checkpoint(path)
+    if latest is None:
+        return  # interrupted before its first checkpoint: the run starts afresh
+    check(resume, _HAS_CHECKPOINTS.format(out=path))
+    state = read_json_object(latest / STATE_FILE, "checkpoint state")
+    diffs = _run_differences(_without(state, data_keys), loop, kind, _without_keys(task_config, data_keys))
+    check(not diffs, f"cannot resume from {latest}: the settings differ from the run's: {_first_of(diffs)}; "
+                     "resume with the original settings, or train into a new --out folder")
+
+
+_HAS_CHECKPOINTS = ("--out {out} already holds training checkpoints; pass --resume to continue that run, "
+                    "or choose a new --out folder")
+
+
+def _without_keys(config: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in keys}
+
+
+def _without(saved: Mapping[str, Any], data_keys: tuple[str, ...]) -> dict[str, Any]:
+    """A saved run's settings without its data fingerprints (the task's ``data_keys`` and the state's
+    ``data_fingerprint``)."""
+    task = saved.get("task")
+    rest = {k: v for k, v in saved.items() if k != "data_fingerprint"}
+    return {**rest, "task": _without_keys(task, data_keys)} if isinstance(task, Mapping) else rest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,9 +484,7 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     check(loop.batch_size % world == 0, f"--batch-size {loop.batch_size} (the global batch) must be divisible by "
                                         f"the number of processes, {world}")
     existing = _latest_on_every_process(accelerator, out)
-    if existing is not None and not resume:
-        raise LanternError(f"--out {out} already holds training checkpoints; pass --resume to continue that run, "
-                           "or choose a new --out folder")
+    check(existing is None or resume, _HAS_CHECKPOINTS.format(out=out))
     torch.manual_seed(loop.seed)
     optimizer = torch.optim.AdamW(list(task.parameters()), lr=loop.lr, betas=(loop.beta1, loop.beta2),
                                   weight_decay=loop.weight_decay)
@@ -485,22 +531,38 @@ def _check_out(out: Path, loop: LoopConfig, task: TrainTask, resume: bool) -> bo
     user's files) would be overwritten. True when it holds this very run, finished: ``--resume``
     has nothing to do, and must not touch it (it would rewrite the provenance of a run of no
     steps); the same command without ``--resume`` is refused rather than retrain over it."""
+    saved = _saved_run(out, task.kind)
+    if saved is None or not (out / PROVENANCE_FILE).is_file():
+        return False  # new, or a run under way or interrupted: the checkpoints decide (_train)
+    _check_finished_run(out, loop, task.kind, task.config_dict(), resume, saved, (),
+                        task.data_fingerprint())
+    return True
+
+
+def _saved_run(out: Path, kind: str) -> dict[str, Any] | None:
+    """The settings of the ``kind`` run ``out`` holds (its ``train_config.json``); None for a new or
+    empty folder. Refuses a folder of something else, and a run of another trainer."""
     if not out.is_dir() or not any(out.iterdir()):
-        return False
+        return None
     config = out / TRAIN_CONFIG_FILE
     check(config.is_file(), f"--out {out} is not empty and holds no training run (no {TRAIN_CONFIG_FILE}); "
                             "train into a new or empty folder")
     saved = read_json_object(config, "training configuration")
-    check(saved.get("kind") == task.kind, f"--out {out} holds a {saved.get('kind')!r} training run, not a "
-                                          f"{task.kind!r} one; train into another folder")
-    if not (out / PROVENANCE_FILE).is_file():
-        return False  # a run under way or interrupted: the checkpoints decide (_train)
-    check(resume, f"--out {out} already holds a finished {task.kind} run; train into a new --out folder")
-    diffs = _run_differences(saved, loop, task)
-    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-    check(not diffs, f"--resume: {out} holds a finished {task.kind} run of other settings: {diffs[0] if diffs else ''}"
-                     f"{more}; train into a new --out folder")
-    return True
+    check(saved.get("kind") == kind, f"--out {out} holds a {saved.get('kind')!r} training run, not a "
+                                     f"{kind!r} one; train into another folder")
+    return saved
+
+
+def _check_finished_run(out: Path, loop: LoopConfig, kind: str, task_config: Mapping[str, Any], resume: bool,
+                        saved: Mapping[str, Any], data_keys: tuple[str, ...],
+                        data_fingerprint: str | None = None) -> None:
+    """A finished run in ``out`` is left as it is: refused without ``--resume``, and with it unless
+    its settings (``saved``) are this run's (but for ``data_keys``)."""
+    check(resume, f"--out {out} already holds a finished {kind} run; train into a new --out folder")
+    diffs = _run_differences(_without(saved, data_keys) if data_keys else saved, loop, kind,
+                             _without_keys(task_config, data_keys), data_fingerprint)
+    check(not diffs, f"--resume: {out} holds a finished {kind} run of other settings: "
+                     f"{_first_of(diffs)}; train into a new --out folder")
 
 
 def _keep_log_until(path: Path, step: int) -> None:
@@ -706,6 +768,8 @@ def _load_training_state(accelerator: Any, directory: Path, parts: _TrainingStat
     weights = load_safetensors(directory / MODEL_FILE, "checkpoint weights")
     load_state_dict_strict(accelerator.unwrap_model(parts.model), weights, f"checkpoint weights in {directory}")
     _restore(parts.optimizer, directory / OPTIMIZER_FILE, "optimizer state")
+    check_optimizer_shapes(parts.optimizer, accelerator.unwrap_model(parts.model),
+                           f"optimizer state {directory / OPTIMIZER_FILE}")
     _restore(parts.scheduler, directory / SCHEDULER_FILE, "scheduler state")
     if parts.extra is not None:
         _restore(parts.extra, directory / EXTRA_FILE, "training state")
@@ -717,3 +781,15 @@ def _restore(obj: Any, path: Path, what: str) -> None:
         obj.load_state_dict(state)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise LanternError(f"{what} {path} does not fit this run: {e}") from None
+
+
+def check_optimizer_shapes(optimizer: torch.optim.Optimizer, model: nn.Module, what: str) -> None:
+    """Each per-parameter state tensor (AdamW's moments) has its parameter's shape. torch checks
+    only how many parameters a loaded state has: one from a run of another width loads, and the
+    first step failed deep inside the optimiser."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise LanternError(f"{what} does not fit this run: its {key} of {names.get(id(param), 'a parameter')} "
+                                   f"has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
