@@ -198,6 +198,16 @@ def load_model_folder(directory: str | os.PathLike[str]) -> tuple[dict[str, Any]
     return config, load_safetensors(weights, "model weights")
 
 
+@contextlib.contextmanager
+def config_of(path: Path) -> Iterator[None]:
+    """A config read from the file ``path`` is built in the block: its refusals name the file (a
+    hand-edited ``config.json`` was refused as "dim must be a positive integer", saying not where)."""
+    try:
+        yield
+    except LanternError as e:
+        raise type(e)(f"{path}: {e}", field=e.field) from None
+
+
 def _preview(keys: list[str], n: int = 5) -> str:
     shown = ", ".join(keys[:n])
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > n else "")

@@ -262,7 +262,8 @@ def test_from_checkpoint_missing_files(tiny: ChameleonVQGAN, tmp_path: Path) -> 
     ckpt = tmp_path / "alone" / "vqgan.ckpt"
     ckpt.parent.mkdir()
     torch.save({"state_dict": tiny.state_dict()}, ckpt)
-    with pytest.raises(LanternError, match="VQGAN config not found: .*alone.vqgan.yaml"):
+    with pytest.raises(LanternError, match=r"VQGAN config not found: .*alone.vqgan.yaml \(Chameleon.s release keeps "
+                                           r"vqgan.yaml beside vqgan.ckpt, in tokenizer/: copy it there\)$"):
         ChameleonVQGAN.from_checkpoint(ckpt)
     with pytest.raises(LanternError, match="VQGAN config not found: .*other.yaml"):
         ChameleonVQGAN.from_checkpoint(ckpt, config_path=tmp_path / "other.yaml")

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lantern.cli.main import main
 
@@ -299,3 +300,29 @@ def test_an_optimizer_state_of_another_model_size_is_one_line(runs: dict[str, Pa
     assert not (ours / "model.safetensors").exists()
     # power: its own optimizer state resumes
     assert _target(runs["codes"], other, "--dim", "64", "--steps", "3", "--checkpoint-every", "2", "--resume") == 0
+
+
+@pytest.mark.parametrize(("part", "key", "value", "needle"), [
+    ("tokenizer", "ch", "x", "VQConfig.ch must be an integer >= 1, got 'x'"),
+    ("target", "dim", "x", "LlamaGen config: dim must be a positive integer, got 'x'"),
+    ("drafter", "hidden_size", -3, "drafter config: hidden_size must be a positive integer"),
+])
+def test_a_hand_edited_model_config_names_its_file(tmp_path: Path, part: str, key: str, value: object,
+                                                   needle: str) -> None:
+    """A config.json edited by hand was refused as "VQConfig.ch must be ...", naming no file (of
+    the three in a model folder). The refusal now starts with the file's path."""
+    from lantern.errors import LanternError
+    from lantern.models.drafter import EagleDrafterModel
+    from lantern.models.llamagen import LlamaGen
+    from lantern.models.vq import VQModel
+    from lantern.targets.llamagen_stack import preset_dir
+
+    loader = {"tokenizer": VQModel, "target": LlamaGen, "drafter": EagleDrafterModel}[part]
+    folder = tmp_path / part
+    shutil.copytree(preset_dir("digits") / part, folder)
+    assert isinstance(loader.from_pretrained(folder), torch.nn.Module)  # power: the untouched copy loads
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(LanternError) as refused:
+        loader.from_pretrained(folder)
+    assert str(refused.value) == f"{folder / 'config.json'}: {needle}"

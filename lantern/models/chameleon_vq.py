@@ -451,8 +451,9 @@ class ChameleonVQGAN(nn.Module):
               f"VQGAN checkpoint not found: {ckpt_path} (expected Chameleon's tokenizer/vqgan.ckpt)")
         if config_path is None:
             config_path = ckpt_path.with_name(DEFAULT_CONFIG_NAME)
-            check(config_path.is_file(), f"VQGAN config not found: {config_path} (looked for {DEFAULT_CONFIG_NAME} "
-                                         f"beside {ckpt_path.name}; pass config_path=...)")
+            check(config_path.is_file(), f"VQGAN config not found: {config_path} (Chameleon's release keeps "
+                                         f"{DEFAULT_CONFIG_NAME} beside {ckpt_path.name}, in tokenizer/: copy it "
+                                         "there)")
         cfg = ChameleonVQConfig.from_yaml(config_path)
         source = f"VQGAN checkpoint {ckpt_path}"
         state = extract_model_state(read_checkpoint(ckpt_path, trust_checkpoint), ignore_prefixes, source)

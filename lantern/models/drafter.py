@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
+    CONFIG_NAME,
+    config_of,
     load_checkpoint,
     load_model_folder,
     load_safetensors,
@@ -281,7 +283,9 @@ class EagleDrafterModel(EagleModule):
         raw = read_json_object(directory / "config.json", "drafter config")
         if raw.get("model_type") == MODEL_TYPE:
             config, state = load_model_folder(directory)
-            model = cls(DrafterConfig.from_dict({k: v for k, v in config.items() if k != "model_type"}))
+            with config_of(directory / CONFIG_NAME):
+                drafter = DrafterConfig.from_dict({k: v for k, v in config.items() if k != "model_type"})
+            model = cls(drafter)
             load_state_dict_strict(model, state, f"drafter weights in {directory}")
             return model
         return cls.from_official(directory)

@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lantern.errors import check
-from lantern.io import load_model_folder, load_state_dict_strict, save_model_folder
+from lantern.io import CONFIG_NAME, config_of, load_model_folder, load_state_dict_strict, save_model_folder
 
 MODEL_TYPE = "lantern-feature-net"
 
@@ -104,6 +104,8 @@ class FeatureNet(nn.Module):
         check(isinstance(raw, dict), f"model config in {directory} must be a JSON object")
         model_type = raw.pop("model_type", None)
         check(model_type == MODEL_TYPE, f"{directory} holds model_type {model_type!r}, not a {MODEL_TYPE!r}")
-        model = cls(FeatureNetConfig.from_dict(raw))
+        with config_of(Path(directory) / CONFIG_NAME):
+            config = FeatureNetConfig.from_dict(raw)
+        model = cls(config)
         load_state_dict_strict(model, state_dict, f"model folder {directory}")
         return model.eval()

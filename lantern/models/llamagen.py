@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
+    CONFIG_NAME,
+    config_of,
     load_checkpoint,
     load_model_folder,
     load_safetensors,
@@ -453,7 +455,9 @@ class LlamaGen(nn.Module):
                 f"{directory} is not a lantern LlamaGen folder (model_type {config.get('model_type')!r}, "
                 f"expected {MODEL_TYPE!r})"
             )
-        model = cls(_config_from_json(config))
+        with config_of(Path(directory) / CONFIG_NAME):
+            cfg = _config_from_json(config)
+        model = cls(cfg)
         load_state_dict_strict(model, state, f"weights in {directory}")
         return model.to(dtype) if dtype is not None else model
 

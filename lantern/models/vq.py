@@ -28,7 +28,15 @@ from PIL import Image
 from torch import Tensor, nn
 
 from lantern.errors import CheckpointError, LanternError, check
-from lantern.io import DictConfig, load_checkpoint, load_model_folder, load_state_dict_strict, save_model_folder
+from lantern.io import (
+    CONFIG_NAME,
+    DictConfig,
+    config_of,
+    load_checkpoint,
+    load_model_folder,
+    load_state_dict_strict,
+    save_model_folder,
+)
 
 MODEL_TYPE = "lantern-vq"
 # Length of the official ``quantize.codebook_used`` buffer (a rolling window of recent codes).
@@ -509,7 +517,9 @@ class VQModel(nn.Module):
         model_type = raw.pop("model_type", None)
         check(model_type == MODEL_TYPE,
               f"{directory} holds model_type {model_type!r}, not a {MODEL_TYPE!r} tokenizer")
-        model = cls._empty(VQConfig.from_dict(raw))
+        with config_of(Path(directory) / CONFIG_NAME):
+            config = VQConfig.from_dict(raw)
+        model = cls._empty(config)
         load_state_dict_strict(model, state_dict, f"model folder {directory}")
         return model.eval()
 
