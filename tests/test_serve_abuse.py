@@ -328,6 +328,23 @@ def test_http_1_0_without_a_host_header_is_answered(server: str) -> None:
         assert answer.split(b"\r\n", 1)[0].startswith(b"HTTP/1.1" + status), answer[:200]
 
 
+def test_an_absolute_form_target_is_routed_by_its_path(server: str) -> None:
+    """``GET http://host:port/health HTTP/1.1``, which a server must accept (RFC 9112, 3.2.2), was
+    a 404 (a probe, 2026-11-29). Its host is checked in place of the Host header's."""
+    port = _port(server)
+    for target, status in ((f"http://127.0.0.1:{port}/health", b" 200 "), (f"HTTP://localhost:{port}/health", b" 200 "),
+                           (f"http://evil.example:{port}/health", b" 400 "),
+                           (f"http://127.0.0.1:{port}/nope", b" 404 ")):
+        with _connect(server) as sock:
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.split(b"\r\n", 1)[0].startswith(b"HTTP/1.1" + status), (target, answer[:200])
+        if status == b" 200 ":
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["status"] == "ok", answer[:300]
+
+
 # --------------------------------------------------------------------------------------------------
 # Finding 5: the smaller items
 # --------------------------------------------------------------------------------------------------

@@ -217,6 +217,17 @@ def test_a_request_twice_gives_the_same_png_and_the_apis_codes(client: TestClien
     assert [d["index"] for d in a["data"]] == [0, 1]
 
 
+def test_null_is_the_default_for_every_field(client: TestClient) -> None:
+    """The docs: ``null`` means the default. It did for the settings, but ``"n": null`` and
+    ``"seed": null`` were refused (a probe, 2026-11-29)."""
+    nulls = {"n": None, "seed": None, "stream": None, "response_format": None, "method": None, "top_k": None}
+    given, default = (client.post(GENERATE, json={"label": 3, "return_codes": True, **extra})
+                      for extra in (nulls, {}))
+    assert given.status_code == default.status_code == 200, given.text
+    assert [d["codes"] for d in given.json()["data"]] == [d["codes"] for d in default.json()["data"]]
+    assert len(given.json()["data"]) == 1  # n's default
+
+
 @pytest.mark.invariance
 @pytest.mark.parametrize("method", ["ar", "lantern++"])
 def test_a_method_gives_the_apis_codes(client: TestClient, pipe: lantern.Pipeline, method: str) -> None:

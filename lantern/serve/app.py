@@ -37,7 +37,7 @@ from lantern.api import Pipeline
 from lantern.calibration import MethodChoice
 from lantern.errors import LanternError
 from lantern.methods import METHOD_TABLE
-from lantern.serve.guards import HostCheck
+from lantern.serve.guards import AbsoluteTarget, HostCheck
 from lantern.serve.limits import HttpLimits
 from lantern.serve.metrics import Metrics
 from lantern.serve.plan import (
@@ -142,7 +142,8 @@ def create_app(scheduler: Scheduler, *, pipeline: Pipeline, default_method: str 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)  # before anything else of the app runs
-    app.add_middleware(CountRequests, state=state)  # outermost: a refused Host is an answer too
+    app.add_middleware(CountRequests, state=state)  # a refused Host is an answer too
+    app.add_middleware(AbsoluteTarget)  # outermost: every layer sees the path and host of an absolute-form target
     return app
 
 

@@ -19,6 +19,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import h11
 import uvicorn
@@ -154,6 +155,26 @@ class HostCheck(TrustedHostMiddleware):
                                    status_code=400)(scope, receive, send)
 
         await super().__call__(scope, receive, send_or_refuse)
+
+
+class AbsoluteTarget:
+    """A request line in absolute form (``GET http://127.0.0.1:8000/health HTTP/1.1``), which a
+    server must accept (RFC 9112, 3.2.2) and uvicorn's h11 protocol passes on as the path (every
+    such request was a 404): routed by its path, its authority standing for the Host header
+    (RFC 9112, 3.2.2: the server ignores the Host header and uses the target's), so the Host check
+    judges the host the target names."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"][:8].lower().startswith(("http://", "https://")):
+            target = urlsplit(scope["path"])
+            path = target.path or "/"
+            headers = [(name, value) for name, value in scope["headers"] if name != b"host"]
+            scope = {**scope, "path": path, "raw_path": path.encode("utf-8"),
+                     "headers": [*headers, (b"host", target.netloc.encode("latin-1"))]}
+        await self.app(scope, receive, send)
 
 
 class _MarkPassed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lantern.decoding.config import COUPLINGS, CREDITS, JACOBI_INITS, MAX_CFG_SCALE, PJD_INITS, RESIDUALS
 from lantern.decoding.trees import STATIC_TREES
@@ -71,6 +71,15 @@ class GenerationRequest(Strict):
     preview_every: int | None = Field(None, ge=0, le=100_000,
                                       description="stream: a preview every this many rounds (default 4; 0: none)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """``null`` reads as the field's default for every field, as it does for the settings (a
+        client that writes ``"seed": null`` for "no seed" means the default, 0)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _DEFAULTED_FIELDS)}
+        return data
+
     @field_validator("tree")
     @classmethod
     def _tree_spec(cls, value: str | None) -> str | None:
@@ -83,6 +92,11 @@ class GenerationRequest(Strict):
         if value.startswith("static:") and value.split(":", 1)[1] not in STATIC_TREES:
             raise ValueError(f"unknown static tree {value[7:]!r}; known: {', '.join(sorted(STATIC_TREES))}")
         return value
+
+
+# fields whose default is not null: null stands for that default
+_DEFAULTED_FIELDS = frozenset(name for name, field in GenerationRequest.model_fields.items()
+                              if field.default is not None)
 
 
 class ImageStats(BaseModel):
