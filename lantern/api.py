@@ -11,6 +11,8 @@ same codes from either side.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import threading
 from collections import OrderedDict
@@ -28,7 +30,7 @@ from lantern.calibration import AUTO, MethodChoice, Setup, check_quality
 from lantern.calibration import auto_method as calibrated_method
 from lantern.decoding.compiling import compile_notices
 from lantern.decoding.config import SamplingConfig
-from lantern.errors import LanternError, check
+from lantern.errors import LanternError, check, python_errors
 from lantern.hub import resolve_location
 from lantern.methods import METHOD_SETTINGS, MethodConfig, resolve_method
 from lantern.parts import ModelParts
@@ -58,6 +60,7 @@ def sampling_from(stack: Any, source: Any) -> SamplingConfig:
     return resolve_sampling(stack, **{name: getattr(source, name, None) for name in SAMPLING_SETTINGS})
 
 
+@python_errors(lambda: api_arguments())
 def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodConfig, SamplingConfig]:
     """Method and sampling for one run, from keyword settings named like the CLI's flags."""
     unknown = sorted(set(settings) - set(SAMPLING_SETTINGS) - set(METHOD_SETTINGS))
@@ -173,6 +176,7 @@ class Pipeline:
                 self._prepared.popitem(last=False)
             return prepared
 
+    @python_errors(lambda: api_arguments())
     def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
                  prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
                  num_per_label: int = 1, progress: bool = False, quality: str | None = None,
@@ -228,6 +232,7 @@ class Pipeline:
         return Setup.of(self.stack.root, self.stack.root, self.device, self.stack.dtype,
                         resolve_compile(self.compile, self.device), self.deterministic)
 
+    @python_errors(lambda: api_arguments())
     def auto_method(self, quality: str | None = None, batch_size: int = 8, **settings: Any) -> MethodChoice:
         """``method="auto"``: the fastest method of the ``quality`` class at ``batch_size``, from this
         model's calibration for this device (:mod:`lantern.calibration`), with why; a one-line
@@ -346,6 +351,7 @@ def check_prompt_list(prompts: Any) -> list[str]:
     return list(prompts)
 
 
+@python_errors(lambda: api_arguments())
 def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",
          dtype: str | torch.dtype = "float32", compile: str = "off", tokenizer: str | os.PathLike[str] | None = None,
          t5: str | os.PathLike[str] | None = None, vq: str | os.PathLike[str] | None = None,
@@ -416,6 +422,14 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
     stack.target.to(device)
     stack.tokenizer.to(device)
     return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], prox, paths["t5"]))
+
+
+@functools.cache
+def api_arguments() -> frozenset[str]:
+    """The keyword arguments of the Python API: its errors name them so, not as flags."""
+    calls = (load, Pipeline.__call__, Pipeline.auto_method)
+    named = {name for call in calls for name in inspect.signature(call).parameters if name != "self"}
+    return frozenset(named | set(METHOD_SETTINGS) | set(SAMPLING_SETTINGS))
 
 
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",

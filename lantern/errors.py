@@ -7,6 +7,15 @@ trace; anything else reaching the top level is a bug in lantern.
 
 from __future__ import annotations
 
+import functools
+import re
+from collections.abc import Callable, Collection
+from contextvars import ContextVar
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class LanternError(ValueError):
     """A bad argument, file or checkpoint, described for the user in one line.
@@ -57,3 +66,56 @@ def transformers_reason(error: BaseException) -> str:
         first = " ".join(lines)
         first = first if len(first) <= 300 else first[:299] + "…"
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+# ---- one name per surface ---------------------------------------------------------------------
+# A check is written once, naming the command-line flag (``--sjd-window``); a Python caller passed
+# the keyword ``sjd_window`` and reads it back so. The command line (and the server, which names
+# the request field) renders its own surface: COMMAND_LINE is set by ``lantern``'s main.
+
+COMMAND_LINE: ContextVar[bool] = ContextVar("lantern_command_line", default=False)
+# a command quoted in a message (`lantern profile --batch-size 2`, "(lantern serve --max-body-bytes)") keeps its flags
+_QUOTED = re.compile(r"`[^`]*`|\(lantern [^)]*\)")
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?: ([A-Z][A-Z_]*)\b)?")
+
+
+def python_names(message: str, names: Collection[str]) -> str:
+    """``message`` with the flags of ``names`` written as the Python arguments they are
+    (``--sjd-window`` -> ``sjd_window``, ``--drafter DIR`` -> ``drafter=DIR``); flags of no such
+    argument, and commands quoted in the message, are kept."""
+
+    def argument(m: re.Match[str]) -> str:
+        name = m.group(1).replace("-", "_")
+        if name not in names:
+            return m.group(0)
+        return f"{name}={m.group(2)}" if m.group(2) else name
+
+    parts, last = [], 0
+    for quoted in _QUOTED.finditer(message):
+        parts += [_FLAG.sub(argument, message[last:quoted.start()]), quoted.group(0)]
+        last = quoted.end()
+    return "".join([*parts, _FLAG.sub(argument, message[last:])])
+
+
+def python_errors(names: Callable[[], Collection[str]]) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A public Python entry point whose :class:`LanternError` names its arguments (``names()``,
+    read at the first error) as Python does; called from the command line, the flags stay."""
+
+    def wrap(func: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(func)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return func(*args, **kwargs)
+            except LanternError as e:
+                renamed = python_names(str(e), names())
+                if COMMAND_LINE.get() or renamed == str(e) or len(e.args) != 1:
+                    raise
+                try:
+                    error = type(e)(renamed, field=e.field)
+                except TypeError:  # a subclass of another signature: as it is
+                    raise e from e.__cause__
+                raise error.with_traceback(e.__traceback__) from e.__cause__
+
+        return call
+
+    return wrap

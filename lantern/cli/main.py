@@ -21,7 +21,7 @@ from lantern.cli.generate import add_generate
 from lantern.cli.profile import add_profile
 from lantern.cli.serve import add_serve
 from lantern.cli.tools import add_build_proximity, add_make_random_stack
-from lantern.errors import LanternError
+from lantern.errors import COMMAND_LINE, LanternError
 from lantern.version import DISTRIBUTION, __version__
 
 
@@ -113,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
     import threading
 
+    COMMAND_LINE.set(True)  # errors name the flags (the Python API renames them to its arguments)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)

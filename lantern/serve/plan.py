@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
 from lantern.calibration import AUTO, MethodChoice
-from lantern.errors import LanternError
+from lantern.errors import LanternError, python_names
 from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig
 from lantern.run import verify_nodes
 from lantern.serve.limits import MIN_ROUND_NODES, ROUND_FACTOR
@@ -184,7 +184,7 @@ def setting_error(error: LanternError) -> RequestError:
     """A resolver's refusal of the request, as its field's error: the field the error carries; one
     that names no setting (a drafter the method needs, say) is about the method as a whole."""
     field = error.field or "method"
-    return RequestError(f"{field}: {error}", field)
+    return RequestError(f"{field}: {python_names(str(error), GenerationRequest.model_fields)}", field)
 
 
 def answer_settings(request: Resolved) -> dict[str, Any]:
