@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -89,10 +90,42 @@ def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
         digits()
     with pytest.raises(LanternError, match="prompts=.*: not both$"):
         digits(labels=[1], prompts=["a cat"])
-    with pytest.raises(LanternError, match="--top-k|top_k"):
+    with pytest.raises(LanternError, match="^top_k must be"):
         digits(labels=[1], top_k=-1)
-    with pytest.raises(LanternError, match="--lantern-lambda belongs to"):
+    with pytest.raises(LanternError, match="^lantern_lambda belongs to"):
         digits(labels=[1], method="lantern", lantern_lambda=2.0)
+
+
+def test_python_errors_name_the_arguments_and_the_cli_its_flags(digits: lantern.Pipeline, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A check names the command-line flag; a Python caller passed a keyword and reads that back
+    (before: ``pipe(sjd_window=0)`` said "--sjd-window must be ..."). The command line keeps its
+    flags, also when main() runs in the same process, before and after Python calls."""
+    def message(call: Any) -> str:
+        with pytest.raises(LanternError) as refused:
+            call()
+        return str(refused.value)
+
+    window = "sjd_window must be an integer >= 1, got 0"
+    assert message(lambda: digits(labels=[1], method="sjd", sjd_window=0)) == window
+    assert message(lambda: digits(labels=[1], method="ar", gsd_group=2)) == "gsd_group needs method gsd, got method ar"
+    assert message(lambda: lantern.load("digits", dtype="float13")).startswith("dtype must be auto, bf16,")
+    assert message(lambda: lantern.load("digits", image_size=64)).startswith("image_size is only used with")
+    assert main(["generate", "--model", "digits", "--labels", "1", "--method", "sjd", "--sjd-window", "0",
+                 "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == "lantern: error: --sjd-window must be an integer >= 1, got 0\n"
+    assert message(lambda: digits(labels=[1], method="sjd", sjd_window=0)).startswith("sjd_window must")
+
+
+def test_python_names_rewrites_flags_of_arguments_only() -> None:
+    from lantern.errors import python_names
+
+    names = {"sjd_window", "drafter", "batch_size", "method"}
+    assert python_names("--sjd-window must be >= 1; pass --drafter DIR, --out X or --lantern-* options; "
+                        "see `lantern profile --batch-size 2` (lantern serve --max-tree-nodes), --method sd",
+                        names) == ("sjd_window must be >= 1; pass drafter=DIR, --out X or --lantern-* options; "
+                                   "see `lantern profile --batch-size 2` (lantern serve --max-tree-nodes), method sd")
+    assert python_names("--sjd-windows and x--method stay", names) == "--sjd-windows and x--method stay"
 
 
 # ---- other model families through the same call -------------------------------------------------

@@ -113,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
     import threading
 
-    COMMAND_LINE.set(True)  # errors name the flags (the Python API renames them to its arguments)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for provenance (bench records its command)
@@ -121,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    command_line = COMMAND_LINE.set(True)  # errors name the flags (the Python API names its arguments)
     try:
         check_sampling_flags(args)
         check_seed_flags(args)
@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("lantern: terminated", file=sys.stderr)
         return 143
     finally:
+        COMMAND_LINE.reset(command_line)  # a Python caller of main() gets its own names back
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
