@@ -60,9 +60,16 @@ def sampling_from(stack: Any, source: Any) -> SamplingConfig:
     return resolve_sampling(stack, **{name: getattr(source, name, None) for name in SAMPLING_SETTINGS})
 
 
+def plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (``np.int64(2)`` -> 2): settings are checked as
+    Python ints and floats and written to JSON, and a caller's numbers often come from numpy."""
+    return value.item() if isinstance(value, np.generic) and not isinstance(value, np.bool_) else value
+
+
 @python_errors(lambda: api_arguments())
 def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodConfig, SamplingConfig]:
     """Method and sampling for one run, from keyword settings named like the CLI's flags."""
+    settings = {name: plain(value) for name, value in settings.items()}
     unknown = sorted(set(settings) - set(SAMPLING_SETTINGS) - set(METHOD_SETTINGS))
     if unknown:
         raise LanternError(f"unknown setting {unknown[0]!r} (expected one of "
@@ -125,6 +132,8 @@ class Pipeline:
         its drafter, proximity table and T5 encoder (default: the stack's own)."""
         self.stack, self.device, self.compile = stack, device, compile
         self.parts = parts if parts is not None else ModelParts(stack)
+        if hasattr(stack, "generation_settings"):
+            stack.generation_settings()  # read (and checked) now, and kept: calls read no file for it
         self._prepared: OrderedDict[tuple[MethodConfig, SamplingConfig], PreparedMethod] = OrderedDict()
         # tree="auto" choices, measured once per (method, its settings, sampling, batch size)
         self._auto_choices: OrderedDict[tuple[Any, ...], tuple[MethodConfig, dict[str, Any]]] = OrderedDict()
@@ -197,6 +206,8 @@ class Pipeline:
         argument, as the CLI's one-line errors do."""
         from lantern.validate import check_count, check_image_total, check_seed
 
+        num_per_label, batch_size, method = plain(num_per_label), plain(batch_size), plain(method)
+        settings = {name: plain(value) for name, value in settings.items()}
         check_count(num_per_label, "num_per_label", field="num_per_label")
         check_count(batch_size, "batch_size", field="batch_size")
         seed = check_seed(seed, "seed", field="seed")
@@ -367,10 +378,11 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     whatever the kernel library (the server's default; slower, and other samples than the default).
     ``prompt_width`` (Chameleon family): the tokens every prompt context is padded to, the prompt in
     its template (default 256); a longer prompt is refused."""
+    image_size, prompt_width = plain(image_size), plain(prompt_width)
     if not isinstance(deterministic, bool):
         raise LanternError(f"deterministic must be True or False, got {deterministic!r}", field="deterministic")
     check(prompt_width is None or (type(prompt_width) is int and prompt_width >= 1),
-          f"prompt_width (--prompt-width) must be a positive number of tokens, got {prompt_width!r}",
+          f"--prompt-width must be a positive number of tokens, got {prompt_width!r}",
           field="prompt_width")
     pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5, vq=vq,
                  layout=layout, image_size=image_size, proximity=proximity)
@@ -407,6 +419,11 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
     paths = {name: None if value is None else resolve_location(value, f"--{name}")
              for name, value in (("drafter", drafter), ("t5", t5), ("vq", vq))}
     prox = None if proximity is None else str(proximity)
+    # named now, not at the first call of a method that needs them (an AR call never would)
+    check(paths["drafter"] is None or Path(paths["drafter"]).is_dir(),
+          f"--drafter: no such folder {paths['drafter']} (a drafter folder, or a Hub repo id)", field="drafter")
+    check(prox is None or Path(prox).is_file(), f"--proximity: no such file {prox} (a proximity table)",
+          field="proximity")
     refuse_remote_code(root)  # a folder whose config needs its own code, of any family
     if is_janus_folder(root):
         return _load_janus(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
@@ -419,6 +436,8 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
                                "Lumina-mGPT)")
     stack = load_stack(root, tokenizer, dtype=torch_dtype)
+    check(t5 is None or stack.kind == "t2i", f"--t5 is only used by text-to-image models; {root} is "
+                                             "class-conditional", field="t5")
     stack.target.to(device)
     stack.tokenizer.to(device)
     return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], prox, paths["t5"]))

@@ -109,12 +109,12 @@ def test_the_api_refuses_a_huge_subtree_at_once(digits: lantern.Pipeline) -> Non
     """``lantern.load('digits')(labels=[1], method='sjd-pac', pac_width=10**9)``: old behaviour, a
     hang in one C call that ignored Ctrl-C, growing ~1 GB every 10 s."""
     t0 = time.perf_counter()
-    with pytest.raises(LanternError, match=r"^--pac-width must be at most 256 \(the nodes a tree may have\), got "
+    with pytest.raises(LanternError, match=r"^pac_width must be at most 256 \(the nodes a tree may have\), got "
                                            r"1000000000$") as caught:
         digits(labels=[1], method="sjd-pac", pac_width=10**9)
     assert time.perf_counter() - t0 < 1.0 and caught.value.field == "pac_width"
     t0 = time.perf_counter()
-    with pytest.raises(LanternError, match=r"^--pac-width 64 --pac-depth 64 \(--sjd-window 63\) makes a tree of "
+    with pytest.raises(LanternError, match=r"^pac_width 64 pac_depth 64 \(sjd_window 63\) makes a tree of "
                                            r"6.3e\+113 nodes") as caught:
         digits(labels=[1], method="sjd-pac", pac_width=64, pac_depth=64, sjd_window=63)
     assert time.perf_counter() - t0 < 1.0 and caught.value.field == "pac_depth"
@@ -133,7 +133,7 @@ def test_the_api_refuses_a_huge_subtree_at_once(digits: lantern.Pipeline) -> Non
     ({"seed": -1}, "seed", r"^seed must be in \[0, 2\^63\), got -1$"),
     ({"seed": True}, "seed", r"^seed must be an integer, got True \(bool\)$"),
     # Old: True was a width of 1 (PACConfig refused it already) or a lantern k of 1.
-    ({"method": "sjd-pac", "pac_width": True}, "pac_width", r"^--pac-width must be an integer >= 1, got True$"),
+    ({"method": "sjd-pac", "pac_width": True}, "pac_width", r"^pac_width must be an integer >= 1, got True$"),
     ({"method": "lantern", "lantern_k": True}, "lantern_k", r"^lantern k must be an integer >= 0, got True$"),
 ])
 def test_the_api_refuses_bools_as_counts_and_seeds_out_of_range(digits: lantern.Pipeline, kwargs: dict[str, Any],

@@ -207,7 +207,7 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     narrow = lantern.load(folder, image_size=64, prompt_width=short)
     assert narrow.stack.prompt_width == short
     with pytest.raises(LanternError, match=rf"^the prompt takes {long} tokens in the model's template, more than "
-                                           rf"--prompt-width {short} \(shorten it, or raise --prompt-width to "
+                                           rf"prompt_width {short} \(shorten it, or raise prompt_width to "
                                            rf"{long} or more") as e:
         narrow(prompts=[PROMPTS[0]])
     assert e.value.field == "prompt"
@@ -216,8 +216,8 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     several = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[1]]
     assert lengths[PROMPTS[1]] == short < lengths[PROMPTS[2]] < long
     with pytest.raises(LanternError, match=rf"^prompt 1 takes {lengths[PROMPTS[2]]} tokens in the model's template, "
-                                           rf"more than --prompt-width {short} \(2 of 4 prompts do; the longest, "
-                                           rf"prompt 2, takes {long}\): shorten them, or raise --prompt-width to "
+                                           rf"more than prompt_width {short} \(2 of 4 prompts do; the longest, "
+                                           rf"prompt 2, takes {long}\): shorten them, or raise prompt_width to "
                                            rf"{long} or more") as e:
         narrow(prompts=several, num_per_label=3)
     assert e.value.field == "prompt"
@@ -237,9 +237,9 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
     greedy = {"temperature": 0.0}
     assert torch.equal(narrow(prompts=[PROMPTS[1]], **greedy).codes, wide(prompts=[PROMPTS[1]], **greedy).codes)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(LanternError, match=r"prompt_width \(--prompt-width\) must be a positive number of tokens"):
+        with pytest.raises(LanternError, match=r"^prompt_width must be a positive number of tokens"):
             lantern.load(folder, image_size=64, prompt_width=bad)
-    with pytest.raises(LanternError, match="--prompt-width is only used with Chameleon-family models"):
+    with pytest.raises(LanternError, match="^prompt_width is only used with Chameleon-family models"):
         lantern.load("digits", prompt_width=64)
     out = tmp_path / "out"
     argv = ["generate", "--model", str(folder), "--image-size", "64", "--prompt", PROMPTS[0], "--prompt-width",
@@ -275,7 +275,7 @@ def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, la
     if family == "emu3":  # the API (and so the server) refuses a width below the negative prompt as it loads
         negative = len(stack.negative_ids)
         with pytest.raises(LanternError, match=f"^Emu3's negative prompt takes {negative} tokens, more than "
-                                               f"--prompt-width {negative - 1}: raise it$"):
+                                               f"prompt_width {negative - 1}: raise it$"):
             lantern.load(stack.root, prompt_width=negative - 1)
         assert lantern.load(stack.root, prompt_width=negative).stack.prompt_width == negative
     monkeypatch.setattr(loaders[family], no_weights)

@@ -296,7 +296,7 @@ def test_sampled_methods_run_and_rows_do_not_depend_on_the_batch(pipe: lantern.P
 
 def test_drafter_methods_without_a_drafter_are_refused(pipe: lantern.Pipeline) -> None:
     """(Drafters trained for Emu3 models: tests/test_emu3_drafter.py.)"""
-    with pytest.raises(LanternError, match="--method lantern\\+\\+ needs a drafter: pass --drafter DIR"):
+    with pytest.raises(LanternError, match="^method lantern\\+\\+ needs a drafter: pass drafter=DIR"):
         pipe(prompts=PROMPTS[:1], method="lantern++")
 
 

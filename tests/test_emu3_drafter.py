@@ -71,7 +71,7 @@ def test_generate_with_drafter_gives_ar_codes(folder: Path, drafter: Path, tmp_p
 
 
 def test_drafter_methods_without_a_drafter_ask_for_one(folder: Path) -> None:
-    with pytest.raises(LanternError, match="--method sd needs a drafter: pass --drafter"):
+    with pytest.raises(LanternError, match="^method sd needs a drafter: pass drafter=DIR"):
         lantern.load(folder)(prompts=PROMPTS[:1], method="sd")
 
 

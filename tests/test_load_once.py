@@ -154,3 +154,26 @@ def test_cli_tree_auto_reads_the_drafter_once(reads: Reads, tmp_path: Path) -> N
           "1", "--out", str(tmp_path / "out"), "--no-progress"])
     assert reads.drafter_loads == 1 and reads.files["drafter"] == 1
     assert (tmp_path / "out" / "run.json").is_file()
+
+
+def test_generation_json_is_read_at_load_and_kept(tmp_path: Path) -> None:
+    """A loaded pipeline read ``generation.json`` at every call, so an edit to the file changed
+    the sampling of a loaded model silently, and a broken one failed a loaded pipe (a probe,
+    2026-11-29). It is read when the pipeline is made; the next load reads the new file."""
+    import shutil
+
+    from lantern.errors import LanternError
+    from lantern.targets.llamagen_stack import preset_dir
+
+    folder = tmp_path / "digits"
+    shutil.copytree(preset_dir("digits"), folder)
+    pipe = lantern.load(folder)
+    first = pipe(labels=LABELS, method="lantern++", seed=5, batch_size=2)
+    (folder / "generation.json").write_text('{"top_k": 5, "cfg_scale": 1.0}')
+    edited = pipe(labels=LABELS, method="lantern++", seed=5, batch_size=2)
+    assert torch.equal(edited.codes, first.codes) and edited.config == first.config
+    assert lantern.load(folder)(labels=LABELS, method="lantern++", seed=5).config["sampling"]["top_k"] == 5  # power
+    (folder / "generation.json").write_text("{broken")
+    assert torch.equal(pipe(labels=LABELS, method="lantern++", seed=5, batch_size=2).codes, first.codes)
+    with pytest.raises(LanternError, match="generation.json is not valid JSON"):
+        lantern.load(folder)

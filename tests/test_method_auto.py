@@ -242,11 +242,11 @@ def test_auto_refuses_settings_it_cannot_honour(stack: Path, tmp_path: Path,
         assert main([*base, *extra]) == 2
         assert needle in capsys.readouterr().err
     pipe = lantern.load(stack)
-    with pytest.raises(LanternError, match="drop --lantern-delta"):
+    with pytest.raises(LanternError, match="drop lantern_delta or name a method"):
         pipe(labels=[0], method="auto", lantern_delta=0.2)
-    with pytest.raises(LanternError, match="only used with --method auto"):
+    with pytest.raises(LanternError, match="^quality is only used with method auto"):
         pipe(labels=[0], method="sjd", quality="ar")
-    with pytest.raises(LanternError, match="--quality must be one of lossless, ar"):
+    with pytest.raises(LanternError, match="^quality must be one of lossless, ar"):
         pipe(labels=[0], method="auto", quality="fast")
 
 

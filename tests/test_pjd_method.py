@@ -254,9 +254,9 @@ def test_methods_resolve_and_round_trip() -> None:
 
 def test_python_api_errors_and_run(random_stack: Path) -> None:
     pipe = lantern.load(str(random_stack))
-    with pytest.raises(LanternError, match=r"--pjd-window \(20\) must be at most the image row length \(8\)"):
+    with pytest.raises(LanternError, match=r"^pjd_window \(20\) must be at most the image row length \(8\)"):
         pipe(labels=[1], method="pjd", pjd_window=20)
-    with pytest.raises(LanternError, match=r"--pjd-context must be an integer >= 1, got -1"):
+    with pytest.raises(LanternError, match=r"^pjd_context must be an integer >= 1, got -1"):
         pipe(labels=[1], method="pjd", pjd_context=-1)
     out = pipe(labels=[1, 2], method="pjd", pjd_window=2, pjd_context=4, temperature=0.0)
     ar = pipe(labels=[1, 2], method="ar", temperature=0.0)

@@ -82,7 +82,7 @@ def test_load_refuses_a_folder_whose_tokenizer_config_asks_for_its_own_code(
     config_file.write_text(json.dumps(config))
     with pytest.raises(LanternError) as e:
         lantern.load(folder)
-    assert str(e.value).startswith(f"--model {folder}: no usable tokenizer")
+    assert str(e.value).startswith(f"model {folder}: no usable tokenizer")
     assert why in str(e.value) and "\n" not in str(e.value)
 
 

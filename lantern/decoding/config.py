@@ -169,6 +169,9 @@ class RelaxationConfig:
             self.budget == "test" or self.residual == "paper",
             f"the token budget needs residual='paper'; residual={self.residual!r} needs budget='test'",
         )
+        for name, value in (("lantern_delta", self.delta), ("lantern_lambda", self.lam)):  # types first, as above
+            check(isinstance(value, Real) and not isinstance(value, bool),
+                  f"{name} must be a number, got {value!r} ({type(value).__name__})", field=name)
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
             f"lantern_delta must be in [0, 1], got {self.delta}", field="lantern_delta",
@@ -261,6 +264,9 @@ class TreeConfig:
         """Parse the CLI form: ``none``, ``dynamic``, ``chain:N`` or ``static:NAME``."""
         from lantern.errors import LanternError
 
+        if not isinstance(spec, str):
+            raise LanternError(f"--tree must be a string (none, dynamic, chain:N or static:NAME), got {spec!r} "
+                               f"({type(spec).__name__})", field="tree")
         spec = spec.strip()
         if spec in ("none", "ar"):
             return cls(kind="none")

@@ -197,7 +197,16 @@ class StackFolder:
 
     def default_trees(self) -> dict[str, str]:
         """Every recommended tree of ``generation.json``, by method name as written there."""
-        return dict(read_generation_settings(self.root, self.GENERATION_KEYS).get("trees", {}))
+        return dict(self.generation_settings().get("trees", {}))
+
+    def generation_settings(self) -> dict[str, Any]:
+        """``generation.json``, read and checked once per loaded stack (a pipeline reads it when it
+        is made): a loaded model keeps the defaults it was loaded with, whatever later happens to
+        the file (an edit applies to the next load), and a call reads nothing from disk for it."""
+        kept = self.__dict__.get("_generation_settings")
+        if kept is None:
+            kept = self.__dict__["_generation_settings"] = read_generation_settings(self.root, self.GENERATION_KEYS)
+        return kept
 
     @property
     def device(self) -> torch.device:
@@ -214,7 +223,7 @@ class StackFolder:
     def default_sampling(self) -> dict[str, float]:
         """The stack's recommended sampling settings, or {}: the family's, then what the model's own
         config states (:meth:`config_sampling`), then ``generation.json``'s."""
-        raw = read_generation_settings(self.root, self.GENERATION_KEYS)
+        raw = self.generation_settings()
         values = dict(self.FAMILY_SAMPLING) | self.config_sampling()
         values.update({k: raw[k] for k in SAMPLING_KEYS if k in raw})
         return values

@@ -258,6 +258,7 @@ def load_stack(
     if has_config:  # a broken or foreign config is named before a missing tokenizer
         check_target_architecture(target_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
+    check(tokenizer is None or tok_dir.is_dir(), f"--tokenizer: no such folder {tok_dir} (a VQ tokenizer folder)")
     if not tok_dir.exists():
         raise LanternError(
             f"--model {root} has no {TOKENIZER_DIR}/ folder; pass --tokenizer DIR (a VQ tokenizer folder)"
