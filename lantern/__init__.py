@@ -14,6 +14,7 @@ and no optional extra; a name is imported from its module on first use.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from lantern.version import DISTRIBUTION, __version__
@@ -86,6 +87,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
+        if importlib.util.find_spec(f"lantern.{name}") is not None:  # a submodule: lantern.methods.METHOD_SETTINGS
+            return importlib.import_module(f"lantern.{name}")
         raise AttributeError(f"module 'lantern' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # the next access skips __getattr__

@@ -414,6 +414,8 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
 
     check_device(device)
     resolve_compile(compile, device)
+    check(not isinstance(dtype, torch.dtype) or dtype in (torch.float32, torch.bfloat16, torch.float16),
+          f"--dtype must be float32, bfloat16 or float16 (or a name, or auto), got {dtype}", field="dtype")
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else inference_dtype(dtype, device)
     root = resolve_location(model, "--model")
     paths = {name: None if value is None else resolve_location(value, f"--{name}")

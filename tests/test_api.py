@@ -219,3 +219,48 @@ def test_a_local_folder_wins_over_a_repo_id(hub_cache: Path, tmp_path: Path,
     shutil.copytree(preset_dir("digits"), local)
     monkeypatch.chdir(tmp_path)  # "org/name" is now an existing relative folder, and no repo is cached
     assert lantern.load("org/name").stack.root == Path("org/name")
+
+
+def test_api_probe_findings_are_one_line_errors_or_accepted(digits: lantern.Pipeline, tmp_path: Path) -> None:
+    """A probe of the Python API (2026-11-29). Before: a string lantern_delta and an integer tree
+    ended in a TypeError / AttributeError from deep inside; numpy integers were refused for
+    batch_size, num_per_label, top_k and sjd_window (accepted for labels and seed); a missing
+    tokenizer= was blamed on the model; a missing drafter= or proximity= loaded and failed at the
+    first call that needed it (never, for AR); t5= on a class-conditional model was ignored; a
+    torch integer dtype failed inside torch."""
+    def message(call: Any) -> str:
+        with pytest.raises(LanternError) as refused:
+            call()
+        return str(refused.value)
+
+    assert message(lambda: digits(labels=[1], method="lantern", lantern_delta="0.1")) == \
+        "lantern_delta must be a number, got '0.1' (str)"
+    assert message(lambda: digits(labels=[1], method="lantern++", lantern_lambda="2")).startswith(
+        "lantern_lambda must be a number")
+    assert message(lambda: digits(labels=[1], method="sd", tree=3)).startswith("tree must be a string (none, dynamic")
+    numpy = digits(labels=np.array([1, 2]), method="sjd-coupled", batch_size=np.int64(2), num_per_label=np.int32(1),
+                   top_k=np.int64(50), sjd_window=np.int64(8), temperature=np.float32(0.5), seed=np.int64(3))
+    python = digits(labels=[1, 2], method="sjd-coupled", batch_size=2, top_k=50, sjd_window=8, temperature=0.5, seed=3)
+    assert torch.equal(numpy.codes, python.codes) and numpy.config == python.config
+    json.dumps(numpy.config)  # plain Python numbers: run.json-ready
+    missing = tmp_path / "missing"
+    assert message(lambda: lantern.load("digits", tokenizer=missing)) == \
+        f"tokenizer: no such folder {missing} (a VQ tokenizer folder)"
+    assert message(lambda: lantern.load("digits", missing)) == \
+        f"drafter: no such folder {missing} (a drafter folder, or a Hub repo id)"
+    assert message(lambda: lantern.load("digits", proximity=missing)) == \
+        f"proximity: no such file {missing} (a proximity table)"
+    assert message(lambda: lantern.load("digits", t5=missing)).startswith("t5 is only used by text-to-image models")
+    assert message(lambda: lantern.load("digits", dtype=torch.int64)) == \
+        "dtype must be float32, bfloat16 or float16 (or a name, or auto), got torch.int64"
+    # power: what exists loads
+    assert lantern.load("digits", preset_dir("digits") / "drafter", tokenizer=preset_dir("digits") / "tokenizer",
+                        dtype=torch.float32).stack.kind == "c2i"
+
+
+def test_submodules_are_attributes_of_the_package() -> None:
+    """The README names ``lantern.methods.METHOD_SETTINGS``: after ``import lantern`` alone that
+    was an AttributeError (the lazy exports knew no submodule)."""
+    code = "import lantern; print(len(lantern.methods.METHOD_SETTINGS) > 10, hasattr(lantern, 'nope'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr
