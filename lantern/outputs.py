@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 
 # The test-only hook of the interruption tests: with this variable set to a path, a command that
 # reaches the middle of its write phase creates that file and waits there (up to a minute), so a
@@ -241,11 +241,15 @@ class OutputFolder(_Output):
         since writing it replaces it whole (``--overwrite`` would delete the input)."""
         _refuse_linked_overwrite(path, what, overwrite)
         out = cls(_resolved(path, what), what, overwrite)
+        absolute = out.path.resolve()  # (a relative --out was compared with resolved inputs: never equal)
+        check(str(path) != "" and absolute != Path.cwd().resolve(),
+              f"{what}: {str(path) or repr('')} is the current folder, which a finished run's rename cannot "
+              "replace: name a folder")
         for flag, read in (reads or {}).items():
             if read is None or not os.path.exists(read):
                 continue
             source = Path(read).resolve()
-            if source == out.path or out.path in source.parents:
+            if source == absolute or absolute in source.parents:
                 raise LanternError(f"{what}: {out.path} is or holds {flag} {read}, which this command reads; "
                                    "writing it would replace that input: choose another folder")
         if out.path.exists() or out.path.is_symlink():

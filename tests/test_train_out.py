@@ -102,8 +102,12 @@ def test_a_finished_run_is_never_trained_over(runs: dict[str, Path], tmp_path: P
 
 @pytest.mark.parametrize("command", ["extract-codes", "make-drafter-data", "generate", "bench"])
 @pytest.mark.parametrize("where", ["same", "parent"])
+@pytest.mark.parametrize("spelled", ["absolute", "relative"])
 def test_overwrite_never_replaces_what_the_command_reads(runs: dict[str, Path], tmp_path: Path, command: str,
-                                                         where: str, capsys: pytest.CaptureFixture[str]) -> None:
+                                                         where: str, spelled: str, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Relative paths too: ``generate --model m --out m --overwrite`` compared the relative --out
+    with the resolved model path, never equal, and deleted the model (a probe, 2026-11-29)."""
     parent = tmp_path / "p"
     parent.mkdir()
     read = {"extract-codes": runs["tok"], "make-drafter-data": runs["codes"], "generate": runs["tgt"],
@@ -112,6 +116,9 @@ def test_overwrite_never_replaces_what_the_command_reads(runs: dict[str, Path], 
     shutil.copytree(read, copy)
     out = copy if where == "same" else parent
     before = _digest(parent)
+    if spelled == "relative":
+        monkeypatch.chdir(tmp_path)
+        copy, out = copy.relative_to(tmp_path), out.relative_to(tmp_path)
     argv = {
         "extract-codes": ["extract-codes", "--tokenizer", str(copy), "--data", "digits", "--num-samples", "16",
                           "--eval-samples", "4"],
@@ -124,7 +131,18 @@ def test_overwrite_never_replaces_what_the_command_reads(runs: dict[str, Path], 
     flag = {"extract-codes": "--tokenizer", "make-drafter-data": "--codes", "generate": "--model",
             "bench": "--model"}[command]
     _one_line(capsys, f"is or holds {flag} {copy}, which this command reads")
-    assert _digest(parent) == before
+    assert _digest(tmp_path / "p") == before
+
+
+@pytest.mark.parametrize("out", [".", ""])
+def test_the_current_folder_is_no_output_folder(tmp_path: Path, out: str, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out .`` (or an empty --out) was refused only after the run, when the finished folder's
+    rename onto the current folder failed ("Device or resource busy")."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "digits", "--labels", "0", "--out", out, "--overwrite", "--no-progress"]) == 2
+    _one_line(capsys, "is the current folder, which a finished run's rename cannot replace: name a folder")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_resume_reads_only_real_checkpoints_and_their_own_step(runs: dict[str, Path], tmp_path: Path,
