@@ -17,3 +17,15 @@ def _installed_version() -> str:
 
 
 __version__ = _installed_version()
+
+
+def software() -> dict[str, str]:
+    """What made a result file (``run.json``, ``bench``'s, ``demo.json``, ``profile.json``): lantern's,
+    torch's and Python's versions, and when (UTC). Imports torch: call it where a run has."""
+    import datetime
+    import platform
+
+    import torch
+
+    return {"lantern": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}

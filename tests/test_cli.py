@@ -69,6 +69,13 @@ def test_generate_writes_images_codes_and_run_json(stack: Path, tmp_path: Path) 
     run = json.loads((out / "run.json").read_text())
     assert run["labels"] == [0, 0, 3, 3, 7, 7]
     assert run["sampling"] == {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "cfg_scale": 2.0}
+    # what made it (a probe, 2026-11-29: no version, and "command" was the word "generate")
+    import lantern
+
+    assert run["command"] == f"lantern generate --model {stack} --labels 0,3,7 --num-per-label 2 --seed 5 --out " \
+                             f"{out} --top-k 40 --cfg-scale 2 --batch-size 4 --no-progress"
+    assert (run["lantern"], run["torch"]) == (lantern.__version__, torch.__version__)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", run["date"]) and run["python"].startswith("3.")
     stats = run["stats"]
     assert stats["generated_tokens"] == 6 * 64 and stats["target_forwards"] == 6 * 64
     assert stats["mean_accepted"] == 1.0 and stats["wall_seconds"] > 0

@@ -336,6 +336,19 @@ def test_calibrate_writes_what_auto_reads(stack: Path, calibration_dir: Path,
     assert result.config["method"]["method"] == result.config["auto_method"]["method"]
 
 
+def test_calibrate_refuses_a_folder_as_out_before_it_loads(stack: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``calibrate --out DIR`` ran every method, then failed writing a temporary file (a probe,
+    2026-11-29: "Is a directory: .DIR.3d0l4u30.tmp"). It is refused before the model loads."""
+    import lantern.api
+
+    monkeypatch.setattr(lantern.api, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["calibrate", "--model", str(stack), "--quick", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"lantern: error: --out {tmp_path} is a folder; expected the calibration "
+                                       "file to write (a .json path)\n")
+
+
 # -- the server: --method auto resolved once at start, the default when a calibration exists -------
 
 SERVE_TABLE = {"ar": (0.5, 0.4, "within", []), "sjd": (0.4, 0.3, "within", []),

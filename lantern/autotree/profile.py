@@ -21,6 +21,7 @@ from lantern.methods import resolve_method
 from lantern.parts import ModelParts, parts_of
 from lantern.run import PreparedMethod, image_seed, prepare_method
 from lantern.targets.base import Conditions, Stack
+from lantern.version import __version__
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ def measure_profile(
         "device": _device_string(stack.device),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
+        "lantern": __version__,
         "machine": __import__("platform").machine(),
         "cpu": _cpu_name(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

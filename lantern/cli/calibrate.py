@@ -46,6 +46,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     sizes = batch_sizes(args.batch_sizes)
     check_device(args.device)
     compile_mode = resolve_compile(args.compile, args.device)
+    if args.out:  # before the model loads and the methods run (a full calibration takes its while)
+        check(not Path(args.out).is_dir(), f"--out {args.out} is a folder; expected the calibration file to write "
+                                           "(a .json path)")
+        ensure_writable_dir(Path(args.out).parent, "--out")
     pipe = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                 deterministic=args.deterministic, **chameleon_options(args))
     stack = pipe.stack

@@ -94,6 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from lantern.methods import METHOD_TABLE
     from lantern.outputs import OutputFolder
     from lantern.parts import ModelParts
+    from lantern.version import software
 
     check_compile(args)
     from lantern.eval.demo import DEMO_PROMPT_IMAGES
@@ -135,7 +136,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         repeats=args.repeats, progress=not args.no_progress, budget=args.lantern_budget,
                         compile=args.compile, settings=windows, parts=parts)
     assert watch.result is not None
-    meta = {"model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
+    meta = {**software(), "model": str(args.model), "num_images": n, "seed": args.seed, "batch_size": args.batch_size,
             "sampling": sampling.to_dict(), "threads": torch.get_num_threads(), "lantern_budget": args.lantern_budget}
     meta["machine_load"] = watch.result.to_dict()
     meta["busy_warning"] = watch.result.warning()

@@ -381,11 +381,15 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method
                 conditions: dict[str, Any]) -> dict[str, Any]:
     """What ``run.json`` records of a generate run: the conditions, seeds and settings (the
     statistics are added by the run)."""
+    import shlex
+
     from lantern.api import run_config
     from lantern.run import image_seed
+    from lantern.version import software
 
     return {
-        "command": "generate",
+        "command": "lantern " + shlex.join(getattr(args, "argv", ["generate"])),
+        **software(),
         "model": str(args.model),
         **conditions,
         "seeds": [image_seed(args.seed, i) for i in range(num_images)],

@@ -25,7 +25,6 @@ PNGs are written by :mod:`lantern.eval.report`.
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
 import statistics
 import time
@@ -56,6 +55,7 @@ from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack, labels_for
 from lantern.targets.llamagen_stack import ModelStack
 from lantern.validate import MAX_IMAGES
+from lantern.version import software
 
 CURVE_DELTAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 CURVE_LAMBDAS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -497,9 +497,8 @@ def _meta(
 ) -> dict[str, Any]:
     return {
         "model": str(stack.root),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        **software(),
         "machine": machine_description(),
-        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "device": str(stack.device),
         "dtype": str(stack.dtype).replace("torch.", ""),
