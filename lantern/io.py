@@ -186,16 +186,18 @@ def save_model_folder(
     return directory
 
 
-def load_model_folder(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Read a model folder written by :func:`save_model_folder`."""
+def load_model_folder(directory: str | os.PathLike[str],
+                      what: str = "model") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read a model folder written by :func:`save_model_folder`; ``what`` names its kind in errors
+    (``tokenizer``: a VQ folder)."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise LanternError(f"model folder not found: {directory}")
-    config = read_json_object(directory / CONFIG_NAME, "model config")
+        raise LanternError(f"{what} folder not found: {directory}")
+    config = read_json_object(directory / CONFIG_NAME, f"{what} config")
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
-        raise LanternError(f"model folder {directory} has no {WEIGHTS_NAME}")
-    return config, load_safetensors(weights, "model weights")
+        raise LanternError(f"{what} folder {directory} has no {WEIGHTS_NAME}")
+    return config, load_safetensors(weights, f"{what} weights")
 
 
 @contextlib.contextmanager

@@ -60,6 +60,9 @@ BAD_FLAGS = {
                           "--temperature: temperature must be >= 0"),
     "bad seed": (["bench", "--seed", "-1"], "--seed must be in [0, 2^63)"),
     "unknown command": (["genrate"], "invalid choice: 'genrate'"),
+    # an empty item was dropped, so "0,,3" ran 2 labels (a probe, 2026-11-29)
+    "empty label": (["generate", "--model", "m", "--out", "o", "--labels", "0,,3"],
+                    "argument --labels: expected comma-separated integers, got '0,,3' (an empty item)"),
 }
 
 

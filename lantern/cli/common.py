@@ -38,13 +38,15 @@ def add_pjd_args(p: argparse.ArgumentParser) -> None:
 
 
 def int_list(text: str) -> list[int]:
+    items = text.split(",")
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected at least one label")
+    if any(item.strip() == "" for item in items):  # "0,,3": a label was meant there, or a typo
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (an empty item)")
     try:
-        values = [int(x) for x in text.split(",") if x.strip() != ""]
+        return [int(x) for x in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one label")
-    return values
 
 
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",

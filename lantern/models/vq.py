@@ -512,7 +512,7 @@ class VQModel(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> VQModel:
         """Load a folder written by :meth:`save_pretrained` (keys and shapes checked strictly)."""
-        raw, state_dict = load_model_folder(directory)
+        raw, state_dict = load_model_folder(directory, "tokenizer")
         check(isinstance(raw, dict), f"model config in {directory} must be a JSON object")
         model_type = raw.pop("model_type", None)
         check(model_type == MODEL_TYPE,
