@@ -436,3 +436,37 @@ def test_profile_of_another_batch_names_the_rows_a_call_decodes(random_stack: Pa
                            "call (the smaller of --batch-size and the images): measure one with `lantern profile "
                            "--batch-size 2`, or pass --batch-size 1 with at least as many images"), err
     assert not (tmp_path / "g").exists()
+
+
+def _edited(profile: dict, dotted: str, value: object) -> dict:
+    edited = json.loads(json.dumps(profile))
+    *parents, last = dotted.split(".")
+    node = edited
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return edited
+
+
+@pytest.mark.parametrize(("dotted", "value", "needle"), [
+    ("verify.ms", [1.0, 2.0, 3.0], "verify.tokens and verify.ms must be as long, got 64 and 3"),
+    ("verify.ms", "x", "verify.ms must be a non-empty list of finite times >= 0 (ms), got 'x'"),
+    ("drafter.feed_nodes", [1, "2"], "drafter.feed_nodes must be a non-empty list of integers >= 1, got [1, '2']"),
+    ("ar_step_ms", -1, "ar_step_ms must be a finite time > 0, got -1"),
+    ("batch_size", 0, "batch_size must be an integer >= 1, got 0"),
+    ("streams", 3, "streams must be 1 or 2, got 3"),
+    ("verify.tokens", list(range(2, 66)), "the verify curve must start at 1 token (verify.tokens)"),
+    ("overhead.lantern", {"fixed_ms": 1.0}, "missing field overhead.lantern.per_level_ms"),
+])
+def test_a_hand_edited_profile_names_its_field(dotted: str, value: object, needle: str) -> None:
+    """A probe (2026-11-29): verify.ms cut to 3 values was refused for "must start at 1 token";
+    "x" as "missing or bad field could not convert string to float"; a negative AR step was
+    accepted, and a batch_size of 0 led to the advice "pass --batch-size 0"."""
+    from lantern.autotree.profile import DeviceProfile
+
+    saved = json.loads((Path(__file__).parents[1] / "benchmarks/results/profile-digits/profile.json").read_text())
+    assert DeviceProfile.from_dict(saved, "p").meta["batch_size"] == 1  # power: the saved profile reads
+    assert len(saved["verify"]["tokens"]) == 64
+    with pytest.raises(LanternError) as refused:
+        DeviceProfile.from_dict(_edited(saved, dotted, value), "p")
+    assert str(refused.value) == f"p: {needle}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +17,7 @@ from lantern.autotree.model import METHOD_OF_RULE, PROFILE_VERSION, CostModel, i
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import GenerationOutput
 from lantern.decoding.trees import STATIC_TREES, chain_choices
-from lantern.errors import LanternError, check
+from lantern.errors import check
 from lantern.methods import resolve_method
 from lantern.parts import ModelParts, parts_of
 from lantern.run import PreparedMethod, image_seed, prepare_method
@@ -115,26 +116,66 @@ class DeviceProfile:
     def from_dict(cls, raw: Mapping[str, Any], what: str = "profile") -> DeviceProfile:
         check(isinstance(raw, Mapping) and raw.get("version") == PROFILE_VERSION,
               f"{what} is not a lantern device profile of version {PROFILE_VERSION} (written by `lantern profile`)")
-        try:
-            meta = {k: v for k, v in raw.items()
-                    if k not in ("version", "verify", "drafter", "ar_step_ms", "ar_step_ratio", "overhead")}
-            v, d = raw["verify"], raw["drafter"]
-            profile = cls(
-                meta=meta,
-                verify_tokens=tuple(int(x) for x in v["tokens"]), verify_ms=tuple(float(x) for x in v["ms"]),
-                begin_tokens=tuple(int(x) for x in d["begin_new_tokens"]),
-                begin_ms=tuple(float(x) for x in d["begin_ms"]),
-                feed_nodes=tuple(int(x) for x in d["feed_nodes"]), feed_ms=tuple(float(x) for x in d["feed_ms"]),
-                ar_step_ms=float(raw["ar_step_ms"]),
-                overhead={rule: OverheadFit(float(f["fixed_ms"]), float(f["per_level_ms"]), float(f["per_node_ms"]),
-                                            tuple(f.get("runs", ())))
-                          for rule, f in raw["overhead"].items()},
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise LanternError(f"{what} is not a lantern device profile: missing or bad field {e}") from None
-        check(len(profile.verify_tokens) == len(profile.verify_ms) > 0 and profile.verify_tokens[0] == 1,
-              f"{what}: the verify curve must start at 1 token")
+        meta = {k: v for k, v in raw.items()
+                if k not in ("version", "verify", "drafter", "ar_step_ms", "ar_step_ratio", "overhead")}
+        batch = meta.get("batch_size")
+        check(type(batch) is int and batch >= 1, f"{what}: batch_size must be an integer >= 1, got {_shown(batch)}")
+        check(meta.get("streams") in (1, 2), f"{what}: streams must be 1 or 2, got {_shown(meta.get('streams'))}")
+        curves = {name: _curve(raw, name, what, integer) for name, integer in (
+            ("verify.tokens", True), ("verify.ms", False), ("drafter.begin_new_tokens", True),
+            ("drafter.begin_ms", False), ("drafter.feed_nodes", True), ("drafter.feed_ms", False))}
+        for points, times in (("verify.tokens", "verify.ms"), ("drafter.begin_new_tokens", "drafter.begin_ms"),
+                              ("drafter.feed_nodes", "drafter.feed_ms")):
+            check(len(curves[points]) == len(curves[times]),
+                  f"{what}: {points} and {times} must be as long, got {len(curves[points])} and {len(curves[times])}")
+            check(list(curves[points]) == sorted(set(curves[points])), f"{what}: {points} must increase")
+        check(curves["verify.tokens"][0] == 1, f"{what}: the verify curve must start at 1 token (verify.tokens)")
+        ar_step = _field(raw, "ar_step_ms", what)
+        check(_is_time(ar_step) and ar_step > 0, f"{what}: ar_step_ms must be a finite time > 0, got {_shown(ar_step)}")
+        fits = _field(raw, "overhead", what)
+        check(isinstance(fits, Mapping) and bool(fits), f"{what}: overhead must map acceptance rules to fits")
+        overhead = {}
+        for rule, fit in fits.items():
+            terms = [_field(raw, f"overhead.{rule}.{term}", what)
+                     for term in ("fixed_ms", "per_level_ms", "per_node_ms")]
+            check(all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in terms),
+                  f"{what}: overhead.{rule} must hold finite fixed_ms, per_level_ms and per_node_ms")
+            runs = fit.get("runs", ())
+            check(isinstance(runs, (list, tuple)), f"{what}: overhead.{rule}.runs must be a list")
+            overhead[rule] = OverheadFit(*(float(t) for t in terms), tuple(runs))
+        profile = cls(meta=meta, verify_tokens=curves["verify.tokens"], verify_ms=curves["verify.ms"],
+                      begin_tokens=curves["drafter.begin_new_tokens"], begin_ms=curves["drafter.begin_ms"],
+                      feed_nodes=curves["drafter.feed_nodes"], feed_ms=curves["drafter.feed_ms"],
+                      ar_step_ms=float(ar_step), overhead=overhead)
         return profile
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _field(raw: Mapping[str, Any], dotted: str, what: str) -> Any:
+    """``raw``'s value at ``dotted`` (``verify.ms``), or a one-line error naming the missing field."""
+    node: Any = raw
+    for key in dotted.split("."):
+        check(isinstance(node, Mapping) and key in node, f"{what}: missing field {dotted}")
+        node = node[key]
+    return node
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _curve(raw: Mapping[str, Any], dotted: str, what: str, integer: bool) -> tuple[Any, ...]:
+    """A profile's list at ``dotted``: token / node counts (``integer``: >= 1) or times in ms (>= 0)."""
+    values = _field(raw, dotted, what)
+    fits = (lambda x: type(x) is int and x >= 1) if integer else _is_time
+    check(isinstance(values, list) and bool(values) and all(fits(x) for x in values),
+          f"{what}: {dotted} must be a non-empty list of {'integers >= 1' if integer else 'finite times >= 0 (ms)'}, "
+          f"got {_shown(values)}")
+    return tuple(int(x) if integer else float(x) for x in values)
 
 
 def load_profile(path: str | Path, what: str = "--profile") -> DeviceProfile:
