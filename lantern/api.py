@@ -32,7 +32,7 @@ from lantern.decoding.compiling import compile_notices
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError, check, python_errors
 from lantern.hub import resolve_location
-from lantern.methods import METHOD_SETTINGS, MethodConfig, resolve_method
+from lantern.methods import METHOD_SETTINGS, MethodConfig, method_settings, resolve_method
 from lantern.parts import ModelParts
 from lantern.run import PreparedMethod, RunResult
 
@@ -110,6 +110,8 @@ class PipelineOutput:
     stats: dict[str, Any]  # as run.json's "stats"
     config: dict[str, Any]  # resolved seed, batch size, device, sampling and method: run.json's values
     outputs: list[Any] = field(default_factory=list)  # per-batch GenerationOutput (SpecStats in .stats)
+    # the call's keywords, defaults filled in: pipe(labels, **out.settings) gives these codes again
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 # Prepared methods a Pipeline keeps (each holds its caches; the drafter and table are shared):
@@ -229,7 +231,9 @@ class Pipeline:
             else:
                 (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
             result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
-        return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes,
+        replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size, **sampling.to_dict(),
+                  **method_settings(result.method), **({"tree": "auto"} if auto.get("auto_tree") else {})}
+        return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes, settings=replay,
                               stats=result.stats_dict(), config={**run_config(seed, batch_size, self.device, sampling,
                                                                              result.method,
                                                                              deterministic=self.deterministic),

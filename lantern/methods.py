@@ -488,6 +488,31 @@ def recommended_tree(stack: Any, method: str) -> str | None:
     return trees.get(method)
 
 
+def method_settings(method: MethodConfig) -> dict[str, Any]:
+    """A resolved method's settings under their request names (those it uses and a request may set,
+    defaults filled in). The tree is a setting of the drafter methods only: the Jacobi and PJD
+    methods verify a chain of their window, SJD-PAC a tree of its width and depth."""
+    drafted = METHOD_TABLE[method.method].family == "eagle"
+    out: dict[str, Any] = {"tree": method.tree.spec} if drafted and method.tree.kind != "none" else {}
+    relaxation = method.relaxation
+    if relaxation is not None and relaxation.mode == "group":
+        out["gsd_group"] = relaxation.k
+    elif relaxation is not None:
+        bound = {"lantern_delta": relaxation.delta} if relaxation.mode == "absolute" else {
+            "lantern_lambda": relaxation.lam}
+        out.update(lantern_k=relaxation.k, **bound, lantern_residual=relaxation.residual,
+                   lantern_budget=relaxation.budget, lantern_credit=relaxation.credit)
+    if method.jacobi is not None:
+        out.update(sjd_window=method.jacobi.window, sjd_init=method.jacobi.init, sjd_coupling=method.jacobi.coupling)
+    if method.pjd is not None:
+        out.update(pjd_window=method.pjd.window, pjd_context=method.pjd.context, pjd_init=method.pjd.init)
+    if method.pac is not None:
+        out.update(pac_width=method.pac.width, pac_depth=method.pac.depth)
+    if method.subsequence is not None:
+        out["sv_alpha"] = method.subsequence.alpha
+    return out
+
+
 def resolve_method(method: str, stack: Any = None, **settings: Any) -> MethodConfig:
     """The one resolver every entrance uses (the API, the CLI, demo, bench, ``--tree auto``):
     ``method`` with ``settings`` (:data:`METHOD_SETTINGS`; None = not given), the tree

@@ -19,7 +19,7 @@ from PIL import Image
 import lantern
 from lantern.cli.main import main
 from lantern.errors import LanternError
-from lantern.methods import METHOD_TABLE
+from lantern.methods import METHOD_SETTINGS, METHOD_TABLE
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 
@@ -264,3 +264,21 @@ def test_submodules_are_attributes_of_the_package() -> None:
     code = "import lantern; print(len(lantern.methods.METHOD_SETTINGS) > 10, hasattr(lantern, 'nope'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "False"], out.stderr
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "lantern", "lantern++", "sjd-coupled", "gsd", "sjd-pac", "pjd",
+                                    "sjd-coupled-lantern-sv"])
+def test_an_outputs_settings_passed_back_give_its_codes(digits: lantern.Pipeline, method: str) -> None:
+    """``out.config`` is the run's record (nested, with keys no call takes: a probe, 2026-11-29,
+    found ``pipe(**out.config)`` refused); ``out.settings`` is the call's keywords with every
+    default filled in (the prepared method's: lantern's K capped at the table's), which a call
+    takes back as they are."""
+    first = digits(labels=[1, 2], method=method, seed=3, batch_size=2)
+    assert first.settings["method"] == method and first.settings["seed"] == 3
+    assert set(first.settings) - {"method", "seed", "batch_size"} <= set(METHOD_SETTINGS) | {
+        "temperature", "top_k", "top_p", "cfg_scale"}
+    again = digits(labels=[1, 2], **first.settings)
+    assert torch.equal(again.codes, first.codes) and again.settings == first.settings
+    # the same run but for k_explicit: passed back, the default K is given explicitly
+    assert {**again.config, "method": {**again.config["method"], "k_explicit": None}} == \
+        {**first.config, "method": {**first.config["method"], "k_explicit": None}}

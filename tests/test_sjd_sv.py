@@ -319,7 +319,7 @@ def test_alpha_reaches_the_method_from_every_entrance() -> None:
     from lantern.cli.common import method_from_args
     from lantern.cli.main import build_parser
     from lantern.eval.methods_grammar import parse_methods
-    from lantern.serve.plan import method_settings
+    from lantern.methods import method_settings
     from lantern.serve.schema import GenerationRequest
 
     want = MethodConfig.resolve("sjd-sv", sv_alpha=0.5)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from lantern.api import SAMPLING_SETTINGS, Pipeline, resolve_settings
 from lantern.calibration import AUTO, MethodChoice
 from lantern.errors import LanternError, python_names
-from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig
+from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig, method_settings
 from lantern.run import verify_nodes
 from lantern.serve.limits import MIN_ROUND_NODES, ROUND_FACTOR
 from lantern.serve.scheduler import Resolved, Scheduler
@@ -194,28 +194,3 @@ def answer_settings(request: Resolved) -> dict[str, Any]:
     request, they give the same images."""
     auto = {} if request.auto_method is None else {"auto_method": dict(request.auto_method)}
     return {**request.sampling.to_dict(), **method_settings(request.prepared.method), **auto}
-
-
-def method_settings(method: MethodConfig) -> dict[str, Any]:
-    """A resolved method's settings under their request names (those it uses and a request may set,
-    defaults filled in). The tree is a setting of the drafter methods only: the Jacobi and PJD
-    methods verify a chain of their window, SJD-PAC a tree of its width and depth."""
-    drafted = METHOD_TABLE[method.method].family == "eagle"
-    out: dict[str, Any] = {"tree": method.tree.spec} if drafted and method.tree.kind != "none" else {}
-    relaxation = method.relaxation
-    if relaxation is not None and relaxation.mode == "group":
-        out["gsd_group"] = relaxation.k
-    elif relaxation is not None:
-        bound = {"lantern_delta": relaxation.delta} if relaxation.mode == "absolute" else {
-            "lantern_lambda": relaxation.lam}
-        out.update(lantern_k=relaxation.k, **bound, lantern_residual=relaxation.residual,
-                   lantern_budget=relaxation.budget, lantern_credit=relaxation.credit)
-    if method.jacobi is not None:
-        out.update(sjd_window=method.jacobi.window, sjd_init=method.jacobi.init, sjd_coupling=method.jacobi.coupling)
-    if method.pjd is not None:
-        out.update(pjd_window=method.pjd.window, pjd_context=method.pjd.context, pjd_init=method.pjd.init)
-    if method.pac is not None:
-        out.update(pac_width=method.pac.width, pac_depth=method.pac.depth)
-    if method.subsequence is not None:
-        out["sv_alpha"] = method.subsequence.alpha
-    return out
