@@ -83,7 +83,7 @@ def test_lantern_sampled_run(folder: Path, tmp_path: Path) -> None:
         (["--layout", "anole", "--image-size", "768"], "Anole generates 512 x 512"),
         (["--vq", "/nonexistent/vqgan.ckpt"], "--vq: no such file"),
         (["--t5", "/tmp"], "--t5 is not used"),
-        (["--method", "sd", "--drafter", "/nonexistent"], "drafter folder not found"),
+        (["--method", "sd", "--drafter", "/nonexistent"], "--drafter: no such folder /nonexistent"),
         (["--method", "sjd-coupled", "--sjd-window", "auto"],
          "--sjd-window auto calibrates on class labels; pass a number for Chameleon-family models"),
         # --tree auto means the window for the Jacobi methods; the error names the flag typed (old: --sjd-window)
