@@ -226,6 +226,9 @@ def test_null_is_the_default_for_every_field(client: TestClient) -> None:
     assert given.status_code == default.status_code == 200, given.text
     assert [d["codes"] for d in given.json()["data"]] == [d["codes"] for d in default.json()["data"]]
     assert len(given.json()["data"]) == 1  # n's default
+    # lantern_k 0 (exact acceptance) is taken as the API takes it (it was refused: ge=1)
+    exact = client.post(GENERATE, json={"label": 3, "method": "lantern", "lantern_k": 0, "return_codes": True})
+    assert exact.status_code == 200 and exact.json()["settings"]["lantern_k"] == 0, exact.text
 
 
 @pytest.mark.invariance

@@ -48,7 +48,7 @@ class GenerationRequest(Strict):
     cfg_scale: float | None = Field(None, ge=1, le=MAX_CFG_SCALE)
     # Method settings (lantern.methods.METHOD_SETTINGS; null: the method's default)
     tree: str | None = Field(None, max_length=80, description="dynamic, chain:N or static:NAME (not auto)")
-    lantern_k: int | None = Field(None, ge=1)
+    lantern_k: int | None = Field(None, ge=0)  # 0: no neighbour credited (exact acceptance), as the API takes it
     lantern_delta: float | None = Field(None, ge=0, le=1)
     lantern_lambda: float | None = Field(None, ge=1)
     lantern_residual: Literal[RESIDUALS] | None = None  # type: ignore[valid-type]
