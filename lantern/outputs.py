@@ -149,14 +149,10 @@ def _remove_empty(folders: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def made_folder(directory: Path, what: str, purpose: str) -> Iterator[Path]:
+def made_folder(directory: Path, what: str) -> Iterator[Path]:
     """``directory``, created with its missing parents for the block, which are removed again
     after it where they are left empty (a working folder a failed or finished run leaves no trace of)."""
-    missing = [p for p in (directory, *directory.parents) if not p.exists()]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LanternError(f"{what}: cannot create {directory} {purpose} ({e.strerror or e})") from None
+    missing = _make_parents(directory, what)
     try:
         yield directory
     finally:

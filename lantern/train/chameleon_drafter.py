@@ -251,7 +251,7 @@ def feature_parent(out: str | os.PathLike[str], feature_dir: str | os.PathLike[s
     was created and is left empty (a failed run leaves no folder behind)."""
     parent = Path(feature_dir) if feature_dir is not None else Path(out).resolve().parent
     flag = "--feature-dir" if feature_dir is not None else "--out"
-    with made_folder(parent, flag, "for the training features") as made:
+    with made_folder(parent, flag) as made:
         check(made.is_dir(), f"{flag}: {made} is not a folder (the training features are kept there)")
         yield made
 
