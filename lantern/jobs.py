@@ -124,8 +124,33 @@ def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None
             done, error = [], str(e)
         agree(error, ctx)
         all_gather(done, ctx)
+        if error is None:
+            _log_run(job, record, ctx.world_size, len(done))
         stats = _rounds(parts, request, ctx, decode, done, job)
         return _finish(job, request, parts.method, record, stats, len(done))
+
+
+# Each run of a job (one, or several with --resume), as run.json's "runs" lists them: the settings
+# that may change between runs without changing the request (batch size, device, deterministic
+# kernels, processes), so a resumed job's record says how each part of it was decoded.
+RUN_LOG = "runs.json"
+RUN_LOG_KEYS = ("command", "date", "batch_size", "device", "deterministic")
+
+
+def _log_run(job: Path, record: dict[str, Any], processes: int, resumed: int) -> None:
+    from lantern.io import read_json, write_json
+
+    path = job / RUN_LOG
+    try:
+        runs = read_json(path, "job run log") if path.exists() else []
+    except LanternError as e:
+        runs = e
+    if not isinstance(runs, list):  # only a record, never a reason to stop a job: started again
+        print(f"lantern: note: --resume: {runs if isinstance(runs, LanternError) else f'{path} is not a list'}; "
+              "run.json will list the runs from this one on")
+        runs = []
+    entry = {k: record[k] for k in RUN_LOG_KEYS if k in record}
+    write_json(path, [*runs, {**entry, "processes": processes, "images_already_recorded": resumed}])
 
 
 @contextlib.contextmanager
@@ -391,7 +416,7 @@ def _pause_after(recorded: int) -> None:
 def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[str, Any], parts: list[RoundPart],
             resumed: int) -> dict[str, Any]:
     """codes.npy, grid.png, run.json (and samples.npz) from all records, into ``JOB/out``."""
-    from lantern.io import write_json
+    from lantern.io import read_json, write_json
 
     records = _records(job)
     indices = np.concatenate([r["indices"] for r in records])
@@ -411,7 +436,8 @@ def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[s
         write_npz(out / NPZ_NAME, [out / name for name in request.names])
     stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), parts, method)
     run = {**record, "job": {k: request.identity[k] for k in JOB_ONLY_KEYS},
-           "stats": {**stats, "generated_this_run": n - resumed, "resumed_images": resumed}}
+           "stats": {**stats, "generated_this_run": n - resumed, "resumed_images": resumed},
+           "runs": read_json(job / RUN_LOG, "job run log")}
     write_json(out / "run.json", run)
     return run
 

@@ -357,7 +357,7 @@ class MethodConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """As run.json records it (lists, not tuples: equal to the file read back)."""
-        return json.loads(json.dumps(asdict(self)))
+        return json.loads(json.dumps({**asdict(self), "tree": self.tree.to_dict()}))
 
 
 def first_set(value: str | None, default: str | None) -> str:

@@ -111,6 +111,7 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
     assert run["command"].startswith("lantern bench")
     assert run["sampling"]["cfg_scale"] == 3.0 and run["dtype"] == "float32"
     assert run["num_real"] == 100 and run["feature_net"].startswith("lantern feature net")
+    assert {"num_images", "batch_size", "ar_seeds"} <= set(run["config"])  # the quality pass's settings
     spread = run["ar_spread"]
     assert spread["seeds"] == [0, 1, 2, 3, 4]  # --ar-seeds default 5, from --seed 0
     assert set(spread["values"]) == {"fid", "kid", "precision", "recall", "class_accuracy"}

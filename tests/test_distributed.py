@@ -26,7 +26,7 @@ from PIL import Image
 from lantern.cli.main import main
 from lantern.distributed import DistContext, check_enough_items, shard
 from lantern.errors import LanternError
-from lantern.jobs import PAUSE_AFTER_ENV, write_npz
+from lantern.jobs import PAUSE_AFTER_ENV, RUN_LOG, _log_run, write_npz
 from lantern.outputs import PAUSE_ENV
 from lantern.testing import make_random_stack, make_tiny_chameleon_folder
 
@@ -252,6 +252,10 @@ def test_a_killed_job_resumes_without_redoing_finished_images(
     stats = json.loads((out / "run.json").read_text())["stats"]
     assert (stats["resumed_images"], stats["generated_this_run"]) == (2, 3)
     assert sum(r["images"] for r in stats["ranks"]) == 3  # only the missing images were decoded
+    # run.json lists both runs of the job (the refused ones above are not runs of it)
+    runs = json.loads((out / "run.json").read_text())["runs"]
+    assert [(r["processes"], r["images_already_recorded"], r["batch_size"]) for r in runs] == [(1, 0, 1), (2, 2, 1)]
+    assert runs[1]["command"].startswith("lantern generate") and "--resume" in runs[1]["command"]
     assert {name: (out / name).stat().st_mtime_ns for name in stamps} == stamps  # finished PNGs kept as written
 
     # --resume into the finished folder: nothing to do with the same settings, refused with others.
@@ -290,6 +294,22 @@ def test_bench_under_two_processes_gives_the_quality_numbers_of_one(tmp_path: Pa
     assert run_one["ar_spread"]["seeds"] == [0, 1]  # a real spread, not an empty one
     assert run_one["ar_spread"] == run_two["ar_spread"] and run_one["curves"] == run_two["curves"]
     assert (tmp_path / "two" / "grid_ar.png").read_bytes() == (tmp_path / "one" / "grid_ar.png").read_bytes()
+
+
+@pytest.mark.parametrize("damage", [b'{"runs": 1}', b'[{"command": "lantern gen', b""])
+def test_a_damaged_run_log_is_started_again_not_a_stop(tmp_path: Path, damage: bytes,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """runs.json is only a record of a job's runs: damaged, it is begun again with a note."""
+    record = {"command": "lantern generate --resume", "date": "d", "batch_size": 4, "device": "cpu",
+              "deterministic": True, "seeds": [1, 2]}
+    (tmp_path / RUN_LOG).write_bytes(damage)
+    _log_run(tmp_path, record, 1, 3)
+    assert str(tmp_path / RUN_LOG) in capsys.readouterr().out
+    assert json.loads((tmp_path / RUN_LOG).read_text()) == [
+        {"command": "lantern generate --resume", "date": "d", "batch_size": 4, "device": "cpu",
+         "deterministic": True, "processes": 1, "images_already_recorded": 3}]
+    _log_run(tmp_path, {**record, "batch_size": 8}, 2, 5)  # a sound log is appended to
+    assert [r["batch_size"] for r in json.loads((tmp_path / RUN_LOG).read_text())] == [4, 8]
 
 
 def test_npz_holds_grayscale_as_three_equal_channels_and_refuses_mixed_sizes(tmp_path: Path) -> None:

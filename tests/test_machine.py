@@ -15,6 +15,7 @@ import pytest
 
 from lantern import machine
 from lantern.cli.main import main
+from lantern.eval.bench import QUALITY_SETTINGS
 from lantern.machine import BUSY_SHARE, MachineLoad, Reading, read_machine
 
 
@@ -104,6 +105,8 @@ def test_bench_warns_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert ("**WARNING: busy machine" in md) is busy
     assert (run["busy_warning"] is not None) is busy
     assert "| no quality (the rows describe the timed images), speed on 1 at batch 1 |" in out  # not "200 images"
+    # run.json records the settings this run used: no quality pass, so none of its settings
+    assert not set(QUALITY_SETTINGS) & set(run["config"]) and run["config"]["speed_images"] == 1
 
 
 @pytest.mark.slow

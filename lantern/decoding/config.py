@@ -347,9 +347,14 @@ class TreeConfig:
         return self.max_depth + 1 + self.fed_per_round + 1
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["choices"] = [list(c) for c in self.choices]  # JSON's shape
-        return d
+        """The fields this kind of tree reads (a chain's record carries no dynamic tree's size)."""
+        if self.kind == "none":
+            return {"kind": "none"}
+        if self.kind == "chain":
+            return {"kind": "chain", "depth": self.depth}
+        if self.kind == "static":
+            return {"kind": "static", "name": self.name, "choices": [list(c) for c in self.choices]}
+        return {"kind": "dynamic", "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
 
 
 # The Jacobi family's settings (SJD and coupled SJD, SJD-PAC, PJD, SJD-SV). They live here, beside

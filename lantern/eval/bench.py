@@ -199,7 +199,7 @@ def run_bench(
     throughput = [point for batch in config.throughput_batch_sizes
                   for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), encoded, config,
                                                   batch, progress, runner)]
-    meta = _meta(stack, sampling, config, resolved)
+    meta = _meta(stack, sampling, config, resolved, scored=quality is not None)
     meta["machine_load"] = watch.result.to_dict()
     meta["busy_warning"] = watch.result.warning()
     return BenchResult(rows, meta, ar_spread, curves, sweep, codes, labels, throughput)
@@ -492,9 +492,15 @@ def _sweep(
     return rows
 
 
+# The settings only the quality pass reads: a speed-only run (no quality function) records none of them.
+QUALITY_SETTINGS = ("num_images", "batch_size", "num_real", "ar_seeds", "sweep", "sweep_images")
+
+
 def _meta(
-    stack: Stack, sampling: SamplingConfig, config: BenchConfig, resolved: Mapping[str, MethodConfig]
+    stack: Stack, sampling: SamplingConfig, config: BenchConfig, resolved: Mapping[str, MethodConfig],
+    scored: bool = True,
 ) -> dict[str, Any]:
+    unused = () if scored else QUALITY_SETTINGS
     return {
         "model": str(stack.root),
         **software(),
@@ -503,7 +509,7 @@ def _meta(
         "device": str(stack.device),
         "dtype": str(stack.dtype).replace("torch.", ""),
         "sampling": sampling.to_dict(),
-        "config": {k: v for k, v in asdict(config).items() if k != "methods"},
+        "config": {k: v for k, v in asdict(config).items() if k != "methods" and k not in unused},
         "methods": {name: cfg.to_dict() for name, cfg in resolved.items()},
     }
 
