@@ -368,18 +368,20 @@ def check_prompt_list(prompts: Any) -> list[str]:
 
 @python_errors(lambda: api_arguments())
 def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",
-         dtype: str | torch.dtype = "float32", compile: str = "off", tokenizer: str | os.PathLike[str] | None = None,
-         t5: str | os.PathLike[str] | None = None, vq: str | os.PathLike[str] | None = None,
-         layout: str | None = None, image_size: int | None = None,
+         dtype: str | torch.dtype = "float32", compile: str | None = "off",
+         tokenizer: str | os.PathLike[str] | None = None, t5: str | os.PathLike[str] | None = None,
+         vq: str | os.PathLike[str] | None = None, layout: str | None = None, image_size: int | None = None,
          proximity: str | os.PathLike[str] | None = None, deterministic: bool = False,
          prompt_width: int | None = None) -> Pipeline:
     """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
     folder (c2i or t2i), an Anole / Lumina-mGPT folder, a Janus / Janus-Pro or Emu3 folder (transformers
     layout; ``image_size``: an Emu3 image's side in pixels), or a Hugging Face repo id of any of these.
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
-    ``bfloat16``, ``auto``) or a torch dtype. ``deterministic=True``: batch-invariant matmuls
-    (:mod:`lantern.models.invariant`), so an image's codes never depend on the batch it runs in,
-    whatever the kernel library (the server's default; slower, and other samples than the default).
+    ``bfloat16``, ``auto``) or a torch dtype. ``compile``: ``off`` (or None), ``auto`` (a decoding
+    round as one compiled graph, CUDA graphs on a GPU) or a ``torch.compile`` mode.
+    ``deterministic=True``: batch-invariant matmuls (:mod:`lantern.models.invariant`), so an
+    image's codes never depend on the batch it runs in, whatever the kernel library (the server's
+    default; slower, and other samples than the default).
     ``prompt_width`` (Chameleon family): the tokens every prompt context is padded to, the prompt in
     its template (default 256); a longer prompt is refused."""
     image_size, prompt_width = plain(image_size), plain(prompt_width)

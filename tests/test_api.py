@@ -252,6 +252,8 @@ def test_api_probe_findings_are_one_line_errors_or_accepted(digits: lantern.Pipe
     assert message(lambda: lantern.load("digits", t5=missing)).startswith("t5 is only used by text-to-image models")
     assert message(lambda: lantern.load("digits", dtype=torch.int64)) == \
         "dtype must be float32, bfloat16 or float16 (or a name, or auto), got torch.int64"
+    assert message(lambda: lantern.load("digits", compile=True)) == \
+        "compile takes a mode name, not True: 'auto' compiles for this device, 'off' (or None) does not"
     # power: what exists loads
     assert lantern.load("digits", preset_dir("digits") / "drafter", tokenizer=preset_dir("digits") / "tokenizer",
                         dtype=torch.float32).stack.kind == "c2i"

@@ -349,6 +349,19 @@ def test_calibrate_refuses_a_folder_as_out_before_it_loads(stack: Path, tmp_path
                                        "file to write (a .json path)\n")
 
 
+@pytest.mark.parametrize("flag", ["--num-images", "--ar-seeds", "--batch-size", "--num-real", "--feature-net"])
+def test_calibrate_quick_refuses_the_quality_flags_it_would_ignore(stack: Path, flag: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``--quick`` runs no quality pass: ``--num-images 50`` with it was silently unused."""
+    import lantern.api
+
+    monkeypatch.setattr(lantern.api, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["calibrate", "--model", str(stack), "--quick", flag, "4", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"lantern: error: {flag} sets the quality pass, and --quick runs none: "
+                                       "drop one of them\n")
+
+
 # -- the server: --method auto resolved once at start, the default when a calibration exists -------
 
 SERVE_TABLE = {"ar": (0.5, 0.4, "within", []), "sjd": (0.4, 0.3, "within", []),

@@ -29,6 +29,21 @@ def batch_sizes(spec: str) -> tuple[int, ...]:
     return sizes
 
 
+# The quality pass's flags (their defaults are calibration_config's): --quick runs no quality pass,
+# so one of them with --quick is refused rather than silently unused.
+QUALITY_FLAGS = {"num_images": "--num-images", "ar_seeds": "--ar-seeds", "batch_size": "--batch-size",
+                 "num_real": "--num-real", "feature_net": "--feature-net"}
+
+
+def quality_settings(args: argparse.Namespace) -> dict[str, int]:
+    """The quality flags given (None: the default), refused with ``--quick``."""
+    given = {key: getattr(args, key) for key in QUALITY_FLAGS if getattr(args, key) is not None}
+    if args.quick and given:
+        raise LanternError(f"{QUALITY_FLAGS[next(iter(given))]} sets the quality pass, and --quick runs none: "
+                           "drop one of them")
+    return {key: value for key, value in given.items() if key != "feature_net"}
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Load the model as ``generate`` would (device, precision, compile mode, batch invariance),
     bench every method it can run at its defaults, and write the calibration."""
@@ -46,6 +61,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     sizes = batch_sizes(args.batch_sizes)
     check_device(args.device)
     compile_mode = resolve_compile(args.compile, args.device)
+    quality = quality_settings(args)
     if args.out:  # before the model loads and the methods run (a full calibration takes its while)
         check(not Path(args.out).is_dir(), f"--out {args.out} is a folder; expected the calibration file to write "
                                            "(a .json path)")
@@ -56,9 +72,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     setup = Setup.of(args.model, stack.root, args.device, stack.dtype, compile_mode, args.deterministic)
     runnable = runnable_methods(pipe.parts)
     methods = runnable if args.methods is None else _methods(args.methods, runnable)
-    config = calibration_config(methods, sizes, args.quick, num_images=args.num_images, speed_images=args.speed_images,
-                                repeats=args.repeats, ar_seeds=args.ar_seeds, seed=args.seed,
-                                batch_size=args.batch_size, num_real=args.num_real, compile=compile_mode)
+    config = calibration_config(methods, sizes, args.quick, speed_images=args.speed_images, repeats=args.repeats,
+                                seed=args.seed, compile=compile_mode, **quality)
     out = Path(args.out) if args.out else setup.user_file
     ensure_writable_dir(out.parent, "--out" if args.out else "the calibration folder ($LANTERN_CALIBRATION_DIR)")
     progress = not args.no_progress
@@ -114,13 +129,13 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
                         "methods only")
     p.add_argument("--methods", default=None,
                    help="comma-separated methods, ar included (default: every method this model can run)")
-    p.add_argument("--num-images", type=int, default=200, help="quality images per method (default 200)")
-    p.add_argument("--ar-seeds", type=int, default=5, help="AR's quality at this many seeds: the spread (default 5)")
+    p.add_argument("--num-images", type=int, default=None, help="quality images per method (default 200)")
+    p.add_argument("--ar-seeds", type=int, default=None, help="AR's quality at this many seeds: the spread (default 5)")
     p.add_argument("--speed-images", type=int, default=8,
                    help="images timed per method at the first batch size (default 8)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is kept (default 1)")
-    p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")
-    p.add_argument("--num-real", type=int, default=1000, help="held-out real images to compare with (default 1000)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch for the quality images (default 25)")
+    p.add_argument("--num-real", type=int, default=None, help="held-out real images to compare with (default 1000)")
     p.add_argument("--feature-net", default=None,
                    help="feature extractor, as for bench (default: the model's features/)")
     p.add_argument("--seed", type=int, default=0)

@@ -145,6 +145,8 @@ def resolve_compile(mode: str | None, device: torch.device | str) -> str | None:
     """None / "off" -> None (eager); "auto" / "on" -> the device's best mode; else a torch mode."""
     if mode is None or mode == "off":
         return None
+    check(not isinstance(mode, bool),  # torch.compile's habit: a flag there, a mode name here
+          f"--compile takes a mode name, not {mode!r}: 'auto' compiles for this device, 'off' (or None) does not")
     check(mode in ("auto", "on", *COMPILE_MODES),
           f"--compile must be off, auto or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     check_cache_dir()  # at the start of a compiled run, not after its first compilation
