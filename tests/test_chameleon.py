@@ -351,9 +351,10 @@ def test_chi_square_has_power() -> None:
 
 
 def _expected_chameleon_7b_keys() -> dict[str, tuple[int, ...]]:
-    """The HF Chameleon-7B checkpoint layout (Anole-7b-hf, Lumina-mGPT-7B-*), written out from the
-    transformers conversion's naming: 32 layers, hidden 4096, 32 heads of 128, MLP 11008, vocab
-    65536; the q/k LayerNorms carry one gamma/beta per head ([heads, head_dim])."""
+    """The HF Chameleon-7B checkpoint layout (Anole-7b-hf), written out from the transformers
+    conversion's naming: 32 layers, hidden 4096, 32 heads of 128, MLP 11008, vocab 65536; the q/k
+    LayerNorms carry one gamma/beta per head ([heads, head_dim]). Lumina-mGPT-7B-* differs only
+    there: one row per model-parallel shard, [1, 128] (test_lumina_mgpt_shard_norms_...)."""
     keys: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (65536, 4096),
         "model.norm.weight": (4096,),
@@ -457,3 +458,62 @@ def test_not_a_chameleon_folder(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "chameleon"}')
     with pytest.raises(LanternError, match="no weights"):
         check_chameleon_folder(tmp_path)
+
+
+def _shard_norm_folder(folder: Path, shards: int, odd_layer_rows: int | None = None) -> dict[str, Tensor]:
+    """A tiny Chameleon folder in Lumina-mGPT's layout: every q/k LayerNorm ``[shards, head_dim]``,
+    ``model_parallel_size: shards``. Returns the per-head state it stands for, each head h taking
+    shard ``h // (heads / shards)``'s row, as Lumina's ``ChameleonLayerNorm.repeat_param``
+    (``repeat_interleave`` over the shard's heads) makes it at run time."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from lantern.testing import tiny_chameleon
+
+    tiny_chameleon(seed=5).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
+    state = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(6)
+    expected = dict(state)
+    for key in list(state):
+        match = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.(weight|bias)", key)
+        if match is None:
+            continue
+        n = odd_layer_rows if odd_layer_rows is not None and match[1] == "1" else shards
+        rows = torch.randn(n, state[key].shape[-1], generator=gen)
+        state[key] = rows
+        per_shard = heads[match[2]] // shards
+        expected[key] = torch.stack([rows[min(h // per_shard, n - 1)] for h in range(heads[match[2]])])
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config.update(model_parallel_size=shards, architectures=["ChameleonXLLMXForConditionalGeneration"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_lumina_mgpt_shard_norms_load_as_its_code_repeats_them(tmp_path: Path, shards: int) -> None:
+    """Lumina-mGPT's released folders hold each q/k LayerNorm once per model-parallel shard
+    (``[1, 128]`` at 7B: Alpha-VLLM/Lumina-mGPT's converter), where transformers' Chameleon holds
+    one row per head; they failed to load ("q_norm.weight MISMATCH"). Each of the model's heads
+    must hold its shard's row, and every other weight the file's."""
+    from lantern.models.chameleon import load_chameleon
+
+    expected = _shard_norm_folder(tmp_path / "m", shards)
+    state = load_chameleon(tmp_path / "m", dtype=torch.float32).hf.state_dict()
+    assert {k for k in expected if not k.startswith("model.vqmodel.")} <= set(state)
+    for key, value in expected.items():
+        if not key.startswith("model.vqmodel."):
+            assert torch.equal(state[key], value), key
+
+
+def test_shard_norms_of_another_shape_are_refused_in_one_line(tmp_path: Path) -> None:
+    from lantern.models.chameleon import load_chameleon
+
+    _shard_norm_folder(tmp_path / "m", 1, odd_layer_rows=2)  # layer 0 [1, 8], layer 1 [2, 8]
+    with pytest.raises(LanternError) as err:
+        load_chameleon(tmp_path / "m", dtype=torch.float32)
+    assert "model.layers.1.self_attn.q_norm.weight has shape [2, 8]; expected [1, 8]" in str(err.value)
+    assert "\n" not in str(err.value)

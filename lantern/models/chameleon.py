@@ -31,6 +31,7 @@ Image layouts (:class:`ImageLayout`), from the public inference code:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,9 +282,84 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
         config.vocabulary_map = default_vocabulary_map(config.vq_config.num_embeddings)
     # Chameleon folders may hold pytorch_model*.bin (transformers reads them weights-only); images
     # are decoded by the folder's VQGAN checkpoint (vqgan.ckpt), so transformers' VQ model may be absent
+    shards = shard_norm_rows(directory, config)
     model = load_pretrained("ChameleonForConditionalGeneration", directory, "Chameleon", dtype,
-                            spare=("model.vqmodel.",), config=config, use_safetensors=None)
+                            spare=("model.vqmodel.",), refilled=None if shards is None else SHARD_NORM_KEYS,
+                            config=config, use_safetensors=None)
+    if shards is not None:
+        fill_shard_norms(model, directory, shards)
     return ChameleonLM(model.to(device))
+
+
+# Lumina-mGPT's own Chameleon code keeps each attention's q/k LayerNorm once per model-parallel
+# shard, ``[model_parallel_size, head_dim]``, and repeats a shard's row over that shard's heads at
+# run time (Alpha-VLLM/Lumina-mGPT: ``ChameleonLayerNorm`` in lumina_mgpt/model/chameleon/
+# modeling_chameleon.py; its weight converter writes ``[1, head_dim]`` for an unsharded model).
+# transformers' Chameleon holds one row per head: a Lumina-mGPT folder loads with its rows repeated
+# as Lumina's code repeats them, which is the same function.
+SHARD_NORM_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.(weight|bias)")
+
+
+def _safetensors_files(directory: Path) -> dict[str, Path]:
+    """Which safetensors file holds each key (the index's map when there is one, as transformers reads)."""
+    from safetensors import safe_open
+
+    from lantern.io import read_json
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        raw = read_json(index, "safetensors index")
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        check(isinstance(weight_map, dict), f"--model: {index} has no weight_map")
+        return {str(k): directory / str(v) for k, v in weight_map.items()}
+    files: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), path))
+    return files
+
+
+def shard_norm_rows(directory: Path, config: Any) -> int | None:
+    """The shard count when the folder's q/k norms are Lumina-mGPT's per-shard rows (fewer rows
+    than heads, as many as ``model_parallel_size``), else None (transformers' per-head rows, or
+    weights only in pickles, whose shapes transformers itself checks)."""
+    from safetensors import safe_open
+
+    path = _safetensors_files(directory).get("model.layers.0.self_attn.q_norm.weight")
+    if path is None or not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        shape = tuple(f.get_slice("model.layers.0.self_attn.q_norm.weight").get_shape())
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    shards = int(getattr(config, "model_parallel_size", 1) or 1)
+    if len(shape) != 2 or shape[0] == heads or shape[0] != shards:
+        return None  # per-head rows, or a shape transformers refuses by name
+    check(heads % shards == 0 and kv_heads % shards == 0,
+          f"--model {directory}: q/k norms of {shards} model-parallel rows (Lumina-mGPT's layout) need heads "
+          f"({heads}) and key/value heads ({kv_heads}) that are multiples of it")
+    return shards
+
+
+def fill_shard_norms(model: ChameleonForConditionalGeneration, directory: Path, shards: int) -> None:
+    """Each layer's q/k norm rows from the folder, each shard's row repeated over its heads."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(directory)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    params = dict(model.named_parameters())
+    for i in range(config.num_hidden_layers):
+        for norm, heads in (("q_norm", config.num_attention_heads), ("k_norm", config.num_key_value_heads)):
+            for part in ("weight", "bias"):
+                key = f"model.layers.{i}.self_attn.{norm}.{part}"
+                check(key in files and key in params, f"--model {directory}: the weights lack {key}")
+                with safe_open(str(files[key]), framework="pt") as f:
+                    rows = f.get_tensor(key)
+                check(tuple(rows.shape) == (shards, head_dim),
+                      f"--model {directory}: {key} has shape {list(rows.shape)}; expected [{shards}, {head_dim}] "
+                      f"(one row per model-parallel shard) like layer 0's, or [{heads}, {head_dim}] (one per head)")
+                with torch.no_grad():
+                    params[key].copy_(rows.repeat_interleave(heads // shards, dim=0))
 
 
 def check_chameleon_folder(directory: Path) -> None:

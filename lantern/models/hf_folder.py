@@ -120,11 +120,15 @@ def loading_bars() -> Iterator[None]:
 
 
 def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.dtype | None,
-                    spare: tuple[str, ...] = (), **options: Any) -> Any:
+                    spare: tuple[str, ...] = (), refilled: re.Pattern[str] | None = None, **options: Any) -> Any:
     """transformers' ``class_name.from_pretrained`` on a checked folder: safetensors only unless
     ``options`` say otherwise (more keywords of ``from_pretrained``), bf16 unless told, its failures
     as one line naming the folder, and strict: a weight the folder lacks is refused
-    (:func:`check_complete`; ``spare``: key prefixes of modules lantern never runs)."""
+    (:func:`check_complete`; ``spare``: key prefixes of modules lantern never runs). ``refilled``:
+    keys whose file shape may differ from the model's, because the caller fills them itself after
+    the load (a release's own layout of them); any other shape mismatch is still refused."""
+    if refilled is not None:
+        options = {**options, "ignore_mismatched_sizes": True}
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - the t2i extra is part of dev
@@ -155,8 +159,13 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
         for handler in held:
             root.addHandler(handler)
     check_complete(info, directory, family, spare)
+    if refilled is not None:
+        other = sorted(key for key, *_ in info.get("mismatched_keys", ()) if not refilled.fullmatch(key))
+        check(not other, f"--model {directory}: transformers could not load the {family} weights: the weights do "
+                         f"not fit config.json ({other[0] if other else ''} has another shape)")
     for record in report.records:  # e.g. keys of the folder the model has no place for (UNEXPECTED)
-        logging.getLogger(record.name).handle(record)
+        if refilled is None or "MISMATCH" not in record.getMessage():  # refilled keys: not a problem
+            logging.getLogger(record.name).handle(record)
     return model
 
 
