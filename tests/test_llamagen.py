@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +122,69 @@ def test_hf_port_round_trip(tmp_path) -> None:
     captions = torch.randn(2, 6, 12)
     tokens = torch.randint(0, cfg.vocab_size, (2, 10))
     assert torch.equal(loaded(captions, tokens)[0], model(captions, tokens)[0])
+
+
+def _hf_port(folder: Path, seed: int = 4) -> LlamaGen:
+    """A tiny t2i model saved as LANTERN's HF port, in two shards with their index."""
+    model = tiny_llamagen(seed=seed, model_type="t2i", cls_token_num=6, caption_dim=12)
+    hf = {k: v.contiguous() for k, v in official_to_hf(model.state_dict(), model.config).items()}
+    folder.mkdir()
+    keys = sorted(hf)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: hf[k] for k in part}, str(folder / name))
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg = model.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "intermediate_size": cfg.hidden_ffn, "vocab_size": cfg.vocab_size,
+        "input_type": "t2i", "cls_token_num": cfg.cls_token_num, "caption_dim": cfg.caption_dim,
+        "block_size": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": 10000.0}))
+    return model
+
+
+def test_a_sharded_hf_port_reads_the_shards_its_index_lists(tmp_path: Path) -> None:
+    """A shard the index does not list (a stale file of an older download, here with zeroed
+    weights) is never read: it used to be merged in by a glob, silently replacing weights."""
+    model = _hf_port(tmp_path / "m")
+    stale = {"model.layers.0.self_attn.o_proj.weight": torch.zeros(model.config.dim, model.config.dim)}
+    save_file(stale, str(tmp_path / "m" / "model-00003-of-00003.safetensors"))
+    save_file(stale, str(tmp_path / "m" / "model.safetensors"))
+    loaded = LlamaGen.from_pretrained(tmp_path / "m").eval()
+    captions, tokens = torch.randn(2, 6, 12), torch.randint(0, model.config.vocab_size, (2, 10))
+    assert torch.equal(loaded(captions, tokens)[0], model(captions, tokens)[0])
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("shard", "model.safetensors.index.json lists the shard model-00002-of-00002.safetensors, which is not in"),
+    ("block_size", "HF config is missing 'block_size'"),
+    ("input_type", "HF config is missing 'input_type'"),
+    ("cls_token_num", "HF config is missing 'cls_token_num' (caption tokens)"),
+    ("q_proj", "model.layers.0.self_attn.q_proj.weight has shape [64, 63], config.json expects [64, 64]"),
+])
+def test_a_damaged_hf_port_is_refused_in_one_line(tmp_path: Path, damage: str, message: str) -> None:
+    """A missing shard, a config without a field LANTERN's code reads (a default decided the image
+    size or the condition kind silently), a projection of another width (a torch.cat error)."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "m"
+    _hf_port(folder)
+    if damage == "shard":
+        (folder / "model-00002-of-00002.safetensors").unlink()
+    elif damage == "q_proj":
+        for shard in folder.glob("*.safetensors"):
+            state = load_file(str(shard))
+            if "model.layers.0.self_attn.q_proj.weight" in state:
+                state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"][:, 1:]
+                save_file({k: v.contiguous() for k, v in state.items()}, str(shard))
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        del config[damage]
+        (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LanternError) as err:
+        LlamaGen.from_pretrained(folder)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_folder_round_trip(tmp_path) -> None:

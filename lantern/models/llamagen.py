@@ -482,14 +482,34 @@ class LlamaGen(nn.Module):
         """Load LANTERN's HF port (``config.json`` + ``model.safetensors``, LlamaForCausalLM keys)."""
         directory = Path(directory)
         config = config_from_hf(read_json_object(directory / "config.json", "HF config"))
-        files = sorted(directory.glob("model*.safetensors"))
-        check(bool(files), f"{directory} has no model*.safetensors weights")
         state: dict[str, Tensor] = {}
-        for f in files:
+        for f in hf_port_files(directory):
             state.update(load_safetensors(f, "HF-port weights"))
         model = cls(config)
-        load_state_dict_strict(model, hf_to_official(state, config), f"HF-port weights in {directory}")
+        source = f"HF-port weights in {directory}"
+        load_state_dict_strict(model, hf_to_official(state, config, source), source)
         return model.to(dtype) if dtype is not None else model
+
+
+def hf_port_files(directory: Path) -> list[Path]:
+    """The weight files of an HF port, as transformers picks them: the shards its
+    ``model.safetensors.index.json`` lists (a shard it does not list, e.g. one left from an older
+    download, is never read), else ``model.safetensors``."""
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        single = directory / "model.safetensors"
+        check(single.is_file(), f"{directory} has no model.safetensors (nor model.safetensors.index.json and its "
+                                "shards)")
+        return [single]
+    raw = read_json_object(index, "safetensors index")
+    weight_map = raw.get("weight_map")
+    check(isinstance(weight_map, dict) and bool(weight_map) and all(isinstance(v, str) for v in weight_map.values()),
+          f"{index} has no weight_map of tensor names to shard files")
+    files = [directory / name for name in sorted(set(weight_map.values()))]
+    for path in files:
+        check(path.is_file() and path.parent == directory,
+              f"{index} lists the shard {path.name}, which is not in {directory}")
+    return files
 
 
 # ----------------------------------------------------------------------------------------------
@@ -538,7 +558,8 @@ _HF_LAYER = {
 }
 
 
-def hf_to_official(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str, Tensor]:
+def hf_to_official(state: Mapping[str, Tensor], cfg: LlamaGenConfig,
+                   source: str = "HF-port checkpoint") -> dict[str, Tensor]:
     """Map HF-port keys to official names ([LANTERN code]); q/k/v are concatenated into ``wqkv``.
 
     LANTERN keeps LlamaGen's interleaved RoPE on the HF weights, so no permutation is needed.
@@ -567,10 +588,15 @@ def hf_to_official(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str
                 out[key] = value
         else:
             out[key] = value
+    widths = {"q": cfg.n_head * cfg.head_dim, "k": cfg.kv_heads * cfg.head_dim, "v": cfg.kv_heads * cfg.head_dim}
     for idx, parts in qkv.items():
         missing = [f"model.layers.{idx}.self_attn.{p}_proj.weight" for p in "qkv" if p not in parts]
         if missing:
-            raise LanternError(f"HF-port checkpoint is missing {', '.join(missing)}")
+            raise LanternError(f"{source} lack {', '.join(missing)}")
+        for p in "qkv":  # named here: torch.cat would only say that sizes differ
+            shape = tuple(parts[p].shape)
+            check(shape == (widths[p], cfg.dim), f"{source}: model.layers.{idx}.self_attn.{p}_proj.weight has shape "
+                                                 f"{list(shape)}, config.json expects {[widths[p], cfg.dim]}")
         out[f"layers.{idx}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
 
@@ -603,11 +629,16 @@ def official_to_hf(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str
 
 def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
     """LlamaGenConfig from the HF-port ``config.json`` attributes ([LANTERN code])."""
-    try:
-        dim, n_layer, n_head = raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"]
-    except KeyError as e:
-        raise LanternError(f"HF config is missing {e.args[0]!r}") from None
-    input_type = raw.get("input_type", "t2i")
+    # LANTERN's model code reads these five (and input_type, cls_token_num, block_size) directly:
+    # a port without one is damaged, and a default would decide the image size or the condition
+    # kind silently (a Stage II port read as 256 tokens)
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "input_type", "block_size")
+               if k not in raw]
+    check(not missing, f"HF config is missing {missing[0]!r}" if missing else "")
+    dim, n_layer, n_head = raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"]
+    input_type = raw["input_type"]
+    check(input_type in ("c2i", "t2i", "t2i2"), f"HF config: input_type must be c2i, t2i or t2i2, got {input_type!r}")
+    check(input_type == "c2i" or "cls_token_num" in raw, "HF config is missing 'cls_token_num' (caption tokens)")
     return LlamaGenConfig(
         dim=dim,
         n_layer=n_layer,
@@ -620,7 +651,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
         model_type="c2i" if input_type == "c2i" else "t2i",
         num_classes=raw.get("num_classes", 1000),
         caption_dim=raw.get("caption_dim", 2048),
-        cls_token_num=raw.get("cls_token_num", 120),
+        cls_token_num=raw.get("cls_token_num", 1),
         block_size=raw.get("block_size", 256),
         class_dropout_prob=raw.get("class_dropout_p", 0.1),
         token_dropout_p=raw.get("token_dropout_p", 0.1),
