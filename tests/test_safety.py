@@ -213,6 +213,33 @@ def test_chameleon_vqgan_refuses_the_payload(chameleon: Path, tmp_path: Path, wh
     assert not _marker(path).exists()
 
 
+@pytest.mark.parametrize("trust", [False, True])
+def test_chameleon_target_bin_refuses_the_payload_in_one_line(chameleon: Path, tmp_path: Path, trust: bool,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A Chameleon folder's ``pytorch_model.bin`` is read by transformers, tensors-only: a payload
+    was refused there with 53 lines of stderr naming neither the file nor the class. Now one line
+    naming both, which says that --trust-checkpoint cannot load it (transformers never unpickles
+    more) and how to; nothing runs, with or without the flag. Power: the same folder with a
+    tensors-only .bin generates."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(chameleon, folder)
+    path = folder / "pytorch_model.bin"
+    state = load_file(folder / "model.safetensors")
+    torch.save({**state, "args": Payload(_marker(path))}, path)
+    (folder / "model.safetensors").unlink()
+    argv = ["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--out", str(tmp_path / "out"),
+            "--no-progress", *(["--trust-checkpoint"] if trust else [])]
+    assert main(argv) == 2
+    _one_line_error(capsys, str(path), "builtins.exec", "even with --trust-checkpoint", "model.safetensors")
+    assert not _marker(path).exists() and not (tmp_path / "out").exists()
+    torch.save(state, path)  # power: tensors only, the same folder loads and generates
+    assert main(argv) == 0 and (tmp_path / "out" / "0000_prompt0.png").is_file()
+
+
 def test_released_chameleon_drafter_bin_refuses_the_payload(chameleon: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """LANTERN's released Anole / Lumina-mGPT drafters ship as ``pytorch_model.bin``: the same loader."""

@@ -31,6 +31,7 @@ Image layouts (:class:`ImageLayout`), from the public inference code:
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -283,12 +284,34 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
     # Chameleon folders may hold pytorch_model*.bin (transformers reads them weights-only); images
     # are decoded by the folder's VQGAN checkpoint (vqgan.ckpt), so transformers' VQ model may be absent
     shards = shard_norm_rows(directory, config)
-    model = load_pretrained("ChameleonForConditionalGeneration", directory, "Chameleon", dtype,
-                            spare=("model.vqmodel.",), refilled=None if shards is None else SHARD_NORM_KEYS,
-                            config=config, use_safetensors=None)
+    options: dict[str, Any] = dict(spare=("model.vqmodel.",), refilled=None if shards is None else SHARD_NORM_KEYS,
+                                   config=config, use_safetensors=None)
+    try:
+        model = load_pretrained("ChameleonForConditionalGeneration", directory, "Chameleon", dtype, **options)
+    except pickle.UnpicklingError:  # transformers' weights-only refusal: many paragraphs, no file name
+        raise LanternError(_refused_pickle(directory)) from None
     if shards is not None:
         fill_shard_norms(model, directory, shards)
     return ChameleonLM(model.to(device))
+
+
+def _refused_pickle(directory: Path) -> str:
+    """Why transformers refused the folder's ``pytorch_model*.bin``, in one line: the file and the
+    class it names (lantern's own weights-only reader finds them). transformers reads a model
+    folder's pickles weights-only whatever lantern is told, so ``--trust-checkpoint`` cannot help:
+    the way out is safetensors."""
+    from lantern.io import load_checkpoint
+
+    files = sorted(directory.glob("pytorch_model*.bin"))
+    reason = f"{', '.join(f.name for f in files) or 'its pickled weights'} hold objects besides tensors"
+    for file in files:
+        try:
+            load_checkpoint(file, "weights", trust=False)
+        except LanternError as e:
+            reason = str(e).split(", which lantern does not load")[0]
+            break
+    return (f"--model {directory}: {reason}; transformers reads a model folder's pickles tensors-only, even with "
+            "--trust-checkpoint: if you trust the file, re-save its tensors as model.safetensors")
 
 
 # Lumina-mGPT's own Chameleon code keeps each attention's q/k LayerNorm once per model-parallel
@@ -373,7 +396,7 @@ def check_chameleon_folder(directory: Path) -> None:
         isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE,
         f"--model: {config_file} is not a Chameleon config (model_type {CHAMELEON_MODEL_TYPE!r} expected)",
     )
-    weights = list(directory.glob("*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
+    weights = list(directory.glob("model*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
     check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (*.safetensors)")
     for path in sorted(directory.glob("*.safetensors")):
         check_safetensors_header(path)
