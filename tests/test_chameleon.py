@@ -455,7 +455,13 @@ def test_not_a_chameleon_folder(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(LanternError, match="not a Chameleon config"):
         check_chameleon_folder(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "chameleon"}')
+    (tmp_path / "config.json").write_text('{"model_type": "chameleon"}')  # a probe: blamed on the vqmodel's keys
+    with pytest.raises(LanternError, match="config.json has no vq_config"):
+        check_chameleon_folder(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "chameleon", "vq_config": {}}')
+    with pytest.raises(LanternError, match="no weights"):
+        check_chameleon_folder(tmp_path)
+    (tmp_path / "proximity.safetensors").write_bytes(b"")  # a folder's other safetensors are not its weights
     with pytest.raises(LanternError, match="no weights"):
         check_chameleon_folder(tmp_path)
 

@@ -228,7 +228,8 @@ def test_a_folder_lacking_a_weight_is_refused(folders: dict[str, Path], tmp_path
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (f"lantern: error: --model {folder}: the folder's weights lack 1 tensor(s) of the "
-                           f"{FAMILY[family]} model, e.g. {named} (transformers would start them at random)"), err
+                           f"{FAMILY[family]} model, e.g. {named} (transformers' name for it; transformers would start "
+                           "them at random)"), err
     assert not (tmp_path / "out").exists()
 
 

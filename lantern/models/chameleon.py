@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
-from lantern.models.hf_folder import cached_attention, check_safetensors_header, load_pretrained
+from lantern.models.hf_folder import cached_attention, check_safetensors_header, check_sub_configs, load_pretrained
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -396,6 +396,8 @@ def check_chameleon_folder(directory: Path) -> None:
         isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE,
         f"--model: {config_file} is not a Chameleon config (model_type {CHAMELEON_MODEL_TYPE!r} expected)",
     )
+    # the image vocabulary's size comes from vq_config: without one transformers builds its default
+    check_sub_configs(directory, raw, "Chameleon", ("vq_config",))
     weights = list(directory.glob("model*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
     check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (*.safetensors)")
     for path in sorted(directory.glob("*.safetensors")):

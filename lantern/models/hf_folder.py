@@ -176,7 +176,8 @@ def check_complete(info: dict[str, Any], directory: Path, family: str, spare: tu
     ``spare`` (modules lantern never runs) may be missing."""
     missing = sorted(key for key in info.get("missing_keys", ()) if not key.startswith(spare))
     check(not missing, f"--model {directory}: the folder's weights lack {len(missing)} tensor(s) of the {family} "
-                       f"model, e.g. {missing[0] if missing else ''} (transformers would start them at random)")
+                       f"model, e.g. {missing[0] if missing else ''} (transformers' name for it; transformers would "
+                       "start them at random)")
 
 
 class _Report(logging.Handler):
