@@ -352,8 +352,10 @@ def _reason(error: BaseException) -> str:
     if isinstance(error, EOFError):
         return "the file ends early (empty or truncated)"
     text = str(error).split("WeightsUnpickler error:", 1)[-1]
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
-    return line.split(". ", 1)[0]
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__).split(". ", 1)[0]
+    if "zip archive" in line or "Invalid argument" in line:  # torch's words for a cut-off zip container
+        line += " (the file is truncated or damaged: download or copy it again)"
+    return line
 
 
 def load_checkpoint(path: str | os.PathLike[str], what: str = "checkpoint", *, trust: bool | None = None) -> Any:

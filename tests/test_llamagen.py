@@ -298,3 +298,18 @@ def test_labels_out_of_range() -> None:
         target.start(torch.tensor([0, 10]))
     with pytest.raises(LanternError, match="label -1 is out of range"):
         target.start(torch.tensor([-1]))
+
+
+def test_a_folder_of_official_checkpoints_says_to_convert_them(tmp_path: Path) -> None:
+    """A folder of LlamaGen's downloads (``c2i_B_256.pt``, ``vq_ds16_c2i.pt``) was refused as "has
+    no tokenizer/ folder", which sends the user the wrong way."""
+    import lantern
+
+    model = tiny_llamagen()
+    torch.save({"model": model.state_dict()}, tmp_path / "c2i_B_256.pt")
+    torch.save({"model": {}}, tmp_path / "vq_ds16_c2i.pt")
+    with pytest.raises(LanternError) as err:
+        lantern.load(tmp_path)
+    assert str(err.value) == (f"model {tmp_path} holds official checkpoint files (c2i_B_256.pt, vq_ds16_c2i.pt), not a "
+                              "model folder: convert them once with LlamaGen.from_official_checkpoint and "
+                              "VQModel.from_official_checkpoint, then save_pretrained (docs/checkpoints.md)")

@@ -315,7 +315,8 @@ def test_resume_continues_from_lanterns_own_files(stopped_run: tuple[Path, Path]
 # ---- corrupt files ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("damage", "needle"), [("truncated", "failed reading zip archive"),
+@pytest.mark.parametrize(("damage", "needle"), [("truncated", "failed reading zip archive: failed finding central "
+                                                                "directory (the file is truncated or damaged"),
                                                  ("empty", "the file ends early (empty or truncated)"),
                                                  ("garbage", "could not be read as a torch checkpoint")])
 def test_corrupt_pickled_checkpoint(tmp_path: Path, damage: str, needle: str,

@@ -255,6 +255,13 @@ def load_stack(
         )
     target_dir = root / TARGET_DIR if (root / TARGET_DIR).is_dir() else root
     has_config = (target_dir / "config.json").is_file()
+    pickles = sorted(p.name for p in root.glob("*.pt"))
+    if pickles and not has_config:  # official LlamaGen downloads: checkpoints, not a model folder yet
+        raise LanternError(
+            f"--model {root} holds official checkpoint files ({', '.join(pickles[:3])}), not a model folder: convert "
+            "them once with LlamaGen.from_official_checkpoint and VQModel.from_official_checkpoint, then "
+            "save_pretrained (docs/checkpoints.md)"
+        )
     if has_config:  # a broken or foreign config is named before a missing tokenizer
         check_target_architecture(target_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
