@@ -139,6 +139,8 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
         assert f"| {r['method']} |" in md
         assert f"{r['mean_accepted']:.2f}" in md
     assert "not** Inception" in md
+    # 2 timed images at batch 1: the interval's t has 1 degree of freedom, and the report says what that does
+    assert "t interval with 1 degree(s) of freedom: 2 timed batches give a wide interval" in md
     assert "AR's spread over 5 seeds (0, 1, 2, 3, 4), bounds per metric: fid " in md
     assert "t(0.9875, 4) · s · sqrt(1 + 1/5) = ±3.83 s" in md and "at most 5% of the time" in md
     assert "| vs AR spread |" in md

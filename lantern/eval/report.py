@@ -332,6 +332,14 @@ def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _degrees_note(batches: int) -> str:
+    """What a few timed batches do to the interval: honest, and wide (t(0.975, 1) = 12.7)."""
+    if not 2 <= batches < 6:  # fewer than 2: no interval
+        return ""
+    return (f" with {batches - 1} degree(s) of freedom: {batches} timed batches give a wide interval; "
+            "--speed-images 8 or more narrows it")
+
+
 def markdown_report(result: BenchResult, command: str) -> str:
     m = result.meta
     cfg = m["config"]
@@ -344,7 +352,8 @@ def markdown_report(result: BenchResult, command: str) -> str:
         f"- sampling: {m['sampling']}",
         f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
         f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded; the speed-up's 95% CI (where "
-        "shown): over the timed batches, each with AR's time on the same images (ratio estimator, t interval)",
+        "shown): over the timed batches, each with AR's time on the same images (ratio estimator, t interval"
+        + _degrees_note(-(-int(cfg["speed_images"]) // int(cfg["speed_batch_size"]))) + ")",
         *([f"- **{m['busy_warning']}**"] if m.get("busy_warning") else []),
         *(
             [
