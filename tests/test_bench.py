@@ -209,6 +209,25 @@ def test_cli_bad_input_exits_2_with_a_message(
     assert not (tmp_path / "o" / "bench.json").exists()
 
 
+@pytest.mark.parametrize(("command", "speed_only"), [("bench", "--no-quality"), ("calibrate", "--quick")])
+def test_a_model_folder_without_a_feature_net_is_named_before_it_loads(
+    command: str, speed_only: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A downloaded Janus / Emu3 / Chameleon folder has no features/: the docs' bench command took the
+    model folder itself for the feature net ("holds model_type 'janus', not a lantern feature net")."""
+    import lantern.api
+
+    folder = tmp_path / "janus"
+    folder.mkdir()
+    monkeypatch.setattr(lantern.api, "load_model_stack", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(lantern.api, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main([command, "--model", str(folder), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"lantern: error: --model {folder} has no features/ feature net to score quality with: pass --feature-net "
+        "(a lantern feature net folder, made by `lantern train-features`; clip:DIR; or torchscript:PATH), or "
+        f"{speed_only} to measure speed only\n")
+
+
 def test_method_at_tree_rows() -> None:
     specs = parse_methods("ar,lantern++@chain:5,lantern++@auto,lantern++")
     assert [s.name for s in specs] == ["ar", "lantern++@chain:5", "lantern++@auto", "lantern++"]

@@ -54,6 +54,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lantern.decoding.compiling import resolve_compile
     from lantern.eval.bench import BenchRunner, QualityScorer, run_bench
     from lantern.eval.calibrate import calibration_config, calibration_from_bench, runnable_methods
+    from lantern.eval.metrics import default_feature_net
     from lantern.io import ensure_writable_dir
     from lantern.validate import check_device
 
@@ -62,6 +63,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_device(args.device)
     compile_mode = resolve_compile(args.compile, args.device)
     quality = quality_settings(args)
+    if not args.quick and args.feature_net is None and Path(str(args.model)).is_dir():
+        default_feature_net(args.model, "--quick")  # before the model loads and the methods run
     if args.out:  # before the model loads and the methods run (a full calibration takes its while)
         check(not Path(args.out).is_dir(), f"--out {args.out} is a folder; expected the calibration file to write "
                                            "(a .json path)")
@@ -80,7 +83,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     sampling = resolve_sampling(stack)  # the model's generation.json: what a run without sampling flags uses
     scorer = None if args.quick else QualityScorer.build(stack, args.feature_net, config.num_real, progress=progress,
                                                          sampling=sampling, seed=config.seed,
-                                                         batch_size=config.batch_size)
+                                                         batch_size=config.batch_size, speed_only="--quick")
     print(f"calibrate {setup.model} on {setup.key} | {len(methods)} methods at batch {', '.join(map(str, sizes))} | "
           + ("speed only (--quick)" if args.quick else f"quality on {config.num_images} images, AR at "
              f"{config.ar_seeds} seeds") + f" | writes {out}")

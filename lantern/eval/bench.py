@@ -576,12 +576,14 @@ class QualityScorer:
     def build(
         cls, stack: Stack, spec: str | None, num_real: int, progress: bool = False,
         sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 25,
+        speed_only: str = "--no-quality",
     ) -> QualityScorer:
-        """``sampling``: how AR reference images are generated when the stack has no data set."""
+        """``sampling``: how AR reference images are generated when the stack has no data set;
+        ``spec`` None: the model's own feature net (``speed_only`` names the way out without one)."""
         from lantern.data.datasets import DATA_FILE
-        from lantern.eval.metrics import extract_features, load_feature_extractor, reference_images
+        from lantern.eval.metrics import default_feature_net, extract_features, load_feature_extractor, reference_images
 
-        spec = spec or str(stack.root)
+        spec = spec or default_feature_net(stack.root, speed_only)
         extractor = load_feature_extractor(spec, device=stack.device)
         if (stack.root / DATA_FILE).is_file():
             images, _ = reference_images(stack)

@@ -261,6 +261,19 @@ def feature_net_dir(model: str | os.PathLike[str]) -> Path:
     return folder
 
 
+def default_feature_net(root: str | os.PathLike[str], speed_only: str = "--no-quality") -> str:
+    """The feature net quality is scored with when none is named: the model folder's
+    ``features/`` (the presets have one). A folder without one (a downloaded Janus, Emu3 or
+    Chameleon model) is refused in one line saying what to pass; it used to be taken as a feature
+    net itself and refused for its model_type. ``speed_only``: the command's flag for no quality."""
+    folder = Path(root)
+    check((folder / FEATURES_DIR).is_dir(),
+          f"--model {folder} has no {FEATURES_DIR}/ feature net to score quality with: pass --feature-net (a "
+          f"lantern feature net folder, made by `lantern train-features`; clip:DIR; or torchscript:PATH), or "
+          f"{speed_only} to measure speed only")
+    return str(folder)
+
+
 def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.device = "cpu",
                            input_size: int = 299, trust_checkpoint: bool | None = None) -> FeatureExtractor:
     """A feature extractor from ``spec``:
