@@ -320,11 +320,16 @@ def find_calibration(setup: Setup) -> tuple[Path, Calibration]:
                   f"calibration {path} is for model {calibration.model_id} / {calibration.key}, not this "
                   f"{setup.model_id} / {setup.key}: make one with `{setup.command()}`")
             return path, calibration
+    others = sorted({p.stem for folder in (setup.user_file.parent, setup.model_file.parent) if folder.is_dir()
+                     for p in folder.glob("*.json")} - {setup.key})
+    # e.g. `bench --save-calibration` at its default --dtype auto (bf16 on a CPU with AMX) and a
+    # float32 generate: the settings are named, so the flag that differs shows
+    elsewhere = f"; this model has calibrations of other settings only: {', '.join(others)}" if others else ""
     raise LanternError(
         f"--method auto needs a calibration of {setup.model} on {setup.key}, and there is none (looked for "
-        f"{setup.user_file}): make one with `{setup.command()}` (every method's speed and quality), or a quick one "
-        f"with `{setup.command(quick=True)}` (speed only, {QUICK_COST}; --quality ar then picks among lossless "
-        f"methods only); or name a --method", field="method")
+        f"{setup.user_file}{elsewhere}): make one with `{setup.command()}` (every method's speed and quality), or a "
+        f"quick one with `{setup.command(quick=True)}` (speed only, {QUICK_COST}; --quality ar then picks among "
+        f"lossless methods only); or name a --method", field="method")
 
 
 def nearest_batch_size(sizes: Iterable[int], batch_size: int) -> int:

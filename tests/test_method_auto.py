@@ -282,6 +282,19 @@ def test_a_calibration_shipped_with_the_model_is_read(stack: Path, tmp_path: Pat
     assert find_calibration(setup)[0] == setup.user_file
 
 
+def test_a_missing_calibration_names_the_settings_that_have_one(stack: Path) -> None:
+    """``bench --save-calibration`` at its default ``--dtype auto`` (bf16 on an AMX CPU) wrote a
+    file a float32 ``generate --method auto`` never reads, and the refusal did not say one existed."""
+    from lantern.calibration import find_calibration
+
+    bf16 = Setup.of(str(stack), stack, "cpu", "bfloat16", None)
+    Calibration.from_dict(synthetic(model_id=bf16.model_id, key=bf16.key), "t").save(bf16.user_file)
+    with pytest.raises(LanternError) as err:
+        find_calibration(Setup.of(str(stack), stack, "cpu", "float32", None))
+    assert f"this model has calibrations of other settings only: {bf16.key})" in str(err.value)
+    assert find_calibration(bf16)[0] == bf16.user_file  # power: the setting it was made for finds it
+
+
 def test_a_bench_result_becomes_a_calibration(stack: Path) -> None:
     """The bench's verdicts map to the file's (no spread: null; none worse: within; else out),
     each batch size's seconds per image come from the latency rows and the throughput table, and
