@@ -245,3 +245,13 @@ def test_sigkill_during_an_overwrite_keeps_the_old_run_intact_and_the_next_run_c
     assert generate(stack, out, "8") == 2  # a used --out is still refused
     assert generate(stack, out, "8", "--overwrite") == 0
     assert listing(tmp_path) == ["out"] and json.loads((out / "run.json").read_text())["labels"] == [8]
+
+
+def test_the_readmes_two_demos_write_two_folders() -> None:
+    """README runs `lantern demo`, then suggests `lantern demo --model digits`: both wrote ./lantern-demo,
+    so the second was refused (--out exists)."""
+    from lantern.cli.demo import default_out
+
+    assert default_out("photos") == "lantern-demo"
+    assert default_out("digits") == "lantern-demo-digits"
+    assert default_out("/data/models/janus-pro/") == "lantern-demo-janus-pro"

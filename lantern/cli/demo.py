@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lantern.cli.common import (
@@ -36,7 +37,8 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="images decoded together (default 1: the latency setting speculative decoding targets)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method; the median is reported")
-    p.add_argument("--out", default="lantern-demo", help="output folder (default ./lantern-demo)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default ./lantern-demo for photos, ./lantern-demo-MODEL for another model)")
     add_overwrite_arg(p)
     p.add_argument("--dtype", default="auto",
                    help="target/drafter precision: auto (default: bf16 where native), float32 or bfloat16")
@@ -83,6 +85,12 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str], args: argpa
     return settings, chosen
 
 
+def default_out(model: str) -> str:
+    """``lantern-demo`` for the default model, ``lantern-demo-<name>`` for another: the README's two
+    demos (photos, then digits) must not meet in one folder."""
+    return "lantern-demo" if model == "photos" else f"lantern-demo-{Path(model).name or 'model'}"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import time
 
@@ -108,7 +116,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for name in ("num_images", "batch_size", "repeats"):
         if getattr(args, name) is not None:
             check_count(getattr(args, name), f"--{name.replace('_', '-')}", maximum=MAX_IMAGES)
-    out = OutputFolder.check(args.out, "--out", args.overwrite, reads=model_reads(args))
+    out = OutputFolder.check(args.out if args.out is not None else default_out(str(args.model)), "--out",
+                             args.overwrite, reads=model_reads(args))
     torch.manual_seed(0)
     stack = load_tool_stack(args)
     sampling = sampling_from(stack, args)
