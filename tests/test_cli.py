@@ -243,3 +243,20 @@ def test_lantern_budget_is_recorded(stack: Path, tmp_path: Path, method: str) ->
     assert run["method"]["relaxation"]["budget"] == "token"
     assert main([*argv[:-1], str(tmp_path / "sd"), "--method", "sd", "--lantern-budget", "token"]) == 2
     assert not (tmp_path / "sd").exists() or list((tmp_path / "sd").iterdir()) == []
+
+
+def test_build_proximity_default_k_max_fits_a_small_codebook(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The default --k-max (1024) was refused for both presets' 1024-code tokenizers ("k_max must be
+    in [1, V-1 = 1023]"), a value the user never passed; without the flag every other code is kept."""
+    from lantern.targets.llamagen_stack import preset_dir
+    from lantern.targets.proximity import ProximityTable
+
+    tokenizer = str(preset_dir("digits") / "tokenizer")
+    out = tmp_path / "prox.safetensors"
+    assert main(["build-proximity", "--tokenizer", tokenizer, "--out", str(out)]) == 0
+    table = ProximityTable.load(out)
+    assert table.k_max == table.vocab_size - 1 == 1023
+    # an explicit value is taken as given, and refused when too large
+    assert main(["build-proximity", "--tokenizer", tokenizer, "--k-max", "5000", "--out", str(tmp_path / "p2")]) == 2
+    assert "k_max must be in [1, V-1 = 1023], got 5000" in capsys.readouterr().err

@@ -54,7 +54,8 @@ def add_build_proximity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", required=True,
                    help="VQ tokenizer folder, official vq_ds16_*.pt file, or a Janus / Emu3 model folder (its VQ "
                         "codebook)")
-    p.add_argument("--k-max", type=int, default=1024, help="neighbours stored per entry (default 1024)")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="neighbours stored per entry (default 1024, or every other code of a smaller codebook)")
     p.add_argument("--out", required=True, help="output file (.safetensors)")
     add_overwrite_arg(p, "file")
     p.add_argument(

@@ -315,9 +315,12 @@ def codebook_from_tokenizer(path: str | os.PathLike[str], *, trust_checkpoint: b
     return codebook.detach().float()
 
 
+DEFAULT_K_MAX = 1024  # neighbours stored per code: LANTERN's largest k (1000) fits
+
+
 def build_proximity_file(
     tokenizer: str,
-    k_max: int,
+    k_max: int | None,
     out: str,
     metric: Metric = "l2",
     normalize: bool = False,
@@ -325,12 +328,14 @@ def build_proximity_file(
     overwrite: bool = False,
 ) -> ProximityTable:
     """Build the table for a tokenizer's codebook and write it to ``out`` atomically. An existing
-    ``out`` is refused unless ``overwrite``; the location is checked before the codebook is read."""
+    ``out`` is refused unless ``overwrite``; the location is checked before the codebook is read.
+    ``k_max`` None: :data:`DEFAULT_K_MAX`, or every other code of a smaller codebook."""
     from lantern.outputs import OutputFile
 
     target = OutputFile.check(out, "--out", overwrite)
     codebook = codebook_from_tokenizer(tokenizer)
-    table = build_proximity(codebook, k_max, metric, normalize, progress=progress)
+    k = min(DEFAULT_K_MAX, codebook.shape[0] - 1) if k_max is None else k_max
+    table = build_proximity(codebook, k, metric, normalize, progress=progress)
     with target.write() as tmp:
         table.save(tmp)
     return table
