@@ -165,8 +165,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="photos", help=MODEL_HELP)
     p.add_argument("--methods", default="ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern",
                    help="comma-separated methods, ar included; METHOD@TREE adds a row with that tree, and "
-                        "METHOD/KEY=VALUE... a row with those settings (keys k, delta, lambda, budget; coupling for "
-                        "sjd-coupled*, gsd and sjd-pac; width, depth for sjd-pac), e.g. "
+                        "METHOD/KEY=VALUE... a row with those settings (KEY a setting's name, e.g. lantern_delta, "
+                        "or its short form: k, delta, lambda, residual, budget, credit; window, init, coupling, "
+                        "group, alpha; width, depth for sjd-pac; window, context, init for pjd), e.g. "
                         "lantern/delta=0.2/budget=token or sjd-coupled/coupling=gumbel "
                         "(default ar,sd,sd-static,lantern,lantern++,sjd,sjd-lantern)")
     p.add_argument("--tree", action="append", default=[], metavar="METHOD=TREE",

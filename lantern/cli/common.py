@@ -224,7 +224,8 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", nargs="?", const="auto", default="off", metavar="MODE",
                    help="compile the decode step (target, drafter, acceptance; AR too) with torch.compile: "
                         "--compile alone = auto (CUDA graphs on a GPU, inductor kernels on a CPU), or a mode: "
-                        "default, reduce-overhead, max-autotune. Costs start-up time (see README); default off")
+                        "default, reduce-overhead, max-autotune. Costs start-up time (docs/benchmarking.md); "
+                        "default off")
 
 
 def add_deterministic_arg(p: argparse.ArgumentParser, default: bool) -> None:
@@ -320,7 +321,8 @@ def add_trust_checkpoint_arg(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--trust-checkpoint", action="store_true",
         help="fully unpickle .pt/.bin/.ckpt files that hold classes besides tensors and the allowed ones: "
-             "this can run code from the file, so only for files you trust (see README: Loading checkpoints safely)",
+             "this can run code from the file, so only for files you trust (docs/checkpoints.md: Loading "
+             "checkpoints safely)",
     )
 
 

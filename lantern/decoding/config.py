@@ -281,7 +281,8 @@ class TreeConfig:
             return cls(kind="chain", depth=n)
         if spec.startswith("static:"):
             return cls(kind="static", name=spec.split(":", 1)[1])
-        raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME', got {spec!r}", field="tree")
+        raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME' (or 'auto' in generate, bench and "
+                           f"Python calls: measured on this device), got {spec!r}", field="tree")
 
     @property
     def spec(self) -> str:

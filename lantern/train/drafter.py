@@ -117,11 +117,12 @@ class DrafterData:
     def load(cls, directory: str | os.PathLike[str]) -> DrafterData:
         """Load every shard listed in ``meta.json`` into memory (checking each shard's sha256)."""
         directory = Path(directory)
-        check(directory.is_dir(), f"drafter data folder not found: {directory} (make one with make_drafter_data)")
-        check(any(directory.iterdir()), f"drafter data folder {directory} is empty (make one with make_drafter_data)")
+        make = "make one with `lantern make-drafter-data`"
+        check(directory.is_dir(), f"drafter data folder not found: {directory} ({make})")
+        check(any(directory.iterdir()), f"drafter data folder {directory} is empty ({make})")
         check((directory / META_FILE).is_file(),
-              f"drafter data folder {directory} has no {META_FILE}: it is not drafter data, or make_drafter_data "
-              "was interrupted (it writes meta.json last); make the data again")
+              f"drafter data folder {directory} has no {META_FILE}: it is not drafter data, or `lantern "
+              "make-drafter-data` was interrupted (it writes meta.json last); make the data again")
         meta = read_json(directory / META_FILE, "drafter data meta")
         check(isinstance(meta, dict) and meta.get("format") == DATA_FORMAT,
               f"{directory / META_FILE} is not a drafter data meta file (format {DATA_FORMAT!r} expected)")
