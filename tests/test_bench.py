@@ -228,6 +228,22 @@ def test_a_model_folder_without_a_feature_net_is_named_before_it_loads(
         f"{speed_only} to measure speed only\n")
 
 
+def test_a_preset_name_is_the_preset_whatever_folder_of_that_name_is_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model photos`` is the preset (resolve_model_dir), even beside a folder ./photos without
+    features/: the early check must not refuse it. Power: the same folder named by path is refused."""
+    import argparse
+
+    from lantern.cli.common import check_feature_net_early
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "photos").mkdir()
+    check_feature_net_early(argparse.Namespace(model="photos", feature_net=None), "--no-quality")
+    with pytest.raises(LanternError, match="has no features/ feature net"):
+        check_feature_net_early(argparse.Namespace(model="./photos", feature_net=None), "--no-quality")
+
+
 def test_method_at_tree_rows() -> None:
     specs = parse_methods("ar,lantern++@chain:5,lantern++@auto,lantern++")
     assert [s.name for s in specs] == ["ar", "lantern++@chain:5", "lantern++@auto", "lantern++"]

@@ -15,6 +15,7 @@ from lantern.cli.common import (
     add_overwrite_arg,
     add_tool_args,
     chameleon_options,
+    check_feature_net_early,
     model_reads,
 )
 from lantern.errors import check
@@ -63,7 +64,6 @@ def cmd_bench(args: Any) -> int:
     from lantern.api import load_model_stack, sampling_from
     from lantern.distributed import DistContext, process_group
     from lantern.eval.bench import BenchRunner, QualityScorer, resolve_auto_trees, resolve_auto_windows, run_bench
-    from lantern.eval.metrics import default_feature_net
     from lantern.eval.ranks import RankRunner, check_bench_ranks, no_metrics
     from lantern.eval.report import format_table, save_bench, throughput_table
     from lantern.outputs import OutputFolder
@@ -78,8 +78,8 @@ def cmd_bench(args: Any) -> int:
     args.device = ctx.device(args.device)
     out = OutputFolder.check(args.out or f"bench-{Path(str(args.model)).name}", "--out", args.overwrite,
                              reads=model_reads(args))
-    if not args.no_quality and args.feature_net is None and Path(str(args.model)).is_dir():
-        default_feature_net(args.model)  # before the model loads: a folder without features/ is named now
+    if not args.no_quality:
+        check_feature_net_early(args, "--no-quality")
     progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))

@@ -14,6 +14,7 @@ from lantern.cli.common import (
     add_deterministic_arg,
     add_trust_checkpoint_arg,
     chameleon_options,
+    check_feature_net_early,
 )
 from lantern.errors import LanternError, check
 
@@ -54,7 +55,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lantern.decoding.compiling import resolve_compile
     from lantern.eval.bench import BenchRunner, QualityScorer, run_bench
     from lantern.eval.calibrate import calibration_config, calibration_from_bench, runnable_methods
-    from lantern.eval.metrics import default_feature_net
     from lantern.io import ensure_writable_dir
     from lantern.validate import check_device
 
@@ -63,8 +63,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_device(args.device)
     compile_mode = resolve_compile(args.compile, args.device)
     quality = quality_settings(args)
-    if not args.quick and args.feature_net is None and Path(str(args.model)).is_dir():
-        default_feature_net(args.model, "--quick")  # before the model loads and the methods run
+    if not args.quick:  # before the model loads and the methods run
+        check_feature_net_early(args, "--quick")
     if args.out:  # before the model loads and the methods run (a full calibration takes its while)
         check(not Path(args.out).is_dir(), f"--out {args.out} is a folder; expected the calibration file to write "
                                            "(a .json path)")

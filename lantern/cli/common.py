@@ -358,3 +358,16 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
     add_compile_arg(p)
     add_chameleon_args(p)
     add_sampling_args(p)
+
+
+def check_feature_net_early(args: argparse.Namespace, speed_only: str) -> None:
+    """bench / calibrate: a local model folder without ``features/`` and no ``--feature-net`` is
+    refused before the model loads (the quality pass would need one); a preset name always has one,
+    whatever folder of that name the working directory holds."""
+    from lantern.targets.base import PRESETS
+
+    model = str(args.model)
+    if args.feature_net is None and model not in PRESETS and Path(model).is_dir():
+        from lantern.eval.metrics import default_feature_net
+
+        default_feature_net(model, speed_only)
