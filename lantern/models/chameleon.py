@@ -336,7 +336,7 @@ def _safetensors_files(directory: Path) -> dict[str, Path]:
         check(isinstance(weight_map, dict), f"--model: {index} has no weight_map")
         return {str(k): directory / str(v) for k, v in weight_map.items()}
     files: dict[str, Path] = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in sorted(directory.glob("model*.safetensors")):  # not proximity.safetensors
         with safe_open(str(path), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), path))
     return files
@@ -399,7 +399,7 @@ def check_chameleon_folder(directory: Path) -> None:
     # the image vocabulary's size comes from vq_config: without one transformers builds its default
     check_sub_configs(directory, raw, "Chameleon", ("vq_config",))
     weights = list(directory.glob("model*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
-    check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (*.safetensors)")
+    check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (model*.safetensors)")
     for path in sorted(directory.glob("*.safetensors")):
         check_safetensors_header(path)
 

@@ -629,9 +629,9 @@ def official_to_hf(state: Mapping[str, Tensor], cfg: LlamaGenConfig) -> dict[str
 
 def config_from_hf(raw: Mapping[str, Any]) -> LlamaGenConfig:
     """LlamaGenConfig from the HF-port ``config.json`` attributes ([LANTERN code])."""
-    # LANTERN's model code reads these five (and input_type, cls_token_num, block_size) directly:
-    # a port without one is damaged, and a default would decide the image size or the condition
-    # kind silently (a Stage II port read as 256 tokens)
+    # LANTERN's model code reads these (and a t2i port's cls_token_num) directly: a port without
+    # one is damaged, and a default would decide the image size or the condition kind silently (a
+    # Stage II port read as 256 tokens)
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "input_type", "block_size")
                if k not in raw]
     check(not missing, f"HF config is missing {missing[0]!r}" if missing else "")
