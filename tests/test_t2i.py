@@ -120,6 +120,13 @@ def test_read_prompts(tmp_path: Path) -> None:
     f = tmp_path / "p.txt"
     f.write_text("a cat\n\n  a dog on the beach  \n\n")
     assert read_prompts(f) == ["a cat", "a dog on the beach"]
+    # a probe: Notepad's BOM became part of the first prompt (another image), and a U+2028 inside a
+    # line split it in two; CRLF files read as LF ones
+    f.write_bytes("\ufeffa cat\r\na dog\u2028on the beach\r\n".encode())
+    assert read_prompts(f) == ["a cat", "a dog\u2028on the beach"]
+    (tmp_path / "bom.txt").write_bytes("\ufeff\n".encode())
+    with pytest.raises(LanternError, match="holds no prompts"):
+        read_prompts(tmp_path / "bom.txt")
     with pytest.raises(LanternError, match="--prompts: no such file"):
         read_prompts(tmp_path / "missing.txt")
     (tmp_path / "blank.txt").write_text("\n   \n")

@@ -91,17 +91,19 @@ def check_prompts(prompts: list[str], what: str = "--prompt") -> list[str]:
 
 
 def read_prompts(path: str | os.PathLike[str]) -> list[str]:
-    """Prompts of a text file, one per line; blank lines are skipped, the order is kept."""
+    """Prompts of a text file, one per line (``\n`` or ``\r\n``; a byte-order mark, as Windows
+    editors write, is dropped); blank lines are skipped, the order is kept. Lines are split at line
+    ends only: ``str.splitlines`` would also split a prompt at U+2028, form feeds and the like."""
     path = Path(path)
     if not path.exists():
         raise LanternError(f"--prompts: no such file {path}")
     if not path.is_file():
         raise LanternError(f"--prompts: {path} is not a file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a BOM would become part of the first prompt
     except UnicodeDecodeError as e:
         raise LanternError(f"--prompts: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    prompts = [line.strip() for line in text.split("\n") if line.strip()]  # strip() takes the \r of \r\n
     check(bool(prompts), f"--prompts: {path} holds no prompts (expected one prompt per line)")
     return prompts
 
