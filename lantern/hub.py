@@ -50,7 +50,9 @@ def snapshot(repo_id: str, flag: str) -> Path:
         path = snapshot_download(repo_id, cache_dir=os.environ.get("HF_HUB_CACHE") or None,
                                  local_files_only=offline)
     except Exception as e:  # the hub raises many kinds (offline, 404, gated, network); all mean "not available"
-        why = "not in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else \
-            f"could not be fetched from the Hugging Face Hub ({type(e).__name__})"
-        raise LanternError(f"{flag} {repo_id}: no such local folder, and the repo {repo_id} {why}") from None
+        why = "has no complete snapshot in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else \
+            f"could not be fetched from the Hugging Face Hub ({type(e).__name__}: not cached, and the Hub is " \
+            "unreachable, or the repo is gated or does not exist)"
+        raise LanternError(f"{flag} {repo_id}: no such local folder, and the repo {repo_id} {why}; download it where "
+                           f"the Hub is reachable (`hf download {repo_id}`) or pass its local folder") from None
     return Path(path)

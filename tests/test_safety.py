@@ -438,3 +438,17 @@ def test_distance_check_allows_ties(tmp_path: Path) -> None:
     row[i], row[j] = 7, 3
     assert not torch.equal(swapped, table.neighbours)
     ProximityTable(swapped, table.codebook_sha256, table.metric, table.normalized).validate(codebook)
+
+
+def test_a_dangling_hub_link_is_named_as_an_interrupted_download(tmp_path: Path) -> None:
+    """A Hub cache snapshot links each file to a blob; a deleted or never-finished blob left a raw
+    FileNotFoundError from the header check (a probe, 2026-11-29)."""
+    from lantern.errors import LanternError
+    from lantern.models.hf_folder import check_safetensors_header
+
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(tmp_path / "blobs" / "0123abcd")
+    with pytest.raises(LanternError) as err:
+        check_safetensors_header(link)
+    assert str(err.value) == (f"--model: {link} cannot be read (FileNotFoundError: a link whose file is "
+                              "missing, as an interrupted download leaves; download it again)")

@@ -83,6 +83,10 @@ def check_safetensors_header(path: Path) -> None:
             pass
     except SafetensorError as e:
         raise LanternError(f"--model: {path} is not a readable safetensors file ({e})") from None
+    except OSError as e:  # e.g. a Hub cache's link to a blob an interrupted download never finished
+        raise LanternError(f"--model: {path} cannot be read ({e.strerror or type(e).__name__}"
+                           + (": a link whose file is missing, as an interrupted download leaves; download it again"
+                              if path.is_symlink() and not path.exists() else "") + ")") from None
 
 
 def check_safetensors_weights(directory: Path, family: str) -> None:
