@@ -186,8 +186,8 @@ def add_chameleon_args(p: argparse.ArgumentParser) -> None:
                    help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only; "
                         "Emu3: a multiple of 8 (default: generation.json's image_size, else 720)")
     g.add_argument("--vq", default=None, metavar="CKPT",
-                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it "
-                        "(default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
+                   help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it, or a Hub repo id holding "
+                        "them (default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
     add_prompt_width_arg(g)
 
 

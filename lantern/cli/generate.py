@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from lantern.api import Pipeline
     from lantern.calibration import MethodChoice
     from lantern.outputs import OutputFolder
-from lantern.cli.common import add_sampling_args, add_trust_checkpoint_arg
+from lantern.cli.common import MODEL_HELP, add_sampling_args, add_trust_checkpoint_arg
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +47,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         description="Generate images with AR or speculative decoding.",
     )
     p.add_argument(
-        "--model", required=True, help="model stack folder (target/, tokenizer/, optional drafter/ and proximity table)"
+        "--model", required=True, help=MODEL_HELP + " (a LlamaGen stack: target/, tokenizer/, optional drafter/ and "
+        "proximity table)"
     )
     p.add_argument("--tokenizer", default=None, help="VQ tokenizer folder, if not inside --model")
     cond = p.add_mutually_exclusive_group()
@@ -64,7 +65,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--t5", default=None, metavar="DIR",
-        help="text-to-image models: local T5 encoder folder (google/flan-t5-xl; default: t5/ inside --model)",
+        help="text-to-image models: T5 encoder folder or Hub repo id (google/flan-t5-xl; default: t5/ inside "
+             "--model)",
     )
     add_chameleon_args(p)
     p.add_argument(
@@ -100,7 +102,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quality", default=None, choices=list(QUALITY_CLASSES),
                    help="with --method auto: lossless (methods that keep the model's distribution) or ar (also "
                         "relaxed methods the calibration judged within AR's spread; default)")
-    p.add_argument("--drafter", default=None, help="EAGLE drafter folder (default: drafter/ inside --model)")
+    p.add_argument("--drafter", default=None,
+                   help="EAGLE drafter folder or Hub repo id (default: drafter/ inside --model)")
     p.add_argument(
         "--tree",
         default=None,
