@@ -91,7 +91,7 @@ def check_prompts(prompts: list[str], what: str = "--prompt") -> list[str]:
 
 
 def read_prompts(path: str | os.PathLike[str]) -> list[str]:
-    """Prompts of a text file, one per line (``\n`` or ``\r\n``; a byte-order mark, as Windows
+    """Prompts of a text file, one per line (LF or CRLF line ends; a byte-order mark, as Windows
     editors write, is dropped); blank lines are skipped, the order is kept. Lines are split at line
     ends only: ``str.splitlines`` would also split a prompt at U+2028, form feeds and the like."""
     path = Path(path)
