@@ -43,7 +43,13 @@ from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
-from lantern.models.hf_folder import cached_attention, check_safetensors_header, check_sub_configs, load_pretrained
+from lantern.models.hf_folder import (
+    cached_attention,
+    check_safetensors_header,
+    check_sub_configs,
+    indexed_shards,
+    load_pretrained,
+)
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration
@@ -327,14 +333,9 @@ def _safetensors_files(directory: Path) -> dict[str, Path]:
     """Which safetensors file holds each key (the index's map when there is one, as transformers reads)."""
     from safetensors import safe_open
 
-    from lantern.io import read_json
-
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        raw = read_json(index, "safetensors index")
-        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-        check(isinstance(weight_map, dict), f"--model: {index} has no weight_map")
-        return {str(k): directory / str(v) for k, v in weight_map.items()}
+    shards = indexed_shards(directory)
+    if shards is not None:
+        return shards
     files: dict[str, Path] = {}
     for path in sorted(directory.glob("model*.safetensors")):  # not proximity.safetensors
         with safe_open(str(path), framework="pt") as f:
@@ -349,7 +350,7 @@ def shard_norm_rows(directory: Path, config: Any) -> int | None:
     from safetensors import safe_open
 
     path = _safetensors_files(directory).get("model.layers.0.self_attn.q_norm.weight")
-    if path is None or not path.is_file():
+    if path is None:
         return None
     with safe_open(str(path), framework="pt") as f:
         shape = tuple(f.get_slice("model.layers.0.self_attn.q_norm.weight").get_shape())

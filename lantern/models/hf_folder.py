@@ -89,6 +89,26 @@ def check_safetensors_header(path: Path) -> None:
                               if path.is_symlink() and not path.exists() else "") + ")") from None
 
 
+def indexed_shards(directory: Path) -> dict[str, Path] | None:
+    """The weight map of ``directory/model.safetensors.index.json`` (tensor name -> its shard), or
+    None without an index. transformers reads exactly the shards it lists, so lantern's own readers
+    do too: a shard it does not list (left from an older download) is never read, and a listed one
+    that is missing is named here."""
+    from lantern.io import read_json_object
+
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    weight_map = read_json_object(index, "safetensors index").get("weight_map")
+    check(isinstance(weight_map, dict) and bool(weight_map) and all(isinstance(v, str) for v in weight_map.values()),
+          f"{index} has no weight_map of tensor names to shard files")
+    shards = {str(key): directory / name for key, name in weight_map.items()}
+    for path in sorted(set(shards.values())):
+        check(path.is_file() and path.parent == directory, f"{index} lists the shard {path.name}, which is not in "
+                                                           f"{directory}")
+    return shards
+
+
 def check_safetensors_weights(directory: Path, family: str) -> None:
     """The folder's weights are safetensors with readable headers; pickles (``*.bin``) are never
     read, and the error names them."""

@@ -492,24 +492,16 @@ class LlamaGen(nn.Module):
 
 
 def hf_port_files(directory: Path) -> list[Path]:
-    """The weight files of an HF port, as transformers picks them: the shards its
-    ``model.safetensors.index.json`` lists (a shard it does not list, e.g. one left from an older
-    download, is never read), else ``model.safetensors``."""
-    index = directory / "model.safetensors.index.json"
-    if not index.is_file():
-        single = directory / "model.safetensors"
-        check(single.is_file(), f"{directory} has no model.safetensors (nor model.safetensors.index.json and its "
-                                "shards)")
-        return [single]
-    raw = read_json_object(index, "safetensors index")
-    weight_map = raw.get("weight_map")
-    check(isinstance(weight_map, dict) and bool(weight_map) and all(isinstance(v, str) for v in weight_map.values()),
-          f"{index} has no weight_map of tensor names to shard files")
-    files = [directory / name for name in sorted(set(weight_map.values()))]
-    for path in files:
-        check(path.is_file() and path.parent == directory,
-              f"{index} lists the shard {path.name}, which is not in {directory}")
-    return files
+    """The weight files of an HF port, as transformers picks them: the shards its index lists
+    (:func:`lantern.models.hf_folder.indexed_shards`), else ``model.safetensors``."""
+    from lantern.models.hf_folder import indexed_shards
+
+    shards = indexed_shards(directory)
+    if shards is not None:
+        return sorted(set(shards.values()))
+    single = directory / "model.safetensors"
+    check(single.is_file(), f"{directory} has no model.safetensors (nor model.safetensors.index.json and its shards)")
+    return [single]
 
 
 # ----------------------------------------------------------------------------------------------
