@@ -49,6 +49,7 @@ from lantern.outputs import OutputFolder, pause_for_tests, resume_folder
 if TYPE_CHECKING:
     from lantern.methods import MethodConfig
     from lantern.run import PreparedMethod
+    from lantern.targets.base import ConditionSet
 
 Decode = Callable[[Tensor], list[Any]]  # codes [b, T] -> PIL images
 
@@ -78,8 +79,7 @@ class JobRequest:
 
     names: list[str]  # PNG file name per image
     seed: int
-    cond: Tensor  # [N] labels or [N, cls, C] captions
-    cond_mask: Tensor | None  # [N, cls] (t2i)
+    conditions: ConditionSet  # of every image, in request order
     identity: dict[str, Any]  # IDENTITY_KEYS: what the images depend on
     batch_size: int
     ncol: int  # grid columns (images per label or prompt)
@@ -347,14 +347,11 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
 def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
                   decode: Decode) -> RoundPart:
     from lantern.run import generate_rows
-    from lantern.targets.base import Conditions
 
     if not indices:
         return RoundPart(rank, [], np.zeros((0, 0), np.int64), [], [], 0, 0.0)
-    idx = torch.tensor(indices, device=request.cond.device)
-    mask = None if request.cond_mask is None else request.cond_mask[idx]
     t0 = time.perf_counter()
-    output = generate_rows(parts, Conditions(request.cond[idx], mask), request.seed, indices)
+    output = generate_rows(parts, request.conditions.take(indices), request.seed, indices)
     seconds = time.perf_counter() - t0
     # One image at a time: the decoder's batched convolutions differ in their low bits with the batch
     # size, which can move a pixel across a rounding step; a job's PNGs must not depend on how its

@@ -21,7 +21,7 @@ from lantern.errors import check
 from lantern.models.invariant import follow_batch_invariance
 
 if TYPE_CHECKING:
-    from lantern.targets.base import Stack
+    from lantern.targets.base import PackedConditions, Stack
     from lantern.targets.proximity import ProximityTable
     from lantern.targets.text import T5Encoder
 
@@ -123,16 +123,25 @@ class ModelParts:
                 follow_batch_invariance(self._t5.model, self.stack.network())
             return self._t5
 
-    def encode(self, conditions: list[Any], repeats: int = 1, batch_size: int = 8) -> Any:
-        """``stack.encode`` with this T5 encoder for prompts of a text-to-image stack (labels and
-        Chameleon prompts need no encoder)."""
+    def encode(self, conditions: list[Any], repeats: int = 1, batch_size: int = 8,
+               progress: bool = False) -> PackedConditions:
+        """The conditions of a request (each ``repeats`` times in a row), packed on the host
+        (:class:`~lantern.targets.base.PackedConditions`): ``stack.encode``, with this T5 encoder for
+        the prompts of a text-to-image stack, ``batch_size`` prompts at a time (``progress``: a bar),
+        each batch packed before the next is encoded."""
+        from lantern.targets.base import PackedConditions, check_condition_kind
+
         if self.stack.kind != "t2i":
-            return self.stack.encode(conditions, repeats, batch_size)
-        from lantern.targets.base import check_condition_kind
+            return PackedConditions.pack([self.stack.encode(conditions, 1, batch_size)], repeats)
+        from tqdm.auto import tqdm
 
         prompts = check_condition_kind(conditions, str, self.stack.root)
-        captions = self.t5().encode(prompts, batch_size=batch_size)
-        return self.stack.from_captions(captions.repeat_interleave(repeats))
+        encoder = self.t5()
+        starts = tqdm(range(0, len(prompts), batch_size), desc="encoding prompts", unit="batch",
+                      disable=not progress or len(prompts) <= batch_size)
+        return PackedConditions.pack(
+            (self.stack.from_captions(encoder.encode(prompts[lo : lo + batch_size], batch_size)) for lo in starts),
+            repeats)
 
 
 def _placed(stack: Stack, drafter: torch.nn.Module) -> torch.nn.Module:

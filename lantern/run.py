@@ -34,7 +34,7 @@ from lantern.decoding.sampling import make_generators, validate_sampling_for_voc
 from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.parts import ModelParts, parts_of
-from lantern.targets.base import Conditions, Stack
+from lantern.targets.base import Conditions, ConditionSet, Stack
 from lantern.targets.llamagen_stack import ModelStack
 from lantern.targets.text import Captions
 from lantern.validate import check_batch_memory
@@ -109,7 +109,7 @@ def run_generation_t2i(stack: ModelStack, captions: Captions, seed: int, samplin
 
 def run_conditions(
     stack: Stack,
-    conditions: Conditions,  # from stack.encode: labels, captions or prompt ids of every image
+    conditions: ConditionSet,  # stack.encode's (or ModelParts.encode's packed) conditions of every image
     seed: int,
     sampling: SamplingConfig,
     method: MethodConfig,
@@ -144,7 +144,7 @@ def prepare_run(
     sampling: SamplingConfig,
     method: MethodConfig,
     batch_size: int,
-    conditions: Conditions,
+    conditions: ConditionSet,
     parts: ModelParts | None = None,
     compile: str | None = None,
     prepared: PreparedMethod | None = None,

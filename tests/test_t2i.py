@@ -27,6 +27,7 @@ import torch
 from conftest import T5_DIM, T5_MAXLEN, T5_WORDS, tiny_t2i_target
 from PIL import Image
 
+import lantern
 from lantern.cli.main import main
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import generate
@@ -39,6 +40,7 @@ from lantern.methods import MethodConfig
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, config_from_hf, hf_to_official, llamagen_config, official_to_hf
 from lantern.run import run_generation_t2i
+from lantern.targets.base import Conditions, PackedConditions
 from lantern.targets.llamagen import LlamaGenTarget
 from lantern.targets.llamagen_stack import check_target_architecture, load_stack
 from lantern.targets.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
@@ -114,6 +116,53 @@ def test_encoding_is_independent_of_batch_and_case(t2i_stack: Path, captions: Ca
     assert torch.allclose(same.embeddings[0], captions.embeddings[0], atol=1e-5)
     with pytest.raises(LanternError, match="prompt 1 is empty"):
         enc.encode(["dog", "  "])
+
+
+# ---- a long request's conditions, packed on the host ---------------------------------------------
+
+
+def test_packed_captions_rebuild_the_plain_rows_bit_for_bit(t2i_stack: Path, captions: Captions) -> None:
+    """Packed in two chunks with 3 images a prompt, any order of images taken gives exactly the rows
+    of the repeated plain captions, while the host holds each prompt once and only its valid slots."""
+    stack = load_stack(t2i_stack)
+    plain = stack.from_captions(captions.repeat_interleave(3))  # the rows a run used to hold on the device
+    once = stack.from_captions(captions)
+    packed = PackedConditions.pack(iter([once.rows(0, 2), once.rows(2, 3)]), repeats=3)
+    assert len(packed) == len(plain) == 9
+    valid = int(captions.mask.sum())
+    assert valid < 3 * T5_MAXLEN and tuple(packed.values.shape) == (valid, T5_DIM)  # 6 + 12 + 2 slots
+    assert packed.values.device.type == "cpu"
+    for order in ([*range(9)], [8, 0, 4, 4, 1], [5]):
+        got, want = packed.take(order), plain.take(order)
+        assert torch.equal(got.cond, want.cond) and torch.equal(got.mask, want.mask), order
+        assert got.cond.dtype == want.cond.dtype and got.cond.device == want.cond.device
+    assert torch.equal(packed.rows(7, 20).cond, plain.rows(7, 20).cond)
+    with pytest.raises(LanternError, match=r"image index \[9\] out of range for 9 conditions"):
+        packed.take([2, 9])
+
+
+def test_packing_keeps_labels_and_prompt_ids_and_refuses_right_padding() -> None:
+    labels = Conditions(torch.tensor([5, 1, 7]))
+    packed = PackedConditions.pack([labels], repeats=2)
+    assert packed.take([5, 0, 2]).cond.tolist() == [7, 5, 1] and packed.take([1]).mask is None
+    ids = torch.tensor([[0, 0, 4, 9], [3, 8, 2, 6]])  # left-padded prompt ids, as Chameleon's
+    mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    packed = PackedConditions.pack([Conditions(ids, mask)])
+    assert packed.values.tolist() == [4, 9, 3, 8, 2, 6]
+    assert torch.equal(packed.take([1, 0]).cond, ids[[1, 0]]) and torch.equal(packed.take([1, 0]).mask, mask[[1, 0]])
+    with pytest.raises(LanternError, match="packing needs left-padded conditions"):
+        PackedConditions.pack([Conditions(ids, mask.flip(1))])
+
+
+def test_pipeline_prompts_equal_the_plain_captions_run(t2i_stack: Path) -> None:
+    """``pipe(prompts=..., num_per_label=2)`` (packed, 3 rows a batch, so a prompt's images straddle
+    batches) makes the codes of a run over the plain repeated captions."""
+    pipe = lantern.load(t2i_stack)
+    out = pipe(prompts=[PROMPTS[0], PROMPTS[2]], num_per_label=2, batch_size=3, seed=4, top_k=40, method="ar")
+    caps = load_t5(t2i_stack / "t5", T5_MAXLEN).encode([PROMPTS[0], PROMPTS[2]]).repeat_interleave(2)
+    expect = run_generation_t2i(pipe.stack, caps, 4, SamplingConfig(top_k=40), MethodConfig.resolve("ar"),
+                                batch_size=3).codes
+    assert torch.equal(out.codes, expect)
 
 
 def test_read_prompts(tmp_path: Path) -> None:

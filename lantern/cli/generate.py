@@ -239,7 +239,7 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
     with process_group(ctx, args.device):
         finished = all_gather(finished, ctx)[0]  # rank 0's finding
         encoded = pipe.parts.encode(prompts if prompts is not None else args.labels, args.num_per_label,
-                                    args.batch_size)
+                                    args.batch_size, progress=not args.no_progress and ctx.is_main)
         method, extra = _generate_method(args, pipe, sampling, auto, auto_window)
         names, conditions = _condition_record(stack, args, prompts, t5_dir)
         parts = prepare_run(stack, sampling, method, args.batch_size, encoded,
@@ -254,7 +254,7 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
             if ctx.is_main:
                 print(f"{args.out} already holds this job, complete: nothing to do")
             return 0
-        request = JobRequest(names, args.seed, encoded.cond, encoded.mask, identity, args.batch_size,
+        request = JobRequest(names, args.seed, encoded, identity, args.batch_size,
                              args.num_per_label, save_npz=args.save_npz, resume=args.resume,
                              progress=not args.no_progress, num_tokens=stack.num_tokens,
                              vocab_size=stack.vocab_size)

@@ -8,8 +8,9 @@ Janus-Pro in ``lantern.targets.janus``, Emu3 in ``lantern.targets.emu3``.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -49,6 +50,84 @@ class Conditions:
 
     def rows(self, lo: int, hi: int) -> Conditions:
         return Conditions(self.cond[lo:hi], None if self.mask is None else self.mask[lo:hi])
+
+    def take(self, indices: Sequence[int]) -> Conditions:
+        """The rows of images ``indices``, in that order."""
+        idx = torch.tensor(list(indices), dtype=torch.long, device=self.cond.device)
+        return Conditions(self.cond[idx], None if self.mask is None else self.mask[idx])
+
+
+@dataclass(frozen=True)
+class PackedConditions:
+    """The conditions of a whole request, held compactly on the host; each batch is rebuilt on the
+    device as the :class:`Conditions` the target takes, bit for bit the rows that were packed.
+
+    Image ``i`` reads stored condition ``i // repeats`` (``--num-per-prompt`` repeats a prompt
+    without copying it), and a masked condition keeps only its valid columns: left-padded captions
+    and prompt ids are exactly 0 where the mask is False. A flan-t5-xl caption is 120 x 2048 values,
+    about 1 MB in float32, of which a COCO caption fills some 15 columns: 10,000 prompts at 4 images
+    each held as plain rows on the device would take 39 GB, packed on the host about 1.2 GB."""
+
+    values: Tensor  # unmasked: [M, ...] a row per condition; masked: [valid columns of all M, ...]
+    offsets: tuple[int, ...] | None  # masked: condition j's are values[offsets[j]:offsets[j + 1]]; None: unmasked
+    width: int  # columns of a rebuilt masked row (the set's padded width); 0 when unmasked
+    repeats: int
+    device: torch.device
+
+    @staticmethod
+    def pack(chunks: Iterable[Conditions], repeats: int = 1) -> PackedConditions:
+        """Pack ``chunks`` (consecutive conditions, each once, on the device they run on), one chunk at
+        a time: the plain rows of the whole set never exist at once (the chunks may be made lazily)."""
+        check(repeats >= 1, f"repeats must be >= 1, got {repeats}")
+        values: list[Tensor] = []
+        lengths: list[int] = []
+        width, masked, device = 0, None, None
+        for chunk in chunks:
+            device = chunk.cond.device
+            if masked is None:
+                masked, width = chunk.mask is not None, 0 if chunk.mask is None else int(chunk.mask.shape[1])
+            check((chunk.mask is not None) == masked, "packed conditions must all have a mask or all have none")
+            if chunk.mask is None:
+                values.append(chunk.cond.cpu())
+                continue
+            check(int(chunk.mask.shape[1]) == width,
+                  f"packed conditions must share their width: {width} then {int(chunk.mask.shape[1])}")
+            count = chunk.mask.sum(dim=1)
+            suffix = torch.arange(width, device=count.device)[None, :] >= (width - count)[:, None]
+            check(bool(torch.equal(chunk.mask.bool(), suffix)), "packing needs left-padded conditions "
+                  "(each row's valid columns at its end)")
+            values.append(chunk.cond[chunk.mask.bool()].cpu())
+            lengths.extend(int(c) for c in count.tolist())
+        check(device is not None and bool(values), "no conditions to pack")
+        assert device is not None
+        offsets = tuple(itertools.accumulate(lengths, initial=0)) if masked else None
+        return PackedConditions(torch.cat(values), offsets, width, repeats, device)
+
+    def __len__(self) -> int:
+        stored = len(self.offsets) - 1 if self.offsets is not None else int(self.values.shape[0])
+        return stored * self.repeats
+
+    def rows(self, lo: int, hi: int) -> Conditions:
+        return self.take(range(max(lo, 0), min(hi, len(self))))
+
+    def take(self, indices: Sequence[int]) -> Conditions:
+        """The rows of images ``indices``, in that order, rebuilt on the device."""
+        n = len(self)
+        bad = [i for i in indices if not 0 <= i < n]
+        check(not bad, f"image index {bad[:1]} out of range for {n} conditions")
+        stored = [i // self.repeats for i in indices]
+        if self.offsets is None:
+            return Conditions(self.values[torch.tensor(stored, dtype=torch.long)].to(self.device))
+        cond = self.values.new_zeros((len(stored), self.width, *self.values.shape[1:]))
+        mask = torch.zeros(len(stored), self.width, dtype=torch.bool)
+        for r, s in enumerate(stored):
+            lo, hi = self.offsets[s], self.offsets[s + 1]
+            cond[r, self.width - (hi - lo) :] = self.values[lo:hi]
+            mask[r, self.width - (hi - lo) :] = True
+        return Conditions(cond.to(self.device), mask.to(self.device))
+
+
+ConditionSet = Conditions | PackedConditions  # what a run reads its batches from (``rows``, ``take``)
 
 
 class Stack(Protocol):
@@ -125,7 +204,7 @@ class Stack(Protocol):
         """A fresh target adapter (CFG streams, cache, positions) for one batch."""
         ...
 
-    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: ConditionSet, batch: int) -> int:
         """Bytes of the target's key/value cache for ``batch`` rows of ``conditions``."""
         ...
 

@@ -24,6 +24,7 @@ from lantern.models.drafter import EagleDrafterModel
 from lantern.targets.base import (
     COMMON_GENERATION_KEYS,
     Conditions,
+    ConditionSet,
     StackFolder,
     check_condition_kind,
     prompts_for,
@@ -135,7 +136,7 @@ class PromptStack(StackFolder):
     def sample_conditions(self, n: int) -> list[Any]:
         return prompts_for(n)
 
-    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: ConditionSet, batch: int) -> int:
         return self.make_target(sampling, max_tree_nodes).cache_bytes(batch)
 
     @property

@@ -36,6 +36,7 @@ from lantern.targets.base import (
     TARGET_DIR,
     TOKENIZER_DIR,
     Conditions,
+    ConditionSet,
     StackFolder,
     check_condition_kind,
     existing_path,
@@ -146,7 +147,7 @@ class ModelStack(StackFolder):
         return LlamaGenTarget(self.target, sampling, max_tree_nodes=max_tree_nodes, compile=compile,
                               cache_pool=cache_pool)
 
-    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: Conditions, batch: int) -> int:
+    def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: ConditionSet, batch: int) -> int:
         from lantern.targets.llamagen import LlamaGenTarget
 
         return LlamaGenTarget(self.target, sampling, max_tree_nodes=max_tree_nodes).cache_bytes(batch)
