@@ -126,8 +126,8 @@ def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None
         all_gather(done, ctx)
         if error is None:
             _log_run(job, record, ctx.world_size, len(done))
-        stats = _rounds(parts, request, ctx, decode, done, job)
-        return _finish(job, request, parts.method, record, stats, len(done))
+        ranks = _rounds(parts, request, ctx, decode, done, job)
+        return _finish(job, request, parts.method, record, ranks, len(done))
 
 
 # Each run of a job (one, or several with --resume), as run.json's "runs" lists them: the settings
@@ -319,9 +319,11 @@ def _records(job: Path) -> list[dict[str, np.ndarray]]:
 
 
 def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode: Decode, done: Sequence[int],
-            job: Path | None) -> list[RoundPart]:
+            job: Path | None) -> list[dict[str, Any]]:
     """Decode this rank's share of the images not yet recorded, one batch per round; rank 0
-    (``job`` given) writes every round. Returns rank 0's view of all parts (empty elsewhere)."""
+    (``job`` given) writes every round. Returns rank 0's tally of each rank's images, seconds and
+    forwards (empty elsewhere): a round's pixels and codes are dropped once written, so a 50,000-image
+    job holds no more of them than one round's."""
     from tqdm.auto import tqdm
 
     finished = set(done)
@@ -329,7 +331,8 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
     mine = [pending[j] for j in shard(len(pending), ctx.rank, ctx.world_size)]
     longest = len(shard(len(pending), 0, ctx.world_size))  # rank 0's shard is never shorter
     batch = request.batch_size
-    written: list[RoundPart] = []
+    ranks: dict[int, dict[str, Any]] = {}
+    recorded = len(finished)
     with tqdm(total=len(request.names), initial=len(finished), desc="images", unit="img",
               disable=not (request.progress and ctx.is_main)) as bar:
         for r in range(-(-longest // batch)):
@@ -337,11 +340,18 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
             gathered = gather_to_main(part, ctx)
             if job is None or gathered is None:
                 continue
-            count = _write_round(job, request, gathered, len(finished) + sum(len(p.indices) for p in written))
-            written.extend(p for p in gathered if p.indices)
+            count = _write_round(job, request, gathered, recorded)
+            for p in gathered:
+                if p.indices:
+                    entry = ranks.setdefault(p.rank, {"rank": p.rank, "images": 0, "seconds": 0.0,
+                                                      "target_forwards": 0})
+                    entry["images"] += len(p.indices)
+                    entry["seconds"] += p.seconds
+                    entry["target_forwards"] += sum(p.target_forwards)
+            recorded += count
             bar.update(count)
-            _pause_after(len(finished) + sum(len(p.indices) for p in written))
-    return written
+            _pause_after(recorded)
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
@@ -410,7 +420,7 @@ def _pause_after(recorded: int) -> None:
         pause_for_tests()
 
 
-def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[str, Any], parts: list[RoundPart],
+def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[str, Any], ranks: list[dict[str, Any]],
             resumed: int) -> dict[str, Any]:
     """codes.npy, grid.png, run.json (and samples.npz) from all records, into ``JOB/out``."""
     from lantern.io import read_json, write_json
@@ -431,7 +441,7 @@ def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[s
     _write_grid(out, request)
     if request.save_npz:
         write_npz(out / NPZ_NAME, [out / name for name in request.names])
-    stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), parts, method)
+    stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), ranks, method)
     run = {**record, "job": {k: request.identity[k] for k in JOB_ONLY_KEYS},
            "stats": {**stats, "generated_this_run": n - resumed, "resumed_images": resumed},
            "runs": read_json(job / RUN_LOG, "job run log")}
@@ -456,22 +466,16 @@ def _write_grid(out: Path, request: JobRequest) -> None:
     save_png(image_grid(images, ncol=request.ncol), out / "grid.png")
 
 
-def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, parts: list[RoundPart],
+def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, ranks: list[dict[str, Any]],
            method: MethodConfig) -> dict[str, Any]:
     """run.json's totals (as ``RunResult.stats_dict``) over all images, and per rank for this run.
     ``wall_seconds``: this run's decode time; under several ranks, that of the slowest rank (the
     ranks decode in parallel); each rank's own sum is under ``ranks``."""
     from lantern.run import RunResult
 
-    per_rank: dict[int, dict[str, Any]] = {}
-    for p in parts:
-        entry = per_rank.setdefault(p.rank, {"rank": p.rank, "images": 0, "seconds": 0.0, "target_forwards": 0})
-        entry["images"] += len(p.indices)
-        entry["seconds"] += p.seconds
-        entry["target_forwards"] += sum(p.target_forwards)
-    wall = max((e["seconds"] for e in per_rank.values()), default=0.0)
+    wall = max((e["seconds"] for e in ranks), default=0.0)
     result = RunResult.from_counts(torch.from_numpy(codes), torch.from_numpy(forwards), drafter_forwards, wall, method)
-    return {**result.stats_dict(), "ranks": [per_rank[r] for r in sorted(per_rank)]}
+    return {**result.stats_dict(), "ranks": ranks}
 
 
 def write_npz(path: Path, images: Sequence[Path]) -> None:

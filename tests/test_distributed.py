@@ -312,6 +312,35 @@ def test_a_damaged_run_log_is_started_again_not_a_stop(tmp_path: Path, damage: b
     assert [r["batch_size"] for r in json.loads((tmp_path / RUN_LOG).read_text())] == [4, 8]
 
 
+def test_a_job_holds_one_rounds_pixels_not_every_images(stack: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 50,000-image FID job must not keep every decoded image in memory (at 384 x 384 that is 22 GB):
+    a round's pixels are dropped once its PNGs are written. Decoded here as 512 x 512 images (0.79 MB
+    of pixels each), 48 images in rounds of 4 may raise the traced peak by a few rounds' worth, not by
+    the 38 MB of all 48; numpy's arrays are traced by tracemalloc, the PNG encoder's buffers are not."""
+    import tracemalloc
+
+    from lantern.targets.llamagen_stack import ModelStack
+
+    def large(self: ModelStack, codes: object) -> list[Image.Image]:
+        return [Image.new("RGB", (512, 512), (int(c[0]) % 256, 7, 9)) for c in codes]  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(ModelStack, "to_pil", large)
+    monkeypatch.setattr("lantern.jobs.GRID_MAX_IMAGES", 4)  # grid.png's images are held: bounded, not measured here
+    labels = ",".join(str(i % 10) for i in range(48))
+    assert generate(stack, tmp_path / "warm", "--labels", "1,2", "--batch-size", "2") == 0  # the imports, not traced
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        assert generate(stack, tmp_path / "out", "--labels", labels, "--batch-size", "4") == 0
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(list((tmp_path / "out").glob("*_label*.png"))) == 48
+    assert Image.open(tmp_path / "out" / "0047_label7.png").size == (512, 512)
+    assert peak < 12 * 2**20, f"the job's traced peak grew by {peak / 2**20:.1f} MB"
+
+
 def test_npz_holds_grayscale_as_three_equal_channels_and_refuses_mixed_sizes(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     grays = [rng.integers(0, 256, (6, 5), dtype=np.uint8) for _ in range(3)]
