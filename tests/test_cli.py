@@ -131,6 +131,11 @@ def test_missing_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     rc = main(["generate", "--model", str(tmp_path / "nope"), "--labels", "0", "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "--model: no such model folder" in capsys.readouterr().err
+    # named as typed (Path would print org//name as org/name, a repo id it is not), with the id's form
+    assert main(["generate", "--model", "org//name", "--labels", "0", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--model: no such model folder org//name (embedded presets: digits, photos; a Hugging Face repo id is "
+        "ORG/NAME)")
 
 
 @pytest.mark.slow

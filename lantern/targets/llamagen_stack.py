@@ -198,16 +198,21 @@ def preset_dir(name: str) -> Path:
 def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     """A stack folder path, or an embedded preset name (a folder of that name in the working
     directory is not taken for the preset: write ``./digits`` for that)."""
-    from lantern.hub import resolve_location
+    from lantern.hub import is_repo_id, resolve_location
 
-    if str(model) in PRESETS:
-        return preset_dir(str(model))
+    text = str(model)
+    if text in PRESETS:
+        return preset_dir(text)
     path = Path(resolve_location(model, "--model"))
-    if not path.exists():
-        raise LanternError(f"--model: no such model folder {path} (embedded presets: {', '.join(PRESETS)})")
+    if not path.exists():  # named as given: Path would turn org//name into org/name, which it is not
+        near_id = "/" in text and not (is_repo_id(text) or Path(text).is_absolute() or text.startswith("."))
+        hub = "; a Hugging Face repo id is ORG/NAME" if near_id else ""
+        raise LanternError(f"--model: no such model folder {text} (embedded presets: {', '.join(PRESETS)}{hub})")
     if not path.is_dir():
-        raise LanternError(f"--model: {path} is not a folder")
+        raise LanternError(f"--model: {text} is not a folder")
     return path
+
+
 HF_LLAMAGEN_ARCHITECTURES = (["LlamaForCausalLM"],)  # LANTERN's HF ports of LlamaGen ([LANTERN code] README)
 HF_LLAMAGEN_MODEL_TYPES = (None, "llama")
 
