@@ -127,6 +127,13 @@ def test_unwritable_output_directory(stack: Path, tmp_path: Path, capsys: pytest
     assert "--out" in capsys.readouterr().err
 
 
+def test_labels_take_inclusive_ranges() -> None:
+    from lantern.cli.common import int_list
+
+    assert int_list("0-3, 7,10 - 11,5-5") == [0, 1, 2, 3, 7, 10, 11, 5]
+    assert int_list("0-999") == list(range(1000)) and int_list("-1") == [-1]  # -1: refused later, by the model's range
+
+
 def test_missing_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["generate", "--model", str(tmp_path / "nope"), "--labels", "0", "--out", str(tmp_path / "o")])
     assert rc == 2

@@ -63,6 +63,12 @@ BAD_FLAGS = {
     # an empty item was dropped, so "0,,3" ran 2 labels (a probe, 2026-11-29)
     "empty label": (["generate", "--model", "m", "--out", "o", "--labels", "0,,3"],
                     "argument --labels: expected comma-separated integers, got '0,,3' (an empty item)"),
+    "not a label": (["generate", "--model", "m", "--out", "o", "--labels", "0-9,x"],
+                    "argument --labels: expected comma-separated integers or ranges (0-999), got 'x'"),
+    "downward range": (["generate", "--model", "m", "--out", "o", "--labels", "9-3"],
+                       "argument --labels: the range '9-3' runs downward; write 3-9"),
+    "too many labels": (["generate", "--model", "m", "--out", "o", "--labels", "0-999999,0-5"],
+                        "argument --labels: '0-5' makes more than 1000000 labels"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,16 +38,36 @@ def add_pjd_args(p: argparse.ArgumentParser) -> None:
                         "token of the target's last prediction for that cell (default row_above)")
 
 
+_LABEL_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
 def int_list(text: str) -> list[int]:
+    """``--labels``: comma-separated class ids and inclusive ranges, ``0-999,5`` (an FID run over
+    every ImageNet class is ``--labels 0-999 --num-per-label 50``, not a 3,890-character list)."""
+    from lantern.validate import MAX_IMAGES
+
     items = text.split(",")
     if not text.strip():
         raise argparse.ArgumentTypeError("expected at least one label")
     if any(item.strip() == "" for item in items):  # "0,,3": a label was meant there, or a typo
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (an empty item)")
-    try:
-        return [int(x) for x in items]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    labels: list[int] = []
+    for item in items:
+        span = _LABEL_RANGE.match(item)
+        if span is None:
+            try:
+                labels.append(int(item))
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expected comma-separated integers or ranges (0-999), got {item.strip()!r}") from None
+            continue
+        lo, hi = int(span[1]), int(span[2])
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"the range {item.strip()!r} runs downward; write {hi}-{lo}")
+        if len(labels) + hi - lo + 1 > MAX_IMAGES:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} makes more than {MAX_IMAGES} labels")
+        labels.extend(range(lo, hi + 1))
+    return labels
 
 
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",

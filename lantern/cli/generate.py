@@ -53,7 +53,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None, help="VQ tokenizer folder, if not inside --model")
     cond = p.add_mutually_exclusive_group()
     cond.add_argument(
-        "--labels", type=int_list, default=None, help="class-conditional models: comma-separated class ids, e.g. 0,3,7"
+        "--labels", type=int_list, default=None,
+        help="class-conditional models: comma-separated class ids and inclusive ranges, e.g. 0,3,7 or 0-999",
     )
     cond.add_argument(
         "--prompt", action="append", default=None, metavar="TEXT",
