@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from lantern.errors import check
 from lantern.models.invariant import follow_batch_invariance
 
 if TYPE_CHECKING:
-    from lantern.targets.base import PackedConditions, Stack
+    from lantern.targets.base import Conditions, PackedConditions, Stack
     from lantern.targets.proximity import ProximityTable
     from lantern.targets.text import T5Encoder
 
@@ -133,15 +134,20 @@ class ModelParts:
 
         if self.stack.kind != "t2i":
             return PackedConditions.pack([self.stack.encode(conditions, 1, batch_size)], repeats)
+        prompts = check_condition_kind(conditions, str, self.stack.root)
+        return PackedConditions.pack(self._captions(prompts, batch_size, progress), repeats)
+
+    def _captions(self, prompts: list[str], batch_size: int, progress: bool) -> Iterator[Conditions]:
+        """The prompts' T5 captions as the stack's conditions, ``batch_size`` prompts at a time."""
         from tqdm.auto import tqdm
 
-        prompts = check_condition_kind(conditions, str, self.stack.root)
         encoder = self.t5()
-        starts = tqdm(range(0, len(prompts), batch_size), desc="encoding prompts", unit="batch",
-                      disable=not progress or len(prompts) <= batch_size)
-        return PackedConditions.pack(
-            (self.stack.from_captions(encoder.encode(prompts[lo : lo + batch_size], batch_size)) for lo in starts),
-            repeats)
+        with tqdm(total=len(prompts), desc="encoding prompts", unit="prompt",
+                  disable=not progress or len(prompts) <= batch_size) as bar:
+            for lo in range(0, len(prompts), batch_size):
+                chunk = prompts[lo : lo + batch_size]
+                yield self.stack.from_captions(encoder.encode(chunk, batch_size))
+                bar.update(len(chunk))
 
 
 def _placed(stack: Stack, drafter: torch.nn.Module) -> torch.nn.Module:
