@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import time
 import zipfile
@@ -57,6 +58,7 @@ Decode = Callable[[Tensor], list[Any]]  # codes [b, T] -> PIL images
 # are recorded, so a test can kill a job part-way through its rounds.
 PAUSE_AFTER_ENV = "LANTERN_TEST_PAUSE_AFTER_IMAGES"
 GRID_MAX_IMAGES = 256  # grid.png shows the first images only: a 50k-image grid is no preview
+GRID_MAX_ROWS = 16  # beyond this many labels or prompts, grid.png is a square, not a row per condition
 NPZ_NAME = "samples.npz"
 # What must match for --resume to continue a job: these decide every image. run.json records
 # them all, JOB_ONLY_KEYS under "job" (the others are its own top-level fields).
@@ -126,8 +128,9 @@ def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None
         all_gather(done, ctx)
         if error is None:
             _log_run(job, record, ctx.world_size, len(done))
+        started = time.perf_counter()
         ranks = _rounds(parts, request, ctx, decode, done, job)
-        return _finish(job, request, parts.method, record, ranks, len(done))
+        return _finish(job, request, parts.method, record, ranks, len(done), started)
 
 
 # Each run of a job (one, or several with --resume), as run.json's "runs" lists them: the settings
@@ -225,7 +228,8 @@ def _record_problem(record: dict[str, np.ndarray], job: Path, request: JobReques
     if codes.shape != (m, width) or any(record[k].shape != (m,) for k in ("seeds", "target_forwards", "ranks")):
         return f"holds arrays of the wrong shape (codes {codes.shape}, expected ({m}, {width}))"
     n = len(request.names)
-    if indices.min() < 0 or indices.max() >= n or len(set(indices.tolist()) | claimed) != len(claimed) + m:
+    if indices.min() < 0 or indices.max() >= n or len(set(indices.tolist())) != m or not claimed.isdisjoint(
+            indices.tolist()):
         return "lists an image index out of range, or one already recorded"
     if codes.min() < 0 or (request.vocab_size is not None and codes.max() >= request.vocab_size):
         return f"holds codes in [{codes.min()}, {codes.max()}], outside the image vocabulary"
@@ -421,8 +425,10 @@ def _pause_after(recorded: int) -> None:
 
 
 def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[str, Any], ranks: list[dict[str, Any]],
-            resumed: int) -> dict[str, Any]:
-    """codes.npy, grid.png, run.json (and samples.npz) from all records, into ``JOB/out``."""
+            resumed: int, started: float) -> dict[str, Any]:
+    """codes.npy, grid.png, run.json (and samples.npz) from all records, into ``JOB/out``.
+    ``started``: when this run began decoding (``time.perf_counter``), for ``elapsed_seconds``:
+    beside the decode time (``wall_seconds``) it counts the PNGs, records and these files."""
     from lantern.io import read_json, write_json
 
     records = _records(job)
@@ -442,8 +448,10 @@ def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[s
     if request.save_npz:
         write_npz(out / NPZ_NAME, [out / name for name in request.names])
     stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), ranks, method)
+    elapsed = round(time.perf_counter() - started, 3)
     run = {**record, "job": {k: request.identity[k] for k in JOB_ONLY_KEYS},
-           "stats": {**stats, "generated_this_run": n - resumed, "resumed_images": resumed},
+           "stats": {**stats, "elapsed_seconds": elapsed, "generated_this_run": n - resumed,
+                     "resumed_images": resumed},
            "runs": read_json(job / RUN_LOG, "job run log")}
     write_json(out / "run.json", run)
     return run
@@ -463,7 +471,16 @@ def _write_grid(out: Path, request: JobRequest) -> None:
     for name in request.names[:GRID_MAX_IMAGES]:
         with Image.open(out / name) as img:
             images.append(img.copy())
-    save_png(image_grid(images, ncol=request.ncol), out / "grid.png")
+    save_png(image_grid(images, ncol=grid_columns(len(images), request.ncol)), out / "grid.png")
+
+
+def grid_columns(count: int, per_condition: int) -> int:
+    """grid.png's columns: a row per label or prompt (its ``per_condition`` images) while that
+    makes at most 16 rows, else a square: 256 images of one label each would be one column 256
+    images tall."""
+    if math.ceil(count / per_condition) <= GRID_MAX_ROWS:
+        return per_condition
+    return math.ceil(math.sqrt(count))
 
 
 def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, ranks: list[dict[str, Any]],

@@ -79,6 +79,7 @@ def test_generate_writes_images_codes_and_run_json(stack: Path, tmp_path: Path) 
     stats = run["stats"]
     assert stats["generated_tokens"] == 6 * 64 and stats["target_forwards"] == 6 * 64
     assert stats["mean_accepted"] == 1.0 and stats["wall_seconds"] > 0
+    assert stats["elapsed_seconds"] >= stats["wall_seconds"]  # decoding, then the PNGs, records and files
     # The codes are those of the library call with the same per-image seeds, in label order.
     model = LlamaGen.from_pretrained(stack / "target")
     target = LlamaGenTarget(model, SamplingConfig(top_k=40, cfg_scale=2.0))
@@ -125,6 +126,27 @@ def test_unwritable_output_directory(stack: Path, tmp_path: Path, capsys: pytest
     rc = main(["generate", "--model", str(stack), "--labels", "0", "--out", "/proc/lantern-out", "--no-progress"])
     assert rc == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_file_names_sort_in_request_order_past_ten_thousand_images() -> None:
+    """4 index digits up to 10,000 images (0000 .. 9999), 5 from 10,001: a 4-digit name 10000_...
+    would sort between 1000_ and 1001_, and a sorted listing would no longer pair with codes.npy."""
+    from argparse import Namespace
+
+    from lantern.cli.generate import _condition_record
+
+    for count, first, last in [(10_000, "0000_label3.png", "9999_label3.png"),
+                               (10_001, "00000_label3.png", "10000_label3.png")]:
+        names, _ = _condition_record(None, Namespace(labels=[3], num_per_label=count), None, None)
+        assert (names[0], names[-1], len(names)) == (first, last, count) and sorted(names) == names
+
+
+def test_grid_is_a_row_per_label_while_short_else_square() -> None:
+    from lantern.jobs import grid_columns
+
+    assert grid_columns(6, 2) == 2 and grid_columns(16, 1) == 1  # 3 and 16 rows: a row per label
+    assert grid_columns(256, 50) == 50  # 6 rows of 50
+    assert grid_columns(17, 1) == 5 and grid_columns(256, 1) == 16 and grid_columns(256, 2) == 16  # square
 
 
 def test_labels_take_inclusive_ranges() -> None:

@@ -266,7 +266,8 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
     stats = run["stats"]
     print(
         f"wrote {len(names)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
-        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s"
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s decoding, "
+        f"{stats['elapsed_seconds']:.2f} s in all"
         + (f" | {ctx.world_size} processes" if ctx.enabled else "")
         + (f" | {stats['resumed_images']} images from the interrupted run" if stats["resumed_images"] else "")
     )
@@ -363,15 +364,23 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
     return pipe
 
 
+def _index_digits(count: int) -> int:
+    """Digits of the image index in file names: 4, or as many as the last index needs, so that the
+    names sort in request order (10000_... would sort between 1000_... and 1001_...)."""
+    return max(4, len(str(count - 1)))
+
+
 def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,
                       t5_dir: Path | None) -> tuple[list[str], dict[str, Any]]:
     """The images' file names and what run.json records of their conditions (labels, or prompts with
     the T5 folder / the Chameleon layout)."""
     if prompts is None:
         labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        return [f"{i:04d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
+        digits = _index_digits(len(labels))
+        return [f"{i:0{digits}d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
     index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
-    names = [f"{i:04d}_prompt{j}.png" for i, j in enumerate(index)]
+    digits = _index_digits(len(index))
+    names = [f"{i:0{digits}d}_prompt{j}.png" for i, j in enumerate(index)]
     if stack.kind in ("chameleon", "janus", "emu3"):
         layout = stack.layout
         info = {"name": layout.name, "height": layout.height, "width": layout.width,
