@@ -35,6 +35,7 @@ import time
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ Decode = Callable[[Tensor], list[Any]]  # codes [b, T] -> PIL images
 # are recorded, so a test can kill a job part-way through its rounds.
 PAUSE_AFTER_ENV = "LANTERN_TEST_PAUSE_AFTER_IMAGES"
 GRID_MAX_IMAGES = 256  # grid.png shows the first images only: a 50k-image grid is no preview
+PNG_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 GRID_MAX_ROWS = 16  # beyond this many labels or prompts, grid.png is a square, not a row per condition
 NPZ_NAME = "samples.npz"
 # What must match for --resume to continue a job: these decide every image. run.json records
@@ -386,9 +388,12 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
     parts = [p for p in gathered if p.indices]
     if not parts:
         return 0
-    for p in parts:
-        for i, pix in zip(p.indices, p.pixels, strict=True):
-            save_png(Image.fromarray(pix), job / "out" / request.names[i])
+    pngs = [(pix, job / "out" / request.names[i]) for p in parts for i, pix in zip(p.indices, p.pixels, strict=True)]
+    # Rank 0 writes every rank's images: one thread would cap a job at some 60 images a second at
+    # 384 x 384 (16 ms a PNG), however many GPUs decode. Pillow's PNG encoder releases the GIL, so
+    # threads scale with the cores (2 threads: 18 -> 9 ms a PNG on 2 cores); the bytes are the same.
+    with ThreadPoolExecutor(min(len(pngs), PNG_THREADS)) as pool:
+        list(pool.map(lambda item: save_png(Image.fromarray(item[0]), item[1]), pngs))
     (job / "records").mkdir(exist_ok=True)
     indices = [i for p in parts for i in p.indices]
     record = {
