@@ -189,15 +189,20 @@ def _open_job(job: Path, request: JobRequest) -> list[int]:
 def _usable_records(job: Path, request: JobRequest) -> list[int]:
     """The indices of the job's sound records (:func:`_record_problem`); every other record is
     removed, with a note, so that its images are decoded again."""
+    from tqdm.auto import tqdm
+
     claimed: set[int] = set()
     folder = job / "records"
-    for path in sorted(folder.glob("*.npz")) if folder.is_dir() else []:
+    paths = sorted(folder.glob("*.npz")) if folder.is_dir() else []
+    # a bar: a resumed 50,000-image job at 384 x 384 hashes several GB of PNGs again
+    for path in tqdm(paths, desc="checking the job's records", unit="record",
+                     disable=not request.progress or len(paths) < 2):
         record, problem = _read_record(path)
         if record is not None:
             problem = _record_problem(record, job, request, claimed)
         if problem is not None:
             count = "" if record is None else f" {len(record['indices'])}"
-            print(f"lantern: note: --resume: record {path} {problem}; decoding its{count} image(s) again")
+            tqdm.write(f"lantern: note: --resume: record {path} {problem}; decoding its{count} image(s) again")
             path.unlink()
             continue
         assert record is not None
