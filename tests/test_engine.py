@@ -36,7 +36,7 @@ def random_stack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---- round trace ------------------------------------------------------------------------------
 
 
-def test_count_ops_attributes_ops_and_syncs_to_phases() -> None:
+def test_count_ops_attributes_ops_and_syncs_to_phases(capfd: pytest.CaptureFixture[str]) -> None:
     """Known work inside known phases: 3 syncs (item, bool, tolist) in accept, 1 nonzero in
     commit, 2 plain ops in verify; nested ops (add's internals) count once; prefill is skipped."""
     x = torch.arange(6.0)
@@ -60,6 +60,18 @@ def test_count_ops_attributes_ops_and_syncs_to_phases() -> None:
     assert ops["verify"] == 2
     assert syncs["accept"] == 3 and syncs["commit"] >= 1 and syncs["verify"] == 0
     assert sum(syncs.values()) == syncs["accept"] + syncs["commit"]  # nothing from prefill
+    assert "USDT:" not in capfd.readouterr().err  # the profiler library's start / stop lines are dropped
+
+
+def test_kineto_notices_are_dropped_and_other_lines_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    from lantern.eval.roundtrace import _without_kineto_notices
+
+    with _without_kineto_notices():
+        os.write(2, b"USDT:2026-11-30 00:16:26 8054:8054 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of its own\n")
+    assert capfd.readouterr().err == "a warning of its own\n"
+    os.write(2, b"after\n")  # the descriptor is back
+    assert capfd.readouterr().err == "after\n"
 
 
 def test_device_kernels_are_the_device_events_that_are_not_copies() -> None:

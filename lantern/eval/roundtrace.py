@@ -33,6 +33,9 @@ warning printed and atop trace.md when other processes took too much of the core
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -204,9 +207,15 @@ def count_ops(run: Callable[[], Any], device: torch.device) -> OpCounts:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
+        prof = profile(activities=activities)
         try:
-            with profile(activities=activities) as prof:
+            with _without_kineto_notices():
+                prof.start()
+            try:
                 run()
+            finally:
+                with _without_kineto_notices():
+                    prof.stop()
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -229,6 +238,29 @@ def count_ops(run: Callable[[], Any], device: torch.device) -> OpCounts:
             syncs[where] += 1
     cuda_syncs = float(sum("synchroniz" in str(w.message) for w in caught)) if cuda else None
     return OpCounts(ops, syncs, cuda_syncs, float(device_kernels(events)) if cuda else None)
+
+
+@contextlib.contextmanager
+def _without_kineto_notices() -> Iterator[None]:
+    """Drop the ``USDT:... profiler_start`` / ``profiler_stop`` lines that torch's profiler
+    library writes to file descriptor 2 at each start and stop (no log level silences them): the
+    descriptor goes to a temporary file meanwhile, and every other line is written on afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _ancestry(event: Any) -> tuple[str, bool, bool]:
