@@ -363,6 +363,17 @@ def test_official_checkpoint_with_missing_key(tiny: VQModel, tmp_path) -> None:
         VQModel.from_official_checkpoint(path, config=TINY)
 
 
+def test_official_checkpoint_without_the_usage_window_loads(tiny: VQModel, tmp_path) -> None:
+    """LlamaGen's VQ trained with codebook_show_usage=False has no quantize.codebook_used (a
+    training statistic): it loads, with an empty window, and decodes as the model it came from."""
+    path = tmp_path / "no_usage.pt"
+    _save_broken(tiny, path, lambda sd: sd.pop("quantize.codebook_used"))
+    loaded = VQModel.from_official_checkpoint(path, config=TINY)
+    assert not loaded.quantize.codebook_used.any()
+    codes = _codes()
+    assert torch.equal(loaded.decode(codes), tiny.decode(codes))
+
+
 def test_official_checkpoint_with_mis_shaped_key(tiny: VQModel, tmp_path) -> None:
     path = tmp_path / "misshaped.pt"
 

@@ -41,6 +41,8 @@ from lantern.io import (
 MODEL_TYPE = "lantern-vq"
 # Length of the official ``quantize.codebook_used`` buffer (a rolling window of recent codes).
 USAGE_WINDOW = 65536
+# Absent from a checkpoint trained with LlamaGen's codebook_show_usage=False; decoding never reads it.
+USAGE_KEY = "quantize.codebook_used"
 COMMIT_LOSS_BETA = 0.25
 NORM_EPS = 1e-6
 # Largest distance block [rows, V] built at once while quantising (elements, float32).
@@ -539,6 +541,8 @@ class VQModel(nn.Module):
             state_dict = extract_state_dict(obj, key)
         except CheckpointError as e:  # name the file: the message only describes its contents
             raise CheckpointError(f"VQ checkpoint {path}: {e}") from None
+        if USAGE_KEY not in state_dict:  # trained with codebook_show_usage=False: a statistic, not a weight
+            state_dict = {**state_dict, USAGE_KEY: torch.zeros(USAGE_WINDOW)}
         model = cls._empty(cfg)
         load_state_dict_strict(model, state_dict, f"VQ checkpoint {path}")
         return model.eval()
