@@ -293,4 +293,32 @@ def test_build_proximity_default_k_max_fits_a_small_codebook(tmp_path: Path,
     assert table.k_max == table.vocab_size - 1 == 1023
     # an explicit value is taken as given, and refused when too large
     assert main(["build-proximity", "--tokenizer", tokenizer, "--k-max", "5000", "--out", str(tmp_path / "p2")]) == 2
-    assert "k_max must be in [1, V-1 = 1023], got 5000" in capsys.readouterr().err
+    assert "--k-max must be in 1..1023 (the codebook's other entries), got 5000" in capsys.readouterr().err
+
+
+def test_build_proximity_never_writes_over_its_tokenizer(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out TOKENIZER/model.safetensors --overwrite`` replaced the tokenizer's weights with the
+    table (a probe, 2026-11-30); the tokenizer's files, or the tokenizer file itself, are refused.
+    A table may still go into the folder (a Janus / Emu3 model folder's own proximity.safetensors),
+    and replace an older table there."""
+    import shutil
+
+    from lantern.targets.llamagen_stack import preset_dir
+    from lantern.targets.proximity import ProximityTable
+
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(preset_dir("digits") / "tokenizer", tokenizer)
+    weights = (tokenizer / "model.safetensors").read_bytes()
+    for name in ("model.safetensors", "config.json"):
+        argv = ["build-proximity", "--tokenizer", str(tokenizer), "--k-max", "4", "--out", str(tokenizer / name),
+                "--overwrite", "--no-progress"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"is a file of --tokenizer {tokenizer}, which this command reads" in err, err
+    assert (tokenizer / "model.safetensors").read_bytes() == weights
+    table = tokenizer / "proximity.safetensors"
+    for extra in ([], ["--overwrite"]):  # a new table in the folder, then that table replaced
+        assert main(["build-proximity", "--tokenizer", str(tokenizer), "--k-max", "4", "--out", str(table),
+                     "--no-progress", *extra]) == 0
+    assert ProximityTable.load(table).k_max == 4 and (tokenizer / "model.safetensors").read_bytes() == weights

@@ -62,6 +62,7 @@ def add_build_proximity(sub: argparse._SubParsersAction) -> None:
         "--metric", choices=["l2", "cosine"], default="l2", help="distance (default l2, as the official code)"
     )
     p.add_argument("--normalize", action="store_true", help="use the l2-normalised codebook (what the decoder sees)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_trust_checkpoint_arg(p)
     p.set_defaults(func=cmd_build_proximity)
 
@@ -70,7 +71,7 @@ def cmd_build_proximity(args: argparse.Namespace) -> int:
     from lantern.targets.proximity import build_proximity_file
 
     table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize,
-                                 overwrite=args.overwrite)
+                                 progress=not args.no_progress, overwrite=args.overwrite)
     print(
         f"wrote {args.out}: {table.vocab_size} entries x {table.k_max} neighbours "
         f"({table.metric}, normalized={table.normalized}, codebook sha256 {table.codebook_sha256[:12]})"

@@ -251,7 +251,7 @@ def build_proximity(
     e = _prepare(codebook, metric, normalize)
     out = torch.empty(v, k_max, dtype=torch.int32)
     starts = range(0, v, chunk_size)
-    if progress:
+    if progress and len(starts) > 1:  # one chunk (the presets' 1024 codes) is done at once: no bar
         from tqdm.auto import tqdm
 
         starts = tqdm(starts, desc="proximity", unit="chunk")
@@ -318,6 +318,28 @@ def codebook_from_tokenizer(path: str | os.PathLike[str], *, trust_checkpoint: b
 DEFAULT_K_MAX = 1024  # neighbours stored per code: LANTERN's largest k (1000) fits
 
 
+def _check_out_is_not_input(out: Path, tokenizer: str | os.PathLike[str]) -> None:
+    """The table may go into the tokenizer's folder (a Janus or Emu3 model folder's own
+    ``proximity.safetensors``), but must not replace the tokenizer or one of its files: a codebook
+    written over by its table is lost. An older table there may be replaced (``--overwrite``)."""
+    source, out = Path(tokenizer).resolve(), out.resolve()
+    inside = source.is_dir() and source in out.parents
+    if out == source or (inside and out.exists() and not _is_table_file(out)):
+        what = f"a file of --tokenizer {tokenizer}" if inside else f"--tokenizer {tokenizer}"
+        raise LanternError(f"--out: {out} is {what}, which this command reads; writing it would replace that "
+                           "input: choose another file")
+
+
+def _is_table_file(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # not safetensors at all: not a table either
+        return False
+
+
 def build_proximity_file(
     tokenizer: str,
     k_max: int | None,
@@ -333,8 +355,11 @@ def build_proximity_file(
     from lantern.outputs import OutputFile
 
     target = OutputFile.check(out, "--out", overwrite)
+    _check_out_is_not_input(target.path, tokenizer)
     codebook = codebook_from_tokenizer(tokenizer)
     k = min(DEFAULT_K_MAX, codebook.shape[0] - 1) if k_max is None else k_max
+    check(isinstance(k, int) and 1 <= k < codebook.shape[0],
+          f"--k-max must be in 1..{codebook.shape[0] - 1} (the codebook's other entries), got {k}")
     table = build_proximity(codebook, k, metric, normalize, progress=progress)
     with target.write() as tmp:
         table.save(tmp)
