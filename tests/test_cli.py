@@ -322,3 +322,33 @@ def test_build_proximity_never_writes_over_its_tokenizer(tmp_path: Path,
         assert main(["build-proximity", "--tokenizer", str(tokenizer), "--k-max", "4", "--out", str(table),
                      "--no-progress", *extra]) == 0
     assert ProximityTable.load(table).k_max == 4 and (tokenizer / "model.safetensors").read_bytes() == weights
+
+
+def test_a_tokenizer_other_than_the_targets_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A target lantern trained records its tokenizer's codebook (train_config.json); another
+    tokenizer of the same size decoded its codes to noise without a word (a probe, 2026-11-30)."""
+    import shutil
+
+    from lantern.io import write_json
+    from lantern.models.vq import VQModel
+    from lantern.targets.llamagen_stack import load_stack
+    from lantern.testing import make_random_stack
+    from lantern.train.codes import codebook_sha256
+
+    stack = make_random_stack(tmp_path / "stack", seed=3)
+    other = make_random_stack(tmp_path / "other", seed=4) / "tokenizer"  # same size, another codebook
+    own = codebook_sha256(VQModel.from_pretrained(stack / "tokenizer"))
+    assert own != codebook_sha256(VQModel.from_pretrained(other))
+    write_json(stack / "target" / "train_config.json", {"kind": "target", "task": {"data": {
+        "tokenizer_codebook_sha256": own}}})
+    assert load_stack(stack).target is not None  # its own tokenizer: loads
+    argv = ["generate", "--model", str(stack), "--labels", "1", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main([*argv, "--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lantern: error: --tokenizer {other} is not the tokenizer this target was trained "
+                          "with: its codebook differs") and "\n" not in err
+    shutil.rmtree(stack / "tokenizer")
+    shutil.copytree(other, stack / "tokenizer")
+    assert main(argv) == 2
+    assert f"--model {stack}: its tokenizer/ is not the tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

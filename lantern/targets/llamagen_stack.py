@@ -285,4 +285,26 @@ def load_stack(
             f"tokenizer codebook ({vq.config.codebook_size} entries) does not match the target's "
             f"vocabulary ({target.config.vocab_size})"
         )
+    _check_trained_tokenizer(target_dir, vq, f"--tokenizer {tok_dir}" if tokenizer is not None
+                             else f"--model {root}: its {TOKENIZER_DIR}/")
     return ModelStack(root=root, target=target.eval(), tokenizer=vq.eval())
+
+
+def _check_trained_tokenizer(target_dir: Path, vq: VQModel, what: str) -> None:
+    """A target lantern trained (``train-target``) records the codebook of the tokenizer its codes
+    came from; another tokenizer of the same size would decode its codes to noise, silently."""
+    from lantern.io import read_json_object
+    from lantern.train.codes import codebook_sha256
+    from lantern.train.loop import TRAIN_CONFIG_FILE
+
+    record = target_dir / TRAIN_CONFIG_FILE
+    try:
+        task = read_json_object(record, "training record").get("task") if record.is_file() else None
+    except LanternError:  # a damaged record is no reason to refuse a model; it vouches for nothing
+        return
+    data = task.get("data") if isinstance(task, dict) else None
+    recorded = data.get("tokenizer_codebook_sha256") if isinstance(data, dict) else None
+    if isinstance(recorded, str) and recorded != codebook_sha256(vq):
+        raise LanternError(f"{what} is not the tokenizer this target was trained with: its codebook differs from "
+                           f"the one {record} records, and would decode the target's codes to noise; pass the "
+                           "tokenizer the codes were extracted with")
