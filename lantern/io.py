@@ -186,6 +186,21 @@ def save_model_folder(
     return directory
 
 
+# What each lantern folder's config.json ``model_type`` holds: named when a folder of one kind is
+# given where another is read (a drafter as --target would otherwise pass for an HF port of a
+# target and fail on a missing field).
+LANTERN_MODEL_KINDS = {"lantern-llamagen": "a LlamaGen target", "lantern-vq": "a VQ tokenizer",
+                       "lantern-eagle-drafter": "an EAGLE drafter", "lantern-feature-net": "a feature net"}
+
+
+def check_not_other_lantern_model(config: Mapping[str, Any], directory: Path, expected: str) -> None:
+    """Refuse a lantern folder of another kind than ``expected`` (a model_type), by what it holds."""
+    kind = config.get("model_type")
+    if isinstance(kind, str) and kind in LANTERN_MODEL_KINDS and kind != expected:
+        raise LanternError(f"{directory} holds {LANTERN_MODEL_KINDS[kind]} (model_type {kind!r}), not "
+                           f"{LANTERN_MODEL_KINDS[expected]}")
+
+
 def load_model_folder(directory: str | os.PathLike[str],
                       what: str = "model") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a model folder written by :func:`save_model_folder`; ``what`` names its kind in errors

@@ -352,3 +352,22 @@ def test_a_tokenizer_other_than_the_targets_is_refused(tmp_path: Path, capsys: p
     assert main(argv) == 2
     assert f"--model {stack}: its tokenizer/ is not the tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_lantern_folder_of_another_kind_is_named(tmp_path: Path) -> None:
+    """A drafter given as a target passed for an HF port ("HF config is missing
+    'num_hidden_layers'"), a target given as a drafter for an official drafter ("... missing
+    'hidden_size'"): each is now named by what it holds (a probe, 2026-11-30)."""
+    from lantern.errors import LanternError
+    from lantern.models.drafter import EagleDrafterModel
+    from lantern.models.llamagen import LlamaGen
+    from lantern.testing import make_random_stack
+
+    stack = make_random_stack(tmp_path / "stack", seed=3)
+    with pytest.raises(LanternError, match=r"drafter holds an EAGLE drafter \(model_type 'lantern-eagle-drafter'\), "
+                                           r"not a LlamaGen target$"):
+        LlamaGen.from_pretrained(stack / "drafter")
+    with pytest.raises(LanternError, match=r"target holds a LlamaGen target .*, not an EAGLE drafter$"):
+        EagleDrafterModel.from_pretrained(stack / "target")
+    with pytest.raises(LanternError, match=r"tokenizer holds a VQ tokenizer .*, not a LlamaGen target$"):
+        LlamaGen.from_pretrained(stack / "tokenizer")

@@ -28,6 +28,7 @@ from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
     CONFIG_NAME,
+    check_not_other_lantern_model,
     config_of,
     load_checkpoint,
     load_model_folder,
@@ -281,6 +282,7 @@ class EagleDrafterModel(EagleModule):
         if not directory.is_dir():
             raise LanternError(f"drafter folder not found: {directory}")
         raw = read_json_object(directory / "config.json", "drafter config")
+        check_not_other_lantern_model(raw, directory, MODEL_TYPE)
         if raw.get("model_type") == MODEL_TYPE:
             config, state = load_model_folder(directory)
             with config_of(directory / CONFIG_NAME):

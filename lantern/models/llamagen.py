@@ -28,6 +28,7 @@ from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import (
     CONFIG_NAME,
+    check_not_other_lantern_model,
     config_of,
     load_checkpoint,
     load_model_folder,
@@ -447,6 +448,7 @@ class LlamaGen(nn.Module):
         directory = Path(directory)
         if (directory / "config.json").is_file():
             raw = read_json_object(directory / "config.json", "model config")
+            check_not_other_lantern_model(raw, directory, MODEL_TYPE)
             if raw.get("architectures") == ["LlamaForCausalLM"] or "hidden_size" in raw:
                 return cls.from_hf_port(directory, dtype=dtype)
         config, state = load_model_folder(directory)
