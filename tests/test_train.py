@@ -302,6 +302,14 @@ def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "empty").mkdir()
     assert main(["train-tokenizer", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
     assert "no .png/.jpg/.jpeg files" in capsys.readouterr().err
+    # one image: nothing for the test split, refused before any step (it trained, then crashed)
+    from PIL import Image
+
+    (tmp_path / "one").mkdir()
+    Image.new("RGB", (16, 16), (9, 80, 200)).save(tmp_path / "one" / "a.png")
+    assert main(["train-tokenizer", "--data", str(tmp_path / "one"), "--out", str(tmp_path / "o")]) == 2
+    assert "--data: the test split is empty (1 training image(s))" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert main(["train-target", "--codes", str(tmp_path / "nocodes"), "--out", str(tmp_path / "o")]) == 2
     assert "extract-codes" in capsys.readouterr().err
     assert not (tmp_path / "o" / "model.safetensors").exists()

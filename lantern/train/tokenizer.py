@@ -173,6 +173,10 @@ def train_tokenizer(
     loop: LoopConfig,
     options: RunOptions,
 ) -> TrainResult:
+    # before any step: the evaluation at the end reads the test split (a probe's one-image folder
+    # trained, then failed on an empty split with --out holding checkpoints and no model)
+    check(len(eval_data) > 0, f"--data: the test split is empty ({len(data)} training image(s)); a folder holds out "
+                              "every 10th image, or the last of fewer than 10, so give it at least 2 images")
     torch.manual_seed(loop.seed)  # the initial weights are a function of the seed
     model = VQModel(config)
     task = TokenizerTask(model, data, eval_data, recipe, loop.seed)
