@@ -255,3 +255,25 @@ def test_the_readmes_two_demos_write_two_folders() -> None:
     assert default_out("photos") == "lantern-demo"
     assert default_out("digits") == "lantern-demo-digits"
     assert default_out("/data/models/janus-pro/") == "lantern-demo-janus-pro"
+
+
+def test_a_killed_drafter_runs_feature_folder_is_removed_by_the_next_run(tmp_path: Path) -> None:
+    """train-chameleon-drafter keeps its features (tens of GB) in a temporary folder beside --out; a
+    SIGKILL left it behind for good (a probe, 2026-11-30). The next run on this host removes a
+    folder whose process is gone, never one of a live process (a concurrent rank), nor another
+    run's."""
+    import socket
+
+    from lantern.train.chameleon_drafter import feature_folder
+
+    base = f"d-features-{socket.gethostname()}"
+    stale = tmp_path / staging_name(base, "tmp", dead_pid())
+    live = tmp_path / staging_name(base, "tmp", os.getppid())
+    other = tmp_path / staging_name(f"e-features-{socket.gethostname()}", "tmp", dead_pid())
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "train.bf16").write_bytes(b"\0" * 64)
+    with feature_folder(tmp_path, tmp_path / "d") as mine:
+        assert mine.is_dir() and mine.name == staging_name(base) and not stale.exists()
+        assert live.is_dir() and other.is_dir()
+    assert not mine.exists()

@@ -35,7 +35,7 @@ import hashlib
 import math
 import os
 import shutil
-import tempfile
+import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +49,7 @@ from lantern.drafters.checks import check_chameleon_drafter
 from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.models.drafter import EagleDrafterModel
-from lantern.outputs import made_folder
+from lantern.outputs import made_folder, remove_stale_staging, staging_name
 from lantern.run import run_conditions
 from lantern.targets.base import Conditions
 from lantern.targets.chameleon import encode_prompts
@@ -230,7 +230,7 @@ def train_chameleon_drafter(
         codes = result.codes.cpu()
         train_codes, test_codes = torch.cat([codes[:split], codes[:split]]), torch.cat([codes[split:], codes[split:]])
         data_id = hashlib.sha256(codes.numpy().tobytes() + repr(list(prompts)).encode()).hexdigest()
-        with tempfile.TemporaryDirectory(dir=parent, prefix=f".{Path(options.out).name}-features-") as folder:
+        with feature_folder(parent, options.out) as folder:
             shape = (width, stack.model.hidden_size)
             # rows: conditional images then unconditional ones, each split in prompt order
             hidden = file_tensor(Path(folder) / "train.bf16", (2 * split, *shape))
@@ -254,6 +254,22 @@ def feature_parent(out: str | os.PathLike[str], feature_dir: str | os.PathLike[s
     with made_folder(parent, flag) as made:
         check(made.is_dir(), f"{flag}: {made} is not a folder (the training features are kept there)")
         yield made
+
+
+@contextlib.contextmanager
+def feature_folder(parent: Path, out: str | os.PathLike[str]) -> Iterator[Path]:
+    """The run's temporary features folder in ``parent``, ``.OUT-features-HOST.tmp-PID``, removed
+    afterwards. A SIGKILLed run cannot remove its own (up to about 95 GB for Janus-Pro-7B): the next
+    run on this host removes those whose process is gone. The host is in the name because
+    ``--feature-dir`` may be shared by the nodes of a job, whose PIDs this host cannot see."""
+    base = parent / f"{Path(out).name}-features-{socket.gethostname()}"
+    remove_stale_staging(base)
+    folder = parent / staging_name(base.name)
+    folder.mkdir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_feature_space(parent: Path, needed: int) -> None:
