@@ -296,6 +296,17 @@ def test_cli_tokenizer_codes_target_chain(folder: Path, tmp_path: Path, capsys: 
                  "--out", str(tmp_path / "ddata2"), "--max-sequences", "0"]) == 2
 
 
+def test_the_final_evaluation_is_announced(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The held-out evaluation after the last step has no bar (train-drafter's decodes images for
+    some 20 s); with progress on, a line says what is running (a probe, 2026-11-30)."""
+    tiny = ["--codebook-size", "64", "--ch", "16", "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8"]
+    argv = ["train-tokenizer", "--data", str(folder), *tiny, "--steps", "2", "--batch-size", "4", "--eval-images", "4"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    assert "lantern: evaluating the tokenizer on its held-out split\n" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert "evaluating" not in capsys.readouterr().err
+
+
 def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["train-tokenizer", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "nope" in capsys.readouterr().err

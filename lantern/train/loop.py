@@ -513,6 +513,9 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
         return TrainResult(out, {}, steps_run, resumed_from, finished=True, main_process=False)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
+    if options.progress:  # the held-out evaluation takes a while (a drafter's decodes images) and has no bar
+        what = "feature net" if task.kind == "features" else task.kind
+        print(f"lantern: evaluating the {what} on its held-out split", file=sys.stderr, flush=True)
     metrics = {k: float(v) for k, v in task.evaluate(unwrapped).items()}
     metrics["final_train_loss"] = log.get("loss", float("nan"))  # NaN when no step ran (resumed at the end)
     prov = provenance(task, loop, metrics, options.command, time.time() - t0, resumed_from)
