@@ -307,6 +307,20 @@ def test_the_final_evaluation_is_announced(folder: Path, tmp_path: Path, capsys:
     assert "evaluating" not in capsys.readouterr().err
 
 
+def test_a_warning_is_one_lantern_line(folder: Path, tmp_path: Path) -> None:
+    """``--resume`` on a folder without checkpoints warns and starts at step 0; the warning read
+    ``.../loop.py:498: LanternWarning: ...`` and then the source line that raised it (a probe,
+    2026-11-30). From the command line it is one ``lantern: warning:`` line."""
+    argv = ["-m", "lantern.cli", "train-tokenizer", "--data", str(folder), "--codebook-size", "64", "--ch", "16",
+            "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8", "--steps", "1", "--batch-size", "4",
+            "--eval-images", "2", "--no-progress", "--resume", "--out", str(tmp_path / "new")]
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == f"lantern: warning: --resume: {tmp_path / 'new'} holds no checkpoint of this run; starting " \
+                         "it at step 0\n"
+
+
 def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["train-tokenizer", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "nope" in capsys.readouterr().err

@@ -105,6 +105,30 @@ def _notices(args: argparse.Namespace) -> Iterator[None]:
         LOADING_BARS.reset(token)
 
 
+@contextlib.contextmanager
+def _warning_lines() -> Iterator[None]:
+    """lantern's own warnings as one ``lantern: warning:`` line, as errors are, not Python's
+    ``FILE:LINE: LanternWarning: ...`` and the source line that raised it. Only the format changes:
+    filters and recorders (``warnings.catch_warnings``) see the same warnings."""
+    import warnings
+
+    from lantern.io import LanternWarning
+
+    original = warnings.formatwarning
+
+    def format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                       line: str | None = None) -> str:
+        if issubclass(category, LanternWarning):
+            return f"lantern: warning: {message}\n"
+        return original(message, category, filename, lineno, line)
+
+    warnings.formatwarning = format_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
     running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
@@ -126,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_seed_flags(args)
         from lantern.io import trusted_checkpoints  # imports torch: only once the flags are known good
 
-        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args):
+        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args), _warning_lines():
             return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {e}", file=sys.stderr)
