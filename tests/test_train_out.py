@@ -344,3 +344,29 @@ def test_a_hand_edited_model_config_names_its_file(tmp_path: Path, part: str, ke
     with pytest.raises(LanternError) as refused:
         loader.from_pretrained(folder)
     assert str(refused.value) == f"{folder / 'config.json'}: {needle}"
+
+
+def test_chameleon_drafter_refuses_out_and_eval_prompts_before_the_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 7B model takes minutes to load: a wrong --out or --eval-prompts is refused first (usage.md
+    promises every command checks its --out before loading; a probe, 2026-11-30, found it after)."""
+    import lantern.api
+
+    def loaded(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(lantern.api, "load_model_stack", loaded)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red car\na cat\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    model = tmp_path / "model"  # a Chameleon folder's config alone: nothing may read further
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "chameleon"}')
+    base = ["train-chameleon-drafter", "--model", str(model), "--prompts", str(prompts), "--no-progress"]
+    assert main([*base, "--eval-prompts", "2", "--out", str(tmp_path / "d")]) == 2
+    assert "--eval-prompts must be in [0, 2) for 2 prompts, got 2" in capsys.readouterr().err
+    assert main([*base, "--out", str(mine)]) == 2
+    assert f"--out {mine} is not empty and holds no training run" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "mine"

@@ -397,9 +397,10 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
 
     from lantern.api import load_model_stack, sampling_from
     from lantern.cli.common import check_chameleon_model
+    from lantern.errors import check
     from lantern.targets.text import read_prompts
-    from lantern.train.chameleon_drafter import train_chameleon_drafter
-    from lantern.train.loop import process_device
+    from lantern.train.chameleon_drafter import ChameleonDrafterTask, train_chameleon_drafter
+    from lantern.train.loop import check_out_kind, process_device
     from lantern.validate import check_count, check_device
 
     loop = _loop(args)
@@ -409,6 +410,10 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
     device = process_device(args.device)
     prompts = read_prompts(args.prompts)
     check_chameleon_model(Path(args.model))
+    # before the model loads (a 7B model takes minutes); the rest of --out's checks need the drafter
+    check(0 <= args.eval_prompts < len(prompts),
+          f"--eval-prompts must be in [0, {len(prompts)}) for {len(prompts)} prompts, got {args.eval_prompts}")
+    check_out_kind(args.out, ChameleonDrafterTask.kind)
     stack = load_model_stack(args.model, device=str(device), dtype=args.dtype, layout=args.layout,
                              image_size=args.image_size, vq=args.vq, prompt_width=args.prompt_width)
     result = train_chameleon_drafter(

@@ -542,6 +542,12 @@ def _check_out(out: Path, loop: LoopConfig, task: TrainTask, resume: bool) -> bo
     return True
 
 
+def check_out_kind(out: str | os.PathLike[str], kind: str) -> None:
+    """The refusals about ``out`` that need neither the model nor the data (a folder of something
+    else, a run of another trainer), for a command that loads a large model before training."""
+    _saved_run(Path(out), kind)
+
+
 def _saved_run(out: Path, kind: str) -> dict[str, Any] | None:
     """The settings of the ``kind`` run ``out`` holds (its ``train_config.json``); None for a new or
     empty folder. Refuses a folder of something else, and a run of another trainer."""
