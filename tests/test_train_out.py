@@ -370,3 +370,18 @@ def test_chameleon_drafter_refuses_out_and_eval_prompts_before_the_model_loads(
     assert main([*base, "--out", str(mine)]) == 2
     assert f"--out {mine} is not empty and holds no training run" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_an_interrupted_command_says_how_to_continue() -> None:
+    """``lantern: interrupted`` alone left a trainer's user to find --resume (a probe, 2026-11-30)."""
+    from argparse import Namespace
+
+    from lantern.cli.generate import cmd_generate
+    from lantern.cli.main import _continue_hint
+    from lantern.cli.train import cmd_train_drafter
+
+    assert _continue_hint(Namespace(func=cmd_train_drafter, out="runs/d")) == \
+        " (the same command with --resume continues from the last checkpoint in runs/d)"
+    assert _continue_hint(Namespace(func=cmd_generate, resume=True)) == \
+        " (the same command continues the job: its recorded images are kept)"
+    assert _continue_hint(Namespace(func=cmd_generate, resume=False)) == ""  # all-or-nothing: nothing to continue

@@ -129,6 +129,16 @@ def _warning_lines() -> Iterator[None]:
         warnings.formatwarning = original
 
 
+def _continue_hint(args: argparse.Namespace) -> str:
+    """How to pick up what an interrupted command leaves: a trainer keeps its checkpoints, a
+    ``--resume`` job its recorded images; anything else left nothing (outputs are all-or-nothing)."""
+    if args.func.__name__.startswith("cmd_train_"):
+        return f" (the same command with --resume continues from the last checkpoint in {args.out})"
+    if getattr(args, "resume", False):
+        return " (the same command continues the job: its recorded images are kept)"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
     running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
@@ -161,10 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lantern: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("lantern: interrupted", file=sys.stderr)
+        print(f"lantern: interrupted{_continue_hint(args)}", file=sys.stderr)
         return 130
     except Terminated:
-        print("lantern: terminated", file=sys.stderr)
+        print(f"lantern: terminated{_continue_hint(args)}", file=sys.stderr)
         return 143
     finally:
         COMMAND_LINE.reset(command_line)  # a Python caller of main() gets its own names back
