@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import tempfile
+import threading
 import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,9 +55,15 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+_UMASK_LOCK = threading.Lock()
+
+
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process umask. Reading it means setting it: without the lock, two threads writing files
+    at once (a job's PNG threads) could each read the other's temporary 0 and leave it set."""
+    with _UMASK_LOCK:
+        mask = os.umask(0)
+        os.umask(mask)
     return mask
 
 

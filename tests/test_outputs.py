@@ -277,3 +277,34 @@ def test_a_killed_drafter_runs_feature_folder_is_removed_by_the_next_run(tmp_pat
         assert mine.is_dir() and mine.name == staging_name(base) and not stale.exists()
         assert live.is_dir() and other.is_dir()
     assert not mine.exists()
+
+
+def test_files_written_from_threads_keep_the_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job writes a round's PNGs from several threads. Reading the umask sets it to 0 for a
+    moment; two threads doing so at once could read each other's 0 and leave it set, for every
+    later file. The read is forced slow here, so unlocked reads would interleave."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import lantern.io
+    from lantern.io import atomic_path
+
+    real = os.umask
+
+    def slow_umask(mask: int) -> int:
+        old = real(mask)
+        time.sleep(0.002)  # a thread switch between the set and the restore
+        return old
+
+    monkeypatch.setattr(lantern.io.os, "umask", slow_umask)
+    previous = real(0o022)
+    try:
+        def write(i: int) -> None:
+            with atomic_path(tmp_path / f"f{i}.png") as tmp:
+                tmp.write_bytes(b"x")
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(write, range(64)))
+        assert real(0o022) == 0o022  # the process's umask is as it was
+        assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == {"0o644"}
+    finally:
+        real(previous)
