@@ -337,6 +337,12 @@ def test_cli_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert not (tmp_path / "o").exists()
     assert main(["train-target", "--codes", str(tmp_path / "nocodes"), "--out", str(tmp_path / "o")]) == 2
     assert "extract-codes" in capsys.readouterr().err
+    # a folder of something else: the flag is named (it read "code set not found: .../train.safetensors")
+    assert main(["train-target", "--codes", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    assert f"--codes: {tmp_path / 'empty'} has no train.safetensors: not a code set folder" in capsys.readouterr().err
+    assert main(["extract-codes", "--tokenizer", str(tmp_path / "empty"), "--data", "digits", "--out",
+                 str(tmp_path / "o")]) == 2
+    assert f"--tokenizer: {tmp_path / 'empty'} has no config.json: not a VQ tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 

@@ -204,6 +204,9 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
                                                                        "--data": args.data})
     if not Path(args.tokenizer).is_dir():
         raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
+    if not (Path(args.tokenizer) / "config.json").is_file():
+        raise LanternError(f"--tokenizer: {args.tokenizer} has no config.json: not a VQ tokenizer folder (make one "
+                           "with `lantern train-tokenizer`)")
     tokenizer = VQModel.from_pretrained(args.tokenizer)
     train, test = _datasets(args)
     with out.write() as folder:

@@ -103,7 +103,11 @@ def load_code_dir(directory: str | os.PathLike[str], split: str) -> CodeSet:
     directory = Path(directory)
     if not directory.is_dir():
         raise LanternError(f"--codes: no such folder {directory} (make one with `lantern extract-codes`)")
-    return CodeSet.load(directory / SPLIT_FILES[split])
+    path = directory / SPLIT_FILES[split]
+    if not path.is_file():
+        raise LanternError(f"--codes: {directory} has no {path.name}: not a code set folder (make one with "
+                           "`lantern extract-codes`)")
+    return CodeSet.load(path)
 
 
 def codebook_sha256(tokenizer: VQModel) -> str:
