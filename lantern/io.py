@@ -193,6 +193,8 @@ def save_model_folder(
     return directory
 
 
+TRAIN_CONFIG_FILE = "train_config.json"  # a lantern trainer's resolved settings, in its --out
+
 # What each lantern folder's config.json ``model_type`` holds: named when a folder of one kind is
 # given where another is read (a drafter as --target would otherwise pass for an HF port of a
 # target and fail on a missing field).

@@ -293,9 +293,8 @@ def load_stack(
 def _check_trained_tokenizer(target_dir: Path, vq: VQModel, what: str) -> None:
     """A target lantern trained (``train-target``) records the codebook of the tokenizer its codes
     came from; another tokenizer of the same size would decode its codes to noise, silently."""
-    from lantern.io import read_json_object
-    from lantern.train.codes import codebook_sha256
-    from lantern.train.loop import TRAIN_CONFIG_FILE
+    from lantern.io import TRAIN_CONFIG_FILE, read_json_object
+    from lantern.targets.proximity import codebook_sha256  # the hash extract-codes records
 
     record = target_dir / TRAIN_CONFIG_FILE
     try:
@@ -304,7 +303,7 @@ def _check_trained_tokenizer(target_dir: Path, vq: VQModel, what: str) -> None:
         return
     data = task.get("data") if isinstance(task, dict) else None
     recorded = data.get("tokenizer_codebook_sha256") if isinstance(data, dict) else None
-    if isinstance(recorded, str) and recorded != codebook_sha256(vq):
+    if isinstance(recorded, str) and recorded != codebook_sha256(vq.quantize.embedding.weight):
         raise LanternError(f"{what} is not the tokenizer this target was trained with: its codebook differs from "
                            f"the one {record} records, and would decode the target's codes to noise; pass the "
                            "tokenizer the codes were extracted with")

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from lantern.distributed import before_process_group, end_process_group
 from lantern.errors import LanternError, check
 from lantern.io import (
+    TRAIN_CONFIG_FILE,
     LanternWarning,
     atomic_path,
     ensure_writable_dir,
@@ -63,7 +64,6 @@ from lantern.validate import MAX_TRAIN_BATCH, MAX_TRAIN_STEPS
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
-TRAIN_CONFIG_FILE = "train_config.json"
 PROVENANCE_FILE = "provenance.json"
 LOG_FILE = "train_log.jsonl"
 # Files of one checkpoint folder besides STATE_FILE. (Checkpoints of older lanterns also hold
