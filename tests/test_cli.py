@@ -371,3 +371,27 @@ def test_a_lantern_folder_of_another_kind_is_named(tmp_path: Path) -> None:
         EagleDrafterModel.from_pretrained(stack / "target")
     with pytest.raises(LanternError, match=r"tokenizer holds a VQ tokenizer .*, not a LlamaGen target$"):
         LlamaGen.from_pretrained(stack / "tokenizer")
+
+
+def test_a_drafter_trained_for_another_target_is_named(tmp_path: Path) -> None:
+    """A drafter for another target of the same shape passed every check and drafted in vain (a
+    probe, 2026-11-30): its record's lm_head hash now gives a warning. The hash is of the head in
+    bfloat16, so a bfloat16 load of the right target matches it too."""
+    import warnings
+
+    import lantern
+    from lantern.drafters.checks import HEAD_SHA_KEY, head_sha256
+    from lantern.io import LanternWarning, write_json
+    from lantern.testing import make_random_stack
+
+    stack = make_random_stack(tmp_path / "stack", seed=3)
+    pipe = lantern.load(stack)
+    record = stack / "drafter" / "drafter_training.json"
+    write_json(record, {HEAD_SHA_KEY: head_sha256(pipe.stack.target.output.weight)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for its own target, in float32 or bfloat16
+        pipe.stack.load_drafter(stack / "drafter")
+        lantern.load(stack, dtype="bfloat16").stack.load_drafter(stack / "drafter")
+    write_json(record, {HEAD_SHA_KEY: head_sha256(torch.zeros_like(pipe.stack.target.output.weight))})
+    with pytest.warns(LanternWarning, match="was trained for another target .*few drafts will be accepted"):
+        pipe.stack.load_drafter(stack / "drafter")

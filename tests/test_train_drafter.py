@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig
+from lantern.drafters.checks import HEAD_SHA_KEY, head_sha256
 from lantern.drafters.eagle import EagleBackend
 from lantern.errors import LanternError
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
@@ -237,6 +238,7 @@ def test_micro_training_beats_the_untrained_drafter(world: World) -> None:
     assert torch.equal(drafter.embed_tokens.weight, world.target.tok_embeddings.weight)  # stayed frozen
     info = json.loads((world.root / "run" / "drafter_training.json").read_text())
     assert info["data_fingerprint"] == world.train.fingerprint()
+    assert info[HEAD_SHA_KEY] == head_sha256(world.target.output.weight)  # what a later load compares
 
 
 def _final_state(out: Path) -> dict[str, Tensor]:

@@ -42,6 +42,39 @@ def check_drafter_matches_target(drafter_cfg: DrafterConfig, target_cfg: LlamaGe
     )
 
 
+HEAD_SHA_KEY = "target_head_bf16_sha256"  # drafter_training.json: the lm_head of the target it was trained for
+
+
+def head_sha256(head: torch.Tensor) -> str:
+    """sha256 of a target's lm_head weight rounded to bfloat16: the same for the target loaded in
+    float32 or bfloat16 (the rounding of a float32 weight is exact and fixed), and different for a
+    retrained or another target. (``target_fingerprint`` also hashes the config's JSON, which gains
+    keys across lantern versions: a drafter's older record would not match its own target.)"""
+    import hashlib
+
+    bits = head.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16)
+    return hashlib.sha256(bits.numpy().astype("<i2", copy=False).tobytes()).hexdigest()
+
+
+def warn_if_trained_for_another_head(path: str | os.PathLike[str], head: torch.Tensor) -> None:
+    """A drafter lantern trained for another target of the same shape passes every shape check and
+    then has its drafts rejected (lossless methods stay exact, only slow): a warning names it. Only
+    for a target held in float32 or bfloat16, whose bfloat16 rounding is the trained one's."""
+    import warnings
+
+    from lantern.io import LanternWarning, read_json_object
+    from lantern.models.drafter import TRAINING_INFO_FILE
+
+    record = Path(path) / TRAINING_INFO_FILE
+    if head.dtype not in (torch.float32, torch.bfloat16) or not record.is_file():
+        return
+    recorded = read_json_object(record, "drafter training record").get(HEAD_SHA_KEY)
+    if isinstance(recorded, str) and recorded != head_sha256(head):
+        warnings.warn(f"--drafter {path} was trained for another target (its {TRAINING_INFO_FILE} records "
+                      "another lm_head): it runs, and the lossless methods stay exact, but few drafts will be "
+                      "accepted", LanternWarning, stacklevel=2)
+
+
 def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
     """A tree whose depth reaches the number of image tokens can never be used in full.
 

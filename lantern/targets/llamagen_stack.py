@@ -158,6 +158,7 @@ class ModelStack(StackFolder):
             check_drafter_matches_target,
             check_t2i_drafter_layout,
             drafter_dtype,
+            warn_if_trained_for_another_head,
         )
         from lantern.models.drafter import EagleDrafterModel
 
@@ -166,6 +167,7 @@ class ModelStack(StackFolder):
         check_drafter_matches_target(drafter.config, self.target.config)
         check_t2i_drafter_layout(drafter, self.target.config, path)
         check_drafter_layout(drafter.config, self.target.config, path)
+        warn_if_trained_for_another_head(path, self.target.output.weight)
         return drafter
 
     def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,

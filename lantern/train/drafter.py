@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.drafters.checks import HEAD_SHA_KEY, head_sha256
 from lantern.errors import check
 from lantern.io import atomic_path, ensure_writable_dir, read_json, save_safetensors, write_json
 from lantern.models.drafter import TRAINING_INFO_FILE, DrafterConfig, EagleDrafterModel
@@ -578,7 +579,8 @@ class DrafterTask(TrainTask):
 
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, EagleDrafterModel)
-        info = {"target_fingerprint": target_fingerprint(self.target), "recipe": self.recipe.to_dict(),
+        info = {"target_fingerprint": target_fingerprint(self.target),
+                HEAD_SHA_KEY: head_sha256(self.target.output.weight), "recipe": self.recipe.to_dict(),
                 "data_fingerprint": self.data_fingerprint()}
         model.save_pretrained(out, extra_files={TRAINING_INFO_FILE: info})
 
