@@ -111,8 +111,11 @@ def load_code_dir(directory: str | os.PathLike[str], split: str) -> CodeSet:
 
 
 def codebook_sha256(tokenizer: VQModel) -> str:
-    weight = tokenizer.quantize.embedding.weight.detach().float().contiguous()
-    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()
+    """The tokenizer's codebook hash, as proximity tables record it: the one hash ``load_stack``
+    compares a target's recorded tokenizer with."""
+    from lantern.targets.proximity import codebook_sha256 as sha256_of
+
+    return sha256_of(tokenizer.quantize.embedding.weight)
 
 
 @torch.no_grad()
