@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +174,20 @@ def test_generate_tree_auto(kind: str, request: pytest.FixtureRequest, tmp_path:
         # busy machine, say) is recorded by its choices; a chain or named tree by its spec.
         built = choice["tree"].startswith("static:auto_")
         chosen = TreeConfig.from_choices(choice["choices"]) if built else TreeConfig.parse(choice["tree"])
-        assert run["method"]["tree"] == asdict(chosen)
+        assert run["method"]["tree"] == chosen.to_dict()  # the fields its kind reads (a chain: its depth)
         assert not built or choice["tree"] == f"static:{chosen.name}"  # the name is the shape's hash
     assert np.load(out / "codes.npy").shape == (1, TOKENS[kind])
+
+
+@pytest.mark.parametrize("tree", ["chain:1", "static:cpu_6", "built"])
+def test_each_kind_of_auto_choice_is_recorded_as_the_test_above_reads_it(tree: str) -> None:
+    """Which tree ``--tree auto`` picks depends on the machine's measured costs (a busy machine
+    picked chain:1 once, whose record is the chain's fields only): the comparison above must hold
+    for every kind it can meet, whichever one this machine's timing gives it."""
+    from lantern.methods import MethodConfig
+
+    chosen = TreeConfig.from_choices([[0], [1], [0, 0]]) if tree == "built" else TreeConfig.parse(tree)
+    assert MethodConfig.resolve("lantern++", tree=chosen).to_dict()["tree"] == chosen.to_dict()
 
 
 def test_conditions_of_the_wrong_kind_are_refused(lumina: Path, tmp_path: Path) -> None:
