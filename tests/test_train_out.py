@@ -385,3 +385,21 @@ def test_an_interrupted_command_says_how_to_continue() -> None:
     assert _continue_hint(Namespace(func=cmd_generate, resume=True)) == \
         " (the same command continues the job: its recorded images are kept)"
     assert _continue_hint(Namespace(func=cmd_generate, resume=False)) == ""  # all-or-nothing: nothing to continue
+
+
+@pytest.mark.parametrize("image_size", [None, 64])
+def test_codes_of_another_image_size_than_the_tokenizers_get_a_note(runs: dict[str, Path], tmp_path: Path,
+                                                                     image_size: int | None,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Allowed (a VQ encodes any multiple of its downsampling, as LlamaGen's 256-pixel VQ does at
+    384), but was silent: a forgotten ``--image-size`` showed only in the trained target's images."""
+    size = [] if image_size is None else ["--image-size", str(image_size)]
+    assert main(["extract-codes", "--tokenizer", str(runs["tok"]), "--data", "digits", "--num-samples", "8",
+                 "--eval-samples", "4", *size, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    if image_size is None:
+        assert "note" not in err
+    else:
+        assert "lantern: note: --tokenizer was trained on 32-pixel images; these codes are of 64-pixel images" in err
+        meta = json.loads((tmp_path / "c" / "extract_config.json").read_text())
+        assert meta["train"]["image_size"] == 64

@@ -15,8 +15,10 @@ same command data-parallel with the same global ``--batch-size`` (see :mod:`lant
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from lantern.errors import LanternError, check
@@ -209,6 +211,7 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
                            "with `lantern train-tokenizer`)")
     tokenizer = VQModel.from_pretrained(args.tokenizer)
     train, test = _datasets(args)
+    _note_other_image_size(Path(args.tokenizer), train.image_size)
     with out.write() as folder:
         sets = extract_code_dir(tokenizer, train, test, folder, args.batch_size, progress=not args.no_progress)
         write_json(folder / "extract_config.json", {"command": _command(), "tokenizer": str(args.tokenizer),
@@ -217,6 +220,22 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
     print(f"wrote {len(s)} train / {len(sets['test'])} test code grids ({s.seq_len} tokens, vocab {s.vocab_size}, "
           f"{s.num_classes} classes) to {args.out}")
     return 0
+
+
+def _note_other_image_size(tokenizer: Path, image_size: int) -> None:
+    """A note when the images are not the size a lantern-trained tokenizer learned on: its
+    convolutions encode any multiple of the downsampling, so this is allowed (LlamaGen encodes
+    384-pixel images with a VQ trained at 256), but a forgotten --image-size gives a target for
+    other images than meant, found out only after train-target."""
+    from lantern.io import TRAIN_CONFIG_FILE
+
+    try:
+        trained = json.loads((tokenizer / TRAIN_CONFIG_FILE).read_text(encoding="utf-8"))["task"]["data"]["image_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not trained by lantern (or its record is unreadable): nothing to compare with
+    if isinstance(trained, int) and trained != image_size:
+        print(f"lantern: note: --tokenizer was trained on {trained}-pixel images; these codes are of "
+              f"{image_size}-pixel images (pass --image-size {trained} for the tokenizer's own size)", file=sys.stderr)
 
 
 def _add_train_target(sub: argparse._SubParsersAction) -> None:
