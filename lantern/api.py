@@ -443,6 +443,8 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
         if value is not None:
             raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
                                "Lumina-mGPT)")
+    if tokenizer is not None:
+        tokenizer = resolve_location(tokenizer, "--tokenizer")
     stack = load_stack(root, tokenizer, dtype=torch_dtype)
     check(t5 is None or stack.kind == "t2i", f"--t5 is only used by text-to-image models; {root} is "
                                              "class-conditional", field="t5")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 import lantern
 from lantern.cli.main import main
@@ -210,6 +211,31 @@ def test_repo_ids_resolve_from_the_offline_cache(hub_cache: Path, tmp_path: Path
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--drafter lantern-test/missing" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_tokenizer_is_taken_by_its_repo_id_too(hub_cache: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``tokenizer=`` / ``generate --tokenizer`` / ``build-proximity --tokenizer`` read a repo id as
+    ``--model`` and ``--drafter`` do (before: "no such folder lantern-test/tok")."""
+    tokenizer = preset_dir("digits") / "tokenizer"
+    _cache_repo(hub_cache, "lantern-test/tok", tokenizer)
+    by_id = lantern.load("digits", tokenizer="lantern-test/tok")(labels=[3], seed=1)
+    local = lantern.load("digits", tokenizer=tokenizer)(labels=[3], seed=1)
+    assert np.array_equal(np.asarray(by_id.images[0]), np.asarray(local.images[0]))
+    assert main(["generate", "--model", "digits", "--tokenizer", "lantern-test/tok", "--labels", "3", "--seed", "1",
+                 "--out", str(tmp_path / "g"), "--no-progress"]) == 0
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "g" / "0000_label3.png")), np.asarray(local.images[0]))
+    tables = {}
+    for name, given in (("id", "lantern-test/tok"), ("local", str(tokenizer))):
+        assert main(["build-proximity", "--tokenizer", given, "--k-max", "8", "--out", str(tmp_path / f"{name}.st"),
+                     "--no-progress"]) == 0
+        tables[name] = load_file(tmp_path / f"{name}.st")
+    assert tables["id"].keys() == tables["local"].keys()
+    assert all(torch.equal(tables["id"][k], tables["local"][k]) for k in tables["id"])
+    capsys.readouterr()
+    assert main(["build-proximity", "--tokenizer", "lantern-test/none", "--out", str(tmp_path / "n.st")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("lantern: error: --tokenizer lantern-test/none: no such local folder")
 
 
 def test_a_local_folder_wins_over_a_repo_id(hub_cache: Path, tmp_path: Path,

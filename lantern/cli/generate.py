@@ -50,7 +50,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "--model", required=True, help=MODEL_HELP + " (a LlamaGen stack: target/, tokenizer/, optional drafter/ and "
         "proximity table)"
     )
-    p.add_argument("--tokenizer", default=None, help="VQ tokenizer folder, if not inside --model")
+    p.add_argument("--tokenizer", default=None, help="VQ tokenizer folder (or Hub repo id), if not inside --model")
     cond = p.add_mutually_exclusive_group()
     cond.add_argument(
         "--labels", type=int_list, default=None,
@@ -208,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # The rows a call decodes: what --method auto, --tree auto and the auto windows choose for (two
     # images at --batch-size 8 decode as a batch of 2, whose fastest method may be another).
     args.call_batch = min(args.batch_size, -(-num_images // ctx.world_size))
-    resolve_hub_args(args, ("model", "drafter", "t5", "vq"))
+    resolve_hub_args(args, ("model", "drafter", "t5", "vq", "tokenizer"))
     args.auto_method = _auto_method(args, ctx)
     _refuse_unused_parts(args)
     window_as_tree(args)

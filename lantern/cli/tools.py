@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lantern.cli.common import add_overwrite_arg, add_trust_checkpoint_arg
+from lantern.cli.common import add_overwrite_arg, add_trust_checkpoint_arg, resolve_hub_args
 
 
 def add_make_random_stack(sub: argparse._SubParsersAction) -> None:
@@ -52,8 +52,8 @@ def add_build_proximity(sub: argparse._SubParsersAction) -> None:
         description="For every codebook entry, its K_max nearest other entries in distance order.",
     )
     p.add_argument("--tokenizer", required=True,
-                   help="VQ tokenizer folder, official vq_ds16_*.pt file, or a Janus / Emu3 model folder (its VQ "
-                        "codebook)")
+                   help="VQ tokenizer folder, official vq_ds16_*.pt file, or a Janus / Emu3 model folder or Hub "
+                        "repo id (its VQ codebook)")
     p.add_argument("--k-max", type=int, default=None,
                    help="neighbours stored per entry (default 1024, or every other code of a smaller codebook)")
     p.add_argument("--out", required=True, help="output file (.safetensors)")
@@ -70,6 +70,7 @@ def add_build_proximity(sub: argparse._SubParsersAction) -> None:
 def cmd_build_proximity(args: argparse.Namespace) -> int:
     from lantern.targets.proximity import build_proximity_file
 
+    resolve_hub_args(args, ("tokenizer",))  # a Janus / Emu3 model by its repo id
     table = build_proximity_file(args.tokenizer, args.k_max, args.out, metric=args.metric, normalize=args.normalize,
                                  progress=not args.no_progress, overwrite=args.overwrite)
     print(
