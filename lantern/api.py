@@ -87,17 +87,26 @@ def run_config(seed: int, batch_size: int, device: str, sampling: SamplingConfig
 
 
 def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
-    """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``."""
+    """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``; at
+    ``image_size``, else the file's ``image_size`` (when its layout is the one used: Lumina-mGPT
+    comes as 512, 768 and 1024 models, whose weights do not say which), else the layout's default."""
     from lantern.models.chameleon import LAYOUTS, layout_by_name
     from lantern.targets.base import read_generation_settings
     from lantern.targets.chameleon_stack import CHAMELEON_GENERATION_KEYS
 
-    name = layout if layout is not None else read_generation_settings(root, CHAMELEON_GENERATION_KEYS).get("layout")
+    settings = read_generation_settings(root, CHAMELEON_GENERATION_KEYS)
+    name = layout if layout is not None else settings.get("layout")
     if name is None:
         raise LanternError(
             f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "
             "(how its images are laid out: Anole 32 x 32 codes; Lumina-mGPT rows with new-line tokens)"
         )
+    if image_size is None and name == settings.get("layout") and "image_size" in settings:
+        try:  # named as the file's, not as an --image-size the user never passed
+            return layout_by_name(name, settings["image_size"])
+        except LanternError as e:
+            raise LanternError(f"{root / 'generation.json'}: image_size: {settings['image_size']} does not fit the "
+                               f"{name} layout ({e})") from None
     return layout_by_name(name, image_size)
 
 

@@ -213,7 +213,9 @@ def make_tiny_chameleon_folder(out: str | os.PathLike[str], layout_name: str = "
     layout = layout_by_name(layout_name, image_size)
     init_chameleon_drafter(ChameleonLM(hf), layout, seed=seed + 2).save_pretrained(out / "drafter")
     build_proximity(vq.codebook().detach(), k_max=15).save(out / "proximity.safetensors")
-    write_json(out / "generation.json", {"layout": layout_name, "temperature": 1.0, "top_k": 8, "cfg_scale": 3.0})
+    size = {} if image_size is None else {"image_size": image_size}
+    write_json(out / "generation.json", {"layout": layout_name, **size, "temperature": 1.0, "top_k": 8,
+                                         "cfg_scale": 3.0})
     return out
 
 

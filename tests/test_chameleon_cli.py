@@ -331,3 +331,33 @@ def test_drafter_training_refuses_its_out_before_generating_images(folder: Path,
     refused(RunOptions(tmp_path / "fresh", progress=False), r"^drafter training needs .* GB for its features",
             feature_dir=tmp_path / "a" / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "fresh").exists()
+
+
+def test_a_folders_image_size_comes_from_its_generation_json(folder: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Lumina-mGPT comes as 512, 768 and 1024 models whose weights do not say which: a folder's
+    generation.json may say (before: the key was refused, and every folder decoded at 768 unless
+    --image-size was passed)."""
+    from lantern.api import chameleon_layout
+
+    assert json.loads((folder / "generation.json").read_text())["image_size"] == 64
+    assert main(["generate", "--model", str(folder), "--prompt", "a cat", "--out", str(tmp_path / "o"), "--no-progress",
+                 "--temperature", "0"]) == 0
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["layout"]["pixel_size"] == [64, 64]
+    assert chameleon_layout(folder, None, 96).pixel_size == (96, 96)  # the flag wins
+    assert chameleon_layout(folder, "anole", None).pixel_size == (512, 512)  # the file's size is its layout's
+    for size, why in ((30, "--image-size must be a positive multiple of 32, got 30"), (True, None), (0, None)):
+        copy = tmp_path / f"bad{size}"
+        shutil.copytree(folder, copy)
+        settings = json.loads((copy / "generation.json").read_text())
+        (copy / "generation.json").write_text(json.dumps({**settings, "image_size": size}))
+        with pytest.raises(LanternError) as e:
+            chameleon_layout(copy, None, None)
+        if why is None:
+            assert str(e.value) == (f"{copy / 'generation.json'}: image_size: expected a positive integer (pixels a "
+                                    f"side), got {size!r}")
+        else:
+            assert str(e.value) == f"{copy / 'generation.json'}: image_size: 30 does not fit the lumina-mgpt layout " \
+                                   f"({why})"
+        if why is not None:  # a size the layout refuses is read only when no --image-size is given
+            assert chameleon_layout(copy, None, 64).pixel_size == (64, 64)

@@ -105,7 +105,7 @@ class ChameleonPrompter(Prompter):
 
 
 # A Chameleon folder's generation.json may also name its image layout (instead of --layout).
-CHAMELEON_GENERATION_KEYS = (*COMMON_GENERATION_KEYS, "layout")
+CHAMELEON_GENERATION_KEYS = (*COMMON_GENERATION_KEYS, "layout", "image_size")
 
 
 @dataclass
