@@ -218,18 +218,49 @@ class Calibration:
                 "methods": {name: m.to_dict() for name, m in self.methods.items()}}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write to ``path`` (its folder made): to a temporary name, then renamed into place."""
+        """:meth:`write`, for callers that print nothing."""
+        return self.write(path)[0]
+
+    def write(self, path: str | os.PathLike[str]) -> tuple[Path, str | None]:
+        """Write to ``path`` (its folder made): to a temporary name, then renamed into place; and a
+        note when it replaced another calibration, which is kept beside it (:func:`previous_file`):
+        a quick or one-method run must not silently take the place of a full calibration (hours on
+        a large model), after which ``--method auto`` could only choose among what it measured.
+        Checked as a reader checks it first, so a file ``--method auto`` would refuse is not written."""
         from lantern.io import finite_or_null, write_json
 
         path = Path(path)
+        content = finite_or_null(self.to_dict())
+        Calibration.from_dict(content, f"the calibration to write to {path}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, finite_or_null(self.to_dict()))
-        return path
+        note = None
+        if path.is_file():
+            kept = previous_file(path)
+            os.replace(path, kept)
+            note = f"the calibration it replaced ({_summary(kept)}) is kept as {kept}"
+        write_json(path, content)
+        return path, note
 
     @classmethod
     def from_dict(cls, raw: Any, source: str) -> Calibration:
         """Checked against the schema; every error is one line naming ``source`` and the field."""
         return _Reader(source).calibration(raw)
+
+
+def previous_file(path: Path) -> Path:
+    """Where a replaced calibration is kept: ``KEY.previous.json`` beside it (one generation)."""
+    return path.with_name(f"{path.stem}.previous{path.suffix}")
+
+
+def _summary(path: Path) -> str:
+    """A calibration's methods and batch sizes, in a few words (what a replacement dropped)."""
+    try:
+        old = load_calibration(path)
+    except LanternError:
+        return "unreadable"
+    sizes = ", ".join(map(str, old.batch_sizes))
+    quality = "speed only" if old.quality is None else "with quality"
+    return f"{len(old.methods)} methods at batch {sizes}, {quality}"
 
 
 def load_calibration(path: str | os.PathLike[str]) -> Calibration:

@@ -31,8 +31,8 @@ BENCH_FILES = {"bench.json", "bench.md", "run.json", "grid_ar.png", "grid_sd.png
 # A preset's bench.json row, less class accuracy (these models have no classes).
 BENCH_ROW_FIELDS = {"method", "base_method", "tree", "relaxation", "mean_accepted", "target_forwards", "wall_seconds",
                     "seconds_per_image", "speedup_vs_ar", "speedup_ci", "num_images", "speed_images",
-                    "wall_seconds_repeats", "startup_seconds", "fid", "kid", "precision", "recall", "kid_std",
-                    "feature_net", "outside_ar_spread", "better_than_ar"}
+                    "wall_seconds_repeats", "chunk_seconds", "startup_seconds", "fid", "kid", "precision", "recall",
+                    "kid_std", "feature_net", "outside_ar_spread", "better_than_ar"}
 CHAIN_2 = TreeConfig.parse("chain:2").to_dict()  # as run.json records it
 TOKENS = {"lumina": 16, "anole": 1024, "t2i": 64}  # image tokens of each tiny model
 PIXELS = {"lumina": 8, "t2i": 32}  # image side of each tiny model

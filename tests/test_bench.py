@@ -441,3 +441,101 @@ def test_speedup_interval_covers_the_speedup_of_the_image_distribution() -> None
     assert coverage(16, 0.5) < 0.88  # the power check
     assert speedup_interval([[1.0, 2.0], [1.0, 2.0]], [[0.5, 1.0], [0.5, 1.0]]) == [2.0, 2.0]  # same ratio everywhere
     assert speedup_interval([[1.0]], [[0.5]]) is None  # one batch: no interval
+
+
+# ---- a probe of the measurement tools (2026-11-30) ----------------------------------------------
+
+
+def test_the_speedup_is_its_intervals_estimate() -> None:
+    """With --repeats, the speed-up was AR's median pass over the method's median pass, which can
+    come from different passes, while its interval paired the chunks: a probe read 3.11x beside a
+    0.87-1.28x interval. Both are now each chunk's median over the passes, summed."""
+    from lantern.eval.bench import paired_seconds
+
+    ar = [[0.25, 0.25, 2.0, 0.25], [0.25] * 4, [0.25, 0.25, 0.25, 6.0]]  # one slow chunk in two passes
+    method = [[0.24] * 4, [0.24, 0.24, 0.24, 3.0], [0.24] * 4]
+    old = sorted(map(sum, ar))[1] / sorted(map(sum, method))[1]
+    ci = speedup_interval(ar, method)
+    assert ci is not None and not ci[0] <= old <= ci[1]  # power: the old estimate is outside
+    assert paired_seconds(ar) == pytest.approx(1.0) and paired_seconds(method) == pytest.approx(0.96)
+    assert ci[0] <= paired_seconds(ar) / paired_seconds(method) <= ci[1]
+
+
+def test_bench_rows_record_their_chunks_and_agree_with_their_interval() -> None:
+    """A speed-only run with 2 passes: each row's speed-up is the ratio of the chunks it records
+    (``chunk_seconds``, [pass][chunk]) and lies inside its own interval."""
+    import lantern.eval.bench as bench
+    from lantern.decoding.config import SamplingConfig
+    from lantern.targets.llamagen_stack import load_stack
+
+    stack = load_stack("digits")
+    config = BenchConfig(methods=parse_methods("ar,sjd-coupled"), num_images=3, speed_images=3, curve_images=0,
+                         ar_seeds=1, repeats=2)
+    result = bench.run_bench(stack, SamplingConfig(**stack.default_sampling()), config, None, progress=False,
+                             log=lambda _: None)
+    ar, row = result.rows
+    assert [len(p) for p in row.chunk_seconds] == [3, 3] and len(ar.chunk_seconds) == 2
+    assert row.speedup_vs_ar == pytest.approx(bench.paired_seconds(ar.chunk_seconds) /
+                                              bench.paired_seconds(row.chunk_seconds), rel=1e-3)
+    assert row.speedup_ci is not None and row.speedup_ci[0] <= row.speedup_vs_ar * (1 + 1e-3)
+    assert row.speedup_vs_ar <= row.speedup_ci[1] * (1 + 1e-3)
+
+
+def test_a_latency_batch_is_never_larger_than_its_images() -> None:
+    """``--speed-batch-size 4 --speed-images 2`` timed one batch of 2 and recorded batch 4; a
+    calibration at --batch-sizes 16 (8 speed images) stored batch-8 times under 16."""
+    from lantern.eval.calibrate import calibration_config
+
+    with pytest.raises(LanternError, match=r"--speed-images \(2\) must be at least the \(first\) --speed-batch-size "
+                                           r"\(4\): the latency rows time whole batches"):
+        BenchConfig(methods=parse_methods("ar"), num_images=4, speed_images=2, speed_batch_size=4)
+    assert BenchConfig(methods=parse_methods("ar"), num_images=4, speed_images=4, speed_batch_size=4)  # power
+    for quick in (True, False):
+        config = calibration_config(["ar", "sd"], [16, 1], quick)
+        assert (config.speed_images, config.speed_batch_size) == (16, 16) and config.num_images >= 16
+    assert calibration_config(["ar"], [1, 16], True).speed_images == 8  # throughput sizes time max(8, b) anyway
+
+
+def test_a_batch_size_given_twice_is_refused() -> None:
+    """``--speed-batch-size 1,2,2 --save-calibration`` timed batch 2 twice and wrote a calibration
+    that --method auto then refused."""
+    for flag in ("--speed-batch-size", "--batch-sizes"):
+        with pytest.raises(LanternError, match=f"^{flag} must be an integer >= 1 or distinct ones like 1,4,16, got "
+                                               "'1,2,2'$"):
+            parse_batch_sizes("1,2,2", flag)
+    assert parse_batch_sizes("2,1") == [2, 1]
+
+
+def test_a_saturated_proportion_is_judged_at_its_step() -> None:
+    """AR at 1000 of 1000 correct (5 seeds of 200) gave class accuracy a zero-width bound: one miss
+    in 200 was "out". A proportion's s is now at least one image's step (1/N); the false-alarm
+    rate this gives is simulated in ARSpread.floor's docstring. Five equal precisions averaged a
+    hair off themselves and an equal row read "better" or "worse"."""
+    acc = ARSpread((0, 1, 2, 3, 4), {"class_accuracy": [1.0] * 5}, counts={"class_accuracy": 200})
+    assert acc.sides({"class_accuracy": 0.995}) == {"class_accuracy": "within"}
+    assert acc.sides({"class_accuracy": 0.98}) == {"class_accuracy": "worse"}  # power: four misses
+    old = ARSpread((0, 1, 2, 3, 4), {"class_accuracy": [1.0] * 5})  # without counts (an older run.json): no floor
+    assert old.sides({"class_accuracy": 0.995}) == {"class_accuracy": "worse"}
+    assert ARSpread.from_dict(acc.to_dict()) == acc
+    prec = ARSpread((0, 1, 2, 3, 4), {"precision": [0.94] * 5})
+    assert prec.sides({"precision": 0.94}) == {"precision": "within"}
+    assert prec.sides({"precision": 0.9399}) == {"precision": "worse"}
+
+
+def test_a_calibration_replaced_is_kept_and_a_bad_one_is_not_written(tmp_path: Path) -> None:
+    """``bench --save-calibration`` of one method silently took the place of a full calibration."""
+    from lantern.calibration import Calibration, MethodCalibration, load_calibration
+
+    def calibration(methods: tuple[str, ...], sizes: tuple[int, ...]) -> Calibration:
+        return Calibration("m", "k", sizes, {m: MethodCalibration(m, 1.0, {b: 0.1 for b in sizes}) for m in methods})
+
+    path = tmp_path / "cal" / "k.json"
+    assert calibration(("ar", "sd", "lantern++"), (1, 4)).write(path) == (path, None)
+    written, note = calibration(("ar",), (1,)).write(path)
+    kept = tmp_path / "cal" / "k.previous.json"
+    assert note == f"the calibration it replaced (3 methods at batch 1, 4, speed only) is kept as {kept}"
+    assert set(load_calibration(kept).methods) == {"ar", "sd", "lantern++"}
+    assert set(load_calibration(written).methods) == {"ar"}
+    with pytest.raises(LanternError, match="batch_sizes"):
+        calibration(("ar",), (2, 2)).write(path)
+    assert set(load_calibration(path).methods) == {"ar"}  # left as it was

@@ -310,12 +310,12 @@ def test_a_bench_result_becomes_a_calibration(stack: Path) -> None:
             for label, base, tau, s, worse in (("ar", "ar", 1.0, 2.0, []), ("sd", "sd", 2.5, 1.5, []),
                                                ("lantern", "lantern", 7.0, 0.9, ["fid"]),
                                                ("lantern/delta=0.2", "lantern", 8.0, 0.5, []))]
-    throughput = [{"batch_size": 8, "method": r.method, "images_per_second": 1 / (r.seconds_per_image / 4)}
-                  for r in rows]
     meta = {"config": {"speed_batch_size": 1, "throughput_batch_sizes": [8], "num_images": 200},
             "methods": {**defaults, "lantern/delta=0.2": resolve_method("lantern", pipe.stack,
                                                                         lantern_delta=0.2).to_dict()},
             "machine": "test", "threads": 1, "sampling": {"temperature": 1.0}}
+    throughput = [{"batch_size": 8, "method": r.method, "images_per_second": 1 / (r.seconds_per_image / 4),
+                   "resolved": meta["methods"][r.method]} for r in rows]
     spread = ARSpread((0, 1, 2), {"fid": [1.0, 1.1, 0.9]})
     result = BenchResult(rows, meta, spread, {}, [], {}, [], throughput)
     setup = pipe.calibration_setup()
@@ -330,6 +330,11 @@ def test_a_bench_result_becomes_a_calibration(stack: Path) -> None:
     no_spread = calibration_from_bench(BenchResult(rows, meta, None, {}, [], {}, [], throughput), pipe.stack, setup,
                                        "")[0]
     assert no_spread.quality is None and {m.verdict for m in no_spread.methods.values()} == {None}
+    # --tree auto chose another tree for sd at batch 8: that time is not the default sd's
+    other = [{**p, "resolved": resolve_method("sd", pipe.stack, tree="chain:2").to_dict()} if p["method"] == "sd"
+             else p for p in throughput]
+    assert calibration_from_bench(BenchResult(rows, meta, spread, {}, [], {}, [], other), pipe.stack, setup,
+                                  "")[1] == ["sd", "lantern/delta=0.2"]
 
 
 def test_calibrate_writes_what_auto_reads(stack: Path, calibration_dir: Path,

@@ -143,9 +143,11 @@ def _save_calibration(args: Any, stack: Any, config: BenchConfig, result: Any, c
 
     setup = Setup.of(args.model, stack.root, args.device, stack.dtype, config.compile)
     calibration, skipped = calibration_from_bench(result, stack, setup, command)
-    path = calibration.save(setup.user_file)
+    path, replaced = calibration.write(setup.user_file)
     print(f"wrote the calibration --method auto reads: {path}"
           + (f" (rows not at their method's defaults left out: {', '.join(skipped)})" if skipped else ""))
+    if replaced:
+        print(f"lantern: note: {replaced}")
 
 
 def _quiet(message: str) -> None:

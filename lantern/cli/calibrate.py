@@ -21,13 +21,9 @@ from lantern.errors import LanternError, check
 
 def batch_sizes(spec: str) -> tuple[int, ...]:
     """``--batch-sizes 1,8``: distinct sizes >= 1, in the order given."""
-    try:
-        sizes = tuple(int(x) for x in spec.split(",") if x.strip())
-    except ValueError:
-        sizes = ()
-    check(len(sizes) >= 1 and all(b >= 1 for b in sizes) and len(set(sizes)) == len(sizes),
-          f"--batch-sizes must be distinct integers >= 1 like 1,8, got {spec!r}")
-    return sizes
+    from lantern.eval.methods_grammar import parse_batch_sizes
+
+    return tuple(parse_batch_sizes(spec, "--batch-sizes"))
 
 
 # The quality pass's flags (their defaults are calibration_config's): --quick runs no quality pass,
@@ -90,7 +86,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     result = run_bench(stack, sampling, config, scorer, progress=progress, runner=BenchRunner(pipe.parts))
     command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     calibration, _ = calibration_from_bench(result, stack, setup, command)
-    calibration.save(out)
+    _, replaced = calibration.write(out)
+    if replaced:
+        print(f"lantern: note: {replaced}")
     if result.meta.get("busy_warning"):
         print("the machine was busy while timing (above): --method auto takes these timings as they are; calibrate "
               "again on a quiet machine")

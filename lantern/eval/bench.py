@@ -5,8 +5,9 @@ the table differ only by the decoding method:
 
 * **Speed** is measured at ``speed_batch_size`` (default 1, the latency setting speculative
   decoding is for) on the first ``speed_images`` images. Each method gets an untimed warm-up,
-  then the methods run interleaved (``ar, sd, ..., ar, sd, ...``), ``repeats`` times, and the
-  median wall-clock is kept, so drift of a shared machine hits every method alike.
+  then the methods run interleaved (``ar, sd, ..., ar, sd, ...``), ``repeats`` times, so drift
+  of a shared machine hits every method alike. A method's time is each chunk's median over the
+  passes, summed (:func:`paired_seconds`): the speed-up and its interval are one estimator.
 * **Quality** is measured on ``num_images`` images per method, generated in batches (images do
   not depend on the batch size: one ``torch.Generator`` per image). FID/KID/precision/recall and
   class accuracy are computed in the feature space of a network lantern trained on the preset's
@@ -26,7 +27,6 @@ PNGs are written by :mod:`lantern.eval.report`.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -110,6 +110,10 @@ class BenchConfig:
             self.speed_images <= self.num_images,
             f"--speed-images ({self.speed_images}) must be <= --num-images ({self.num_images})",
         )
+        # a latency row at batch 4 on 2 images would time a batch of 2 and record it as batch 4
+        check(self.speed_batch_size <= self.speed_images,
+              f"--speed-images ({self.speed_images}) must be at least the (first) --speed-batch-size "
+              f"({self.speed_batch_size}): the latency rows time whole batches")
         check(self.curve_images >= 0, f"--curve-images must be >= 0, got {self.curve_images}")
         check(all(isinstance(b, int) and b >= 1 for b in self.throughput_batch_sizes),
               f"--speed-batch-size values must be integers >= 1, got {self.throughput_batch_sizes}")
@@ -161,7 +165,7 @@ def run_bench(
     assert watch.result is not None
     if watch.result.busy:
         log(str(watch.result.warning()))
-    ar_wall = statistics.median(walls["ar"])
+    ar_wall = paired_seconds(chunk_walls["ar"])
 
     # 2. Quality: every method on the same labels and seeds, batched. Without a quality function
     # (speed-only runs), the rows describe the timed images.
@@ -174,10 +178,10 @@ def run_bench(
             r = runner.generate(stack, encoded, config.seed, sampling, cfg, config.batch_size)
             scores = quality(r.codes, labels)
         codes[name] = r.codes.cpu()
-        rows.append(_row(name, r, statistics.median(walls[name]), ar_wall, config, scores))
+        rows.append(_row(name, r, paired_seconds(chunk_walls[name]), ar_wall, config, scores))
         rows[-1].wall_seconds_repeats = [round(w, 4) for w in walls[name]]
-        if "ar" in chunk_walls and name in chunk_walls:
-            rows[-1].speedup_ci = speedup_interval(chunk_walls["ar"], chunk_walls[name])
+        rows[-1].chunk_seconds = [[round(w, 5) for w in chunks] for chunks in chunk_walls[name]]
+        rows[-1].speedup_ci = speedup_interval(chunk_walls["ar"], chunk_walls[name])
         rows[-1].startup_seconds = round(startup.get(name, 0.0), 3)
         log(f"  {name}: tau {rows[-1].mean_accepted:.2f}, {rows[-1].speedup_vs_ar:.2f}x"
             + (f", {format_quality(scores)}" if scores else ""))
@@ -194,7 +198,7 @@ def run_bench(
     if config.sweep:
         check(quality is not None, "--sweep needs quality metrics (drop --no-quality)")
         assert quality is not None
-        sweep = _sweep(stack, sampling, config, quality, resolved, ar_wall, progress, runner)
+        sweep = _sweep(stack, sampling, config, quality, resolved, progress, runner)
     per_batch = throughput_methods or {}
     throughput = [point for batch in config.throughput_batch_sizes
                   for point in measure_throughput(stack, sampling, per_batch.get(batch, resolved), encoded, config,
@@ -218,7 +222,10 @@ def _ar_spread(
     for seed in tqdm(seeds[1:], desc="AR seeds", disable=not progress):
         runs.append(quality(runner.generate(stack, encoded, seed, sampling, ar, config.batch_size).codes, labels))
     values = {k: [float(q[k]) for q in runs] for k in QUALITY_KEYS if first.get(k) is not None}
-    return ARSpread(seeds, values)
+    # the items each proportion is over (a scorer's real set may be smaller than asked: its data set's)
+    real = getattr(quality, "num_real", None)
+    counts = {"precision": len(labels), "class_accuracy": len(labels), **({"recall": real} if real else {})}
+    return ARSpread(seeds, values, counts={k: n for k, n in counts.items() if k in values})
 
 
 def measure_throughput(
@@ -236,14 +243,15 @@ def measure_throughput(
     n = max(config.speed_images, batch_size)
     index = torch.tensor([i % len(labels) for i in range(n)], device=labels.cond.device)
     pool = Conditions(labels.cond[index], None if labels.mask is None else labels.mask[index])
-    _, walls = (runner or BenchRunner()).time(stack, sampling, resolved, pool, config.seed, batch_size,
-                                              config.repeats, progress, compile=config.compile)
-    ar_rate = n / statistics.median(walls["ar"])
+    chunks: dict[str, list[list[float]]] = {}
+    (runner or BenchRunner()).time(stack, sampling, resolved, pool, config.seed, batch_size, config.repeats, progress,
+                                   compile=config.compile, chunk_walls=chunks)
+    ar_rate = n / paired_seconds(chunks["ar"])
     out = []
     for name in resolved:
-        rate = n / statistics.median(walls[name])
+        rate = n / paired_seconds(chunks[name])
         out.append({"batch_size": batch_size, "method": name, "images": n, "images_per_second": rate,
-                    "speedup_vs_ar": rate / ar_rate})
+                    "speedup_vs_ar": rate / ar_rate, "resolved": resolved[name].to_dict()})
     return out
 
 
@@ -323,7 +331,7 @@ def time_methods(
         name: RunResult(
             codes=torch.cat([o.codes for o in outputs[name]]),
             output_stats=outputs[name],
-            wall_seconds=statistics.median(walls[name]),
+            wall_seconds=paired_seconds(per_chunk[name]),
             method=prepared[name].method,
         )
         for name in names
@@ -361,6 +369,17 @@ class BenchRunner:
 SPEEDUP_CI_LEVEL = 0.95
 
 
+def paired_seconds(chunks: Sequence[Sequence[float]]) -> float:
+    """A method's time over the timed images from its seconds per chunk and pass ([pass][chunk]):
+    each chunk's median over the passes, summed. The speed-up is AR's over the method's, which is
+    :func:`speedup_interval`'s estimate: a ratio of the medians of whole passes could take AR's and
+    the method's from different passes, and fell outside its own interval (a probe, 2026-11-30:
+    3.11x against a 0.87-1.28x interval when one pass of AR ran on a busy machine)."""
+    medians = torch.tensor(chunks, dtype=torch.float64).quantile(0.5, dim=0)
+    return float(medians.sum())
+
+
+
 def speedup_interval(ar: Sequence[Sequence[float]], method: Sequence[Sequence[float]],
                      level: float = SPEEDUP_CI_LEVEL) -> list[float] | None:
     """A ``level`` confidence interval [lo, hi] for the speed-up over AR (AR's seconds over the
@@ -381,7 +400,8 @@ def speedup_interval(ar: Sequence[Sequence[float]], method: Sequence[Sequence[fl
     residual = a - theta * m
     se = math.sqrt(float((residual * residual).sum()) / (n * (n - 1))) / float(m.mean())
     half = t_quantile(1.0 - (1.0 - level) / 2, n - 1) * se / theta  # on log(theta): a ratio stays > 0
-    return [round(theta * math.exp(-half), 4), round(theta * math.exp(half), 4)]
+    # rounded outward, so that the estimate theta stays inside its interval as written
+    return [math.floor(theta * math.exp(-half) * 1e4) / 1e4, math.ceil(theta * math.exp(half) * 1e4) / 1e4]
 
 
 def _row(
@@ -451,7 +471,6 @@ def _sweep(
     config: BenchConfig,
     quality: QualityFn,
     resolved: Mapping[str, MethodConfig],
-    ar_wall: float,
     progress: bool,
     runner: BenchRunner | None = None,
 ) -> list[BenchRow]:
@@ -483,12 +502,15 @@ def _sweep(
     sweep_config = replace(config, num_images=config.sweep_images)
     for spec in tqdm(specs, desc="sweep", disable=not progress):
         cfg = spec.resolve(stack)
-        # Each point is timed against its own AR pass, the two taking turns image by image.
-        _, walls = runner.time(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed,
-                               config.speed_batch_size)
-        ar_ref, fast = walls["ar"][0], walls[spec.name][0]
+        # Each point is timed against its own AR pass, the two taking turns image by image, as the
+        # main rows are (the same passes and compile mode: the sweep shares their plot's axis).
+        chunks: dict[str, list[list[float]]] = {}
+        runner.time(stack, sampling, {"ar": ar, spec.name: cfg}, speed_labels, config.seed, config.speed_batch_size,
+                    config.repeats, compile=config.compile, chunk_walls=chunks)
         r = runner.generate(stack, encoded, config.seed, sampling, cfg, config.batch_size)
-        rows.append(_row(spec.name, r, fast, ar_ref, sweep_config, quality(r.codes, labels)))
+        rows.append(_row(spec.name, r, paired_seconds(chunks[spec.name]), paired_seconds(chunks["ar"]), sweep_config,
+                         quality(r.codes, labels)))
+        rows[-1].speedup_ci = speedup_interval(chunks["ar"], chunks[spec.name])
     return rows
 
 

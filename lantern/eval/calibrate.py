@@ -37,10 +37,14 @@ def calibration_config(methods: Sequence[str], batch_sizes: Sequence[int], quick
                        speed_images: int = 8, repeats: int = 1, ar_seeds: int = 5, seed: int = 0,
                        batch_size: int = 25, num_real: int = 1000, compile: str | None = None) -> BenchConfig:
     """The bench run a calibration is: ``methods`` at their defaults, timed at ``batch_sizes``
-    (the first is the latency timing, the rest throughput), no curves; ``quick``: no quality."""
+    (the first is the latency timing, the rest throughput), no curves; ``quick``: no quality.
+    Each size is timed on at least one whole batch, the first too (``--batch-sizes 16`` times 16
+    images, not the 8 of ``speed_images``, as the throughput sizes always were)."""
+    speed_images = max(speed_images, batch_sizes[0])
     return BenchConfig(
         methods=tuple(MethodSpec(m) for m in methods),
-        num_images=max(2, speed_images) if quick else num_images, speed_images=speed_images, seed=seed,
+        num_images=max(2, speed_images) if quick else max(num_images, speed_images), speed_images=speed_images,
+        seed=seed,
         batch_size=batch_size, speed_batch_size=batch_sizes[0], throughput_batch_sizes=tuple(batch_sizes[1:]),
         compile=compile, repeats=repeats, num_real=num_real, curve_images=0, ar_seeds=1 if quick else ar_seeds)
 
@@ -59,7 +63,11 @@ def calibration_from_bench(result: BenchResult, stack: Stack, setup: Setup,
     methods, skipped = {}, []
     for row in result.rows:
         default = resolve_method(row.base_method, stack).to_dict()
-        if row.method != row.base_method or result.meta["methods"][row.method] != default:
+        # every batch size's run at the defaults: --tree auto picks a tree per batch size, and a
+        # time of another tree would be credited to the default method at that size
+        ran = [result.meta["methods"][row.method], *(p["resolved"] for p in result.throughput
+                                                     if p["method"] == row.method)]
+        if row.method != row.base_method or any(config != default for config in ran):
             skipped.append(row.method)
             continue
         times = {sizes[0]: row.seconds_per_image, **{b: per_batch[row.method, b] for b in sizes[1:]}}

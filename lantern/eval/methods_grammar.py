@@ -134,13 +134,14 @@ def parse_tree_options(values: Sequence[str]) -> dict[str, str]:
     return trees
 
 
-def parse_batch_sizes(spec: str | int) -> list[int]:
+def parse_batch_sizes(spec: str | int, flag: str = "--speed-batch-size") -> list[int]:
     """``--speed-batch-size``: one size (latency rows) or a list ``1,4,16`` (the first gives the
-    latency rows, the others a throughput table)."""
+    latency rows, the others a throughput table); ``calibrate --batch-sizes`` too. Distinct: a
+    size given twice was timed twice, and its calibration was refused when read back."""
     try:
         sizes = [int(x) for x in str(spec).split(",") if x.strip()]
     except ValueError:
         sizes = []
-    check(len(sizes) >= 1 and all(b >= 1 for b in sizes),
-          f"--speed-batch-size must be an integer >= 1 or a list like 1,4,16, got {spec!r}")
+    check(len(sizes) >= 1 and all(b >= 1 for b in sizes) and len(set(sizes)) == len(sizes),
+          f"{flag} must be an integer >= 1 or distinct ones like 1,4,16, got {spec!r}")
     return sizes
