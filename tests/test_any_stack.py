@@ -114,6 +114,7 @@ def test_bench(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Non
     assert rows["sd"]["mean_accepted"] >= 1.0 and rows["ar"]["mean_accepted"] == 1.0
     run = _json(out / "run.json")
     assert run["reference"] == "ar" and run["num_real"] == 4
+    assert "against 4 AR samples (the model has no data set" in (out / "bench.md").read_text()  # not "real images"
     assert run["methods"]["sd"]["tree"] == CHAIN_2
 
 

@@ -311,10 +311,11 @@ def random_profile(random_stack: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.mark.slow
-def test_profile_cli_writes_json_and_png(random_profile: Path) -> None:
+def test_profile_cli_writes_json_and_png(random_profile: Path, random_stack: Path) -> None:
     raw = json.loads((random_profile / "profile.json").read_text())
     for key in ("device", "torch_threads", "machine", "cpu", "date", "sampling", "batch_size", "streams"):
         assert key in raw, key
+    assert raw["command"].startswith(f"lantern profile --model {random_stack} --quick")
     assert raw["device"] == "cpu" and raw["batch_size"] == 1 and raw["streams"] == 2
     assert raw["torch_threads"] == 1 and raw["sampling"]["cfg_scale"] == 2.0
     verify = raw["verify"]
@@ -393,6 +394,8 @@ def test_generate_tree_auto_on_digits(tmp_path: Path, capsys: pytest.CaptureFixt
          "--profile"),
         (["profile", "--model", "digits", "--max-tokens", "0"], "--max-tokens"),
         (["profile", "--model", "digits", "--batch-size", "0"], "--batch-size"),
+        # the cost profile is eager: the flag made an eager profile look compiled (a probe, 2026-11-30)
+        (["profile", "--model", "digits", "--compile"], "--compile is read by --trace only"),
         (["demo", "--methods", "ar", "--tree", "auto"], "--tree auto"),
     ],
 )

@@ -198,6 +198,9 @@ def test_config_and_option_errors() -> None:
         (["--feature-net", "/nonexistent/feature-net"], "no such file"),
         (["--sweep", "--no-quality"], "--sweep needs quality metrics"),
         (["--sweep", "--speed-images", "8", "--sweep-images", "4"], "--sweep-images"),
+        # silently unused before (a probe, 2026-11-30)
+        (["--profile", "p.json"], "--profile is only used with auto trees"),
+        (["--speed-batch-size", "1,2,2"], "distinct"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(

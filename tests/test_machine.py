@@ -143,6 +143,12 @@ def test_profile_trace_warns_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch, 
     assert trace["machine_load"] == {"cpus": 2, "load1_start": 0.5, "load1_end": 0.5,
                                      "others_share": pytest.approx(others / 2), "busy": busy}
     assert [m["method"] for m in trace["methods"]] == ["ar"]  # the trace itself is still there
+    # what made it (a probe, 2026-11-30: no command or versions, and dtype written "torch.float32")
+    command = f"lantern profile --model {tiny_stack} --trace ar --trace-images 1 --no-progress --out {out}"
+    assert trace["command"] == command and trace["dtype"] in ("float32", "bfloat16")
+    assert {"lantern", "torch", "date"} <= set(trace)
+    assert md.rstrip("\n").endswith(f"`{command}` (lantern {trace['lantern']}, torch {trace['torch']}, "
+                                     f"{trace['date']})")
     if busy:
         warning = ("WARNING: busy machine (other processes used 75% of the 2 cores while timing): "
                    "speed-ups measured now can be far off; rerun on a quiet machine")

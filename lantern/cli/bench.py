@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +15,7 @@ from lantern.cli.common import (
     add_tool_args,
     chameleon_options,
     check_feature_net_early,
+    command_line,
     model_reads,
 )
 from lantern.errors import check
@@ -51,13 +51,14 @@ def bench_config(args: Any) -> BenchConfig:
         sweep_images=args.sweep_images,
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    check(args.profile is None or any(m.tree == "auto" for m in config.methods),
+          "--profile is only used with auto trees (--tree auto, or a row METHOD@auto)")
     return config
 
 
 def cmd_bench(args: Any) -> int:
     """``lantern bench``: in one process, or across the ranks of a ``torchrun`` job
     (:mod:`lantern.eval.ranks`: the images are shared out, rank 0 scores and writes)."""
-    import shlex
 
     import torch
 
@@ -120,7 +121,7 @@ def cmd_bench(args: Any) -> int:
     if auto_windows:
         result.meta["auto_windows"] = auto_windows
     result.meta["processes"] = ctx.world_size
-    command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    command = command_line(args)
     with out.write() as folder:
         save_bench(stack, result, folder, command)
     if result.meta.get("busy_warning"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from lantern.cli.common import (
     add_trust_checkpoint_arg,
     chameleon_options,
     check_feature_net_early,
+    command_line,
 )
 from lantern.errors import LanternError, check
 
@@ -44,7 +44,6 @@ def quality_settings(args: argparse.Namespace) -> dict[str, int]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Load the model as ``generate`` would (device, precision, compile mode, batch invariance),
     bench every method it can run at its defaults, and write the calibration."""
-    import shlex
 
     from lantern.api import load, resolve_sampling
     from lantern.calibration import Setup, choose_method
@@ -84,7 +83,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           + ("speed only (--quick)" if args.quick else f"quality on {config.num_images} images, AR at "
              f"{config.ar_seeds} seeds") + f" | writes {out}")
     result = run_bench(stack, sampling, config, scorer, progress=progress, runner=BenchRunner(pipe.parts))
-    command = "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    command = command_line(args)
     calibration, _ = calibration_from_bench(result, stack, setup, command)
     _, replaced = calibration.write(out)
     if replaced:

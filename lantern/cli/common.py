@@ -88,6 +88,14 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
             raise LanternError(f"{flag}: {e}") from None
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed, for a result's provenance (``main`` keeps the argv it parsed)."""
+    import shlex
+    import sys
+
+    return "lantern " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+
+
 SEED_FLAGS = ("seed", "data_seed")  # the commands' seed options (generate, bench, profile, train ...)
 
 

@@ -10,9 +10,11 @@ from lantern.cli.common import (
     add_overwrite_arg,
     add_tool_args,
     check_compile,
+    command_line,
     load_tool_stack,
     model_reads,
 )
+from lantern.errors import check
 
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +54,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from lantern.validate import MAX_IMAGES, check_count, check_device
 
     check_compile(args)
+    # the cost profile times eager forwards (measure_profile compiles nothing): a compiled profile
+    # would be a different measurement, and accepting the flag made an eager one look compiled
+    check(args.trace is not None or args.compile in (None, "off"),
+          "--compile is read by --trace only: the cost profile (for --tree auto) is measured eager")
     check_count(args.trace_images, "--trace-images", maximum=MAX_IMAGES)  # as generate's and bench's counts
     if args.trace is not None:  # every traced method's settings (a tree's size too), before loading
         from lantern.eval.methods_grammar import parse_methods
@@ -67,13 +73,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.trace is not None:
         from lantern.eval.roundtrace import cmd_trace
 
-        return cmd_trace(args, stack, sampling, out)
+        return cmd_trace(args, stack, sampling, out, command_line(args))
     with watch_load() as watch:  # were other processes competing for the cores while we timed?
         profile = measure_profile(stack, sampling, settings, model_name=str(args.model),
                                   progress=not args.no_progress)
     assert watch.result is not None
-    profile = replace(profile, meta={**profile.meta, "machine_load": watch.result.to_dict(),
-                                     "busy_warning": watch.result.warning()})
+    profile = replace(profile, meta={**profile.meta, "command": command_line(args),
+                                     "machine_load": watch.result.to_dict(), "busy_warning": watch.result.warning()})
     with out.write() as folder:
         json_path, png_path = save_profile(profile, folder)
     if watch.result.busy:

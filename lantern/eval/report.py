@@ -379,14 +379,17 @@ def markdown_report(result: BenchResult, command: str) -> str:
         f"device {m['device']}, {m['dtype']}",
         f"- sampling: {m['sampling']}",
         f"- speed: {cfg['speed_images']} images per method at batch {cfg['speed_batch_size']}, "
-        f"median of {cfg['repeats']} interleaved pass(es), warm-up excluded; the speed-up's 95% CI (where "
+        f"{cfg['repeats']} interleaved pass(es), warm-up excluded, each batch's median over the passes summed; "
+        "the speed-up's 95% CI (where "
         "shown): over the timed batches, each with AR's time on the same images (ratio estimator, t interval"
         + _degrees_note(-(-int(cfg["speed_images"]) // int(cfg["speed_batch_size"]))) + ")",
         *([f"- **{m['busy_warning']}**"] if m.get("busy_warning") else []),
         *(
             [
                 f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "
-                f"seeds, against {m.get('num_real', '?')} real images of the training distribution",
+                f"seeds, against {m.get('num_real', '?')} "
+                + ("AR samples (the model has no data set: distances from AR, not from real images)"
+                   if m.get("reference") == "ar" else "real images of the training distribution"),
                 f"- feature network: {m['feature_net']} (**not** Inception: numbers compare rows of this run only)",
             ]
             if "feature_net" in m

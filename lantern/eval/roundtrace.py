@@ -36,7 +36,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -315,14 +314,15 @@ def trace_markdown(traces: Sequence[RoundTrace]) -> str:
 def trace_meta(stack: Stack, sampling: SamplingConfig, labels: Sequence[Any], batch_size: int,
                model_name: str) -> dict[str, Any]:
     from lantern.eval.report import machine_description
+    from lantern.version import software
 
-    return {"model": model_name, "device": str(stack.device), "dtype": str(stack.dtype),
-            "machine": machine_description(), "torch_threads": torch.get_num_threads(),
-            "sampling": sampling.to_dict(), "images": len(labels), "batch_size": batch_size,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {"model": model_name, **software(), "device": str(stack.device),
+            "dtype": str(stack.dtype).replace("torch.", ""), "machine": machine_description(),
+            "torch_threads": torch.get_num_threads(), "sampling": sampling.to_dict(), "images": len(labels),
+            "batch_size": batch_size}
 
 
-def cmd_trace(args: Any, stack: Stack, sampling: SamplingConfig, out: OutputFolder) -> int:
+def cmd_trace(args: Any, stack: Stack, sampling: SamplingConfig, out: OutputFolder, command: str) -> int:
     """``lantern profile --trace METHODS``: trace, print the table, write trace.json / trace.md
     (all-or-nothing, into the checked ``--out``)."""
     from lantern.eval.bench import bench_labels
@@ -340,6 +340,7 @@ def cmd_trace(args: Any, stack: Stack, sampling: SamplingConfig, out: OutputFold
     assert watch.result is not None
     table = trace_markdown(traces)
     meta = trace_meta(stack, sampling, labels, args.batch_size, str(args.model))
+    meta["command"] = command
     meta["compile"] = resolve_compile(args.compile, stack.device)
     meta["machine_load"] = watch.result.to_dict()
     meta["busy_warning"] = warning = watch.result.warning()
@@ -348,6 +349,8 @@ def cmd_trace(args: Any, stack: Stack, sampling: SamplingConfig, out: OutputFold
     print(table)
     with out.write() as folder:
         write_json(folder / "trace.json", trace_dict(traces, meta))
-        (folder / "trace.md").write_text((f"**{warning}**\n\n" if warning is not None else "") + table + "\n")
+        made = f"`{meta['command']}` (lantern {meta['lantern']}, torch {meta['torch']}, {meta['date']})"
+        (folder / "trace.md").write_text((f"**{warning}**\n\n" if warning is not None else "") + table + "\n\n"
+                                         + made + "\n")
     print(f"wrote {out.path / 'trace.json'} and {out.path / 'trace.md'}")
     return 0
