@@ -31,8 +31,8 @@ invariance".
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -212,12 +212,18 @@ def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
     return module
 
 
-def is_batch_invariant(module: nn.Module) -> bool:
+class Modular(Protocol):
+    """An ``nn.Module``, or a module typed by what is read of it (a target's code head: ``lantern.decoding.loop.CodeHead``)."""
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def is_batch_invariant(module: Modular) -> bool:
     """Whether ``module`` (or any module inside it) computes its matmuls in fixed-size chunks."""
     return any(type(sub) is RowChunkedLinear for sub in module.modules())
 
 
-def follow_batch_invariance(module: nn.Module, target: nn.Module) -> None:
+def follow_batch_invariance(module: nn.Module, target: Modular) -> None:
     """Give ``module`` the mode of ``target`` (a network or a layer of it): whatever feeds a
     target's tokens (a drafter, which reads the target's lm_head; the T5 encoder of its captions)
     must be batch-invariant when the target is."""

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from lantern.decoding.cache import CachePool
     from lantern.decoding.config import SamplingConfig
     from lantern.decoding.drafting import DraftBackend
-    from lantern.decoding.loop import Target
+    from lantern.decoding.loop import CodeHead, Target
 
 TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
 T5_DIR = "t5"  # text-to-image stacks: a local copy of the T5 encoder (google/flan-t5-xl)
@@ -212,7 +212,7 @@ class Stack(Protocol):
         """A drafter folder, checked against this target, on the device in the drafter's dtype."""
         ...
 
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+    def draft_backend(self, drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """The drafter's scorer for one batch; ``slots``: cache entries beyond the condition and the

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from lantern.decoding.cache import CachePool
     from lantern.decoding.config import SamplingConfig
     from lantern.decoding.drafting import DraftBackend
-    from lantern.decoding.loop import Target
+    from lantern.decoding.loop import CodeHead, Target
     from lantern.targets.text import Captions
 
 
@@ -170,7 +170,7 @@ class ModelStack(StackFolder):
         warn_if_trained_for_another_head(path, self.target.output.weight)
         return drafter
 
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+    def draft_backend(self, drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         from lantern.drafters.eagle import EagleBackend
