@@ -135,6 +135,7 @@ class TreeDrafter:
         """Per-row state (``lantern.decoding.rows``): the pending root, then the backend's, if it lists it."""
         backend = self.backend.row_tensors() if hasattr(self.backend, "row_tensors") else None
         check(backend is not None, f"{type(self.backend).__name__} cannot move decode rows")
+        assert backend is not None
         return [(self.root, 1, 0), *backend]
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
@@ -183,6 +184,7 @@ class TreeDrafter:
                 offset += e * m
                 q, draws = _draw_level(logits, level_u, self.sampling, m)
                 if q_draft is not None:
+                    assert q is not None  # sampled: the loop has an rng then, so _draw_level drew from q
                     q_draft[:, plan.nodes] = q
                 tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
         with phase("tree"):

@@ -33,7 +33,7 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
