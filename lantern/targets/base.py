@@ -8,6 +8,7 @@ Janus-Pro in ``lantern.targets.janus``, Emu3 in ``lantern.targets.emu3``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -358,7 +359,7 @@ def read_generation_settings(root: Path, keys: Sequence[str] = COMMON_GENERATION
     for method, spec in trees.items():  # (its keys are checked against the methods where methods resolve)
         if not isinstance(spec, str):
             raise LanternError(f"{path}: trees.{method}: expected a --tree spec string, got {spec!r}")
-        _with_source(path, f"trees.{method}: ", lambda spec=spec: TreeConfig.parse(spec))
+        _with_source(path, f"trees.{method}: ", functools.partial(TreeConfig.parse, spec))
     if "layout" in raw and not isinstance(raw["layout"], str):
         raise LanternError(f"{path}: layout: expected a layout name string, got {raw['layout']!r}")
     size = raw.get("image_size", 1)

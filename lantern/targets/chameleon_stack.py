@@ -136,6 +136,11 @@ class PromptStack(StackFolder):
     def sample_conditions(self, n: int) -> list[Any]:
         return prompts_for(n)
 
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> ChameleonTarget:
+        """The family's target adapter (:meth:`Stack.make_target`)."""
+        raise NotImplementedError
+
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: ConditionSet, batch: int) -> int:
         return self.make_target(sampling, max_tree_nodes).cache_bytes(batch)
 

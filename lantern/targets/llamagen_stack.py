@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from lantern.decoding.config import SamplingConfig
     from lantern.decoding.drafting import DraftBackend
     from lantern.decoding.loop import CodeHead, Target
+    from lantern.models.drafter import EagleDrafterModel
     from lantern.targets.text import Captions
 
 
@@ -176,7 +177,9 @@ class ModelStack(StackFolder):
         from lantern.drafters.eagle import EagleBackend
 
         cfg = self.target.config
-        return EagleBackend(drafter, head, sampling, target.streams, cfg.cls_token_num + cfg.block_size + slots,
+        # (LlamaGen's drafters are lantern's EAGLE drafters: load_drafter's, or one given loaded)
+        return EagleBackend(cast("EagleDrafterModel", drafter), head, sampling, target.streams,
+                            cfg.cls_token_num + cfg.block_size + slots,
                             compile=compile, cache_pool=cache_pool)
 
     @torch.no_grad()
