@@ -66,7 +66,13 @@ def plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) and not isinstance(value, np.bool_) else value
 
 
-@python_errors(lambda: api_arguments())
+def api_argument_names() -> frozenset[str]:
+    """:func:`api_arguments`, looked up when an error is renamed: it reads the signatures of the
+    functions decorated with it, which are made later in this module."""
+    return api_arguments()
+
+
+@python_errors(api_argument_names)
 def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodConfig, SamplingConfig]:
     """Method and sampling for one run, from keyword settings named like the CLI's flags."""
     settings = {name: plain(value) for name, value in settings.items()}
@@ -138,7 +144,8 @@ class Pipeline:
     ``tree="auto"``, the tree or window the first call measured). A call is not
     thread-safe (a prepared method's caches serve one batch at a time); :meth:`prepare` is."""
 
-    def __init__(self, stack: Any, device: str = "cpu", compile: str = "off", parts: ModelParts | None = None) -> None:
+    def __init__(self, stack: Any, device: str = "cpu", compile: str | None = "off",
+                 parts: ModelParts | None = None) -> None:
         """stack: a lantern.targets.base.Stack (ModelStack: LlamaGen c2i / t2i; ChameleonStack); parts:
         its drafter, proximity table and T5 encoder (default: the stack's own)."""
         self.stack, self.device, self.compile = stack, device, compile
@@ -196,7 +203,7 @@ class Pipeline:
                 self._prepared.popitem(last=False)
             return prepared
 
-    @python_errors(lambda: api_arguments())
+    @python_errors(api_argument_names)
     def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
                  prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
                  num_per_label: int = 1, progress: bool = False, quality: str | None = None,
@@ -256,7 +263,7 @@ class Pipeline:
         return Setup.of(self.stack.root, self.stack.root, self.device, self.stack.dtype,
                         resolve_compile(self.compile, self.device), self.deterministic)
 
-    @python_errors(lambda: api_arguments())
+    @python_errors(api_argument_names)
     def auto_method(self, quality: str | None = None, batch_size: int = 8, **settings: Any) -> MethodChoice:
         """``method="auto"``: the fastest method of the ``quality`` class at ``batch_size``, from this
         model's calibration for this device (:mod:`lantern.calibration`), with why; a one-line
@@ -375,7 +382,7 @@ def check_prompt_list(prompts: Any) -> list[str]:
     return list(prompts)
 
 
-@python_errors(lambda: api_arguments())
+@python_errors(api_argument_names)
 def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",
          dtype: str | torch.dtype = "float32", compile: str | None = "off",
          tokenizer: str | os.PathLike[str] | None = None, t5: str | os.PathLike[str] | None = None,
@@ -415,7 +422,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
 
 
 def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None, *, device: str,
-          dtype: str | torch.dtype, compile: str, tokenizer: str | os.PathLike[str] | None,
+          dtype: str | torch.dtype, compile: str | None, tokenizer: str | os.PathLike[str] | None,
           t5: str | os.PathLike[str] | None, vq: str | os.PathLike[str] | None, layout: str | None,
           image_size: int | None, proximity: str | os.PathLike[str] | None) -> Pipeline:
     from lantern.decoding.compiling import resolve_compile
@@ -502,7 +509,7 @@ def read_prompter(model: str | os.PathLike[str], layout: str | None = None,
 
 
 def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
-                    image_size: int | None, dtype: torch.dtype, device: str, compile: str,
+                    image_size: int | None, dtype: torch.dtype, device: str, compile: str | None,
                     proximity: str | None) -> Pipeline:
     from lantern.targets.chameleon_stack import load_chameleon_stack
 
@@ -515,7 +522,7 @@ def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object,
 
 
 def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
-                image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str,
+                image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str | None,
                 proximity: str | None) -> Pipeline:
     from lantern.targets.janus import load_janus_stack
 
@@ -530,7 +537,7 @@ def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, lay
 
 
 def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
-               image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str,
+               image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str | None,
                proximity: str | None) -> Pipeline:
     from lantern.targets.emu3 import load_emu3_stack
 

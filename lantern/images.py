@@ -28,8 +28,8 @@ def to_pil(images: Tensor, rounding: str = "half_up") -> list[Image.Image]:  # [
           f"images must be [B, 1 or 3, H, W], got {tuple(images.shape)}")
     x = ((images.detach().float().cpu() + 1.0) / 2.0).clamp(0.0, 1.0)
     offset = 0.5 if rounding == "half_up" else 0.0
-    pixels = (x * 255.0 + offset).floor().clamp(0, 255).to(torch.uint8)  # [B, C, H, W]
-    pixels = pixels.permute(0, 2, 3, 1).numpy()  # [B, H, W, C]
+    levels = (x * 255.0 + offset).floor().clamp(0, 255).to(torch.uint8)  # [B, C, H, W]
+    pixels = levels.permute(0, 2, 3, 1).numpy()  # [B, H, W, C]
     if images.shape[1] == 1:
         return [Image.fromarray(p[..., 0]) for p in pixels]
     return [Image.fromarray(p) for p in pixels]

@@ -46,7 +46,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from lantern.decoding.config import (
     COUPLINGS,
@@ -60,7 +60,10 @@ from lantern.decoding.config import (
     JacobiConfig,
     PACConfig,
     PJDConfig,
+    RelaxationBudget,
     RelaxationConfig,
+    RelaxationCredit,
+    ResidualMode,
     SubsequenceConfig,
     TreeConfig,
     check_tree_nodes,
@@ -442,8 +445,11 @@ def _resolve_relaxation(
           f"--lantern-residual must be one of {', '.join(RESIDUALS)}, got {residual!r}", field="lantern_residual")
     check(credit in (None, *CREDITS), f"--lantern-credit must be one of {', '.join(CREDITS)}, got {credit!r}",
           field="lantern_credit")
-    return replace(base, k=base.k if k is None else k, residual=base.residual if residual is None else residual,
-                   budget=budget, credit=DEFAULT_CREDIT if credit is None else credit)  # type: ignore[arg-type]
+    # (the strings are checked above against the Literals' values)
+    return replace(base, k=base.k if k is None else k,
+                   residual=base.residual if residual is None else cast(ResidualMode, residual),
+                   budget=cast(RelaxationBudget, budget),
+                   credit=cast(RelaxationCredit, DEFAULT_CREDIT if credit is None else credit))
 
 
 # The method settings, each with one name everywhere: a Python keyword (``pipe(method="lantern",

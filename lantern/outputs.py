@@ -55,7 +55,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_staging(target: Path) -> list[Path]:
     """Delete the staging folders/files of ``target`` left by runs that no longer exist (a
     SIGKILL, a power cut); those of live processes (a concurrent run) are left alone."""
-    removed = []
+    removed: list[Path] = []
     parent = target.parent
     if not parent.is_dir():
         return removed

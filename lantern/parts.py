@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,6 +23,7 @@ from lantern.models.invariant import follow_batch_invariance
 
 if TYPE_CHECKING:
     from lantern.targets.base import Conditions, PackedConditions, Stack
+    from lantern.targets.llamagen_stack import ModelStack
     from lantern.targets.proximity import ProximityTable
     from lantern.targets.text import T5Encoder
 
@@ -106,9 +107,13 @@ class ModelParts:
                 self._table = table
             return self._table
 
+    def _text_stack(self) -> ModelStack:
+        """The stack, where it encodes prompts through T5: text-to-image stacks are LlamaGen's."""
+        return cast("ModelStack", self.stack)
+
     def t5_dir(self) -> Path:
         """The T5 folder of a text-to-image stack, checked without loading it."""
-        return Path(self.stack.t5_folder(self._t5_path))
+        return Path(self._text_stack().t5_folder(self._t5_path))
 
     def t5(self) -> T5Encoder:
         """The T5 prompt encoder of a text-to-image stack, read once and kept (flan-t5-xl's encoder
@@ -117,11 +122,11 @@ class ModelParts:
             if self._t5 is None:
                 from lantern.targets.text import load_t5
 
-                cfg = self.stack.target.config
-                self._t5 = load_t5(self.t5_dir(), cfg.cls_token_num, self.stack.device, self.stack.dtype,
-                                   cfg.caption_dim)
+                stack = self._text_stack()
+                cfg = stack.target.config
+                self._t5 = load_t5(self.t5_dir(), cfg.cls_token_num, stack.device, stack.dtype, cfg.caption_dim)
                 # a deterministic target's captions must not depend on the prompts encoded beside them
-                follow_batch_invariance(self._t5.model, self.stack.network())
+                follow_batch_invariance(self._t5.model, stack.network())
             return self._t5
 
     def encode(self, conditions: list[Any], repeats: int = 1, batch_size: int = 8,
@@ -146,7 +151,7 @@ class ModelParts:
                   disable=not progress or len(prompts) <= batch_size) as bar:
             for lo in range(0, len(prompts), batch_size):
                 chunk = prompts[lo : lo + batch_size]
-                yield self.stack.from_captions(encoder.encode(chunk, batch_size))
+                yield self._text_stack().from_captions(encoder.encode(chunk, batch_size))
                 bar.update(len(chunk))
 
 

@@ -19,6 +19,7 @@ from lantern.decoding.drafting import TreeDrafter
 from lantern.decoding.jacobi import JacobiDrafter
 from lantern.decoding.loop import (
     Acceptance,
+    CodeHead,
     Decode,
     Drafter,
     GenerationOutput,
@@ -177,11 +178,11 @@ class PreparedMethod:
     drafter: torch.nn.Module | None
     acceptance: Acceptance
     compile: str | None = None  # a lantern.decoding.compiling mode; None = eager
-    _head_copy: torch.nn.Linear | None = field(default=None, repr=False)
+    _head_copy: CodeHead | None = field(default=None, repr=False)
     # Caches reused image after image (fixed addresses for CUDA graphs, no allocation per image).
     _caches: CachePool = field(default_factory=CachePool, repr=False)
 
-    def drafter_head(self, lm_head: torch.nn.Linear) -> torch.nn.Linear:
+    def drafter_head(self, lm_head: CodeHead) -> CodeHead:
         """The target's lm_head in the drafter's precision (a copy, made once, when they differ)."""
         assert self.drafter is not None
         dtype = next(self.drafter.parameters()).dtype
@@ -191,7 +192,7 @@ class PreparedMethod:
             self._head_copy = copy.deepcopy(lm_head).to(dtype)
         return self._head_copy
 
-    def parts(self, head: torch.nn.Linear | None = None) -> tuple[Target, Drafter | GridJacobiDrafter | None]:
+    def parts(self, head: CodeHead | None = None) -> tuple[Target, Drafter | GridJacobiDrafter | None]:
         """A fresh target adapter and drafter for one batch (they hold per-batch state); ``head``:
         the drafter's lm_head (default: the target's, in the drafter's precision)."""
         tree, stack = self.method.tree, self.stack

@@ -335,7 +335,8 @@ def tiny_janus(seed: int = 0, num_layers: int = 2, grid: int = 4, num_codes: int
     g = model.generation_config
     g.pad_token_id, g.bos_token_id, g.eos_token_id = 1, 0, 2
     g.guidance_scale, g.temperature = 3.0, 1.0
-    g.generation_kwargs = {"boi_token_id": JANUS_SPECIAL["<begin_of_image>"]}
+    # (GenerationConfig keeps any attribute it is given; its class declares no generation_kwargs)
+    g.generation_kwargs = {"boi_token_id": JANUS_SPECIAL["<begin_of_image>"]}  # type: ignore[attr-defined]
     return model.eval()
 
 

@@ -40,6 +40,7 @@ def test_wheel_holds_the_package_presets_and_command(tmp_path: Path) -> None:
     assert {"lantern/__init__.py", "lantern/version.py", "lantern/decoding/loop.py", f"{info}/METADATA"} <= names
     assert any(n.startswith("lantern/presets/photos/") and n.endswith(".safetensors") for n in names)
     assert {f"lantern/serve/static/{f}" for f in ("index.html", "app.js", "style.css")} <= names  # the serve page
+    assert "lantern/py.typed" in names  # PEP 561: type checkers read lantern's own annotations
     assert not any(n.startswith("tests/") for n in names)
     meta = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     assert "Name: lantern-ar" in meta

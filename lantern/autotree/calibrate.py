@@ -12,6 +12,7 @@ from torch import Tensor
 from lantern.autotree.model import DEFAULT_PROBE_WIDTHS, SPECULATIVE_METHODS, AcceptanceModel, Choice, RoundRecord
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.loop import Acceptance, Drafter, DraftTree, GenerationOutput, Target, generate
+from lantern.decoding.pjd import GridJacobiDrafter
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.trees import probe_choices
 from lantern.errors import check
@@ -147,7 +148,8 @@ def calibrate(
                                stack.device)
         assert prepared.drafter is not None
         target, drafter = prepared.parts()
-        assert drafter is not None
+        # a tree-drafting method (_method_config), never PJD's grid
+        assert drafter is not None and not isinstance(drafter, GridJacobiDrafter)
         got, _ = record_rounds(target, drafter, chunk.cond, None if sampling.greedy else gens, prepared.acceptance,
                                chunk.mask)
         records.extend(got)

@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lantern.autotree.calibrate import _method_config, calibrate
 from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATIVE_METHODS
@@ -49,6 +49,9 @@ from lantern.errors import check
 from lantern.methods import MethodConfig
 from lantern.parts import ModelParts, parts_of
 from lantern.targets.base import FAMILY_NAMES, Stack
+
+if TYPE_CHECKING:
+    from lantern.targets.llamagen_stack import ModelStack
 
 # ============================================================================================
 # Acceptance model (pure)
@@ -177,7 +180,8 @@ def choose_auto(
                                    f"pjd_window for {FAMILY_NAMES.get(stack.kind, stack.kind)} "
                                    "models")
         base = resolve_method(method, stack, **settings)
-        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size, parts=parts)
+        # c2i, checked above: a LlamaGen ModelStack (the only family with class labels)
+        window = choose_window(cast("ModelStack", stack), base, sampling, seed=seed, batch_size=batch_size, parts=parts)
         return with_window(base, window.window), {"auto_window": window.to_dict()}
     check(method in SPECULATIVE_METHODS,
           f"tree auto needs a method with a tree or a window ({', '.join(SPECULATIVE_METHODS)}, sjd*, pjd*), "

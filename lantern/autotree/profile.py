@@ -142,7 +142,8 @@ class DeviceProfile:
                   f"{what}: overhead.{rule} must hold finite fixed_ms, per_level_ms and per_node_ms")
             runs = fit.get("runs", ())
             check(isinstance(runs, (list, tuple)), f"{what}: overhead.{rule}.runs must be a list")
-            overhead[rule] = OverheadFit(*(float(t) for t in terms), tuple(runs))
+            fixed_ms, per_level_ms, per_node_ms = (float(t) for t in terms)
+            overhead[rule] = OverheadFit(fixed_ms, per_level_ms, per_node_ms, tuple(runs))
         profile = cls(meta=meta, verify_tokens=curves["verify.tokens"], verify_ms=curves["verify.ms"],
                       begin_tokens=curves["drafter.begin_new_tokens"], begin_ms=curves["drafter.begin_ms"],
                       feed_nodes=curves["drafter.feed_nodes"], feed_ms=curves["drafter.feed_ms"],
@@ -390,7 +391,7 @@ def _measure_drafter(
     toks = torch.randint(vocab, (b, max(width, max(feed_pts))), generator=gen).to(device)
     backend.commit(feats[:, :prefix], toks[:, :prefix], torch.full((b,), prefix, device=device))
     backend.begin()
-    cache = getattr(backend, "cache", None)
+    cache: Any = getattr(backend, "cache", None)  # EagleBackend's KVCache (not part of DraftBackend)
     check(cache is not None and hasattr(cache, "lengths"), "EagleBackend has no cache with lengths to restore")
     base = cache.lengths.clone()
 

@@ -91,9 +91,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if result.meta.get("busy_warning"):
         print("the machine was busy while timing (above): --method auto takes these timings as they are; calibrate "
               "again on a quiet machine")
-    for quality in ("lossless", "ar"):
-        choice = choose_method(calibration, quality, sizes[0], str(out))
-        print(f"--method auto --quality {quality} at batch {sizes[0]}: {choice.explanation}")
+    for level in ("lossless", "ar"):  # (`quality` above: the quality pass's settings)
+        choice = choose_method(calibration, level, sizes[0], str(out))
+        print(f"--method auto --quality {level} at batch {sizes[0]}: {choice.explanation}")
     print(f"wrote {out} | total {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -355,7 +355,7 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
                                    "or --prompts FILE")
     width = DEFAULT_PROMPT_WIDTH if args.prompt_width is None else args.prompt_width
     prompter = read_prompter(model, args.layout, args.image_size) if prompts is not None and width > 0 else None
-    if prompter is not None:  # a bad width is refused by load, naming the flag
+    if prompts is not None and prompter is not None:  # a bad width is refused by load, naming the flag
         prompter.check_fits(prompts, width)
     pipe = load(model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
                 tokenizer=args.tokenizer, t5=args.t5, proximity=args.proximity, deterministic=args.deterministic,

@@ -138,7 +138,7 @@ def _resolve_num_samples(num_samples: int | None, available: int, what: str) -> 
 
 
 def _check_positive_int(value: Any, arg: str) -> None:
-    ok = isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
+    ok = isinstance(value, int | np.integer) and not isinstance(value, bool) and bool(value >= 1)  # (numpy: np.bool_)
     check(ok, f"{arg} must be a positive integer, got {value!r}")
 
 

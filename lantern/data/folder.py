@@ -48,7 +48,7 @@ def _list_image_files(folder: Path) -> list[Path]:
 def _read_image(path: Path) -> _FolderImage:
     data = path.read_bytes()
     try:
-        image = Image.open(io.BytesIO(data))
+        image: Image.Image = Image.open(io.BytesIO(data))  # (an ImageFile, then exif_transpose's Image)
         image.load()
         # Phone photos store their rotation in EXIF; apply it so sizes and pixels match what viewers show.
         image = ImageOps.exif_transpose(image)

@@ -152,6 +152,7 @@ def relaxed_mass(
         member = group_mask(r, x, cfg.k)
         return (r * member).sum(-1), member.sum(-1) - 1
     check(neighbours is not None, "relaxed acceptance needs a proximity table (neighbours)")
+    assert neighbours is not None
     check_k(cfg.k, neighbours.shape[1])
     c = r.gather(-1, _neighbour_rows(neighbours, x, cfg.k)).cumsum(-1)  # [B, k]
     if bound is None:

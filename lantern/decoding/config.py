@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from numbers import Real
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypedDict, Unpack, get_args
 
 from lantern.errors import check
 
@@ -210,6 +210,14 @@ class RelaxationConfig:
 TreeKind = Literal["none", "chain", "static", "dynamic"]
 
 
+class DynamicTreeSize(TypedDict, total=False):
+    """A dynamic tree's size settings (:class:`TreeConfig`'s defaults where absent)."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Shape of the draft tree.
@@ -260,7 +268,7 @@ class TreeConfig:
         return cls(kind="static", name=f"{prefix}_{tree_hash(nodes)}", choices=nodes)
 
     @classmethod
-    def parse(cls, spec: str, **dynamic: int) -> TreeConfig:
+    def parse(cls, spec: str, **dynamic: Unpack[DynamicTreeSize]) -> TreeConfig:
         """Parse the CLI form: ``none``, ``dynamic``, ``chain:N`` or ``static:NAME``."""
         from lantern.errors import LanternError
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
-from lantern.decoding.loop import DraftTree
+from lantern.decoding.loop import CodeHead, DraftTree
 from lantern.decoding.phases import phase
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.sampling import apply_cfg, one_hot, probs_from_logits, process_logits, sample_from_probs
@@ -41,7 +41,8 @@ from lantern.errors import check
 
 
 class DraftBackend(Protocol):
-    forwards: int | Tensor
+    @property
+    def forwards(self) -> int | Tensor: ...  # read-only to TreeDrafter: an int or a device counter
 
     def start(self, hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
         """path_width: the width of every round's commit (a backend may pad its first context to it)."""
@@ -134,6 +135,7 @@ class TreeDrafter:
         """Per-row state (``lantern.decoding.rows``): the pending root, then the backend's, if it lists it."""
         backend = self.backend.row_tensors() if hasattr(self.backend, "row_tensors") else None
         check(backend is not None, f"{type(self.backend).__name__} cannot move decode rows")
+        assert backend is not None
         return [(self.root, 1, 0), *backend]
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
@@ -182,6 +184,7 @@ class TreeDrafter:
                 offset += e * m
                 q, draws = _draw_level(logits, level_u, self.sampling, m)
                 if q_draft is not None:
+                    assert q is not None  # sampled: the loop has an rng then, so _draw_level drew from q
                     q_draft[:, plan.nodes] = q
                 tokens[:, plan.children] = draws[:, plan.child_rows, plan.child_ranks]
         with phase("tree"):
@@ -308,7 +311,7 @@ def _draw_level(
     return q, torch.stack(draws, dim=-1)
 
 
-def guided_logits(lm_head: torch.nn.Linear, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
+def guided_logits(lm_head: CodeHead, hidden: Tensor, cfg_scale: float, streams: int) -> Tensor:
     """``lm_head`` of ``hidden`` in float32, classifier-free guided over ``streams`` (:func:`apply_cfg`)."""
     return apply_cfg(lm_head(hidden.to(lm_head.weight.dtype)).float(), cfg_scale, streams)
 

@@ -167,7 +167,7 @@ class JacobiDrafter:
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         """next_tokens[:, :num_new] are each row's new known tokens (accepted guesses, then the
         recovered or bonus token); inactive rows have num_new = 0."""
-        assert self.canvas is not None and self.n is not None
+        assert self.canvas is not None and self.n is not None and self._num_new is not None  # (start made them)
         j = torch.arange(next_tokens.shape[1], device=next_tokens.device)[None, :]
         keep = j < num_new[:, None]
         pos = (self.n[:, None] + j).clamp(max=self.canvas.shape[1] - 1)

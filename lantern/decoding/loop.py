@@ -28,9 +28,9 @@ in the target's KV cache and the last one (the *root*) is pending; the root is n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, Self, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -49,6 +49,23 @@ from lantern.decoding.trees import TreeBuffers, tree_from_parents
 from lantern.errors import check
 
 
+class CodeHead(Protocol):
+    """A target's code head, which its drafter shares: hidden states [..., D] -> code logits [..., V].
+
+    An ``nn.Linear`` (LlamaGen, Chameleon, Emu3) or an ``nn.Module`` standing in for one (Janus's
+    ``GenerationHead``, an MLP): what the loop, the drafters and their training read of it is the
+    call, ``weight`` (inputs are cast to its dtype), ``to`` a dtype and its ``modules``."""
+
+    @property
+    def weight(self) -> Tensor: ...
+
+    def __call__(self, hidden: Tensor) -> Tensor: ...
+
+    def to(self, dtype: torch.dtype) -> Self: ...
+
+    def modules(self) -> Iterator[torch.nn.Module]: ...
+
+
 class Target(Protocol):
     """What the loop needs from a target adapter (``LlamaGenTarget``, ``lantern.targets.chameleon.ChameleonTarget``).
 
@@ -58,7 +75,12 @@ class Target(Protocol):
 
     sampling: SamplingConfig
     streams: int  # 2 with classifier-free guidance ([cond; uncond] rows), else 1
-    forwards: int | Tensor  # model forwards so far (a device counter where a compiled round counts them)
+
+    @property
+    def forwards(self) -> int | Tensor:
+        """Model forwards so far (a device counter where a compiled round counts them). Read-only here:
+        the loop only reads it, so an adapter may keep an ``int`` or a ``Tensor``."""
+        ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -70,7 +92,7 @@ class Target(Protocol):
     def device(self) -> torch.device: ...
 
     @property
-    def lm_head(self) -> torch.nn.Linear: ...
+    def lm_head(self) -> CodeHead: ...
 
     def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
 
@@ -111,7 +133,8 @@ class DraftTree:
 class Drafter(Protocol):
     """What the loop needs from a drafter (EAGLE-style: it reads the target's hidden states)."""
 
-    forwards: int | Tensor
+    @property
+    def forwards(self) -> int | Tensor: ...  # read-only to the loop: an int or a device counter
 
     def start(self, hidden: Tensor, root: Tensor) -> None:
         """hidden [S*B, L, D]: target features of the prefilled condition; root [B]: token 0."""
@@ -143,7 +166,8 @@ class GridDrafter(Protocol):
     the loop then runs :func:`_grid_round` (``Target.verify_grid`` / ``commit_grid``) instead of
     the raster round; raster-order drafters never pay for the grid."""
 
-    forwards: int | Tensor
+    @property
+    def forwards(self) -> int | Tensor: ...  # read-only to the loop: an int or a device counter
 
     def start(self, hidden: Tensor, root: Tensor) -> None: ...
 

@@ -9,6 +9,7 @@ from lantern.decoding.cache import CachePool, KVCache
 from lantern.decoding.compiling import resolve_compile, step_fn
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.decoding.drafting import TreeDrafter, guided_logits
+from lantern.decoding.loop import CodeHead
 from lantern.decoding.phases import phase
 from lantern.drafters.checks import check_drafter_layout, check_drafter_matches_target
 from lantern.errors import check
@@ -28,7 +29,7 @@ class EagleBackend:
     def __init__(
         self,
         model: EagleDrafterModel,
-        lm_head: torch.nn.Linear,
+        lm_head: CodeHead,
         sampling: SamplingConfig,
         streams: int,
         max_len: int,
@@ -130,7 +131,7 @@ class EagleBackend:
 
 def _context_step(
     model: EagleDrafterModel,
-    lm_head: torch.nn.Linear,
+    lm_head: CodeHead,
     cache: KVCache,
     hidden_buf: Tensor,  # [N, W, D]; column 0 receives the root's predicted feature
     feats: Tensor,  # [N, A, D] target features of each row's new tokens
@@ -158,7 +159,7 @@ def _context_step(
 
 def _feed_step(
     model: EagleDrafterModel,
-    lm_head: torch.nn.Linear,
+    lm_head: CodeHead,
     cache: KVCache,
     hidden_buf: Tensor,  # [N, W, D] root + fed outputs; this step's outputs are written into it
     parent: Tensor,  # [N, E] feed index of each node's parent (-1 = root)

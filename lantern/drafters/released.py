@@ -33,10 +33,11 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
+from lantern.decoding.loop import CodeHead
 from lantern.decoding.sampling import apply_cfg
 from lantern.drafters.checks import check_chameleon_drafter
 from lantern.errors import check
@@ -82,7 +83,7 @@ def check_released_drafter(drafter: ReleasedChameleonDrafter, model: ChameleonLM
 class ReleasedDrafterBackend:
     """A :class:`lantern.decoding.drafting.DraftBackend` over a released drafter (see the module docstring)."""
 
-    def __init__(self, model: ReleasedChameleonDrafter, lm_head: nn.Linear, sampling: SamplingConfig,
+    def __init__(self, model: ReleasedChameleonDrafter, lm_head: CodeHead, sampling: SamplingConfig,
                  target: ChameleonTarget, draft_entries: int) -> None:
         self.model, self.lm_head, self.sampling, self.target = model.eval(), lm_head, sampling, target
         follow_batch_invariance(self.model, lm_head)

@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Protocol, TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -140,7 +140,7 @@ def run_bench(
     progress: bool = True,
     log: Callable[[str], None] = print,
     throughput_methods: Mapping[int, Mapping[str, MethodConfig]] | None = None,
-    runner: BenchRunner | None = None,
+    runner: Runner | None = None,
 ) -> BenchResult:
     """Run the benchmark. ``quality`` maps generated codes and their labels to metrics; None
     skips the quality images (speed only: the rows then describe the timed images).
@@ -211,7 +211,7 @@ def run_bench(
 
 def _ar_spread(
     stack: Stack, sampling: SamplingConfig, config: BenchConfig, quality: QualityFn, ar: MethodConfig,
-    encoded: Any, labels: list[Any], first: Mapping[str, Any], runner: BenchRunner, progress: bool,
+    encoded: Any, labels: list[Any], first: Mapping[str, Any], runner: Runner, progress: bool,
 ) -> ARSpread:
     """AR's metrics at seeds ``seed`` (the table's AR row, ``first``) .. ``seed + ar_seeds - 1``,
     on the same labels: how much the metrics move when only the sampling noise changes."""
@@ -236,7 +236,7 @@ def measure_throughput(
     config: BenchConfig,
     batch_size: int,
     progress: bool = False,
-    runner: BenchRunner | None = None,
+    runner: Runner | None = None,
 ) -> list[dict[str, Any]]:
     """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
     max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
@@ -300,12 +300,12 @@ def time_methods(
     prepared = {name: prepare_method(stack, cfg, sampling, parts, compile) for name, cfg in resolved.items()}
     chunks = [(lo, min(lo + batch_size, len(labels))) for lo in range(0, len(labels), batch_size)]
     order = list(range(len(labels))) if indices is None else list(indices)
-    for name, parts in prepared.items():
+    for name, prep in prepared.items():
         t0 = time.perf_counter()
         for size in sorted({hi - lo for lo, hi in chunks}):
             warm = cond.rows(0, size)
-            parts.generate(warm.cond, make_generators([image_seed(seed + 7, i) for i in range(size)], device),
-                           cond_mask=warm.mask)
+            prep.generate(warm.cond, make_generators([image_seed(seed + 7, i) for i in range(size)], device),
+                          cond_mask=warm.mask)
         if startup is not None:
             startup[name] = time.perf_counter() - t0
     names = list(prepared)
@@ -337,6 +337,22 @@ def time_methods(
         for name in names
     }
     return runs, walls
+
+
+class Runner(Protocol):
+    """How bench decodes and times images: :class:`BenchRunner` (this process) or
+    ``lantern.eval.ranks.RankRunner`` (the ranks of a ``torchrun`` job)."""
+
+    def loaded(self, stack: Stack) -> ModelParts: ...
+
+    def generate(self, stack: Stack, conditions: Conditions, seed: int, sampling: SamplingConfig,
+                 method: MethodConfig, batch_size: int) -> RunResult: ...
+
+    def time(self, stack: Stack, sampling: SamplingConfig, resolved: Mapping[str, MethodConfig],
+             conditions: Conditions, seed: int, batch_size: int = 1, repeats: int = 1, progress: bool = False,
+             compile: str | None = None, startup: dict[str, float] | None = None,
+             chunk_walls: dict[str, list[list[float]]] | None = None,
+             ) -> tuple[dict[str, RunResult], dict[str, list[float]]]: ...
 
 
 class BenchRunner:
@@ -432,7 +448,7 @@ def _curves(
     resolved: Mapping[str, MethodConfig],
     labels: Conditions,
     progress: bool,
-    runner: BenchRunner | None = None,
+    runner: Runner | None = None,
 ) -> dict[str, list[dict[str, float]]]:
     """tau against LANTERN's delta and LANTERN++'s lambda, with each method's tree (cheap: no
     quality metrics, batched). delta = 0 and lambda = 1 are exact speculative decoding."""
@@ -472,7 +488,7 @@ def _sweep(
     quality: QualityFn,
     resolved: Mapping[str, MethodConfig],
     progress: bool,
-    runner: BenchRunner | None = None,
+    runner: Runner | None = None,
 ) -> list[BenchRow]:
     """The (k, delta) and (k, lambda) grids: quality on ``sweep_images`` images, speed on the
     speed images (each point timed against its own AR pass, image by image)."""
@@ -536,9 +552,16 @@ def _meta(
     }
 
 
+class WindowCalibration(TypedDict, total=False):
+    """How :func:`lantern.autotree.window.choose_window` times the windows (its defaults where absent)."""
+
+    images: int
+    passes: int
+
+
 def resolve_auto_windows(
     stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
-    parts: ModelParts | None = None, **calibration: int,
+    parts: ModelParts | None = None, **calibration: Unpack[WindowCalibration],
 ) -> tuple[BenchConfig, dict[str, Any]]:
     """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
     :func:`lantern.autotree.window.choose_window` times fastest at the speed batch size (``calibration``:

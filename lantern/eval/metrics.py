@@ -220,6 +220,9 @@ class ClipFeatureExtractor(FeatureExtractor):
     projected embeddings are used unnormalised.
     """
 
+    mean: Tensor  # buffers [1, 3, 1, 1] (register_buffer)
+    std: Tensor
+
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         super().__init__()
         try:
@@ -352,7 +355,9 @@ def extract_features(extractor: FeatureExtractor, images: Tensor, *, batch_size:
         f = extractor(images[lo : lo + batch_size])
         feats.append(f.double().cpu())
         if extractor.has_classifier:
-            logits.append(extractor.classify_features(f).float().cpu())
+            scores = extractor.classify_features(f)
+            assert scores is not None  # an extractor with classes has a head (LanternFeatureExtractor)
+            logits.append(scores.float().cpu())
     if not feats:
         return Features(torch.empty(0, extractor.dim, dtype=torch.float64), None, extractor.name)
     out = torch.cat(feats)

@@ -506,7 +506,7 @@ def save_plots(result: BenchResult, out: Path) -> None:
             colour = "tab:green" if token else "black"
             fid = r.quality["fid"]
             clipped = top is not None and fid > top
-            y = top if clipped else fid
+            y = top if clipped and top is not None else fid  # (clipped: top is not None)
             ax.scatter(r.speedup_vs_ar, y, s=36, color="none" if hollow else colour, edgecolors=colour,
                        linewidths=1.2, marker="^" if clipped else "o", clip_on=False)
             label = f"{r.method} (FID {fid:.1f})" if clipped else r.method

@@ -168,7 +168,7 @@ def _counted_tolist() -> Iterator[None]:
     """Make ``Tensor.tolist`` visible to the profiler (it copies to the host without an op)."""
     original = torch.Tensor.tolist
 
-    def tolist(self: torch.Tensor) -> Any:
+    def tolist(self: torch._C.TensorBase) -> list[Any]:  # (the type of Tensor.tolist's self)
         with torch.profiler.record_function("lantern_sync::tolist"):
             return original(self)
 

@@ -36,7 +36,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +52,7 @@ from lantern.models.hf_folder import (
 )
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
-    from transformers import ChameleonForConditionalGeneration
+    from transformers import ChameleonForConditionalGeneration, ChameleonVQVAEConfig
 
 # Token ids of the Chameleon vocabulary (facebook/chameleon-7b tokenizer, as used by Anole/Lumina).
 BOS_ID = 0
@@ -180,12 +180,16 @@ def default_vocabulary_map(num_codes: int) -> dict[str, int]:
 class ChameleonLM(nn.Module):
     """A transformers Chameleon decoder run over lantern's static KV cache, in code space."""
 
+    image_ids: Tensor  # a buffer [V_codes]: each code's BPE id
+
     def __init__(self, hf_model: ChameleonForConditionalGeneration, num_codes: int | None = None) -> None:
         super().__init__()
         cfg = hf_model.config
         self.hf = hf_model.eval()
         self.config = cfg
-        n_codes = num_codes if num_codes is not None else cfg.vq_config.num_embeddings
+        # transformers annotates a sub-config as its argument (dict | config | None); loaded, it is the config
+        vq = cast("ChameleonVQVAEConfig", cfg.vq_config)
+        n_codes = num_codes if num_codes is not None else vq.num_embeddings
         self.num_codes = int(n_codes)
         self.register_buffer("image_ids", image_token_ids(cfg, self.num_codes), persistent=False)
         self.n_head = cfg.num_attention_heads
@@ -286,7 +290,8 @@ def load_chameleon(directory: str | os.PathLike[str], dtype: torch.dtype | None 
         raise LanternError(f"--model {directory}/config.json: transformers could not read it: "
                            f"{transformers_reason(e)}") from None
     if not config.vocabulary_map:  # e.g. LANTERN's anole_config.json: transformers needs one to build the model
-        config.vocabulary_map = default_vocabulary_map(config.vq_config.num_embeddings)
+        vq = cast("ChameleonVQVAEConfig", config.vq_config)  # (a loaded sub-config: see ChameleonLM)
+        config.vocabulary_map = default_vocabulary_map(vq.num_embeddings)
     # Chameleon folders may hold pytorch_model*.bin (transformers reads them weights-only); images
     # are decoded by the folder's VQGAN checkpoint (vqgan.ckpt), so transformers' VQ model may be absent
     shards = shard_norm_rows(directory, config)
@@ -372,8 +377,10 @@ def fill_shard_norms(model: ChameleonForConditionalGeneration, directory: Path, 
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     params = dict(model.named_parameters())
+    kv_heads = config.num_key_value_heads
+    assert kv_heads is not None  # transformers built the model's k_norm with it
     for i in range(config.num_hidden_layers):
-        for norm, heads in (("q_norm", config.num_attention_heads), ("k_norm", config.num_key_value_heads)):
+        for norm, heads in (("q_norm", config.num_attention_heads), ("k_norm", kv_heads)):
             for part in ("weight", "bias"):
                 key = f"model.layers.{i}.self_attn.{norm}.{part}"
                 check(key in files and key in params, f"--model {directory}: the weights lack {key}")

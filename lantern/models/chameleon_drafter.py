@@ -126,7 +126,8 @@ class HeadGroupNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., heads, head_dim]
         x = F.layer_norm(x, x.shape[-1:], eps=QK_NORM_EPS)
-        w, b = self.weight, self.bias
+        w: Tensor = self.weight
+        b: Tensor = self.bias
         if self.per_row > 1:
             w, b = w.repeat_interleave(self.per_row, dim=0), b.repeat_interleave(self.per_row, dim=0)
         return x * w + b
@@ -179,6 +180,8 @@ class ReleasedLayer(nn.Module):
 
 class ReleasedChameleonDrafter(EagleModule):
     """The released drafters' ``Model``: tokens are BPE ids of the full Chameleon vocabulary."""
+
+    inv_freq: Tensor  # a buffer: the rotary frequencies
 
     def __init__(self, cfg: ReleasedDrafterConfig) -> None:
         super().__init__()

@@ -67,7 +67,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +105,7 @@ _TAMING_DEFAULTS: dict[str, Any] = {"resamp_with_conv": True, "give_pre_end": Fa
                                     "use_linear_attn": False, "attn_type": "vanilla"}
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -430,6 +430,7 @@ class ChameleonVQGAN(nn.Module):
             return g, g
         check(_is_int(h) and _is_int(w) and h >= 1 and w >= 1,
               f"grid height and width must be integers >= 1, got h={h!r}, w={w!r}")
+        assert h is not None and w is not None
         check(h * w == n, f"a {h} x {w} grid needs {h * w} codes per row, got N = {n}")
         return h, w
 

@@ -217,6 +217,7 @@ class EagleModule(nn.Module):
 
 class EagleDrafterModel(EagleModule):
     ROPE_PAD = 64
+    freqs_cis: Tensor  # a buffer: the rotary table
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ from lantern.models.hf_folder import (
 )
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where an Emu3 is loaded
-    from transformers import Emu3ForConditionalGeneration
+    from transformers import Emu3ForConditionalGeneration, Emu3VQVAEConfig
 
 EMU3_MODEL_TYPE = "emu3"
 EOL_TOKEN = "<|extra_200|>"  # end of each row of codes (transformers' Emu3ImageVocabularyMapping.eol_token_id)
@@ -88,12 +88,16 @@ def code_rows(weight: Tensor, ids: Tensor) -> nn.Parameter:
 class Emu3LM(CachedDecoder):
     """A transformers Emu3 run over lantern's static KV cache, in code space (image generation)."""
 
+    image_ids: Tensor  # a buffer [V_codes]: each code's token id
+
     def __init__(self, hf_model: Emu3ForConditionalGeneration) -> None:
         super().__init__()
         cfg = hf_model.config
         self.hf = hf_model.eval()
         self._set_decoder(hf_model.model.text_model, cfg.text_config)  # the decoder (no LM head)
-        self.num_codes = int(cfg.vq_config.codebook_size)
+        # transformers annotates a sub-config as its argument (dict | config | None); loaded, it is the config
+        vq = cast("Emu3VQVAEConfig", cfg.vq_config)
+        self.num_codes = int(vq.codebook_size)
         vocabulary = dict(cfg.vocabulary_map or {})
         check(EOL_TOKEN in vocabulary, f"config.vocabulary_map has no end-of-line token {EOL_TOKEN!r}")
         self.eol = int(vocabulary[EOL_TOKEN])

@@ -102,6 +102,7 @@ def indexed_shards(directory: Path) -> dict[str, Path] | None:
     weight_map = read_json_object(index, "safetensors index").get("weight_map")
     check(isinstance(weight_map, dict) and bool(weight_map) and all(isinstance(v, str) for v in weight_map.values()),
           f"{index} has no weight_map of tensor names to shard files")
+    assert isinstance(weight_map, dict)
     shards = {str(key): directory / name for key, name in weight_map.items()}
     for path in sorted(set(shards.values())):
         check(path.is_file() and path.parent == directory, f"{index} lists the shard {path.name}, which is not in "
@@ -161,6 +162,9 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
 
     from lantern.errors import transformers_reason
 
+    # (a named tuple: mypy reads no starred tuple in an except clause)
+    load_errors: tuple[type[Exception], ...] = (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError)
+
     # transformers logs a loading report of many lines: held back, so that a failure is one line
     # naming its first problem, and passed on as transformers would print it when the load succeeds
     root = transformers.utils.logging.get_logger("transformers")
@@ -173,7 +177,7 @@ def load_pretrained(class_name: str, directory: Path, family: str, dtype: torch.
             model, info = getattr(transformers, class_name).from_pretrained(
                 str(directory), **{"use_safetensors": True, **options}, dtype=dtype or torch.bfloat16,
                 output_loading_info=True)
-    except (*TRANSFORMERS_LOAD_ERRORS, RuntimeError, SafetensorError) as e:
+    except load_errors as e:
         reason = transformers_reason(e) if report.first is None else \
             f"the weights do not fit config.json ({report.first})"
         raise LanternError(f"--model {directory}: transformers could not load the {family} weights: {reason}") \

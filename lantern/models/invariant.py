@@ -30,9 +30,10 @@ invariance".
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -181,10 +182,10 @@ def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, .
         w = _randn(gen, weight, *weight.shape)
         b = None if bias is None else _randn(gen, bias, *bias.shape)
         smallest = next(r for r in candidate_rows(weight.device)
-                        if r == 1 or _at_every_thread_count(lambda r=r: _same_at_every_position(w, b, r, gen)))
+                        if r == 1 or _at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
         larger = larger_calls(smallest, largest_call_rows(weight.device))
         _probed[key] = (smallest, *(r for r in larger if _at_every_thread_count(
-            lambda r=r: _same_as_in_the_smallest_chunk(w, b, smallest, r, gen))))
+            functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))))
     return _probed[key]
 
 
@@ -205,19 +206,30 @@ def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
     ``enabled=False``). In place; returns ``module``."""
     for sub in module.modules():
         if enabled and type(sub) is nn.Linear:
-            sub.invariant_chunks = invariant_chunks(sub.weight, sub.bias)
-            sub.__class__ = RowChunkedLinear
+            cast(RowChunkedLinear, sub).invariant_chunks = invariant_chunks(sub.weight, sub.bias)  # (one, swapped next)
+            _swap_class(sub, RowChunkedLinear)
         elif not enabled and type(sub) is RowChunkedLinear:
-            sub.__class__ = nn.Linear
+            _swap_class(sub, nn.Linear)
     return module
 
 
-def is_batch_invariant(module: nn.Module) -> bool:
+def _swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
+    """Give ``module`` another class of the same parameters: another forward, the same object."""
+    module.__class__ = cls
+
+
+class Modular(Protocol):
+    """An ``nn.Module``, or one typed by what is read of it (a target's ``lantern.decoding.loop.CodeHead``)."""
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def is_batch_invariant(module: Modular) -> bool:
     """Whether ``module`` (or any module inside it) computes its matmuls in fixed-size chunks."""
     return any(type(sub) is RowChunkedLinear for sub in module.modules())
 
 
-def follow_batch_invariance(module: nn.Module, target: nn.Module) -> None:
+def follow_batch_invariance(module: nn.Module, target: Modular) -> None:
     """Give ``module`` the mode of ``target`` (a network or a layer of it): whatever feeds a
     target's tokens (a drafter, which reads the target's lm_head; the T5 encoder of its captions)
     must be batch-invariant when the target is."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +46,8 @@ from lantern.models.hf_folder import (
 )
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Janus is loaded
-    from transformers import JanusForConditionalGeneration
+    from transformers import JanusForConditionalGeneration, JanusVQVAEConfig, PreTrainedConfig
+    from transformers.models.janus.modeling_janus import JanusVQVAEHead
 
 JANUS_MODEL_TYPE = "janus"
 BOI_TOKEN = "<begin_of_image>"  # the image-start token of DeepSeek's tokenizer (``tokenizer.boi_token``)
@@ -71,7 +72,7 @@ class GenerationHead(nn.Module):
     device the drafter casts its features to. The loop, the drafters and their training call it
     on final-norm hidden states exactly as they call Chameleon's Linear code head."""
 
-    def __init__(self, head: nn.Module) -> None:
+    def __init__(self, head: JanusVQVAEHead) -> None:
         super().__init__()
         self.head = head
 
@@ -94,8 +95,9 @@ class JanusLM(CachedDecoder):
         cfg = hf_model.config
         self.hf = hf_model.eval()
         self._set_decoder(hf_model.model.language_model, cfg.text_config)  # the Llama decoder (no LM head)
-        self.num_codes = int(cfg.vq_config.num_embeddings)
-        self.text_vocab = int(cfg.text_config.vocab_size)
+        # transformers annotates a sub-config as its argument (dict | config | None); loaded, it is the config
+        self.num_codes = int(cast("JanusVQVAEConfig", cfg.vq_config).num_embeddings)
+        self.text_vocab = int(cast("PreTrainedConfig", cfg.text_config).vocab_size)
         # The code-space head: generation_head (an MLP), wrapped so a drafter can share it as it
         # shares Chameleon's Linear head.
         self.image_head = GenerationHead(hf_model.model.generation_head)

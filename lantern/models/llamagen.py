@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -240,6 +240,8 @@ class CaptionMLP(nn.Module):
 class CaptionEmbedder(nn.Module):
     """T5 caption projection; ``uncond_embedding`` is a stored buffer (it is in the checkpoints)."""
 
+    uncond_embedding: Tensor
+
     def __init__(self, caption_dim: int, dim: int, token_num: int) -> None:
         super().__init__()
         self.cap_proj = CaptionMLP(caption_dim, dim)
@@ -322,6 +324,7 @@ class LlamaGen(nn.Module):
 
     # Extra zero rows at the end of the RoPE table (positions of finished rows / tree overshoot).
     ROPE_PAD = 64
+    freqs_cis: Tensor  # a buffer: the rotary table
 
     def __init__(self, cfg: LlamaGenConfig) -> None:
         super().__init__()
@@ -374,7 +377,7 @@ class LlamaGen(nn.Module):
         cfg = self.config
         if cfg.model_type == "c2i":
             return torch.full((batch,), cfg.num_classes, dtype=torch.long, device=self.device)
-        emb = self.cls_embedding.uncond_embedding  # [cls, caption_dim]
+        emb = cast(CaptionEmbedder, self.cls_embedding).uncond_embedding  # [cls, caption_dim] (t2i: captions)
         return emb[None].expand(batch, -1, -1)
 
     def embed_condition(self, cond: Tensor) -> Tensor:
@@ -583,15 +586,15 @@ def hf_to_official(state: Mapping[str, Tensor], cfg: LlamaGenConfig,
         else:
             out[key] = value
     widths = {"q": cfg.n_head * cfg.head_dim, "k": cfg.kv_heads * cfg.head_dim, "v": cfg.kv_heads * cfg.head_dim}
-    for idx, parts in qkv.items():
-        missing = [f"model.layers.{idx}.self_attn.{p}_proj.weight" for p in "qkv" if p not in parts]
+    for layer, parts in qkv.items():
+        missing = [f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qkv" if p not in parts]
         if missing:
             raise LanternError(f"{source} lack {', '.join(missing)}")
         for p in "qkv":  # named here: torch.cat would only say that sizes differ
             shape = tuple(parts[p].shape)
-            check(shape == (widths[p], cfg.dim), f"{source}: model.layers.{idx}.self_attn.{p}_proj.weight has shape "
+            check(shape == (widths[p], cfg.dim), f"{source}: model.layers.{layer}.self_attn.{p}_proj.weight has shape "
                                                  f"{list(shape)}, config.json expects {[widths[p], cfg.dim]}")
-        out[f"layers.{idx}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+        out[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
 
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -241,7 +241,14 @@ def empty_model(cls: Callable[[Any], _M], config: Any) -> _M:
     return model.to_empty(device="cpu")
 
 
-def run_level(level: nn.Module, blocks: nn.ModuleList, x: Tensor) -> Tensor:
+class Level(Protocol):
+    """A VQGAN resolution level (LlamaGen's, Chameleon's): its attention blocks, one per res block or
+    none, and a ``downsample`` or ``upsample`` module when it resamples."""
+
+    attn: nn.ModuleList
+
+
+def run_level(level: Level, blocks: nn.ModuleList, x: Tensor) -> Tensor:
     """One resolution level of a VQGAN encoder / decoder: each res block (then its attention, if the
     level has any), then the level's resampler, if any."""
     for i, block in enumerate(blocks):

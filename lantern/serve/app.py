@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
+from starlette.types import Message, Receive, Scope, Send
 
 from lantern.api import Pipeline
 from lantern.calibration import MethodChoice
@@ -156,14 +158,13 @@ class CountRequests:
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app, self.state = app, state
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != GENERATIONS:
             await self.app(scope, receive, send)
             return
         status, ended = CLIENT_GONE, False
 
-        async def counting_send(message: dict[str, Any]) -> None:
+        async def counting_send(message: Message) -> None:
             nonlocal status, ended
             if message["type"] == "http.response.start":
                 status = int(message["status"])
@@ -373,8 +374,9 @@ async def wait_results(state: ServeState, tickets: list[Ticket], request: Reques
     ~10 % slower in the server than in-process with a 50 ms poll)."""
     results = asyncio.gather(*(asyncio.wrap_future(t.future) for t in tickets), return_exceptions=True)
     gone = asyncio.ensure_future(_disconnect(request))
+    either: set[asyncio.Future[Any]] = {results, gone}
     try:
-        await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # cancelled: the drain timeout of a stopping server
         _cancel(tickets)
         raise
@@ -441,7 +443,11 @@ class TicketEvents:
     def watch(self, tickets: list[Ticket]) -> None:
         """Report each ticket once its future is done (at once for one done already)."""
         for t in tickets:
-            t.future.add_done_callback(lambda _, t=t: self.preview(t, None))
+            t.future.add_done_callback(self._reporter(t))
+
+    def _reporter(self, ticket: Ticket) -> Callable[[concurrent.futures.Future[ImageResult]], None]:
+        """The done-callback of ``ticket``'s future: it reports the ticket."""
+        return lambda _: self.preview(ticket, None)
 
     async def next(self) -> list[tuple[Ticket, torch.Tensor | None]]:
         """What happened since the last call: waits for one event, then takes every one queued."""
@@ -452,7 +458,7 @@ class TicketEvents:
 
 
 async def image_events(state: ServeState, resolved: Resolved, tickets: list[Ticket], events: TicketEvents,
-                       return_codes: bool, arrived: float, scope: dict[str, Any] | None = None
+                       return_codes: bool, arrived: float, scope: Scope | None = None
                        ) -> AsyncIterator[str]:
     """Server-sent events: ``preview`` (the codes so far, decoded) every ``preview_every`` rounds,
     ``image`` per finished image, then ``done``; ``error`` instead when the engine fails or the

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,6 +25,7 @@ import h11
 import uvicorn
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import JSONResponse
+from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lantern.serve.limits import HttpLimits
@@ -134,8 +135,7 @@ class HostCheck(TrustedHostMiddleware):
     def __init__(self, app: Any, allowed: Sequence[str]) -> None:
         super().__init__(_MarkPassed(app), allowed_hosts=list(allowed), www_redirect=False)
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
@@ -145,7 +145,7 @@ class HostCheck(TrustedHostMiddleware):
             await self.app(scope, receive, send)  # (the app behind the check: _MarkPassed)
             return
 
-        async def send_or_refuse(message: dict[str, Any]) -> None:
+        async def send_or_refuse(message: Message) -> None:
             if scope.get(HOST_PASSED):
                 await send(message)
             elif message["type"] == "http.response.start":  # Starlette's own refusal: answered here instead
@@ -167,7 +167,7 @@ class AbsoluteTarget:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"][:8].lower().startswith(("http://", "https://")):
             target = urlsplit(scope["path"])
             path = target.path or "/"
@@ -181,7 +181,7 @@ class _MarkPassed:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[HOST_PASSED] = True
         await self.app(scope, receive, send)
 

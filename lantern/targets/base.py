@@ -8,6 +8,7 @@ Janus-Pro in ``lantern.targets.janus``, Emu3 in ``lantern.targets.emu3``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from lantern.decoding.cache import CachePool
     from lantern.decoding.config import SamplingConfig
     from lantern.decoding.drafting import DraftBackend
-    from lantern.decoding.loop import Target
+    from lantern.decoding.loop import CodeHead, Target
 
 TARGET_DIR, TOKENIZER_DIR, DRAFTER_DIR, PROXIMITY_FILE = "target", "tokenizer", "drafter", "proximity.safetensors"
 T5_DIR = "t5"  # text-to-image stacks: a local copy of the T5 encoder (google/flan-t5-xl)
@@ -212,7 +213,7 @@ class Stack(Protocol):
         """A drafter folder, checked against this target, on the device in the drafter's dtype."""
         ...
 
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+    def draft_backend(self, drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """The drafter's scorer for one batch; ``slots``: cache entries beyond the condition and the
@@ -358,7 +359,7 @@ def read_generation_settings(root: Path, keys: Sequence[str] = COMMON_GENERATION
     for method, spec in trees.items():  # (its keys are checked against the methods where methods resolve)
         if not isinstance(spec, str):
             raise LanternError(f"{path}: trees.{method}: expected a --tree spec string, got {spec!r}")
-        _with_source(path, f"trees.{method}: ", lambda spec=spec: TreeConfig.parse(spec))
+        _with_source(path, f"trees.{method}: ", functools.partial(TreeConfig.parse, spec))
     if "layout" in raw and not isinstance(raw["layout"], str):
         raise LanternError(f"{path}: layout: expected a layout name string, got {raw['layout']!r}")
     size = raw.get("image_size", 1)

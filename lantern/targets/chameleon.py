@@ -253,6 +253,7 @@ class ChameleonTarget:
         read_at = torch.arange(t, device=tokens.device).expand(b, -1)
         shadow_slot = torch.full((b, t), -1, dtype=torch.long, device=tokens.device)
         if e > 0:
+            assert self.layout.eol is not None  # (row ends, hence shadows, only where the layout has EOL tokens)
             ids, mask, model_depth, shadow_slot = _expand_row_ends(ids, tree_mask, depth, row_end, e, self.layout.eol)
             read_at = torch.where(row_end, shadow_slot, read_at)
         self._shadows = (row_end, shadow_slot)

@@ -14,7 +14,7 @@ from torch import Tensor
 from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.drafting import DraftBackend
-from lantern.decoding.loop import Target
+from lantern.decoding.loop import CodeHead, Target
 from lantern.drafters.checks import drafter_dtype
 from lantern.drafters.eagle import EagleBackend
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
@@ -136,6 +136,11 @@ class PromptStack(StackFolder):
     def sample_conditions(self, n: int) -> list[Any]:
         return prompts_for(n)
 
+    def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
+                    cache_pool: CachePool | None = None) -> ChameleonTarget:
+        """The family's target adapter (:meth:`Stack.make_target`)."""
+        raise NotImplementedError
+
     def cache_bytes(self, sampling: SamplingConfig, max_tree_nodes: int, conditions: ConditionSet, batch: int) -> int:
         return self.make_target(sampling, max_tree_nodes).cache_bytes(batch)
 
@@ -171,7 +176,7 @@ class PromptStack(StackFolder):
         drafter = load_trained_drafter(path, self.model, self.layout, self.family)
         return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
 
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+    def draft_backend(self, drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """lantern's EAGLE backend: the drafter reads the features of the layout's prefix, then the
@@ -225,7 +230,7 @@ class ChameleonStack(PromptStack):
         drafter = load_chameleon_drafter(path, self.model, self.layout)
         return drafter.to(self.device, drafter_dtype(self.dtype, self.device)).eval()
 
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+    def draft_backend(self, drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """LANTERN's released drafters read the whole model sequence (row-end tokens included) through
@@ -321,7 +326,7 @@ def init_chameleon_drafter(model: ChameleonLM | JanusLM, layout: ImageLayout, se
     return drafter
 
 
-def eagle_backend(drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig, target: Target,
+def eagle_backend(drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig, target: Target,
                   layout: ImageLayout, slots: int, compile: str | None, cache_pool: CachePool | None) -> EagleBackend:
     """lantern's EAGLE backend for a target on the Chameleon adapter (Chameleon, Janus, Emu3): its
     cache holds the image prefix's features, every code's and one round's drafts."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from lantern.decoding.cache import CachePool
     from lantern.decoding.config import SamplingConfig
     from lantern.decoding.drafting import DraftBackend
-    from lantern.decoding.loop import Target
+    from lantern.decoding.loop import CodeHead, Target
+    from lantern.models.drafter import EagleDrafterModel
     from lantern.targets.text import Captions
 
 
@@ -170,13 +171,15 @@ class ModelStack(StackFolder):
         warn_if_trained_for_another_head(path, self.target.output.weight)
         return drafter
 
-    def draft_backend(self, drafter: torch.nn.Module, head: torch.nn.Linear, sampling: SamplingConfig,
+    def draft_backend(self, drafter: torch.nn.Module, head: CodeHead, sampling: SamplingConfig,
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         from lantern.drafters.eagle import EagleBackend
 
         cfg = self.target.config
-        return EagleBackend(drafter, head, sampling, target.streams, cfg.cls_token_num + cfg.block_size + slots,
+        # (LlamaGen's drafters are lantern's EAGLE drafters: load_drafter's, or one given loaded)
+        return EagleBackend(cast("EagleDrafterModel", drafter), head, sampling, target.streams,
+                            cfg.cls_token_num + cfg.block_size + slots,
                             compile=compile, cache_pool=cache_pool)
 
     @torch.no_grad()

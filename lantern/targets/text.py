@@ -22,13 +22,16 @@ import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check, transformers_reason
 from lantern.io import TRUST_FLAG, checkpoints_trusted, load_checkpoint, read_json
+
+if TYPE_CHECKING:  # transformers is an optional extra: imported where a T5 is loaded
+    from transformers import T5EncoderModel
 
 T5_MAX_LENGTH = 120  # caption slots of LlamaGen T2I (= cls_token_num)
 INSTALL_HINT = "pip install 'lantern-ar[t2i]'"
@@ -150,7 +153,7 @@ def check_t5_folder(path: str | os.PathLike[str], caption_dim: int | None = None
 class T5Encoder:
     """Prompts -> left-padded caption embeddings [B, max_length, d_model] and mask ([LlamaGen code] sample_t2i.py)."""
 
-    def __init__(self, tokenizer: Any, model: torch.nn.Module, max_length: int = T5_MAX_LENGTH) -> None:
+    def __init__(self, tokenizer: Any, model: T5EncoderModel, max_length: int = T5_MAX_LENGTH) -> None:
         check(max_length >= 1, f"T5 max_length must be >= 1, got {max_length}")
         self.tokenizer, self.model, self.max_length = tokenizer, model.eval(), max_length
 

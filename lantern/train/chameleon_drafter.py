@@ -131,6 +131,7 @@ class ChameleonDrafterTask(TrainTask):
     """Drafter training on in-memory teacher-forced features (run by :func:`lantern.train.loop.train`)."""
 
     kind = "drafter"
+    model: EagleDrafterModel
 
     def __init__(self, stack: ChameleonStack | JanusStack, hidden: Tensor, codes: Tensor, test_hidden: Tensor,
                  test_codes: Tensor, recipe: DrafterRecipe, seed: int, start: EagleDrafterModel, data_id: str) -> None:

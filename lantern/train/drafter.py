@@ -32,7 +32,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from lantern.models.drafter import TRAINING_INFO_FILE, DrafterConfig, EagleDraft
 from lantern.models.llamagen import LlamaGen, causal_mask
 from lantern.train.codes import CodeSet
 from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, TrainTask, step_generator, train
+
+if TYPE_CHECKING:
+    from lantern.models.janus import GenerationHead
 
 DATA_FORMAT = "lantern-drafter-data"
 DATA_VERSION = 1
@@ -455,7 +458,7 @@ def state_fingerprint(model: nn.Module) -> str:
 class _FrozenHead(nn.Module):
     """The target's lm_head, copied and frozen: shared at inference, never trained here."""
 
-    def __init__(self, output: nn.Linear) -> None:
+    def __init__(self, output: nn.Linear | GenerationHead) -> None:  # (Janus: its generation head)
         super().__init__()
         self.linear = copy.deepcopy(output).requires_grad_(False)
 

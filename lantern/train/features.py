@@ -109,6 +109,7 @@ def augment(images: Tensor, recipe: FeatureRecipe, generator: torch.Generator, p
 
 class FeatureTask(TrainTask):
     kind = "features"
+    model: FeatureNet
 
     def __init__(self, model: FeatureNet, data: Any, eval_data: Any, recipe: FeatureRecipe, seed: int,
                  extra_eval: Mapping[str, Any] | None = None) -> None:

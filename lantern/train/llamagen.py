@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ def check_codes_fit(config: LlamaGenConfig, codes: CodeSet, what: str) -> None:
 
 class TargetTask(TrainTask):
     kind = "target"
+    model: LlamaGen
 
     def __init__(self, model: LlamaGen, data: CodeSet, eval_data: CodeSet, recipe: TargetRecipe, seed: int) -> None:
         check_codes_fit(model.config, data, "training codes")
@@ -103,7 +104,7 @@ class TargetTask(TrainTask):
         }
 
     def save(self, model: nn.Module, out: Path) -> None:
-        unwrapped = model.module if hasattr(model, "module") else model
+        unwrapped = cast(LlamaGen, model.module if hasattr(model, "module") else model)  # (DDP wraps it)
         unwrapped.save_pretrained(out)
 
     def config_dict(self) -> dict[str, Any]:

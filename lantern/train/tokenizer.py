@@ -64,6 +64,7 @@ def psnr(images: Tensor, recon: Tensor) -> Tensor:  # [B, C, H, W] in [-1, 1] ->
 
 class TokenizerTask(TrainTask):
     kind = "tokenizer"
+    model: VQModel
 
     def __init__(self, model: VQModel, data: Any, eval_data: Any, recipe: TokenizerRecipe, seed: int) -> None:
         check(data.channels == model.config.in_channels,
