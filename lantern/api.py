@@ -32,7 +32,7 @@ from lantern.decoding.compiling import compile_notices
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError, check, python_errors
 from lantern.hub import resolve_location
-from lantern.methods import METHOD_SETTINGS, MethodConfig, method_settings, resolve_method
+from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig, method_settings, resolve_method
 from lantern.parts import ModelParts
 from lantern.run import PreparedMethod, RunResult
 
@@ -114,6 +114,18 @@ def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> 
             raise LanternError(f"{root / 'generation.json'}: image_size: {settings['image_size']} does not fit the "
                                f"{name} layout ({e})") from None
     return layout_by_name(name, image_size)
+
+
+def _window_as_tree(method: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """``sjd_window="auto"`` / ``pjd_window="auto"``: the Jacobi method's window measured on this
+    device, which is what ``tree="auto"`` means for it (as ``--sjd-window auto`` on the command line)."""
+    row = METHOD_TABLE.get(method)
+    name = None if row is None else row.window_setting
+    if name is None or settings.get(name) != "auto":
+        return settings
+    check(settings.get("tree") in (None, "auto"), f"{name}='auto' chooses {method}'s window; it cannot be combined "
+                                                  f"with tree={settings.get('tree')!r}", field=name)
+    return {**{k: v for k, v in settings.items() if k != name}, "tree": "auto"}
 
 
 @dataclass
@@ -241,6 +253,7 @@ class Pipeline:
         if method == AUTO:
             choice = self.auto_method(quality, call_batch, **settings)
             method, chosen = choice.method, {"auto_method": choice.to_dict()}
+        settings = _window_as_tree(method, settings)
         with compile_notices(progress):  # a compiled round's first call: seconds to minutes
             if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
                 method_cfg, sampling, auto = self._auto(method, settings, seed, call_batch, progress)

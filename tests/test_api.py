@@ -309,3 +309,15 @@ def test_an_outputs_settings_passed_back_give_its_codes(digits: lantern.Pipeline
     # the same run but for k_explicit: passed back, the default K is given explicitly
     assert {**again.config, "method": {**again.config["method"], "k_explicit": None}} == \
         {**first.config, "method": {**first.config["method"], "k_explicit": None}}
+
+
+def test_a_jacobi_window_of_auto_is_measured_as_tree_auto(digits: lantern.Pipeline) -> None:
+    """``sjd_window="auto"`` was refused ("must be an integer >= 1") though ``--sjd-window auto``
+    works and the docs give every setting one name (a probe, 2026-11-30)."""
+    by_window = digits(labels=[1, 2], method="sjd-coupled", sjd_window="auto", seed=4, batch_size=2)
+    by_tree = digits(labels=[1, 2], method="sjd-coupled", tree="auto", seed=4, batch_size=2)
+    assert "auto_window" in by_window.config and by_window.config["auto_window"] == by_tree.config["auto_window"]
+    assert torch.equal(by_window.codes, by_tree.codes)
+    with pytest.raises(LanternError, match=r"^sjd_window='auto' chooses sjd-coupled's window; it cannot be combined "
+                                           r"with tree='chain:3'$"):
+        digits(labels=[1], method="sjd-coupled", sjd_window="auto", tree="chain:3")

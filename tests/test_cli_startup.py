@@ -102,3 +102,12 @@ def test_argument_errors_exit_2_without_torch(argv: list[str], message: str) -> 
     # one line naming the argument, as every lantern error (not argparse's usage block first)
     assert len(report["stderr"].splitlines()) == 1 and report["stderr"].startswith("lantern"), report["stderr"]
     assert_no_torch(report)
+
+
+@pytest.mark.parametrize("module", ["lantern", "lantern.cli"])
+def test_python_dash_m_runs_the_command_line(module: str) -> None:
+    """``python -m lantern`` was "No module named lantern.__main__" (a probe, 2026-11-30)."""
+    from lantern.version import __version__
+
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and __version__ in done.stdout, done.stderr
