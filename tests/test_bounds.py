@@ -134,7 +134,7 @@ def test_the_api_refuses_a_huge_subtree_at_once(digits: lantern.Pipeline) -> Non
     ({"seed": True}, "seed", r"^seed must be an integer, got True \(bool\)$"),
     # Old: True was a width of 1 (PACConfig refused it already) or a lantern k of 1.
     ({"method": "sjd-pac", "pac_width": True}, "pac_width", r"^pac_width must be an integer >= 1, got True$"),
-    ({"method": "lantern", "lantern_k": True}, "lantern_k", r"^lantern k must be an integer >= 0, got True$"),
+    ({"method": "lantern", "lantern_k": True}, "lantern_k", r"^lantern_k must be an integer >= 0, got True$"),
 ])
 def test_the_api_refuses_bools_as_counts_and_seeds_out_of_range(digits: lantern.Pipeline, kwargs: dict[str, Any],
                                                                field: str, message: str) -> None:

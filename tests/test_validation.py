@@ -271,3 +271,20 @@ def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["make-random-stack", "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--method", "lantern", "--lantern-delta", "-0.1"], "--lantern-delta: lantern_delta must be in [0, 1], got -0.1"),
+    (["--method", "lantern", "--lantern-k", "100000"],
+     "--lantern-k: lantern_k (100000) exceeds the proximity table's K_max (128)"),
+    (["--top-k", "5000"], "--top-k: top_k (5000) is larger than the vocabulary (1024 image tokens)"),
+])
+def test_a_settings_error_is_led_by_its_flag(argv: list[str], line: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """These checks, written once for Python and the command line, named no flag there (a probe,
+    2026-11-30), while the sampling flags' errors did (``--top-p: top_p must be in (0, 1]``)."""
+    from lantern.cli.main import main
+
+    assert main(["generate", "--model", "digits", "--labels", "1", *argv, "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"lantern: error: {line}\n"

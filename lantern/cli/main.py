@@ -139,6 +139,15 @@ def _continue_hint(args: argparse.Namespace) -> str:
     return ""
 
 
+def _flagged(error: LanternError) -> str:
+    """The message, led by its flag when it begins with the setting's Python name (a check written
+    for both surfaces, ``lantern_delta must be in [0, 1]``): ``--lantern-delta: lantern_delta ...``."""
+    text = str(error)
+    if error.field and text.startswith(error.field) and not text[len(error.field):][:1].isalnum():
+        return f"--{error.field.replace('_', '-')}: {text}"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Errors a user can fix (a :class:`LanternError`, an OSError on their paths,
     running out of memory) end with one ``lantern: error:`` line and exit 2; SIGINT / SIGTERM
@@ -163,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args), _warning_lines():
             return int(func(args) or 0)
     except LanternError as e:
-        print(f"lantern: error: {e}", file=sys.stderr)
+        print(f"lantern: error: {_flagged(e)}", file=sys.stderr)
         return 2
     except (OSError, MemoryError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and not _out_of_memory(e):

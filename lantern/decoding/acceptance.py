@@ -92,7 +92,7 @@ def num_uniforms(num_nodes: int) -> int:
 
 def check_k(k: int, k_max: int) -> None:
     """LanternError unless the proximity table has at least ``k`` neighbours per token."""
-    check(k <= k_max, f"lantern k ({k}) exceeds the proximity table's K_max ({k_max})", field="lantern_k")
+    check(k <= k_max, f"lantern_k ({k}) exceeds the proximity table's K_max ({k_max})", field="lantern_k")
 
 
 def _neighbour_rows(neighbours: Tensor, x: Tensor, width: int) -> Tensor:

@@ -154,7 +154,7 @@ class RelaxationConfig:
 
     def __post_init__(self) -> None:
         check(isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 0,
-              f"lantern k must be an integer >= 0, got {self.k!r}", field="lantern_k")
+              f"lantern_k must be an integer >= 0, got {self.k!r}", field="lantern_k")
         check(
             self.mode in ("absolute", "relative", "group"),
             f"relaxation mode must be 'absolute', 'relative' or 'group', got {self.mode!r}",
@@ -163,7 +163,7 @@ class RelaxationConfig:
               field="lantern_residual")
         check(
             self.budget in ("test", "token"),
-            f"lantern budget must be 'test' or 'token', got {self.budget!r}", field="lantern_budget",
+            f"lantern_budget must be 'test' or 'token', got {self.budget!r}", field="lantern_budget",
         )
         check(
             self.budget == "test" or self.residual == "paper",
@@ -176,7 +176,7 @@ class RelaxationConfig:
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
             f"lantern_delta must be in [0, 1], got {self.delta}", field="lantern_delta",
         )
-        check(self.credit in CREDITS, f"lantern credit must be one of {', '.join(CREDITS)}, got {self.credit!r}",
+        check(self.credit in CREDITS, f"lantern_credit must be one of {', '.join(CREDITS)}, got {self.credit!r}",
               field="lantern_credit")
         check(math.isfinite(self.lam) and self.lam >= 1.0,
               f"lantern_lambda must be >= 1, got {self.lam}",
