@@ -127,7 +127,8 @@ def check_location(path: Path, what: str) -> None:
     try:
         probe.mkdir()
     except OSError as e:
-        raise LanternError(f"{what}: cannot create directory {parent}: {base} is not writable "
+        # EACCES reads "Permission denied"; a special file system such as /proc refuses with others
+        raise LanternError(f"{what}: cannot create directory {parent}: making a folder in {base} failed "
                            f"({e.strerror})") from None
     probe.rmdir()
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig
-from lantern.errors import check
+from lantern.errors import LanternError, check
 from lantern.eval.methods_grammar import DEFAULT_METHODS, MethodSpec
 from lantern.eval.report import (
     QUALITY_KEYS,
@@ -96,7 +96,10 @@ class BenchConfig:
         for m in self.methods:
             check(m.method in METHOD_TABLE,
                   f"--methods: unknown method {m.method!r} (choose from {', '.join(METHOD_TABLE)})")
-            m.resolve(None)  # every row's settings (a tree's size too) before anything is loaded
+            try:  # every row's settings (a tree's size too) before anything is loaded
+                m.resolve(None)
+            except LanternError as e:  # named as the row typed: "--lantern-* options" of sd/k=3 were never given
+                raise LanternError(f"--methods {m.name}: {e}", field=e.field) from None
         for name in ("num_images", "speed_images", "batch_size", "speed_batch_size", "repeats", "num_real",
                      "ar_seeds"):
             check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
