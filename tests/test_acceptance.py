@@ -759,7 +759,7 @@ def small_inputs():
 def test_k_larger_than_table() -> None:
     p, tokens, children, depth, max_depth, u = small_inputs()
     nbr = torch.zeros(5, 2, dtype=torch.long)
-    with pytest.raises(LanternError, match=r"lantern k \(3\) exceeds the proximity table's K_max \(2\)"):
+    with pytest.raises(LanternError, match=r"lantern_k \(3\) exceeds the proximity table's K_max \(2\)"):
         verify_tree_sampled(p, tokens, children, depth, max_depth, u, None, nbr, absolute(3, 0.1))
     with pytest.raises(LanternError, match="K_max"):
         verify_tree_greedy(p, tokens, torch.tensor([[[0, 1, -1, -1]]] * 2), max_depth, nbr, absolute(3, 0.1))

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train", ("lantern.train",)),
     ("testing", ("lantern.testing",)),
     ("serve", ("lantern.serve",)),
-    ("cli", ("lantern.cli",)),
+    ("cli", ("lantern.cli", "lantern.__main__")),
     ("package", ("lantern",)),  # __init__: the public API, re-exported lazily
 )
 

@@ -147,7 +147,7 @@ def test_validate_rejects_other_codebooks() -> None:
 
 def test_k_against_k_max() -> None:
     table = build_proximity(torch.randn(30, 4, generator=torch.Generator().manual_seed(6)), 8)
-    with pytest.raises(LanternError, match=r"lantern k \(9\) exceeds the proximity table's K_max \(8\)"):
+    with pytest.raises(LanternError, match=r"lantern_k \(9\) exceeds the proximity table's K_max \(8\)"):
         table.check_k(9)
     with pytest.raises(LanternError, match="K_max"):
         table.neighbours_for(9)

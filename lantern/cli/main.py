@@ -143,7 +143,7 @@ def _flagged(error: LanternError) -> str:
     """The message, led by its flag when it begins with the setting's Python name (a check written
     for both surfaces, ``lantern_delta must be in [0, 1]``): ``--lantern-delta: lantern_delta ...``."""
     text = str(error)
-    if error.field and text.startswith(error.field) and not text[len(error.field):][:1].isalnum():
+    if error.field and text.startswith((f"{error.field} must ", f"{error.field} (")):
         return f"--{error.field.replace('_', '-')}: {text}"
     return text
 
