@@ -125,8 +125,8 @@ def yardstick(ar: Tensor, value: Tensor, family: int | None = None,
     independent metrics; alpha/m for identical ones). Only worse counts: a metric above the
     matching upper bound is *better*, reported beside the verdict and never out.
 
-    ``floor`` ([..., m], optional): a least standard deviation per metric (a proportion's binomial
-    noise, :meth:`ARSpread.floors`). Values equal to the bound up to float rounding are inside."""
+    ``floor`` ([..., m], optional): a least standard deviation per metric (a proportion's step
+    of one item, :meth:`ARSpread.floor`). Values equal to the bound up to float rounding are inside."""
     lo, hi = prediction_bounds(ar, 1 - alpha / (family or ar.shape[-2]), floor)
     tol = 1e-9 * ar.abs().amax(-1).clamp(min=1.0)  # five equal values average to a hair off themselves
     return value < lo - tol, value > hi + tol
