@@ -500,6 +500,20 @@ def test_a_latency_batch_is_never_larger_than_its_images() -> None:
     assert calibration_config(["ar"], [1, 16], True).speed_images == 8  # throughput sizes time max(8, b) anyway
 
 
+def test_speed_only_timing_is_not_capped_by_the_quality_images() -> None:
+    """``--speed-images 300 --no-quality`` was refused: "must be <= --num-images (200)", a setting
+    of the quality pass that does not run (a probe, 2026-11-30)."""
+    from lantern.cli.bench import bench_config
+    from lantern.cli.main import build_parser
+
+    def config(*argv: str) -> BenchConfig:
+        return bench_config(build_parser().parse_args(["bench", "--methods", "ar", *argv]))
+
+    assert config("--speed-images", "300", "--no-quality").speed_images == 300
+    with pytest.raises(LanternError, match=r"--speed-images \(300\) must be <= --num-images \(200\)"):
+        config("--speed-images", "300")  # power: with quality, the timed images are quality images
+
+
 def test_a_batch_size_given_twice_is_refused() -> None:
     """``--speed-batch-size 1,2,2 --save-calibration`` timed batch 2 twice and wrote a calibration
     that --method auto then refused."""

@@ -36,7 +36,8 @@ def bench_config(args: Any) -> BenchConfig:
     batch_sizes = parse_batch_sizes(args.speed_batch_size)
     config = BenchConfig(
         methods=parse_methods(args.methods, trees, args.lantern_budget),
-        num_images=args.num_images,
+        # --no-quality decodes only the timed images: --num-images (200 by default) must not cap them
+        num_images=max(args.num_images, args.speed_images) if args.no_quality else args.num_images,
         speed_images=args.speed_images,
         seed=args.seed,
         batch_size=args.batch_size,
