@@ -432,10 +432,24 @@ def choose_method(calibration: Calibration, quality: str, batch_size: int, sourc
                      f"{', '.join(map(str, calibration.batch_sizes))}) decided")
     if calibration.quality is None and quality == "ar":
         notes.append("the calibration has no quality verdicts (--quick): only lossless methods were eligible")
+    busy = busy_warning(calibration)
+    if busy is not None:  # said when it was written, and again at every choice it decides
+        notes.append(f"its timings were taken on a busy machine ({busy}): calibrate again on a quiet one")
     best = ranking[0][0]
     sampling = calibration.meta.get("sampling")
     return MethodChoice(best, quality, batch_size, measured, source, tuple(ranking), excluded,
                         calibration.methods[best].tau, tuple(notes), sampling if isinstance(sampling, dict) else None)
+
+
+def busy_warning(calibration: Calibration) -> str | None:
+    """What the calibration's own timing recorded of other processes competing for the cores (the
+    bench's busy-machine check), without its "WARNING: busy machine" lead; None when quiet."""
+    machine = calibration.meta.get("machine")
+    warning = machine.get("busy_warning") if isinstance(machine, dict) else None
+    if not isinstance(warning, str) or not warning:
+        return None
+    inner = re.search(r"\((.*?)\)", warning)  # "WARNING: busy machine (others used 40 % ...): ..."
+    return inner.group(1) if inner else warning
 
 
 def auto_method(setup: Setup, quality: str | None, batch_size: int, settings: Mapping[str, Any]) -> MethodChoice:

@@ -215,8 +215,9 @@ def test_repo_ids_resolve_from_the_offline_cache(hub_cache: Path, tmp_path: Path
 
 def test_a_tokenizer_is_taken_by_its_repo_id_too(hub_cache: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """``tokenizer=`` / ``generate --tokenizer`` / ``build-proximity --tokenizer`` read a repo id as
-    ``--model`` and ``--drafter`` do (before: "no such folder lantern-test/tok")."""
+    """``tokenizer=`` / ``generate --tokenizer`` / ``build-proximity --tokenizer`` / ``extract-codes
+    --tokenizer`` read a repo id as ``--model`` and ``--drafter`` do (before: "no such folder
+    lantern-test/tok")."""
     tokenizer = preset_dir("digits") / "tokenizer"
     _cache_repo(hub_cache, "lantern-test/tok", tokenizer)
     by_id = lantern.load("digits", tokenizer="lantern-test/tok")(labels=[3], seed=1)
@@ -232,6 +233,13 @@ def test_a_tokenizer_is_taken_by_its_repo_id_too(hub_cache: Path, tmp_path: Path
         tables[name] = load_file(tmp_path / f"{name}.st")
     assert tables["id"].keys() == tables["local"].keys()
     assert all(torch.equal(tables["id"][k], tables["local"][k]) for k in tables["id"])
+    codes = {}
+    for name, given in (("id", "lantern-test/tok"), ("local", str(tokenizer))):  # extract-codes too
+        assert main(["extract-codes", "--tokenizer", given, "--data", "digits", "--num-samples", "8",
+                     "--eval-samples", "4", "--out", str(tmp_path / f"codes-{name}"), "--no-progress"]) == 0
+        codes[name] = load_file(tmp_path / f"codes-{name}" / "train.safetensors")
+    assert codes["id"].keys() == codes["local"].keys() and all(codes["id"][k].numel() for k in codes["id"])
+    assert all(torch.equal(codes["id"][k], codes["local"][k]) for k in codes["id"])
     capsys.readouterr()
     assert main(["build-proximity", "--tokenizer", "lantern-test/none", "--out", str(tmp_path / "n.st")]) == 2
     err = capsys.readouterr().err.strip()

@@ -115,6 +115,29 @@ def test_an_unmeasured_batch_size_uses_the_nearest_and_says_so(batch: int, measu
     assert bool(choice.notes) is (batch != measured)
 
 
+def test_a_calibration_timed_on_a_busy_machine_says_so_at_every_choice() -> None:
+    """The calibration run printed its busy-machine warning once; a --method auto run weeks later
+    reads only the file, so the choice repeats it (from the file's "machine"). Power: a quiet
+    calibration's choice has no such note, and the load-average form is read too."""
+    from lantern.machine import MachineLoad, Reading
+
+    quiet = synthetic()
+    quiet["machine"] = {"description": "test CPU", "busy_warning": None}
+    assert not choose_method(Calibration.from_dict(quiet, "test"), "ar", 1).notes
+    loads = {  # the bench's own warnings: from CPU seconds, and from the load average without /proc/stat
+        "other processes used 40% of the 2 cores while timing": MachineLoad(Reading(0, 0.5, 2, 0.0, 0.0),
+                                                                            Reading(10, 1.5, 2, 18.0, 10.0)),
+        "load average 3.0 -> 3.5 on 2 cores": MachineLoad(Reading(0, 3.0, 2, None, 0.0),
+                                                          Reading(10, 3.5, 2, None, 9.0)),
+    }
+    for what, load in loads.items():
+        busy = synthetic()
+        busy["machine"] = {"description": "test CPU", "busy_warning": load.warning()}
+        choice = choose_method(Calibration.from_dict(busy, "test"), "ar", 1)
+        assert choice.notes == (f"its timings were taken on a busy machine ({what}): calibrate again on a quiet one",)
+        assert choice.notes[0] in choice.explanation and choice.method == EXPECTED["ar", 1]
+
+
 # -- files -----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

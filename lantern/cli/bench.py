@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 from lantern.cli.common import (
     MODEL_HELP,
     add_budget_arg,
+    add_cache_arg,
     add_overwrite_arg,
     add_tool_args,
+    cache_folder,
     chameleon_options,
     check_feature_net_early,
     command_line,
@@ -66,6 +68,7 @@ def cmd_bench(args: Any) -> int:
     from lantern.api import load_model_stack, sampling_from
     from lantern.distributed import DistContext, process_group
     from lantern.eval.bench import BenchRunner, QualityScorer, resolve_auto_trees, resolve_auto_windows, run_bench
+    from lantern.eval.decode_cache import CachedRunner, DecodeCache
     from lantern.eval.ranks import RankRunner, check_bench_ranks, no_metrics
     from lantern.eval.report import format_table, save_bench, throughput_table
     from lantern.outputs import OutputFolder
@@ -82,6 +85,7 @@ def cmd_bench(args: Any) -> int:
                              reads=model_reads(args))
     if not args.no_quality:
         check_feature_net_early(args, "--no-quality")
+    cache_dir = cache_folder(args, out.path, "--no-quality" if args.no_quality else None)
     progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))
@@ -111,9 +115,14 @@ def cmd_bench(args: Any) -> int:
                   + (f" | {ctx.world_size} processes" if ctx.enabled else ""))
         if isinstance(scorer, QualityScorer):
             print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
+        runner: Any = RankRunner(ctx, parts) if ctx.enabled else BenchRunner(parts)
+        store = None
+        if cache_dir is not None:
+            store = DecodeCache.for_stack(cache_dir, stack, ctx.world_size, chameleon_options(args),
+                                          log=print if ctx.is_main else _quiet)
+            runner = CachedRunner(runner, store, ctx)
         result = run_bench(stack, sampling, config, scorer, progress=progress, throughput_methods=throughput_methods,
-                           runner=RankRunner(ctx, parts) if ctx.enabled else BenchRunner(parts),
-                           log=print if ctx.is_main else _quiet)
+                           runner=runner, log=print if ctx.is_main else _quiet)
     if not ctx.is_main:
         return 0
     if isinstance(scorer, QualityScorer):
@@ -134,6 +143,8 @@ def cmd_bench(args: Any) -> int:
         print(result.ar_spread.summary())
     if args.save_calibration:
         _save_calibration(args, stack, config, result, command)
+    if store is not None:
+        print(f"--cache {cache_dir}: {store.reused} decodes reused, {store.written} written")
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
 
@@ -202,6 +213,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help="also sweep (k, delta) and (k, lambda) for the frontier")
     p.add_argument("--sweep-images", type=int, default=100, help="quality images per sweep point (default 100)")
     p.add_argument("--profile", default=None, help="with auto trees: a profile.json from `lantern profile`")
+    add_cache_arg(p)
     p.add_argument("--save-calibration", action="store_true",
                    help="also write the rows run at their method's defaults as the calibration `--method auto` reads "
                         "(as `lantern calibrate` does; the speed batch sizes are its batch sizes)")

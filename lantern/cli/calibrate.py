@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from lantern.cli.common import (
     MODEL_HELP,
+    add_cache_arg,
     add_chameleon_args,
     add_compile_arg,
     add_deterministic_arg,
     add_trust_checkpoint_arg,
+    cache_folder,
     chameleon_options,
     check_feature_net_early,
     command_line,
@@ -50,6 +53,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lantern.decoding.compiling import resolve_compile
     from lantern.eval.bench import BenchRunner, QualityScorer, run_bench
     from lantern.eval.calibrate import calibration_config, calibration_from_bench, runnable_methods
+    from lantern.eval.decode_cache import CachedRunner, DecodeCache
     from lantern.io import ensure_writable_dir
     from lantern.validate import check_device
 
@@ -60,6 +64,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     quality = quality_settings(args)
     if not args.quick:  # before the model loads and the methods run
         check_feature_net_early(args, "--quick")
+    cache_dir = cache_folder(args, None, "--quick" if args.quick else None)
     if args.out:  # before the model loads and the methods run (a full calibration takes its while)
         check(not Path(args.out).is_dir(), f"--out {args.out} is a folder; expected the calibration file to write "
                                            "(a .json path)")
@@ -82,7 +87,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"calibrate {setup.model} on {setup.key} | {len(methods)} methods at batch {', '.join(map(str, sizes))} | "
           + ("speed only (--quick)" if args.quick else f"quality on {config.num_images} images, AR at "
              f"{config.ar_seeds} seeds") + f" | writes {out}")
-    result = run_bench(stack, sampling, config, scorer, progress=progress, runner=BenchRunner(pipe.parts))
+    runner: Any = BenchRunner(pipe.parts)
+    store = None if cache_dir is None else DecodeCache.for_stack(cache_dir, stack, extra=chameleon_options(args))
+    if store is not None:
+        runner = CachedRunner(runner, store)
+    result = run_bench(stack, sampling, config, scorer, progress=progress, runner=runner)
+    if store is not None:
+        print(f"--cache {cache_dir}: {store.reused} decodes reused, {store.written} written")
     command = command_line(args)
     calibration, _ = calibration_from_bench(result, stack, setup, command)
     _, replaced = calibration.write(out)
@@ -138,6 +149,7 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-real", type=int, default=None, help="held-out real images to compare with (default 1000)")
     p.add_argument("--feature-net", default=None,
                    help="feature extractor, as for bench (default: the model's features/)")
+    add_cache_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="the calibration file (default: the user's calibration folder)")
     p.add_argument("--no-progress", action="store_true")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 
 if TYPE_CHECKING:
     from lantern.outputs import OutputFolder
@@ -331,6 +331,41 @@ def model_reads(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "model", None) in PRESETS:
         reads["--model"] = None
     return reads
+
+
+def add_cache_arg(p: argparse.ArgumentParser) -> None:
+    """``--cache DIR`` of bench and calibrate (:mod:`lantern.eval.decode_cache`)."""
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="keep each quality decode (codes and forward counts) in DIR as it finishes, and reuse the ones "
+                        "whose model, code, machine, conditions, seed, sampling, method and batch size all match: a "
+                        "stopped run, started again, decodes only what is missing, and a run that adds methods "
+                        "reuses AR's seeds (speed is always timed anew)")
+
+
+def cache_folder(args: argparse.Namespace, out: Path | None, speed_only: str | None) -> Path | None:
+    """``--cache``'s folder, checked before anything loads: a folder (or a new name), outside
+    ``out`` (an ``--out`` folder, replaced whole when the run is written) and outside the model's own files
+    (they key the cache: writing there would change every entry's key). ``speed_only``: the flag
+    given that makes no quality decodes (then ``--cache`` is refused), or None."""
+    from lantern.outputs import check_location
+    from lantern.targets.base import PRESETS, PRESETS_DIR
+
+    if args.cache is None:
+        return None
+    check(speed_only is None, f"--cache keeps the quality decodes; {speed_only} makes none (drop one of them)")
+    folder = Path(args.cache).expanduser().resolve()
+    check(not folder.is_file(), f"--cache: {folder} is a file; expected a folder (new or one a run wrote)")
+    check(out is None or not folder.is_relative_to(out),
+          f"--cache: {folder} is inside --out {out}, which the run replaces whole; pass a folder outside it")
+    reads = {**model_reads(args), **({"--model": PRESETS_DIR / args.model} if args.model in PRESETS else {})}
+    for flag, path in reads.items():
+        if path is None or str(path) == "":
+            continue
+        read = Path(str(path)).expanduser().resolve()
+        check(not (read.is_dir() and folder.is_relative_to(read)),
+              f"--cache: {folder} is inside {flag} {read}, whose files key the cache; pass a folder outside it")
+    check_location(folder / "entry", "--cache")  # the folder itself when it exists
+    return folder
 
 
 def auto_window_refusal(stack: Any) -> str | None:

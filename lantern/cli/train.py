@@ -183,7 +183,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
 def _add_extract_codes(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("extract-codes", help="encode a data set's images into code grids",
                        description="Write OUT/train.safetensors and OUT/test.safetensors (codes + labels).")
-    p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder")
+    p.add_argument("--tokenizer", required=True, help="VQ tokenizer folder (or a Hugging Face repo id of one)")
     _add_data_args(p)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out folder")
@@ -195,6 +195,7 @@ def _add_extract_codes(sub: argparse._SubParsersAction) -> None:
 def cmd_extract_codes(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from lantern.hub import resolve_location
     from lantern.io import write_json
     from lantern.models.vq import VQModel
     from lantern.outputs import OutputFolder
@@ -204,17 +205,18 @@ def cmd_extract_codes(args: argparse.Namespace) -> int:
     check_count(args.batch_size, "--batch-size")
     out = OutputFolder.check(args.out, "--out", args.overwrite, reads={"--tokenizer": args.tokenizer,
                                                                        "--data": args.data})
-    if not Path(args.tokenizer).is_dir():
+    folder = Path(resolve_location(args.tokenizer, "--tokenizer"))  # a Hub repo id too, as generate's --tokenizer
+    if not folder.is_dir():
         raise LanternError(f"--tokenizer: no such folder {args.tokenizer} (make one with `lantern train-tokenizer`)")
-    if not (Path(args.tokenizer) / "config.json").is_file():
+    if not (folder / "config.json").is_file():
         raise LanternError(f"--tokenizer: {args.tokenizer} has no config.json: not a VQ tokenizer folder (make one "
                            "with `lantern train-tokenizer`)")
-    tokenizer = VQModel.from_pretrained(args.tokenizer)
+    tokenizer = VQModel.from_pretrained(folder)
     train, test = _datasets(args)
-    _note_other_image_size(Path(args.tokenizer), train.image_size)
-    with out.write() as folder:
-        sets = extract_code_dir(tokenizer, train, test, folder, args.batch_size, progress=not args.no_progress)
-        write_json(folder / "extract_config.json", {"command": _command(), "tokenizer": str(args.tokenizer),
+    _note_other_image_size(folder, train.image_size)
+    with out.write() as staged:
+        sets = extract_code_dir(tokenizer, train, test, staged, args.batch_size, progress=not args.no_progress)
+        write_json(staged / "extract_config.json", {"command": _command(), "tokenizer": str(args.tokenizer),
                                                     "train": sets["train"].meta, "test": sets["test"].meta})
     s = sets["train"]
     print(f"wrote {len(s)} train / {len(sets['test'])} test code grids ({s.seq_len} tokens, vocab {s.vocab_size}, "

@@ -172,6 +172,10 @@ class Stack(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    def network(self) -> Any:
+        """The target network (the stack's device and dtype are its own)."""
+        ...
+
     @property
     def drafter_dir(self) -> Path | None: ...
 
