@@ -310,7 +310,7 @@ class Pipeline:
                 self._auto_choices.move_to_end(key)
         if kept is None:
             kept = choose_auto(self.stack, method, sampling, method_settings, seed=seed, batch_size=batch_size,
-                               parts=self.parts, progress=progress)
+                               parts=self.parts, progress=progress, compile=self.compile)
             with self._lock:
                 self._auto_choices[key] = kept
                 while len(self._auto_choices) > MAX_PREPARED:

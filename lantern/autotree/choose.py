@@ -30,12 +30,17 @@ default is the dynamic EAGLE-2 tree: deterministic top-k drafts are not describe
 
 Timings on a shared machine are noisy: the profile keeps medians, the cost model smooths them
 (:func:`non_decreasing`) and ties within 0.5% go to the smaller tree.
+
+The profile times eager forwards. Under ``--compile`` a round is one compiled region (a CUDA graph
+replay on a GPU), whose cost against the tree's size is not the eager one's, so the cost model's
+best few trees are then decoded compiled on calibration images and the fastest measured one is
+chosen (:func:`time_compiled`): the model narrows the search, the clock decides.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -95,6 +100,7 @@ def choose_tree(
     max_drafts: int = DEFAULT_MAX_DRAFTS,
     parts: ModelParts | None = None,
     progress: bool = False,
+    compile: str | None = None,
 ) -> AutoTreeChoice:
     """Pick the fastest static tree for ``method`` on this device (``--tree auto``).
 
@@ -104,8 +110,11 @@ def choose_tree(
     ``calibration_labels`` (default: 4 labels spread over the classes) with a probe tree. The
     chosen tree (with its choices) is ``choice.tree``, what the method is resolved with. ``parts``:
     the loaded drafter and proximity table (default: the stack's own), shared by the profile and
-    the calibration, so the drafter is read once.
+    the calibration, so the drafter is read once. ``compile``: the run's compile mode; when it
+    compiles, the cost model's best trees are timed compiled and the fastest is chosen.
     """
+    from lantern.decoding.compiling import resolve_compile
+
     parts = parts_of(stack, parts)
     method_cfg = _method_config(method)
     rule = RULE_OF_METHOD[method_cfg.method]
@@ -124,7 +133,58 @@ def choose_tree(
     choice = select_tree(acceptance, profile.cost_model(rule), method=method_cfg.method, max_drafts=max_drafts,
                          max_depth=stack.num_tokens - 1)
     choice = replace(choice, profile_seconds=t1 - t0, calibration_seconds=t2 - t1)
-    return choice
+    mode = resolve_compile(compile, stack.device)
+    if mode is None or choice.falls_back_to_ar:
+        return choice
+    return time_compiled(stack, method_cfg, sampling, choice, mode, seed=seed, batch_size=batch_size, parts=parts)
+
+
+COMPILED_CANDIDATES = 3  # the cost model's best trees timed compiled under --compile
+TIMING_IMAGES = 2
+TIMING_PASSES = 2
+TIMING_SEED_OFFSET = 2_000_000  # timing images never repeat a run's seeds (nor the calibration's)
+
+
+def time_compiled(
+    stack: Stack, method: MethodConfig, sampling: SamplingConfig, choice: AutoTreeChoice, mode: str, *,
+    seed: int = 0, batch_size: int = 1, parts: ModelParts | None = None, top: int = COMPILED_CANDIDATES,
+    images: int = TIMING_IMAGES, passes: int = TIMING_PASSES, clock: Callable[[], float] = time.perf_counter,
+) -> AutoTreeChoice:
+    """``choice`` with its tree taken from the cost model's ``top`` trees predicted faster than AR,
+    each decoded compiled (``mode``) on ``images`` calibration images (at least a batch) after a warm-up of its own
+    (its compilation), in ``passes`` passes that visit the trees in rotated order; the least wall
+    time per image token (best pass) wins, ties to the cost model's order. ``clock``: seconds (a
+    test's fake clock)."""
+    from lantern.run import run_conditions
+
+    candidates = [c for c in choice.ranking if c.speedup >= 1.0][:top]
+    if len(candidates) < 2:
+        return replace(choice, compile=mode)
+    t0 = clock()
+    images = max(images, batch_size)  # the run's rows per call: a compiled round is a graph per batch size
+    conditions = stack.encode(stack.sample_conditions(images))
+    base = seed + TIMING_SEED_OFFSET
+    methods = [replace(method, tree=c.config) for c in candidates]
+    for m in methods:  # warm-up: each tree's round compiles on its first decode
+        run_conditions(stack, conditions.rows(0, batch_size), base, sampling, m, batch_size, parts=parts,
+                       compile=mode)
+    best_ms: dict[int, float] = {}
+    for p in range(passes):
+        for i in [*range(p % len(methods), len(methods)), *range(p % len(methods))]:
+            start = clock()
+            result = run_conditions(stack, conditions, base, sampling, methods[i], batch_size, parts=parts,
+                                    compile=mode)
+            ms = (clock() - start) * 1000 / result.codes.numel()
+            best_ms[i] = min(ms, best_ms.get(i, ms))
+    fastest = min(range(len(candidates)), key=lambda i: (best_ms[i], i))
+    timed = ", ".join(f"{c.spec} {best_ms[i]:.3f}" for i, c in enumerate(candidates))
+    best = candidates[fastest]
+    ranking = (best, *(c for c in choice.ranking if c is not best))
+    note = (f" Under --compile ({mode}) the model's {len(candidates)} best trees were timed compiled, ms per image "
+            f"token: {timed}; {best.spec} is the fastest.")
+    return replace(choice, best=best, ranking=ranking, explanation=choice.explanation + note, compile=mode,
+                   compiled_ms_per_token=tuple((c.spec, best_ms[i]) for i, c in enumerate(candidates)),
+                   timing_seconds=clock() - t0)
 
 
 def choose_trees(
@@ -137,6 +197,7 @@ def choose_trees(
     batch_size: int = 1,
     parts: ModelParts | None = None,
     progress: bool = False,
+    compile: str | None = None,
 ) -> dict[str, AutoTreeChoice]:
     """:func:`choose_tree` for every speculative method in ``methods`` (others are skipped), with
     one device profile shared by all (measured once, quick, for the rules they need) and one
@@ -151,7 +212,7 @@ def choose_trees(
                                   rules=rules, parts=parts, progress=progress)
         seconds = time.perf_counter() - t0
     chosen = {m: choose_tree(stack, m, sampling, profile=profile, seed=seed, batch_size=batch_size, parts=parts,
-                             progress=progress) for m in wanted}
+                             progress=progress, compile=compile) for m in wanted}
     return {m: replace(c, profile_seconds=c.profile_seconds + seconds) for m, c in chosen.items()}  # shared
 
 
@@ -165,6 +226,7 @@ def choose_auto(
     batch_size: int = 1,
     parts: ModelParts | None = None,
     progress: bool = False,
+    compile: str | None = None,
 ) -> tuple[MethodConfig, dict[str, Any]]:
     """``tree="auto"`` for any method: a drafter method's tree (:func:`choose_tree`), or a Jacobi
     method's window (``lantern.autotree.window.choose_window``: SJD's, PJD's), measured on this
@@ -181,11 +243,13 @@ def choose_auto(
                                    "models")
         base = resolve_method(method, stack, **settings)
         # c2i, checked above: a LlamaGen ModelStack (the only family with class labels)
-        window = choose_window(cast("ModelStack", stack), base, sampling, seed=seed, batch_size=batch_size, parts=parts)
+        window = choose_window(cast("ModelStack", stack), base, sampling, seed=seed, batch_size=batch_size, parts=parts,
+                               compile=compile)
         return with_window(base, window.window), {"auto_window": window.to_dict()}
     check(method in SPECULATIVE_METHODS,
           f"tree auto needs a method with a tree or a window ({', '.join(SPECULATIVE_METHODS)}, sjd*, pjd*), "
           f"got {method}")
     start = resolve_method(method, None, **settings)  # the method's own default tree, what the search starts from
-    choice = choose_tree(stack, start, sampling, seed=seed, batch_size=batch_size, parts=parts, progress=progress)
+    choice = choose_tree(stack, start, sampling, seed=seed, batch_size=batch_size, parts=parts, progress=progress,
+                         compile=compile)
     return resolve_method(method, stack, **{**settings, "tree": choice.tree}), {"auto_tree": choice.to_dict()}

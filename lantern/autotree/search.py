@@ -78,6 +78,11 @@ class AutoTreeChoice:
     cost: CostModel
     profile_seconds: float = 0.0
     calibration_seconds: float = 0.0
+    # Under --compile: the compile mode and each timed candidate's measured ms per image token
+    # (lantern.autotree.choose.time_compiled); empty when the choice is the cost model's alone.
+    compile: str | None = None
+    compiled_ms_per_token: tuple[tuple[str, float], ...] = ()
+    timing_seconds: float = 0.0
 
     @property
     def falls_back_to_ar(self) -> bool:
@@ -126,6 +131,9 @@ class AutoTreeChoice:
             },
             "profile_seconds": round(self.profile_seconds, 2),
             "calibration_seconds": round(self.calibration_seconds, 2),
+            "compile": self.compile,
+            "compiled_ms_per_token": {spec: round(ms, 4) for spec, ms in self.compiled_ms_per_token},
+            "timing_seconds": round(self.timing_seconds, 2),
         }
 
 

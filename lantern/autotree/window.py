@@ -7,6 +7,9 @@ on how many rounds a guess has been refined, so the window is chosen by measurem
 warm-up image, then a few calibration images (seeds no run reuses) with every candidate window, in
 ``passes`` rounds that visit the windows in rotated order (so machine drift hits them alike), and
 the one with the least wall time per image token (best pass) wins; ties go to the smaller window.
+Under ``--compile`` the windows are timed compiled, each after a compiled warm-up of its own: a
+compiled round's cost against its window is not an eager one's (a GPU's eager round is bound by
+kernel launches, which a CUDA graph replay removes), so an eager timing could choose another window.
 
 ``--pjd-window auto`` is the same measurement for PJD (``pjd*``): its window (guesses per open
 image row) is chosen among windows no longer than an image row, at the run's ``--pjd-context``.
@@ -53,6 +56,7 @@ class AutoWindowChoice:
     method: str
     trials: tuple[WindowTrial, ...]
     seconds: float  # calibration wall time
+    compile: str | None = None  # the mode the windows were timed in (None: eager)
 
     @property
     def best(self) -> WindowTrial:
@@ -67,12 +71,14 @@ class AutoWindowChoice:
         ranked = sorted(self.trials, key=lambda t: (t.ms_per_token, t.window))
         best, rest = ranked[0], ranked[1:4]
         others = ", ".join(f"{t.window} ({t.ms_per_token:.2f} ms, {t.tokens_per_forward:.2f}/fwd)" for t in rest)
+        timed = f"compiled ({self.compile})" if self.compile else "eager"
         return (f"window {best.window}: {best.tokens_per_forward:.2f} tokens per forward, {best.ms_per_token:.2f} ms "
-                f"per token on this device" + (f"; runner-ups: {others}" if others else ""))
+                f"per token on this device, {timed}" + (f"; runner-ups: {others}" if others else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "window": self.window, "explanation": self.explanation,
-                "calibration_seconds": self.seconds, "trials": [t.to_dict() for t in self.trials]}
+                "calibration_seconds": self.seconds, "compile": self.compile,
+                "trials": [t.to_dict() for t in self.trials]}
 
 
 def with_window(method: MethodConfig, window: int) -> MethodConfig:
@@ -96,10 +102,14 @@ def choose_window(
     windows: Sequence[int] | None = None,
     passes: int = CALIBRATION_PASSES,
     parts: ModelParts | None = None,
+    compile: str | None = None,
 ) -> AutoWindowChoice:
     """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
     an image row) on ``images`` calibration images. ``parts``: the loaded proximity table a relaxed
-    rule needs (default: the stack's own), read once for every window."""
+    rule needs (default: the stack's own), read once for every window. ``compile``: the run's
+    compile mode (``lantern.decoding.compiling``), which the windows are timed in."""
+    from lantern.decoding.compiling import resolve_compile
+
     jacobi_methods = method_names(lambda r: r.window_setting is not None)
     check(method.jacobi is not None or method.pjd is not None,
           f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join(jacobi_methods)}), "
@@ -113,18 +123,21 @@ def choose_window(
     labels = [i * n_classes // images for i in range(images)]
     base = seed + CALIBRATION_SEED_OFFSET
     t0 = time.perf_counter()
+    mode = resolve_compile(compile, stack.device)
     parts = parts_of(stack, parts)  # one table read; each run's caches are freed after it, as a run's are
-    run_generation(stack, labels[:1], base, sampling, with_window(method, usable[0]), batch_size,
-                   parts=parts)  # warm-up
+    # warm-up: eager, one window warms them all; compiled, each window's round is a graph of its own
+    for window in usable if mode else usable[:1]:
+        run_generation(stack, labels[:batch_size], base, sampling, with_window(method, window), batch_size,
+                       parts=parts, compile=mode)
     best_ms: dict[int, float] = {}
     tau: dict[int, float] = {}
     for p in range(passes):
         for window in usable[p % len(usable):] + usable[: p % len(usable)]:
             start = time.perf_counter()
             result = run_generation(stack, labels, base, sampling, with_window(method, window), batch_size,
-                                    parts=parts)
+                                    parts=parts, compile=mode)
             ms = (time.perf_counter() - start) * 1000 / result.codes.numel()
             best_ms[window] = min(ms, best_ms.get(window, ms))
             tau[window] = result.stats_dict()["mean_accepted"]  # the same every pass (same seeds)
     trials = tuple(WindowTrial(w, tau[w], best_ms[w]) for w in usable)
-    return AutoWindowChoice(method.method, trials, time.perf_counter() - t0)
+    return AutoWindowChoice(method.method, trials, time.perf_counter() - t0, mode)

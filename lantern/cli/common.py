@@ -151,14 +151,14 @@ def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | Non
 
 def choose_auto_tree(
     stack: Any, method: Any, sampling: Any, batch_size: int, profile: Any, seed: int,
-    parts: Any = None, progress: bool = True,
+    parts: Any = None, progress: bool = True, compile: str | None = None,
 ) -> Any:
     """``--tree auto``: choose_tree for one method (on ``parts``, a ``lantern.parts.ModelParts``: the
-    loaded drafter and table), with its explanation printed."""
+    loaded drafter and table; ``compile``: the run's compile mode), with its explanation printed."""
     from lantern.autotree.choose import choose_tree
 
     choice = choose_tree(stack, method, sampling, profile=profile, seed=seed, batch_size=batch_size,
-                         parts=parts, progress=progress)
+                         parts=parts, progress=progress, compile=compile)
     print(f"--tree auto [{choice.method}]: {choice.explanation} (profile {choice.profile_seconds:.1f} s, "
           f"calibration {choice.calibration_seconds:.1f} s)")
     return choice
@@ -187,13 +187,13 @@ def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool
 
 
 def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Namespace, parts: Any = None,
-                       batch_size: int | None = None) -> Any:
-    """``--sjd-window auto``: choose_window at ``batch_size`` rows (default ``--batch-size``), with
-    its explanation printed."""
+                       batch_size: int | None = None, compile: str | None = None) -> Any:
+    """``--sjd-window auto``: choose_window at ``batch_size`` rows (default ``--batch-size``), timed
+    in the run's ``compile`` mode, with its explanation printed."""
     from lantern.autotree.window import choose_window
 
     rows = args.batch_size if batch_size is None else batch_size
-    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=rows, parts=parts)
+    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=rows, parts=parts, compile=compile)
     flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
     print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice

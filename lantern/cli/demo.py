@@ -78,7 +78,7 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str], args: argpa
             window = value
             if value == "auto":
                 choice = choose_window(stack, resolve_method(m, stack), sampling, seed=args.seed,
-                                       batch_size=args.batch_size, parts=parts)
+                                       batch_size=args.batch_size, parts=parts, compile=args.compile)
                 print(f"{flag} auto [{m}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
                 chosen[m], window = choice.to_dict(), choice.window
             settings[m] = {name: window}
@@ -131,7 +131,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         if auto:
             auto_trees = choose_trees(stack, methods, sampling, profile=args.profile, seed=args.seed,
-                                      batch_size=args.batch_size, parts=parts, progress=not args.no_progress)
+                                      batch_size=args.batch_size, parts=parts, progress=not args.no_progress,
+                                      compile=args.compile)
             for choice in auto_trees.values():
                 print(f"--tree auto [{choice.method}]: {choice.explanation}")
             trees = {m: c.tree for m, c in auto_trees.items()}

@@ -287,10 +287,10 @@ def _generate_method(args: argparse.Namespace, pipe: Pipeline, sampling: Any, au
         extra["auto_method"] = args.auto_method.with_sampling(sampling.to_dict()).to_dict()
     if auto:  # measure, calibrate, pick; then resolve the method again with the chosen tree
         choice = choose_auto_tree(stack, method, sampling, args.call_batch, args.profile, args.seed,
-                                  pipe.parts, not args.no_progress)
+                                  pipe.parts, not args.no_progress, compile=pipe.compile)
         method, extra["auto_tree"] = method_from_args(args, stack, choice.tree), choice.to_dict()
     if auto_window:  # time the candidate windows, then run with the fastest
-        window = choose_auto_window(stack, method, sampling, args, pipe.parts, args.call_batch)
+        window = choose_auto_window(stack, method, sampling, args, pipe.parts, args.call_batch, compile=pipe.compile)
         method, extra["auto_window"] = with_window(method, window.window), window.to_dict()
     return method, extra
 

@@ -567,7 +567,8 @@ def resolve_auto_windows(
     parts: ModelParts | None = None, **calibration: Unpack[WindowCalibration],
 ) -> tuple[BenchConfig, dict[str, Any]]:
     """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
-    :func:`lantern.autotree.window.choose_window` times fastest at the speed batch size (``calibration``:
+    :func:`lantern.autotree.window.choose_window` times fastest at the speed batch size, in the
+    bench's compile mode (``calibration``:
     its ``images`` / ``passes``). Returns the new config and each row's choice (``to_dict``)."""
     from lantern.autotree.window import choose_window
 
@@ -576,7 +577,8 @@ def resolve_auto_windows(
     for spec in config.methods:
         if spec.window == "auto":
             choice = choose_window(stack, spec.resolve(stack), sampling, seed=config.seed,
-                                   batch_size=config.speed_batch_size, parts=parts, **calibration)
+                                   batch_size=config.speed_batch_size, parts=parts, compile=config.compile,
+                                   **calibration)
             log(f"window auto for {spec.name}: {choice.explanation}")
             chosen[spec.name] = choice.to_dict()
             window = {setting_name(spec.method, "window"): choice.window}
@@ -603,7 +605,7 @@ def resolve_auto_trees(
 
     names = list(dict.fromkeys(m.method for m in auto))
     chosen = choose_trees(stack, names, sampling, profile=profile, seed=config.seed,
-                          batch_size=config.speed_batch_size, parts=parts)
+                          batch_size=config.speed_batch_size, parts=parts, compile=config.compile)
     for name, choice in chosen.items():
         log(f"--tree auto for {name}: {choice.explanation}")
     methods = tuple(replace(m, tree=chosen[m.method].tree) if m.tree == "auto" else m for m in config.methods)

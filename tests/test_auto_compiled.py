@@ -1,0 +1,151 @@
+"""``--tree auto`` and the auto windows under ``--compile``: chosen by compiled timings.
+
+The device profile times eager forwards; a compiled round's cost against its tree is not the eager
+one's. Under ``--compile`` the cost model's best trees are decoded compiled and the fastest
+measured one is chosen, and the windows are timed compiled. These tests drive the choice with a
+fake decode and a fake clock, so the outcome is decided by construction, never by this machine's
+speed; one test runs a real compiled choice end to end."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import lantern.autotree.window as window_module
+import lantern.run
+from lantern.autotree.choose import COMPILED_CANDIDATES, time_compiled
+from lantern.autotree.model import AcceptanceModel, CostModel
+from lantern.autotree.search import select_tree
+from lantern.decoding.config import SamplingConfig
+from lantern.methods import MethodConfig
+from lantern.targets.llamagen_stack import load_stack
+
+DEEP_RATES = ((0.55, 0.2, 0.1, 0.05), (0.6, 0.2, 0.1), (0.6, 0.2, 0.1), (0.6, 0.2), (0.6, 0.2), (0.6,), (0.6,), (0.6,))
+FLAT = CostModel(verify_ms=tuple(1.0 + 0.002 * (n - 1) for n in range(1, 65)), begin_ms=(0.05,),
+                 feed_ms=(0.05,), overhead_ms=(0.05, 0.01, 0.0), ar_step_ms=1.0)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Any:
+    return load_stack("digits", dtype=torch.float32)
+
+
+class FakeDecodes:
+    """run_conditions that decodes nothing: each call advances a fake clock by the tree's cost
+    (ms per image token, from ``cost``) and records what it was asked to run."""
+
+    def __init__(self, cost: dict[str, float], num_tokens: int) -> None:
+        self.cost, self.num_tokens, self.now = cost, num_tokens, 0.0
+        self.calls: list[tuple[str, str | None, int, int]] = []  # (tree, compile, rows, batch_size)
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, stack: Any, conditions: Any, seed: int, sampling: Any, method: MethodConfig,
+                 batch_size: int, **kwargs: Any) -> Any:
+        spec = method.tree.spec
+        rows = len(conditions)
+        self.calls.append((spec, kwargs.get("compile"), rows, batch_size))
+        self.now += self.cost[spec] * rows * self.num_tokens / 1000
+        return SimpleNamespace(codes=torch.zeros(rows, self.num_tokens, dtype=torch.long))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_under_compile_the_fastest_timed_tree_wins(stack: Any, monkeypatch: pytest.MonkeyPatch,
+                                                   batch_size: int) -> None:
+    """The cost model ranks three trees; compiled, its third is the fastest: that one is chosen,
+    and the record says why. Every decode ran compiled at the run's batch size, each tree was
+    warmed once (its compilation) before any timed pass, and every pass timed every tree. Power:
+    the cost model's own pick is another tree."""
+    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
+                         FLAT, method="lantern")
+    top = [c for c in choice.ranking if c.speedup >= 1.0][:COMPILED_CANDIDATES]
+    assert len(top) == COMPILED_CANDIDATES
+    specs = [c.config.spec for c in top]
+    fake = FakeDecodes({specs[0]: 3.0, specs[1]: 2.0, specs[2]: 1.0}, stack.num_tokens)
+    monkeypatch.setattr(lantern.run, "run_conditions", fake)
+    sampling = SamplingConfig(**stack.default_sampling())
+    method = MethodConfig.resolve("lantern")
+    timed = time_compiled(stack, method, sampling, choice, "default", batch_size=batch_size, clock=fake.clock)
+
+    assert choice.best is top[0] and timed.best is top[2]  # the model's pick lost to the clock
+    assert timed.tree == top[2].config and timed.ranking[0] is top[2] and len(timed.ranking) == len(choice.ranking)
+    assert timed.compile == "default" and [s for s, _ in timed.compiled_ms_per_token] == [c.spec for c in top]
+    assert dict(timed.compiled_ms_per_token)[top[2].spec] == pytest.approx(1.0)
+    assert "timed compiled" in timed.explanation and timed.to_dict()["compiled_ms_per_token"]
+    images = max(2, batch_size)
+    assert all(compile == "default" and b == batch_size for _, compile, _, b in fake.calls)
+    warm, passes = fake.calls[:3], fake.calls[3:]
+    assert [spec for spec, *_ in warm] == specs and all(rows == batch_size for _, _, rows, _ in warm)
+    assert sorted(spec for spec, *_ in passes) == sorted(specs * 2) and all(r == images for _, _, r, _ in passes)
+    assert [spec for spec, *_ in passes[3:]] == specs[1:] + specs[:1]  # the second pass starts elsewhere
+
+
+def test_a_choice_with_one_tree_faster_than_ar_is_left_to_the_model(stack: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing to compare: no decode, the choice unchanged but for its compile mode."""
+    steep = CostModel(verify_ms=tuple(1.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(0.6,),
+                      feed_ms=(0.6,), overhead_ms=(0.3, 0.0, 0.0), ar_step_ms=1.0)
+    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
+                         steep, method="lantern")
+    assert sum(c.speedup >= 1.0 for c in choice.ranking) < 2
+    fake = FakeDecodes({}, stack.num_tokens)
+    monkeypatch.setattr(lantern.run, "run_conditions", fake)
+    timed = time_compiled(stack, MethodConfig.resolve("lantern"), SamplingConfig(), choice, "default",
+                          clock=fake.clock)
+    assert not fake.calls and timed.best is choice.best and timed.compile == "default"
+    assert not timed.compiled_ms_per_token
+
+
+@pytest.mark.parametrize(("compile", "mode"), [(None, None), ("default", "default")])
+def test_windows_are_timed_in_the_runs_compile_mode(stack: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    compile: str | None, mode: str | None) -> None:
+    """Every window decode runs in the run's mode; compiled, each window is warmed once (its own
+    graph), eager one warm-up does for all. The record names the mode."""
+    calls: list[tuple[int, str | None, int]] = []
+
+    def fake(stack: Any, labels: list[int], seed: int, sampling: Any, method: MethodConfig, batch_size: int,
+             **kwargs: Any) -> Any:
+        assert method.jacobi is not None
+        calls.append((method.jacobi.window, kwargs.get("compile"), len(labels)))
+        codes = torch.zeros(len(labels), stack.num_tokens, dtype=torch.long)
+        forwards = torch.full((len(labels),), 8)
+        return lantern.run.RunResult.from_counts(codes, forwards, 0, 0.0, method)
+
+    monkeypatch.setattr(window_module, "run_generation", fake)
+    choice = window_module.choose_window(stack, MethodConfig.resolve("sjd"), SamplingConfig(**stack.default_sampling()),
+                                         batch_size=2, compile=compile)
+    windows = sorted({w for w, _, _ in calls})
+    assert all(c == mode for _, c, _ in calls) and choice.compile == mode and choice.to_dict()["compile"] == mode
+    warm = calls[: len(windows) if mode else 1]
+    assert all(rows == 2 for _, _, rows in warm)  # warmed at the run's batch size
+    assert [w for w, _, _ in warm] == (windows if mode else windows[:1])
+    assert ("compiled (default)" if mode else "eager") in choice.explanation
+
+
+def test_the_timed_trees_decode_for_real(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timing's decodes on a real (tiny random) stack: each candidate tree runs through the
+    run path and gets a positive measured cost, and the choice is one of them. The decodes run
+    eagerly here (compiling each tree costs minutes on a CPU; the compiled round's own tests are
+    tests/test_round_graph.py), with the mode they were asked for recorded."""
+    from lantern.testing import make_random_stack
+
+    real = lantern.run.run_conditions
+    asked: list[str | None] = []
+
+    def eager(*args: Any, compile: str | None = None, **kwargs: Any) -> Any:
+        asked.append(compile)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lantern.run, "run_conditions", eager)
+    tiny = load_stack(make_random_stack(tmp_path / "random", seed=2, grid=4))
+    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
+                         FLAT, method="lantern", max_depth=tiny.num_tokens - 1)
+    sampling = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=1.0)
+    timed = time_compiled(tiny, MethodConfig.resolve("lantern"), sampling, choice, "default", images=1, passes=1)
+    ms = dict(timed.compiled_ms_per_token)
+    assert len(ms) == COMPILED_CANDIDATES and all(v > 0 for v in ms.values()) and timed.best.spec in ms
+    assert asked == ["default"] * 2 * COMPILED_CANDIDATES  # a warm-up and one timed pass per tree
