@@ -139,6 +139,10 @@ def test_run_json_markdown_and_pngs(bench_dir: Path, rows: list[dict]) -> None:
         assert f"| {r['method']} |" in md
         assert f"{r['mean_accepted']:.2f}" in md
     assert "not** Inception" in md
+    # digits' proximity table holds 128 neighbours: LANTERN's default k of 1000 runs as 128, and says so
+    assert "  - lantern: k 128 (the default 1000, capped at the proximity table's K_max), δ 0.1, budget test" in md
+    assert [r["relaxation"]["k"] for r in rows if r["method"] == "lantern"] == [128]
+    assert run["methods"]["lantern"]["relaxation"]["k"] == 1000  # what was asked for
     # 2 timed images at batch 1: the interval's t has 1 degree of freedom, and the report says what that does
     assert "t interval with 1 degree(s) of freedom: 2 timed batches give a wide interval" in md
     assert "AR's spread over 5 seeds (0, 1, 2, 3, 4), bounds per metric: fid " in md

@@ -368,6 +368,29 @@ def _degrees_note(batches: int) -> str:
             "--speed-images 8 or more narrows it")
 
 
+def relaxation_lines(result: BenchResult) -> list[str]:
+    """bench.md's line per relaxed row: its rule's settings as the row ran them. A default k larger
+    than the proximity table's K_max runs at K_max (the presets' tables hold 128 neighbours, so
+    LANTERN's default 1000 runs as 128 there), and the line says so: run.json's ``methods`` keep
+    the settings asked for."""
+    lines = []
+    for row in result.rows:
+        relax = row.relaxation
+        if relax is None:
+            continue
+        if relax.get("mode") == "group":
+            lines.append(f"- {row.method}: group {relax['k']}")
+            continue
+        asked = ((result.meta.get("methods") or {}).get(row.method) or {}).get("relaxation") or {}
+        k = f"k {relax['k']}"
+        if asked.get("k") not in (None, relax["k"]):
+            k += f" (the default {asked['k']}, capped at the proximity table's K_max)"
+        bound = f"δ {relax['delta']:g}" if relax.get("mode") == "absolute" else f"λ {relax['lam']:g}"
+        lines.append(f"- {row.method}: {k}, {bound}, budget {relax['budget']}, credit {relax['credit']}, "
+                     f"residual {relax['residual']}")
+    return ["- relaxed rows as run:", *("  " + line for line in lines)] if lines else []
+
+
 def markdown_report(result: BenchResult, command: str) -> str:
     m = result.meta
     cfg = m["config"]
@@ -395,6 +418,7 @@ def markdown_report(result: BenchResult, command: str) -> str:
             if "feature_net" in m
             else ["- quality: not measured (`--no-quality`); tau and forwards describe the timed images"]
         ),
+        *relaxation_lines(result),
         "",
         format_table(result.rows, markdown=True),
         "",
