@@ -384,7 +384,8 @@ def test_real_size_keys_and_shapes_on_meta() -> None:
     assert state == _expected_chameleon_7b_keys()
     lm = ChameleonLM(model)
     assert lm.num_codes == 8192 and tuple(lm.image_head.weight.shape) == (8192, 4096)
-    assert lm.image_ids.tolist() == list(range(4, 8196))
+    assert lm.image_ids.device.type == "meta"  # the model's device (see test_code_ids_live_on_the_models_device)
+    assert image_token_ids(model.config, 8192).tolist() == list(range(4, 8196))
     lay = lumina_layout(768)
     assert (lay.height, lay.width, lay.prefix, lay.eol) == (48, 48, (8197, 8804 + 24, 8804 + 24), 8803)
     assert anole_layout().num_tokens == 1024
@@ -523,3 +524,14 @@ def test_shard_norms_of_another_shape_are_refused_in_one_line(tmp_path: Path) ->
         load_chameleon(tmp_path / "m", dtype=torch.float32)
     assert "model.layers.1.self_attn.q_norm.weight has shape [2, 8]; expected [1, 8]" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_code_ids_live_on_the_models_device() -> None:
+    """``ChameleonLM`` wraps a model already on its device (``load_chameleon``: ``ChameleonLM(model.to(device))``)
+    and is not moved after, so its code -> BPE table must be made there: a CPU table indexed by CUDA
+    codes (``code_to_bpe`` in every verify) fails on a GPU. A meta model stands in for a CUDA one."""
+    from lantern.testing import tiny_chameleon
+
+    lm = ChameleonLM(tiny_chameleon(num_codes=16).to("meta"))
+    assert lm.image_ids.device.type == "meta"
+    assert lm.code_to_bpe(torch.zeros(2, 3, dtype=torch.long, device="meta")).device.type == "meta"

@@ -462,3 +462,17 @@ def test_a_prompt_the_tokenizer_does_not_end_with_the_size_header_is_refused() -
     with pytest.raises(LanternError, match=r"^--model m: the tokenizer does not end the prompt with the size header "
                                            r"'<boi>2\*2<wrap>' \(ids \[7, 8\]\); got ids \[\d+, \d+, \d+, 7\]$"):
         prompter(1).tokenize(["a cat"])
+
+
+def test_code_ids_live_on_the_models_device() -> None:
+    """``Emu3LM`` wraps a model already on its device (``load_emu3``) and is not moved after, so its
+    code -> token table must be made there: on a GPU a CPU table met CUDA codes in ``code_to_bpe`` and
+    CUDA logits in ``image_log_probs``. A meta model stands in for a CUDA one."""
+    from lantern.models.emu3 import Emu3LM
+    from lantern.testing import tiny_emu3
+
+    lm = Emu3LM(tiny_emu3().to("meta"))
+    assert lm.image_ids.device.type == "meta"
+    assert lm.code_to_bpe(torch.zeros(2, 3, dtype=torch.long, device="meta")).device.type == "meta"
+    hidden = torch.zeros(2, lm.config.hidden_size, device="meta")
+    assert lm.image_log_probs(hidden).shape == (2, lm.num_codes)

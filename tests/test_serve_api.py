@@ -316,6 +316,14 @@ def test_unknown_codes_of_a_preview_take_the_last_known_one() -> None:
     assert fill_unknown(codes).tolist() == [0, 0, 5, 7, 7, 7, 9, 9]
 
 
+def test_a_preview_is_filled_on_the_codes_device() -> None:
+    """The scheduler hands a preview the decode's codes on their device (CUDA on a GPU): every tensor
+    fill_unknown makes must be made there (a meta tensor stands in for a CUDA one here)."""
+    codes = torch.tensor([-1, -1, 5, 7, -1, -1, 9, -1], device="meta")
+    filled = fill_unknown(codes)
+    assert filled.device.type == "meta" and filled.shape == codes.shape
+
+
 # --------------------------------------------------------------------------------------------------
 # Health, methods, metrics, the page
 # --------------------------------------------------------------------------------------------------

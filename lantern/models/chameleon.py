@@ -191,17 +191,19 @@ class ChameleonLM(nn.Module):
         vq = cast("ChameleonVQVAEConfig", cfg.vq_config)
         n_codes = num_codes if num_codes is not None else vq.num_embeddings
         self.num_codes = int(n_codes)
-        self.register_buffer("image_ids", image_token_ids(cfg, self.num_codes), persistent=False)
+        # on the model's device: the wrapper is built around a model already moved there (load_chameleon),
+        # and nothing moves the wrapper after, so a CPU buffer would be indexed by CUDA codes (code_to_bpe)
+        weight = self.hf.lm_head.weight
+        self.register_buffer("image_ids", image_token_ids(cfg, self.num_codes).to(weight.device), persistent=False)
         self.n_head = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.swin_norm = bool(cfg.swin_norm)
         # Code-space head: a Linear (the drafter needs one) sharing the image rows of lm_head.
-        weight = self.hf.lm_head.weight
         self.image_head = nn.Linear(cfg.hidden_size, self.num_codes, bias=False, device=weight.device,
                                     dtype=weight.dtype)
         with torch.no_grad():
-            self.image_head.weight.copy_(weight[self.image_ids.to(weight.device)])
+            self.image_head.weight.copy_(weight[self.image_ids])
 
     @property
     def device(self) -> torch.device:

@@ -101,13 +101,16 @@ class Emu3LM(CachedDecoder):
         vocabulary = dict(cfg.vocabulary_map or {})
         check(EOL_TOKEN in vocabulary, f"config.vocabulary_map has no end-of-line token {EOL_TOKEN!r}")
         self.eol = int(vocabulary[EOL_TOKEN])
-        self.register_buffer("image_ids", image_token_ids(vocabulary, self.num_codes), persistent=False)
-        check(int(self.image_ids.max()) < self.config.vocab_size,
-              f"visual token ids reach {int(self.image_ids.max())}, past the vocabulary ({self.config.vocab_size})")
+        ids = image_token_ids(vocabulary, self.num_codes)  # on the host: checked without a device sync
+        check(int(ids.max()) < self.config.vocab_size,
+              f"visual token ids reach {int(ids.max())}, past the vocabulary ({self.config.vocab_size})")
         # The code-space head (a Linear over the codes' rows of lm_head): what the loop reads as lm_head.
         weight = hf_model.lm_head.weight
         self.image_head = nn.Linear(self.config.hidden_size, self.num_codes, bias=False, device="meta")
-        self.image_head.weight = code_rows(weight.detach(), self.image_ids)
+        self.image_head.weight = code_rows(weight.detach(), ids)
+        # on the model's device: the wrapper is built around a model already moved there (load_emu3) and
+        # is not moved after, so a CPU buffer would meet CUDA tensors (code_to_bpe, image_log_probs)
+        self.register_buffer("image_ids", ids.to(weight.device), persistent=False)
 
     @property
     def device(self) -> torch.device:

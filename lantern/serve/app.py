@@ -501,7 +501,9 @@ def _preview(state: ServeState, index: int, codes: torch.Tensor) -> dict[str, An
 def fill_unknown(codes: torch.Tensor) -> torch.Tensor:
     """Codes [N] with -1 where not decoded yet: each unknown code takes the last known one before
     it in raster order (0 before the first), so a preview shows smeared rows, not noise."""
-    positions = torch.arange(codes.numel())
+    # on the codes' device: a preview's codes are a clone of the decode's buffer (CUDA on a GPU), and
+    # torch.where refuses a CPU positions tensor beside them
+    positions = torch.arange(codes.numel(), device=codes.device)
     last = torch.cummax(torch.where(codes >= 0, positions, -1), dim=0).values
     return torch.where(last >= 0, codes[last.clamp(min=0)], torch.zeros_like(codes))
 
