@@ -7,7 +7,7 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,gpt-xl-b1,invariance-det,invariance-layers,sizes,windows,chameleon-7b.
+# (benchmarks/RESULTS.md): STAGES=env,decodes,gpt-xl-b1,invariance-det,invariance-layers,sizes,windows,chameleon-7b.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b}
+STAGES=${STAGES:-env,targets-b1,trace,decodes,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -37,8 +37,8 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 # sizes: QUICK=1 shrinks every stage to check the plumbing, not to measure
-if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; CH=Chameleon-B; B8=2; INV=2; SERVE_REQ=1
-else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; CH=Chameleon-7B; B8=8; INV=16; SERVE_REQ=4; fi
+if [[ $QUICK == 1 ]]; then IMGS=2; REPS=1; IMGS8=2; ROUNDS=2; XL=GPT-B; CH=Chameleon-B; B8=2; INV=2; SERVE_REQ=1; CALLS=3
+else IMGS=4; REPS=2; IMGS8=16; ROUNDS=20; XL=GPT-XL; CH=Chameleon-7B; B8=8; INV=16; SERVE_REQ=4; CALLS=24; fi
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 pack() { tar czf "$OUT/results.tgz.part" -C "$WORK" --exclude='*.pt' . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
@@ -69,6 +69,11 @@ stage targets-b1 60 260 "$PY" -m lantern.cli bench --model photos --device "$DEV
 stage trace 40 150 env TORCH_LOGS=recompiles,perf_hints "$PY" -m lantern.cli profile --model photos \
   --device "$DEVICE" --trace ar,lantern,lantern++,sjd-coupled --trace-images 1 --compile --out "$WORK/trace" \
   --no-progress
+# decode after decode on one compiled pipeline (a review on 2026-11-30: the round's fixed-address state is
+# partly new each decode, which may make CUDA graphs record again every decode): per-call seconds and memory,
+# and one image from tiny Chameleon and Emu3 folders, eager and compiled (never run on a GPU before)
+stage decodes 60 200 env TORCH_LOGS=recompiles,perf_hints "$PY" benchmarks/repeat_decodes.py --model photos \
+  --device "$DEVICE" --compile "$COMPILE" --calls "$CALLS" --families --out "$WORK/repeat-decodes.json"
 # GPT-XL: the AR step compiles in ~80 s on an H200, then the chain:6 round for longer than the 120 s
 # that were left on 2026-11-27 (RESULTS.md): this stage needs about 300 s
 stage gpt-xl-b1 120 320 "$PY" benchmarks/round_cost.py --configs "$XL" --batch-sizes 1 --trees chain:6 \
