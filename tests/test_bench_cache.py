@@ -196,6 +196,21 @@ def test_cli_cache_refusals(extra: list[str], message: str, tmp_path: Path, caps
     assert not out.exists()
 
 
+def test_a_cache_inside_a_relative_out_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out o --cache o/cache`` from the working folder (relative, as typed): refused in one line
+    before the model loads. The cache path is resolved, --out was not: the bench decoded everything
+    and, with --overwrite, replaced the folder holding the cache it had just written."""
+    import lantern.api
+
+    monkeypatch.setattr(lantern.api, "load_model_stack", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model", "digits", "--out", "o", "--cache", "o/cache", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is inside --out o" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_cli_bench_twice_with_a_cache_reuses_every_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The command line end to end: the second run reuses all three decodes (ar, lantern and AR's
