@@ -119,6 +119,26 @@ def test_the_key_changes_with_whatever_decides_the_codes(stack: Any, tmp_path: P
     assert lantern_source_digest() == lantern_source_digest() and len(lantern_source_digest()) == 64
 
 
+def test_the_key_changes_with_the_transformers_version(stack: Any, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Chameleon, Janus and Emu3 targets run transformers' own layers: a decode made under
+    another transformers release is another decode. Power: the same release gives the same key."""
+    import importlib.metadata
+
+    sampling = SamplingConfig(**stack.default_sampling())
+    cond, ar = stack.encode([0, 1]), MethodConfig.resolve("ar")
+
+    def key() -> str:
+        return DecodeCache.for_stack(tmp_path / "c", stack).key(cond, 0, sampling, ar, 2)
+
+    before = key()
+    assert key() == before
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.0.1-another" if name == "transformers" else real(name))
+    assert key() != before
+
+
 def _entry(store: DecodeCache, stack: Any) -> tuple[str, Any, Any]:
     sampling = SamplingConfig(**stack.default_sampling())
     cond = stack.encode([0, 1])
