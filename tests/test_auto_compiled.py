@@ -98,6 +98,28 @@ def test_a_choice_with_one_tree_faster_than_ar_is_left_to_the_model(stack: Any,
                           clock=fake.clock)
     assert not fake.calls and timed.best is choice.best and timed.compile == "default"
     assert not timed.compiled_ms_per_token
+    assert timed.explanation.startswith(choice.explanation) and "no tree was timed" in timed.explanation
+
+
+def test_a_fallback_to_ar_under_compile_says_it_compiled_and_why_untimed(stack: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tree predicted slower than AR: plain AR, nothing timed, and the record names the run's
+    compile mode (as a choice with one tree faster than AR does), not None as if eager."""
+    steep = CostModel(verify_ms=tuple(3.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(2.0,),
+                      feed_ms=(2.0,), overhead_ms=(1.0, 0.0, 0.0), ar_step_ms=1.0)
+    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
+                         steep, method="lantern")
+    assert choice.falls_back_to_ar
+    import lantern.autotree.choose as choose_module
+
+    fake = FakeDecodes({}, stack.num_tokens)
+    monkeypatch.setattr(lantern.run, "run_conditions", fake)
+    profile = SimpleNamespace(check_matches=lambda *a: None, max_tokens=64, cost_model=lambda rule: steep)
+    monkeypatch.setattr(choose_module, "measure_profile", lambda *a, **k: profile)
+    monkeypatch.setattr(choose_module, "calibrate", lambda *a, **k: choice.acceptance)
+    timed = choose_module.choose_tree(stack, "lantern", SamplingConfig(**stack.default_sampling()), compile="default")
+    assert not fake.calls and timed.falls_back_to_ar and timed.tree == "ar"
+    assert timed.to_dict()["compile"] == "default" and "0 predicted faster than AR" in timed.explanation
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
