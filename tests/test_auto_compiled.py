@@ -98,13 +98,38 @@ def test_a_choice_with_one_tree_faster_than_ar_is_left_to_the_model(stack: Any,
                           clock=fake.clock)
     assert not fake.calls and timed.best is choice.best and timed.compile == "default"
     assert not timed.compiled_ms_per_token
+    assert timed.explanation.startswith(choice.explanation) and "no tree was timed" in timed.explanation
 
 
+def test_a_fallback_to_ar_under_compile_says_it_compiled_and_why_untimed(stack: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tree predicted slower than AR: plain AR, nothing timed, and the record names the run's
+    compile mode (as a choice with one tree faster than AR does), not None as if eager."""
+    steep = CostModel(verify_ms=tuple(3.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(2.0,),
+                      feed_ms=(2.0,), overhead_ms=(1.0, 0.0, 0.0), ar_step_ms=1.0)
+    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
+                         steep, method="lantern")
+    assert choice.falls_back_to_ar
+    import lantern.autotree.choose as choose_module
+
+    fake = FakeDecodes({}, stack.num_tokens)
+    monkeypatch.setattr(lantern.run, "run_conditions", fake)
+    profile = SimpleNamespace(check_matches=lambda *a: None, max_tokens=64, cost_model=lambda rule: steep)
+    monkeypatch.setattr(choose_module, "measure_profile", lambda *a, **k: profile)
+    monkeypatch.setattr(choose_module, "calibrate", lambda *a, **k: choice.acceptance)
+    timed = choose_module.choose_tree(stack, "lantern", SamplingConfig(**stack.default_sampling()), compile="default")
+    assert not fake.calls and timed.falls_back_to_ar and timed.tree == "ar"
+    assert timed.to_dict()["compile"] == "default" and "0 predicted faster than AR" in timed.explanation
+
+
+@pytest.mark.parametrize("batch_size", [2, 4])
 @pytest.mark.parametrize(("compile", "mode"), [(None, None), ("default", "default")])
 def test_windows_are_timed_in_the_runs_compile_mode(stack: Any, monkeypatch: pytest.MonkeyPatch,
-                                                    compile: str | None, mode: str | None) -> None:
+                                                    compile: str | None, mode: str | None, batch_size: int) -> None:
     """Every window decode runs in the run's mode; compiled, each window is warmed once (its own
-    graph), eager one warm-up does for all. The record names the mode."""
+    graph), eager one warm-up does for all. The record names the mode. Compiled, every decode is of
+    the run's batch size (a graph per batch size), also when that exceeds the 2 calibration images:
+    4 rows timed, not 2; eager keeps its 2 images (as before)."""
     calls: list[tuple[int, str | None, int]] = []
 
     def fake(stack: Any, labels: list[int], seed: int, sampling: Any, method: MethodConfig, batch_size: int,
@@ -117,11 +142,12 @@ def test_windows_are_timed_in_the_runs_compile_mode(stack: Any, monkeypatch: pyt
 
     monkeypatch.setattr(window_module, "run_generation", fake)
     choice = window_module.choose_window(stack, MethodConfig.resolve("sjd"), SamplingConfig(**stack.default_sampling()),
-                                         batch_size=2, compile=compile)
+                                         batch_size=batch_size, compile=compile)
     windows = sorted({w for w, _, _ in calls})
     assert all(c == mode for _, c, _ in calls) and choice.compile == mode and choice.to_dict()["compile"] == mode
     warm = calls[: len(windows) if mode else 1]
-    assert all(rows == 2 for _, _, rows in warm)  # warmed at the run's batch size
+    rows_per_call = batch_size if mode else 2  # compiled: the run's graph; eager: the 2 images, as before
+    assert all(rows == rows_per_call for _, _, rows in calls)  # the warm-ups and every timed pass
     assert [w for w, _, _ in warm] == (windows if mode else windows[:1])
     assert ("compiled (default)" if mode else "eager") in choice.explanation
 

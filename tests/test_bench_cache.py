@@ -119,6 +119,26 @@ def test_the_key_changes_with_whatever_decides_the_codes(stack: Any, tmp_path: P
     assert lantern_source_digest() == lantern_source_digest() and len(lantern_source_digest()) == 64
 
 
+def test_the_key_changes_with_the_transformers_version(stack: Any, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Chameleon, Janus and Emu3 targets run transformers' own layers: a decode made under
+    another transformers release is another decode. Power: the same release gives the same key."""
+    import importlib.metadata
+
+    sampling = SamplingConfig(**stack.default_sampling())
+    cond, ar = stack.encode([0, 1]), MethodConfig.resolve("ar")
+
+    def key() -> str:
+        return DecodeCache.for_stack(tmp_path / "c", stack).key(cond, 0, sampling, ar, 2)
+
+    before = key()
+    assert key() == before
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.0.1-another" if name == "transformers" else real(name))
+    assert key() != before
+
+
 def _entry(store: DecodeCache, stack: Any) -> tuple[str, Any, Any]:
     sampling = SamplingConfig(**stack.default_sampling())
     cond = stack.encode([0, 1])
@@ -194,6 +214,21 @@ def test_cli_cache_refusals(extra: list[str], message: str, tmp_path: Path, caps
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_a_cache_inside_a_relative_out_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out o --cache o/cache`` from the working folder (relative, as typed): refused in one line
+    before the model loads. The cache path is resolved, --out was not: the bench decoded everything
+    and, with --overwrite, replaced the folder holding the cache it had just written."""
+    import lantern.api
+
+    monkeypatch.setattr(lantern.api, "load_model_stack", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model", "digits", "--out", "o", "--cache", "o/cache", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is inside --out o" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow

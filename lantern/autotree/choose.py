@@ -134,7 +134,7 @@ def choose_tree(
                          max_depth=stack.num_tokens - 1)
     choice = replace(choice, profile_seconds=t1 - t0, calibration_seconds=t2 - t1)
     mode = resolve_compile(compile, stack.device)
-    if mode is None or choice.falls_back_to_ar:
+    if mode is None:
         return choice
     return time_compiled(stack, method_cfg, sampling, choice, mode, seed=seed, batch_size=batch_size, parts=parts)
 
@@ -158,8 +158,10 @@ def time_compiled(
     from lantern.run import run_conditions
 
     candidates = [c for c in choice.ranking if c.speedup >= 1.0][:top]
-    if len(candidates) < 2:
-        return replace(choice, compile=mode)
+    if len(candidates) < 2:  # nothing to compare; the record still says the run compiled, and why untimed
+        note = (f" Under --compile ({mode}) no tree was timed: {len(candidates)} predicted faster than AR, "
+                "the model's choice stands.")
+        return replace(choice, compile=mode, explanation=choice.explanation + note)
     t0 = clock()
     images = max(images, batch_size)  # the run's rows per call: a compiled round is a graph per batch size
     conditions = stack.encode(stack.sample_conditions(images))

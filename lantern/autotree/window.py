@@ -120,10 +120,12 @@ def choose_window(
         usable = sorted({w for w in windows or PJD_CANDIDATE_WINDOWS if 1 <= w <= row}) or [row]
     else:
         usable = sorted({w for w in windows or CANDIDATE_WINDOWS if 1 <= w < n_tokens}) or [n_tokens - 1]
+    mode = resolve_compile(compile, stack.device)
+    if mode:  # a compiled round is a graph per batch size: time the run's rows per call, not fewer
+        images = max(images, batch_size)
     labels = [i * n_classes // images for i in range(images)]
     base = seed + CALIBRATION_SEED_OFFSET
     t0 = time.perf_counter()
-    mode = resolve_compile(compile, stack.device)
     parts = parts_of(stack, parts)  # one table read; each run's caches are freed after it, as a run's are
     # warm-up: eager, one window warms them all; compiled, each window's round is a graph of its own
     for window in usable if mode else usable[:1]:

@@ -355,7 +355,8 @@ def cache_folder(args: argparse.Namespace, out: Path | None, speed_only: str | N
     check(speed_only is None, f"--cache keeps the quality decodes; {speed_only} makes none (drop one of them)")
     folder = Path(args.cache).expanduser().resolve()
     check(not folder.is_file(), f"--cache: {folder} is a file; expected a folder (new or one a run wrote)")
-    check(out is None or not folder.is_relative_to(out),
+    # resolved as the cache is: a relative --out (OutputFolder keeps it as given) would never hold it
+    check(out is None or not folder.is_relative_to(out.resolve()),
           f"--cache: {folder} is inside --out {out}, which the run replaces whole; pass a folder outside it")
     reads = {**model_reads(args), **({"--model": PRESETS_DIR / args.model} if args.model in PRESETS else {})}
     for flag, path in reads.items():

@@ -8,7 +8,8 @@ to last night's run decodes AR's five seeds again. With ``--cache DIR``, each de
 
 * the **key** is everything that decides the codes: the model folder's files (path, size and
   mtime of each, so a retrained model misses), lantern's own source (any change to the decoding
-  code misses), torch's version, the machine, device type and dtype, batch-invariant kernels
+  code misses), torch's and transformers' versions (the Chameleon, Janus and Emu3 targets run
+  transformers' layers), the machine, device type and dtype, batch-invariant kernels
   (``--deterministic``) or not, the process count, the conditions' bytes, the seed, the sampling
   settings, the method as it runs (k capped at the table) and the batch size. A decode is the
   same decode only if all of these are; nothing is reused on a guess.
@@ -54,6 +55,16 @@ def lantern_source_digest() -> str:
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of ``name``, or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def folder_fingerprint(folder: Path) -> str:
@@ -103,6 +114,8 @@ class DecodeCache:
             "model_files": folder_fingerprint(Path(stack.root).resolve()),
             "lantern_source": lantern_source_digest(),
             "torch": torch.__version__,
+            # the Chameleon, Janus and Emu3 targets run transformers' own layers: a new release may round otherwise
+            "transformers": package_version("transformers"),
             "machine": machine_description(),
             "device_type": torch.device(stack.device).type,
             "dtype": str(stack.dtype).replace("torch.", ""),
