@@ -53,19 +53,23 @@ class FakeDecodes:
         return SimpleNamespace(codes=torch.zeros(rows, self.num_tokens, dtype=torch.long))
 
 
+def _deep_choice(cost: CostModel = FLAT) -> Any:
+    return select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
+                       cost, method="lantern")
+
+
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_under_compile_the_fastest_timed_tree_wins(stack: Any, monkeypatch: pytest.MonkeyPatch,
                                                    batch_size: int) -> None:
-    """The cost model ranks three trees; compiled, its third is the fastest: that one is chosen,
-    and the record says why. Every decode ran compiled at the run's batch size, each tree was
-    warmed once (its compilation) before any timed pass, and every pass timed every tree. Power:
-    the cost model's own pick is another tree."""
-    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
-                         FLAT, method="lantern")
+    """The cost model ranks three trees; compiled, its third is the fastest (and faster than AR):
+    that one is chosen, and the record says why. Every decode ran compiled at the run's batch
+    size, each tree and AR were warmed once (their compilation) before any timed pass, and every
+    pass timed all four. Power: the cost model's own pick is another tree."""
+    choice = _deep_choice()
     top = [c for c in choice.ranking if c.speedup >= 1.0][:COMPILED_CANDIDATES]
     assert len(top) == COMPILED_CANDIDATES
     specs = [c.config.spec for c in top]
-    fake = FakeDecodes({specs[0]: 3.0, specs[1]: 2.0, specs[2]: 1.0}, stack.num_tokens)
+    fake = FakeDecodes({specs[0]: 3.0, specs[1]: 2.0, specs[2]: 1.0, "none": 4.0}, stack.num_tokens)
     monkeypatch.setattr(lantern.run, "run_conditions", fake)
     sampling = SamplingConfig(**stack.default_sampling())
     method = MethodConfig.resolve("lantern")
@@ -73,32 +77,49 @@ def test_under_compile_the_fastest_timed_tree_wins(stack: Any, monkeypatch: pyte
 
     assert choice.best is top[0] and timed.best is top[2]  # the model's pick lost to the clock
     assert timed.tree == top[2].config and timed.ranking[0] is top[2] and len(timed.ranking) == len(choice.ranking)
-    assert timed.compile == "default" and [s for s, _ in timed.compiled_ms_per_token] == [c.spec for c in top]
+    assert not timed.falls_back_to_ar and timed.compile == "default"
+    assert [s for s, _ in timed.compiled_ms_per_token] == [c.spec for c in top] + ["ar"]
     assert dict(timed.compiled_ms_per_token)[top[2].spec] == pytest.approx(1.0)
-    assert "timed compiled" in timed.explanation and timed.to_dict()["compiled_ms_per_token"]
+    assert "timed compiled" in timed.explanation and timed.to_dict()["compiled_ms_per_token"]["ar"] == 4.0
     images = max(2, batch_size)
+    order = specs + ["none"]
     assert all(compile == "default" and b == batch_size for _, compile, _, b in fake.calls)
-    warm, passes = fake.calls[:3], fake.calls[3:]
-    assert [spec for spec, *_ in warm] == specs and all(rows == batch_size for _, _, rows, _ in warm)
-    assert sorted(spec for spec, *_ in passes) == sorted(specs * 2) and all(r == images for _, _, r, _ in passes)
-    assert [spec for spec, *_ in passes[3:]] == specs[1:] + specs[:1]  # the second pass starts elsewhere
+    warm, passes = fake.calls[:4], fake.calls[4:]
+    assert [spec for spec, *_ in warm] == order and all(rows == batch_size for _, _, rows, _ in warm)
+    assert sorted(spec for spec, *_ in passes) == sorted(order * 2) and all(r == images for _, _, r, _ in passes)
+    assert [spec for spec, *_ in passes[4:]] == order[1:] + order[:1]  # the second pass starts elsewhere
 
 
-def test_a_choice_with_one_tree_faster_than_ar_is_left_to_the_model(stack: Any,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing to compare: no decode, the choice unchanged but for its compile mode."""
-    steep = CostModel(verify_ms=tuple(1.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(0.6,),
-                      feed_ms=(0.6,), overhead_ms=(0.3, 0.0, 0.0), ar_step_ms=1.0)
-    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
-                         steep, method="lantern")
-    assert sum(c.speedup >= 1.0 for c in choice.ranking) < 2
-    fake = FakeDecodes({}, stack.num_tokens)
+def test_compiled_ar_faster_than_every_tree_falls_back_to_ar(stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager model predicts speculation wins; compiled, AR is faster per token than every timed
+    tree: the method decodes as AR, and the record says so. Power: the same choice with AR slower
+    keeps a tree (the test above)."""
+    choice = _deep_choice()
+    assert not choice.falls_back_to_ar
+    specs = [c.config.spec for c in choice.ranking if c.speedup >= 1.0][:COMPILED_CANDIDATES]
+    fake = FakeDecodes({**dict.fromkeys(specs, 2.0), "none": 1.5}, stack.num_tokens)
+    monkeypatch.setattr(lantern.run, "run_conditions", fake)
+    timed = time_compiled(stack, MethodConfig.resolve("lantern"), SamplingConfig(**stack.default_sampling()), choice,
+                          "default", clock=fake.clock)
+    assert timed.falls_back_to_ar and timed.tree == "ar" and timed.tree_spec == "ar"
+    assert timed.to_dict()["ar_faster_compiled"] is True and timed.to_dict()["tree"] == "ar"
+    assert "plain AR is the fastest" in timed.explanation
+
+
+def test_one_tree_faster_than_ar_is_timed_against_ar(stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tree predicted faster than AR: it is timed against compiled AR, and kept when faster."""
+    steep = CostModel(verify_ms=tuple(1.0 + 0.3 * (n - 1) for n in range(1, 65)), begin_ms=(0.1,),
+                      feed_ms=(0.1,), overhead_ms=(0.1, 0.0, 0.0), ar_step_ms=1.0)
+    choice = _deep_choice(steep)
+    faster = [c for c in choice.ranking if c.speedup >= 1.0]
+    assert len(faster) == 1
+    fake = FakeDecodes({faster[0].config.spec: 1.0, "none": 2.0}, stack.num_tokens)
     monkeypatch.setattr(lantern.run, "run_conditions", fake)
     timed = time_compiled(stack, MethodConfig.resolve("lantern"), SamplingConfig(), choice, "default",
                           clock=fake.clock)
-    assert not fake.calls and timed.best is choice.best and timed.compile == "default"
-    assert not timed.compiled_ms_per_token
-    assert timed.explanation.startswith(choice.explanation) and "no tree was timed" in timed.explanation
+    tree = faster[0].config.spec  # warm-ups, then two passes, the second in rotated order
+    assert [spec for spec, *_ in fake.calls] == [tree, "none", tree, "none", "none", tree]
+    assert timed.best is faster[0] and not timed.falls_back_to_ar and timed.compile == "default"
 
 
 def test_a_fallback_to_ar_under_compile_says_it_compiled_and_why_untimed(stack: Any,
@@ -119,7 +140,7 @@ def test_a_fallback_to_ar_under_compile_says_it_compiled_and_why_untimed(stack: 
     monkeypatch.setattr(choose_module, "calibrate", lambda *a, **k: choice.acceptance)
     timed = choose_module.choose_tree(stack, "lantern", SamplingConfig(**stack.default_sampling()), compile="default")
     assert not fake.calls and timed.falls_back_to_ar and timed.tree == "ar"
-    assert timed.to_dict()["compile"] == "default" and "0 predicted faster than AR" in timed.explanation
+    assert timed.to_dict()["compile"] == "default" and "no tree is predicted faster than AR" in timed.explanation
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -173,5 +194,6 @@ def test_the_timed_trees_decode_for_real(tmp_path: Any, monkeypatch: pytest.Monk
     sampling = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=1.0)
     timed = time_compiled(tiny, MethodConfig.resolve("lantern"), sampling, choice, "default", images=1, passes=1)
     ms = dict(timed.compiled_ms_per_token)
-    assert len(ms) == COMPILED_CANDIDATES and all(v > 0 for v in ms.values()) and timed.best.spec in ms
-    assert asked == ["default"] * 2 * COMPILED_CANDIDATES  # a warm-up and one timed pass per tree
+    assert len(ms) == COMPILED_CANDIDATES + 1 and all(v > 0 for v in ms.values()) and "ar" in ms
+    assert timed.tree_spec in ms
+    assert asked == ["default"] * 2 * (COMPILED_CANDIDATES + 1)  # a warm-up and one timed pass per tree, and AR

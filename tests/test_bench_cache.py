@@ -139,6 +139,48 @@ def test_the_key_changes_with_the_transformers_version(stack: Any, tmp_path: Pat
     assert key() != before
 
 
+def test_the_key_changes_with_the_thread_count(stack: Any, tmp_path: Path) -> None:
+    """A CPU's reductions may be split by thread count, and rounded otherwise: another count is
+    another decode. Power: the same count gives the same key."""
+    sampling = SamplingConfig(**stack.default_sampling())
+    cond, ar = stack.encode([0, 1]), MethodConfig.resolve("ar")
+    threads = torch.get_num_threads()
+    before = DecodeCache.for_stack(tmp_path / "c", stack).key(cond, 0, sampling, ar, 2)
+    try:
+        torch.set_num_threads(threads + 1)
+        other = DecodeCache.for_stack(tmp_path / "c", stack).key(cond, 0, sampling, ar, 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert other != before == DecodeCache.for_stack(tmp_path / "c", stack).key(cond, 0, sampling, ar, 2)
+
+
+def test_an_entry_that_cannot_be_written_is_a_note_and_the_run_goes_on(stack: Any, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while writing an entry: the decode is returned, a note names the folder and the
+    error, no entry (or temporary file) is left, and the summary counts it. Power: without the
+    failure the same decode is written."""
+    import errno
+
+    import lantern.eval.decode_cache as decode_cache
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    notes: list[str] = []
+    store = DecodeCache.for_stack(tmp_path / "c", stack, log=notes.append)
+    monkeypatch.setattr(decode_cache, "save_safetensors", full)
+    sampling = SamplingConfig(**stack.default_sampling())
+    cond, ar = stack.encode([0, 1]), MethodConfig.resolve("ar")
+    run = CachedRunner(BenchRunner(), store).generate(stack, cond, 0, sampling, ar, 2)
+    assert run.codes.shape == (2, stack.num_tokens) and store.failed == 1 and store.written == 0
+    assert len(notes) == 1 and "No space left on device" in notes[0] and "goes on without it" in notes[0]
+    assert not any((tmp_path / "c").iterdir())
+    assert store.summary() == {"folder": str(tmp_path / "c"), "reused": 0, "written": 0, "failed": 1}
+    monkeypatch.undo()
+    CachedRunner(BenchRunner(), store).generate(stack, cond, 0, sampling, ar, 2)
+    assert store.written == 1 and store.path(store.key(cond, 0, sampling, ar, 2)).is_file()
+
+
 def _entry(store: DecodeCache, stack: Any) -> tuple[str, Any, Any]:
     sampling = SamplingConfig(**stack.default_sampling())
     cond = stack.encode([0, 1])
@@ -244,6 +286,8 @@ def test_cli_bench_twice_with_a_cache_reuses_every_decode(tmp_path: Path, capsys
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     printed = capsys.readouterr().out
     assert "3 decodes reused, 0 written" in printed
+    run_b = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run_b["cache"] == {"folder": str((tmp_path / "cache").resolve()), "reused": 3, "written": 0, "failed": 0}
     keys = ("fid", "precision", "recall", "class_accuracy", "mean_accepted", "target_forwards")
     a, b = (json.loads((tmp_path / d / "bench.json").read_text()) for d in ("a", "b"))
     assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]

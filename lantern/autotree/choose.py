@@ -51,7 +51,7 @@ from lantern.autotree.profile import DeviceProfile, ProfileSettings, load_profil
 from lantern.autotree.search import AutoTreeChoice, select_tree
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
-from lantern.methods import MethodConfig
+from lantern.methods import AR_FALLBACK_TREE, MethodConfig
 from lantern.parts import ModelParts, parts_of
 from lantern.targets.base import FAMILY_NAMES, Stack
 
@@ -150,24 +150,26 @@ def time_compiled(
     seed: int = 0, batch_size: int = 1, parts: ModelParts | None = None, top: int = COMPILED_CANDIDATES,
     images: int = TIMING_IMAGES, passes: int = TIMING_PASSES, clock: Callable[[], float] = time.perf_counter,
 ) -> AutoTreeChoice:
-    """``choice`` with its tree taken from the cost model's ``top`` trees predicted faster than AR,
-    each decoded compiled (``mode``) on ``images`` calibration images (at least a batch) after a warm-up of its own
-    (its compilation), in ``passes`` passes that visit the trees in rotated order; the least wall
-    time per image token (best pass) wins, ties to the cost model's order. ``clock``: seconds (a
-    test's fake clock)."""
+    """``choice`` decided by compiled timings: the cost model's ``top`` trees predicted faster than
+    AR, and plain AR, each decoded compiled (``mode``) on ``images`` calibration images (at least a
+    batch) after a warm-up of its own (its compilation), in ``passes`` passes that visit them in
+    rotated order; the least wall time per image token (best pass) wins, ties to the cost model's
+    order, AR last. When compiled AR wins, the choice falls back to AR: the eager model cannot see
+    how much cheaper compiling makes AR's step. With no tree predicted faster than AR, nothing is
+    timed and the model's fallback stands. ``clock``: seconds (a test's fake clock)."""
     from lantern.run import run_conditions
 
     candidates = [c for c in choice.ranking if c.speedup >= 1.0][:top]
-    if len(candidates) < 2:  # nothing to compare; the record still says the run compiled, and why untimed
-        note = (f" Under --compile ({mode}) no tree was timed: {len(candidates)} predicted faster than AR, "
-                "the model's choice stands.")
+    if not candidates:  # nothing to time; the record still says the run compiled, and why untimed
+        note = f" Under --compile ({mode}) nothing was timed: no tree is predicted faster than AR."
         return replace(choice, compile=mode, explanation=choice.explanation + note)
     t0 = clock()
     images = max(images, batch_size)  # the run's rows per call: a compiled round is a graph per batch size
     conditions = stack.encode(stack.sample_conditions(images))
     base = seed + TIMING_SEED_OFFSET
-    methods = [replace(method, tree=c.config) for c in candidates]
-    for m in methods:  # warm-up: each tree's round compiles on its first decode
+    names = [c.spec for c in candidates] + [AR_FALLBACK_TREE]
+    methods = [replace(method, tree=c.config) for c in candidates] + [MethodConfig()]
+    for m in methods:  # warm-up: each round compiles on its first decode
         run_conditions(stack, conditions.rows(0, batch_size), base, sampling, m, batch_size, parts=parts,
                        compile=mode)
     best_ms: dict[int, float] = {}
@@ -178,15 +180,18 @@ def time_compiled(
                                     compile=mode)
             ms = (clock() - start) * 1000 / result.codes.numel()
             best_ms[i] = min(ms, best_ms.get(i, ms))
-    fastest = min(range(len(candidates)), key=lambda i: (best_ms[i], i))
-    timed = ", ".join(f"{c.spec} {best_ms[i]:.3f}" for i, c in enumerate(candidates))
+    fastest = min(range(len(methods)), key=lambda i: (best_ms[i], i))
+    timed = ", ".join(f"{name} {best_ms[i]:.3f}" for i, name in enumerate(names))
+    measured = tuple((name, best_ms[i]) for i, name in enumerate(names))
+    head = f" Under --compile ({mode}) the model's best trees and AR were timed compiled, ms per image token: {timed}"
+    if fastest == len(candidates):  # compiled AR beat every tree
+        return replace(choice, explanation=f"{choice.explanation}{head}; plain AR is the fastest, so the method "
+                       "decodes as AR.", compile=mode, compiled_ms_per_token=measured, ar_faster_compiled=True,
+                       timing_seconds=clock() - t0)
     best = candidates[fastest]
     ranking = (best, *(c for c in choice.ranking if c is not best))
-    note = (f" Under --compile ({mode}) the model's {len(candidates)} best trees were timed compiled, ms per image "
-            f"token: {timed}; {best.spec} is the fastest.")
-    return replace(choice, best=best, ranking=ranking, explanation=choice.explanation + note, compile=mode,
-                   compiled_ms_per_token=tuple((c.spec, best_ms[i]) for i, c in enumerate(candidates)),
-                   timing_seconds=clock() - t0)
+    return replace(choice, best=best, ranking=ranking, explanation=f"{choice.explanation}{head}; {best.spec} is the "
+                   "fastest.", compile=mode, compiled_ms_per_token=measured, timing_seconds=clock() - t0)
 
 
 def choose_trees(

@@ -81,14 +81,16 @@ class AutoTreeChoice:
     # Under --compile: the compile mode and each timed candidate's measured ms per image token
     # (lantern.autotree.choose.time_compiled); empty when the choice is the cost model's alone.
     compile: str | None = None
-    compiled_ms_per_token: tuple[tuple[str, float], ...] = ()
+    compiled_ms_per_token: tuple[tuple[str, float], ...] = ()  # plain AR as "ar"
     timing_seconds: float = 0.0
+    ar_faster_compiled: bool = False  # compiled AR beat every timed tree: decode as AR
 
     @property
     def falls_back_to_ar(self) -> bool:
-        """Speculation is predicted to lose on this device and batch size: even the best tree's
-        round costs more AR steps than it yields tokens, so plain AR is the fastest choice."""
-        return self.best.speedup < 1.0
+        """Speculation loses on this device and batch size: even the best tree's round is predicted
+        to cost more AR steps than it yields tokens, or (under --compile) compiled AR was timed
+        faster than every tree, so plain AR is the fastest choice."""
+        return self.ar_faster_compiled or self.best.speedup < 1.0
 
     @property
     def tree_spec(self) -> str:
@@ -133,6 +135,7 @@ class AutoTreeChoice:
             "calibration_seconds": round(self.calibration_seconds, 2),
             "compile": self.compile,
             "compiled_ms_per_token": {spec: round(ms, 4) for spec, ms in self.compiled_ms_per_token},
+            "ar_faster_compiled": self.ar_faster_compiled,
             "timing_seconds": round(self.timing_seconds, 2),
         }
 

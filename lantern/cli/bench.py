@@ -131,6 +131,8 @@ def cmd_bench(args: Any) -> int:
     if auto_windows:
         result.meta["auto_windows"] = auto_windows
     result.meta["processes"] = ctx.world_size
+    if store is not None:
+        result.meta["cache"] = store.summary()
     command = command_line(args)
     with out.write() as folder:
         save_bench(stack, result, folder, command)
@@ -144,7 +146,8 @@ def cmd_bench(args: Any) -> int:
     if args.save_calibration:
         _save_calibration(args, stack, config, result, command)
     if store is not None:
-        print(f"--cache {cache_dir}: {store.reused} decodes reused, {store.written} written")
+        print(f"--cache {cache_dir}: {store.reused} decodes reused, {store.written} written"
+              + (f", {store.failed} not written (see the notes above)" if store.failed else ""))
     print(f"wrote {out.path}/bench.json, bench.md, run.json and PNGs | total {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -93,7 +93,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         runner = CachedRunner(runner, store)
     result = run_bench(stack, sampling, config, scorer, progress=progress, runner=runner)
     if store is not None:
-        print(f"--cache {cache_dir}: {store.reused} decodes reused, {store.written} written")
+        print(f"--cache {cache_dir}: {store.reused} decodes reused, {store.written} written"
+              + (f", {store.failed} not written (see the notes above)" if store.failed else ""))
     command = command_line(args)
     calibration, _ = calibration_from_bench(result, stack, setup, command)
     _, replaced = calibration.write(out)

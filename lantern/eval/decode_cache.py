@@ -10,9 +10,9 @@ to last night's run decodes AR's five seeds again. With ``--cache DIR``, each de
   mtime of each, so a retrained model misses), lantern's own source (any change to the decoding
   code misses), torch's and transformers' versions (the Chameleon, Janus and Emu3 targets run
   transformers' layers), the machine, device type and dtype, batch-invariant kernels
-  (``--deterministic``) or not, the process count, the conditions' bytes, the seed, the sampling
-  settings, the method as it runs (k capped at the table) and the batch size. A decode is the
-  same decode only if all of these are; nothing is reused on a guess.
+  (``--deterministic``) or not, the process and thread counts, the conditions' bytes, the seed,
+  the sampling settings, the method as it runs (k capped at the table) and the batch size. A
+  decode is the same decode only if all of these are; nothing is reused on a guess.
 * **speed is never cached**: the timed passes are measured in this run, beside this run's AR.
 * an entry is a safetensors file (codes, per-image target forwards; the key in its metadata),
   written under a temporary name and renamed, so a kill leaves either a whole entry or none. An
@@ -100,6 +100,7 @@ class DecodeCache:
         self.folder, self.context, self.log = folder, dict(context), log
         self.reused = 0  # decodes read back in this run
         self.written = 0
+        self.failed = 0  # entries that could not be written (a note each)
 
     @classmethod
     def for_stack(cls, folder: str | os.PathLike[str], stack: Stack, world_size: int = 1,
@@ -121,6 +122,7 @@ class DecodeCache:
             "dtype": str(stack.dtype).replace("torch.", ""),
             "batch_invariant": is_batch_invariant(stack.network()),  # load(..., deterministic=True)
             "processes": world_size,
+            "threads": torch.get_num_threads(),  # a CPU's reductions may split (and round) by thread count
             **dict(extra or {}),
         }
         return cls(Path(folder), context, log)
@@ -149,16 +151,28 @@ class DecodeCache:
             return None
 
     def write(self, key: str, run: RunResult) -> None:
-        """Store a finished decode (whole or not at all: written beside, then renamed)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Store a finished decode (whole or not at all: written beside, then renamed). A write that
+        fails (a full disk, a quota) is a note, not the end of the run: the bench goes on without
+        that entry, which the next run decodes again."""
         forwards = torch.cat([o.stats.target_forwards for o in run.output_stats]).cpu()
         drafter = sum(o.stats.drafter_forwards for o in run.output_stats)
         meta = {"format": FORMAT, "key": key, "drafter_forwards": str(int(drafter)),
                 "wall_seconds": repr(float(run.wall_seconds))}
-        with atomic_path(self.path(key)) as tmp:
-            save_safetensors({"codes": run.codes.cpu().to(torch.int64).contiguous(),
-                              "target_forwards": forwards.to(torch.int64).contiguous()}, tmp, meta)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with atomic_path(self.path(key)) as tmp:
+                save_safetensors({"codes": run.codes.cpu().to(torch.int64).contiguous(),
+                                  "target_forwards": forwards.to(torch.int64).contiguous()}, tmp, meta)
+        except OSError as e:
+            self.failed += 1
+            self.log(f"lantern: note: --cache: could not write an entry in {self.folder} ({e.strerror or e}); "
+                     "the run goes on without it")
+            return
         self.written += 1
+
+    def summary(self) -> dict[str, Any]:
+        """What run.json records of the cache: the folder, and how many decodes it gave and took."""
+        return {"folder": str(self.folder), "reused": self.reused, "written": self.written, "failed": self.failed}
 
 
 def _checked(tensors: dict[str, torch.Tensor], meta: dict[str, str], key: str, stack: Stack, num_images: int,
