@@ -148,9 +148,9 @@ def test_a_fallback_to_ar_under_compile_says_it_compiled_and_why_untimed(stack: 
 def test_windows_are_timed_in_the_runs_compile_mode(stack: Any, monkeypatch: pytest.MonkeyPatch,
                                                     compile: str | None, mode: str | None, batch_size: int) -> None:
     """Every window decode runs in the run's mode; compiled, each window is warmed once (its own
-    graph), eager one warm-up does for all. The record names the mode. Compiled, every decode is of
-    the run's batch size (a graph per batch size), also when that exceeds the 2 calibration images:
-    4 rows timed, not 2; eager keeps its 2 images (as before)."""
+    graph), eager one warm-up does for all. The record names the mode. Every decode is of the run's
+    batch size (compiled, a graph per batch size; either way, a window's cost per token depends on
+    the rows beside it), also when that exceeds the 2 calibration images: 4 rows timed, not 2."""
     calls: list[tuple[int, str | None, int]] = []
 
     def fake(stack: Any, labels: list[int], seed: int, sampling: Any, method: MethodConfig, batch_size: int,
@@ -167,8 +167,7 @@ def test_windows_are_timed_in_the_runs_compile_mode(stack: Any, monkeypatch: pyt
     windows = sorted({w for w, _, _ in calls})
     assert all(c == mode for _, c, _ in calls) and choice.compile == mode and choice.to_dict()["compile"] == mode
     warm = calls[: len(windows) if mode else 1]
-    rows_per_call = batch_size if mode else 2  # compiled: the run's graph; eager: the 2 images, as before
-    assert all(rows == rows_per_call for _, _, rows in calls)  # the warm-ups and every timed pass
+    assert all(rows == batch_size for _, _, rows in calls)  # the warm-ups and every timed pass
     assert [w for w, _, _ in warm] == (windows if mode else windows[:1])
     assert ("compiled (default)" if mode else "eager") in choice.explanation
 

@@ -4,7 +4,8 @@ The SJD family (``sjd*``, ``sjd-coupled*``, ``gsd``) has one knob that trades wo
 rounds: the window L (a chain of L guesses verified per forward). ``--tree auto``'s acceptance
 model (independent per-depth rates) does not describe Jacobi iterations, whose acceptance depends
 on how many rounds a guess has been refined, so the window is chosen by measurement instead: a
-warm-up image, then a few calibration images (seeds no run reuses) with every candidate window, in
+warm-up batch, then a few calibration images (seeds no run reuses; at least the run's batch, since
+a window's cost per token depends on the rows verified beside it) with every candidate window, in
 ``passes`` rounds that visit the windows in rotated order (so machine drift hits them alike), and
 the one with the least wall time per image token (best pass) wins; ties go to the smaller window.
 Under ``--compile`` the windows are timed compiled, each after a compiled warm-up of its own: a
@@ -105,9 +106,10 @@ def choose_window(
     compile: str | None = None,
 ) -> AutoWindowChoice:
     """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
-    an image row) on ``images`` calibration images. ``parts``: the loaded proximity table a relaxed
-    rule needs (default: the stack's own), read once for every window. ``compile``: the run's
-    compile mode (``lantern.decoding.compiling``), which the windows are timed in."""
+    an image row) on ``images`` calibration images (at least ``batch_size``). ``parts``: the
+    loaded proximity table a relaxed rule needs (default: the stack's own), read once for every
+    window. ``compile``: the run's compile mode (``lantern.decoding.compiling``), which the windows
+    are timed in."""
     from lantern.decoding.compiling import resolve_compile
 
     jacobi_methods = method_names(lambda r: r.window_setting is not None)
@@ -121,8 +123,9 @@ def choose_window(
     else:
         usable = sorted({w for w in windows or CANDIDATE_WINDOWS if 1 <= w < n_tokens}) or [n_tokens - 1]
     mode = resolve_compile(compile, stack.device)
-    if mode:  # a compiled round is a graph per batch size: time the run's rows per call, not fewer
-        images = max(images, batch_size)
+    # the run's rows per call, not fewer: a window's cost per token depends on the rows it verifies
+    # beside (and compiled, each batch size is a graph of its own)
+    images = max(images, batch_size)
     labels = [i * n_classes // images for i in range(images)]
     base = seed + CALIBRATION_SEED_OFFSET
     t0 = time.perf_counter()
