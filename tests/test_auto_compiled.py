@@ -8,6 +8,7 @@ speed; one test runs a real compiled choice end to end."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -102,7 +103,7 @@ def test_compiled_ar_faster_than_every_tree_falls_back_to_ar(stack: Any, monkeyp
     timed = time_compiled(stack, MethodConfig.resolve("lantern"), SamplingConfig(**stack.default_sampling()), choice,
                           "default", clock=fake.clock)
     assert timed.falls_back_to_ar and timed.tree == "ar" and timed.tree_spec == "ar"
-    assert timed.to_dict()["ar_faster_compiled"] is True and timed.to_dict()["tree"] == "ar"
+    assert timed.to_dict()["compiled_winner"] == "ar" and timed.to_dict()["tree"] == "ar"
     assert "plain AR is the fastest" in timed.explanation
 
 
@@ -122,25 +123,33 @@ def test_one_tree_faster_than_ar_is_timed_against_ar(stack: Any, monkeypatch: py
     assert timed.best is faster[0] and not timed.falls_back_to_ar and timed.compile == "default"
 
 
-def test_a_fallback_to_ar_under_compile_says_it_compiled_and_why_untimed(stack: Any,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tree predicted slower than AR: plain AR, nothing timed, and the record names the run's
-    compile mode (as a choice with one tree faster than AR does), not None as if eager."""
+@pytest.mark.parametrize("ar_ms", [0.5, 3.0])
+def test_a_predicted_fallback_to_ar_is_timed_too(stack: Any, monkeypatch: pytest.MonkeyPatch, ar_ms: float) -> None:
+    """Every tree predicted slower than AR (an eager cost model): under --compile the model's best
+    trees are still timed against compiled AR, through choose_tree. AR timed faster: plain AR, as
+    predicted; a tree timed faster: that tree, the prediction overridden, and the record says so
+    (its compile mode, not None as if eager)."""
     steep = CostModel(verify_ms=tuple(3.0 + 0.9 * (n - 1) for n in range(1, 65)), begin_ms=(2.0,),
                       feed_ms=(2.0,), overhead_ms=(1.0, 0.0, 0.0), ar_step_ms=1.0)
-    choice = select_tree(AcceptanceModel(rates=DEEP_RATES, trials=(), accepts=(), rounds=100, method="lantern"),
-                         steep, method="lantern")
-    assert choice.falls_back_to_ar
+    choice = _deep_choice(steep)
+    assert choice.falls_back_to_ar and not any(c.speedup >= 1.0 for c in choice.ranking)
     import lantern.autotree.choose as choose_module
 
-    fake = FakeDecodes({}, stack.num_tokens)
+    specs = [c.config.spec for c in choice.ranking[:COMPILED_CANDIDATES]]
+    fake = FakeDecodes({**dict.fromkeys(specs, 1.0), "none": ar_ms}, stack.num_tokens)
     monkeypatch.setattr(lantern.run, "run_conditions", fake)
     profile = SimpleNamespace(check_matches=lambda *a: None, max_tokens=64, cost_model=lambda rule: steep)
     monkeypatch.setattr(choose_module, "measure_profile", lambda *a, **k: profile)
     monkeypatch.setattr(choose_module, "calibrate", lambda *a, **k: choice.acceptance)
+    monkeypatch.setattr(choose_module, "time_compiled", functools.partial(time_compiled, clock=fake.clock))
     timed = choose_module.choose_tree(stack, "lantern", SamplingConfig(**stack.default_sampling()), compile="default")
-    assert not fake.calls and timed.falls_back_to_ar and timed.tree == "ar"
-    assert timed.to_dict()["compile"] == "default" and "no tree is predicted faster than AR" in timed.explanation
+    assert sorted({spec for spec, *_ in fake.calls}) == sorted([*specs, "none"])
+    assert timed.to_dict()["compile"] == "default"
+    if ar_ms < 1.0:
+        assert timed.falls_back_to_ar and timed.tree == "ar" and timed.compiled_winner == "ar"
+    else:
+        assert not timed.falls_back_to_ar and timed.tree == choice.ranking[0].config
+        assert "prediction that AR wins is overridden" in timed.explanation
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])

@@ -83,14 +83,18 @@ class AutoTreeChoice:
     compile: str | None = None
     compiled_ms_per_token: tuple[tuple[str, float], ...] = ()  # plain AR as "ar"
     timing_seconds: float = 0.0
-    ar_faster_compiled: bool = False  # compiled AR beat every timed tree: decode as AR
+    # Under --compile, what the compiled timing found fastest: "ar" or "tree" (None: not timed, the
+    # cost model's prediction decides). It overrides the prediction either way.
+    compiled_winner: str | None = None
 
     @property
     def falls_back_to_ar(self) -> bool:
-        """Speculation loses on this device and batch size: even the best tree's round is predicted
-        to cost more AR steps than it yields tokens, or (under --compile) compiled AR was timed
-        faster than every tree, so plain AR is the fastest choice."""
-        return self.ar_faster_compiled or self.best.speedup < 1.0
+        """Speculation loses on this device and batch size, so plain AR is the fastest choice: under
+        --compile, compiled AR was timed faster than every tree; else even the best tree's round is
+        predicted to cost more AR steps than it yields tokens."""
+        if self.compiled_winner is not None:
+            return self.compiled_winner == "ar"
+        return self.best.speedup < 1.0
 
     @property
     def tree_spec(self) -> str:
@@ -135,7 +139,7 @@ class AutoTreeChoice:
             "calibration_seconds": round(self.calibration_seconds, 2),
             "compile": self.compile,
             "compiled_ms_per_token": {spec: round(ms, 4) for spec, ms in self.compiled_ms_per_token},
-            "ar_faster_compiled": self.ar_faster_compiled,
+            "compiled_winner": self.compiled_winner,
             "timing_seconds": round(self.timing_seconds, 2),
         }
 
