@@ -293,15 +293,20 @@ def test_cli_bench_twice_with_a_cache_reuses_every_decode(tmp_path: Path, capsys
     assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
 
 
-def test_calibrate_refuses_a_cache_with_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("extra", "message"), [(["--quick", "--cache", "c"], "--quick makes none"),
+                                                (["--cache", "cal.json"], "is inside --out")])
+def test_calibrate_refuses_a_cache_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch, extra: list[str],
+                                                 message: str) -> None:
+    """With --quick (no quality decodes), or at the calibration file's own path (the folder would
+    take the name the calibration is written to, at the end of the run)."""
     import lantern.api
 
     monkeypatch.setattr(lantern.api, "load", lambda *a, **k: pytest.fail("the model was loaded"))
-    assert main(["calibrate", "--model", "digits", "--quick", "--cache", str(tmp_path / "c"),
-                 "--out", str(tmp_path / "cal.json"), "--no-progress"]) == 2
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "--model", "digits", *extra, "--out", "cal.json", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "--cache keeps the quality decodes; --quick makes none" in err and err.count("\n") == 1
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "cal.json").exists()
 
 
 @pytest.mark.slow

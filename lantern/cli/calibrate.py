@@ -64,7 +64,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     quality = quality_settings(args)
     if not args.quick:  # before the model loads and the methods run
         check_feature_net_early(args, "--quick")
-    cache_dir = cache_folder(args, None, "--quick" if args.quick else None)
+    cache_dir = cache_folder(args, Path(args.out) if args.out else None, "--quick" if args.quick else None)
     if args.out:  # before the model loads and the methods run (a full calibration takes its while)
         check(not Path(args.out).is_dir(), f"--out {args.out} is a folder; expected the calibration file to write "
                                            "(a .json path)")
