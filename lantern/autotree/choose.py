@@ -39,6 +39,7 @@ chosen (:func:`time_compiled`): the model narrows the search, the clock decides.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -49,6 +50,7 @@ from lantern.autotree.calibrate import _method_config, calibrate
 from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATIVE_METHODS
 from lantern.autotree.profile import DeviceProfile, ProfileSettings, load_profile, measure_profile
 from lantern.autotree.search import AutoTreeChoice, select_tree
+from lantern.autotree.timing import time_rotated
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.methods import AR_FALLBACK_TREE, MethodConfig
@@ -170,14 +172,8 @@ def time_compiled(
     for m in methods:  # warm-up: each round compiles on its first decode
         run_conditions(stack, conditions.rows(0, batch_size), base, sampling, m, batch_size, parts=parts,
                        compile=mode)
-    best_ms: dict[int, float] = {}
-    for p in range(passes):
-        for i in [*range(p % len(methods), len(methods)), *range(p % len(methods))]:
-            start = clock()
-            result = run_conditions(stack, conditions, base, sampling, methods[i], batch_size, parts=parts,
-                                    compile=mode)
-            ms = (clock() - start) * 1000 / result.codes.numel()
-            best_ms[i] = min(ms, best_ms.get(i, ms))
+    best_ms, _ = time_rotated([functools.partial(run_conditions, stack, conditions, base, sampling, m, batch_size,
+                                                 parts=parts, compile=mode) for m in methods], passes, clock)
     fastest = min(range(len(methods)), key=lambda i: (best_ms[i], i))
     timed = ", ".join(f"{name} {best_ms[i]:.3f}" for i, name in enumerate(names))
     measured = tuple((name, best_ms[i]) for i, name in enumerate(names))

@@ -22,12 +22,14 @@ lossless end is the row length.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lantern.autotree.timing import time_rotated
 from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.methods import MethodConfig, method_names
@@ -134,15 +136,10 @@ def choose_window(
     for window in usable if mode else usable[:1]:
         run_generation(stack, labels[:batch_size], base, sampling, with_window(method, window), batch_size,
                        parts=parts, compile=mode)
-    best_ms: dict[int, float] = {}
-    tau: dict[int, float] = {}
-    for p in range(passes):
-        for window in usable[p % len(usable):] + usable[: p % len(usable)]:
-            start = time.perf_counter()
-            result = run_generation(stack, labels, base, sampling, with_window(method, window), batch_size,
-                                    parts=parts, compile=mode)
-            ms = (time.perf_counter() - start) * 1000 / result.codes.numel()
-            best_ms[window] = min(ms, best_ms.get(window, ms))
-            tau[window] = result.stats_dict()["mean_accepted"]  # the same every pass (same seeds)
-    trials = tuple(WindowTrial(w, tau[w], best_ms[w]) for w in usable)
+    best_ms, results = time_rotated(
+        [functools.partial(run_generation, stack, labels, base, sampling, with_window(method, window), batch_size,
+                           parts=parts, compile=mode) for window in usable], passes)
+    # tau is the same every pass (the same seeds)
+    trials = tuple(WindowTrial(w, r.stats_dict()["mean_accepted"], ms) for w, ms, r in zip(usable, best_ms, results,
+                                                                                            strict=True))
     return AutoWindowChoice(method.method, trials, time.perf_counter() - t0, mode)
