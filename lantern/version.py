@@ -9,14 +9,16 @@ from importlib import metadata
 DISTRIBUTION = "lantern-ar"
 
 
-def _installed_version() -> str:
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or None when it is not installed."""
     try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
-        return "0+unknown"
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
-__version__ = _installed_version()
+# "0+unknown": a source tree on sys.path that was never installed
+__version__ = installed_version(DISTRIBUTION) or "0+unknown"
 
 
 def software() -> dict[str, str]:

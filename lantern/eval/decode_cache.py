@@ -42,6 +42,7 @@ from lantern.methods import MethodConfig
 from lantern.parts import ModelParts
 from lantern.run import RunResult, load_acceptance
 from lantern.targets.base import Conditions, Stack
+from lantern.version import installed_version
 
 FORMAT = "lantern bench decode 1"  # an entry's "format" metadata; another value is another layout
 
@@ -55,16 +56,6 @@ def lantern_source_digest() -> str:
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
-
-
-def package_version(name: str) -> str | None:
-    """The installed version of ``name``, or None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def folder_fingerprint(folder: Path) -> str:
@@ -116,7 +107,7 @@ class DecodeCache:
             "lantern_source": lantern_source_digest(),
             "torch": torch.__version__,
             # the Chameleon, Janus and Emu3 targets run transformers' own layers: a new release may round otherwise
-            "transformers": package_version("transformers"),
+            "transformers": installed_version("transformers"),
             "machine": machine_description(),
             "device_type": torch.device(stack.device).type,
             "dtype": str(stack.dtype).replace("torch.", ""),
