@@ -4,11 +4,14 @@
         --methods ar,lantern++,sjd-coupled --out repeat.json
 
 A compiled round marks its state's tensors as fixed addresses (CUDA graphs replay on fixed
-buffers). Some of that state is allocated anew by every decode (a 2026-11-30 review counted 10 of
-15 such tensors for AR, 24 of 31 for sjd-coupled at new addresses between two decodes on a CPU),
-and on a GPU a changed fixed address can make torch record the graph again. If it does, every
-decode pays a recording (its time does not fall to a steady value after the first calls) and the
-graphs' memory may grow; past torch's re-record limit the round may fall back to eager. This
+buffers), and on a GPU a marked tensor found at another address makes torch record the graph
+again. Much of that state used to be allocated anew by every decode (a 2026-11-30 review counted
+10 of 15 such tensors for AR, 24 of 31 for sjd-coupled at new addresses between two decodes on a
+CPU); ``lantern.decoding.resident`` now keeps it at the previous decode's addresses from a
+fingerprint's second decode on (tests/test_resident.py checks the addresses on a CPU). What is left
+to see on a GPU is whether torch agrees: if it still re-records, every decode pays a recording (its
+time does not fall to a steady value after the first calls), the graphs' memory grows, and past
+torch's re-record limit the round may fall back to eager. This
 script measures it: ``--calls`` one-image decodes per method (each its own seed) on one pipeline,
 each call's seconds and, on CUDA, the allocator's memory after it, with ``TORCH_LOGS`` left to the
 caller (``TORCH_LOGS=recompiles,perf_hints,cudagraphs`` names what torch did). It also decodes
@@ -16,7 +19,8 @@ one image with tiny Chameleon-family and Emu3 folders (``--families``), eager an
 targets had never run on a GPU before their code table was put on the model's device.
 
 Prints one line per method (first call, median of the last half, max/median of the last half,
-memory growth from the second call to the last) and writes every number to ``--out``.
+memory growth from the second call to the last, CUDA graphs recorded per call: 0 from the third
+call on if the residents hold on the GPU) and writes every number to ``--out``.
 """
 
 from __future__ import annotations
@@ -43,26 +47,52 @@ def _memory(device: str) -> int | None:
     return int(torch.cuda.memory_allocated()) if torch.device(device).type == "cuda" else None
 
 
-def repeat(pipe: Any, method: str, calls: int, device: str) -> dict[str, Any]:
-    """``calls`` one-image decodes of ``method``: seconds and memory after each."""
+class Recordings:
+    """CUDA graphs torch has recorded so far (calls of cudagraph trees' ``record_function``: a
+    first recording, or a re-recording after a fixed address moved); stays 0 off CUDA."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        try:
+            from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+        except ImportError:  # another torch: the count stays 0 (recorded as such)
+            return
+        original = CUDAGraphTreeManager.record_function
+
+        def counted(manager: Any, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(manager, *args, **kwargs)
+
+        CUDAGraphTreeManager.record_function = counted  # type: ignore[method-assign]
+
+
+def repeat(pipe: Any, method: str, calls: int, device: str, recordings: Recordings) -> dict[str, Any]:
+    """``calls`` one-image decodes of ``method``: seconds, memory and CUDA-graph recordings of each."""
     seconds: list[float] = []
     memory: list[int | None] = []
+    recorded: list[int] = []
     for i in range(calls):
         _sync(device)
+        before = recordings.count
         start = time.perf_counter()
         pipe(labels=[i % 10], seed=i, method=method, batch_size=1)
         _sync(device)
         seconds.append(time.perf_counter() - start)
         memory.append(_memory(device))
+        recorded.append(recordings.count - before)
     tail = seconds[len(seconds) // 2:]
     steady = statistics.median(tail)
     grown = None if memory[1] is None or memory[-1] is None else memory[-1] - memory[1]
-    return {"method": method, "seconds": seconds, "memory": memory, "first": seconds[0], "steady": steady,
+    # From the third decode on nothing should be recorded (lantern.decoding.resident: the second
+    # decode of a batch size moves its state into the pool's, the rest replay on it).
+    return {"method": method, "seconds": seconds, "memory": memory, "recordings": recorded,
+            "recordings_after_second": sum(recorded[2:]), "first": seconds[0], "steady": steady,
             "tail_max_over_median": max(tail) / steady, "memory_growth_bytes": grown}
 
 
-def families(device: str, compile: str) -> list[dict[str, Any]]:
-    """One image from a tiny Chameleon (Lumina-mGPT layout) and a tiny Emu3 folder, eager and compiled."""
+def families(device: str, compile: str, recordings: Recordings) -> list[dict[str, Any]]:
+    """Three images, one after another, from a tiny Chameleon (Lumina-mGPT layout) and a tiny Emu3
+    folder, eager and compiled, with the CUDA graphs each call recorded."""
     from lantern.testing import make_tiny_chameleon_folder, make_tiny_emu3_folder
 
     out = []
@@ -74,14 +104,19 @@ def families(device: str, compile: str) -> list[dict[str, Any]]:
                 record: dict[str, Any] = {"family": name, "compile": mode}
                 try:
                     pipe = lantern.load(folder, device=device, compile=mode)
-                    start = time.perf_counter()
-                    result = pipe(prompts=["a red square"], seed=0, method="sjd-coupled", sjd_window=4, batch_size=1)
-                    record.update(ok=True, seconds=time.perf_counter() - start,
-                                  tokens=int(result.codes.numel()))
+                    seconds, recorded = [], []
+                    for seed in range(3):
+                        before, start = recordings.count, time.perf_counter()
+                        result = pipe(prompts=["a red square"], seed=seed, method="sjd-coupled", sjd_window=4,
+                                      batch_size=1)
+                        seconds.append(time.perf_counter() - start)
+                        recorded.append(recordings.count - before)
+                    record.update(ok=True, seconds=seconds, recordings=recorded, tokens=int(result.codes.numel()))
                 except Exception as e:  # a measurement script: record what failed and go on
                     record.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
                 out.append(record)
-                print(f"{name} compile={mode}: " + ("ok" if record["ok"] else record["error"]))
+                print(f"{name} compile={mode}: " + (f"ok, CUDA graphs recorded per call {record['recordings']}"
+                                                    if record["ok"] else record["error"]))
     return out
 
 
@@ -97,17 +132,20 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     pipe = lantern.load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
+    recordings = Recordings()
     rows = []
     for method in args.methods.split(","):
-        row = repeat(pipe, method, args.calls, args.device)
+        row = repeat(pipe, method, args.calls, args.device, recordings)
         rows.append(row)
         growth = row["memory_growth_bytes"]
         print(f"{method}: first {row['first']:.3f} s, steady {row['steady']:.4f} s per image, last half max/median "
               f"{row['tail_max_over_median']:.2f}" + ("" if growth is None else f", memory {growth / 2**20:+.1f} MiB "
-                                                     f"from call 2 to {args.calls}"))
+                                                     f"from call 2 to {args.calls}")
+              + f"; CUDA graphs recorded per call {row['recordings'][:4]}..., after the second call "
+                f"{row['recordings_after_second']}")
     record = {"model": args.model, "device": args.device, "compile": args.compile, "calls": args.calls,
               "torch": torch.__version__, "rows": rows,
-              "families": families(args.device, args.compile) if args.families else []}
+              "families": families(args.device, args.compile, recordings) if args.families else []}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))
 

@@ -229,7 +229,8 @@ class PreparedMethod:
         device = self.stack.device
         rng = None if self.sampling.greedy else RowRandom.from_generators(make_generators(list(seeds), device), device)
         with torch.inference_mode():
-            return start_decode(target, conditions.cond, rng, drafter, self.acceptance, conditions.mask, parts.compile)
+            return start_decode(target, conditions.cond, rng, drafter, self.acceptance, conditions.mask, parts.compile,
+                                parts._caches)
 
     def generate(
         self,
@@ -242,7 +243,7 @@ class PreparedMethod:
         prompt ids [B, L]); cond_mask: their mask (captions, prompts)."""
         target, drafter = self.parts()
         return generate(target, cond, generators=generators, drafter=drafter, acceptance=self.acceptance,
-                        cond_mask=cond_mask, progress=progress, compile=self.compile)
+                        cond_mask=cond_mask, progress=progress, compile=self.compile, caches=self._caches)
 
 
 def verify_nodes(method: MethodConfig, stack: Stack) -> int:

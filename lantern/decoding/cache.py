@@ -13,8 +13,13 @@ caller's attention mask.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lantern.decoding.resident import Residents
 
 
 class KVCache:
@@ -94,11 +99,14 @@ class KVCache:
 class CachePool:
     """KV caches kept across images, one per (owner, shape): the same buffers every image, as
     gpt-fast's idempotent ``setup_caches`` (CUDA graphs replay on fixed addresses; no allocation
-    per image). A reused cache is reset (lengths 0); its stale slots are masked like any others."""
+    per image). A reused cache is reset (lengths 0); its stale slots are masked like any others.
+    ``residents``: the rest of a decode's state, kept at fixed addresses by
+    :func:`lantern.decoding.resident.keep_resident`."""
 
     def __init__(self) -> None:
         self._caches: dict[tuple[object, ...], KVCache] = {}
         self._buffers: dict[tuple[object, ...], Tensor] = {}
+        self.residents: dict[object, Residents] = {}
 
     def buffer(
         self, owner: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, static: bool = False

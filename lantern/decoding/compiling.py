@@ -38,7 +38,7 @@ import tempfile
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -266,15 +266,18 @@ def round_fn(
     A decode with another method, tree, batch size or model gets another copy.
 
     Under CUDA graphs the addresses of the tensors the round mutates in place are marked static,
-    so that cudagraph trees replay the round instead of skipping it for "mutated inputs".
+    so that cudagraph trees replay the round instead of skipping it for "mutated inputs". A marked
+    tensor found at another address makes torch record the graph again: within a decode the round
+    updates its state in place, and between decodes ``lantern.decoding.resident`` puts it back at
+    the previous decode's addresses.
     """
     if mode is None:
         return fn
     graphs = uses_cuda_graphs(mode, device)
-    tensors: list[torch.Tensor] = []
-    key = (fn, mode, device.type, _fingerprint(state, tensors))
+    slots: list[Slot] = []
+    key = (fn, mode, device.type, _fingerprint(state, slots))
     if graphs:
-        mark_static(*tensors)
+        mark_static(*(t for t, _, _ in slots))
     if key not in _rounds:
         name = f"{fn.__name__}_{len(_rounds)}"
         code = fn.__code__.replace(co_name=name, co_qualname=name)
@@ -283,28 +286,74 @@ def round_fn(
     return _rounds[key]
 
 
-def _fingerprint(obj: object, tensors: list[torch.Tensor], depth: int = 6) -> object:
+# A tensor of a round's state, how to put another tensor in its place (``lantern.decoding.resident``)
+# and where it was found ("target.root_index": for messages and tests).
+Slot = tuple[torch.Tensor, Callable[[Any], None], str]
+
+
+def round_state_key(state: list[object], slots: list[Slot], names: Sequence[str] = ()) -> object:
+    """:func:`_fingerprint` of a round's state, given as a list so that even its top-level
+    tensors can be put back in place (the slots' setters write into the list); ``names``: what
+    the paths call the list's items (default ``[0]``, ``[1]``, ...)."""
+    return tuple(_fingerprint(x, slots, 5, _item_setter(state, i), names[i] if i < len(names) else f"[{i}]")
+                 for i, x in enumerate(state))
+
+
+def _fingerprint(obj: object, slots: list[Slot], depth: int = 6,
+                 put: Callable[[Any], None] | None = None, path: str = "") -> object:
     """What a compiled round's trace depends on, as a hashable value: tensors by shape, stride,
-    dtype and device (and appended to ``tensors``: the state a round may mutate); modules by
-    identity (their parameters are graph inputs); Python scalars, strings and settings by value;
-    objects by type and attributes, ``depth`` levels down. A
+    dtype and device (and appended to ``slots`` with their setter and path: the state a round may
+    mutate); modules by identity (their parameters are graph inputs); Python scalars, strings and
+    settings by value; objects by type and attributes, ``depth`` levels down. A
     :class:`~lantern.decoding.cache.CachePool` is left out (it holds caches of other batches)."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
+        slots.append((obj, put or _fixed, path))
         return ("T", tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad)
     if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
         return obj
     if isinstance(obj, torch.nn.Module) or callable(obj) or depth == 0:
         return (type(obj).__qualname__, id(obj))
-    if isinstance(obj, (list, tuple)):
-        return tuple(_fingerprint(x, tensors, depth - 1) for x in obj)
+    if isinstance(obj, list):
+        return tuple(_fingerprint(x, slots, depth - 1, _item_setter(obj, i), f"{path}[{i}]") for i, x in enumerate(obj))
+    if isinstance(obj, tuple):
+        items = list(obj)  # what the tuple's setters rebuild it from
+        return tuple(_fingerprint(x, slots, depth - 1, _tuple_setter(obj, items, i, put), f"{path}[{i}]")
+                     for i, x in enumerate(obj))
     if isinstance(obj, dict):
-        return tuple((k, _fingerprint(v, tensors, depth - 1)) for k, v in obj.items())
+        return tuple((k, _fingerprint(v, slots, depth - 1, _item_setter(obj, k), f"{path}[{k!r}]"))
+                     for k, v in obj.items())
     if type(obj).__name__ == "CachePool":
         return "CachePool"
     if hasattr(obj, "__dict__"):
-        return (type(obj).__qualname__, tuple((k, _fingerprint(v, tensors, depth - 1)) for k, v in vars(obj).items()))
+        attrs = vars(obj).items()
+        return (type(obj).__qualname__,
+                tuple((k, _fingerprint(v, slots, depth - 1, _attr_setter(obj, k), f"{path}.{k}")) for k, v in attrs))
     return (type(obj).__qualname__, id(obj))
+
+
+def _fixed(_: object) -> None:
+    raise TypeError("this tensor of a round's state sits where it cannot be replaced (pass the state as a list)")
+
+
+def _item_setter(container: Any, key: Any) -> Callable[[torch.Tensor], None]:
+    return lambda t: container.__setitem__(key, t)
+
+
+def _attr_setter(obj: object, name: str) -> Callable[[torch.Tensor], None]:
+    return lambda t: object.__setattr__(obj, name, t)  # frozen dataclasses (TreeBuffers) too
+
+
+def _tuple_setter(tup: tuple[Any, ...], items: list[Any], i: int,
+                  put: Callable[[Any], None] | None) -> Callable[[torch.Tensor], None]:
+    """A tuple is rebuilt from ``items`` and put where it was found; its items' setters share that
+    list, so that several of them replaced one after the other all end up in the tuple."""
+
+    def set_item(t: torch.Tensor) -> None:
+        items[i] = t
+        rebuilt = type(tup)(*items) if hasattr(tup, "_fields") else type(tup)(items)  # a NamedTuple or a tuple
+        (put or _fixed)(rebuilt)
+
+    return set_item
 
 
 @contextlib.contextmanager

@@ -37,11 +37,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from lantern.decoding.acceptance import credited, verify_chain_sampled, verify_tree_sampled
+from lantern.decoding.cache import CachePool
 from lantern.decoding.compiling import resolve_compile, round_fn
 from lantern.decoding.config import RelaxationConfig, SamplingConfig, SubsequenceConfig
 from lantern.decoding.greedy import verify_chain_greedy_subsequence, verify_tree_greedy
 from lantern.decoding.phases import NO_PHASE, phase
 from lantern.decoding.pjd import GridBlock
+from lantern.decoding.resident import keep_resident
 from lantern.decoding.rng import RowRandom
 from lantern.decoding.rows import copy_rows, movable
 from lantern.decoding.sampling import probs_from_logits, sample_from_probs
@@ -260,19 +262,23 @@ def generate(
     cond_mask: Tensor | None = None,
     progress: bool = False,
     compile: str | None = None,
+    caches: CachePool | None = None,
 ) -> GenerationOutput:
     """Generate ``target.num_tokens`` image tokens for each condition row.
 
     cond: labels [B] (c2i) or captions [B, cls, C] (t2i); generators: one per row (required unless
     sampling is greedy): each seeds its row's counter-based stream (``lantern.decoding.rng``) with one
     draw. compile: run each round as one compiled region (``lantern.decoding.compiling.round_fn``).
+    caches: the pool that keeps the decode's state at fixed addresses from one call to the next
+    (``lantern.decoding.resident``; what CUDA graphs replay on), normally the one the target's caches
+    come from; None: the state is allocated per call.
     """
     # inference_mode rather than no_grad: no version counters or view tracking on the many small
     # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
     # it, so callers get ordinary tensors they may use in autograd (e.g. as training data).
     with torch.inference_mode():
         mode = resolve_compile(compile, target.device)
-        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode)
+        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode, caches)
     return GenerationOutput(codes=out.codes.clone(), stats=out.stats)
 
 
@@ -285,6 +291,7 @@ def _generate(
     cond_mask: Tensor | None,
     progress: bool,
     compile: str | None,
+    caches: CachePool | None,
 ) -> GenerationOutput:
     sampling = target.sampling
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
@@ -294,7 +301,7 @@ def _generate(
     )
     rng = None if generators is None else RowRandom.from_generators(generators, device)
     # 1. Prefill.
-    decode = start_decode(target, cond, rng, drafter, acceptance, cond_mask, compile)
+    decode = start_decode(target, cond, rng, drafter, acceptance, cond_mask, compile, caches)
     # Per-round counters stay on the device; one host copy at the end, not one sync per round.
     forwards = torch.ones(b, dtype=torch.long, device=device)
     per_step: list[Tensor] = []
@@ -368,6 +375,11 @@ class Decode:
         """Mark ``rows`` done (a row that is free, or whose request went away): later rounds skip them."""
         self.n.index_fill_(0, rows, self.target.num_tokens)
 
+    def state(self) -> list[object]:
+        """What the round reads besides its per-round arguments (named by ``STATE_NAMES``): what
+        ``round_fn`` fingerprints and, under CUDA graphs, marks as fixed addresses."""
+        return _round_state(self.target, self.drafter, self.rng, self.codes, self.acceptance, self._ar_tree)
+
     def round(self, active: Tensor) -> tuple[Tensor, Tensor]:
         """One round for the rows that are ``active`` [B]: (new tokens [B], relaxed-only accepts [])."""
         with phase("round") if self.compiled else NO_PHASE:  # a compiled round's phases are inside it
@@ -388,9 +400,11 @@ def start_decode(
     acceptance: Acceptance | None = None,
     cond_mask: Tensor | None = None,
     compile: str | None = None,
+    caches: CachePool | None = None,
 ) -> Decode:
     """Prefill the condition (token 0 comes from its last position) and set up the rounds;
-    ``compile``: a resolved mode of ``lantern.decoding.compiling`` (None: eager)."""
+    ``compile``: a resolved mode of ``lantern.decoding.compiling`` (None: eager); ``caches``: the
+    pool that keeps the round's state at the previous decode's addresses (see :func:`generate`)."""
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
     with phase("prefill"):
         logits0, hidden0 = target.start(cond, cond_mask)
@@ -406,10 +420,22 @@ def start_decode(
     check(not grid or acceptance.subsequence is None, "subsequence verification (SJD-SV) is not implemented for "
                                                       "PJD's grid of chains")
     ar_tree = _root_only_tree(b, device)
-    step = round_fn(_grid_round if grid else _raster_round, compile, device,
-                    state=(target, drafter, rng, codes, acceptance, target.sampling, ar_tree))
+    state = _round_state(target, drafter, rng, codes, acceptance, ar_tree)
+    if caches is not None:  # eager too: the CPU tests check what a GPU's CUDA graphs replay on
+        keep_resident(state, caches.residents)
+        rng, codes, ar_tree = state[2], state[3], state[6]  # type: ignore[assignment]
+    step = round_fn(_grid_round if grid else _raster_round, compile, device, state=tuple(state))
     n = torch.ones(b, dtype=torch.long, device=device)
     return Decode(target, drafter, acceptance, rng, codes, n, root.clone(), compile is not None, grid, step, ar_tree)
+
+
+# What a round reads besides its per-round arguments, in this order (``round_fn``'s state).
+STATE_NAMES = ("target", "drafter", "rng", "codes", "acceptance", "sampling", "ar_tree")
+
+
+def _round_state(target: Target, drafter: Drafter | GridDrafter | None, rng: RowRandom | None, codes: Tensor,
+                 acceptance: Acceptance, ar_tree: TreeBuffers) -> list[object]:
+    return [target, drafter, rng, codes, acceptance, target.sampling, ar_tree]
 
 
 def _raster_round(

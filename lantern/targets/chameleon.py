@@ -280,8 +280,8 @@ class ChameleonTarget:
         if self.layout.eol is not None and (self.static or bool(row_end.any())):
             keep, count, in_order = *_with_shadows(path, num_keep, row_end, shadow_slot), False
         cache.commit(keep.repeat(self.streams, 1), count.repeat(self.streams), in_order)
-        self.root_index = self.root_index + num_keep
-        self.last_path = path
+        self.root_index.add_(num_keep)  # in place: read by the next round (CUDA graphs replay on its address)
+        self.last_path = path  # (like _shadows and node_hidden: made and read within one round)
 
     @torch.no_grad()
     def verify_grid(self, tokens: Tensor, cells: Tensor, rows: Tensor, chains: int | None = None) -> Tensor:
