@@ -69,9 +69,10 @@ stage targets-b1 60 260 "$PY" -m lantern.cli bench --model photos --device "$DEV
 stage trace 40 150 env TORCH_LOGS=recompiles,perf_hints "$PY" -m lantern.cli profile --model photos \
   --device "$DEVICE" --trace ar,lantern,lantern++,sjd-coupled --trace-images 1 --compile --out "$WORK/trace" \
   --no-progress
-# decode after decode on one compiled pipeline (a review on 2026-11-30: the round's fixed-address state is
-# partly new each decode, which may make CUDA graphs record again every decode): per-call seconds and memory,
-# and one image from tiny Chameleon and Emu3 folders, eager and compiled (never run on a GPU before)
+# decode after decode on one compiled pipeline: per-call seconds, memory and CUDA graphs recorded (0 from the
+# third call on: lantern.decoding.resident keeps the round's state at fixed addresses since 2026-11-30, when a
+# review found most of it new every decode), and three images from tiny Chameleon and Emu3 folders, eager and
+# compiled (never run on a GPU before; their pending code index was a new tensor every round)
 stage decodes 60 200 env TORCH_LOGS=recompiles,perf_hints "$PY" benchmarks/repeat_decodes.py --model photos \
   --device "$DEVICE" --compile "$COMPILE" --calls "$CALLS" --families --out "$WORK/repeat-decodes.json"
 # GPT-XL: the AR step compiles in ~80 s on an H200, then the chain:6 round for longer than the 120 s

@@ -160,6 +160,28 @@ def test_prompt_families_keep_their_addresses(family: str, tmp_path: Path, round
         assert torch.equal(outputs[2].codes, fresh.codes), method
 
 
+@pytest.mark.parametrize("case", ["t2i", "deterministic", "token-budget"])
+def test_other_targets_and_modes_keep_their_addresses(case: str, t2i_stack: Path, tmp_path: Path,
+                                                      rounds: list[Addresses]) -> None:
+    """LlamaGen text-to-image (T5 captions and their mask in the target), the batch-invariant
+    layers (``deterministic=True``) and LANTERN's per-token budget (its own accounting state)."""
+    if case == "t2i":
+        pipe, conditions, settings = lantern.load(t2i_stack), {"prompts": ["a red car", "a dog"]}, {}
+    else:
+        folder = make_random_stack(tmp_path / "random", seed=3, grid=4, vocab=64)
+        pipe = lantern.load(folder, deterministic=case == "deterministic")
+        conditions = {"labels": [1, 2]}
+        settings = {"lantern_budget": "token"} if case == "token-budget" else {}
+    per_decode, outputs = [], []
+    for d in range(3):
+        rounds.clear()
+        outputs.append(pipe(**conditions, seed=d, method="lantern", **settings))
+        per_decode.append(list(rounds))
+    _check_stays(per_decode)
+    fresh = (lantern.load(t2i_stack) if case == "t2i" else lantern.load(folder, deterministic=case == "deterministic"))
+    assert torch.equal(outputs[2].codes, fresh(**conditions, seed=2, method="lantern", **settings).codes)
+
+
 # -- keep_resident on a state built by hand ---------------------------------------------------------
 
 
