@@ -221,7 +221,9 @@ class PreparedMethod:
         row ``r`` of ``conditions`` draws from the stream of image seed ``seeds[r]``, as in
         :func:`generate_rows`. ``eager``: build it uncompiled (rows prefilled to join a running batch
         with ``Decode.take_rows``: no compilation for their group size); ``caches``: its own cache pool
-        (so it does not reset the caches of a batch in progress)."""
+        (so it does not reset the caches of a batch in progress). The decode's tensors, its codes
+        too, are the pool's (``lantern.decoding.resident``): the next decode of the same method and
+        batch size in that pool reuses them, so clone what you keep."""
         parts = replace(self, compile=None) if eager else self
         if caches is not None:
             parts = replace(parts, _caches=caches)

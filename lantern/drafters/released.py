@@ -112,8 +112,10 @@ class ReleasedDrafterBackend:
         layout, cfg = self.target.layout, self.model.config
         image = layout.num_tokens + (layout.height if layout.eol is not None else 0)
         max_len = length + image + self.draft_entries
-        self.cache = KVCache(cfg.num_hidden_layers, n, cfg.num_key_value_heads, max_len, cfg.head_dim,
-                             self.model.dtype, self.model.device)
+        # the pipeline's pool: the same buffers image after image (its decode state stays put, see
+        # lantern.decoding.resident, without a copy of this cache per decode)
+        self.cache = self.target.cache_pool.get("released_drafter", cfg.num_hidden_layers, n, cfg.num_key_value_heads,
+                                                max_len, cfg.head_dim, self.model.dtype, self.model.device)
         self.col_real = torch.ones(n, max_len, dtype=torch.bool, device=ids.device)
         self.col_real[:, :length] = self.target.key_mask
         assert self.target.pos_offset is not None
