@@ -95,6 +95,25 @@ class MachineLoad:
                 "busy": self.busy}
 
 
+def busy_cores(window: float = 0.25) -> tuple[float, int] | None:
+    """(cores other processes keep busy, cores), measured over ``window`` seconds now (None
+    without ``/proc/stat``). Called while this process is idle, so what it sees is the others."""
+    start = read_machine()
+    time.sleep(window)
+    share = MachineLoad(start, read_machine()).others_share
+    return None if share is None else (share * start.cpus, start.cpus)
+
+
+def threads_beside(busy: float, cpus: int, threads: int) -> int:
+    """Intra-op threads for a machine where others keep ``busy`` of the ``cpus`` cores busy: at
+    most the cores left (rounded to the nearest whole core, at least 1), never more than
+    ``threads``. An OpenMP team larger than the free cores waits at every parallel op for a
+    member that is off its core (a time slice, milliseconds): on 2 cores, 4 photos images with
+    coupled SJD took 9.1 s on 2 threads beside a spinning process and 3.9 s on 1, 76 s and 5.3 s
+    beside a 2-thread torch job (benchmarks/RESULTS.md, "Threads on a shared machine")."""
+    return max(1, min(threads, int(cpus - busy + 0.5)))
+
+
 class LoadWatch:
     """What :func:`watch_load` hands out: ``result`` is set when the ``with`` block ends."""
 

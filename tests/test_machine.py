@@ -5,6 +5,7 @@ much."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -157,3 +158,89 @@ def test_profile_trace_warns_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch, 
     else:
         assert trace["busy_warning"] is None
         assert "WARNING" not in printed and "WARNING" not in md and md.startswith("| method |")
+
+
+# -- --threads: an OpenMP team no larger than the cores other processes leave free ---------------
+
+
+@pytest.mark.parametrize(("busy", "cpus", "threads", "expected"), [
+    (0.0, 2, 2, 2), (0.4, 2, 2, 2), (0.6, 2, 2, 1), (1.0, 2, 2, 1), (2.0, 2, 2, 1),  # at least one
+    (1.0, 8, 4, 4), (3.2, 8, 8, 5), (5.6, 8, 8, 2), (0.0, 8, 1, 1),  # never more than torch's own
+])
+def test_threads_beside_other_processes(busy: float, cpus: int, threads: int, expected: int) -> None:
+    assert machine.threads_beside(busy, cpus, threads) == expected
+
+
+def test_busy_cores_sees_a_spinning_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real reading (conftest fakes an idle machine for every other test): a process spinning on
+    one core is at least most of a core busy (more if other tests run beside this one)."""
+    monkeypatch.setattr(machine, "read_machine", read_machine)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # past the interpreter's start-up
+        seen = machine.busy_cores(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert seen is not None
+    busy, cpus = seen
+    assert cpus == (os.cpu_count() or 1) and 0.7 <= busy <= cpus + 0.1
+
+
+def test_choose_threads(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from lantern.cli.common import choose_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets 1 for the tests' subprocesses
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: (1.0, 2))
+    assert choose_threads(2, "cpu", 1) == 2 and choose_threads(1, "cpu", 2) == 1  # a number is taken as given
+    assert capsys.readouterr().err == ""
+    assert choose_threads("auto", "cpu", 2) == 1  # one of 2 cores busy: one thread, said in one line
+    assert capsys.readouterr().err == ("lantern: other processes keep 1.0 of the 2 cores busy: running on 1 thread, "
+                                       "not 2 (a thread on a busy core stalls every op); --threads 2 uses them all\n")
+    assert choose_threads("auto", "cuda", 2) == 2 and choose_threads("auto", "cuda:1", 2) == 2  # the GPU computes
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: (0.2, 2))
+    assert choose_threads("auto", "cpu", 2) == 2  # quiet enough: torch's own count, nothing said
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: None)
+    assert choose_threads("auto", "cpu", 2) == 2  # no /proc/stat: nothing to go on
+    assert capsys.readouterr().err == ""
+
+    def unread(window: float = 0.25) -> None:
+        raise AssertionError("one thread has nothing to lower: the machine is not read")
+
+    monkeypatch.setattr(machine, "busy_cores", unread)
+    assert choose_threads("auto", "cpu", 1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own choice of count stands
+    assert choose_threads("auto", "cpu", 2) == 2
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("auto", 1), ("2", 2), ("1", 1)])
+def test_a_command_runs_on_its_threads_and_gives_them_back(flag: str, expected: int, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--threads`` holds while the command runs (auto: one of 2 cores busy -> 1) and torch's count
+    is what it was after (main() may run inside another program)."""
+    import torch
+
+    import lantern.cli.generate as generate
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: (1.0, 2))
+    seen: list[int] = []
+    monkeypatch.setattr(generate, "cmd_generate", lambda args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["generate", "--model", "photos", "--labels", "1", "--out", str(tmp_path / "g"),
+                     "--threads", flag]) == 0
+        assert seen == [expected] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_bad_threads_are_refused_in_one_line(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", "photos", "--labels", "1", "--out", "x", "--threads", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"lantern generate: error: argument --threads: expected 'auto' or a whole number of threads >= 1, "
+                   f"got {value!r} (see lantern generate --help)\n")

@@ -13,6 +13,7 @@ from lantern.cli.common import (
     add_chameleon_args,
     add_compile_arg,
     add_deterministic_arg,
+    add_threads_arg,
     add_trust_checkpoint_arg,
     cache_folder,
     chameleon_options,
@@ -134,6 +135,7 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (default, as generate) | bfloat16 | auto")
     add_compile_arg(p)
+    add_threads_arg(p)
     add_deterministic_arg(p, default=False)
     p.add_argument("--batch-sizes", default="1,8", help="batch sizes timed (default 1,8)")
     p.add_argument("--quick", action="store_true",

@@ -253,6 +253,52 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "default off")
 
 
+def threads_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number of threads >= 1, got {text!r}")
+    return value
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=threads_arg, default="auto", metavar="N",
+                   help="torch's CPU threads for this command. Default auto: torch's own count (or "
+                        "OMP_NUM_THREADS), lowered to the cores other processes leave free (a thread on a busy "
+                        "core stalls every op: on 2 cores beside a 2-thread torch job, 2 threads took 14x as long "
+                        "as 1)")
+
+
+def choose_threads(choice: int | str, device: str, current: int) -> int:
+    """The intra-op thread count for ``--threads``: a number as given; ``auto`` on a CPU, the
+    cores other processes leave free (measured for a quarter of a second, said in one line when it
+    lowers ``current``); otherwise, or when ``OMP_NUM_THREADS`` chose the count, ``current``."""
+    import os
+
+    if isinstance(choice, int):
+        return choice
+    if current <= 1 or not str(device).startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+        return current
+    from lantern import machine
+
+    seen = machine.busy_cores()
+    if seen is None:
+        return current
+    busy, cpus = seen
+    threads = machine.threads_beside(busy, cpus, current)
+    if threads < current:
+        import sys
+
+        print(f"lantern: other processes keep {busy:.1f} of the {cpus} cores busy: running on {threads} thread"
+              f"{'s' if threads > 1 else ''}, not {current} (a thread on a busy core stalls every op); "
+              f"--threads {current} uses them all", file=sys.stderr)
+    return threads
+
+
 def add_deterministic_arg(p: argparse.ArgumentParser, default: bool) -> None:
     state = "on" if default else "off"
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default,
@@ -414,9 +460,10 @@ def check_chameleon_model(root: Path) -> None:
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:
     """What every command that loads a model for measuring takes (demo, bench, profile): checkpoint
-    trust, compilation, the Chameleon layout flags and the sampling overrides."""
+    trust, compilation, threads, the Chameleon layout flags and the sampling overrides."""
     add_trust_checkpoint_arg(p)
     add_compile_arg(p)
+    add_threads_arg(p)
     add_chameleon_args(p)
     add_sampling_args(p)
 

@@ -14,6 +14,7 @@ from lantern.cli.common import (
     add_deterministic_arg,
     add_overwrite_arg,
     add_pjd_args,
+    add_threads_arg,
     auto_window_refusal,
     chameleon_options,
     check_auto_tree,
@@ -181,6 +182,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_trust_checkpoint_arg(p)
     add_compile_arg(p)
+    add_threads_arg(p)
     add_deterministic_arg(p, default=False)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

@@ -129,6 +129,26 @@ def _warning_lines() -> Iterator[None]:
         warnings.formatwarning = original
 
 
+@contextlib.contextmanager
+def _threads(args: argparse.Namespace) -> Iterator[None]:
+    """``--threads`` for the command's duration (torch's thread count is the process's: restored
+    after, for a Python caller of :func:`main`)."""
+    choice = getattr(args, "threads", None)
+    if choice is None:
+        yield
+        return
+    import torch
+
+    from lantern.cli.common import choose_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(choose_threads(choice, getattr(args, "device", "cpu"), before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _continue_hint(args: argparse.Namespace) -> str:
     """How to pick up what an interrupted command leaves: a trainer keeps its checkpoints, a
     ``--resume`` job its recorded images; anything else left nothing (outputs are all-or-nothing)."""
@@ -169,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_seed_flags(args)
         from lantern.io import trusted_checkpoints  # imports torch: only once the flags are known good
 
-        with trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args), _warning_lines():
+        with (trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args), _warning_lines(),
+              _threads(args)):
             return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {_flagged(e)}", file=sys.stderr)

@@ -23,6 +23,7 @@ from lantern.cli.common import (
     add_chameleon_args,
     add_compile_arg,
     add_deterministic_arg,
+    add_threads_arg,
     add_trust_checkpoint_arg,
     chameleon_options,
     check_compile,
@@ -85,6 +86,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "still loaded and checked at start)")
     add_chameleon_args(p)
     add_compile_arg(p)
+    add_threads_arg(p)
     add_deterministic_arg(p, default=True)  # the server's promise: a request's images do not depend on its batch-mates
     add_trust_checkpoint_arg(p)
     p.set_defaults(func=cmd_serve)
