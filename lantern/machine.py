@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +112,35 @@ def threads_beside(busy: float, cpus: int, threads: int) -> int:
     coupled SJD took 9.1 s on 2 threads beside a spinning process and 3.9 s on 1, 76 s and 5.3 s
     beside a 2-thread torch job (benchmarks/RESULTS.md, "Threads on a shared machine")."""
     return max(1, min(threads, int(cpus - busy + 0.5)))
+
+
+class AdaptiveThreads:
+    """A long-running decode loop's thread count (``lantern serve --threads auto``): every
+    ``every`` seconds, at a round boundary, what other processes took since the last look decides
+    the count for the next stretch (:func:`threads_beside`, up to ``most``), so a server started
+    beside a passing job does not stay on one thread, nor one started alone stall later beside a
+    new one. ``apply`` sets the count (``torch.set_num_threads`` in the decode thread)."""
+
+    def __init__(self, most: int, apply: Callable[[int], None], every: float = 10.0) -> None:
+        self.most, self.apply, self.every = most, apply, every
+        self.threads = most
+        self._last = read_machine()
+
+    def check(self) -> int | None:
+        """The new count when it changed (and was applied), else None."""
+        now = read_machine()
+        if now.wall - self._last.wall < self.every:
+            return None
+        share = MachineLoad(self._last, now).others_share
+        self._last = now
+        if share is None:
+            return None
+        threads = threads_beside(share * now.cpus, now.cpus, self.most)
+        if threads == self.threads:
+            return None
+        self.threads = threads
+        self.apply(threads)
+        return threads
 
 
 class LoadWatch:

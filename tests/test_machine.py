@@ -244,3 +244,67 @@ def test_bad_threads_are_refused_in_one_line(value: str, capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert err == (f"lantern generate: error: argument --threads: expected 'auto' or a whole number of threads >= 1, "
                    f"got {value!r} (see lantern generate --help)\n")
+
+
+def test_adaptive_threads_follow_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --threads auto``: every 10 s of readings, the count for the next stretch is what
+    the cores others left free allow, down and back up; nothing is applied when nothing changed,
+    between looks, or without /proc/stat."""
+    readings: list[Reading] = []
+
+    def at(t: float, others: float, own: float = 0.0, known: bool = True) -> None:
+        readings.append(reading(t, 1000.0 + others + own if known else None, own))
+
+    at(0.0, 0.0)
+    at(5.0, 4.0)  # not 10 s yet: no look
+    at(10.0, 10.0)  # others kept 1 of 2 cores busy since t=0 -> 1 thread
+    at(20.0, 10.0, own=20.0)  # only our own work since: back to 2
+    at(30.0, 10.0, own=40.0)  # unchanged: nothing applied
+    at(40.0, 0.0, known=False)  # no /proc/stat: keep what we have
+    monkeypatch.setattr(machine, "read_machine", lambda: readings.pop(0))
+    applied: list[int] = []
+    adapt = machine.AdaptiveThreads(2, applied.append)
+    assert [adapt.check() for _ in range(5)] == [None, 1, 2, None, None]
+    assert applied == [1, 2] and adapt.threads == 2
+
+
+def test_a_server_on_auto_threads_follows_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's decode thread looks at round boundaries: with other processes keeping one of
+    2 cores busy it decodes on one thread, and its images are the API's."""
+    import itertools
+
+    import torch
+
+    import lantern
+    from lantern.serve.scheduler import Scheduler
+
+    looks = itertools.count()
+
+    def busy_one_core() -> Reading:  # every reading 10 s after the last (every look decides); others 1 CPU-s / s
+        t = 10.0 * next(looks)
+        return reading(t, 1000.0 + t, 0.0)
+
+    monkeypatch.setattr(machine, "read_machine", busy_one_core)
+    seen: list[int] = []
+    monkeypatch.setattr(Scheduler, "_set_threads", staticmethod(seen.append))
+    pipe = lantern.load("digits", deterministic=True)
+    sched = Scheduler(pipe, max_batch=2, threads=2, adapt_threads=True)
+    sched.start()
+    tickets = sched.submit(sched.resolve(3, 1, "ar", {}, (0,)))
+    sched.shutdown(timeout=60.0)
+    assert seen[:1] == [1]  # others took 1 CPU-s per wall second of 2 cores: one thread
+    assert torch.equal(tickets[0].future.result(0).codes, pipe(labels=[3], seed=1, method="ar").codes[0])
+
+
+def test_only_the_server_follows_the_load_instead_of_deciding_at_start() -> None:
+    """``serve``'s auto is adapted while it serves (main leaves torch's count alone for it); the
+    commands that finish decide once, at their start."""
+    from lantern.cli.main import build_parser
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--model", "digits"])
+    assert serve.threads == "auto" and serve.threads_follow_load
+    for argv in (["generate", "--model", "digits", "--labels", "1", "--out", "x"], ["bench", "--model", "digits"],
+                 ["demo"], ["profile", "--model", "digits"], ["calibrate", "--model", "digits", "--out", "x.json"]):
+        args = parser.parse_args(argv)
+        assert args.threads == "auto" and not getattr(args, "threads_follow_load", False), argv[0]

@@ -268,20 +268,25 @@ def threads_arg(text: str) -> int | str:
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=threads_arg, default="auto", metavar="N",
                    help="torch's CPU threads for this command. Default auto: torch's own count (or "
-                        "OMP_NUM_THREADS), lowered to the cores other processes leave free (a thread on a busy "
-                        "core stalls every op: on 2 cores beside a 2-thread torch job, 2 threads took 14x as long "
-                        "as 1)")
+                        "OMP_NUM_THREADS), lowered to the cores other processes leave free, looked at when the "
+                        "command starts (serve: every 10 s while it serves). A thread on a busy core stalls every "
+                        "op: on 2 cores beside a 2-thread torch job, 2 threads took 14x as long as 1")
+
+
+def adapts_threads(device: str) -> bool:
+    """Whether ``--threads auto`` may lower torch's count: on a CPU, unless ``OMP_NUM_THREADS`` chose it."""
+    import os
+
+    return str(device).startswith("cpu") and not os.environ.get("OMP_NUM_THREADS")
 
 
 def choose_threads(choice: int | str, device: str, current: int) -> int:
     """The intra-op thread count for ``--threads``: a number as given; ``auto`` on a CPU, the
     cores other processes leave free (measured for a quarter of a second, said in one line when it
     lowers ``current``); otherwise, or when ``OMP_NUM_THREADS`` chose the count, ``current``."""
-    import os
-
     if isinstance(choice, int):
         return choice
-    if current <= 1 or not str(device).startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+    if current <= 1 or not adapts_threads(device):
         return current
     from lantern import machine
 

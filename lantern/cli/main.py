@@ -134,8 +134,8 @@ def _threads(args: argparse.Namespace) -> Iterator[None]:
     """``--threads`` for the command's duration (torch's thread count is the process's: restored
     after, for a Python caller of :func:`main`)."""
     choice = getattr(args, "threads", None)
-    if choice is None:
-        yield
+    if choice is None or (choice == "auto" and getattr(args, "threads_follow_load", False)):
+        yield  # (serve: its decode thread follows the load while it serves)
         return
     import torch
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from lantern.calibration import AUTO, QUALITY_CLASSES, MethodChoice, check_quality
 from lantern.cli.common import (
+    adapts_threads,
     add_chameleon_args,
     add_compile_arg,
     add_deterministic_arg,
@@ -87,6 +88,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     add_chameleon_args(p)
     add_compile_arg(p)
     add_threads_arg(p)
+    p.set_defaults(threads_follow_load=True)  # auto: adapted while serving, not decided once at start
     add_deterministic_arg(p, default=True)  # the server's promise: a request's images do not depend on its batch-mates
     add_trust_checkpoint_arg(p)
     p.set_defaults(func=cmd_serve)
@@ -172,12 +174,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lantern.serve.scheduler import Scheduler, side_thread
 
     threads = torch.get_num_threads()  # the decode thread's; this thread runs at one (side_thread)
+    # --threads auto: the decode thread follows the machine's load while it serves (lantern.machine.AdaptiveThreads)
+    adapt = args.threads == "auto" and adapts_threads(args.device)
     side_thread()
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,
                 proximity=args.proximity, deterministic=args.deterministic, **chameleon_options(args))
     scheduler = Scheduler(pipe, max_batch=args.max_batch, max_queue=args.max_queue, continuous=args.continuous,
-                          threads=threads)
+                          threads=threads, adapt_threads=adapt)
     host, port = sock.getsockname()[:2]
     args.method, auto = server_method(pipe, args.method, args.quality, args.max_batch)
     app = create_app(scheduler, pipeline=pipe, default_method=args.method, auto=auto,

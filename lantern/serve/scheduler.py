@@ -54,6 +54,7 @@ from lantern.decoding.loop import Decode
 from lantern.decoding.rows import movable
 from lantern.decoding.sampling import validate_sampling_for_vocab
 from lantern.errors import LanternError
+from lantern.machine import AdaptiveThreads
 from lantern.methods import MethodConfig
 from lantern.run import PreparedMethod, image_seed
 from lantern.targets.base import Conditions, check_condition_kind
@@ -333,14 +334,16 @@ class Scheduler:
     """Queued jobs, one :class:`Lane` per method and settings, and the thread that runs their rounds."""
 
     def __init__(self, pipeline: Any, *, max_batch: int = 8, max_queue: int = 64, continuous: bool = True,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, adapt_threads: bool = False) -> None:
         """pipeline: a :class:`lantern.api.Pipeline` (its stack, drafter, proximity table and compile mode);
-        threads: the decode thread's intra-op threads (default: torch's count now)."""
+        threads: the decode thread's intra-op threads (default: torch's count now); adapt_threads: at
+        most that many, fewer while other processes keep cores busy (``lantern.machine.AdaptiveThreads``)."""
         if max_batch < 1 or max_queue < 1:
             raise LanternError(f"max_batch and max_queue must be >= 1, got {max_batch} and {max_queue}")
         self.pipeline, self.stack = pipeline, pipeline.stack
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
         self.threads = threads or torch.get_num_threads()
+        self.adapt_threads = adapt_threads
         self._queue: deque[Ticket] = deque()
         self._lanes: OrderedDict[MethodKey, Lane] = OrderedDict()
         self._lock = threading.Lock()
@@ -493,8 +496,11 @@ class Scheduler:
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
+        adapt = AdaptiveThreads(self.threads, self._set_threads) if self.adapt_threads else None
         with torch.inference_mode():
             while True:
+                if adapt is not None:
+                    adapt.check()
                 with self._wake:
                     while not self._queue and not self._busy_lanes() and not self._stop_now:
                         if self._stopping:
@@ -503,6 +509,12 @@ class Scheduler:
                     if self._stop_now:
                         return
                 self._cycle()
+
+    @staticmethod
+    def _set_threads(threads: int) -> None:
+        torch.set_num_threads(threads)
+        LOG.info("decoding on %d intra-op thread%s (other processes' load changed)", threads,
+                 "s" if threads > 1 else "")
 
     def _cycle(self) -> None:
         """Admit what fits, then one round of every lane with rows running."""
