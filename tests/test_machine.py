@@ -286,7 +286,7 @@ def test_a_server_on_auto_threads_follows_the_load(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(machine, "read_machine", busy_one_core)
     seen: list[int] = []
-    monkeypatch.setattr(Scheduler, "_set_threads", staticmethod(seen.append))
+    monkeypatch.setattr(Scheduler, "_set_threads", lambda self, threads: seen.append(threads))
     pipe = lantern.load("digits", deterministic=True)
     sched = Scheduler(pipe, max_batch=2, threads=2, adapt_threads=True)
     sched.start()
@@ -308,3 +308,18 @@ def test_only_the_server_follows_the_load_instead_of_deciding_at_start() -> None
                  ["demo"], ["profile", "--model", "digits"], ["calibrate", "--model", "digits", "--out", "x.json"]):
         args = parser.parse_args(argv)
         assert args.threads == "auto" and not getattr(args, "threads_follow_load", False), argv[0]
+
+
+def test_the_servers_decode_thread_leaves_a_core_to_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --threads auto`` on a CPU: the cores but one for the decode thread (the HTTP side
+    needs one: measured faster on 2 cores), following the load; a number, or a GPU, is kept as is."""
+    from lantern.cli.serve import decode_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert decode_threads("auto", "cpu", 2) == (1, True)
+    assert decode_threads("auto", "cpu", 16) == (15, True)
+    assert decode_threads("auto", "cpu", 1) == (1, True)
+    assert decode_threads(2, "cpu", 2) == (2, False)  # --threads 2: the command line set torch's count
+    assert decode_threads("auto", "cuda", 8) == (8, False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert decode_threads("auto", "cpu", 2) == (2, False)  # the user's count stands

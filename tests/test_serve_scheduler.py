@@ -315,3 +315,46 @@ def test_conditions_encoded_per_request_batch_as_one_encoding_would() -> None:
     captions = Conditions(torch.ones(1, 3, 2), torch.tensor([[False, True, True]]))
     assert batch_conditions([captions, captions]).cond.shape == (2, 3, 2)
     assert batch_conditions([Conditions(torch.tensor([3])), Conditions(torch.tensor([4]))]).cond.tolist() == [3, 4]
+
+
+def test_the_decode_thread_keeps_its_threads_whatever_other_threads_set(pipe: lantern.Pipeline,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sets a thread's intra-op count from the process-wide one at the thread's first op, and
+    every set_num_threads writes that one: a decode thread that set 2 and then waited for work once
+    decoded on 1 when a web worker called side_thread() meanwhile (its 1 won at the first op)."""
+    import threading
+
+    seen: list[int] = []
+    step = scheduler_module.Lane.step
+
+    def spy(lane: scheduler_module.Lane) -> None:
+        seen.append(torch.get_num_threads())
+        step(lane)
+
+    monkeypatch.setattr(scheduler_module.Lane, "step", spy)
+    fixed_way = scheduler_module.own_threads
+
+    def plain(threads: int) -> None:  # what the decode thread did before: set, with no read first
+        torch.set_num_threads(threads)
+
+    for fixed in (True, False):  # the fix, then (power) the old way
+        decode_thread_set = threading.Event()
+
+        def own(threads: int, way: Any = fixed_way if fixed else plain,
+                done: threading.Event = decode_thread_set) -> None:
+            way(threads)
+            if threading.current_thread().name == "lantern-decode":
+                done.set()
+
+        monkeypatch.setattr(scheduler_module, "own_threads", own)
+        seen.clear()
+        sched = Scheduler(pipe, max_batch=2, threads=2)
+        sched.start()
+        assert decode_thread_set.wait(60)  # the decode thread has set its count; it waits for work
+        worker = threading.Thread(target=scheduler_module.side_thread)  # then a web worker's first call
+        worker.start()
+        worker.join()
+        tickets = _submit(sched, 3, 1, "ar")
+        sched.shutdown(timeout=60.0)
+        assert tickets[0].future.result(0) is not None
+        assert set(seen) == ({2} if fixed else {1}), (fixed, seen)

@@ -160,6 +160,17 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
 
 
+def decode_threads(choice: int | str, device: str, current: int) -> tuple[int, bool]:
+    """The decode thread's intra-op threads and whether they follow the machine's load. ``auto`` on
+    a CPU: the cores but one (the server's own threads, HTTP, VQ decoding and PNG, need one: on 2
+    cores a decode thread on both made a request 1.4-1.6x slower, benchmarks/RESULTS.md), fewer while
+    other processes keep cores busy (``lantern.machine.AdaptiveThreads``). A number (``--threads``,
+    already set by the command line as torch's count) or another device: ``current``, fixed."""
+    if choice == "auto" and adapts_threads(device):
+        return max(1, current - 1), True
+    return current, False
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_serve_args(args)
     try:
@@ -173,9 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lantern.api import load
     from lantern.serve.scheduler import Scheduler, side_thread
 
-    threads = torch.get_num_threads()  # the decode thread's; this thread runs at one (side_thread)
-    # --threads auto: the decode thread follows the machine's load while it serves (lantern.machine.AdaptiveThreads)
-    adapt = args.threads == "auto" and adapts_threads(args.device)
+    threads, adapt = decode_threads(args.threads, args.device, torch.get_num_threads())  # before side_thread
     side_thread()
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     pipe = load(args.model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile, t5=args.t5,

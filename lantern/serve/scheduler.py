@@ -27,7 +27,9 @@ other live thread that has run a parallel torch op keeps its own OpenMP team, an
 machine one idle team beside the decoding one made decoding 40 % slower (0.54 s -> 0.77 s per
 `digits` image; a thread that set one intra-op thread before its first op cost nothing). So the
 process that serves runs its other threads, the main one included, at one intra-op thread
-(:func:`side_thread`) and the decode thread at ``threads``.
+(:func:`side_thread`) and the decode thread at ``threads`` (``lantern serve --threads auto``: the
+cores but one on a CPU, following the machine's load), each set with :func:`own_threads`: torch
+gives a thread the count another thread set last unless the thread asked for its own first.
 """
 
 from __future__ import annotations
@@ -135,7 +137,17 @@ def side_thread() -> None:
     """Call in a thread other than the decode thread before its first torch op (the main thread
     before loading the model, a web worker before decoding images): one intra-op thread, so its
     OpenMP team does not slow the decode thread (see the module docstring)."""
-    torch.set_num_threads(1)
+    own_threads(1)
+
+
+def own_threads(threads: int) -> None:
+    """This thread's intra-op thread count. torch (OpenMP builds) sets a thread's count from the
+    process-wide one the first time the thread runs an op or asks for its count, and every
+    ``torch.set_num_threads`` writes that process-wide one: a decode thread that set 2 and then
+    waited for work ran its first op after a web worker's ``side_thread`` had written 1, and
+    decoded on one thread (tests/test_serve_scheduler.py). Asking first settles it now."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 LOG = logging.getLogger("lantern.serve")
@@ -495,7 +507,7 @@ class Scheduler:
             del self._lanes[k]
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)
+        own_threads(self.threads)
         adapt = AdaptiveThreads(self.threads, self._set_threads) if self.adapt_threads else None
         with torch.inference_mode():
             while True:
@@ -510,11 +522,15 @@ class Scheduler:
                         return
                 self._cycle()
 
-    @staticmethod
-    def _set_threads(threads: int) -> None:
-        torch.set_num_threads(threads)
-        LOG.info("decoding on %d intra-op thread%s (other processes' load changed)", threads,
-                 "s" if threads > 1 else "")
+    def _set_threads(self, threads: int) -> None:
+        lower = threads < torch.get_num_threads()
+        own_threads(threads)
+        if lower:  # an operator's reason for slower images: said where the server's errors are
+            LOG.warning("other processes keep cores busy: decoding on %d intra-op thread%s, not %d (a thread on a "
+                        "busy core stalls every op; --threads N fixes the count)", threads,
+                        "s" if threads > 1 else "", self.threads)
+        else:
+            LOG.warning("decoding on %d intra-op threads again: cores were freed", threads)
 
     def _cycle(self) -> None:
         """Admit what fits, then one round of every lane with rows running."""
