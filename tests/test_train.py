@@ -367,3 +367,39 @@ def test_killed_training_resumes_to_the_same_weights(folder: Path, tmp_path: Pat
         subprocess.run([sys.executable, *args, "--out", str(tmp_path / out), *extra], env=env, cwd=cwd, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _assert_same_weights(tmp_path / "full", tmp_path / "killed")
+
+
+def test_training_on_auto_threads_follows_other_processes(folder: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--threads auto`` (the default): on a CPU, every 10 s of readings the trainer's intra-op
+    threads follow the cores other processes leave free (here one of 2 kept busy: 1 thread), said
+    in one line; ``--threads 2`` keeps 2 whatever the load."""
+    import itertools
+
+    from lantern import machine
+
+    looks = itertools.count()
+
+    def busy_one_core() -> machine.Reading:  # every reading 10 s after the last; others 1 CPU-s per s
+        t = 10.0 * next(looks)
+        return machine.Reading(wall=t, load1=1.0, cpus=2, machine_cpu=1000.0 + t, own_cpu=0.0)
+
+    monkeypatch.setattr(machine, "read_machine", busy_one_core)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest's 1 would decide the count
+    seen: list[int] = []
+    original = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), original(n)))
+    tiny = ["--codebook-size", "64", "--ch", "16", "--ch-mult", "1,2", "--z-channels", "16", "--norm-groups", "8"]
+    before = torch.get_num_threads()
+    original(2)
+    try:
+        for flag, expected in (("auto", 1), ("2", 2)):
+            seen.clear()
+            assert main(["train-tokenizer", "--data", str(folder), *tiny, "--out", str(tmp_path / flag), "--steps",
+                         "3", "--batch-size", "4", "--eval-images", "4", "--no-progress", "--threads", flag]) == 0
+            assert seen[:1] == [expected], (flag, seen)
+            assert torch.get_num_threads() == 2  # given back
+        assert capsys.readouterr().err.count("training on 1 thread") == 1
+    finally:
+        original(before)

@@ -62,9 +62,11 @@ def _add_loop_args(p: argparse.ArgumentParser, steps: int, batch_size: int, lr: 
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     g.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate a kill
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    from lantern.cli.common import add_trust_checkpoint_arg
+    from lantern.cli.common import add_threads_arg, add_trust_checkpoint_arg
 
     add_trust_checkpoint_arg(g)
+    add_threads_arg(p)
+    p.set_defaults(threads_follow_load=True)  # auto: adapted while training, not decided once at start
 
 
 def _loop(args: argparse.Namespace) -> Any:
@@ -83,10 +85,11 @@ def _loop(args: argparse.Namespace) -> Any:
 
 def _run_options(args: argparse.Namespace) -> Any:
     """--out, --resume, --no-progress and --stop-after as the trainers' :class:`RunOptions`."""
+    from lantern.cli.common import adapts_threads
     from lantern.train.loop import RunOptions
 
     return RunOptions(args.out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after,
-                      command=_command())
+                      command=_command(), adapt_threads=args.threads == "auto" and adapts_threads("cpu"))
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:

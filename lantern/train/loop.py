@@ -414,6 +414,7 @@ class RunOptions:
     progress: bool = True
     stop_after: int | None = None
     command: str | None = None
+    adapt_threads: bool = False  # on a CPU, train on the cores other processes leave free (``--threads auto``)
 
 
 def train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResult:
@@ -504,7 +505,7 @@ def _train(task: TrainTask, loop: LoopConfig, options: RunOptions) -> TrainResul
     check(task.num_examples() >= 1, f"{task.kind} training: the training set is empty")
     t0 = time.time()
     end = loop.steps if stop_after is None else min(loop.steps, stop_after)
-    log = _run_steps(run, start_step, end, options.progress)
+    log = _run_steps(run, start_step, end, options.progress, options.adapt_threads)
     steps_run = end - start_step
     if end < loop.steps:
         return TrainResult(out, {}, steps_run, resumed_from, finished=False, main_process=accelerator.is_main_process)
@@ -608,9 +609,13 @@ def _resume_from(run: _Run, existing: Path) -> int:
     return step
 
 
-def _run_steps(run: _Run, start: int, end: int, progress: bool) -> dict[str, float]:
-    """Steps ``[start, end)``, logging and checkpointing; returns the last logged values."""
+def _run_steps(run: _Run, start: int, end: int, progress: bool, adapt_threads: bool = False) -> dict[str, float]:
+    """Steps ``[start, end)``, logging and checkpointing; returns the last logged values.
+    ``adapt_threads``: on a CPU, every 10 s the intra-op threads follow what other processes leave
+    free (``lantern.machine.AdaptiveThreads``: a thread on a busy core stalls every op)."""
     from tqdm.auto import tqdm
+
+    from lantern.machine import AdaptiveThreads
 
     accelerator, task, loop, parts = run.accelerator, run.task, run.loop, run.parts
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -619,27 +624,42 @@ def _run_steps(run: _Run, start: int, end: int, progress: bool) -> dict[str, flo
     bar = tqdm(total=loop.steps, initial=start, desc=f"train {task.kind}", dynamic_ncols=True,
                disable=not (progress and accelerator.is_main_process))
     log: dict[str, float] = {}
-    for step in range(start, end):
-        torch.manual_seed(_mix(loop.seed, step, rank))  # dropout: a function of the step, nothing to checkpoint
-        indices = part.take(batch_indices(loop.seed, step, loop.batch_size, task.num_examples()))
-        batch = task.make_batch(indices, step, accelerator.device, part)
-        with accelerator.autocast():
-            loss, log = task.loss(parts.model, batch, step)
-        mean_loss = _mean_over_processes(accelerator, {"loss": float(loss.detach())})["loss"]
-        check(math.isfinite(mean_loss), f"{task.kind} training diverged at step {step}: loss is {mean_loss}")
-        _optimizer_step(accelerator, loop, parts, loss)
-        log = {"loss": mean_loss, **log, **task.after_step(accelerator.unwrap_model(parts.model), batch, step)}
-        done = step + 1
-        bar.update(1)
-        if done % loop.log_every == 0 or done == end:
-            log = _mean_over_processes(accelerator, log)  # the global batch's values, as one process logs them
-            bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
-            if accelerator.is_main_process:
-                with open(run.out / LOG_FILE, "a") as f:
-                    line = finite_or_null({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log})
-                    f.write(json.dumps(line, allow_nan=False) + "\n")
-        if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
-            _save_checkpoint(accelerator, run.out, done, loop, task, parts)
+
+    def threads_now(threads: int) -> None:
+        torch.set_num_threads(threads)
+        if accelerator.is_main_process:
+            bar.write(f"lantern: other processes' load changed: training on {threads} thread{'s' * (threads > 1)}",
+                      file=sys.stderr)
+
+    adapt = (AdaptiveThreads(torch.get_num_threads(), threads_now)
+             if adapt_threads and accelerator.device.type == "cpu" else None)
+    try:
+        for step in range(start, end):
+            if adapt is not None:
+                adapt.check()
+            torch.manual_seed(_mix(loop.seed, step, rank))  # dropout: a function of the step, nothing to checkpoint
+            indices = part.take(batch_indices(loop.seed, step, loop.batch_size, task.num_examples()))
+            batch = task.make_batch(indices, step, accelerator.device, part)
+            with accelerator.autocast():
+                loss, log = task.loss(parts.model, batch, step)
+            mean_loss = _mean_over_processes(accelerator, {"loss": float(loss.detach())})["loss"]
+            check(math.isfinite(mean_loss), f"{task.kind} training diverged at step {step}: loss is {mean_loss}")
+            _optimizer_step(accelerator, loop, parts, loss)
+            log = {"loss": mean_loss, **log, **task.after_step(accelerator.unwrap_model(parts.model), batch, step)}
+            done = step + 1
+            bar.update(1)
+            if done % loop.log_every == 0 or done == end:
+                log = _mean_over_processes(accelerator, log)  # the global batch's values, as one process logs them
+                bar.set_postfix({k: f"{v:.4g}" for k, v in log.items()}, refresh=False)
+                if accelerator.is_main_process:
+                    with open(run.out / LOG_FILE, "a") as f:
+                        line = finite_or_null({"step": done, "lr": parts.scheduler.get_last_lr()[0], **log})
+                        f.write(json.dumps(line, allow_nan=False) + "\n")
+            if done % loop.checkpoint_every == 0 or (done == end and done < loop.steps):
+                _save_checkpoint(accelerator, run.out, done, loop, task, parts)
+    finally:  # the count the run started with, for whatever runs next in this process
+        if adapt is not None:
+            torch.set_num_threads(adapt.most)
     bar.close()
     return log
 
