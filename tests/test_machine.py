@@ -262,6 +262,7 @@ def test_adaptive_threads_follow_other_processes(monkeypatch: pytest.MonkeyPatch
     at(30.0, 10.0, own=40.0)  # unchanged: nothing applied
     at(40.0, 0.0, known=False)  # no /proc/stat: keep what we have
     monkeypatch.setattr(machine, "read_machine", lambda: readings.pop(0))
+    monkeypatch.setattr(machine, "_seconds", lambda: float("inf"))  # the readings' clock decides
     applied: list[int] = []
     adapt = machine.AdaptiveThreads(2, applied.append)
     assert [adapt.check() for _ in range(5)] == [None, 1, 2, None, None]
@@ -285,6 +286,7 @@ def test_a_server_on_auto_threads_follows_the_load(monkeypatch: pytest.MonkeyPat
         return reading(t, 1000.0 + t, 0.0)
 
     monkeypatch.setattr(machine, "read_machine", busy_one_core)
+    monkeypatch.setattr(machine, "_seconds", lambda: float("inf"))  # the readings' clock decides
     seen: list[int] = []
     monkeypatch.setattr(Scheduler, "_set_threads", lambda self, threads: seen.append(threads))
     pipe = lantern.load("digits", deterministic=True)
@@ -323,3 +325,21 @@ def test_the_servers_decode_thread_leaves_a_core_to_the_server(monkeypatch: pyte
     assert decode_threads("auto", "cuda", 8) == (8, False)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert decode_threads("auto", "cpu", 2) == (2, False)  # the user's count stands
+
+
+def test_adaptive_threads_read_the_machine_only_when_a_look_is_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() runs every round or step: before 10 s have passed it reads a clock, not /proc/stat."""
+    now = {"t": 100.0}
+    monkeypatch.setattr(machine, "_seconds", lambda: now["t"])
+    monkeypatch.setattr(machine, "read_machine", lambda: reading(now["t"], 1000.0 + now["t"], 0.0))
+    adapt = machine.AdaptiveThreads(2, lambda threads: None)
+
+    def unread() -> Reading:
+        raise AssertionError("the machine was read between looks")
+
+    monkeypatch.setattr(machine, "read_machine", unread)
+    now["t"] = 109.9
+    assert adapt.check() is None  # 9.9 s: no look
+    monkeypatch.setattr(machine, "read_machine", lambda: reading(now["t"], 1000.0 + now["t"], 0.0))
+    now["t"] = 110.0
+    assert adapt.check() == 1  # 10 s: others kept one of 2 cores busy

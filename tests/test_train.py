@@ -386,6 +386,7 @@ def test_training_on_auto_threads_follows_other_processes(folder: Path, tmp_path
         return machine.Reading(wall=t, load1=1.0, cpus=2, machine_cpu=1000.0 + t, own_cpu=0.0)
 
     monkeypatch.setattr(machine, "read_machine", busy_one_core)
+    monkeypatch.setattr(machine, "_seconds", lambda: float("inf"))  # the readings' clock decides
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest's 1 would decide the count
     seen: list[int] = []
     original = torch.set_num_threads
