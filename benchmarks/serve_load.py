@@ -178,12 +178,19 @@ def fire(server: Server, plan: list[list[tuple[float, dict[str, Any]]]]) -> dict
 def server_over_direct(server: Server, model: str, method: str, count: int, label_count: int) -> dict[str, float]:
     """One image at a time, alternately made in this process (the pipeline and a PNG, as the server
     does) and requested from the idle server: medians and their ratio. Alternating keeps the two
-    on the same machine state (this VM's speed drifts by 20-30 % over minutes)."""
+    on the same machine state (this VM's speed drifts by 20-30 % over minutes). The direct call
+    runs in the server's mode (``/v1/model``'s ``deterministic``) on the server's decode threads
+    (``lantern_decode_threads``), so the ratio is what serving adds, not a mode or a thread count."""
     import io
+
+    import torch
 
     import lantern
 
-    pipe = lantern.load(model)
+    deterministic = bool(json.loads(http(server.url + "/v1/model")[1])["deterministic"])
+    threads = int(metric(server.metrics(), "lantern_decode_threads"))
+    torch.set_num_threads(threads)  # this process's main thread: the only one that runs torch here
+    pipe = lantern.load(model, deterministic=deterministic)
     pipe(labels=[0], seed=0, method=method)  # warm, as the server is
     direct, served = [], []
     for r in range(count):
@@ -197,7 +204,8 @@ def server_over_direct(server: Server, model: str, method: str, count: int, labe
         if status != 200:
             raise SystemExit(f"the server answered {status}")
     d, s = statistics.median(direct), statistics.median(served)
-    return {"direct_p50": d, "server_p50": s, "latency_over_direct": s / d}
+    return {"direct_p50": d, "server_p50": s, "latency_over_direct": s / d, "direct_threads": threads,
+            "direct_deterministic": deterministic}
 
 
 def main() -> None:

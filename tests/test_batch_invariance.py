@@ -10,6 +10,9 @@ forced AVX2 kernels (MKL's AVX2 sgemm is the one whose row results depend on the
 from __future__ import annotations
 
 import argparse
+import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +135,54 @@ def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits
         # power: the same kernel without the refusal changes the rows of a 32-row call
         layer.invariant_chunks = (8, 16, 24, 32, 40, 48, 56, 64, 128, 256)
         assert not torch.equal(layer(x[:32]), alone[:32])
+
+
+def _threads_left_by(probe: Callable[[], Any], settle: float) -> int:
+    """OS threads the process has after ``probe`` ran in a fresh thread, minus before, counted
+    while that thread is still alive (what a server's main thread keeps for its lifetime). Worker
+    threads that are ending are waited for, up to ``settle`` s."""
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    counts: list[int] = []
+
+    def run() -> None:
+        before = tasks()
+        probe()
+        deadline = time.monotonic() + settle
+        while tasks() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        counts.append(tasks() - before)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return counts[0]
+
+
+def test_the_probe_leaves_the_calling_thread_without_an_openmp_team(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs at 2 threads in a thread of its own, so the thread that loads a model keeps
+    no OpenMP worker: libgomp keeps a thread's team for the thread's lifetime, and a server's main
+    thread holding one made its decode thread's team sleep between ops (AR 1.7x slower at 2
+    threads). Power: the same probe run in the calling thread leaves its worker behind."""
+    monkeypatch.setattr(invariant, "_probe_threads", lambda: [1, 2])
+    weight = torch.randn(256, 256)
+    monkeypatch.setattr(invariant, "_probed", {})
+    assert _threads_left_by(lambda: invariant.invariant_chunks(weight), settle=10.0) == 0
+    chunks = invariant._probed.popitem()[1]
+    assert _threads_left_by(lambda: invariant._probe(weight, None), settle=0.0) >= 1  # power: a team stays
+    assert invariant._probe(weight, None) == chunks  # the same answer in either thread
+
+
+def test_a_failing_probe_raises_in_the_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> Tensor:
+        raise RuntimeError("kernel says no")
+
+    monkeypatch.setattr(invariant, "_probed", {})
+    monkeypatch.setattr(invariant.F, "linear", broken)
+    with pytest.raises(RuntimeError, match="kernel says no"):
+        invariant.invariant_chunks(torch.randn(32, 16))
+    assert invariant._probed == {}
 
 
 @pytest.mark.parametrize(("m", "sizes"), [(1, (8,)), (8, (8,)), (9, (16,)), (34, (40,)), (64, (64,)),

@@ -288,13 +288,21 @@ def test_a_server_on_auto_threads_follows_the_load(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(machine, "read_machine", busy_one_core)
     monkeypatch.setattr(machine, "_seconds", lambda: float("inf"))  # the readings' clock decides
     seen: list[int] = []
-    monkeypatch.setattr(Scheduler, "_set_threads", lambda self, threads: seen.append(threads))
+    set_threads = Scheduler._set_threads
+
+    def spy(self: Scheduler, threads: int) -> None:
+        seen.append(threads)
+        set_threads(self, threads)
+
+    monkeypatch.setattr(Scheduler, "_set_threads", spy)
     pipe = lantern.load("digits", deterministic=True)
     sched = Scheduler(pipe, max_batch=2, threads=2, adapt_threads=True)
+    assert sched.metrics()["decode_threads"] == 0  # not started
     sched.start()
     tickets = sched.submit(sched.resolve(3, 1, "ar", {}, (0,)))
     sched.shutdown(timeout=60.0)
     assert seen[:1] == [1]  # others took 1 CPU-s per wall second of 2 cores: one thread
+    assert sched.metrics()["decode_threads"] == seen[-1] == 1  # what /metrics says (lantern_decode_threads)
     assert torch.equal(tickets[0].future.result(0).codes, pipe(labels=[3], seed=1, method="ar").codes[0])
 
 
@@ -312,15 +320,15 @@ def test_only_the_server_follows_the_load_instead_of_deciding_at_start() -> None
         assert args.threads == "auto" and not getattr(args, "threads_follow_load", False), argv[0]
 
 
-def test_the_servers_decode_thread_leaves_a_core_to_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``serve --threads auto`` on a CPU: the cores but one for the decode thread (the HTTP side
-    needs one: measured faster on 2 cores), following the load; a number, or a GPU, is kept as is."""
+def test_the_servers_decode_thread_takes_every_core_and_follows_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --threads auto`` on a CPU: torch's count for the decode thread, following the load
+    (measured faster than the cores but one once no other thread held an OpenMP team); a number,
+    a GPU, or OMP_NUM_THREADS: kept as is, fixed."""
     from lantern.cli.serve import decode_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert decode_threads("auto", "cpu", 2) == (1, True)
-    assert decode_threads("auto", "cpu", 16) == (15, True)
-    assert decode_threads("auto", "cpu", 1) == (1, True)
+    assert decode_threads("auto", "cpu", 2) == (2, True)
+    assert decode_threads("auto", "cpu", 16) == (16, True)
     assert decode_threads(2, "cpu", 2) == (2, False)  # --threads 2: the command line set torch's count
     assert decode_threads("auto", "cuda", 8) == (8, False)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")

@@ -358,3 +358,4 @@ def test_the_decode_thread_keeps_its_threads_whatever_other_threads_set(pipe: la
         sched.shutdown(timeout=60.0)
         assert tickets[0].future.result(0) is not None
         assert set(seen) == ({2} if fixed else {1}), (fixed, seen)
+        assert sched.metrics()["decode_threads"] == 2  # what the scheduler set (the old way: not what ran)

@@ -269,7 +269,7 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=threads_arg, default="auto", metavar="N",
                    help="torch's CPU threads for this command. Default auto: torch's own count (or "
                         "OMP_NUM_THREADS), lowered to the cores other processes leave free, looked at when the "
-                        "command starts (serve, on the cores but one, and training: every 10 s while they run). A "
+                        "command starts (serve and training: every 10 s while they run). A "
                         "thread on a busy core stalls every op: on 2 cores beside a 2-thread torch job, 2 threads "
                         "took 14x as long as 1")
 

@@ -162,13 +162,12 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
 
 def decode_threads(choice: int | str, device: str, current: int) -> tuple[int, bool]:
     """The decode thread's intra-op threads and whether they follow the machine's load. ``auto`` on
-    a CPU: the cores but one (the server's own threads, HTTP, VQ decoding and PNG, need one: on 2
-    cores a decode thread on both made a request 1.4-1.6x slower, benchmarks/RESULTS.md), fewer while
-    other processes keep cores busy (``lantern.machine.AdaptiveThreads``). A number (``--threads``,
-    already set by the command line as torch's count) or another device: ``current``, fixed."""
-    if choice == "auto" and adapts_threads(device):
-        return max(1, current - 1), True
-    return current, False
+    a CPU: every core (``current``, torch's count), fewer while other processes keep cores busy
+    (``lantern.machine.AdaptiveThreads``). The server's own threads (HTTP, VQ decoding, PNG) run
+    torch on one thread and take little: on 2 cores, 2 decode threads gave 1.35-1.39x the images/s
+    of 1 at 8 clients (benchmarks/RESULTS.md, "OpenMP teams"). A number (``--threads``, already set
+    by the command line as torch's count) or another device: ``current``, fixed."""
+    return current, choice == "auto" and adapts_threads(device)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

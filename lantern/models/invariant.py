@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,7 @@ _PROBE_TRIALS = 2
 
 # (in, out, bias, dtype, device) -> chunk sizes: a property of the kernels, found once per process
 _probed: dict[tuple[Any, ...], tuple[int, ...]] = {}
+_T = TypeVar("_T")
 
 
 def larger_calls(smallest: int, largest: int) -> list[int]:
@@ -168,6 +170,42 @@ def _at_every_thread_count(check: Callable[[], bool]) -> bool:
         torch.set_num_threads(before)
 
 
+def _in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
+    """``work()`` run in a new thread that ends with it. Why: libgomp keeps the OpenMP team a thread
+    opens (its worker threads) for the thread's lifetime, and once the process's teams hold more
+    threads than there are cores, every team's workers sleep between parallel regions instead of
+    spinning (its "throttled" spin count). The probe opens a full team; run in the caller's thread
+    it left the server's main thread (which then only waits) holding one, and the server's decode
+    thread ran AR at 2 threads 1.7x slower than at 1 (benchmarks/RESULTS.md, "OpenMP teams")."""
+    result: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach here
+                result.append(work())
+        except BaseException as e:  # re-raised in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="lantern-invariance-probe")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def _probe(weight: Tensor, bias: Tensor | None) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(0)
+    w = _randn(gen, weight, *weight.shape)
+    b = None if bias is None else _randn(gen, bias, *bias.shape)
+    smallest = next(r for r in candidate_rows(weight.device)
+                    if r == 1 or _at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
+    larger = larger_calls(smallest, largest_call_rows(weight.device))
+    return (smallest, *(r for r in larger if _at_every_thread_count(
+        functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))))
+
+
 @torch.no_grad()
 def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, ...]:
     """The call sizes at which this device's matmul gives a row one result wherever it sits,
@@ -175,17 +213,11 @@ def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, .
     shape, dtype and device; cached per process). The smallest is the first candidate at which
     a row's result is the same at every position of the call; the others are the
     :func:`larger_calls` at which a row's result at every position equals its result in the
-    smallest call."""
+    smallest call. On a CPU the probe runs in a thread of its own (:func:`_in_a_thread_that_ends`)."""
     key = (weight.shape[1], weight.shape[0], bias is not None, weight.dtype, weight.device)
     if key not in _probed:
-        gen = torch.Generator().manual_seed(0)
-        w = _randn(gen, weight, *weight.shape)
-        b = None if bias is None else _randn(gen, bias, *bias.shape)
-        smallest = next(r for r in candidate_rows(weight.device)
-                        if r == 1 or _at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
-        larger = larger_calls(smallest, largest_call_rows(weight.device))
-        _probed[key] = (smallest, *(r for r in larger if _at_every_thread_count(
-            functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))))
+        probe = functools.partial(_probe, weight, bias)
+        _probed[key] = _in_a_thread_that_ends(probe) if weight.device.type == "cpu" else probe()
     return _probed[key]
 
 

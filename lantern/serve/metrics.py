@@ -26,6 +26,8 @@ SCHEDULER_FIGURES = {
     "forwards_total": ("lantern_forwards_total", "counter", "target forwards of the images finished"),
     "busy_row_rounds": ("lantern_busy_row_rounds_total", "counter", "busy rows summed over rounds"),
     "row_rounds": ("lantern_row_rounds_total", "counter", "rows summed over rounds"),
+    "decode_threads": ("lantern_decode_threads", "gauge",
+                       "intra-op threads of the decode thread now (fewer while other processes keep cores busy)"),
 }
 OWN_NAMES = ("images_total", "tokens_total", "mean_tokens_per_forward")
 

@@ -356,6 +356,7 @@ class Scheduler:
         self.max_batch, self.max_queue, self.continuous = max_batch, max_queue, continuous
         self.threads = threads or torch.get_num_threads()
         self.adapt_threads = adapt_threads
+        self.decode_threads = 0  # the decode thread's intra-op threads now (0 before it starts)
         self._queue: deque[Ticket] = deque()
         self._lanes: OrderedDict[MethodKey, Lane] = OrderedDict()
         self._lock = threading.Lock()
@@ -466,6 +467,7 @@ class Scheduler:
             rows = sum(len(lane.rows) for lane in lanes)
             busy = sum(lane.busy for lane in lanes)
             c["queue_depth"] = float(len(self._queue))
+        c["decode_threads"] = float(self.decode_threads)
         c["batch_rows"], c["busy_rows"] = float(rows), float(busy)
         c["batch_occupancy"] = c["busy_row_rounds"] / c["row_rounds"] if c["row_rounds"] else 0.0
         c["mean_tokens_per_forward"] = c["tokens_total"] / c["forwards_total"] if c["forwards_total"] else 0.0
@@ -508,6 +510,7 @@ class Scheduler:
 
     def _run(self) -> None:
         own_threads(self.threads)
+        self.decode_threads = self.threads
         adapt = AdaptiveThreads(self.threads, self._set_threads) if self.adapt_threads else None
         with torch.inference_mode():
             while True:
@@ -525,6 +528,7 @@ class Scheduler:
     def _set_threads(self, threads: int) -> None:
         lower = threads < torch.get_num_threads()
         own_threads(threads)
+        self.decode_threads = threads
         if lower:  # an operator's reason for slower images: said where the server's errors are
             LOG.warning("other processes keep cores busy: decoding on %d intra-op thread%s, not %d (a thread on a "
                         "busy core stalls every op; --threads N fixes the count)", threads,
