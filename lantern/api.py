@@ -32,6 +32,7 @@ from lantern.decoding.compiling import compile_notices
 from lantern.decoding.config import SamplingConfig
 from lantern.errors import LanternError, check, python_errors
 from lantern.hub import resolve_location
+from lantern.machine import in_a_thread_that_ends
 from lantern.methods import METHOD_SETTINGS, METHOD_TABLE, MethodConfig, method_settings, resolve_method
 from lantern.parts import ModelParts
 from lantern.run import PreparedMethod, RunResult
@@ -153,8 +154,8 @@ class Pipeline:
     proximity table and T5 encoder, each read on first need and then kept; and the last
     ``MAX_PREPARED`` prepared methods (:meth:`prepare`), so a second call with the same method and
     settings reads nothing from disk and reuses its caches and compiled round (and, with
-    ``tree="auto"``, the tree or window the first call measured). A call is not
-    thread-safe (a prepared method's caches serve one batch at a time); :meth:`prepare` is."""
+    ``tree="auto"``, the tree or window the first call measured). Calls from several threads take
+    turns (a prepared method's caches serve one batch at a time); :meth:`prepare` runs alongside."""
 
     def __init__(self, stack: Any, device: str = "cpu", compile: str | None = "off",
                  parts: ModelParts | None = None) -> None:
@@ -168,6 +169,7 @@ class Pipeline:
         # tree="auto" choices, measured once per (method, its settings, sampling, batch size)
         self._auto_choices: OrderedDict[tuple[Any, ...], tuple[MethodConfig, dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
+        self._call_lock = threading.RLock()  # one decode at a time: the prepared methods' caches are shared
 
     def __repr__(self) -> str:
         return f"Pipeline({self.stack.root}, device={self.device!r}, compile={self.compile!r})"
@@ -246,28 +248,27 @@ class Pipeline:
         conditions = self._check_conditions(labels, prompts)
         check_image_total(len(conditions), num_per_label, "num_per_label")
         check_quality(quality, method)  # only with method="auto"
-        chosen: dict[str, Any] = {}
-        # The rows a call decodes: what method="auto" and tree="auto" choose for (two images at
-        # batch_size 8 decode as a batch of 2, whose fastest method or tree may be another).
-        call_batch = min(batch_size, len(conditions) * num_per_label)
-        if method == AUTO:
-            choice = self.auto_method(quality, call_batch, **settings)
-            method, chosen = choice.method, {"auto_method": choice.to_dict()}
-        settings = _window_as_tree(method, settings)
-        with compile_notices(progress):  # a compiled round's first call: seconds to minutes
-            if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
-                method_cfg, sampling, auto = self._auto(method, settings, seed, call_batch, progress)
-            else:
-                (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
-            result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
-        replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size, **sampling.to_dict(),
-                  **method_settings(result.method), **({"tree": "auto"} if auto.get("auto_tree") else {})}
-        return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes, settings=replay,
-                              stats=result.stats_dict(), config={**run_config(seed, batch_size, self.device, sampling,
-                                                                             result.method,
-                                                                             deterministic=self.deterministic),
-                                                                  **auto, **chosen},
-                              outputs=result.output_stats)
+        with self._call_lock:  # calls from several threads take turns
+            chosen: dict[str, Any] = {}
+            # The rows a call decodes: what method="auto" and tree="auto" choose for (two images at
+            # batch_size 8 decode as a batch of 2, whose fastest method or tree may be another).
+            call_batch = min(batch_size, len(conditions) * num_per_label)
+            if method == AUTO:
+                choice = self.auto_method(quality, call_batch, **settings)
+                method, chosen = choice.method, {"auto_method": choice.to_dict()}
+            settings = _window_as_tree(method, settings)
+            with compile_notices(progress):  # a compiled round's first call: seconds to minutes
+                if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
+                    method_cfg, sampling, auto = self._auto(method, settings, seed, call_batch, progress)
+                else:
+                    (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
+                result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
+            replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size, **sampling.to_dict(),
+                      **method_settings(result.method), **({"tree": "auto"} if auto.get("auto_tree") else {})}
+            config = {**run_config(seed, batch_size, self.device, sampling, result.method,
+                                   deterministic=self.deterministic), **auto, **chosen}
+            return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes, settings=replay,
+                                  stats=result.stats_dict(), config=config, outputs=result.output_stats)
 
     def calibration_setup(self) -> Setup:
         """This pipeline's model and device setting, as ``--method auto``'s calibration is keyed."""
@@ -419,19 +420,25 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     check(prompt_width is None or (type(prompt_width) is int and prompt_width >= 1),
           f"--prompt-width must be a positive number of tokens, got {prompt_width!r}",
           field="prompt_width")
-    pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5, vq=vq,
-                 layout=layout, image_size=image_size, proximity=proximity)
-    if prompt_width is not None:
-        check(hasattr(pipe.stack, "prompt_width"), "--prompt-width is only used with Chameleon-family models "
-                                                   "(Anole, Lumina-mGPT, Janus, Emu3)", field="prompt_width")
-        pipe.stack.prompt_width = prompt_width
-    if hasattr(pipe.stack, "prompter"):  # what every prompt shares must fit (Emu3: its negative prompt)
-        pipe.stack.prompter.check_fits((), pipe.stack.prompt_width)
-    if deterministic:
-        from lantern.models.invariant import make_batch_invariant
 
-        make_batch_invariant(pipe.stack.network())  # drafters follow the target (follow_batch_invariance)
-    return pipe
+    def build() -> Pipeline:
+        pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5,
+                     vq=vq, layout=layout, image_size=image_size, proximity=proximity)
+        if prompt_width is not None:
+            check(hasattr(pipe.stack, "prompt_width"), "--prompt-width is only used with Chameleon-family models "
+                                                       "(Anole, Lumina-mGPT, Janus, Emu3)", field="prompt_width")
+            pipe.stack.prompt_width = prompt_width
+        if hasattr(pipe.stack, "prompter"):  # what every prompt shares must fit (Emu3: its negative prompt)
+            pipe.stack.prompter.check_fits((), pipe.stack.prompt_width)
+        if deterministic:
+            from lantern.models.invariant import make_batch_invariant
+
+            make_batch_invariant(pipe.stack.network())  # drafters follow the target (follow_batch_invariance)
+        return pipe
+
+    # Loading's parallel ops (weight casts, the batch-invariance probe) would leave the caller's
+    # thread an OpenMP team for good, and the calls that decode on another thread run slower.
+    return in_a_thread_that_ends(build)
 
 
 def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None, *, device: str,

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 BUSY_SHARE = 0.25  # others using more than a quarter of all cores: on 2 cores, half a core
 PROC_STAT = Path("/proc/stat")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,38 @@ class AdaptiveThreads:
         self.threads = threads
         self.apply(threads)
         return threads
+
+
+def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
+    """``work()`` run in a new thread that ends with it, at the caller's intra-op thread count and
+    grad / inference mode; its exception is raised here. Why: libgomp (torch's OpenMP) keeps the
+    team a thread opens, its worker threads, for the thread's lifetime, and once the process's
+    teams hold more threads than there are cores, every team's workers sleep between parallel
+    regions instead of spinning, so each op pays a wake-up. Loading a model (weight casts, the
+    batch-invariance probe) opens a full team; run in the caller's thread it stays there, and a
+    decode on any other thread (a server's, a web app's worker) ran 1.7-1.8x slower on 2 cores
+    (benchmarks/RESULTS.md, "OpenMP teams"). Daemon: Ctrl-C in the caller is not held up."""
+    import torch
+
+    threads, grad, inference = torch.get_num_threads(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    result: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            torch.get_num_threads()  # settle this thread's count first (torch's lazy per-thread init)
+            torch.set_num_threads(threads)
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                result.append(work())
+        except BaseException as e:  # raised again in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="lantern-passing", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class LoadWatch:

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
@@ -113,6 +113,34 @@ def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 REJECT = 1.0 - 2.0**-53  # the largest double below 1: fails every test with probability < 1
+
+
+def threads_left_by(work: Callable[[], Any], settle: float, threads: int = 2) -> int:
+    """OS threads the process has after ``work`` ran in a fresh thread at ``threads`` intra-op
+    threads, minus before, counted while that thread is still alive: an OpenMP team the thread
+    opened stays that long (a server's main thread: the server's life). Threads that are ending
+    are waited for, up to ``settle`` s."""
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    counts: list[int] = []
+    before_count = torch.get_num_threads()
+
+    def run() -> None:
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
+        before = tasks()
+        work()
+        deadline = time.monotonic() + settle
+        while tasks() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        counts.append(tasks() - before)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(before_count)  # set_num_threads wrote the process-wide count too
+    return counts[0]
 
 
 def o_residual(r, x, p_tilde, agg, q_j, nbr, cfg) -> list[float]:

@@ -329,3 +329,59 @@ def test_a_jacobi_window_of_auto_is_measured_as_tree_auto(digits: lantern.Pipeli
     with pytest.raises(LanternError, match=r"^sjd_window='auto' chooses sjd-coupled's window; it cannot be combined "
                                            r"with tree='chain:3'$"):
         digits(labels=[1], method="sjd-coupled", sjd_window="auto", tree="chain:3")
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_calls_from_two_threads_take_turns(locked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads calling one pipeline at once: the second call's decode starts only after the
+    first's has ended (they share the prepared method's caches), and each gets the codes it gets
+    alone. The first call waits inside its decode until the second enters one, so without the lock
+    (power: ``locked=False``) the two decodes are seen overlapping. The wait: 2 s with the lock (the
+    second cannot enter; any wait gives the same count), 60 s without (it returns when the second
+    enters: a busy machine cannot make the power check miss)."""
+    import contextlib
+    import threading
+
+    from lantern import api
+
+    pipe = lantern.load("digits")
+    if not locked:
+        monkeypatch.setattr(pipe, "_call_lock", contextlib.nullcontext())
+    run, inside, most, lock = api.Pipeline._run, [0], [0], threading.Lock()
+    first_in, second_in = threading.Event(), threading.Event()
+
+    def handshake(self: api.Pipeline, *args: Any) -> Any:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            is_first = not first_in.is_set()
+            (first_in if is_first else second_in).set()
+        try:
+            if is_first:
+                second_in.wait(2.0 if locked else 60.0)  # the second call's decode, if it can start now
+            return run(self, *args)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(api.Pipeline, "_run", handshake)
+    results: dict[int, Any] = {}
+
+    def call(label: int) -> None:
+        try:
+            results[label] = pipe(labels=[label], seed=label, method="sjd-coupled").codes
+        except Exception as e:  # without the lock the shared caches overflow (an IndexError)
+            results[label] = e
+
+    first = threading.Thread(target=call, args=(3,))
+    first.start()
+    assert first_in.wait(60)
+    second = threading.Thread(target=call, args=(5,))
+    second.start()
+    first.join()
+    second.join()
+    assert most[0] == (1 if locked else 2)
+    monkeypatch.undo()
+    if locked:
+        for label in (3, 5):
+            assert torch.equal(results[label], pipe(labels=[label], seed=label, method="sjd-coupled").codes)

@@ -10,9 +10,6 @@ forced AVX2 kernels (MKL's AVX2 sgemm is the one whose row results depend on the
 from __future__ import annotations
 
 import argparse
-import os
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import threads_left_by
 from torch import Tensor, nn
 
 import lantern
@@ -137,29 +135,6 @@ def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits
         assert not torch.equal(layer(x[:32]), alone[:32])
 
 
-def _threads_left_by(probe: Callable[[], Any], settle: float) -> int:
-    """OS threads the process has after ``probe`` ran in a fresh thread, minus before, counted
-    while that thread is still alive (what a server's main thread keeps for its lifetime). Worker
-    threads that are ending are waited for, up to ``settle`` s."""
-    def tasks() -> int:
-        return len(os.listdir("/proc/self/task"))
-
-    counts: list[int] = []
-
-    def run() -> None:
-        before = tasks()
-        probe()
-        deadline = time.monotonic() + settle
-        while tasks() > before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        counts.append(tasks() - before)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return counts[0]
-
-
 def test_the_probe_leaves_the_calling_thread_without_an_openmp_team(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe runs at 2 threads in a thread of its own, so the thread that loads a model keeps
     no OpenMP worker: libgomp keeps a thread's team for the thread's lifetime, and a server's main
@@ -168,9 +143,9 @@ def test_the_probe_leaves_the_calling_thread_without_an_openmp_team(monkeypatch:
     monkeypatch.setattr(invariant, "_probe_threads", lambda: [1, 2])
     weight = torch.randn(256, 256)
     monkeypatch.setattr(invariant, "_probed", {})
-    assert _threads_left_by(lambda: invariant.invariant_chunks(weight), settle=10.0) == 0
+    assert threads_left_by(lambda: invariant.invariant_chunks(weight), settle=10.0) == 0
     chunks = invariant._probed.popitem()[1]
-    assert _threads_left_by(lambda: invariant._probe(weight, None), settle=0.0) >= 1  # power: a team stays
+    assert threads_left_by(lambda: invariant._probe(weight, None), settle=0.0) >= 1  # power: a team stays
     assert invariant._probe(weight, None) == chunks  # the same answer in either thread
 
 

@@ -351,3 +351,56 @@ def test_adaptive_threads_read_the_machine_only_when_a_look_is_due(monkeypatch: 
     monkeypatch.setattr(machine, "read_machine", lambda: reading(now["t"], 1000.0 + now["t"], 0.0))
     now["t"] = 110.0
     assert adapt.check() == 1  # 10 s: others kept one of 2 cores busy
+
+
+def test_a_passing_thread_returns_raises_and_keeps_the_callers_modes() -> None:
+    """``in_a_thread_that_ends`` hands back the value, raises the work's exception in the caller, and
+    runs the work in the caller's grad / inference mode at the caller's intra-op thread count."""
+    import threading
+
+    import torch
+
+    def seen() -> tuple[str, bool, bool, int]:
+        return (threading.current_thread().name, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                torch.get_num_threads())
+
+    assert machine.in_a_thread_that_ends(lambda: 7) == 7
+    with torch.inference_mode():
+        assert machine.in_a_thread_that_ends(seen) == ("lantern-passing", False, True, torch.get_num_threads())
+    with torch.no_grad():
+        assert machine.in_a_thread_that_ends(seen)[1:3] == (False, False)
+    assert machine.in_a_thread_that_ends(seen)[1:3] == (True, False)
+
+    def fails() -> None:
+        raise KeyError("kernel")
+
+    with pytest.raises(KeyError, match="kernel"):
+        machine.in_a_thread_that_ends(fails)
+
+
+def test_a_passing_thread_takes_its_openmp_team_along() -> None:
+    """A parallel op run through ``in_a_thread_that_ends`` leaves the calling thread no OpenMP
+    worker; run in the calling thread (power) it leaves one for the thread's life."""
+    import torch
+    from conftest import threads_left_by
+
+    def parallel_op() -> None:
+        torch.randn(1 << 20).exp_()  # above the grain size: one parallel region at 2 threads
+
+    assert threads_left_by(lambda: machine.in_a_thread_that_ends(parallel_op), settle=10.0) == 0
+    assert threads_left_by(parallel_op, settle=0.0) >= 1  # power
+
+
+def test_load_leaves_the_calling_thread_without_an_openmp_team() -> None:
+    """``lantern.load`` runs in a thread that ends: the thread that loads keeps no team, so a decode on
+    another thread (a server's, a web app's worker) runs at full speed: on 2 cores AR decoded on a
+    second thread 1.8x slower while the loading thread held one (benchmarks/RESULTS.md, "OpenMP
+    teams"). Power: the same load in the calling thread leaves a worker behind."""
+    from conftest import threads_left_by
+
+    from lantern import api
+
+    assert threads_left_by(lambda: api.load("photos", deterministic=True), settle=10.0) == 0
+    assert threads_left_by(lambda: api._load("photos", None, device="cpu", dtype="float32", compile="off",
+                                             tokenizer=None, t5=None, vq=None, layout=None, image_size=None,
+                                             proximity=None), settle=0.0) >= 1  # power

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lantern.machine import in_a_thread_that_ends
 
 # Chunk sizes tried for a layer's smallest call, cheapest first at the row counts decoding sees
 # (2 .. a few hundred rows).
@@ -72,7 +73,6 @@ _PROBE_TRIALS = 2
 
 # (in, out, bias, dtype, device) -> chunk sizes: a property of the kernels, found once per process
 _probed: dict[tuple[Any, ...], tuple[int, ...]] = {}
-_T = TypeVar("_T")
 
 
 def larger_calls(smallest: int, largest: int) -> list[int]:
@@ -170,31 +170,6 @@ def _at_every_thread_count(check: Callable[[], bool]) -> bool:
         torch.set_num_threads(before)
 
 
-def _in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
-    """``work()`` run in a new thread that ends with it. Why: libgomp keeps the OpenMP team a thread
-    opens (its worker threads) for the thread's lifetime, and once the process's teams hold more
-    threads than there are cores, every team's workers sleep between parallel regions instead of
-    spinning (its "throttled" spin count). The probe opens a full team; run in the caller's thread
-    it left the server's main thread (which then only waits) holding one, and the server's decode
-    thread ran AR at 2 threads 1.7x slower than at 1 (benchmarks/RESULTS.md, "OpenMP teams")."""
-    result: list[_T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach here
-                result.append(work())
-        except BaseException as e:  # re-raised in the caller's thread
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="lantern-invariance-probe")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
 def _probe(weight: Tensor, bias: Tensor | None) -> tuple[int, ...]:
     gen = torch.Generator().manual_seed(0)
     w = _randn(gen, weight, *weight.shape)
@@ -213,11 +188,12 @@ def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, .
     shape, dtype and device; cached per process). The smallest is the first candidate at which
     a row's result is the same at every position of the call; the others are the
     :func:`larger_calls` at which a row's result at every position equals its result in the
-    smallest call. On a CPU the probe runs in a thread of its own (:func:`_in_a_thread_that_ends`)."""
+    smallest call. On a CPU the probe runs in a thread of its own (``machine.in_a_thread_that_ends``:
+    it opens a team at every probed thread count, which must not stay with the caller's thread)."""
     key = (weight.shape[1], weight.shape[0], bias is not None, weight.dtype, weight.device)
     if key not in _probed:
         probe = functools.partial(_probe, weight, bias)
-        _probed[key] = _in_a_thread_that_ends(probe) if weight.device.type == "cpu" else probe()
+        _probed[key] = in_a_thread_that_ends(probe) if weight.device.type == "cpu" else probe()
     return _probed[key]
 
 
