@@ -116,12 +116,12 @@ REJECT = 1.0 - 2.0**-53  # the largest double below 1: fails every test with pro
 
 
 def threads_left_by(work: Callable[[], Any], settle: float, threads: int = 2) -> int:
-    """OS threads the process has after ``work`` ran in a fresh thread at ``threads`` intra-op
-    threads, minus before, counted while that thread is still alive: an OpenMP team the thread
-    opened stays that long (a server's main thread: the server's life). Threads that are ending
-    are waited for, up to ``settle`` s."""
-    def tasks() -> int:
-        return len(os.listdir("/proc/self/task"))
+    """OS threads that ``work``, run in a fresh thread at ``threads`` intra-op threads, started and left
+    running, counted while that thread is still alive: an OpenMP team the thread opened stays that
+    long (a server's main thread: the server's life). Threads that are ending are waited for, up to
+    ``settle`` s. Counted by thread id, so threads of earlier tests ending meanwhile do not count."""
+    def tids() -> set[str]:
+        return set(os.listdir("/proc/self/task"))
 
     counts: list[int] = []
     before_count = torch.get_num_threads()
@@ -129,12 +129,12 @@ def threads_left_by(work: Callable[[], Any], settle: float, threads: int = 2) ->
     def run() -> None:
         torch.get_num_threads()
         torch.set_num_threads(threads)
-        before = tasks()
+        before = tids()
         work()
         deadline = time.monotonic() + settle
-        while tasks() > before and time.monotonic() < deadline:
+        while tids() - before and time.monotonic() < deadline:
             time.sleep(0.01)
-        counts.append(tasks() - before)
+        counts.append(len(tids() - before))
 
     thread = threading.Thread(target=run)
     thread.start()
