@@ -367,6 +367,7 @@ def test_metrics_count_what_was_served(client: TestClient) -> None:
     assert 0 < delta("lantern_busy_row_rounds_total") <= delta("lantern_row_rounds_total")
     assert after["lantern_mean_tokens_per_forward"] >= 1 and after["lantern_tokens_per_second"] > 0
     assert 0 < after["lantern_batch_occupancy"] <= 1 and after["lantern_queue_depth"] == 0
+    assert after["lantern_decode_threads"] == client.app.state.serve.scheduler.threads  # type: ignore[attr-defined]
 
 
 def test_the_page_and_its_assets_are_served_without_a_cdn(client: TestClient) -> None:
