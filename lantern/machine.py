@@ -154,8 +154,8 @@ class AdaptiveThreads:
 
 
 def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
-    """``work()`` run in a new thread that ends with it, at the caller's intra-op thread count and
-    grad / inference mode; its exception is raised here. Why: libgomp (torch's OpenMP) keeps the
+    """``work()`` run in a new thread that ends with it, at the caller's intra-op thread count, grad /
+    inference mode and current GPU; its exception is raised here. Why: libgomp (torch's OpenMP) keeps the
     team a thread opens, its worker threads, for the thread's lifetime, and once the process's
     teams hold more threads than there are cores, every team's workers sleep between parallel
     regions instead of spinning, so each op pays a wake-up. Loading a model (weight casts, the
@@ -165,6 +165,9 @@ def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
     import torch
 
     threads, grad, inference = torch.get_num_threads(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    # The current GPU is per thread too (torch.cuda.set_device(rank) before load(device="cuda")); asked
+    # only where CUDA is initialized already, so that a CPU run never initializes it.
+    gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     result: list[_T] = []
     error: list[BaseException] = []
 
@@ -172,6 +175,8 @@ def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
         try:
             torch.get_num_threads()  # settle this thread's count first (torch's lazy per-thread init)
             torch.set_num_threads(threads)
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 result.append(work())
         except BaseException as e:  # raised again in the caller's thread

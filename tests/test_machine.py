@@ -378,6 +378,27 @@ def test_a_passing_thread_returns_raises_and_keeps_the_callers_modes() -> None:
         machine.in_a_thread_that_ends(fails)
 
 
+def test_a_passing_thread_keeps_the_callers_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that chose its GPU (``torch.cuda.set_device(rank)``, then ``load(device="cuda")``) loads
+    onto that GPU in the passing thread too; where CUDA was never initialized nothing asks for it."""
+    import torch
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    machine.in_a_thread_that_ends(lambda: None)
+    assert chosen == [3]
+
+    def never() -> int:
+        raise AssertionError("CUDA initialized by a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", never)
+    machine.in_a_thread_that_ends(lambda: None)
+    assert chosen == [3]
+
+
 def test_a_passing_thread_takes_its_openmp_team_along() -> None:
     """A parallel op run through ``in_a_thread_that_ends`` leaves the calling thread no OpenMP
     worker; run in the calling thread (power) it leaves one for the thread's life."""
