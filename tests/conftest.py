@@ -115,6 +115,19 @@ def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 REJECT = 1.0 - 2.0**-53  # the largest double below 1: fails every test with probability < 1
 
 
+def uses_libgomp() -> bool:
+    """Whether torch runs on GNU OpenMP (its Linux pip wheels), whose teams belong to the thread that
+    opened them; Intel's and LLVM's runtimes pool their workers, so the thread-count tests below
+    test a property only libgomp has."""
+    try:
+        return any("libgomp" in line for line in Path("/proc/self/maps").read_text().splitlines())
+    except OSError:
+        return False
+
+
+needs_libgomp = pytest.mark.skipif(not uses_libgomp(), reason="libgomp's per-thread OpenMP teams (torch's pip wheels)")
+
+
 def threads_left_by(work: Callable[[], Any], settle: float, threads: int = 2) -> int:
     """OS threads that ``work``, run in a fresh thread at ``threads`` intra-op threads, started and left
     running, counted while that thread is still alive: an OpenMP team the thread opened stays that

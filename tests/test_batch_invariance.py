@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import threads_left_by
+from conftest import needs_libgomp, threads_left_by
 from torch import Tensor, nn
 
 import lantern
@@ -135,6 +135,7 @@ def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits
         assert not torch.equal(layer(x[:32]), alone[:32])
 
 
+@needs_libgomp
 def test_the_probe_leaves_the_calling_thread_without_an_openmp_team(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe runs at 2 threads in a thread of its own, so the thread that loads a model keeps
     no OpenMP worker: libgomp keeps a thread's team for the thread's lifetime, and a server's main

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import needs_libgomp, threads_left_by
 
 from lantern import machine
 from lantern.cli.main import main
@@ -399,11 +400,11 @@ def test_a_passing_thread_keeps_the_callers_gpu(monkeypatch: pytest.MonkeyPatch)
     assert chosen == [3]
 
 
+@needs_libgomp
 def test_a_passing_thread_takes_its_openmp_team_along() -> None:
     """A parallel op run through ``in_a_thread_that_ends`` leaves the calling thread no OpenMP
     worker; run in the calling thread (power) it leaves one for the thread's life."""
     import torch
-    from conftest import threads_left_by
 
     def parallel_op() -> None:
         torch.randn(1 << 20).exp_()  # above the grain size: one parallel region at 2 threads
@@ -412,12 +413,12 @@ def test_a_passing_thread_takes_its_openmp_team_along() -> None:
     assert threads_left_by(parallel_op, settle=0.0) >= 1  # power
 
 
+@needs_libgomp
 def test_load_leaves_the_calling_thread_without_an_openmp_team() -> None:
     """``lantern.load`` runs in a thread that ends: the thread that loads keeps no team, so a decode on
     another thread (a server's, a web app's worker) runs at full speed: on 2 cores AR decoded on a
     second thread 1.8x slower while the loading thread held one (benchmarks/RESULTS.md, "OpenMP
     teams"). Power: the same load in the calling thread leaves a worker behind."""
-    from conftest import threads_left_by
 
     from lantern import api
 
