@@ -10,6 +10,7 @@ average stayed above the core count."""
 
 from __future__ import annotations
 
+import contextvars
 import os
 import resource
 import threading
@@ -154,13 +155,13 @@ class AdaptiveThreads:
 
 
 def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
-    """``work()`` run in a new thread that ends with it, at the caller's intra-op thread count, grad /
-    inference mode and current GPU; its exception is raised here. Why: libgomp (torch's OpenMP) keeps the
-    team a thread opens, its worker threads, for the thread's lifetime, and once the process's
-    teams hold more threads than there are cores, every team's workers sleep between parallel
-    regions instead of spinning, so each op pays a wake-up. Loading a model (weight casts, the
-    batch-invariance probe) opens a full team; run in the caller's thread it stays there, and a
-    decode on any other thread (a server's, a web app's worker) ran 1.7-1.8x slower on 2 cores
+    """``work()`` run in a new thread that ends with it, in the caller's context variables, intra-op
+    thread count, grad / inference mode and current GPU; its exception is raised here. Why: libgomp
+    (torch's OpenMP) keeps the team a thread opens, its worker threads, for the thread's lifetime,
+    and once the process's teams hold more threads than there are cores, every team's workers sleep
+    between parallel regions instead of spinning, so each op pays a wake-up. Loading a model (weight
+    casts, the batch-invariance probe) opens a full team; run in the caller's thread it stays there,
+    and a decode on any other thread (a server's, a web app's worker) ran 1.7-1.9x slower on 2 cores
     (benchmarks/RESULTS.md, "OpenMP teams"). Daemon: Ctrl-C in the caller is not held up."""
     import torch
 
@@ -168,6 +169,7 @@ def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
     # The current GPU is per thread too (torch.cuda.set_device(rank) before load(device="cuda")); asked
     # only where CUDA is initialized already, so that a CPU run never initializes it.
     gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    context = contextvars.copy_context()  # a new thread starts with empty context variables (--no-progress's)
     result: list[_T] = []
     error: list[BaseException] = []
 
@@ -178,7 +180,7 @@ def in_a_thread_that_ends(work: Callable[[], _T]) -> _T:
             if gpu is not None:
                 torch.cuda.set_device(gpu)
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                result.append(work())
+                result.append(context.run(work))
         except BaseException as e:  # raised again in the caller's thread
             error.append(e)
 

@@ -356,7 +356,9 @@ def test_adaptive_threads_read_the_machine_only_when_a_look_is_due(monkeypatch: 
 
 def test_a_passing_thread_returns_raises_and_keeps_the_callers_modes() -> None:
     """``in_a_thread_that_ends`` hands back the value, raises the work's exception in the caller, and
-    runs the work in the caller's grad / inference mode at the caller's intra-op thread count."""
+    runs the work in the caller's grad / inference mode and context variables at the caller's
+    intra-op thread count."""
+    import contextvars
     import threading
 
     import torch
@@ -371,6 +373,12 @@ def test_a_passing_thread_returns_raises_and_keeps_the_callers_modes() -> None:
     with torch.no_grad():
         assert machine.in_a_thread_that_ends(seen)[1:3] == (False, False)
     assert machine.in_a_thread_that_ends(seen)[1:3] == (True, False)
+    flag: contextvars.ContextVar[str] = contextvars.ContextVar("flag", default="unset")
+    token = flag.set("the caller's")  # e.g. --no-progress's hf_folder.LOADING_BARS
+    try:
+        assert machine.in_a_thread_that_ends(flag.get) == "the caller's"
+    finally:
+        flag.reset(token)
 
     def fails() -> None:
         raise KeyError("kernel")
