@@ -37,9 +37,10 @@ def main() -> None:
     p.add_argument("--images", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", default="off")
+    p.add_argument("--dtype", default="float32", help="as lantern.load (float32: the server's default)")
     p.add_argument("--smallest-calls", action="store_true")
     args = p.parse_args()
-    pipes = {mode: lantern.load(args.model, compile=args.compile, deterministic=mode != "default")
+    pipes = {mode: lantern.load(args.model, compile=args.compile, dtype=args.dtype, deterministic=mode != "default")
              for mode in ("default", "deterministic", *(["smallest calls"] if args.smallest_calls else []))}
     if args.smallest_calls:
         smallest_calls_only(pipes["smallest calls"])
