@@ -25,11 +25,14 @@ on futures (and on a preview callback), so the HTTP layer never touches decode s
 Threads and torch: only the decode thread should run torch with several intra-op threads. Every
 other live thread that has run a parallel torch op keeps its own OpenMP team, and on this 2-core
 machine one idle team beside the decoding one made decoding 40 % slower (0.54 s -> 0.77 s per
-`digits` image; a thread that set one intra-op thread before its first op cost nothing). So the
-process that serves runs its other threads, the main one included, at one intra-op thread
-(:func:`side_thread`) and the decode thread at ``threads`` (``lantern serve --threads auto``: the
-cores but one on a CPU, following the machine's load), each set with :func:`own_threads`: torch
-gives a thread the count another thread set last unless the thread asked for its own first.
+`digits` image; AR on `photos` 1.7x slower at 2 threads: libgomp's workers sleep between ops once
+the teams outnumber the cores; a thread that set one intra-op thread before its first op cost
+nothing). So the process that serves runs its other threads, the main one included, at one
+intra-op thread (:func:`side_thread`), loading runs in a thread that ends with it
+(``lantern.machine.in_a_thread_that_ends``, which takes the batch-invariance probe's team along),
+and the decode thread runs at ``threads`` (``lantern serve --threads auto``: every core on a CPU,
+fewer while other processes keep cores busy), each set with :func:`own_threads`: torch gives a
+thread the count another thread set last unless the thread asked for its own first.
 """
 
 from __future__ import annotations
