@@ -132,9 +132,11 @@ def threads_left_by(work: Callable[[], Any], settle: float, threads: int = 2) ->
     """OS threads that ``work``, run in a fresh thread at ``threads`` intra-op threads, started and left
     running, counted while that thread is still alive: an OpenMP team the thread opened stays that
     long (a server's main thread: the server's life). Threads that are ending are waited for, up to
-    ``settle`` s. Counted by thread id, so threads of earlier tests ending meanwhile do not count."""
-    def tids() -> set[str]:
-        return set(os.listdir("/proc/self/task"))
+    ``settle`` s. Counted by thread id, so threads of earlier tests ending meanwhile do not count,
+    and Python's own threads are left out."""
+    def tids() -> set[str]:  # native threads only: a Python thread (tqdm's monitor, a server's) is not a team
+        python = {str(t.native_id) for t in threading.enumerate()}
+        return set(os.listdir("/proc/self/task")) - python
 
     counts: list[int] = []
     before_count = torch.get_num_threads()
