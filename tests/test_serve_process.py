@@ -44,6 +44,7 @@ def test_serve_binds_loopback_answers_and_drains_on_sigterm(tmp_path: Path) -> N
     with serve_process(log, "--method", "sjd-coupled", "--max-batch", "2", "--warm-up") as (proc, url):
         port = int(url.rsplit(":", 1)[1])
         assert f"on http://127.0.0.1:{port}" in log.read_text()  # the bound host, as the log says
+        assert "--method sjd-coupled, 1 decode thread)" in log.read_text()  # OMP_NUM_THREADS=1: fixed
         outside = _outside_address()
         if outside is not None:  # reachable from this machine only
             with pytest.raises(httpx.ConnectError):

@@ -203,8 +203,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
         scheduler.warm_up([args.method], condition)  # in the decode thread, which it starts
     scheduler.start()
-    print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}) on http://{_url_host(host)}:{port}",
-          flush=True)
+    decoding = f"{threads} decode thread{'s' if threads > 1 else ''}{', following the load' if adapt else ''}"
+    print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}, {decoding}) on "
+          f"http://{_url_host(host)}:{port}", flush=True)
     if not ipaddress.ip_address(host).is_loopback:
         print(f"lantern serve: warning: {host} is reachable from other machines and the server has no "
               "authentication (docs/serving.md, Security)", file=sys.stderr, flush=True)
