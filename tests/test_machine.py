@@ -373,6 +373,21 @@ def test_a_passing_thread_returns_raises_and_keeps_the_callers_modes() -> None:
     with torch.no_grad():
         assert machine.in_a_thread_that_ends(seen)[1:3] == (False, False)
     assert machine.in_a_thread_that_ends(seen)[1:3] == (True, False)
+    got: list[int] = []
+
+    def caller() -> None:  # at 3 threads, after another thread wrote 1 as the process-wide count
+        torch.get_num_threads()
+        torch.set_num_threads(3)
+        other = threading.Thread(target=lambda: (torch.get_num_threads(), torch.set_num_threads(1)))
+        other.start()
+        other.join()
+        got.append(machine.in_a_thread_that_ends(torch.get_num_threads))
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(1)  # (the tests' count)
+    assert got == [3]  # the caller's, not the last one written
     flag: contextvars.ContextVar[str] = contextvars.ContextVar("flag", default="unset")
     token = flag.set("the caller's")  # e.g. --no-progress's hf_folder.LOADING_BARS
     try:
