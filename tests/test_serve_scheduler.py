@@ -359,3 +359,22 @@ def test_the_decode_thread_keeps_its_threads_whatever_other_threads_set(pipe: la
         assert tickets[0].future.result(0) is not None
         assert set(seen) == ({2} if fixed else {1}), (fixed, seen)
         assert sched.metrics()["decode_threads"] == 2  # what the scheduler set (the old way: not what ran)
+
+
+@pytest.mark.parametrize("method", ["ar", "sjd-coupled"])
+def test_a_pipeline_call_between_rounds_leaves_a_lanes_batch_alone(method: str) -> None:
+    """A process that embeds a scheduler may call its pipeline too: a lane decodes on caches of its
+    own, so a ``pipe(...)`` of the same method and batch size, run between two of the lane's rounds,
+    leaves the lane's image as it would have been (they shared the prepared method's caches)."""
+    pipe = lantern.load("digits", deterministic=True)  # its own: the pool starts empty
+    sched = Scheduler(pipe, max_batch=1)
+    expected = pipe(labels=[3], seed=1, method=method).codes[0]
+    other = pipe(labels=[7], seed=2, method=method).codes
+    tickets = _submit(sched, 3, 1, method)
+    with torch.inference_mode():
+        for _ in range(3):
+            sched._cycle()  # the lane's prefill and its first rounds
+    assert not tickets[0].future.done()
+    assert torch.equal(pipe(labels=[7], seed=2, method=method).codes, other)  # the call between rounds
+    sched.run_until_idle()
+    assert torch.equal(tickets[0].future.result(0).codes, expected)

@@ -188,6 +188,10 @@ class Lane:
         self.decode: Decode | None = None
         self.rows: list[Ticket | None] = []
         self.continuous = scheduler.continuous and rows_move(prepared)
+        # The batch's caches are the lane's own, not the prepared method's: a process that embeds a
+        # scheduler may call its pipeline too, and a call of the same method and batch size would
+        # reset the running batch's caches under it (a pure server never allocates the method's).
+        self._caches = CachePool()
         self._join_caches = CachePool()  # joining rows' prefill: never the running batch's caches
 
     # -- what the scheduler asks -----------------------------------------------------------------
@@ -263,7 +267,7 @@ class Lane:
         size = size or len(tickets)
         seeds = [image_seed(t.request.seed, t.index) for t in tickets] + [0] * (size - len(tickets))
         return self.prepared.start(self._conditions(tickets, size), seeds, eager=eager,
-                                   caches=self._join_caches if eager else None)
+                                   caches=self._join_caches if eager else self._caches)
 
     def _new_batch(self, tickets: list[Ticket]) -> None:
         size = _bucket(len(tickets), self.scheduler.max_batch)
