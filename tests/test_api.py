@@ -338,9 +338,9 @@ def test_calls_from_two_threads_take_turns(locked: bool, monkeypatch: pytest.Mon
     alone. The first call waits inside its decode until the second enters one, so without the lock
     (power: ``locked=False``) the two decodes are seen overlapping at their start; the test then
     runs them one after the other itself (run at once, they overflowed the shared KV cache with an
-    IndexError). The wait: 2 s with the lock (the
-    second cannot enter; any wait gives the same count), 60 s without (it returns when the second
-    enters: a busy machine cannot make the power check miss)."""
+    IndexError). The wait: 2 s with the lock (the second cannot enter; any wait gives the same
+    count), 60 s without (it returns when the second enters: a busy machine cannot make the power
+    check miss)."""
     import contextlib
     import threading
 
