@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lantern.decoding.compiling import cpu_vector_options
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.trees import tree_from_parents
 from lantern.eval.report import machine_description
@@ -128,8 +129,10 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, repeats: int, c
             out["static_ms"].append(_median_ms(lambda a=args: step(*a), device, repeats))
             if n not in compile_at:
                 continue
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            compiled = torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
+            if device.type == "cuda":
+                compiled = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+            else:  # without torch 2.13's AVX2 vector code, as lantern's own compiles (compiling.py says why)
+                compiled = torch.compile(step, fullgraph=True, dynamic=False, options=cpu_vector_options())
             t0 = time.perf_counter()
             compiled(*args)
             _sync(device)
