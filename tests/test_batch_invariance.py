@@ -103,13 +103,15 @@ def one_row_per_call_plus(offset: Callable[[Tensor], Tensor]) -> Callable[..., T
 def test_the_chunk_size_skips_sizes_whose_rows_depend_on_their_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe is a real check: a kernel whose rows 6 and 7 of every 8 come out differently (as
     MKL's AVX2 edge tiles do) is refused at 16, 12 and 8 and accepted at 6, and no larger call is
-    kept (a 12-row call has rows in the edge too). The kernel under the injected edge computes one
-    row per call, so this machine's own GEMM (which may itself depend on the position at 6 rows, as
-    MKL's AVX2 code does on AMD EPYC) cannot move the answer."""
+    kept (a 12-row call has rows in the edge too); the smaller calls are (their rows sit before the
+    edge). The kernel under the injected edge computes one row per call, so this machine's own GEMM
+    (which may itself depend on the position at 6 rows, as MKL's AVX2 code does on AMD EPYC)
+    cannot move the answer."""
     edge = one_row_per_call_plus(lambda x: 1e-3 * (torch.arange(x.shape[0]) % 8 >= 6)[:, None])
     monkeypatch.setattr(invariant, "_probed", {})
     monkeypatch.setattr(invariant.F, "linear", edge)
     assert invariant.invariant_chunks(torch.randn(32, 16)) == (6,)
+    assert invariant.invariant_sizes_below(torch.randn(32, 16)) == (1, 2, 3, 4, 5)
     monkeypatch.undo()
     monkeypatch.setattr(invariant, "_probed", {})
     assert invariant.invariant_chunks(torch.randn(32, 16))[0] in invariant.CANDIDATE_ROWS
@@ -133,6 +135,41 @@ def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits
         # power: the same kernel without the refusal changes the rows of a 32-row call
         layer.invariant_chunks = (8, 16, 24, 32, 40, 48, 56, 64, 128, 256)
         assert not torch.equal(layer(x[:32]), alone[:32])
+
+
+def test_a_call_below_the_smallest_is_kept_where_it_gives_its_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the sizes below the smallest call are probed too, so a batch-1 AR step's 2 rows need
+    not pay for an 8-row call at every layer (bf16 on an AMD EPYC Zen 5: 1.13x -> 1.03x the default
+    mode's time): a kernel whose calls of a row count that is not a multiple of 4 give other bits
+    (MKL's AVX2 sgemm runs rows in blocks of 4) keeps 4 below 8 and refuses 1-3 and 5-7; 1 to 4
+    rows then take one 4-row call, and a layer on that kernel gives every row its bits in an 8-row
+    call at every batch size. Power: the same kernel in 2-row calls changes them."""
+    kernel = one_row_per_call_plus(lambda x: 1e-3 * (x.shape[0] % 4 != 0))
+    monkeypatch.setattr(invariant, "_probed", {})
+    monkeypatch.setattr(invariant.F, "linear", kernel)
+    layer = make_batch_invariant(nn.Linear(16, 32))
+    assert layer.invariant_chunks == (8, *invariant.larger_calls(8, 256)) and layer.invariant_below == (4,)
+    assert [invariant.call_sizes(m, layer.invariant_chunks, layer.invariant_below) for m in (1, 2, 4, 5, 9)] == [
+        (4,), (4,), (4,), (8,), (16,)]
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        in_8_rows = torch.cat([kernel(x[i : i + 8], layer.weight, layer.bias) for i in range(0, 40, 8)])
+        assert torch.equal(torch.cat([layer(x[i : i + 2]) for i in range(0, 40, 2)]), in_8_rows)
+        assert batch_dependence(layer, x[:12], 12) == []
+        layer.invariant_below = (2, 4)  # power: a 2-row call is not the 8-row call's bits
+        assert not torch.equal(layer(x[:2]), in_8_rows[:2])
+
+
+def test_a_row_count_below_the_smallest_call_takes_one_smaller_call() -> None:
+    """Only a call that fits in a smaller size uses one: more rows are padded as before, since a
+    round's 34 rows split into 32 + 2 cost more than one 40-row call (the second call's fixed cost
+    is more than 6 rows' arithmetic). A GPU tries no size below its smallest (padding is free)."""
+    chunks, below = (8, *invariant.larger_calls(8, 256)), tuple(range(1, 8))
+    assert [invariant.call_sizes(m, chunks, below) for m in (1, 2, 7, 8, 9, 34, 65)] == [
+        (1,), (2,), (7,), (8,), (16,), (40,), (64, 8)]
+    assert invariant.call_sizes(3, chunks, (2, 4)) == (4,) and invariant.call_sizes(5, chunks, (2, 4)) == (8,)
+    assert invariant.smaller_calls(8, torch.device("cpu")) == list(range(1, 8))
+    assert invariant.smaller_calls(64, torch.device("cuda")) == []
 
 
 @needs_libgomp

@@ -15,17 +15,18 @@ What that leaves is a row's position inside a call, and which sizes agree. A GEM
 does not branch on the values, only on the shape and the position, so :func:`invariant_chunks`
 checks this device once per weight shape: the smallest call is the first candidate at which a
 row's result is the same at every position (every position against position 0, random data, two
-trials; one row per call always qualifies), and larger calls are kept where a row's result at
-every position equals its result in the smallest. Measured: MKL AVX-512 passes every size up to
-64, MKL AVX2 forced on an Intel Xeon fails at 8 (rows 6 and 7 sit in an edge tile) and passes at
-16; on an AMD EPYC (Zen 3, AVX2 only) 8 passes at every shape tried (16 to 4096 inputs), 6 fails
-at a 16-in, 32-out layer, and every multiple of 8 up to 256 rows gives the 8-row bits, so the
-answer is the probe's, never a table's.
+trials; one row per call always qualifies), and larger calls (and on a CPU smaller ones, for
+calls that fit in them) are kept where a row's result at every position equals its result in the
+smallest. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on an Intel Xeon
+fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on an AMD EPYC (Zen 3, AVX2 only)
+8 passes at every shape tried (16 to 4096 inputs), 6 fails at a 16-in, 32-out layer, and every
+multiple of 8 up to 256 rows gives the 8-row bits; on a Zen 5 EPYC float32 keeps 4 rows below 8
+and bf16 every size, so the answer is the probe's, never a table's.
 
 Cost: one to three calls per layer where the native kernel makes one, plus the padding (a batch-1
-AR step's 2 rows take an 8-row call), which is why this is a mode (``lantern.load(...,
-deterministic=True)``, the server's default) and not always on: docs/DESIGN.md, "Batch
-invariance".
+AR step's 2 rows take an 8-row call where no smaller size gives them its bits), which is why this
+is a mode (``lantern.load(..., deterministic=True)``, the server's default) and not always on:
+docs/DESIGN.md, "Batch invariance".
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ CUDA_CANDIDATE_ROWS = (64, 32, 16, 8, 4, 2, 1)
 # the rest).
 LARGEST_CALL_ROWS = 256
 CUDA_LARGEST_CALL_ROWS = 512
+# On a CPU, sizes below the smallest call are tried too, for the calls of fewer rows (a batch-1 AR
+# step's 2 rows, with guidance, padded to 8 at every layer): kept where they give a row the smallest
+# call's bits at every position, and used only for calls that fit in one of them (a round's rows
+# split into 32 + 2 cost more than one 40-row call: the second call's fixed cost exceeds 6 rows).
+# Not on a GPU, where padding is free and calls are not.
 
 
 def candidate_rows(device: torch.device) -> tuple[int, ...]:
@@ -71,8 +77,9 @@ def largest_call_rows(device: torch.device) -> int:
 
 _PROBE_TRIALS = 2
 
-# (in, out, bias, dtype, device) -> chunk sizes: a property of the kernels, found once per process
-_probed: dict[tuple[Any, ...], tuple[int, ...]] = {}
+# (in, out, bias, dtype, device) -> (chunk sizes, sizes below them): a property of the kernels,
+# found once per process
+_probed: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def larger_calls(smallest: int, largest: int) -> list[int]:
@@ -82,10 +89,21 @@ def larger_calls(smallest: int, largest: int) -> list[int]:
     return [size for size in sizes if size <= largest]
 
 
-def call_sizes(m: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
+def smaller_calls(smallest: int, device: torch.device) -> list[int]:
+    """The call sizes tried below ``smallest``: on a CPU all of them, on CUDA none."""
+    return [] if device.type == "cuda" else list(range(1, smallest))
+
+
+def call_sizes(m: int, chunks: tuple[int, ...], below: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The row counts of the calls that cover ``m`` rows: ``m`` padded up to a multiple of the
     smallest chunk, then the largest chunks first (``chunks`` ascending, each a multiple of the
-    first). Plain Python, not cached: a compiled round traces it (dynamo warns on a cache)."""
+    first); fewer rows than the smallest chunk take the smallest of ``below`` (sizes under it,
+    ascending) that holds them, if any. Plain Python, not cached: a compiled round traces it (dynamo
+    warns on a cache)."""
+    if m < chunks[0]:
+        for size in below:
+            if size >= m:
+                return (size,)
     left = -(-m // chunks[0]) * chunks[0]
     sizes: list[int] = []
     for size in reversed(chunks):
@@ -94,13 +112,14 @@ def call_sizes(m: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def chunked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, chunks: tuple[int, ...]) -> Tensor:
-    """``F.linear(x, weight, bias)`` computed in calls of the sizes in ``chunks`` (which give a row
-    the same bits; the last rows zero-padded to a multiple of the smallest)."""
+def chunked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, chunks: tuple[int, ...],
+                   below: tuple[int, ...] = ()) -> Tensor:
+    """``F.linear(x, weight, bias)`` computed in calls of the sizes in ``chunks`` and ``below``
+    (which give a row the same bits; the last rows zero-padded, see :func:`call_sizes`)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     m = flat.shape[0]
-    sizes = call_sizes(m, chunks)
+    sizes = call_sizes(m, chunks, below)
     if sum(sizes) > m:
         flat = F.pad(flat, (0, 0, 0, sum(sizes) - m))  # zeros: any rows would do (rows are independent)
     if len(sizes) == 1:
@@ -170,15 +189,18 @@ def _at_every_thread_count(check: Callable[[], bool]) -> bool:
         torch.set_num_threads(before)
 
 
-def _probe(weight: Tensor, bias: Tensor | None) -> tuple[int, ...]:
+def _probe(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     gen = torch.Generator().manual_seed(0)
     w = _randn(gen, weight, *weight.shape)
     b = None if bias is None else _randn(gen, bias, *bias.shape)
     smallest = next(r for r in candidate_rows(weight.device)
                     if r == 1 or _at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
-    larger = larger_calls(smallest, largest_call_rows(weight.device))
-    return (smallest, *(r for r in larger if _at_every_thread_count(
-        functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))))
+
+    def same(r: int) -> bool:
+        return _at_every_thread_count(functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))
+
+    larger = [r for r in larger_calls(smallest, largest_call_rows(weight.device)) if same(r)]
+    return (smallest, *larger), tuple(r for r in smaller_calls(smallest, weight.device) if same(r))
 
 
 @torch.no_grad()
@@ -190,6 +212,17 @@ def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, .
     :func:`larger_calls` at which a row's result at every position equals its result in the
     smallest call. On a CPU the probe runs in a thread of its own (``machine.in_a_thread_that_ends``:
     it opens a team at every probed thread count, which must not stay with the caller's thread)."""
+    return _probed_sizes(weight, bias)[0]
+
+
+def invariant_sizes_below(weight: Tensor, bias: Tensor | None = None) -> tuple[int, ...]:
+    """The call sizes below the smallest of :func:`invariant_chunks` (on a CPU) at which a row's
+    result at every position equals its result in the smallest call, ascending."""
+    return _probed_sizes(weight, bias)[1]
+
+
+@torch.no_grad()
+def _probed_sizes(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     key = (weight.shape[1], weight.shape[0], bias is not None, weight.dtype, weight.device)
     if key not in _probed:
         probe = functools.partial(_probe, weight, bias)
@@ -204,9 +237,10 @@ class RowChunkedLinear(nn.Linear):
     lantern's own convert alike, and the checkpoint keys do not change)."""
 
     invariant_chunks: tuple[int, ...]
+    invariant_below: tuple[int, ...] = ()
 
     def forward(self, x: Tensor) -> Tensor:
-        return chunked_linear(x, self.weight, self.bias, self.invariant_chunks)
+        return chunked_linear(x, self.weight, self.bias, self.invariant_chunks, self.invariant_below)
 
 
 def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
@@ -214,7 +248,9 @@ def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
     ``enabled=False``). In place; returns ``module``."""
     for sub in module.modules():
         if enabled and type(sub) is nn.Linear:
-            cast(RowChunkedLinear, sub).invariant_chunks = invariant_chunks(sub.weight, sub.bias)  # (one, swapped next)
+            layer = cast(RowChunkedLinear, sub)  # (one, swapped next)
+            layer.invariant_chunks = invariant_chunks(sub.weight, sub.bias)
+            layer.invariant_below = invariant_sizes_below(sub.weight, sub.bias)
             _swap_class(sub, RowChunkedLinear)
         elif not enabled and type(sub) is RowChunkedLinear:
             _swap_class(sub, nn.Linear)
