@@ -2,12 +2,13 @@
 a deterministic pipeline, side by side in one process, in rotating order (drift hits both alike).
 
     python benchmarks/deterministic_cost.py --model photos --methods ar,lantern++,sjd-coupled \
-        --batch-sizes 1,8 --images 8 --repeats 3 [--compile default] [--no-smaller-calls] [--smallest-calls]
+        --batch-sizes 1,8 --images 8 --repeats 3 [--compile default] [--no-single-calls] [--smallest-calls]
 
 Prints, per method and batch size, the median wall seconds per image of each mode and their ratio.
-``--no-smaller-calls`` adds a deterministic pipeline whose layers use no call below their smallest
-chunk (how the mode chunked rows before those were probed on a CPU), ``--smallest-calls`` one
-held to its smallest chunk alone (before larger calls were probed), to show what each saves.
+``--no-single-calls`` adds a deterministic pipeline whose layers pad every call to a multiple of
+their smallest chunk (how the mode chunked rows before the single-call sizes were probed on a
+CPU), ``--smallest-calls`` one held to its smallest chunk alone (before larger calls were
+probed), to show what each saves.
 Run it alone on the machine: timings on a busy machine lie.
 """
 
@@ -22,12 +23,13 @@ from lantern.models.invariant import RowChunkedLinear
 
 
 def held_to(pipe: lantern.Pipeline, smallest_only: bool) -> lantern.Pipeline:
-    """``pipe`` with no chunked layer calling below its smallest chunk and, with ``smallest_only``,
-    none above it either (the same bits: every kept size gives a row the smallest call's)."""
+    """``pipe`` with no chunked layer taking a single-call size and, with ``smallest_only``, none a
+    call above its smallest chunk either (the same bits: every kept size gives a row the smallest
+    call's)."""
     for net in (pipe.stack.network(), pipe.drafter):
         for layer in [] if net is None else net.modules():
             if type(layer) is RowChunkedLinear:
-                layer.invariant_below = ()
+                layer.invariant_single = ()
                 if smallest_only:
                     layer.invariant_chunks = layer.invariant_chunks[:1]
     return pipe
@@ -42,13 +44,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", default="off")
     p.add_argument("--dtype", default="float32", help="as lantern.load (float32: the server's default)")
-    p.add_argument("--no-smaller-calls", action="store_true")
+    p.add_argument("--no-single-calls", action="store_true")
     p.add_argument("--smallest-calls", action="store_true")
     args = p.parse_args()
-    variants = {"no smaller calls": args.no_smaller_calls, "smallest calls": args.smallest_calls}
+    variants = {"no single calls": args.no_single_calls, "smallest calls": args.smallest_calls}
     pipes = {mode: lantern.load(args.model, compile=args.compile, dtype=args.dtype, deterministic=mode != "default")
              for mode in ("default", "deterministic", *(v for v, asked in variants.items() if asked))}
-    for v in ("no smaller calls", "smallest calls"):
+    for v in ("no single calls", "smallest calls"):
         if v in pipes:
             held_to(pipes[v], smallest_only=v == "smallest calls")
     modes = list(pipes)

@@ -103,15 +103,15 @@ def one_row_per_call_plus(offset: Callable[[Tensor], Tensor]) -> Callable[..., T
 def test_the_chunk_size_skips_sizes_whose_rows_depend_on_their_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe is a real check: a kernel whose rows 6 and 7 of every 8 come out differently (as
     MKL's AVX2 edge tiles do) is refused at 16, 12 and 8 and accepted at 6, and no larger call is
-    kept (a 12-row call has rows in the edge too); the smaller calls are (their rows sit before the
-    edge). The kernel under the injected edge computes one row per call, so this machine's own GEMM
-    (which may itself depend on the position at 6 rows, as MKL's AVX2 code does on AMD EPYC)
-    cannot move the answer."""
+    kept (a 12-row call has rows in the edge too), nor any single-call size above 6 (a 7-row call
+    has a row in it). The kernel under the injected edge computes one row per call, so this
+    machine's own GEMM (which may itself depend on the position at 6 rows, as MKL's AVX2 code does
+    on AMD EPYC) cannot move the answer."""
     edge = one_row_per_call_plus(lambda x: 1e-3 * (torch.arange(x.shape[0]) % 8 >= 6)[:, None])
     monkeypatch.setattr(invariant, "_probed", {})
     monkeypatch.setattr(invariant.F, "linear", edge)
     assert invariant.invariant_chunks(torch.randn(32, 16)) == (6,)
-    assert invariant.invariant_sizes_below(torch.randn(32, 16)) == (1, 2, 3, 4, 5)
+    assert invariant.invariant_single_calls(torch.randn(32, 16)) == (1, 2, 3, 4, 5, 6)
     monkeypatch.undo()
     monkeypatch.setattr(invariant, "_probed", {})
     assert invariant.invariant_chunks(torch.randn(32, 16))[0] in invariant.CANDIDATE_ROWS
@@ -121,55 +121,64 @@ def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose 32-row calls give every row other bits (a size-driven kernel choice, as
     cuBLAS makes): 32 is refused and the other sizes kept; a layer on that kernel still gives a
-    row its alone bits in every batch up to 300 rows, 32 rows included (24 + 8)."""
+    row its alone bits in every batch up to 300 rows, 32 rows included (one 33-row call; without
+    the single-call sizes 24 + 8)."""
     monkeypatch.setattr(invariant, "_probed", {})
     monkeypatch.setattr(invariant.F, "linear", one_row_per_call_plus(lambda x: 1e-3 * (x.shape[0] == 32)))
     layer = make_batch_invariant(nn.Linear(16, 32))
     assert layer.invariant_chunks == (8, 16, 24, 40, 48, 56, 64, 128, 256)
     assert invariant.call_sizes(32, layer.invariant_chunks) == (24, 8)
+    assert layer.invariant_single == (*range(1, 32), *range(33, 65))
+    assert invariant.call_sizes(32, layer.invariant_chunks, layer.invariant_single) == (33,)
     x = torch.randn(300, 16, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full, alone = layer(x), torch.cat([layer(row[None]) for row in x])
         assert torch.equal(full, alone)
         assert batch_dependence(layer, x[:40], 40) == []
         # power: the same kernel without the refusal changes the rows of a 32-row call
-        layer.invariant_chunks = (8, 16, 24, 32, 40, 48, 56, 64, 128, 256)
+        layer.invariant_chunks, layer.invariant_single = (8, 16, 24, 32, 40, 48, 56, 64, 128, 256), ()
         assert not torch.equal(layer(x[:32]), alone[:32])
 
 
-def test_a_call_below_the_smallest_is_kept_where_it_gives_its_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU the sizes below the smallest call are probed too, so a batch-1 AR step's 2 rows need
-    not pay for an 8-row call at every layer (bf16 on an AMD EPYC Zen 5: 1.13x -> 1.03x the default
-    mode's time): a kernel whose calls of a row count that is not a multiple of 4 give other bits
-    (MKL's AVX2 sgemm runs rows in blocks of 4) keeps 4 below 8 and refuses 1-3 and 5-7; 1 to 4
-    rows then take one 4-row call, and a layer on that kernel gives every row its bits in an 8-row
-    call at every batch size. Power: the same kernel in 2-row calls changes them."""
+def test_a_single_call_size_is_kept_where_it_gives_the_smallest_calls_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU every size up to 8x the smallest call is probed too, so a batch-1 AR step's 2 rows
+    need not pay for an 8-row call at every layer, nor a Jacobi round's 34 for a 40-row one (photos
+    on an AMD EPYC Zen 5, bf16: AR 1.08x -> 1.01x, sjd-coupled 1.08x -> 1.03x the default mode's
+    time): a kernel whose calls of a row count that is not a multiple of 4 give other bits (MKL's
+    AVX2 sgemm runs rows in blocks of 4) keeps the multiples of 4 up to 64 and refuses the rest; 1
+    to 4 rows then take one 4-row call, 9 rows a 12-row one, and a layer on that kernel gives every
+    row its bits in an 8-row call at every batch size. Power: the same kernel in 2-row calls
+    changes them."""
     kernel = one_row_per_call_plus(lambda x: 1e-3 * (x.shape[0] % 4 != 0))
     monkeypatch.setattr(invariant, "_probed", {})
     monkeypatch.setattr(invariant.F, "linear", kernel)
     layer = make_batch_invariant(nn.Linear(16, 32))
-    assert layer.invariant_chunks == (8, *invariant.larger_calls(8, 256)) and layer.invariant_below == (4,)
-    assert [invariant.call_sizes(m, layer.invariant_chunks, layer.invariant_below) for m in (1, 2, 4, 5, 9)] == [
-        (4,), (4,), (4,), (8,), (16,)]
+    assert layer.invariant_chunks == (8, *invariant.larger_calls(8, 256))
+    assert layer.invariant_single == tuple(range(4, 65, 4))
+    sizes = [invariant.call_sizes(m, layer.invariant_chunks, layer.invariant_single) for m in (1, 2, 4, 5, 9, 34, 65)]
+    assert sizes == [(4,), (4,), (4,), (8,), (12,), (36,), (64, 8)]
     x = torch.randn(40, 16, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         in_8_rows = torch.cat([kernel(x[i : i + 8], layer.weight, layer.bias) for i in range(0, 40, 8)])
         assert torch.equal(torch.cat([layer(x[i : i + 2]) for i in range(0, 40, 2)]), in_8_rows)
+        assert torch.equal(layer(x[:34]), in_8_rows[:34])
         assert batch_dependence(layer, x[:12], 12) == []
-        layer.invariant_below = (2, 4)  # power: a 2-row call is not the 8-row call's bits
+        layer.invariant_single = (2, 4)  # power: a 2-row call is not the 8-row call's bits
         assert not torch.equal(layer(x[:2]), in_8_rows[:2])
 
 
-def test_a_row_count_below_the_smallest_call_takes_one_smaller_call() -> None:
-    """Only a call that fits in a smaller size uses one: more rows are padded as before, since a
-    round's 34 rows split into 32 + 2 cost more than one 40-row call (the second call's fixed cost
-    is more than 6 rows' arithmetic). A GPU tries no size below its smallest (padding is free)."""
-    chunks, below = (8, *invariant.larger_calls(8, 256)), tuple(range(1, 8))
-    assert [invariant.call_sizes(m, chunks, below) for m in (1, 2, 7, 8, 9, 34, 65)] == [
-        (1,), (2,), (7,), (8,), (16,), (40,), (64, 8)]
-    assert invariant.call_sizes(3, chunks, (2, 4)) == (4,) and invariant.call_sizes(5, chunks, (2, 4)) == (8,)
-    assert invariant.smaller_calls(8, torch.device("cpu")) == list(range(1, 8))
-    assert invariant.smaller_calls(64, torch.device("cuda")) == []
+def test_a_row_count_up_to_8x_the_smallest_call_takes_one_call_of_a_single_call_size() -> None:
+    """Rows up to the largest single-call size take one call of the smallest that holds them; more
+    are padded to the smallest chunk as before, and never split to save padding (a round's 34 rows
+    as 32 + 2 cost more than one 40-row call on an AMD EPYC: the second call's fixed cost is more
+    than 6 rows' arithmetic). A GPU tries no single-call size (its padding is free)."""
+    chunks, single = (8, *invariant.larger_calls(8, 256)), tuple(range(1, 65))
+    assert [invariant.call_sizes(m, chunks, single) for m in (1, 2, 7, 9, 34, 64, 65, 200)] == [
+        (1,), (2,), (7,), (9,), (34,), (64,), (64, 8), (128, 64, 8)]
+    assert invariant.call_sizes(3, chunks, (2, 4, 8)) == (4,) and invariant.call_sizes(5, chunks, (2, 4, 8)) == (8,)
+    assert invariant.call_sizes(9, chunks, (2, 4, 8)) == (16,)  # beyond the single-call sizes: as before
+    assert invariant.single_calls(8, torch.device("cpu")) == [*range(1, 8), *range(9, 65)]
+    assert invariant.single_calls(64, torch.device("cuda")) == []
 
 
 @needs_libgomp

@@ -15,13 +15,13 @@ What that leaves is a row's position inside a call, and which sizes agree. A GEM
 does not branch on the values, only on the shape and the position, so :func:`invariant_chunks`
 checks this device once per weight shape: the smallest call is the first candidate at which a
 row's result is the same at every position (every position against position 0, random data, two
-trials; one row per call always qualifies), and larger calls (and on a CPU smaller ones, for
-calls that fit in them) are kept where a row's result at every position equals its result in the
-smallest. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on an Intel Xeon
+trials; one row per call always qualifies), and larger calls (and on a CPU every size up to 8x
+the smallest, for calls that fit in one) are kept where a row's result at every position equals
+its result in the smallest. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on an Intel Xeon
 fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on an AMD EPYC (Zen 3, AVX2 only)
 8 passes at every shape tried (16 to 4096 inputs), 6 fails at a 16-in, 32-out layer, and every
-multiple of 8 up to 256 rows gives the 8-row bits; on a Zen 5 EPYC float32 keeps 4 rows below 8
-and bf16 every size, so the answer is the probe's, never a table's.
+multiple of 8 up to 256 rows gives the 8-row bits; on a Zen 5 EPYC float32 keeps 4 and 12 to 64
+rows and bf16 every size, so the answer is the probe's, never a table's.
 
 Cost: one to three calls per layer where the native kernel makes one, plus the padding (a batch-1
 AR step's 2 rows take an 8-row call where no smaller size gives them its bits), which is why this
@@ -58,11 +58,13 @@ CUDA_CANDIDATE_ROWS = (64, 32, 16, 8, 4, 2, 1)
 # the rest).
 LARGEST_CALL_ROWS = 256
 CUDA_LARGEST_CALL_ROWS = 512
-# On a CPU, sizes below the smallest call are tried too, for the calls of fewer rows (a batch-1 AR
-# step's 2 rows, with guidance, padded to 8 at every layer): kept where they give a row the smallest
-# call's bits at every position, and used only for calls that fit in one of them (a round's rows
-# split into 32 + 2 cost more than one 40-row call: the second call's fixed cost exceeds 6 rows).
+# On a CPU a padded row costs its arithmetic, so every size up to this many times the smallest call
+# is tried as well (a batch-1 AR step's 2 rows, with guidance, took an 8-row call at every layer; a
+# Jacobi round's 34 a 40-row one): kept where it gives a row the smallest call's bits at every
+# position, and taken by a call whose rows fit in it. Rows are never split to save padding: 32 + 2
+# rows cost more than one 40-row call (a second call's fixed cost is more than 6 rows' arithmetic).
 # Not on a GPU, where padding is free and calls are not.
+CPU_SINGLE_CALLS_UP_TO = 8
 
 
 def candidate_rows(device: torch.device) -> tuple[int, ...]:
@@ -77,7 +79,7 @@ def largest_call_rows(device: torch.device) -> int:
 
 _PROBE_TRIALS = 2
 
-# (in, out, bias, dtype, device) -> (chunk sizes, sizes below them): a property of the kernels,
+# (in, out, bias, dtype, device) -> (chunk sizes, single-call sizes): a property of the kernels,
 # found once per process
 _probed: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
@@ -89,19 +91,21 @@ def larger_calls(smallest: int, largest: int) -> list[int]:
     return [size for size in sizes if size <= largest]
 
 
-def smaller_calls(smallest: int, device: torch.device) -> list[int]:
-    """The call sizes tried below ``smallest``: on a CPU all of them, on CUDA none."""
-    return [] if device.type == "cuda" else list(range(1, smallest))
+def single_calls(smallest: int, device: torch.device) -> list[int]:
+    """The call sizes tried for calls whose rows fit in one (besides ``smallest`` itself): on a CPU
+    every size up to ``CPU_SINGLE_CALLS_UP_TO`` times it, on CUDA none."""
+    if device.type == "cuda":
+        return []
+    return [r for r in range(1, CPU_SINGLE_CALLS_UP_TO * smallest + 1) if r != smallest]
 
 
-def call_sizes(m: int, chunks: tuple[int, ...], below: tuple[int, ...] = ()) -> tuple[int, ...]:
+def call_sizes(m: int, chunks: tuple[int, ...], single: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The row counts of the calls that cover ``m`` rows: ``m`` padded up to a multiple of the
     smallest chunk, then the largest chunks first (``chunks`` ascending, each a multiple of the
-    first); fewer rows than the smallest chunk take the smallest of ``below`` (sizes under it,
-    ascending) that holds them, if any. Plain Python, not cached: a compiled round traces it (dynamo
-    warns on a cache)."""
-    if m < chunks[0]:
-        for size in below:
+    first); up to the largest of ``single`` (ascending), one call of the smallest of them that holds
+    the rows. Plain Python, not cached: a compiled round traces it (dynamo warns on a cache)."""
+    if single and m <= single[-1]:
+        for size in single:
             if size >= m:
                 return (size,)
     left = -(-m // chunks[0]) * chunks[0]
@@ -113,13 +117,13 @@ def call_sizes(m: int, chunks: tuple[int, ...], below: tuple[int, ...] = ()) -> 
 
 
 def chunked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, chunks: tuple[int, ...],
-                   below: tuple[int, ...] = ()) -> Tensor:
-    """``F.linear(x, weight, bias)`` computed in calls of the sizes in ``chunks`` and ``below``
+                   single: tuple[int, ...] = ()) -> Tensor:
+    """``F.linear(x, weight, bias)`` computed in calls of the sizes in ``chunks`` and ``single``
     (which give a row the same bits; the last rows zero-padded, see :func:`call_sizes`)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     m = flat.shape[0]
-    sizes = call_sizes(m, chunks, below)
+    sizes = call_sizes(m, chunks, single)
     if sum(sizes) > m:
         flat = F.pad(flat, (0, 0, 0, sum(sizes) - m))  # zeros: any rows would do (rows are independent)
     if len(sizes) == 1:
@@ -200,7 +204,8 @@ def _probe(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[
         return _at_every_thread_count(functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))
 
     larger = [r for r in larger_calls(smallest, largest_call_rows(weight.device)) if same(r)]
-    return (smallest, *larger), tuple(r for r in smaller_calls(smallest, weight.device) if same(r))
+    single = [r for r in single_calls(smallest, weight.device) if r in larger or same(r)]
+    return (smallest, *larger), tuple(sorted([smallest, *single])) if single else ()
 
 
 @torch.no_grad()
@@ -215,9 +220,11 @@ def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, .
     return _probed_sizes(weight, bias)[0]
 
 
-def invariant_sizes_below(weight: Tensor, bias: Tensor | None = None) -> tuple[int, ...]:
-    """The call sizes below the smallest of :func:`invariant_chunks` (on a CPU) at which a row's
-    result at every position equals its result in the smallest call, ascending."""
+def invariant_single_calls(weight: Tensor, bias: Tensor | None = None) -> tuple[int, ...]:
+    """On a CPU, the call sizes up to ``CPU_SINGLE_CALLS_UP_TO`` times the smallest of
+    :func:`invariant_chunks` at which a row's result at every position equals its result in the
+    smallest call, ascending (the smallest included; empty on CUDA): a call of at most the largest
+    of them takes one call of the smallest that holds its rows (:func:`call_sizes`)."""
     return _probed_sizes(weight, bias)[1]
 
 
@@ -237,10 +244,10 @@ class RowChunkedLinear(nn.Linear):
     lantern's own convert alike, and the checkpoint keys do not change)."""
 
     invariant_chunks: tuple[int, ...]
-    invariant_below: tuple[int, ...] = ()
+    invariant_single: tuple[int, ...] = ()
 
     def forward(self, x: Tensor) -> Tensor:
-        return chunked_linear(x, self.weight, self.bias, self.invariant_chunks, self.invariant_below)
+        return chunked_linear(x, self.weight, self.bias, self.invariant_chunks, self.invariant_single)
 
 
 def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
@@ -250,7 +257,7 @@ def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
         if enabled and type(sub) is nn.Linear:
             layer = cast(RowChunkedLinear, sub)  # (one, swapped next)
             layer.invariant_chunks = invariant_chunks(sub.weight, sub.bias)
-            layer.invariant_below = invariant_sizes_below(sub.weight, sub.bias)
+            layer.invariant_single = invariant_single_calls(sub.weight, sub.bias)
             _swap_class(sub, RowChunkedLinear)
         elif not enabled and type(sub) is RowChunkedLinear:
             _swap_class(sub, nn.Linear)
