@@ -17,11 +17,11 @@ checks this device once per weight shape: the smallest call is the first candida
 row's result is the same at every position (every position against position 0, random data, two
 trials; one row per call always qualifies), and larger calls (and on a CPU every size up to 8x
 the smallest, for calls that fit in one) are kept where a row's result at every position equals
-its result in the smallest. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on an Intel Xeon
-fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on an AMD EPYC (Zen 3, AVX2 only)
-8 passes at every shape tried (16 to 4096 inputs), 6 fails at a 16-in, 32-out layer, and every
-multiple of 8 up to 256 rows gives the 8-row bits; on a Zen 5 EPYC float32 keeps 4 and 12 to 64
-rows and bf16 every size, so the answer is the probe's, never a table's.
+its result in the smallest. Measured: MKL AVX-512 passes every size up to 64, MKL AVX2 forced on
+an Intel Xeon fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on an AMD EPYC
+(Zen 3, AVX2 only) 8 passes at every shape tried (16 to 4096 inputs), 6 fails at a 16-in, 32-out
+layer, and every multiple of 8 up to 256 rows gives the 8-row bits; on a Zen 5 EPYC float32 keeps
+4 and 12 to 64 rows and bf16 every size, so the answer is the probe's, never a table's.
 
 Cost: one to three calls per layer where the native kernel makes one, plus the padding (a batch-1
 AR step's 2 rows take an 8-row call where no smaller size gives them its bits), which is why this
@@ -208,7 +208,6 @@ def _probe(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[
     return (smallest, *larger), tuple(sorted([smallest, *single])) if single else ()
 
 
-@torch.no_grad()
 def invariant_chunks(weight: Tensor, bias: Tensor | None = None) -> tuple[int, ...]:
     """The call sizes at which this device's matmul gives a row one result wherever it sits,
     smallest first, at every thread count of :func:`_probe_threads` (checked on ``weight``'s
