@@ -143,7 +143,7 @@ def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits
 def test_a_single_call_size_is_kept_where_it_gives_the_smallest_calls_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU every size up to 8x the smallest call is probed too, so a batch-1 AR step's 2 rows
     need not pay for an 8-row call at every layer, nor a Jacobi round's 34 for a 40-row one (photos
-    on an AMD EPYC Zen 5, bf16: AR 1.08x -> 1.01x, sjd-coupled 1.08x -> 1.03x the default mode's
+    on an AMD EPYC Zen 5, bf16: AR 1.14x -> 1.06x, sjd-coupled 1.08x -> 1.03x the default mode's
     time): a kernel whose calls of a row count that is not a multiple of 4 give other bits (MKL's
     AVX2 sgemm runs rows in blocks of 4) keeps the multiples of 4 up to 64 and refuses the rest; 1
     to 4 rows then take one 4-row call, 9 rows a 12-row one, and a layer on that kernel gives every
