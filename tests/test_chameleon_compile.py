@@ -56,6 +56,21 @@ def lumina(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
     return lantern.load(folder, drafter=folder / "drafter", image_size=64)
 
 
+@pytest.fixture(scope="module")
+def released_drafter(lumina: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A drafter folder for the tiny Lumina-mGPT model in the format of LANTERN's released drafters."""
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import tiny_released_drafter
+
+    return save_released_drafter(tiny_released_drafter(lumina.stack.model, "lumina-mgpt"),
+                                 tmp_path_factory.mktemp("released") / "drafter")
+
+
+@pytest.fixture(scope="module")
+def released(lumina: Pipeline, released_drafter: Path) -> Pipeline:
+    return lantern.load(lumina.stack.root, drafter=released_drafter, image_size=64)
+
+
 def _method(name: str) -> MethodConfig:
     return MethodConfig.resolve(name, **METHODS[name])
 
@@ -157,20 +172,50 @@ def test_cli_compile_on_a_chameleon_folder(lumina: Pipeline, tmp_path: Path, eag
     assert (np.load(tmp_path / "compiled" / "codes.npy") == np.load(tmp_path / "eager" / "codes.npy")).all()
 
 
-def test_released_drafter_is_refused_compiled(lumina: Pipeline, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    from lantern.models.chameleon_drafter import save_released_drafter
-    from lantern.testing import tiny_released_drafter
+def test_cli_compile_with_a_released_drafter(lumina: Pipeline, released_drafter: Path, tmp_path: Path,
+                                            eager_backend: list[int]) -> None:
+    """``lantern generate --compile`` with a drafter in the format of LANTERN's released Chameleon
+    drafters writes the eager run's codes (LANTERN++, sampled)."""
+    common = ["generate", "--model", str(lumina.stack.root), "--drafter", str(released_drafter), "--prompt",
+              "a red car", "--prompt", "a cat", "--image-size", "64", "--method", "lantern++", "--seed", "5",
+              "--no-progress"]
+    assert main([*common, "--out", str(tmp_path / "eager")]) == 0
+    assert main([*common, "--out", str(tmp_path / "compiled"), "--compile", "default"]) == 0
+    assert (np.load(tmp_path / "compiled" / "codes.npy") == np.load(tmp_path / "eager" / "codes.npy")).all()
 
-    save_released_drafter(tiny_released_drafter(lumina.stack.model, "lumina-mgpt"), tmp_path / "released")
-    out = tmp_path / "o"
-    assert main(["generate", "--model", str(lumina.stack.root), "--prompt", "a cat", "--image-size", "64",
-                 "--method", "sd", "--tree", "chain:3", "--drafter", str(tmp_path / "released"), "--compile",
-                 "default", "--out", str(out), "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("lantern: error: --compile does not run LANTERN's released Chameleon drafters (their backend "
-                       "reads the model sequence between rounds): use --compile off")
-    assert not out.exists()
+
+@pytest.mark.parametrize("name", ["sd", "lantern", "lantern++"])
+def test_released_drafter_rounds_compile_to_one_graph(released: Pipeline, name: str,
+                                                      eager_backend: list[int]) -> None:
+    """LANTERN's released drafter format, whose backend reads the whole model sequence (the
+    prompt, every code and new-line token): a chain, EAGLE-2's dynamic tree and LANTERN++'s static
+    tree each compile their round once, as one graph that holds both forwards; no recompilation
+    for other prompts and seeds, or a second decode; one region call per round and none besides
+    (the prompt's entries are absorbed at the start, eagerly); the eager decode's codes and
+    target forwards, sampled."""
+    eager = _prepare(released, name, SAMPLED)
+    compiled = _prepare(released, name, SAMPLED, compile="default")
+    before, calls = counters["stats"]["unique_graphs"], compiling.region_calls
+    first = _run(compiled, PROMPTS, [1, 2, 3])
+    assert counters["stats"]["unique_graphs"] == before + 1
+    assert len(eager_backend) == 1 and eager_backend[-1] > 100  # the target's forward and the drafter's
+    assert compiling.region_calls - calls == first.stats.steps
+    second, again = _run(compiled, OTHER_PROMPTS, [7, 8, 9]), _run(compiled, PROMPTS, [1, 2, 3])
+    assert counters["stats"]["unique_graphs"] == before + 1
+    reference = _run(eager, PROMPTS, [1, 2, 3])
+    assert torch.equal(first.codes, reference.codes) and torch.equal(again.codes, reference.codes)
+    assert torch.equal(second.codes, _run(eager, OTHER_PROMPTS, [7, 8, 9]).codes)
+    assert torch.equal(first.stats.target_forwards, reference.stats.target_forwards)
+    assert first.stats.mean_accepted > 1.0 and any(len(set(step.tolist())) > 1 for step in first.stats.tokens_per_step)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_released_drafter_greedy_equals_ar(released: Pipeline) -> None:
+    """Inductor's kernels with the released drafter format on the Lumina-mGPT layout (row-end steps
+    in the drafter and shadows in the target): exact speculative decoding gives greedy AR's codes."""
+    expected = _run(_prepare(released, "ar", GREEDY), PROMPTS, [0, 0, 0])
+    out = _run(_prepare(released, "sd", GREEDY, compile="default"), PROMPTS, [0, 0, 0])
+    assert torch.equal(out.codes, expected.codes) and out.stats.mean_accepted > 1.0
 
 
 def test_profile_trace_counts_one_region_per_compiled_round(tmp_path: Path, eager_backend: list[int]) -> None:

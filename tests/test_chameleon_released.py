@@ -166,23 +166,39 @@ def _reference_entries(layout: ImageLayout, text: list[int], codes: list[int], s
 
 def _record_context(backend: ReleasedDrafterBackend) -> list[list[tuple[Tensor, Tensor, Tensor]]]:
     """Wrap the backend's context pass; per round and stream row: (tokens, features, positions)
-    of the real entries it absorbed."""
+    of the real entries it absorbed (the prompt's, absorbed at ``start``, count with the first
+    round's)."""
     rounds: list[list[tuple[Tensor, Tensor, Tensor]]] = []
-    absorb = backend._absorb
+    absorb, start = backend._absorb_pending, backend.start
+    prompt: list[list[tuple[Tensor, Tensor, Tensor]]] = []  # absorbed by start, not yet merged
+    starting = False
 
-    def spy(feats: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
-        assert backend._pending is not None and backend.col_real is not None
-        counts = backend._pending[2]
-        real = backend.col_real.gather(1, slots)
+    def spy_start(hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
+        nonlocal starting
+        starting = True
+        start(hidden, root, path_width)
+        starting = False
+
+    def spy(pending: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        assert backend.cache is not None and backend.col_real is not None
+        feats, tokens, counts = pending
+        real = backend.col_real.gather(1, backend.cache.lengths[:, None] + torch.arange(tokens.shape[1]))
+        out, positions = absorb(pending)
         rows = []
         for n in range(tokens.shape[0]):
-            keep = real[n, : int(counts[n])]
             c = int(counts[n])
+            keep = real[n, :c]
             rows.append((tokens[n, :c][keep], feats[n, :c][keep].float(), positions[n, :c][keep]))
+        if starting:
+            prompt.append(rows)
+            return out, positions
+        if prompt:
+            rows = [(torch.cat([p[0], r[0]]), torch.cat([p[1], r[1]]), torch.cat([p[2], r[2]]))
+                    for p, r in zip(prompt.pop(), rows, strict=True)]
         rounds.append(rows)
-        return absorb(feats, tokens, positions, mask, slots)
+        return out, positions
 
-    backend._absorb = spy  # type: ignore[method-assign]
+    backend.start, backend._absorb_pending = spy_start, spy  # type: ignore[method-assign]
     return rounds
 
 

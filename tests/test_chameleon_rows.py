@@ -123,6 +123,47 @@ def test_a_rows_verify_logits_are_bit_identical_alone_and_in_a_batch(
     assert _logit_dependence(prepared, verify_logits, [0, 1, 2]) == []
 
 
+@pytest.fixture(scope="module")
+def released(pipes: dict[str, lantern.Pipeline], tmp_path_factory: pytest.TempPathFactory) -> lantern.Pipeline:
+    """The Lumina folder with a drafter in the format of LANTERN's released Chameleon drafters,
+    deterministic: its backend reads the whole model sequence (new-lines included)."""
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import tiny_released_drafter
+
+    folder = pipes["lumina"].stack.root
+    drafter = save_released_drafter(tiny_released_drafter(pipes["lumina"].stack.model),
+                                    tmp_path_factory.mktemp("released") / "drafter")
+    return lantern.load(folder, drafter=drafter, deterministic=True, image_size=64)
+
+
+@pytest.fixture
+def drafted_and_verified(verify_logits: list[Tensor], monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
+    """``verify_logits``, with every guided logits [B, (E,) V] a released drafter drafts from in between."""
+    from lantern.drafters.released import ReleasedDrafterBackend
+
+    guided = ReleasedDrafterBackend._guided
+
+    def spy(self: ReleasedDrafterBackend, hidden: Tensor) -> Tensor:
+        logits = guided(self, hidden)
+        verify_logits.append(logits.clone())
+        return logits
+
+    monkeypatch.setattr(ReleasedDrafterBackend, "_guided", spy)
+    return verify_logits
+
+
+@pytest.mark.parametrize("method", ["lantern", "lantern++"])
+def test_a_released_drafters_logits_are_bit_identical_alone_and_in_a_batch(
+        released: lantern.Pipeline, drafted_and_verified: list[Tensor], method: str) -> None:
+    """The same with LANTERN's released drafter format (EAGLE-2's dynamic tree, LANTERN++'s static
+    one): every drafter and verify logits of a row are the same bits alone and in a batch. Rows
+    accept different numbers of codes and reach row ends at other rounds; in deterministic mode
+    the backend attends over its whole cache and drafts a row-end step at every depth, so neither
+    follows its batch-mates (the eager default sizes both to the batch)."""
+    prepared = _prepared(released, method)
+    assert _logit_dependence(prepared, drafted_and_verified, [0, 1, 2]) == []
+
+
 def test_the_logit_check_catches_a_planted_batch_dependence(pipes: dict[str, lantern.Pipeline],
                                                            verify_logits: list[Tensor],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:

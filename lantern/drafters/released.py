@@ -25,6 +25,14 @@ that output predicts the node's children: the step the official code spends draf
 new-line token. At commit, a kept row-end node contributes two entries: ``(f(code), new-line)``
 and ``(f(new-line), next code)``; the target adapter hands out both features
 (:attr:`lantern.targets.chameleon.ChameleonTarget.node_hidden`).
+
+**Static shapes** where the target has them (``--compile``, or deterministic mode): the prompt's
+entries are absorbed at ``start`` (outside the rounds), every round's context pass has the width
+of a commit (``2 W``: a path of W codes and their new-lines), attention spans the whole cache
+(masked) and a row-end step runs at every depth whether or not a row ends there (rows that do
+not keep their outputs). Then no shape follows the batch or the round and nothing reads the
+device, so a round with this backend traces as one graph, and a row's floats are those it gets
+alone (the eager default sizes the masks to the batch and skips row-end steps no row needs).
 """
 
 from __future__ import annotations
@@ -90,14 +98,22 @@ class ReleasedDrafterBackend:
         self.streams = target.streams
         self.eol, self.width = target.layout.eol, target.layout.width
         self.draft_entries = draft_entries  # cache slots one round's drafts may use
-        self.forwards = 0
+        # static shapes (see the module docstring) wherever the target has them
+        self.static = target.static
+        # a device counter, so that a compiled round counts in place instead of baking in a Python int
+        self.forwards = torch.zeros((), dtype=torch.long, device=model.device)
         self.cache: KVCache | None = None
         self.col_real: Tensor | None = None  # [N, S_max] False on the prompts' left padding
         self.pos_offset: Tensor | None = None  # [N] left padding of each stream row
         self.codes_done: Tensor | None = None  # [B] code index of the pending root
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # feats [N, A, D], bpe ids [N, A], counts [N]
-        # the round's drafts: node 0 = the root, then fed nodes in feed order
         self._base: Tensor | None = None  # [N] committed length
+        self._round_reset()
+
+    def _round_reset(self) -> None:
+        """The round's drafts (node 0 = the root, then fed nodes in feed order): made by ``begin`` and
+        ``feed``, read within the round. Reset at ``start``, so that every decode's first round
+        finds the same state (a compiled round is traced per state, see compiling.round_fn)."""
         self._cover = torch.zeros(0, 1, 0, dtype=torch.bool)  # [N, nodes, entries] drafted entries on each path
         self._out = torch.zeros(0)  # [N, nodes, D] the feature that predicts each node's children
         self._last_pos = torch.zeros(0, dtype=torch.long)  # [N, nodes] position of that feature's entry
@@ -105,24 +121,37 @@ class ReleasedDrafterBackend:
     # -- DraftBackend -----------------------------------------------------------------------------
 
     def start(self, hidden: Tensor, root: Tensor, path_width: int | None = None) -> None:
-        """``hidden`` (the image prefix) is not used: the released drafters read the whole prompt."""
+        """``hidden`` (the image prefix) is not used: the released drafters read the whole prompt.
+        The prompt's entries but the last are absorbed here; the last, ``(f(prefix end), root)``,
+        is left pending, padded to a commit's width (``2 * path_width``): every round's context
+        pass then has one shape, the first's included."""
         assert self.target.prefill is not None and self.target.key_mask is not None
         ids, full = self.target.prefill
         n, length = ids.shape
-        layout, cfg = self.target.layout, self.model.config
+        layout, cfg, device = self.target.layout, self.model.config, ids.device
         image = layout.num_tokens + (layout.height if layout.eol is not None else 0)
         max_len = length + image + self.draft_entries
         # the pipeline's pool: the same buffers image after image (its decode state stays put, see
         # lantern.decoding.resident, without a copy of this cache per decode)
         self.cache = self.target.cache_pool.get("released_drafter", cfg.num_hidden_layers, n, cfg.num_key_value_heads,
-                                                max_len, cfg.head_dim, self.model.dtype, self.model.device)
-        self.col_real = torch.ones(n, max_len, dtype=torch.bool, device=ids.device)
+                                                max_len, cfg.head_dim, self.model.dtype, self.model.device,
+                                                static=self.target.compile is not None)
+        self.col_real = torch.ones(n, max_len, dtype=torch.bool, device=device)
         self.col_real[:, :length] = self.target.key_mask
         assert self.target.pos_offset is not None
         self.pos_offset = self.target.pos_offset.clone()
         self.codes_done = torch.zeros_like(root)
-        tokens = torch.cat([ids[:, 1:], self._bpe(root).repeat(self.streams)[:, None]], dim=1)
-        self._pending = (full, tokens, torch.full((n,), length, dtype=torch.long, device=ids.device))
+        self._base = torch.zeros(n, dtype=torch.long, device=device)
+        self._round_reset()
+        if length > 1:
+            prompt = (full[:, :-1], ids[:, 1:], torch.full((n,), length - 1, dtype=torch.long, device=device))
+            self._absorb_pending(prompt)
+        width = 2 * max(path_width or 1, 1)
+        feats = full.new_zeros(n, width, full.shape[-1])
+        feats[:, 0] = full[:, -1]
+        tokens = torch.zeros(n, width, dtype=torch.long, device=device)
+        tokens[:, 0] = self._bpe(root).repeat(self.streams)
+        self._pending = (feats, tokens, torch.ones(n, dtype=torch.long, device=device))
 
     def commit(self, hidden: Tensor, next_tokens: Tensor, num_new: Tensor) -> None:
         """New entries along each row's accepted path; a row-end node brings its new-line entry."""
@@ -145,28 +174,29 @@ class ReleasedDrafterBackend:
         tokens.scatter_(1, main_at, self._bpe(next_tokens))
         tokens.scatter_(1, eol_at, torch.full_like(eol_at, self.eol or 0))
         counts = num_new + row_end.sum(1)
-        self.codes_done = self.codes_done + num_new
-        self._pending = (feats[:, :dump], tokens[:, :dump].repeat(s, 1), counts.repeat(s))
+        self.codes_done.add_(num_new)  # in place: round state keeps its address (CUDA graphs replay on it)
+        new = (feats[:, :dump], tokens[:, :dump].repeat(s, 1), counts.repeat(s))
+        pending = self._pending
+        if pending is not None and all(p.shape == x.shape for p, x in zip(pending, new, strict=True)):
+            for buf, x in zip(pending, new, strict=True):
+                buf.copy_(x)
+        else:
+            self._pending = new
 
     @torch.no_grad()
     def begin(self) -> Tensor:
         """Absorb the new entries; returns the guided logits at the root [B, V]."""
         assert self.cache is not None and self._pending is not None and self.codes_done is not None
-        feats, tokens, counts = self._pending
-        n, a = tokens.shape
-        lengths = self.cache.lengths.clone()
-        j = torch.arange(a, device=tokens.device)
-        slots = lengths[:, None] + j
-        positions = self._positions(slots)
-        out = self._absorb(feats.to(self.model.dtype), tokens, positions, self._context_mask(lengths, a), slots)
-        self.cache.lengths += counts
-        rows, last = torch.arange(n, device=tokens.device), (counts - 1).clamp(min=0)
-        self._base = self.cache.lengths.clone()
-        self._cover = torch.zeros(n, 1, 0, dtype=torch.bool, device=tokens.device)
+        assert self._base is not None
+        out, positions = self._absorb_pending(self._pending)
+        counts, n = self._pending[2], out.shape[0]
+        rows, last = torch.arange(n, device=out.device), (counts - 1).clamp(min=0)
+        self._base.copy_(self.cache.lengths)
+        self._cover = torch.zeros(n, 1, 0, dtype=torch.bool, device=out.device)
         self._out = out[rows, last][:, None]
         self._last_pos = positions[rows, last][:, None]
         root_ends = self._ends_row(self.codes_done).repeat(self.streams)
-        if bool(root_ends.any()):  # the root's new-line comes before its children
+        if self._needs_shadows(root_ends):  # the root's new-line comes before its children
             self._shadows(0, 1, root_ends)
         return self._guided(self._out[:, 0])
 
@@ -187,16 +217,36 @@ class ReleasedDrafterBackend:
         self._out = torch.cat([self._out, out], dim=1)
         self._last_pos = torch.cat([self._last_pos, positions], dim=1)
         ends = self._ends_row(self.codes_done + depth).repeat(s)
-        if bool(ends.any()):
+        if self._needs_shadows(ends):
             self._shadows(k0, e, ends)
         return self._guided(self._out[:, k0:])
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    def _absorb_pending(self, pending: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Write entries ``(feats [N, A, D], tokens [N, A], counts [N])`` after each row's committed
+        ones and advance the cache; returns their outputs [N, A, D] and positions [N, A]."""
+        assert self.cache is not None
+        feats, tokens, counts = pending
+        a = tokens.shape[1]
+        lengths = self.cache.lengths.clone()
+        slots = lengths[:, None] + torch.arange(a, device=tokens.device)
+        positions = self._positions(slots)
+        out = self._absorb(feats.to(self.model.dtype), tokens, positions, self._context_mask(lengths, a), slots)
+        self.cache.lengths += counts
+        return out, positions
+
     def _absorb(self, feats: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
         """The context pass over committed entries (a seam tests observe the drafter's sequence at)."""
         self.forwards += 1
         return self.model(feats, tokens, positions, mask, self.cache, slots)
+
+    def _needs_shadows(self, ends: Tensor) -> bool:
+        """Whether a row-end step runs: with static shapes at every depth of a layout with new-lines
+        (no host read), else only where some row ends a row."""
+        if self.eol is None:
+            return False
+        return self.static or bool(ends.any())
 
     def _shadows(self, k0: int, e: int, valid: Tensor) -> None:
         """Run ``(output, new-line)`` after nodes ``k0 .. k0+e`` of the rows in ``valid`` [N]; their
@@ -226,16 +276,16 @@ class ReleasedDrafterBackend:
     def _context_mask(self, lengths: Tensor, a: int) -> Tensor:
         """[N, A, kv_len]: real committed entries, then causal among the new ones (each entry always
         sees itself, so the prompts' padding rows stay finite)."""
-        assert self.col_real is not None
+        assert self.col_real is not None and self.cache is not None
         j = torch.arange(a, device=lengths.device)
-        kv_len = int(lengths.max()) + a
+        kv_len = self.cache.max_len if self.static else int(lengths.max()) + a
         rel = torch.arange(kv_len, device=lengths.device)[None, None, :] - lengths[:, None, None]
         return ((rel <= j[None, :, None]) & self.col_real[:, None, :kv_len]) | (rel == j[None, :, None])
 
     def _draft_mask(self, cover: Tensor) -> Tensor:
-        assert self._base is not None and self.col_real is not None
+        assert self._base is not None and self.col_real is not None and self.cache is not None
         q, f = cover.shape[1], cover.shape[2]
-        kv_len = int(self._base.max()) + f
+        kv_len = self.cache.max_len if self.static else int(self._base.max()) + f
         rel = torch.arange(kv_len, device=cover.device)[None, :] - self._base[:, None]  # [N, S]
         committed = (rel < 0) & self.col_real[:, :kv_len]
         idx = rel.clamp(0, f - 1)[:, None, :].expand(-1, q, -1)

@@ -234,13 +234,12 @@ class ChameleonStack(PromptStack):
                       target: Target, slots: int, compile: str | None = None,
                       cache_pool: CachePool | None = None) -> DraftBackend:
         """LANTERN's released drafters read the whole model sequence (row-end tokens included) through
-        the target; lantern's EAGLE drafters the image prefix's features, like LlamaGen's."""
+        the target (static shapes where the target has them: compiled or deterministic); lantern's
+        EAGLE drafters the image prefix's features, like LlamaGen's."""
         if isinstance(drafter, ReleasedChameleonDrafter):
             from lantern.drafters.released import ReleasedDrafterBackend
 
             assert isinstance(target, ChameleonTarget)
-            check(compile in (None, "off"), "--compile does not run LANTERN's released Chameleon drafters (their "
-                                            "backend reads the model sequence between rounds): use --compile off")
             return ReleasedDrafterBackend(drafter, head, sampling, target, 2 * slots)
         return eagle_backend(drafter, head, sampling, target, self.layout, slots, compile, cache_pool)
 
