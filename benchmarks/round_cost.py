@@ -11,6 +11,9 @@ EAGLE layer), each tree and batch size, the script times
 with q/k LayerNorms, Lumina-mGPT's layout: a new-line token after every row of codes, inserted as
 shadow nodes, whose slots a compiled round always carries) at GPT-B's width with a 256 x 256 image
 (16 x 16 codes) and at Lumina-mGPT-7B's with a 768 x 768 one (48 x 48; 2 and 4 layers, scaled to 32).
+Their drafter is lantern's (an EAGLE layer in code space), or with ``--chameleon-drafter released``
+one in the format of LANTERN's released Chameleon drafters (a full Chameleon layer over the whole
+token sequence, new-lines included: ``lantern.drafters.released``), of the target's width.
 
 Both are timed through the loop's own round (``lantern.decoding.loop.start_decode``), compiled as one region
 with ``--compile`` (the default: ``auto``, i.e. CUDA graphs on a GPU), with classifier-free
@@ -22,6 +25,7 @@ tokens per round measured on ``photos`` for that tree (``--tau``; a device-indep
     python benchmarks/round_cost.py --configs GPT-B --batch-sizes 1,4 --out benchmarks/results/round-cost-cpu
     python benchmarks/round_cost.py --configs GPT-XL --batch-sizes 1,16 --device cuda --out round-cost-gpu
     python benchmarks/round_cost.py --configs GPT-B,Chameleon-B --batch-sizes 1 --compile off --out round-cost-eager
+    python benchmarks/round_cost.py --configs Chameleon-B --chameleon-drafter released --batch-sizes 1 --out rc-released
 
 Writes OUT/round_cost.json and OUT/round_cost.md.
 """
@@ -45,7 +49,9 @@ from lantern.decoding.loop import Acceptance, start_decode
 from lantern.decoding.rng import RowRandom
 from lantern.drafters.checks import drafter_dtype
 from lantern.drafters.eagle import EagleBackend
+from lantern.drafters.released import ReleasedDrafterBackend
 from lantern.eval.report import machine_description
+from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
 from lantern.models.drafter import DrafterConfig, EagleDrafterModel
 from lantern.models.llamagen import LlamaGen, LlamaGenConfig, llamagen_config
 from lantern.targets.base import inference_dtype
@@ -84,7 +90,7 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_rounds(model: LlamaGen | Any, drafter: EagleDrafterModel | None, tree: TreeConfig | None, batch: int,
+def time_rounds(model: LlamaGen | Any, drafter: torch.nn.Module | None, tree: TreeConfig | None, batch: int,
                 accept: int, compile: str | None, rounds: int, repeats: int) -> tuple[float, float]:
     """(median ms per round, first-round seconds: compilation included) of ``rounds`` rounds from
     the start of an image, ``repeats`` times (a fresh decode each, the graphs reused). ``model``: a
@@ -108,7 +114,10 @@ def time_rounds(model: LlamaGen | Any, drafter: EagleDrafterModel | None, tree: 
         if drafter is not None and tree is not None:
             if isinstance(model, LlamaGen):
                 backend: Any = EagleBackend(drafter, head, sampling, 2, context + tree.drafter_slots, compile=compile)
+            elif isinstance(drafter, ReleasedChameleonDrafter):  # as ChameleonStack.draft_backend builds it
+                backend = ReleasedDrafterBackend(drafter, head, sampling, target, 2 * tree.drafter_slots)
             else:
+                assert isinstance(drafter, EagleDrafterModel)
                 backend = eagle_backend(drafter, head, sampling, target, layout, tree.drafter_slots, compile, None)
             tree_drafter = TreeDrafter(backend, tree, sampling, vocab)
         rng = RowRandom.from_seeds(list(range(batch)), device)
@@ -129,12 +138,12 @@ def time_rounds(model: LlamaGen | Any, drafter: EagleDrafterModel | None, tree: 
     return statistics.median(samples), first
 
 
-def build(name: str, layers: int | None, device: torch.device, dtype: torch.dtype
-          ) -> tuple[Any, EagleDrafterModel, int, int]:
+def build(name: str, layers: int | None, device: torch.device, dtype: torch.dtype, chameleon_drafter: str = "lantern"
+          ) -> tuple[Any, torch.nn.Module, int, int]:
     """(model for :func:`time_rounds`, its drafter, layers built, real layers) of a config name."""
     if name in CHAMELEON_SHAPES:
         from lantern.models.chameleon import ChameleonLM, layout_by_name
-        from lantern.testing import tiny_chameleon
+        from lantern.testing import tiny_chameleon, tiny_released_drafter
 
         spec = CHAMELEON_SHAPES[name]
         n = layers or spec["built"][0]
@@ -142,7 +151,9 @@ def build(name: str, layers: int | None, device: torch.device, dtype: torch.dtyp
                             max_position_embeddings=4096, initializer_range=0.02, **spec["config"])
         lm = ChameleonLM(hf).to(device, dtype).eval()
         layout = layout_by_name("lumina-mgpt", spec["image_size"])
-        drafter = init_chameleon_drafter(lm, layout).to(device, drafter_dtype(dtype, device)).eval()
+        drafter: torch.nn.Module = (tiny_released_drafter(lm, layout.name) if chameleon_drafter == "released"
+                                    else init_chameleon_drafter(lm, layout))
+        drafter = drafter.to(device, drafter_dtype(dtype, device)).eval()
         return (lm, layout), drafter, n, spec["layers"]
     cfg, real_layers = shape(name, layers)
     model = LlamaGen(cfg).init_weights(seed=0, zero_output=False).to(device, dtype).eval()
@@ -160,7 +171,7 @@ def run(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         per_layers: dict[int, dict[str, float]] = {}
         for layers in layer_points:
-            model, drafter, built, real_layers = build(name, layers, device, dtype)
+            model, drafter, built, real_layers = build(name, layers, device, dtype, args.chameleon_drafter)
             ms: dict[str, float] = {}
             ms["ar"], start = time_rounds(model, None, None, batch, 0, args.compile, args.rounds, args.repeats)
             print(f"{name} ({built} layers) B={batch} ar: {ms['ar']:.2f} ms/round (first round {start:.1f} s)")
@@ -179,7 +190,9 @@ def run(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.
         for spec in args.trees.split(","):
             cost = ms[spec] / ms["ar"]
             tau = PHOTOS_TAU.get(spec, args.tau)
-            rows.append({"config": name, "layers": real_layers, "batch": batch, "tree": spec, "ar_ms": ms["ar"],
+            drafter_kind = args.chameleon_drafter if name in CHAMELEON_SHAPES else "lantern"
+            rows.append({"config": name, "layers": real_layers, "drafter": drafter_kind, "batch": batch, "tree": spec,
+                         "ar_ms": ms["ar"],
                          "round_ms": ms[spec], "round_ar_steps": cost, "tau": tau, "projected_speedup": tau / cost,
                          "measured_layers": sorted(per_layers)})
     return rows
@@ -201,6 +214,8 @@ def main() -> None:
     ap.add_argument("--trees", default="chain:6,chain:8", help="tree specs (chain:N, static:NAME, dynamic)")
     ap.add_argument("--tau", type=float, default=4.8, help="tokens per round for trees not in PHOTOS_TAU")
     ap.add_argument("--accept", type=int, default=4, help="drafts accepted per round (fixed)")
+    ap.add_argument("--chameleon-drafter", choices=["lantern", "released"], default="lantern",
+                    help="the Chameleon shapes' drafter: lantern's, or LANTERN's released format")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")

@@ -115,8 +115,8 @@ class MethodRecord:
     # --pjd-context is the row length, not its default).
     lossless: bool
     # A running decode's rows can move between batches (continuous batching). The server decides
-    # this from the prepared objects (lantern.decoding.rows.movable: a 2-D grid drafter, or LANTERN's
-    # released Chameleon drafters' backend, lists no per-row state); this records the method's answer.
+    # this from the prepared objects (lantern.decoding.rows.movable: a 2-D grid drafter lists no
+    # per-row state); this records the method's answer.
     movable_rows: bool = True
     # --sjd-coupling values the method takes (empty: it redraws independently and takes none), and
     # its default coupling (sjd family only).

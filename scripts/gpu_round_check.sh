@@ -7,7 +7,8 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,decodes,gpt-xl-b1,invariance-det,invariance-layers,sizes,windows,chameleon-7b.
+# (benchmarks/RESULTS.md): STAGES=env,decodes,gpt-xl-b1,invariance-det,invariance-layers,sizes,windows,chameleon-7b,
+# chameleon-7b-released.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,decodes,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b}
+STAGES=${STAGES:-env,targets-b1,trace,decodes,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b,chameleon-7b-released}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -123,4 +124,9 @@ stage invariance 40 150 bash -c "$PY benchmarks/batch_invariance.py --model phot
 # width, 768 x 768, 2 and 4 layers scaled to 32: compiled AR against a chain:6 round (needs transformers)
 stage chameleon-7b 120 300 "$PY" benchmarks/round_cost.py --configs "$CH" --batch-sizes 1 --trees chain:6 \
   --device "$DEVICE" --compile "$COMPILE" --rounds "$ROUNDS" --repeats "$REPS" --out "$WORK/round-cost-chameleon"
+# the same with a drafter in the format of LANTERN's released Lumina-mGPT drafter (a full Chameleon layer over
+# the whole token sequence; a compiled round drafts a row-end step at every depth)
+stage chameleon-7b-released 120 300 "$PY" benchmarks/round_cost.py --configs "$CH" --chameleon-drafter released \
+  --batch-sizes 1 --trees chain:6 --device "$DEVICE" --compile "$COMPILE" --rounds "$ROUNDS" --repeats "$REPS" \
+  --out "$WORK/round-cost-chameleon-released"
 echo "== done $(date +%T), $(left) s of the budget left"

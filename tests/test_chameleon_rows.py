@@ -181,13 +181,16 @@ def test_the_logit_check_catches_a_planted_batch_dependence(pipes: dict[str, lan
 
 
 @pytest.mark.parametrize("family,method", [("lumina", "ar"), ("lumina", "lantern"), ("lumina", "lantern++"),
-                                           ("lumina", "sjd-coupled"), ("janus", "sjd-coupled"), ("emu3", "ar")])
+                                           ("lumina", "sjd-coupled"), ("janus", "sjd-coupled"), ("emu3", "ar"),
+                                           ("released", "lantern"), ("released", "lantern++")])
 def test_rows_joining_and_moving_give_their_alone_codes(pipes: dict[str, lantern.Pipeline], family: str,
-                                                        method: str) -> None:
+                                                        method: str, request: pytest.FixtureRequest) -> None:
     """A 4-row batch starts with prompt 0 alone (3 rows free); after 2 rounds prompts 1 and 2
     (other lengths) join, prefilled together; after one more round the running rows move into an
-    8-row batch, where prompt 3 joins. Every image equals its decode alone."""
-    prepared = _prepared(pipes[family], method)
+    8-row batch, where prompt 3 joins. Every image equals its decode alone (``released``: the
+    Lumina folder with a drafter in the format of LANTERN's released ones)."""
+    pipe = request.getfixturevalue("released") if family == "released" else pipes[family]
+    prepared = _prepared(pipe, method)
     alone = [drive_rounds(_start(prepared, [i]))[0] for i in range(4)]
     with torch.inference_mode():
         batch = _start(prepared, [0, 0, 0, 0])
@@ -208,13 +211,17 @@ def test_rows_joining_and_moving_give_their_alone_codes(pipes: dict[str, lantern
     assert not torch.equal(alone[3], drive_rounds(other)[0])
 
 
-def test_a_server_batches_these_models_continuously_with_the_apis_images(pipes: dict[str, lantern.Pipeline]) -> None:
-    """``lantern serve``'s engine on a Lumina folder: two images of one prompt start; after three
-    rounds two of a prompt of another length join the running batch (it grows from 2 to 4 rows).
-    Each image is the one ``lantern.load(folder)(prompts=[...])`` gives."""
+@pytest.mark.parametrize("drafter", ["lantern", "released"])
+def test_a_server_batches_these_models_continuously_with_the_apis_images(pipes: dict[str, lantern.Pipeline],
+                                                                         drafter: str,
+                                                                         request: pytest.FixtureRequest) -> None:
+    """``lantern serve``'s engine on a Lumina folder, with lantern's drafter and with one in the
+    format of LANTERN's released drafters: two images of one prompt start; after three rounds two
+    of a prompt of another length join the running batch (it grows from 2 to 4 rows). Each image
+    is the one ``lantern.load(folder)(prompts=[...])`` gives."""
     from lantern.serve.scheduler import Scheduler
 
-    pipe = pipes["lumina"]
+    pipe = request.getfixturevalue("released") if drafter == "released" else pipes["lumina"]
     sched = Scheduler(pipe, max_batch=4)
     first = sched.submit(sched.resolve(PROMPTS[0], 11, "lantern++", {}, (0, 1)))
     with torch.inference_mode():

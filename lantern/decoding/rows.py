@@ -15,9 +15,8 @@ Every stateful piece of a decode (the target adapter, the drafter and its backen
 streams, the loop's own counters) lists its per-row tensors with :meth:`RowState.row_tensors`,
 each as ``(tensor, streams, axis)``: ``axis`` is the row axis, and ``streams`` is 2 when the
 tensor holds classifier-free guidance's rows stream-major (``[cond rows; uncond rows]``, S * B
-of them) and 1 otherwise. Pieces that do not list their state (a 2-D grid drafter, the backend
-of LANTERN's released Chameleon drafters) cannot move rows; :func:`movable` says so and a server
-runs them in static batches.
+of them) and 1 otherwise. Pieces that do not list their state (PJD's 2-D grid drafter) cannot move
+rows; :func:`movable` says so and a server runs them in static batches.
 """
 
 from __future__ import annotations

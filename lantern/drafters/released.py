@@ -183,6 +183,16 @@ class ReleasedDrafterBackend:
         else:
             self._pending = new
 
+    def row_tensors(self) -> list[tuple[Tensor | None, int, int]]:
+        """Per-row state (``lantern.decoding.rows``): the drafter's cache, its real columns and
+        positions' offsets, the code count, the pending entries of the last commit (one shape in
+        every round, so rows move between batches) and the committed lengths."""
+        assert self.cache is not None and self._pending is not None
+        s = self.streams
+        feats, tokens, counts = self._pending
+        return [*self.cache.row_tensors(s), (self.col_real, s, 0), (self.pos_offset, s, 0), (self.codes_done, 1, 0),
+                (feats, s, 0), (tokens, s, 0), (counts, s, 0), (self._base, s, 0)]
+
     @torch.no_grad()
     def begin(self) -> Tensor:
         """Absorb the new entries; returns the guided logits at the root [B, V]."""

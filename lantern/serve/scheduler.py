@@ -12,8 +12,8 @@ at most ``max_batch`` rows at a time: a batch grows (rows moved into a
 larger batch) when jobs wait and shrinks when half of it is idle, so a lone request runs at batch
 1, as ``lantern generate`` would. With ``--compile`` each size compiles once (``warm_up`` at
 start-up), and rows join in place, so no request compiles anything. With ``continuous=False``
-(or a method whose decode cannot move rows, e.g. PJD's grid or LANTERN's released Chameleon
-drafters) a lane takes new jobs only when its whole batch has finished: static batches.
+(or a method whose decode cannot move rows, e.g. PJD's grid) a lane takes new jobs only when
+its whole batch has finished: static batches.
 
 A request is resolved once, in the caller's thread (:meth:`Scheduler.resolve`: its settings as
 configs, its method prepared, its condition encoded, a text-to-image prompt through T5 included)
