@@ -165,7 +165,7 @@ class Pipeline:
         self.parts = parts if parts is not None else ModelParts(stack)
         if hasattr(stack, "generation_settings"):
             stack.generation_settings()  # read (and checked) now, and kept: calls read no file for it
-        self._prepared: OrderedDict[tuple[MethodConfig, SamplingConfig], PreparedMethod] = OrderedDict()
+        self._prepared: OrderedDict[tuple[MethodConfig, SamplingConfig, bool], PreparedMethod] = OrderedDict()
         # tree="auto" choices, measured once per (method, its settings, sampling, batch size)
         self._auto_choices: OrderedDict[tuple[Any, ...], tuple[MethodConfig, dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
@@ -196,21 +196,22 @@ class Pipeline:
         """The latent proximity table (a ``ProximityTable``, read on first access), or None."""
         return self.parts.table() if self.parts.has_table else None
 
-    def prepare(self, method: MethodConfig, sampling: SamplingConfig) -> PreparedMethod:
+    def prepare(self, method: MethodConfig, sampling: SamplingConfig, eager: bool = False) -> PreparedMethod:
         """The method ready to run, prepared once per method and sampling settings and kept (least
         recently used dropped past ``MAX_PREPARED``). What every call, ``--tree auto`` and the
         server run. Preparation does not depend on the batch size: a prepared method's caches are
-        kept per shape."""
+        kept per shape. ``eager``: uncompiled whatever the pipeline's ``compile`` (a server's
+        request for settings it did not compile at start-up)."""
         from lantern.run import prepare_method
 
-        key = (method, sampling)
+        key = (method, sampling, eager)
         with self._lock:
             prepared = self._prepared.get(key)
             if prepared is not None:
                 self._prepared.move_to_end(key)
                 return prepared
         # Outside the lock: a first drafter read or compile must not hold up other callers' hits.
-        prepared = prepare_method(self.stack, method, sampling, self.parts, self.compile)
+        prepared = prepare_method(self.stack, method, sampling, self.parts, None if eager else self.compile)
         with self._lock:
             prepared = self._prepared.setdefault(key, prepared)
             while len(self._prepared) > MAX_PREPARED:  # a running server lane keeps its own reference

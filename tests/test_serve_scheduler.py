@@ -200,6 +200,34 @@ def test_compiled_server_compiles_at_warm_up_only(pipe: lantern.Pipeline, eager_
     assert torch.equal(b.codes, _expected(pipe, later[0], 2))
 
 
+def test_a_compiled_server_runs_settings_it_did_not_warm_up_eagerly(pipe: lantern.Pipeline,
+                                                                    eager_backend: list[int]) -> None:
+    """After a warm-up of lantern++, a request for another method or another tree would compile on
+    the decode thread, holding every other request for seconds to minutes: it runs eagerly instead
+    (no graph is made; the codes are the eager API's), and the warmed method stays compiled.
+    Power: the same server without a warm-up compiles what a request asks for."""
+    compiled = lantern.load("digits", compile="default")
+    sched = Scheduler(compiled, max_batch=2)
+    sched.warm_up(["lantern++"], 0)
+    graphs, copies = counters["stats"]["unique_graphs"], len(compiling._rounds)
+    others = [*_submit(sched, 3, 4, "sjd-coupled"), *_submit(sched, 5, 1, "lantern++", tree="chain:5")]
+    warmed = _submit(sched, 2, 6, "lantern++")
+    sched.start()
+    for t in (*others, *warmed):
+        t.future.result(120)
+    sched.shutdown(10)
+    assert counters["stats"]["unique_graphs"] == graphs and len(compiling._rounds) == copies
+    assert [t.request.prepared.compile for t in (*others, *warmed)] == [None, None, "default"]
+    for t in (*others, *warmed):
+        assert torch.equal(t.future.result(0).codes, _expected(pipe, t, 1))
+    cold = Scheduler(compiled, max_batch=2)
+    request = cold.resolve(3, 4, "sjd-coupled")
+    assert request.prepared.compile == "default"
+    cold.submit(request)
+    cold.run_until_idle()
+    assert len(compiling._rounds) > copies
+
+
 def test_lanes_and_loaded_methods_stay_bounded(pipe: lantern.Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client sending ever new settings cannot grow the server's memory: idle lanes and loaded
     methods past their caps are dropped, least recently used first; the images stay right."""

@@ -11,7 +11,9 @@ A lane's batch has a size from 1, 2, 4 ... up to ``max_batch`` rows, and all lan
 at most ``max_batch`` rows at a time: a batch grows (rows moved into a
 larger batch) when jobs wait and shrinks when half of it is idle, so a lone request runs at batch
 1, as ``lantern generate`` would. With ``--compile`` each size compiles once (``warm_up`` at
-start-up), and rows join in place, so no request compiles anything. With ``continuous=False``
+start-up), and rows join in place, so no request compiles anything: after a warm-up, a request
+whose method or settings were not warmed up runs its rounds eagerly (a first compile takes
+seconds to minutes, and the decode thread would hold every lane meanwhile). With ``continuous=False``
 (or a method whose decode cannot move rows, e.g. PJD's grid) a lane takes new jobs only when
 its whole batch has finished: static batches.
 
@@ -371,6 +373,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stop_now = False
+        # the (method, sampling) keys warm_up compiled; None: no warm-up, a request may compile
+        self._warmed: set[MethodKey] | None = None
         self._counters = {"images_total": 0.0, "tokens_total": 0.0, "rounds_total": 0.0, "forwards_total": 0.0,
                           "busy_row_rounds": 0.0, "row_rounds": 0.0}
         self.started_at = time.time()
@@ -391,7 +395,9 @@ class Scheduler:
         if bound is not None:
             bound(method_cfg)
         validate_sampling_for_vocab(sampling, self.stack.vocab_size)  # else the decode round would fail
-        prepared = self.pipeline.prepare(method_cfg, sampling)  # prepared once, kept by the pipeline
+        # prepared once, kept by the pipeline; uncompiled if a warm-up compiled other settings only
+        eager = self._warmed is not None and (method_cfg, sampling) not in self._warmed
+        prepared = self.pipeline.prepare(method_cfg, sampling, eager=eager)
         try:
             conditions = self.encode([condition])
         except LanternError as e:
@@ -426,8 +432,10 @@ class Scheduler:
         running (compiled graphs are the decode thread's)."""
         buckets = sorted({_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)})
         self.start()
+        warmed: set[MethodKey] = set()
         for method in methods:
             request = self.resolve(condition, 0, method)
+            warmed.add(request.key)
             # Static batches are exactly their jobs: every size from 1 to max_batch may come.
             moves = self.continuous and rows_move(request.prepared)
             for size in buckets if moves else range(1, self.max_batch + 1):
@@ -437,6 +445,8 @@ class Scheduler:
                     self._wake.notify()
                 for t in tickets:
                     t.future.result()
+        if self.pipeline.compile is not None:
+            self._warmed = warmed
         for key in self._counters:
             self._counters[key] = 0.0
 
@@ -505,6 +515,9 @@ class Scheduler:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = Lane(self, request.prepared)
+            if self._warmed is not None and key not in self._warmed:
+                LOG.info("%s with settings the warm-up did not compile runs eagerly (%s)", request.method,
+                         ", ".join(f"{k}={v}" for k, v in request.settings) or "its default settings")
         self._lanes.move_to_end(key)
         return lane
 
