@@ -300,6 +300,25 @@ def test_a_prompt_wider_than_the_prompt_width_is_refused_in_one_line(pipes: dict
 
 
 @pytest.mark.parametrize("family", list(FOLDERS))
+def test_a_prompt_that_is_not_text_is_refused_in_one_line(pipes: dict[str, lantern.Pipeline], family: str) -> None:
+    """A lone surrogate (half of a UTF-16 pair, as JSON's "\\ud800" decodes) would fail inside the
+    tokenizer with a TypeError: the Python call and the server's resolve refuse it in one line,
+    naming the prompt (the server answers 400 for its field); valid non-ASCII text still decodes."""
+    from lantern.serve.plan import setting_error
+    from lantern.serve.scheduler import Scheduler
+
+    pipe = pipes[family]
+    with pytest.raises(LanternError, match=r"^prompts: prompt 1 is not valid text: character 2 \('\\ud800'\) is a "
+                                           r"lone surrogate"):
+        pipe(prompts=["a cat", "a \ud800 cat"])
+    with pytest.raises(LanternError) as e:
+        Scheduler(pipe).resolve("a \ud800 cat", 0, "ar")
+    refusal = setting_error(e.value)
+    assert (refusal.status, refusal.field) == (400, "prompt") and "is not valid text" in str(refusal)
+    assert pipe(prompts=["ein Café am Meer 🌊"], temperature=0.0).codes.shape[0] == 1
+
+
+@pytest.mark.parametrize("family", list(FOLDERS))
 def test_generate_measures_prompts_before_it_reads_the_model(pipes: dict[str, lantern.Pipeline], family: str,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:

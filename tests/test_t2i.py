@@ -378,6 +378,9 @@ BAD_INPUT = {
     "prompts-missing": (lambda tmp, st: ["--prompts", str(tmp / "nope.txt")], "--prompts: no such file"),
     "prompts-empty": (lambda tmp, st: ["--prompts", str(_write(tmp / "e.txt", "\n \n"))], "holds no prompts"),
     "prompt-blank": (lambda tmp, st: ["--prompt", "  "], "--prompt: prompt 0 is empty"),
+    # a byte that is not UTF-8 on the command line: Python hands it over as a lone surrogate
+    "prompt-not-text": (lambda tmp, st: ["--prompt", "a cat", "--prompt", "a \udcff cat"],
+                        r"--prompt: prompt 1 is not valid text: character 2 \('\\udcff'\) is a lone surrogate"),
     "t5-missing": (lambda tmp, st: ["--prompt", "a cat", "--t5", str(tmp / "no-t5")], "--t5: no such folder"),
     "t5-not-t5": (lambda tmp, st: ["--prompt", "a cat", "--t5", str(_bad_t5(tmp, st))], "not a T5 encoder"),
     "t5-file": (lambda tmp, st: ["--prompt", "a cat", "--t5", str(_write(tmp / "f", "x"))], "is not a folder"),

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lantern.errors import LanternError, check
+from lantern.targets.text import check_text
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -322,6 +323,9 @@ def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> l
     """``conditions`` as a list, all labels (``kind`` Integral: numpy integers too) or all prompts
     (``kind`` str), else a one-line error."""
     if all(isinstance(c, kind) and not isinstance(c, bool) for c in conditions):
+        if kind is str:
+            for i, c in enumerate(conditions):
+                check_text(c, f"prompts: prompt {i}")
         return list(conditions)
     if kind is Integral:
         raise LanternError(f"prompts: {root} is a class-conditional model; pass labels (integers)")

@@ -86,10 +86,23 @@ def normalize_prompt(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+def check_text(prompt: str, what: str) -> None:
+    """A one-line error unless ``prompt`` is text a tokenizer can take: a lone surrogate (a byte
+    that was not UTF-8, as Python decodes a command line, or half of a UTF-16 pair) is not, and
+    would fail deep inside the tokenizer."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise LanternError(f"{what} is not valid text: character {e.start} ({prompt[e.start]!r}) is a lone "
+                           "surrogate (a byte that is not UTF-8, or half of a UTF-16 pair); expected UTF-8 text"
+                           ) from None
+
+
 def check_prompts(prompts: list[str], what: str = "--prompt") -> list[str]:
     check(len(prompts) > 0, f"{what}: no prompts given")
     for i, p in enumerate(prompts):
         check(bool(p.strip()), f"{what}: prompt {i} is empty")
+        check_text(p, f"{what}: prompt {i}")
     return [p.strip() for p in prompts]
 
 
