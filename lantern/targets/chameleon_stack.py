@@ -286,6 +286,11 @@ def load_chameleon_stack(
     vq_model = ChameleonVQGAN.from_checkpoint(vq_path).to(device).eval()
     codes = vq_model.codebook().shape[0]
     check(codes == lm.num_codes, f"--vq {vq_path} has {codes} codes, the target's image vocabulary {lm.num_codes}")
+    vocab = lm.config.vocab_size
+    special = (*layout.prefix, *layout.uncond, *([layout.eol] if layout.eol is not None else []))
+    past = [t for t in special if t >= vocab]  # Lumina-mGPT's grid tokens grow with the image size
+    check(not past, f"--image-size {layout.pixel_size[0]}: the layout's token {past[0] if past else 0} (its image size "
+                    f"and grid) is past this model's vocabulary ({vocab} tokens); use a smaller --image-size")
     return ChameleonStack(root=root, model=lm, layout=layout, vq=vq_model, tokenizer=tokenizer)
 
 
