@@ -300,6 +300,20 @@ def test_labels_out_of_range() -> None:
         target.start(torch.tensor([-1]))
 
 
+def test_a_folder_of_no_known_family_says_what_a_model_folder_holds(tmp_path: Path) -> None:
+    """A folder with neither a config.json nor a LlamaGen stack's folders (a Chameleon download
+    missing its config.json, say) was refused as "has no tokenizer/ folder; pass --tokenizer DIR",
+    a flag Chameleon-family models refuse."""
+    import lantern
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(LanternError) as err:
+        lantern.load(tmp_path)
+    assert str(err.value) == (f"model {tmp_path} is not a model folder lantern reads: it has no config.json (a "
+                              "Chameleon, Janus or Emu3 folder has one) and no target/ and tokenizer/ folders (a "
+                              "LlamaGen stack)")
+
+
 def test_a_folder_of_official_checkpoints_says_to_convert_them(tmp_path: Path) -> None:
     """A folder of LlamaGen's downloads (``c2i_B_256.pt``, ``vq_ds16_c2i.pt``) was refused as "has
     no tokenizer/ folder", which sends the user the wrong way."""

@@ -277,6 +277,11 @@ def load_stack(
         check_target_architecture(target_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
     check(tokenizer is None or tok_dir.is_dir(), f"--tokenizer: no such folder {tok_dir} (a VQ tokenizer folder)")
+    if not tok_dir.exists() and not has_config:  # nothing of any family lantern reads
+        raise LanternError(
+            f"--model {root} is not a model folder lantern reads: it has no config.json (a Chameleon, Janus or "
+            f"Emu3 folder has one) and no {TARGET_DIR}/ and {TOKENIZER_DIR}/ folders (a LlamaGen stack)"
+        )
     if not tok_dir.exists():
         raise LanternError(
             f"--model {root} has no {TOKENIZER_DIR}/ folder; pass --tokenizer DIR (a VQ tokenizer folder)"
