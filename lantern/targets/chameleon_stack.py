@@ -305,8 +305,10 @@ def load_prompt_tokenizer(root: Path, family: str = "Chameleon") -> Any:
         # at once; left unset, transformers asks on the terminal whether to run that code.
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
     except TRANSFORMERS_LOAD_ERRORS as e:
-        missing = "" if (root / "tokenizer.json").is_file() else ", and the folder has no tokenizer.json"
-        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts{missing}: "
+        if not (root / "tokenizer.json").is_file():  # the cause; transformers' text would only bury it
+            raise LanternError(f"--model {root}: no tokenizer for the prompts (expected tokenizer.json in the "
+                               "folder)") from None
+        raise LanternError(f"--model {root}: no usable tokenizer (tokenizer.json) for the prompts: "
                            f"{transformers_reason(e)}") from None
     # With no tokenizer file at all transformers still returns a tokenizer (the config's class,
     # e.g. GPT-2's, with an empty vocabulary) that turns every prompt into nothing.
