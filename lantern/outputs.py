@@ -127,9 +127,10 @@ def check_location(path: Path, what: str) -> None:
     try:
         probe.mkdir()
     except OSError as e:
-        # EACCES reads "Permission denied"; a special file system such as /proc refuses with others
-        raise LanternError(f"{what}: cannot create directory {parent}: making a folder in {base} failed "
-                           f"({e.strerror})") from None
+        # EACCES reads "Permission denied"; a special file system such as /proc refuses with others.
+        # The folder named is the one that exists: it is where writing failed.
+        made = f"cannot write into {base}" if base == parent else f"cannot create directory {parent}"
+        raise LanternError(f"{what}: {made}: making a folder in {base} failed ({e.strerror})") from None
     probe.rmdir()
 
 

@@ -125,8 +125,9 @@ def test_unwritable_output_directory(stack: Path, tmp_path: Path, capsys: pytest
     assert "--out: cannot create directory" in capsys.readouterr().err
     rc = main(["generate", "--model", str(stack), "--labels", "0", "--out", "/proc/lantern-out", "--no-progress"])
     assert rc == 2
-    # "/proc is not writable (No such file or directory)" before (a probe, 2026-11-30)
-    assert capsys.readouterr().err == ("lantern: error: --out: cannot create directory /proc: making a folder in /proc "
+    # "/proc is not writable (No such file or directory)" before (a probe, 2026-11-30), then "cannot create
+    # directory /proc", a folder that exists (an audit, 2026-11-30)
+    assert capsys.readouterr().err == ("lantern: error: --out: cannot write into /proc: making a folder in /proc "
                                        "failed (No such file or directory)\n")
 
 
