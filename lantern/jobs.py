@@ -105,6 +105,7 @@ class RoundPart:
     target_forwards: list[int]
     drafter_forwards: int
     seconds: float
+    compile_seconds: float = 0.0  # of ``seconds``: first calls of compiled regions (RunResult.compile_seconds)
 
 
 def run_job(parts: PreparedMethod, request: JobRequest, out: OutputFolder | None, ctx: DistContext, decode: Decode,
@@ -355,9 +356,10 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
             for p in gathered:
                 if p.indices:
                     entry = ranks.setdefault(p.rank, {"rank": p.rank, "images": 0, "seconds": 0.0,
-                                                      "target_forwards": 0})
+                                                      "compile_seconds": 0.0, "target_forwards": 0})
                     entry["images"] += len(p.indices)
                     entry["seconds"] += p.seconds
+                    entry["compile_seconds"] += p.compile_seconds
                     entry["target_forwards"] += sum(p.target_forwards)
             recorded += count
             bar.update(count)
@@ -367,11 +369,12 @@ def _rounds(parts: PreparedMethod, request: JobRequest, ctx: DistContext, decode
 
 def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[int], rank: int,
                   decode: Decode) -> RoundPart:
+    from lantern.decoding import compiling
     from lantern.run import generate_rows
 
     if not indices:
         return RoundPart(rank, [], np.zeros((0, 0), np.int64), [], [], 0, 0.0)
-    t0 = time.perf_counter()
+    t0, compiling_before = time.perf_counter(), compiling.first_call_seconds
     output = generate_rows(parts, request.conditions.take(indices), request.seed, indices)
     seconds = time.perf_counter() - t0
     # One image at a time: the decoder's batched convolutions differ in their low bits with the batch
@@ -379,7 +382,8 @@ def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[in
     # images were batched or sharded over processes.
     pixels = [np.asarray(img) for row in output.codes for img in decode(row[None])]
     return RoundPart(rank, indices, output.codes.cpu().numpy().astype(np.int64), pixels,
-                     [int(f) for f in output.stats.target_forwards.tolist()], output.stats.drafter_forwards, seconds)
+                     [int(f) for f in output.stats.target_forwards.tolist()], output.stats.drafter_forwards, seconds,
+                     compiling.first_call_seconds - compiling_before)
 
 
 def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], recorded: int) -> int:
@@ -498,11 +502,12 @@ def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, ranks
            method: MethodConfig) -> dict[str, Any]:
     """run.json's totals (as ``RunResult.stats_dict``) over all images, and per rank for this run.
     ``wall_seconds``: this run's decode time; under several ranks, that of the slowest rank (the
-    ranks decode in parallel); each rank's own sum is under ``ranks``."""
+    ranks decode in parallel), and ``compile_seconds`` that rank's; each rank's own sums are under ``ranks``."""
     from lantern.run import RunResult
 
-    wall = max((e["seconds"] for e in ranks), default=0.0)
-    result = RunResult.from_counts(torch.from_numpy(codes), torch.from_numpy(forwards), drafter_forwards, wall, method)
+    slowest = max(ranks, key=lambda e: e["seconds"], default={"seconds": 0.0, "compile_seconds": 0.0})
+    result = RunResult.from_counts(torch.from_numpy(codes), torch.from_numpy(forwards), drafter_forwards,
+                                   slowest["seconds"], method, slowest["compile_seconds"])
     return {**result.stats_dict(), "ranks": ranks}
 
 

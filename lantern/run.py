@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lantern.decoding import compiling
 from lantern.decoding.cache import CachePool
 from lantern.decoding.compiling import resolve_compile
 from lantern.decoding.config import SamplingConfig, check_pjd_fits, check_window_fits
@@ -53,16 +54,18 @@ class RunResult:
     output_stats: list[GenerationOutput]
     wall_seconds: float
     method: MethodConfig  # as resolved for the run (e.g. lantern k capped at the table's K_max)
+    # of wall_seconds, the first calls of compiled regions: compiling (or reading inductor's cache), not decoding
+    compile_seconds: float = 0.0
 
     @classmethod
     def from_counts(cls, codes: Tensor, target_forwards: Tensor, drafter_forwards: int, wall_seconds: float,
-                    method: MethodConfig) -> RunResult:
+                    method: MethodConfig, compile_seconds: float = 0.0) -> RunResult:
         """A run put together from its images' codes [N, T] and forward counts [N] (the shards of
         a job decoded by several processes, or by several runs of a resumed job)."""
         stats = SpecStats(target_forwards=target_forwards, generated_tokens=codes.shape[1],
                           drafter_forwards=drafter_forwards)
         return cls(codes=codes, output_stats=[GenerationOutput(codes, stats)], wall_seconds=wall_seconds,
-                   method=method)
+                   method=method, compile_seconds=compile_seconds)
 
     def stats_dict(self) -> dict[str, Any]:
         forwards = torch.cat([o.stats.target_forwards for o in self.output_stats])
@@ -76,6 +79,7 @@ class RunResult:
             "mean_accepted": float(per_image.mean()),
             "drafter_forwards": sum(o.stats.drafter_forwards for o in self.output_stats),
             "wall_seconds": self.wall_seconds,
+            "compile_seconds": self.compile_seconds,
         }
 
 
@@ -131,13 +135,14 @@ def run_conditions(
     check(len(order) == len(conditions), f"{len(order)} image indices for {len(conditions)} conditions")
     run = prepare_run(stack, sampling, method, batch_size, conditions, parts, compile, prepared)
     outputs: list[GenerationOutput] = []
-    start = time.perf_counter()
+    start, compiling_before = time.perf_counter(), compiling.first_call_seconds
     for lo in range(0, len(conditions), batch_size):
         chunk = conditions.rows(lo, lo + batch_size)
         outputs.append(generate_rows(run, chunk, seed, order[lo : lo + len(chunk)], progress))
     wall = time.perf_counter() - start
     codes = torch.cat([o.codes for o in outputs])
-    return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=run.method)
+    return RunResult(codes=codes, output_stats=outputs, wall_seconds=wall, method=run.method,
+                     compile_seconds=compiling.first_call_seconds - compiling_before)
 
 
 def prepare_run(

@@ -11,6 +11,7 @@ decodes exactly what the eager round decodes. Tracing tests use dynamo's ``eager
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,8 @@ def test_janus_and_emu3_compile_one_graph_with_the_eager_codes(family: str, tmp_
                        greedy_ar.codes)
 
 
-def test_cli_compile_on_a_chameleon_folder(lumina: Pipeline, tmp_path: Path, eager_backend: list[int]) -> None:
+def test_cli_compile_on_a_chameleon_folder(lumina: Pipeline, tmp_path: Path, eager_backend: list[int],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     """``lantern generate --compile`` on a Lumina-mGPT folder writes the eager run's codes; a
     released-layout drafter, whose backend reads the model sequence between rounds, is refused with
     one line before anything is written."""
@@ -170,6 +172,17 @@ def test_cli_compile_on_a_chameleon_folder(lumina: Pipeline, tmp_path: Path, eag
     assert main([*common, "--out", str(tmp_path / "eager")]) == 0
     assert main([*common, "--out", str(tmp_path / "compiled"), "--compile", "default"]) == 0
     assert (np.load(tmp_path / "compiled" / "codes.npy") == np.load(tmp_path / "eager" / "codes.npy")).all()
+    # The first compiled calls' seconds are reported as compiling, apart from decoding (they were counted as
+    # decoding); an eager run compiles nothing, nor does a pipeline's second call.
+    stats = {name: json.loads((tmp_path / name / "run.json").read_text())["stats"] for name in ("eager", "compiled")}
+    assert stats["eager"]["compile_seconds"] == 0.0
+    assert 0.0 < stats["compiled"]["compile_seconds"] <= stats["compiled"]["wall_seconds"]
+    printed = capsys.readouterr().out
+    assert f"s decoding ({stats['compiled']['compile_seconds']:.2f} s of it compiling)" in printed
+    pipe = lantern.load(folder, compile="default", image_size=64)
+    first, second = (pipe(prompts=["a cat"], method="sjd-coupled", sjd_window=4, seed=s) for s in (1, 2))
+    assert 0.0 < first.stats["compile_seconds"] <= first.stats["wall_seconds"]
+    assert second.stats["compile_seconds"] == 0.0
 
 
 def test_cli_compile_with_a_released_drafter(lumina: Pipeline, released_drafter: Path, tmp_path: Path,

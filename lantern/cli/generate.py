@@ -268,8 +268,9 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
     stats = run["stats"]
     print(
         f"wrote {len(names)} images to {out.path} | mean accepted {stats['mean_accepted']:.2f} tokens/forward | "
-        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s decoding, "
-        f"{stats['elapsed_seconds']:.2f} s in all"
+        f"{stats['target_forwards']} target forwards | {stats['wall_seconds']:.2f} s decoding"
+        + (f" ({stats['compile_seconds']:.2f} s of it compiling)" if stats["compile_seconds"] else "")
+        + f", {stats['elapsed_seconds']:.2f} s in all"
         + (f" | {ctx.world_size} processes" if ctx.enabled else "")
         + (f" | {stats['resumed_images']} images from the interrupted run" if stats["resumed_images"] else "")
     )

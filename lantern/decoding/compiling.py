@@ -54,6 +54,10 @@ _rounds: dict[tuple[object, ...], Callable[..., Any]] = {}  # round_fn's compile
 # Calls of compiled regions made by the engine since import (``lantern profile --trace`` reads the
 # difference across a round: its ``regions_per_round``).
 region_calls = 0
+# Seconds spent in the first call of each compiled region since import: its compilation (or the
+# cache's loading) and one run. A run reports the difference as the part of its decoding time that
+# was compiling, not decoding (``RunResult.compile_seconds``).
+first_call_seconds = 0.0
 _announcers: list[Callable[[str], None]] = []  # announce_compiles' writers, innermost last
 
 
@@ -384,7 +388,7 @@ def _counted(step: Callable[..., Any], graphs: bool, what: str) -> Callable[...,
     first = True
 
     def run(*args: Any) -> Any:
-        global region_calls
+        global region_calls, first_call_seconds
         nonlocal first
         region_calls += 1
         if graphs:
@@ -393,7 +397,7 @@ def _counted(step: Callable[..., Any], graphs: bool, what: str) -> Callable[...,
         if write is not None:
             write(f"compiling {what} (once per method and batch size in a process; inductor's kernels are "
                   f"cached in {compile_cache_dir()}) ...")
-            start = time.perf_counter()
+        start = time.perf_counter() if first else 0.0
         try:  # the first call compiles (or loads the cache): a damaged cache is one line
             out = step(*args)
         except Exception as e:
@@ -403,8 +407,10 @@ def _counted(step: Callable[..., Any], graphs: bool, what: str) -> Callable[...,
             raise damage from e
         if first:
             first = False
+            spent = time.perf_counter() - start
+            first_call_seconds += spent
             if write is not None:
-                write(f"compiled {what} in {time.perf_counter() - start:.1f} s")
+                write(f"compiled {what} in {spent:.1f} s")
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out) if graphs else out
 
     return run
