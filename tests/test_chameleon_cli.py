@@ -120,7 +120,15 @@ def test_released_drafter_folder(folder: Path, tmp_path: Path, capsys: pytest.Ca
     assert _generate(folder, tmp_path / "sd", "--method", "sd", "--tree", "chain:3", "--drafter",
                      str(tmp_path / "lumina"), *greedy) == 0
     assert (np.load(tmp_path / "sd" / "codes.npy") == np.load(tmp_path / "ar" / "codes.npy")).all()
-    assert json.loads((tmp_path / "sd" / "run.json").read_text())["stats"]["drafter_forwards"] > 0
+    run = json.loads((tmp_path / "sd" / "run.json").read_text())
+    assert run["stats"]["drafter_forwards"] > 0
+    # run.json names the drafter read and its format (the folder's own drafter/ too, which no flag names)
+    assert run["drafter"] == {"path": str(tmp_path / "lumina"), "format": "LANTERN's released Chameleon drafter"}
+    assert "drafter" not in json.loads((tmp_path / "ar" / "run.json").read_text())
+    assert _generate(folder, tmp_path / "own", "--method", "lantern", *greedy) == 0
+    run = json.loads((tmp_path / "own" / "run.json").read_text())
+    assert run["drafter"] == {"path": str(folder / "drafter"), "format": "lantern EAGLE drafter"}
+    assert run["proximity"] == str(folder / "proximity.safetensors")
     assert _generate(folder, tmp_path / "x", "--method", "sd", "--drafter", str(tmp_path / "anole")) == 2
     assert "Anole release's drafter (q_norm rows), the run's layout is lumina-mgpt" in capsys.readouterr().err
     stack = make_random_stack(tmp_path / "stack", grid=4)

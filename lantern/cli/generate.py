@@ -247,7 +247,8 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
         names, conditions = _condition_record(stack, args, prompts, t5_dir)
         parts = prepare_run(stack, sampling, method, args.batch_size, encoded,
                             prepared=pipe.prepare(method, sampling))
-        record = {**_run_record(args, len(names), sampling, parts.method, conditions), **extra}
+        record = {**_run_record(args, len(names), sampling, parts.method, conditions),
+                  **_parts_record(pipe, parts.method), **extra}
         identity = {"model": str(args.model), "seed": args.seed, **conditions,
                     "sampling": sampling.to_dict(), "method": parts.method.to_dict(),
                     "dtype": str(stack.dtype).replace("torch.", ""),
@@ -391,6 +392,21 @@ def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] |
         return names, {"layout": info, "prompts": prompts, "prompt_index": index}
     return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
                    "t5_max_length": stack.target.config.cls_token_num}
+
+
+def _parts_record(pipe: Pipeline, method: Any) -> dict[str, Any]:
+    """What ``run.json`` records of the parts a run read besides the model: the drafter's folder and
+    format (a drafter in ``DIR/drafter/`` is named by no flag) and the proximity table's file."""
+    record: dict[str, Any] = {}
+    if method.record.needs_drafter:
+        from lantern.models.chameleon_drafter import ReleasedChameleonDrafter
+
+        released = isinstance(pipe.drafter, ReleasedChameleonDrafter)
+        record["drafter"] = {"path": pipe.parts.drafter_source,
+                             "format": "LANTERN's released Chameleon drafter" if released else "lantern EAGLE drafter"}
+    if method.record.needs_proximity:
+        record["proximity"] = pipe.parts.proximity_source
+    return record
 
 
 def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method: Any,
