@@ -476,10 +476,11 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
         return _load_emu3(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
     if is_chameleon_folder(root):
         return _load_chameleon(Path(root), paths, tokenizer, layout, image_size, torch_dtype, device, compile, prox)
-    for name, value in (("layout", layout), ("image_size", image_size), ("vq", vq)):
+    for name, value, models in (("layout", layout, "Chameleon-family models (Anole, Lumina-mGPT)"),
+                                ("image_size", image_size, "Chameleon-family models (Anole, Lumina-mGPT) and Emu3"),
+                                ("vq", vq, "Chameleon-family models (Anole, Lumina-mGPT)")):
         if value is not None:
-            raise LanternError(f"--{name.replace('_', '-')} is only used with Chameleon-family models (Anole, "
-                               "Lumina-mGPT)")
+            raise LanternError(f"--{name.replace('_', '-')} is only used with {models}")
     if tokenizer is not None:
         tokenizer = resolve_location(tokenizer, "--tokenizer")
     stack = load_stack(root, tokenizer, dtype=torch_dtype)

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -445,23 +446,60 @@ def test_a_request_whose_client_left_cancels_its_tickets(pipe: lantern.Pipeline)
     scheduler.shutdown(0.0)
 
 
-def test_a_client_that_leaves_frees_its_rows_on_a_live_server(pipe: lantern.Pipeline) -> None:
+def test_a_client_that_leaves_frees_its_rows_on_a_live_server(pipe: lantern.Pipeline,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Over real sockets: a plain request whose client times out, and a stream closed after its first
-    preview; the scheduler drops both rows long before their images (64 AR rounds) could finish."""
+    preview; the scheduler drops both rows before their images finish. The decode thread runs a
+    round only when the test lets it (digits' 64 AR rounds take a fifth of a second on a fast
+    machine: they used to finish before the server saw the client go, and the test failed by luck)."""
+    permits, free = threading.Semaphore(0), threading.Event()
+    step = scheduler_module.Lane.step
+
+    def gated(self: scheduler_module.Lane) -> None:
+        if not free.is_set():
+            assert permits.acquire(timeout=30), "the test never let this round run"
+        step(self)
+
+    monkeypatch.setattr(scheduler_module.Lane, "step", gated)
     scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
     scheduler.start()
+
+    def wait_cancelled(count: int) -> None:  # the server saw the client go: every row it held is cancelled
+        deadline = time.monotonic() + 20
+        while True:
+            tickets = [t for lane in list(scheduler._lanes.values()) for t in list(lane.rows) if t is not None]
+            if len(tickets) == count and all(t.cancelled for t in tickets):
+                return
+            assert time.monotonic() < deadline, [(t.index, t.cancelled) for t in tickets]
+            time.sleep(0.01)
+
     app = create_app(scheduler, pipeline=pipe, default_method="ar")
     with served(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         with pytest.raises(httpx.ReadTimeout):
             http.post(GENERATE, json={"label": 1, "n": 2}, timeout=0.3)
+        wait_cancelled(2)
+        free.set()
+        for _ in range(4):  # the blocked step, then the rounds that drop the rows
+            permits.release()
+        deadline = time.monotonic() + 20
+        while scheduler.metrics()["busy_rows"]:
+            assert time.monotonic() < deadline, scheduler.metrics()
+            time.sleep(0.01)
+        free.clear()
         with http.stream("POST", GENERATE, json={"label": 2, "stream": True, "preview_every": 1}) as r:
+            permits.release()  # one round: the first preview
             assert next(r.iter_lines()) == "event: preview"
+        wait_cancelled(1)
+        free.set()
+        for _ in range(4):
+            permits.release()
         deadline = time.monotonic() + 20
         while scheduler.metrics()["busy_rows"] or scheduler.metrics()["queue_depth"]:
             assert time.monotonic() < deadline, scheduler.metrics()
             time.sleep(0.05)
         assert scheduler.metrics()["images_total"] == 0  # no image of the three ran to its end
         assert _metrics(http.get("/metrics").text)['lantern_requests_total{status="499"}'] >= 1
+    scheduler.shutdown(10)
 
 
 def test_serving_needs_no_fastapi_to_import_lantern() -> None:

@@ -288,7 +288,10 @@ class TreeConfig:
             check(n >= 1, f"--tree chain:N needs N >= 1, got {spec!r}", field="tree")
             return cls(kind="chain", depth=n)
         if spec.startswith("static:"):
-            return cls(kind="static", name=spec.split(":", 1)[1])
+            try:
+                return cls(kind="static", name=spec.split(":", 1)[1])
+            except LanternError as e:  # the flag named: the tree is what the user typed
+                raise LanternError(f"--tree {spec}: {e}", field="tree") from None
         raise LanternError(f"--tree must be 'dynamic', 'chain:N' or 'static:NAME' (or 'auto' in generate, bench and "
                            f"Python calls: measured on this device), got {spec!r}", field="tree")
 

@@ -85,7 +85,7 @@ def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
     depth = tree.max_depth
     check(
         depth < num_tokens,
-        f"tree {_describe(tree)} has depth {depth}, not less than the image's {num_tokens} tokens", field="tree",
+        f"--tree {_describe(tree)} has depth {depth}, not less than the image's {num_tokens} tokens", field="tree",
     )
 
 

@@ -109,8 +109,8 @@ class DrafterConfig:
         """From LANTERN's EConfig ``config.json`` (``input_type`` picks the RoPE layout)."""
         if raw.get("model_type") == "chameleon":  # lantern.models.chameleon_drafter reads those
             raise LanternError("this drafter is one of LANTERN's released Chameleon-family drafters (Anole / "
-                               "Lumina-mGPT): only `lantern generate` with a Chameleon --model runs it; this "
-                               "command needs a drafter in lantern's own layout")
+                               "Lumina-mGPT): it runs with an Anole or Lumina-mGPT model only; this model needs a "
+                               "drafter in lantern's own layout")
         input_type = raw.get("input_type", "t2i")
         if input_type not in _OFFICIAL_INPUT_TYPES:
             raise LanternError(f"official drafter config has unknown input_type {input_type!r}")
