@@ -133,6 +133,14 @@ def test_a_bad_request_is_refused_naming_its_field(client: TestClient, body: dic
     assert client.app.state.serve.scheduler.metrics()["queue_depth"] == before  # type: ignore[attr-defined]
 
 
+def test_a_label_outside_the_classes_gets_one_message_either_side(client: TestClient) -> None:
+    """-1 got pydantic's "Input should be greater than or equal to 0" and 10 the server's own (an audit,
+    2026-11-30): both now name the model's classes."""
+    for label in (-1, 10):
+        r = client.post(GENERATE, json={"label": label})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"label: must be in 0..9, got {label}"
+
+
 def test_a_body_that_is_not_json_names_the_body(client: TestClient) -> None:
     r = client.post(GENERATE, content=b"{label: 1", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["field"] == "body"

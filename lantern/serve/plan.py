@@ -168,7 +168,7 @@ def _condition(body: GenerationRequest, pipeline: Pipeline, limits: Limits) -> i
             raise RequestError("prompt: this is a class-conditional model; pass label (a class id)", "prompt")
         if body.label is None:
             raise RequestError(f"label: required (a class id in 0..{stack.num_classes - 1})", "label")
-        if body.label >= stack.num_classes:
+        if not 0 <= body.label < stack.num_classes:
             raise RequestError(f"label: must be in 0..{stack.num_classes - 1}, got {body.label}", "label")
         return body.label
     if body.label is not None:

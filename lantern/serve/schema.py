@@ -36,7 +36,8 @@ class GenerationRequest(Strict):
     seeds image ``i`` of ``--seed seed --num-per-label n``."""
 
     prompt: str | None = Field(None, description="text-to-image and Chameleon-family models: the prompt")
-    label: int | None = Field(None, ge=0, description="class-conditional models: the class id")
+    # no ge=0 here: the plan refuses any label outside the model's classes with one message
+    label: int | None = Field(None, description="class-conditional models: the class id")
     n: int = Field(1, ge=1, description="images (at most the server's --max-images-per-request)")
     seed: int = Field(0, ge=0, lt=INT64, description="base seed in [0, 2^63): image i uses image_seed(seed, i)")
     method: str | None = Field(None, description="a method of GET /v1/methods, or auto (what the server's "
