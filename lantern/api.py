@@ -11,6 +11,7 @@ same codes from either side.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import inspect
 import os
@@ -79,8 +80,12 @@ def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodCo
     settings = {name: plain(value) for name, value in settings.items()}
     unknown = sorted(set(settings) - set(SAMPLING_SETTINGS) - set(METHOD_SETTINGS))
     if unknown:
-        raise LanternError(f"unknown setting {unknown[0]!r} (expected one of "
-                           f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)})", field=unknown[0])
+        # a call's own arguments are keywords too: a misspelt one (num_per_prompt) lands here
+        own = [name for name in inspect.signature(Pipeline.__call__).parameters if name not in ("self", "settings")]
+        close = difflib.get_close_matches(unknown[0], [*own, *METHOD_SETTINGS, *SAMPLING_SETTINGS], n=1)
+        raise LanternError(f"unknown setting {unknown[0]!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                           f"a call takes {', '.join(own)} and the settings "
+                           f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)}", field=unknown[0])
     method_cfg = resolve_method(method, stack, **{k: v for k, v in settings.items() if k in METHOD_SETTINGS})
     sampling = resolve_sampling(stack, **{k: v for k, v in settings.items() if k in SAMPLING_SETTINGS})
     return method_cfg, sampling
