@@ -226,6 +226,11 @@ def test_a_compiled_server_runs_settings_it_did_not_warm_up_eagerly(pipe: lanter
     cold.submit(request)
     cold.run_until_idle()
     assert len(compiling._rounds) > copies
+    both = Scheduler(compiled, max_batch=2)  # --warm-up-methods: more methods compiled at start-up
+    both.warm_up(["lantern++", "sjd-coupled"], 0)
+    assert both.resolve(3, 4, "sjd-coupled").prepared.compile == "default"
+    assert both.resolve(3, 4, "sjd").prepared.compile is None
+    both.shutdown(10)
 
 
 def test_lanes_and_loaded_methods_stay_bounded(pipe: lantern.Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:

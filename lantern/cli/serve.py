@@ -85,6 +85,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="decode --method at every batch size before accepting requests, so that no request "
                         "compiles anything (default: with --compile only; without it --method's weights are "
                         "still loaded and checked at start)")
+    p.add_argument("--warm-up-methods", default="", metavar="M,...",
+                   help="more methods the warm-up compiles beside --method, at their default settings (a "
+                        "compiled server runs every other method and setting eagerly, not compiling while "
+                        "requests wait)")
     add_chameleon_args(p)
     add_compile_arg(p)
     add_threads_arg(p)
@@ -148,6 +152,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
               f"--allowed-hosts: {host!r}: a wildcard must be a whole first label (*.example.com) or * alone")
     check_compile(args)
     check_quality(args.quality, AUTO if args.method is None else args.method)
+    warm = args.warm_up or (args.warm_up is None and args.compile != "off")
+    check(warm or not host_list(args.warm_up_methods), "--warm-up-methods needs a warm-up (--compile, or --warm-up)")
 
 
 def host_list(text: str) -> list[str]:
@@ -200,8 +206,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_default_round(app.state.serve, args.method)
     condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
     scheduler.resolve(condition, 0, args.method)  # loads and checks --method's drafter and table now
+    methods = list(dict.fromkeys([args.method, *host_list(args.warm_up_methods)]))
+    for method in methods[1:]:  # each checked (and its drafter and table read) before any compiles
+        try:
+            scheduler.resolve(condition, 0, method)
+        except LanternError as e:
+            raise LanternError(f"--warm-up-methods: {method}: {e}") from None
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
-        scheduler.warm_up([args.method], condition)  # in the decode thread, which it starts
+        scheduler.warm_up(methods, condition)  # in the decode thread, which it starts
     scheduler.start()
     decoding = f"{threads} decode thread{'s' if threads > 1 else ''}{', following the load' if adapt else ''}"
     print(f"lantern serve: {args.model} ({pipe.kind}, --method {args.method}, {decoding}) on "
