@@ -115,7 +115,7 @@ def test_ctrl_c_stops_the_server_as_sigterm_does(tmp_path: Path) -> None:
         (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid'"),
         (["--warm-up-methods", "sjd"], r"--warm-up-methods needs a warm-up \(--compile, or --warm-up\)"),
         (["--warm-up", "--warm-up-methods", "sjd,nope", "--port", "0"],  # after loading: checked against the model
-         "--warm-up-methods: nope: .*nope"),
+         "--warm-up-methods: nope: must be one of ar, sd, .*, got 'nope'"),
     ],
 )
 def test_bad_serve_flags_end_with_one_error_line(flags: list[str], message: str,

@@ -210,8 +210,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for method in methods[1:]:  # each checked (and its drafter and table read) before any compiles
         try:
             scheduler.resolve(condition, 0, method)
-        except LanternError as e:
-            raise LanternError(f"--warm-up-methods: {method}: {e}") from None
+        except LanternError as e:  # resolve names --method, the flag its methods usually come from
+            raise LanternError(f"--warm-up-methods: {method}: {str(e).removeprefix('--method ')}") from None
     if args.warm_up or (args.warm_up is None and args.compile != "off"):
         scheduler.warm_up(methods, condition)  # in the decode thread, which it starts
     scheduler.start()
