@@ -470,16 +470,25 @@ def test_a_client_that_leaves_frees_its_rows_on_a_live_server(pipe: lantern.Pipe
 
     monkeypatch.setattr(scheduler_module.Lane, "step", gated)
     scheduler = Scheduler(pipe, max_batch=2, max_queue=8)
+    submitted: list[Any] = []  # every ticket the server queued, in order
+    submit = scheduler.submit
+
+    def recording(request: Any, on_preview: Any = None) -> list[Any]:
+        tickets = submit(request, on_preview)
+        submitted.extend(tickets)
+        return tickets
+
+    scheduler.submit = recording  # type: ignore[method-assign]
     scheduler.start()
 
-    def wait_cancelled(count: int) -> None:  # the server saw the client go: every row it held is cancelled
+    def wait_cancelled(count: int) -> None:
+        """The server saw the client go: the request's ``count`` tickets are cancelled, whether they were
+        still queued (a slow machine: the client's timeout came first) or running (then blocked at the gate)."""
         deadline = time.monotonic() + 20
-        while True:
-            tickets = [t for lane in list(scheduler._lanes.values()) for t in list(lane.rows) if t is not None]
-            if len(tickets) == count and all(t.cancelled for t in tickets):
-                return
-            assert time.monotonic() < deadline, [(t.index, t.cancelled) for t in tickets]
+        while not (len(submitted) == count and all(t.cancelled for t in submitted)):
+            assert time.monotonic() < deadline, [(t.index, t.cancelled) for t in submitted]
             time.sleep(0.01)
+        submitted.clear()
 
     app = create_app(scheduler, pipeline=pipe, default_method="ar")
     with served(app) as url, httpx.Client(base_url=url, timeout=30) as http:
@@ -490,7 +499,7 @@ def test_a_client_that_leaves_frees_its_rows_on_a_live_server(pipe: lantern.Pipe
         for _ in range(4):  # the blocked step, then the rounds that drop the rows
             permits.release()
         deadline = time.monotonic() + 20
-        while scheduler.metrics()["busy_rows"]:
+        while scheduler.metrics()["busy_rows"] or scheduler.metrics()["queue_depth"]:
             assert time.monotonic() < deadline, scheduler.metrics()
             time.sleep(0.01)
         free.clear()
