@@ -147,16 +147,22 @@ def check_serve_args(args: argparse.Namespace) -> None:
                         ("--body-timeout", args.body_timeout), ("--keep-alive-timeout", args.keep_alive_timeout)):
         check(0 <= value < float("inf") and (value > 0 or flag == "--drain-timeout"),
               f"{flag} must be a number of seconds {'>= 0' if flag == '--drain-timeout' else '> 0'}, got {value}")
-    for host in host_list(args.allowed_hosts):
+    for host in comma_list(args.allowed_hosts):
         check("*" not in host[1:] and (not host.startswith("*") or host == "*" or host.startswith("*.")),
               f"--allowed-hosts: {host!r}: a wildcard must be a whole first label (*.example.com) or * alone")
     check_compile(args)
     check_quality(args.quality, AUTO if args.method is None else args.method)
-    warm = args.warm_up or (args.warm_up is None and args.compile != "off")
-    check(warm or not host_list(args.warm_up_methods), "--warm-up-methods needs a warm-up (--compile, or --warm-up)")
+    check(warms_up(args) or not comma_list(args.warm_up_methods),
+          "--warm-up-methods needs a warm-up (--compile, or --warm-up)")
 
 
-def host_list(text: str) -> list[str]:
+def warms_up(args: argparse.Namespace) -> bool:
+    """Whether the server decodes its methods at every batch size before serving: --warm-up, or by
+    default with --compile (so that no request compiles)."""
+    return bool(args.warm_up or (args.warm_up is None and args.compile != "off"))
+
+
+def comma_list(text: str) -> list[str]:
     return [h.strip() for h in text.split(",") if h.strip()]
 
 
@@ -202,17 +208,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_images_per_request=args.max_images_per_request, max_prompt_chars=args.max_prompt_chars,
                      drain_timeout=args.drain_timeout, model=_model_name(args.model),
                      max_tree_nodes=args.max_tree_nodes, http=http_limits(args),
-                     allowed_hosts=allowed_hosts(host, host_list(args.allowed_hosts)))
+                     allowed_hosts=allowed_hosts(host, comma_list(args.allowed_hosts)))
     _check_default_round(app.state.serve, args.method)
     condition: int | str = 0 if pipe.kind == "c2i" else "a photo"
     scheduler.resolve(condition, 0, args.method)  # loads and checks --method's drafter and table now
-    methods = list(dict.fromkeys([args.method, *host_list(args.warm_up_methods)]))
+    methods = list(dict.fromkeys([args.method, *comma_list(args.warm_up_methods)]))
     for method in methods[1:]:  # each checked (and its drafter and table read) before any compiles
         try:
             scheduler.resolve(condition, 0, method)
         except LanternError as e:  # resolve names --method, the flag its methods usually come from
             raise LanternError(f"--warm-up-methods: {method}: {str(e).removeprefix('--method ')}") from None
-    if args.warm_up or (args.warm_up is None and args.compile != "off"):
+    if warms_up(args):
         scheduler.warm_up(methods, condition)  # in the decode thread, which it starts
     scheduler.start()
     decoding = f"{threads} decode thread{'s' if threads > 1 else ''}{', following the load' if adapt else ''}"
