@@ -52,8 +52,13 @@ def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingCon
         raise LanternError(f"unknown sampling setting {unknown[0]!r} (expected {', '.join(SAMPLING_SETTINGS)})",
                            field=unknown[0])
     values: dict[str, Any] = dict(stack.default_sampling())
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return SamplingConfig(**values)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    vocab = getattr(stack, "vocab_size", None)
+    if "top_k" not in given and vocab is not None and values.get("top_k", 0) > vocab:
+        # the caller never gave top_k: name where it came from, and how to change it
+        raise LanternError(f"top_k ({values['top_k']}, from {stack.sampling_origin('top_k')}) is larger than the "
+                           f"vocabulary ({vocab} image tokens); give a top_k of at most {vocab}", field="top_k")
+    return SamplingConfig(**values | given)
 
 
 def sampling_from(stack: Any, source: Any) -> SamplingConfig:

@@ -372,3 +372,49 @@ def test_a_folders_image_size_comes_from_its_generation_json(folder: Path, tmp_p
                                    f"({why})"
         if why is not None:  # a size the layout refuses is read only when no --image-size is given
             assert chameleon_layout(copy, None, 64).pixel_size == (64, 64)
+
+
+def test_a_default_top_k_too_large_for_the_codebook_names_where_it_came_from(
+        folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A small model's codebook can be smaller than the family's top_k (Lumina-mGPT's 2000). The
+    user never gave --top-k: the error names the value's origin (before: only "top_k (2000)",
+    read as a flag the user had not passed). A given top_k of any valid size still runs."""
+    import lantern
+
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    settings = json.loads((copy / "generation.json").read_text())
+    settings.pop("top_k")
+    (copy / "generation.json").write_text(json.dumps(settings))
+    argv = ["generate", "--model", str(copy), "--prompt", "a cat", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("lantern: error: --top-k: top_k (2000, from the Chameleon-family default) is "
+                                       "larger than the vocabulary (16 image tokens); give a top_k of at most 16\n")
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(LanternError, match=r"top_k \(2000, from the Chameleon-family default\)"):
+        lantern.load(copy)(prompts=["a cat"])
+    (copy / "generation.json").write_text(json.dumps({**settings, "top_k": 17}))
+    assert main(argv) == 2
+    assert f"top_k (17, from {copy / 'generation.json'})" in capsys.readouterr().err
+    assert main([*argv, "--top-k", "16"]) == 0
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["sampling"]["top_k"] == 16
+
+
+def test_a_drafter_trained_for_the_other_layout_is_named(folder: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A drafter trained on an Anole model, given to a Lumina-mGPT run: its training record says
+    so (before: "target_cls_token_num 3 (target needs 4)", a RoPE offset a user cannot act on)."""
+    drafter = tmp_path / "drafter"
+    shutil.copytree(folder / "drafter", drafter)
+    argv = ["generate", "--model", str(folder), "--prompt", "a cat", "--out", str(tmp_path / "o"), "--no-progress",
+            "--method", "lantern", "--drafter", str(drafter)]
+    (drafter / "drafter_training.json").write_text(json.dumps({"layout": "lumina-mgpt"}))
+    assert main(argv) == 0  # its own layout's record
+    for layout, why in (("anole", "a Chameleon-family model (layout 'anole'), not for the lumina-mgpt layout of "
+                                  "this run: use a drafter trained on this model (`lantern train-chameleon-drafter`), "
+                                  "or pass --layout anole if this model is laid out so"),
+                        ("janus", "a Janus model, not for the lumina-mgpt layout of this run: use a drafter trained "
+                                  "on this model (`lantern train-chameleon-drafter`)")):
+        (drafter / "drafter_training.json").write_text(json.dumps({"layout": layout}))
+        assert main([*argv, "--overwrite"]) == 2
+        assert capsys.readouterr().err == f"lantern: error: --drafter {drafter} was trained for {why}\n"

@@ -38,6 +38,7 @@ alone (the eager default sizes the masks to the batch and skips row-end steps no
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +48,7 @@ from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.loop import CodeHead
 from lantern.decoding.sampling import apply_cfg
-from lantern.drafters.checks import check_chameleon_drafter
+from lantern.drafters.checks import TRAINED_FOR, check_chameleon_drafter, trained_layout
 from lantern.errors import check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
 from lantern.models.chameleon_drafter import ReleasedChameleonDrafter, is_released_drafter_folder, load_released_drafter
@@ -68,6 +69,11 @@ def load_chameleon_drafter(path: str | os.PathLike[str], model: ChameleonLM,
         released = load_released_drafter(path, layout.name)
         check_released_drafter(released, model, layout, path)
         return released
+    trained = trained_layout(Path(path))  # the shape checks below would only name a RoPE offset
+    check(trained in (None, layout.name),
+          f"--drafter {path} was trained for {TRAINED_FOR.get(str(trained), repr(trained))}, not for the "
+          f"{layout.name} layout of this run: use a drafter trained on this model (`lantern train-chameleon-drafter`)"
+          f"{f', or pass --layout {trained} if this model is laid out so' if trained in LAYOUT_NAMES else ''}")
     drafter = EagleDrafterModel.from_pretrained(path)
     check_chameleon_drafter(drafter.config, model, layout, path)
     return drafter

@@ -318,6 +318,15 @@ class StackFolder:
         ``generation_config.json``), between the family's and ``generation.json``'s; none here."""
         return {}
 
+    def sampling_origin(self, key: str) -> str:
+        """Where the default ``key`` of :meth:`default_sampling` comes from, for an error about a
+        value the caller never gave (a family default can be too large for a small test model)."""
+        if key in self.generation_settings():
+            return str(self.root / GENERATION_FILE)
+        if key in self.config_sampling():
+            return str(self.root / "generation_config.json")
+        return f"the {getattr(self, 'family', 'model')} default"
+
 
 def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:
     """``conditions`` as a list, all labels (``kind`` Integral: numpy integers too) or all prompts
