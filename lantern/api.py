@@ -457,7 +457,7 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
           t5: str | os.PathLike[str] | None, vq: str | os.PathLike[str] | None, layout: str | None,
           image_size: int | None, proximity: str | os.PathLike[str] | None) -> Pipeline:
     from lantern.decoding.compiling import resolve_compile
-    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.chameleon import is_chameleon_folder, refuse_original_release
     from lantern.models.emu3 import is_emu3_folder
     from lantern.models.hf_folder import refuse_remote_code
     from lantern.models.janus import is_janus_folder
@@ -486,6 +486,7 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
         return _load_emu3(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
     if is_chameleon_folder(root):
         return _load_chameleon(Path(root), paths, tokenizer, layout, image_size, torch_dtype, device, compile, prox)
+    refuse_original_release(root)  # before the flags below would call it no Chameleon-family model
     for name, value, models in (("layout", layout, "Chameleon-family models (Anole, Lumina-mGPT)"),
                                 ("image_size", image_size, "Chameleon-family models (Anole, Lumina-mGPT) and Emu3"),
                                 ("vq", vq, "Chameleon-family models (Anole, Lumina-mGPT)")):

@@ -426,3 +426,25 @@ def is_chameleon_folder(directory: str | os.PathLike[str]) -> bool:
     except (OSError, ValueError, RecursionError):  # unreadable: not a Chameleon folder (read_json names it later)
         return False
     return isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE
+
+
+def refuse_original_release(directory: str | os.PathLike[str]) -> None:
+    """A one-line error for Meta's original Chameleon layout (``facebook/chameleon-7b``,
+    ``GAIR/Anole-7b-v0.1``: ``models/<size>/consolidated*.pth`` + ``params.json`` and
+    ``tokenizer/text_tokenizer.json`` / ``vqgan.ckpt``, no ``config.json``): lantern reads the
+    transformers conversion of those weights, and its VQGAN from the release's ``tokenizer/``.
+    Without this the folder falls through to the LlamaGen loader and is called "not a model
+    folder" (or, with ``--layout``, not a Chameleon-family model at all)."""
+    root = Path(directory)
+    if not root.is_dir() or (root / "config.json").is_file():
+        return
+    tokenizer = root / "tokenizer"
+    weights = sorted(root.glob("models/*/params.json"))
+    if not ((tokenizer / "text_tokenizer.json").is_file() or weights):
+        return
+    vq = tokenizer / "vqgan.ckpt"
+    raise LanternError(
+        f"--model {root} is Meta's original Chameleon-format release (models/, tokenizer/text_tokenizer.json; e.g. "
+        "GAIR/Anole-7b-v0.1), which lantern does not read: use its transformers conversion (leloy/Anole-7b-v0.1-hf, "
+        "or transformers' convert_chameleon_weights_to_hf.py) as --model"
+        + (f", with --vq {vq}" if vq.is_file() else ", with --vq pointing at the release's tokenizer/vqgan.ckpt"))
