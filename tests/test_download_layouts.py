@@ -36,3 +36,29 @@ def test_original_chameleon_release_is_named(tmp_path: Path, capsys: pytest.Capt
     assert f"--vq {root / 'tokenizer' / 'vqgan.ckpt'}" in last
     assert "only used with" not in last and "not a model folder" not in last
 
+
+def test_official_llamagen_checkpoint_file_as_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "c2i_L_256.pt"
+    torch.save({"model": {}}, ckpt)
+    rc = main(["generate", "--model", str(ckpt), "--labels", "0", "--out", str(tmp_path / "o")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2
+    assert f"--model {ckpt} is a checkpoint file, not a model folder" in last
+    assert "LlamaGen.from_official_checkpoint" in last
+
+
+def test_official_vq_checkpoint_file_as_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """LANTERN's README lays LlamaGen's vq_ds16_t2i.pt beside its HF port (jadohu/LlamaGen-T2I)."""
+    port = tmp_path / "LlamaGen-T2I"
+    port.mkdir()
+    (port / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", '
+                                      '"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, '
+                                      '"input_type": "t2i", "block_size": 16, "cls_token_num": 120}')
+    vq = tmp_path / "vq_ds16_t2i.pt"
+    torch.save({"model": {}}, vq)
+    rc = main(["generate", "--model", str(port), "--tokenizer", str(vq), "--labels", "0", "--out", str(tmp_path / "o")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2
+    assert f"--tokenizer {vq} is a file, not a VQ tokenizer folder" in last
+    assert "VQModel.from_official_checkpoint" in last
+    assert "no such folder" not in last

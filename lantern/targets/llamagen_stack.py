@@ -214,8 +214,16 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
         hub = "; a Hugging Face repo id is ORG/NAME" if near_id else ""
         raise LanternError(f"--model: no such model folder {text} (embedded presets: {', '.join(PRESETS)}{hub})")
     if not path.is_dir():
+        if path.suffix in CHECKPOINT_SUFFIXES:  # e.g. LlamaGen's c2i_L_256.pt, as downloaded
+            raise LanternError(f"--model {text} is a checkpoint file, not a model folder: convert an official LlamaGen "
+                               "checkpoint once with LlamaGen.from_official_checkpoint(...).save_pretrained(DIR) "
+                               "(docs/checkpoints.md) and pass that folder")
         raise LanternError(f"--model: {text} is not a folder")
     return path
+
+
+# Pickled checkpoint files as the official releases ship them (LlamaGen's c2i_*.pt / vq_ds16_*.pt)
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 HF_LLAMAGEN_ARCHITECTURES = (["LlamaForCausalLM"],)  # LANTERN's HF ports of LlamaGen ([LANTERN code] README)
@@ -276,6 +284,11 @@ def load_stack(
     if has_config:  # a broken or foreign config is named before a missing tokenizer
         check_target_architecture(target_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else root / TOKENIZER_DIR
+    if tokenizer is not None and tok_dir.is_file():  # LANTERN's README lays vq_ds16_t2i.pt beside its HF ports
+        raise LanternError(f"--tokenizer {tok_dir} is a file, not a VQ tokenizer folder"
+                           + (": convert LlamaGen's VQ checkpoint once with VQModel.from_official_checkpoint(...)"
+                              ".save_pretrained(DIR) (docs/checkpoints.md) and pass that folder"
+                              if tok_dir.suffix in CHECKPOINT_SUFFIXES else ""))
     check(tokenizer is None or tok_dir.is_dir(), f"--tokenizer: no such folder {tok_dir} (a VQ tokenizer folder)")
     if not tok_dir.exists() and not has_config:  # nothing of any family lantern reads
         raise LanternError(
