@@ -30,7 +30,8 @@ def test_original_chameleon_release_is_named(tmp_path: Path, capsys: pytest.Capt
     rc = main(["generate", "--model", str(root), *extra, "--prompt", "a cat", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2
-    last = err.strip().splitlines()[-1]
+    assert err.count("\n") == 1, err
+    last = err.strip()
     assert "Meta's original Chameleon-format release" in last
     assert "leloy/Anole-7b-v0.1-hf" in last
     assert f"--vq {root / 'tokenizer' / 'vqgan.ckpt'}" in last
@@ -41,10 +42,11 @@ def test_official_llamagen_checkpoint_file_as_model(tmp_path: Path, capsys: pyte
     ckpt = tmp_path / "c2i_L_256.pt"
     torch.save({"model": {}}, ckpt)
     rc = main(["generate", "--model", str(ckpt), "--labels", "0", "--out", str(tmp_path / "o")])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 2
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    last = err.strip()
     assert f"--model {ckpt} is a checkpoint file, not a model folder" in last
-    assert "LlamaGen.from_official_checkpoint" in last
+    assert "lantern convert-llamagen --gpt-ckpt GPT.pt --vq-ckpt VQ.pt --out DIR" in last
 
 
 def test_official_vq_checkpoint_file_as_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,8 +59,9 @@ def test_official_vq_checkpoint_file_as_tokenizer(tmp_path: Path, capsys: pytest
     vq = tmp_path / "vq_ds16_t2i.pt"
     torch.save({"model": {}}, vq)
     rc = main(["generate", "--model", str(port), "--tokenizer", str(vq), "--labels", "0", "--out", str(tmp_path / "o")])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 2
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    last = err.strip()
     assert f"--tokenizer {vq} is a file, not a VQ tokenizer folder" in last
     assert "VQModel.from_official_checkpoint" in last
     assert "no such folder" not in last

@@ -325,5 +325,5 @@ def test_a_folder_of_official_checkpoints_says_to_convert_them(tmp_path: Path) -
     with pytest.raises(LanternError) as err:
         lantern.load(tmp_path)
     assert str(err.value) == (f"model {tmp_path} holds official checkpoint files (c2i_B_256.pt, vq_ds16_c2i.pt), not a "
-                              "model folder: convert them once with LlamaGen.from_official_checkpoint and "
-                              "VQModel.from_official_checkpoint, then save_pretrained (docs/checkpoints.md)")
+                              "model folder: convert them once with `lantern convert-llamagen --gpt-ckpt GPT.pt "
+                              "--vq-ckpt VQ.pt --out DIR` and pass that folder")

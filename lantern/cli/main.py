@@ -20,7 +20,7 @@ from lantern.cli.demo import add_demo
 from lantern.cli.generate import add_generate
 from lantern.cli.profile import add_profile
 from lantern.cli.serve import add_serve
-from lantern.cli.tools import add_build_proximity, add_make_random_stack
+from lantern.cli.tools import add_build_proximity, add_convert_llamagen, add_make_random_stack
 from lantern.errors import COMMAND_LINE, LanternError
 from lantern.version import DISTRIBUTION, __version__
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_build_proximity(sub)
     add_make_random_stack(sub)
+    add_convert_llamagen(sub)
     add_demo(sub)
     add_profile(sub)
     add_bench(sub)

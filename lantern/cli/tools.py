@@ -1,4 +1,4 @@
-"""``lantern make-random-stack`` and ``lantern build-proximity``."""
+"""``lantern make-random-stack``, ``lantern build-proximity`` and ``lantern convert-llamagen``."""
 
 from __future__ import annotations
 
@@ -77,4 +77,49 @@ def cmd_build_proximity(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {table.vocab_size} entries x {table.k_max} neighbours "
         f"({table.metric}, normalized={table.normalized}, codebook sha256 {table.codebook_sha256[:12]})"
     )
+    return 0
+
+
+def add_convert_llamagen(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert-llamagen",
+        help="turn official LlamaGen checkpoints (c2i_*.pt / t2i_*.pt + vq_ds*.pt) into a model folder",
+        description="Read an official LlamaGen GPT checkpoint and its VQ tokenizer checkpoint once (weights only, "
+                    "no code runs) and write a stack folder lantern loads from safetensors: target, tokenizer, "
+                    "the codebook's proximity table for LANTERN, and LlamaGen's own sampling defaults. The model's "
+                    "size comes from its weights, the image size from the file (training args, else a name like "
+                    "c2i_L_384.pt) unless given.",
+    )
+    p.add_argument("--gpt-ckpt", required=True, help="the GPT checkpoint, e.g. c2i_L_256.pt or t2i_XL_stage1_256.pt")
+    p.add_argument("--vq-ckpt", required=True, help="its VQ tokenizer checkpoint, e.g. vq_ds16_c2i.pt")
+    p.add_argument("--out", required=True, help="the stack folder to write")
+    p.add_argument("--gpt-model", default=None,
+                   help="GPT-B ... GPT-7B (default: read from the weights; given, it must match them)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="pixels a side the GPT was trained for (default: from the checkpoint or its name)")
+    p.add_argument("--no-proximity", action="store_true",
+                   help="skip the proximity table (LANTERN's relaxed acceptance needs one; seconds for "
+                        "16384 codes)")
+    p.add_argument("--drafter", default=None,
+                   help="an EAGLE drafter folder for this model (LANTERN's jadohu/llamagen_drafter), checked against "
+                        "it and copied into the stack")
+    add_overwrite_arg(p)
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_trust_checkpoint_arg(p)
+    p.set_defaults(func=cmd_convert_llamagen)
+
+
+def cmd_convert_llamagen(args: argparse.Namespace) -> int:
+    from lantern.targets.convert import convert_llamagen
+
+    out = convert_llamagen(args.gpt_ckpt, args.vq_ckpt, args.out, image_size=args.image_size,
+                           gpt_model=args.gpt_model, proximity=not args.no_proximity, drafter=args.drafter,
+                           overwrite=args.overwrite, progress=not args.no_progress)
+    from lantern.io import read_json_object
+
+    made = read_json_object(out / "provenance.json", "provenance")
+    print(f"wrote {out}: {made['gpt_model']} {made['gpt_type']} at {made['image_size']} px "
+          f"({made['image_tokens']} image tokens), {made['vq_model']} tokenizer")
+    if made["gpt_type"] == "t2i":
+        print(f"text-to-image: put the T5 encoder (google/flan-t5-xl) at {out / 't5'}, or pass --t5 DIR")
     return 0

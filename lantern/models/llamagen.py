@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -468,16 +469,27 @@ class LlamaGen(nn.Module):
 
     @classmethod
     def from_official_checkpoint(
-        cls, path: str | os.PathLike[str], config: LlamaGenConfig, dtype: torch.dtype | None = None,
-        *, trust_checkpoint: bool | None = None,
+        cls, path: str | os.PathLike[str], config: LlamaGenConfig | None = None, dtype: torch.dtype | None = None,
+        *, image_size: int | None = None, downsample: int | None = None, gpt_model: str | None = None,
+        trust_checkpoint: bool | None = None,
     ) -> LlamaGen:
         """Load an official LlamaGen ``.pt`` (``'model'`` / ``'module'`` / ``'state_dict'`` or raw
         FSDP state dict), strictly, after dropping the stray ``freqs_cis``.
 
+        ``config`` None: read from the weights (:func:`official_config`); the image size, the VQ's
+        downsampling and the model's name are the arguments', else the file's training ``args``,
+        else the file name's (``c2i_L_384.pt``), 16 and the weights' shapes.
         Read by :func:`lantern.io.load_checkpoint` (the training ``args`` Namespace is allowed);
         ``trust_checkpoint=True`` also allows other classes (None: ``--trust-checkpoint``'s setting)."""
         source = f"LlamaGen checkpoint {path}"
-        state = official_state_dict(load_checkpoint(path, "LlamaGen checkpoint", trust=trust_checkpoint), source)
+        raw = load_checkpoint(path, "LlamaGen checkpoint", trust=trust_checkpoint)
+        state = official_state_dict(raw, source)
+        if config is None:
+            check(GPT_MARKER in state, f"{source} has no {GPT_MARKER}: not LlamaGen GPT weights")  # before its size
+            args = raw.get("args") if isinstance(raw, Mapping) else None
+            config = official_config(state, image_size or official_image_size(Path(path), args),
+                                     downsample or getattr(args, "downsample_size", None) or 16, source,
+                                     gpt_model or getattr(args, "gpt_model", None))
         model = cls(config)
         load_state_dict_strict(model, state, f"LlamaGen checkpoint {path}")
         return model.to(dtype) if dtype is not None else model
@@ -529,6 +541,60 @@ def caption_columns(cond_mask: Tensor, length: int) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoint formats
+
+
+GPT_MARKER = "tok_embeddings.weight"  # a key every LlamaGen GPT state dict has
+
+
+def official_config(state: Mapping[str, Tensor], image_size: int, downsample: int = 16, source: str = "checkpoint",
+                    gpt_model: str | None = None) -> LlamaGenConfig:
+    """The config of official LlamaGen weights, from their shapes: LlamaGen's files do not say
+    which model they are (its scripts take ``--gpt-model GPT-L --image-size 256`` on the command
+    line). Width and depth name the model (:data:`GPT_CONFIGS`, whose head counts the shapes cannot
+    tell); the condition embedder tells c2i (``embedding_table``: classes + the null class) from
+    t2i (``uncond_embedding``: caption tokens x T5 width); ``image_size`` / ``downsample`` give the grid."""
+    def shape(key: str) -> tuple[int, ...]:
+        check(key in state, f"{source} has no {key}: not LlamaGen GPT weights")
+        return tuple(state[key].shape)
+
+    vocab, dim = shape(GPT_MARKER)
+    n_layer = len({k.split(".")[1] for k in state if k.startswith("layers.") and k.endswith(".attention_norm.weight")})
+    named = [n for n, c in GPT_CONFIGS.items() if (c["dim"], c["n_layer"]) == (dim, n_layer)]
+    name = gpt_model if gpt_model in GPT_CONFIGS else (named[0] if named else None)
+    check(name is not None, f"{source}: its weights (width {dim}, {n_layer} layers) are none of LlamaGen's models "
+                            f"({', '.join(GPT_CONFIGS)})")
+    assert name is not None
+    check((GPT_CONFIGS[name]["dim"], GPT_CONFIGS[name]["n_layer"]) == (dim, n_layer),
+          f"{source}: its weights have width {dim} and {n_layer} layers, {name} has {GPT_CONFIGS[name]['dim']} and "
+          f"{GPT_CONFIGS[name]['n_layer']}")
+    check(isinstance(image_size, int) and isinstance(downsample, int) and image_size > 0 and downsample > 0
+          and image_size % downsample == 0,
+          f"image size {image_size!r} is not a positive multiple of the VQ's downsampling ({downsample!r})")
+    head_dim = dim // GPT_CONFIGS[name]["n_head"]
+    overrides: dict[str, Any] = {"vocab_size": vocab, "block_size": (image_size // downsample) ** 2}
+    kv = (shape("layers.0.attention.wqkv.weight")[0] // head_dim - GPT_CONFIGS[name]["n_head"]) // 2
+    if kv != GPT_CONFIGS[name]["n_head"]:
+        overrides["n_kv_head"] = kv
+    if "cls_embedding.uncond_embedding" in state:
+        tokens, caption_dim = shape("cls_embedding.uncond_embedding")
+        overrides |= {"model_type": "t2i", "cls_token_num": tokens, "caption_dim": caption_dim}
+    else:
+        overrides["num_classes"] = shape("cls_embedding.embedding_table.weight")[0] - 1  # + the null class
+    config = llamagen_config(name, **overrides)
+    hidden = shape("layers.0.feed_forward.w1.weight")[0]
+    return config if hidden == config.hidden_ffn else replace(config, ffn_hidden=hidden)
+
+
+def official_image_size(path: Path, args: Any = None) -> int:
+    """The image size of an official LlamaGen checkpoint: its training ``args`` (training
+    checkpoints keep them), else its file name (``c2i_L_384.pt``, ``t2i_XL_stage1_256.pt``)."""
+    size = getattr(args, "image_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    named = re.findall(r"(?:^|_)(\d{3,4})(?=[_.]|$)", path.name)
+    check(bool(named), f"{path}: the image size is not in the file (no training args) nor its name (like "
+                       "c2i_L_384.pt): give it (--image-size, image_size=)")
+    return int(named[-1])
 
 
 def official_state_dict(obj: Any, source: str = "checkpoint") -> dict[str, Tensor]:

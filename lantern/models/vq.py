@@ -534,20 +534,22 @@ class VQModel(nn.Module):
 
     @classmethod
     def from_official_checkpoint(cls, path: str | os.PathLike[str],
-                                 config: VQConfig | str = "VQ-16",
+                                 config: VQConfig | str | None = "VQ-16",
                                  key: str | None = None, *, trust_checkpoint: bool | None = None) -> VQModel:
         """Load LlamaGen's ``vq_ds16_*.pt`` (weights under ``'model'``; other entries ignored).
 
-        ``key`` picks a container entry explicitly (e.g. ``'ema'``); see :func:`extract_state_dict`.
+        ``config`` None: read from the weights (:func:`official_vq_config`). ``key`` picks a
+        container entry explicitly (e.g. ``'ema'``); see :func:`extract_state_dict`.
         The file is read by :func:`lantern.io.load_checkpoint`: ``trust_checkpoint=True`` allows
         classes besides tensors and the allow-listed ones (None: ``--trust-checkpoint``'s setting).
         """
-        cfg = vq_config(config) if isinstance(config, str) else config
         obj = load_checkpoint(path, "VQ checkpoint", trust=trust_checkpoint)
         try:
             state_dict = extract_state_dict(obj, key)
         except CheckpointError as e:  # name the file: the message only describes its contents
             raise CheckpointError(f"VQ checkpoint {path}: {e}") from None
+        cfg = (official_vq_config(state_dict, f"VQ checkpoint {path}") if config is None
+               else vq_config(config) if isinstance(config, str) else config)
         if USAGE_KEY not in state_dict:  # trained with codebook_show_usage=False: a statistic, not a weight
             state_dict = {**state_dict, USAGE_KEY: torch.zeros(USAGE_WINDOW)}
         model = cls._empty(cfg)
@@ -557,6 +559,25 @@ class VQModel(nn.Module):
     @classmethod
     def _empty(cls, config: VQConfig) -> VQModel:
         return empty_model(cls, config)
+
+
+def official_vq_config(state: Mapping[str, Tensor], source: str = "VQ checkpoint") -> VQConfig:
+    """The config of LlamaGen VQ weights, read from their shapes: the codebook's size and width
+    (its scripts' ``--codebook-size`` / ``--codebook-embed-dim``), the encoder's widths per level
+    (VQ-16: 5 levels, VQ-8: 4) and res blocks. LlamaGen's GroupNorms always have 32 groups and its
+    codebook is always l2-normalised: neither shows in a shape, so both are LlamaGen's."""
+    def shape(key: str) -> tuple[int, ...]:
+        check(key in state, f"{source} has no {key}: not LlamaGen VQ weights")
+        return tuple(state[key].shape)
+
+    size, dim = shape("quantize.embedding.weight")
+    ch, in_channels = shape("encoder.conv_in.weight")[:2]
+    levels = sorted({int(k.split(".")[2]) for k in state if k.startswith("encoder.conv_blocks.")})
+    check(levels == list(range(len(levels))) and bool(levels), f"{source}: its encoder's levels are not 0..n")
+    res = {k.split(".")[4] for k in state if k.startswith("encoder.conv_blocks.0.res.")}
+    return VQConfig(codebook_size=size, codebook_embed_dim=dim, ch=ch, in_channels=in_channels,
+                    z_channels=shape("encoder.conv_out.weight")[0], num_res_blocks=len(res),
+                    ch_mult=tuple(shape(f"encoder.conv_blocks.{i}.res.0.conv1.weight")[0] // ch for i in levels))
 
 
 def extract_state_dict(obj: Any, key: str | None = None) -> dict[str, Tensor]:

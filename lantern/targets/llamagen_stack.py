@@ -216,8 +216,8 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     if not path.is_dir():
         if path.suffix in CHECKPOINT_SUFFIXES:  # e.g. LlamaGen's c2i_L_256.pt, as downloaded
             raise LanternError(f"--model {text} is a checkpoint file, not a model folder: convert an official LlamaGen "
-                               "checkpoint once with LlamaGen.from_official_checkpoint(...).save_pretrained(DIR) "
-                               "(docs/checkpoints.md) and pass that folder")
+                               "checkpoint and its VQ once with `lantern convert-llamagen --gpt-ckpt GPT.pt --vq-ckpt "
+                               "VQ.pt --out DIR` and pass that folder")
         raise LanternError(f"--model: {text} is not a folder")
     return path
 
@@ -278,8 +278,8 @@ def load_stack(
     if pickles and not has_config:  # official LlamaGen downloads: checkpoints, not a model folder yet
         raise LanternError(
             f"--model {root} holds official checkpoint files ({', '.join(pickles[:3])}), not a model folder: convert "
-            "them once with LlamaGen.from_official_checkpoint and VQModel.from_official_checkpoint, then "
-            "save_pretrained (docs/checkpoints.md)"
+            "them once with `lantern convert-llamagen --gpt-ckpt GPT.pt --vq-ckpt VQ.pt --out DIR` and pass that "
+            "folder"
         )
     if has_config:  # a broken or foreign config is named before a missing tokenizer
         check_target_architecture(target_dir)
@@ -287,7 +287,8 @@ def load_stack(
     if tokenizer is not None and tok_dir.is_file():  # LANTERN's README lays vq_ds16_t2i.pt beside its HF ports
         raise LanternError(f"--tokenizer {tok_dir} is a file, not a VQ tokenizer folder"
                            + (": convert LlamaGen's VQ checkpoint once with VQModel.from_official_checkpoint(...)"
-                              ".save_pretrained(DIR) (docs/checkpoints.md) and pass that folder"
+                              ".save_pretrained(DIR) and pass that folder (`lantern convert-llamagen` converts a GPT "
+                              "checkpoint and its VQ together)"
                               if tok_dir.suffix in CHECKPOINT_SUFFIXES else ""))
     check(tokenizer is None or tok_dir.is_dir(), f"--tokenizer: no such folder {tok_dir} (a VQ tokenizer folder)")
     if not tok_dir.exists() and not has_config:  # nothing of any family lantern reads
