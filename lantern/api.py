@@ -274,7 +274,8 @@ class Pipeline:
                 else:
                     (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
                 result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
-            replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size, **sampling.to_dict(),
+            replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size,
+                      "num_per_label": num_per_label, **sampling.to_dict(),
                       **method_settings(result.method), **({"tree": "auto"} if auto.get("auto_tree") else {})}
             config = {**run_config(seed, batch_size, self.device, sampling, result.method,
                                    deterministic=self.deterministic), **auto, **chosen}

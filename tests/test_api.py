@@ -312,11 +312,12 @@ def test_an_outputs_settings_passed_back_give_its_codes(digits: lantern.Pipeline
     found ``pipe(**out.config)`` refused); ``out.settings`` is the call's keywords with every
     default filled in (the prepared method's: lantern's K capped at the table's), which a call
     takes back as they are."""
-    first = digits(labels=[1, 2], method=method, seed=3, batch_size=2)
-    assert first.settings["method"] == method and first.settings["seed"] == 3
-    assert set(first.settings) - {"method", "seed", "batch_size"} <= set(METHOD_SETTINGS) | {
+    first = digits(labels=[1, 2], method=method, seed=3, batch_size=2, num_per_label=2)
+    assert first.settings["method"] == method and first.settings["seed"] == 3 and first.settings["num_per_label"] == 2
+    assert set(first.settings) - {"method", "seed", "batch_size", "num_per_label"} <= set(METHOD_SETTINGS) | {
         "temperature", "top_k", "top_p", "cfg_scale"}
     again = digits(labels=[1, 2], **first.settings)
+    assert again.codes.shape[0] == 4  # num_per_label is passed back too (before: a replay gave 2 images, not 4)
     assert torch.equal(again.codes, first.codes) and again.settings == first.settings
     # the same run but for k_explicit: passed back, the default K is given explicitly
     assert {**again.config, "method": {**again.config["method"], "k_explicit": None}} == \
