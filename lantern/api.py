@@ -525,7 +525,7 @@ def read_prompter(model: str | os.PathLike[str], layout: str | None = None,
     """A Chameleon-family folder's prompt side (its tokenizer and template), read without its
     weights; None for a model of another family. What ``lantern generate`` measures prompts with
     before it reads a (large) model."""
-    from lantern.models.chameleon import is_chameleon_folder
+    from lantern.models.chameleon import check_chameleon_folder, is_chameleon_folder
     from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
     from lantern.targets.chameleon_stack import ChameleonPrompter, load_prompt_tokenizer
@@ -538,6 +538,7 @@ def read_prompter(model: str | os.PathLike[str], layout: str | None = None,
     if is_emu3_folder(root):
         return read_emu3_prompter(root, image_size)
     if is_chameleon_folder(root):
+        check_chameleon_folder(root)  # a released drafter's folder is named, not refused for its tokenizer
         return ChameleonPrompter(load_prompt_tokenizer(root), chameleon_layout(root, layout, image_size))
     return None
 

@@ -418,3 +418,38 @@ def test_a_drafter_trained_for_the_other_layout_is_named(folder: Path, tmp_path:
         (drafter / "drafter_training.json").write_text(json.dumps({"layout": layout}))
         assert main([*argv, "--overwrite"]) == 2
         assert capsys.readouterr().err == f"lantern: error: --drafter {drafter} was trained for {why}\n"
+
+
+def test_a_drafter_and_a_model_given_in_each_others_place_are_named(folder: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Both are Chameleon folders. A released drafter as --model was refused for a missing
+    tokenizer; the model as --drafter was read whole (gigabytes) before being refused for a missing
+    drafter key, or for a missing model.safetensors when sharded."""
+    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon_drafter import save_released_drafter
+    from lantern.testing import tiny_released_drafter
+
+    drafter = tmp_path / "anole_drafter"
+    save_released_drafter(tiny_released_drafter(load_chameleon(folder, dtype=torch.float32), "anole"), drafter,
+                          "pytorch_model.bin")
+    capsys.readouterr()
+    assert _generate(drafter, tmp_path / "o") == 2
+    assert capsys.readouterr().err == (f"lantern: error: --model: {drafter} holds one Chameleon layer and no "
+                                       "tokenizer, as LANTERN's released drafters (jadohu/anole_drafter) do: pass it "
+                                       "as --drafter, and the model it drafts for as --model\n")
+    assert _generate(folder, tmp_path / "o", "--method", "sd", "--drafter", str(folder)) == 2
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert capsys.readouterr().err == (f"lantern: error: --drafter: {folder} is a Chameleon model ({layers} layers, "
+                                       "with tokenizer.json), not a drafter: pass it as --model\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_original_emu3_release_is_pointed_at_its_conversion(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "Emu3-Gen").mkdir()
+    (tmp_path / "Emu3-Gen" / "config.json").write_text(json.dumps(
+        {"model_type": "Emu3", "auto_map": {"AutoModelForCausalLM": "modeling_emu3.Emu3ForCausalLM"}}))
+    assert _generate(tmp_path / "Emu3-Gen", tmp_path / "o") == 2
+    assert capsys.readouterr().err.endswith(
+        "use a transformers-native conversion of the model (BAAI/Emu3-Gen-hf, or transformers' "
+        "convert_emu3_weights_to_hf.py)\n")

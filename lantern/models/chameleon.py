@@ -406,6 +406,11 @@ def check_chameleon_folder(directory: Path) -> None:
         isinstance(raw, dict) and raw.get("model_type") == CHAMELEON_MODEL_TYPE,
         f"--model: {config_file} is not a Chameleon config (model_type {CHAMELEON_MODEL_TYPE!r} expected)",
     )
+    # LANTERN's released drafters are Chameleon folders too (the target's config, one layer), and
+    # would otherwise be refused for a missing tokenizer, which sends the user the wrong way
+    check(not (raw.get("num_hidden_layers") == 1 and not (directory / "tokenizer.json").is_file()),
+          f"--model: {directory} holds one Chameleon layer and no tokenizer, as LANTERN's released drafters "
+          "(jadohu/anole_drafter) do: pass it as --drafter, and the model it drafts for as --model")
     # the image vocabulary's size comes from vq_config: without one transformers builds its default
     check_sub_configs(directory, raw, "Chameleon", ("vq_config",))
     weights = list(directory.glob("model*.safetensors")) + list(directory.glob("pytorch_model*.bin"))

@@ -269,6 +269,10 @@ def load_released_drafter(directory: str | os.PathLike[str], layout: str | None 
     check(directory.is_dir(), f"--drafter: folder not found: {directory}")
     raw = read_json(directory / "config.json", "drafter config")
     check(isinstance(raw, dict), f"drafter {directory / 'config.json'} is not a JSON object")
+    # a model folder has the same config: name it before its weights (gigabytes, or shards) are read
+    model_files = [name for name in ("tokenizer.json", "model.safetensors.index.json") if (directory / name).is_file()]
+    check(not model_files, f"--drafter: {directory} is a Chameleon model ({raw.get('num_hidden_layers')} layers, "
+                           f"with {' and '.join(model_files)}), not a drafter: pass it as --model")
     state = read_weights(directory)
     found = detect_layout(raw, state, directory) or layout or "anole"
     model = ReleasedChameleonDrafter(ReleasedDrafterConfig.from_json(raw, found, directory / "config.json"))

@@ -54,9 +54,12 @@ def refuse_remote_code(directory: str | os.PathLike[str]) -> None:
     if raw is None:
         return
     if "auto_map" in raw:
+        # BAAI's original Emu3 release (BAAI/Emu3-Gen: model_type "Emu3") has a converted twin on the Hub
+        known = (" (BAAI/Emu3-Gen-hf, or transformers' convert_emu3_weights_to_hf.py)"
+                 if str(raw.get("model_type", "")).lower() == "emu3" else "")
         raise LanternError(f"--model {root}/config.json asks to run the folder's own Python code (auto_map, "
                            "transformers' trust_remote_code), which lantern never does: use a transformers-native "
-                           "conversion of the model")
+                           f"conversion of the model{known}")
     if raw.get("model_type") in ORIGINAL_MODEL_TYPES:
         raise LanternError(f"--model {root} is DeepSeek's original Janus release (model_type "
                            f"{raw['model_type']!r}), which needs DeepSeek's own code: use the transformers conversion "

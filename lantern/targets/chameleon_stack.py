@@ -276,10 +276,11 @@ def load_chameleon_stack(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> ChameleonStack:
-    from lantern.models.chameleon import load_chameleon
+    from lantern.models.chameleon import check_chameleon_folder, load_chameleon
     from lantern.models.chameleon_vq import ChameleonVQGAN
 
     root = Path(model)
+    check_chameleon_folder(root)  # the folder's files, before any of them is read (a drafter's folder too)
     vq_path = find_vq(root, vq)  # checked before the (large) target is read
     tokenizer = load_prompt_tokenizer(root)
     lm = load_chameleon(root, dtype=dtype, device=device)
