@@ -65,3 +65,39 @@ def test_official_vq_checkpoint_file_as_tokenizer(tmp_path: Path, capsys: pytest
     assert f"--tokenizer {vq} is a file, not a VQ tokenizer folder" in last
     assert "VQModel.from_official_checkpoint" in last
     assert "no such folder" not in last
+
+
+def _shard(folder: Path, n: int = 3) -> None:
+    """model.safetensors as a download of n shards with their index (every real 7B folder)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    keys, weight_map = sorted(state), {}
+    for i in range(n):
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file({k: state[k].contiguous() for k in keys[i::n]}, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys[i::n], name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3", "chameleon"])
+def test_a_download_missing_a_shard_is_named_the_same_way_in_every_family(tmp_path: Path, family: str) -> None:
+    """An interrupted ``hf download`` leaves the index listing a shard that is not there. Janus and
+    Emu3 said so in transformers' words (FileNotFoundError), Chameleon without the way out."""
+    import lantern
+    from lantern.errors import LanternError
+    from lantern.testing import make_tiny_chameleon_folder, make_tiny_emu3_folder, make_tiny_janus_folder
+
+    folder = {"janus": make_tiny_janus_folder, "emu3": make_tiny_emu3_folder,
+              "chameleon": make_tiny_chameleon_folder}[family](tmp_path / family)
+    _shard(Path(folder))
+    assert lantern.load(folder).stack.vocab_size > 0  # whole, it loads
+    (Path(folder) / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(LanternError) as e:
+        lantern.load(folder)
+    assert str(e.value) == (f"{Path(folder) / 'model.safetensors.index.json'} lists the shard "
+                            f"model-00002-of-00003.safetensors, which is not in {folder} (an interrupted download? "
+                            "download the model again)")

@@ -415,6 +415,7 @@ def check_chameleon_folder(directory: Path) -> None:
     check_sub_configs(directory, raw, "Chameleon", ("vq_config",))
     weights = list(directory.glob("model*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
     check(bool(weights), f"--model: {directory} has a Chameleon config but no weights (model*.safetensors)")
+    indexed_shards(directory)  # every listed shard is there
     for path in sorted(directory.glob("*.safetensors")):
         check_safetensors_header(path)
 

@@ -109,7 +109,8 @@ def indexed_shards(directory: Path) -> dict[str, Path] | None:
     shards = {str(key): directory / name for key, name in weight_map.items()}
     for path in sorted(set(shards.values())):
         check(path.is_file() and path.parent == directory, f"{index} lists the shard {path.name}, which is not in "
-                                                           f"{directory}")
+                                                           f"{directory} (an interrupted download? download the "
+                                                           "model again)")
     return shards
 
 
@@ -123,6 +124,7 @@ def check_safetensors_weights(directory: Path, family: str) -> None:
                            "*.safetensors weights"
                            + (f" ({', '.join(other)} are pickles: lantern reads {family} weights from safetensors "
                               "only)" if other else ""))
+    indexed_shards(directory)  # every listed shard is there (else transformers' own error, worded its way)
     for path in weights:
         check_safetensors_header(path)
 
