@@ -139,6 +139,7 @@ def test_spec_vector_drafter_schedule() -> None:
         ("mc_sim_7b_63", [4, 8, 8, 3, 2]),
         ("mc_sim_7b_63_balanced", [3, 8, 9, 3, 2]),
         ("naive_extend_57", [5, 13, 16, 14, 9]),
+        ("medusa_2_7b_63", [10, 23, 23, 7]),
         ("reverse_balanced_25", [3, 4, 6, 5, 7]),
         ("chain", [1, 1, 1, 1, 1]),
     ],

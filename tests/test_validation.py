@@ -275,6 +275,9 @@ def test_top_level_turns_os_errors_into_one_line_and_keeps_tracebacks_for_bugs(
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["--method", "lantern", "--lantern-delta", "-0.1"], "--lantern-delta: lantern_delta must be in [0, 1], got -0.1"),
+    # jadohu/LANTERN's --lantern_delta 5 is LANTERN++'s lambda: the error says where it went
+    (["--method", "lantern", "--lantern-delta", "5"], "--lantern-delta: lantern_delta must be in [0, 1], got 5.0 "
+     "(a value above 1 was LANTERN++'s lambda in jadohu/LANTERN: use method lantern++ with lantern_lambda=5)"),
     (["--method", "lantern", "--lantern-k", "100000"],
      "--lantern-k: lantern_k (100000) exceeds the proximity table's K_max (128)"),
     (["--top-k", "5000"], "--top-k: top_k (5000) is larger than the vocabulary (1024 image tokens)"),

@@ -172,9 +172,12 @@ class RelaxationConfig:
         for name, value in (("lantern_delta", self.delta), ("lantern_lambda", self.lam)):  # types first, as above
             check(isinstance(value, Real) and not isinstance(value, bool),
                   f"{name} must be a number, got {value!r} ({type(value).__name__})", field=name)
+        # jadohu/LANTERN's one --lantern_delta flag meant LANTERN++'s lambda above 1: say where that went
+        above = (f" (a value above 1 was LANTERN++'s lambda in jadohu/LANTERN: use method lantern++ with "
+                 f"lantern_lambda={self.delta:g})" if math.isfinite(self.delta) and self.delta > 1.0 else "")
         check(
             math.isfinite(self.delta) and 0.0 <= self.delta <= 1.0,
-            f"lantern_delta must be in [0, 1], got {self.delta}", field="lantern_delta",
+            f"lantern_delta must be in [0, 1], got {self.delta}{above}", field="lantern_delta",
         )
         check(self.credit in CREDITS, f"lantern_credit must be one of {', '.join(CREDITS)}, got {self.credit!r}",
               field="lantern_credit")

@@ -26,8 +26,7 @@ from torch import Tensor
 
 from lantern.errors import LanternError, check
 
-# Named static trees, copied from the official choices.py ([LANTERN code]). ``medusa_2_7b_63`` is
-# left out: its exact list was not available to us (only its node counts) and is not in the public EAGLE choices.py.
+# Named static trees, the lists of the official choices.py ([LANTERN code] models/drafters/choices.py).
 _NAMED_TREES: dict[str, list[list[int]]] = {
     "mc_sim_7b_63": [
         [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -50,6 +49,15 @@ _NAMED_TREES: dict[str, list[list[int]]] = {
         [0, 1, 1, 0], [0, 2, 0, 0],
         [0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1],
         [0, 0, 1, 0, 0], [0, 0, 1, 0, 1], [0, 0, 1, 1, 0], [0, 0, 2, 0, 0],
+    ],
+    "medusa_2_7b_63": [  # 10, 23, 23 and 7 nodes a level
+        [0], [1], [2], [3], [4], [5], [6], [7], [8], [9],
+        [0, 0], [0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [0, 7], [0, 8], [0, 9], [1, 0], [1, 1], [1, 2],
+        [1, 3], [1, 4], [2, 0], [2, 1], [3, 0], [3, 1], [4, 0], [5, 0], [6, 0], [7, 0],
+        [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 0, 4], [0, 0, 5], [0, 0, 6], [0, 0, 7], [0, 0, 8],
+        [0, 1, 0], [0, 1, 1], [0, 1, 2], [0, 1, 3], [0, 2, 0], [0, 2, 1], [0, 3, 0], [0, 4, 0], [0, 5, 0],
+        [1, 0, 0], [1, 0, 1], [1, 0, 2], [1, 1, 0], [2, 0, 0],
+        [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 3], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0],
     ],
     "reverse_balanced_25": [
         [0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2],
