@@ -10,7 +10,7 @@ rounds: every rank decodes its next batch, all ranks send the round's images to 
   codes, forward counts), written atomically: an image counts as finished once its record exists;
 * ``JOB/job.json``: what the job is (model, conditions, seeds, sampling, method, dtype).
 
-When every image is recorded, rank 0 writes ``codes.npy`` (request order), ``grid.png``,
+When every image is recorded, rank 0 writes ``codes.npy`` (request order), ``grid.png`` (unless ``--no-grid``),
 ``run.json`` and, with ``--save-npz``, ``samples.npz`` into ``JOB/out`` and renames it onto
 ``--out``. Without ``--resume`` the job folder is ``.OUT.tmp-PID`` and vanishes on any failure
 (all-or-nothing, as every output); with ``--resume`` it is ``.OUT.resume``, survives a kill, and
@@ -88,6 +88,7 @@ class JobRequest:
     batch_size: int
     ncol: int  # grid columns (images per label or prompt)
     save_npz: bool = False
+    grid: bool = True  # grid.png: off for folders a metric reads (clean-fid would count it as a sample)
     resume: bool = False
     progress: bool = True
     num_tokens: int | None = None  # image codes per image, to check a resumed job's records (None: unchecked)
@@ -459,7 +460,8 @@ def _finish(job: Path, request: JobRequest, method: MethodConfig, record: dict[s
         pause_for_tests()  # the interruption tests kill the run here: PNGs written, codes not yet
     out = job / "out"
     _write_codes(out / "codes.npy", codes)
-    _write_grid(out, request)
+    if request.grid:
+        _write_grid(out, request)
     if request.save_npz:
         write_npz(out / NPZ_NAME, [out / name for name in request.names])
     stats = _stats(codes, forwards, sum(int(r["drafter_forwards"]) for r in records), ranks, method)

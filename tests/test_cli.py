@@ -398,3 +398,16 @@ def test_a_drafter_trained_for_another_target_is_named(tmp_path: Path) -> None:
     write_json(record, {HEAD_SHA_KEY: head_sha256(torch.zeros_like(pipe.stack.target.output.weight))})
     with pytest.warns(LanternWarning, match="was trained for another target .*few drafts will be accepted"):
         pipe.stack.load_drafter(stack / "drafter")
+
+
+def test_no_grid_leaves_only_the_samples_as_pngs(stack: Path, tmp_path: Path) -> None:
+    """An evaluation reads every PNG of a folder as a sample (clean-fid; LANTERN's HPS script stops
+    on a name without an index): ``--no-grid`` leaves the images alone, the same images."""
+    argv = ["generate", "--model", str(stack), "--labels", "0,3", "--num-per-label", "2", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "grid")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "plain"), "--no-grid"]) == 0
+    samples = ["0000_label0.png", "0001_label0.png", "0002_label3.png", "0003_label3.png"]
+    assert sorted(p.name for p in (tmp_path / "grid").glob("*.png")) == [*samples, "grid.png"]
+    assert sorted(p.name for p in (tmp_path / "plain").glob("*.png")) == samples
+    for name in samples:
+        assert (tmp_path / "grid" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()

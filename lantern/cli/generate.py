@@ -85,6 +85,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-npz", action="store_true",
                    help="also write OUT/samples.npz: arr_0, uint8 [N, H, W, 3] in request order (the layout of "
                         "the guided-diffusion / ADM FID evaluator and LlamaGen's evaluation scripts)")
+    p.add_argument("--no-grid", action="store_true",
+                   help="write no grid.png: for a folder an evaluation reads (clean-fid and LANTERN's HPS script "
+                        "take every PNG in it for a sample)")
     p.add_argument(
         "--method",
         default="ar",
@@ -259,7 +262,7 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
                 print(f"{args.out} already holds this job, complete: nothing to do")
             return 0
         request = JobRequest(names, args.seed, encoded, identity, args.batch_size,
-                             args.num_per_label, save_npz=args.save_npz, resume=args.resume,
+                             args.num_per_label, save_npz=args.save_npz, grid=not args.no_grid, resume=args.resume,
                              progress=not args.no_progress, num_tokens=stack.num_tokens,
                              vocab_size=stack.vocab_size)
         run = run_job(parts, request, out, ctx, stack.to_pil, record)
