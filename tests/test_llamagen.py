@@ -327,3 +327,26 @@ def test_a_folder_of_official_checkpoints_says_to_convert_them(tmp_path: Path) -
     assert str(err.value) == (f"model {tmp_path} holds official checkpoint files (c2i_B_256.pt, vq_ds16_c2i.pt), not a "
                               "model folder: convert them once with `lantern convert-llamagen --gpt-ckpt GPT.pt "
                               "--vq-ckpt VQ.pt --out DIR` and pass that folder")
+
+
+def test_an_hf_port_samples_with_llamagens_defaults_where_generation_json_is_silent(tmp_path: Path) -> None:
+    """LANTERN's HF port (jadohu/LlamaGen-T2I) is an official model: without a generation.json it
+    sampled with lantern's CFG 1 and no top-k, where LlamaGen's sample_t2i.py (and a stack that
+    convert-llamagen writes) uses CFG 7.5 and top-k 1000. lantern-format targets keep lantern's."""
+    from lantern.targets.llamagen_stack import load_stack
+    from lantern.testing import tiny_vq
+
+    (tmp_path / "port").mkdir()
+    _hf_port(tmp_path / "port" / "target")
+    tiny_vq().save_pretrained(tmp_path / "port" / "tokenizer")
+    port = load_stack(tmp_path / "port")
+    assert port.hf_port and port.default_sampling() == {"cfg_scale": 7.5, "top_k": 256, "temperature": 1.0,
+                                                        "top_p": 1.0}  # top-k 1000 keeps all 256 codes
+    assert port.sampling_origin("cfg_scale") == "LlamaGen's sample_t2i.py default"
+    (tmp_path / "port" / "generation.json").write_text(json.dumps({"cfg_scale": 2.0}))
+    assert load_stack(tmp_path / "port").default_sampling()["cfg_scale"] == 2.0  # the file still wins
+    own_target = tiny_llamagen(seed=4, model_type="t2i", cls_token_num=6, caption_dim=12)
+    own_target.save_pretrained(tmp_path / "own" / "target")
+    tiny_vq().save_pretrained(tmp_path / "own" / "tokenizer")
+    own = load_stack(tmp_path / "own")
+    assert not own.hf_port and own.default_sampling() == {}

@@ -324,8 +324,12 @@ class StackFolder:
         if key in self.generation_settings():
             return str(self.root / GENERATION_FILE)
         if key in self.config_sampling():
-            return str(self.root / "generation_config.json")
+            return self.config_sampling_source()
         return f"the {getattr(self, 'family', 'model')} default"
+
+    def config_sampling_source(self) -> str:
+        """Where :meth:`config_sampling`'s values come from, for messages."""
+        return str(self.root / "generation_config.json")
 
 
 def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> list[Any]:

@@ -32,15 +32,9 @@ from lantern.models.llamagen import GPT_CONFIGS, LlamaGen
 from lantern.models.vq import VQ_CONFIGS, VQModel
 from lantern.outputs import OutputFolder
 from lantern.targets.base import DRAFTER_DIR, GENERATION_FILE, PROXIMITY_FILE, TARGET_DIR, TOKENIZER_DIR
+from lantern.targets.llamagen_stack import LLAMAGEN_SAMPLING
 from lantern.targets.proximity import DEFAULT_K_MAX, build_proximity
 from lantern.version import __version__
-
-# The sampling defaults of LlamaGen's own scripts ([LlamaGen code] autoregressive/sample/sample_c2i.py
-# and sample_t2i.py), so that the converted model samples as it did there unless told otherwise.
-LLAMAGEN_SAMPLING: dict[str, dict[str, float]] = {
-    "c2i": {"cfg_scale": 4.0, "top_k": 2000, "temperature": 1.0, "top_p": 1.0},
-    "t2i": {"cfg_scale": 7.5, "top_k": 1000, "temperature": 1.0, "top_p": 1.0},
-}
 
 
 def convert_llamagen(gpt_ckpt: str | os.PathLike[str], vq_ckpt: str | os.PathLike[str], out: str | os.PathLike[str],

@@ -61,6 +61,7 @@ class ModelStack(StackFolder):
 
     target: LlamaGen
     tokenizer: VQModel
+    hf_port: bool = False  # the target is LANTERN's HF port of an official LlamaGen model
     # Fixed by the target's config at load time.
     kind: str = field(init=False)  # "c2i" or "t2i"
     num_classes: int | None = field(init=False)  # None for t2i (prompts)
@@ -77,6 +78,18 @@ class ModelStack(StackFolder):
 
     def network(self) -> torch.nn.Module:
         return self.target
+
+    def config_sampling(self) -> dict[str, float]:
+        """An official model (LANTERN's HF ports, jadohu/LlamaGen-T2I) samples with LlamaGen's own
+        script defaults where generation.json is silent, as a converted checkpoint's stack does
+        (``lantern convert-llamagen`` writes them); lantern-format targets keep lantern's."""
+        if not self.hf_port:
+            return {}
+        values = LLAMAGEN_SAMPLING[self.kind]  # a top_k past a small codebook keeps all of it, as LlamaGen's
+        return values | {"top_k": min(int(values["top_k"]), self.vocab_size)}
+
+    def config_sampling_source(self) -> str:
+        return f"LlamaGen's sample_{self.kind}.py default"
 
     @property
     def t5_dir(self) -> Path | None:
@@ -222,6 +235,13 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
     return path
 
 
+# The sampling defaults of LlamaGen's own scripts ([LlamaGen code] autoregressive/sample/sample_c2i.py
+# and sample_t2i.py), for official models: a converted checkpoint's generation.json, an HF port's defaults.
+LLAMAGEN_SAMPLING: dict[str, dict[str, float]] = {
+    "c2i": {"cfg_scale": 4.0, "top_k": 2000, "temperature": 1.0, "top_p": 1.0},
+    "t2i": {"cfg_scale": 7.5, "top_k": 1000, "temperature": 1.0, "top_p": 1.0},
+}
+
 # Pickled checkpoint files as the official releases ship them (LlamaGen's c2i_*.pt / vq_ds16_*.pt)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -311,7 +331,11 @@ def load_stack(
         )
     _check_trained_tokenizer(target_dir, vq, f"--tokenizer {tok_dir}" if tokenizer is not None
                              else f"--model {root}: its {TOKENIZER_DIR}/")
-    return ModelStack(root=root, target=target.eval(), tokenizer=vq.eval())
+    from lantern.models.hf_folder import read_model_config
+
+    official = read_model_config(target_dir) or {}
+    return ModelStack(root=root, target=target.eval(), tokenizer=vq.eval(),
+                      hf_port=official.get("architectures") in HF_LLAMAGEN_ARCHITECTURES)
 
 
 def _check_trained_tokenizer(target_dir: Path, vq: VQModel, what: str) -> None:
