@@ -510,7 +510,8 @@ def _stats(codes: np.ndarray, forwards: np.ndarray, drafter_forwards: int, ranks
     slowest = max(ranks, key=lambda e: e["seconds"], default={"seconds": 0.0, "compile_seconds": 0.0})
     result = RunResult.from_counts(torch.from_numpy(codes), torch.from_numpy(forwards), drafter_forwards,
                                    slowest["seconds"], method, slowest["compile_seconds"])
-    return {**result.stats_dict(), "ranks": ranks}
+    # per image, in request order (codes.npy's): its tokens over this is its accepted length
+    return {**result.stats_dict(), "target_forwards_per_image": forwards.astype(int).tolist(), "ranks": ranks}
 
 
 def write_npz(path: Path, images: Sequence[Path]) -> None:

@@ -403,11 +403,17 @@ def test_a_drafter_trained_for_another_target_is_named(tmp_path: Path) -> None:
 def test_no_grid_leaves_only_the_samples_as_pngs(stack: Path, tmp_path: Path) -> None:
     """An evaluation reads every PNG of a folder as a sample (clean-fid; LANTERN's HPS script stops
     on a name without an index): ``--no-grid`` leaves the images alone, the same images."""
-    argv = ["generate", "--model", str(stack), "--labels", "0,3", "--num-per-label", "2", "--no-progress"]
+    argv = ["generate", "--model", str(stack), "--labels", "0,3", "--num-per-label", "2", "--no-progress",
+            "--method", "sjd-coupled"]
     assert main([*argv, "--out", str(tmp_path / "grid")]) == 0
     assert main([*argv, "--out", str(tmp_path / "plain"), "--no-grid"]) == 0
     samples = ["0000_label0.png", "0001_label0.png", "0002_label3.png", "0003_label3.png"]
     assert sorted(p.name for p in (tmp_path / "grid").glob("*.png")) == [*samples, "grid.png"]
     assert sorted(p.name for p in (tmp_path / "plain").glob("*.png")) == samples
+    # run.json has each image's target forwards, in codes.npy's order: their mean ratio is mean_accepted
+    stats = json.loads((tmp_path / "plain" / "run.json").read_text())["stats"]
+    per_image = stats["target_forwards_per_image"]
+    assert len(per_image) == 4 and sum(per_image) == stats["target_forwards"] and len(set(per_image)) > 1
+    assert np.isclose(np.mean([stats["tokens_per_image"] / f for f in per_image]), stats["mean_accepted"])
     for name in samples:
         assert (tmp_path / "grid" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
