@@ -183,6 +183,32 @@ def test_read_prompts(tmp_path: Path) -> None:
         read_prompts(tmp_path / "blank.txt")
     with pytest.raises(LanternError, match="is not a file"):
         read_prompts(tmp_path)
+
+
+def test_the_fields_prompt_sets_are_read_as_they_come(tmp_path: Path) -> None:
+    """PartiPrompts' .tsv (Prompt column) and COCO caption .json files, as jadohu/LANTERN's
+    data/prompts holds them: read line by line, the header and the category columns became
+    prompts."""
+    tsv = tmp_path / "PartiPrompts.tsv"
+    tsv.write_text("Prompt\tCategory\tChallenge\tNote\nbond\tAbstract\tBasic\tx\na red car\tVehicles\tBasic\t\n\n")
+    assert read_prompts(tsv) == ["bond", "a red car"]
+    strings, objects = tmp_path / "captions_val2017_longest.json", tmp_path / "captions_train2017_extracted.json"
+    strings.write_text(json.dumps(["A cat on a mat.", "  ", "Two dogs."]))
+    assert read_prompts(strings) == ["A cat on a mat.", "Two dogs."]
+    objects.write_text(json.dumps([{"image_id": 1, "caption": "A bus."}, {"id": 2, "prompt": "A tree."}]))
+    assert read_prompts(objects) == ["A bus.", "A tree."]
+    coco = tmp_path / "captions_val2017.json"
+    coco.write_text(json.dumps({"info": {}, "annotations": [{"image_id": 9, "id": 1, "caption": "A kite."}]}))
+    assert read_prompts(coco) == ["A kite."]
+    (tmp_path / "x.tsv").write_text("Category\tNote\nAbstract\tx\n")
+    with pytest.raises(LanternError, match=r"is a .tsv without a Prompt or caption column \(its header: category, "):
+        read_prompts(tmp_path / "x.tsv")
+    (tmp_path / "x.json").write_text(json.dumps([{"caption": 3}]))
+    with pytest.raises(LanternError, match=r"entry 0 is neither a string nor an object with a prompt / caption"):
+        read_prompts(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text(json.dumps({"captions": []}))
+    with pytest.raises(LanternError, match=r"is JSON but not a list of prompts"):
+        read_prompts(tmp_path / "y.json")
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00a")
     with pytest.raises(LanternError, match="not UTF-8"):
         read_prompts(tmp_path / "bin.txt")

@@ -63,7 +63,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     )
     cond.add_argument(
         "--prompts", default=None, metavar="FILE",
-        help="text-to-image models: a UTF-8 text file, one prompt per line (blank lines are skipped)",
+        help="text-to-image models: a UTF-8 text file, one prompt per line (blank lines are skipped); a .tsv "
+             "by its Prompt column (PartiPrompts), a .json list of prompts or captions (COCO's caption files)",
     )
     p.add_argument(
         "--t5", default=None, metavar="DIR",

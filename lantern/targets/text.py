@@ -109,7 +109,12 @@ def check_prompts(prompts: list[str], what: str = "--prompt") -> list[str]:
 def read_prompts(path: str | os.PathLike[str]) -> list[str]:
     """Prompts of a text file, one per line (LF or CRLF line ends; a byte-order mark, as Windows
     editors write, is dropped); blank lines are skipped, the order is kept. Lines are split at line
-    ends only: ``str.splitlines`` would also split a prompt at U+2028, form feeds and the like."""
+    ends only: ``str.splitlines`` would also split a prompt at U+2028, form feeds and the like.
+
+    The prompt sets of the field's evaluations are read as they come ([LANTERN code]
+    data/prompts): a ``.tsv`` by its ``Prompt`` (or ``caption``) column (PartiPrompts), a ``.json``
+    list of strings or of objects with a ``caption`` / ``prompt``, or COCO's caption file
+    (``annotations``). Read line by line, their headers and other columns became prompts."""
     path = Path(path)
     if not path.exists():
         raise LanternError(f"--prompts: no such file {path}")
@@ -119,8 +124,49 @@ def read_prompts(path: str | os.PathLike[str]) -> list[str]:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a BOM would become part of the first prompt
     except UnicodeDecodeError as e:
         raise LanternError(f"--prompts: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    prompts = [line.strip() for line in text.split("\n") if line.strip()]  # strip() takes the \r of \r\n
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        prompts = _json_prompts(path)
+    elif suffix == ".tsv":
+        prompts = _tsv_prompts(text, path)
+    else:
+        prompts = [line.strip() for line in text.split("\n") if line.strip()]  # strip() takes the \r of \r\n
     check(bool(prompts), f"--prompts: {path} holds no prompts (expected one prompt per line)")
+    return prompts
+
+
+PROMPT_FIELDS = ("prompt", "caption", "text")  # a prompt's field in the field's .tsv / .json prompt sets
+
+
+def _tsv_prompts(text: str, path: Path) -> list[str]:
+    import csv
+
+    rows = csv.reader(text.split("\n"), delimiter="\t")
+    header = [name.strip().lower() for name in next(rows, [])]
+    column = next((header.index(name) for name in PROMPT_FIELDS if name in header), None)
+    check(column is not None, f"--prompts: {path} is a .tsv without a Prompt or caption column (its header: "
+                              f"{', '.join(header) or 'empty'}); a plain one-prompt-per-line file is a .txt")
+    assert column is not None
+    return [row[column].strip() for row in rows if len(row) > column and row[column].strip()]
+
+
+def _json_prompts(path: Path) -> list[str]:
+    from lantern.io import read_json
+
+    raw = read_json(path, "prompts file")
+    if isinstance(raw, dict) and isinstance(raw.get("annotations"), list):  # COCO's captions_*.json
+        raw = raw["annotations"]
+    items = raw if isinstance(raw, list) else None
+    check(items is not None, f"--prompts: {path} is JSON but not a list of prompts (or COCO's annotations)")
+    assert items is not None
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            item = next((item[name] for name in PROMPT_FIELDS if isinstance(item.get(name), str)), None)
+        check(isinstance(item, str), f"--prompts: {path}: entry {i} is neither a string nor an object with a "
+                                     f"{' / '.join(PROMPT_FIELDS)}")
+        if item.strip():
+            prompts.append(item.strip())
     return prompts
 
 
