@@ -589,3 +589,34 @@ def test_unsupported_target_architectures(tmp_path: Path) -> None:
     (tmp_path / "config.json").unlink()
     with pytest.raises(LanternError, match="has no config.json"):
         check_target_architecture(tmp_path)
+
+
+def test_bench_measures_with_the_users_prompts(t2i_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --prompts FILE``: the evaluation's prompt set (COCO captions, PartiPrompts), cycled
+    over the images, instead of 4 fixed prompts; a class-conditional model is refused in one line."""
+    from lantern.api import load_model_stack
+    from lantern.cli.main import main
+
+    stack = load_model_stack(t2i_stack)
+    assert stack.sample_conditions(2) == ["a photo of a red car", "a cat on a sofa"]
+    stack.measure_with(["a kite", "two dogs"])
+    assert stack.sample_conditions(3) == ["a kite", "two dogs", "a kite"]
+    prompts = tmp_path / "captions.json"
+    prompts.write_text(json.dumps(["a kite over a beach", "two dogs"]))
+    argv = ["bench", "--methods", "ar", "--no-quality", "--speed-images", "2", "--curve-images", "0",
+            "--no-ar-spread", "--no-progress", "--prompts", str(prompts)]
+    from lantern.targets.llamagen_stack import ModelStack
+
+    encoded: list[str] = []
+    real_encode = ModelStack.encode
+    monkeypatch.setattr(ModelStack, "encode", lambda self, conditions, *a, **k: (
+        encoded.extend(conditions), real_encode(self, conditions, *a, **k))[1])
+    assert main([*argv, "--model", str(t2i_stack), "--out", str(tmp_path / "b")]) == 0
+    assert set(encoded) == {"a kite over a beach", "two dogs"}  # what the bench decoded
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run["prompts"] == {"file": str(prompts), "count": 2}
+    capsys.readouterr()
+    assert main([*argv, "--model", "digits", "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err == ("lantern: error: --prompts: digits is class-conditional: bench draws its "
+                                       "labels from its classes\n")

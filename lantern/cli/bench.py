@@ -73,10 +73,12 @@ def cmd_bench(args: Any) -> int:
     from lantern.eval.report import format_table, save_bench, throughput_table
     from lantern.outputs import OutputFolder
     from lantern.parts import ModelParts
+    from lantern.targets.text import read_prompts
     from lantern.validate import check_device
 
     t0 = time.perf_counter()
     config = bench_config(args)
+    prompts = read_prompts(args.prompts) if args.prompts is not None else []  # before anything is loaded
     check_device(args.device)
     ctx = DistContext.from_env()
     check_bench_ranks(config, ctx)
@@ -89,6 +91,10 @@ def cmd_bench(args: Any) -> int:
     progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))
+    if prompts:
+        check(stack.num_classes is None, f"--prompts: {args.model} is class-conditional: bench draws its labels "
+                                         "from its classes")
+        stack.measure_with(prompts)
     sampling = sampling_from(stack, args)
     parts = ModelParts(stack)  # the drafter and table, read once for every choice and run below
     given = config
@@ -131,6 +137,8 @@ def cmd_bench(args: Any) -> int:
     if auto_windows:
         result.meta["auto_windows"] = auto_windows
     result.meta["processes"] = ctx.world_size
+    if prompts:
+        result.meta["prompts"] = {"file": str(args.prompts), "count": len(prompts)}
     if store is not None:
         result.meta["cache"] = store.summary()
     command = command_line(args)
@@ -192,6 +200,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
                         "METHOD=auto picks it from this device's verify-cost curve (default: the stack's trees)")
     p.add_argument("--num-images", type=int, default=200, help="images per method for quality metrics (default 200)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="prompt-conditioned models: the evaluation's prompts, cycled over the images (a text file, "
+                        "one per line; a .tsv's Prompt column; a .json of captions). Default: 4 fixed prompts")
     p.add_argument("--speed-images", type=int, default=8, help="images per method timed (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=25, help="batch for the quality images (default 25)")

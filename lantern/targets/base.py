@@ -244,9 +244,11 @@ FAMILY_NAMES = {"c2i": "class-conditional", "t2i": "text-to-image", "chameleon":
 MEASURE_PROMPTS = ("a photo of a red car", "a cat on a sofa", "a mountain lake at dawn", "a bowl of fruit")
 
 
-def prompts_for(n: int) -> list[str]:
-    """``n`` fixed prompts for measurements on prompt-conditioned stacks (cycled)."""
-    return [MEASURE_PROMPTS[i % len(MEASURE_PROMPTS)] for i in range(n)]
+def prompts_for(n: int, prompts: Sequence[str] = ()) -> list[str]:
+    """``n`` prompts for measurements on prompt-conditioned stacks, cycled: ``prompts`` (a user's
+    set, e.g. ``bench --prompts``), else :data:`MEASURE_PROMPTS`."""
+    pool = tuple(prompts) or MEASURE_PROMPTS
+    return [pool[i % len(pool)] for i in range(n)]
 
 
 @dataclass
@@ -326,6 +328,18 @@ class StackFolder:
         if key in self.config_sampling():
             return self.config_sampling_source()
         return f"the {getattr(self, 'family', 'model')} default"
+
+    def measure_with(self, prompts: Sequence[str]) -> None:
+        """Measure with ``prompts`` (cycled) wherever :meth:`sample_conditions` gives prompts:
+        ``bench --prompts``'s evaluation set, for its images, AR's reference and every choice."""
+        check(getattr(self, "num_classes", None) is None, f"prompts: {self.root} is a class-conditional model; its "
+                                                          "measurements draw labels from its classes")
+        self.__dict__["_measure_prompts"] = tuple(prompts)
+
+    @property
+    def measurement_prompts(self) -> tuple[str, ...]:
+        """The prompts of :meth:`measure_with`, or () for the fixed ones."""
+        return tuple(self.__dict__.get("_measure_prompts", ()))
 
     def config_sampling_source(self) -> str:
         """Where :meth:`config_sampling`'s values come from, for messages."""

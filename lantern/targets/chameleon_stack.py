@@ -134,7 +134,7 @@ class PromptStack(StackFolder):
         return self.model
 
     def sample_conditions(self, n: int) -> list[Any]:
-        return prompts_for(n)
+        return prompts_for(n, self.measurement_prompts)
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> ChameleonTarget:

@@ -152,7 +152,7 @@ class ModelStack(StackFolder):
         return path
 
     def sample_conditions(self, n: int) -> list[Any]:
-        return prompts_for(n) if self.num_classes is None else labels_for(self.num_classes, n)
+        return prompts_for(n, self.measurement_prompts) if self.num_classes is None else labels_for(self.num_classes, n)
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> Target:
