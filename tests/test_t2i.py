@@ -620,3 +620,88 @@ def test_bench_measures_with_the_users_prompts(t2i_stack: Path, tmp_path: Path, 
     assert main([*argv, "--model", "digits", "--out", str(tmp_path / "c")]) == 2
     assert capsys.readouterr().err == ("lantern: error: --prompts: digits is class-conditional: bench draws its "
                                        "labels from its classes\n")
+
+
+def _tiny_clip(folder: Path) -> Path:
+    """A random CLIP with both towers and a word-level tokenizer, laid out as openai/clip-vit-base-patch32."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[BOS]", "[PAD]", "[EOS]", "[UNK]", "a", "kite", "over", "beach", "two", "dogs", "red", "car", "cat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+                                         unk_token="[UNK]").save_pretrained(folder)
+    text = {"vocab_size": len(words), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 77, "bos_token_id": 0, "pad_token_id": 1,
+            "eos_token_id": 2, "projection_dim": 8}  # 2: pooled at the highest id (transformers' legacy rule)
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16, "projection_dim": 8}
+    torch.manual_seed(0)
+    transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval() \
+        .save_pretrained(folder)
+    return folder
+
+
+def test_clip_score_is_clips_cosine_of_each_image_and_its_prompt(tmp_path: Path) -> None:
+    """``ClipScorer``: 100 x max(cos, 0) of the image and text embeddings (torchmetrics' CLIPScore),
+    checked against transformers' whole CLIPModel (logits_per_image / logit_scale); a score depends
+    on its own prompt (power: other prompts give other scores)."""
+    import transformers
+
+    from lantern.eval.metrics import CLIP_MEAN, CLIP_STD, ClipScorer
+
+    folder = _tiny_clip(tmp_path / "clip")
+    scorer = ClipScorer(folder)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.rand(24, 3, 24, 24, generator=gen) * 2 - 1
+    prompts = ["a kite over a beach", "two dogs", "a red car", "a cat", "a red cat", "two kite"] * 4
+    scores = scorer.scores(images, prompts, batch_size=4)
+    model = transformers.CLIPModel.from_pretrained(str(folder)).eval()
+    tokens = scorer.tokenizer(prompts, padding=True, return_tensors="pt")
+    pixels = torch.nn.functional.interpolate(images, size=32, mode="bicubic", align_corners=False, antialias=True)
+    pixels = (pixels.clamp(-1, 1) + 1) / 2
+    pixels = (pixels - torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        out = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels)
+    cosine = out.logits_per_image.diagonal() / model.logit_scale.exp()
+    assert torch.allclose(scores, 100 * cosine.clamp(min=0), atol=1e-3), (scores, cosine)
+    assert (cosine > 0).any() and (cosine < 0).any()  # both sides of the clamp are exercised
+    assert not torch.allclose(scorer.scores(images, prompts[::-1]), scores)
+    prefixed = ClipScorer(folder, prefix="a red ")  # LANTERN's evaluation puts "A photo depicts " first
+    assert torch.equal(prefixed.scores(images, prompts), scorer.scores(images, ["a red " + p for p in prompts]))
+    with pytest.raises(LanternError, match="--clip-score: no such CLIP folder"):
+        ClipScorer(tmp_path / "none")
+
+
+def test_bench_scores_prompt_following_with_clip(t2i_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --clip-score DIR``: every row's mean CLIP score of its images against their own
+    prompts (a planted scorer, the length of each prompt, shows which prompts reach it, in order)."""
+    from lantern.cli.main import main
+    from lantern.eval.metrics import ClipScorer
+    from lantern.targets.base import prompts_for
+
+    clip = _tiny_clip(tmp_path / "clip")
+    seen: list[int] = []
+
+    def planted(self: ClipScorer, images: torch.Tensor, prompts: list[str], batch_size: int = 64) -> torch.Tensor:
+        seen.append(images.shape[0])
+        return torch.tensor([float(len(p)) for p in prompts])
+
+    monkeypatch.setattr(ClipScorer, "scores", planted)
+    argv = ["bench", "--methods", "ar,sjd-coupled", "--num-images", "4", "--speed-images", "2", "--batch-size", "4",
+            "--num-real", "4", "--curve-images", "0", "--no-ar-spread", "--no-progress", "--clip-score", str(clip)]
+    assert main([*argv, "--model", str(t2i_stack), "--feature-net", f"clip:{clip}", "--out", str(tmp_path / "b")]) == 0
+    rows = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert [r["method"] for r in rows] == ["ar", "sjd-coupled"]
+    want = sum(len(p) for p in prompts_for(4)) / 4
+    assert [r["clip_score"] for r in rows] == [want, want] and seen == [4, 4]
+    assert "| CLIP |" in (tmp_path / "b" / "bench.md").read_text()
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["clip_score"] == "CLIP score, clip"
+    capsys.readouterr()
+    assert main([*argv, "--model", "digits", "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err == ("lantern: error: --clip-score: digits is class-conditional: a CLIP score "
+                                       "needs prompts\n")
+    assert main([*argv, "--no-quality", "--model", str(t2i_stack), "--out", str(tmp_path / "d")]) == 2
+    assert "--clip-score is a quality metric: drop --no-quality" in capsys.readouterr().err

@@ -54,6 +54,7 @@ def bench_config(args: Any) -> BenchConfig:
         sweep_images=args.sweep_images,
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
+    check(not (args.clip_score and args.no_quality), "--clip-score is a quality metric: drop --no-quality")
     check(args.profile is None or any(m.tree == "auto" for m in config.methods),
           "--profile is only used with auto trees (--tree auto, or a row METHOD@auto)")
     return config
@@ -91,6 +92,8 @@ def cmd_bench(args: Any) -> int:
     progress = not args.no_progress and ctx.is_main
     torch.manual_seed(0)
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))
+    check(args.clip_score is None or stack.num_classes is None,
+          f"--clip-score: {args.model} is class-conditional: a CLIP score needs prompts")
     if prompts:
         check(stack.num_classes is None, f"--prompts: {args.model} is class-conditional: bench draws its labels "
                                          "from its classes")
@@ -119,8 +122,13 @@ def cmd_bench(args: Any) -> int:
                   f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
                   f"{str(stack.dtype).replace('torch.', '')} on {args.device}"
                   + (f" | {ctx.world_size} processes" if ctx.enabled else ""))
+        if isinstance(scorer, QualityScorer) and args.clip_score is not None:
+            from lantern.eval.metrics import ClipScorer
+
+            scorer.clip = ClipScorer(args.clip_score, device=args.device, prefix=args.clip_prefix)
         if isinstance(scorer, QualityScorer):
-            print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images")
+            print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images"
+                  + (f"; {scorer.clip.name}" if scorer.clip is not None else ""))
         runner: Any = RankRunner(ctx, parts) if ctx.enabled else BenchRunner(parts)
         store = None
         if cache_dir is not None:
@@ -200,6 +208,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
                         "METHOD=auto picks it from this device's verify-cost curve (default: the stack's trees)")
     p.add_argument("--num-images", type=int, default=200, help="images per method for quality metrics (default 200)")
+    p.add_argument("--clip-score", default=None, metavar="DIR",
+                   help="prompt-conditioned models: also score how well each method's images follow their prompts "
+                        "(CLIP score, 100 x cosine, as torchmetrics) with a local CLIP folder, e.g. "
+                        "openai/clip-vit-base-patch32 (LANTERN's)")
+    p.add_argument("--clip-prefix", default="", metavar="TEXT",
+                   help='with --clip-score: text put before every prompt (LANTERN\'s evaluation: "A photo depicts ")')
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompt-conditioned models: the evaluation's prompts, cycled over the images (a text file, "
                         "one per line; a .tsv's Prompt column; a .json of captions). Default: 4 fixed prompts")

@@ -621,6 +621,7 @@ class QualityScorer:
                  reference: str = "data") -> None:
         self.stack, self.extractor, self.real, self.num_real, self.spec = stack, extractor, real, num_real, spec
         self.reference = reference
+        self.clip: Any = None  # a lantern.eval.metrics.ClipScorer: prompt models' CLIP score (bench --clip-score)
 
     @classmethod
     def build(
@@ -660,17 +661,20 @@ class QualityScorer:
         from lantern.eval.metrics import quality_metrics
 
         classes = torch.tensor(labels) if self.stack.num_classes else None
-        q = quality_metrics(self.real, self.images(codes), classes, self.extractor)
+        images = self.images(codes)
+        q = quality_metrics(self.real, images, classes, self.extractor)
         out = {"fid": q.fid, "kid": q.kid_mean, "kid_std": q.kid_std, "precision": q.precision,
                "recall": q.recall, "class_accuracy": q.class_accuracy, "feature_net": q.feature_net}
         if classes is None:  # no classes: no class accuracy
             del out["class_accuracy"]
+        if self.clip is not None:  # how well the images follow their prompts
+            out["clip_score"] = float(self.clip.scores(images, labels).mean())
         return out
 
     def meta(self) -> dict[str, Any]:
         return {"feature_net": self.description, "feature_net_spec": self.spec, "num_real": self.num_real,
                 "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description,
-                "reference": self.reference}
+                "reference": self.reference, **({"clip_score": self.clip.name} if self.clip is not None else {})}
 
 
 def ar_reference_images(stack: Stack, sampling: SamplingConfig, n: int, seed: int, batch_size: int,

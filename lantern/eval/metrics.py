@@ -31,6 +31,7 @@ import math
 import os
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -251,6 +252,52 @@ class ClipFeatureExtractor(FeatureExtractor):
     def _extract(self, images: Tensor) -> Tensor:
         x = (_resize(_to_rgb(images), self.input_size, "bicubic").clamp(-1, 1) + 1) / 2
         return self.model(pixel_values=(x - self.mean) / self.std).image_embeds.float()
+
+
+class ClipScorer:
+    """CLIP score of images against their prompts: ``100 * max(cos(image, text), 0)`` of CLIP's
+    projected embeddings, per image (Hessel et al. 2021, as torchmetrics' ``CLIPScore`` defines it,
+    by default without a prefix). ``folder``: a local Hugging Face CLIP folder with both towers and
+    its tokenizer (openai/clip-vit-base-patch32). Images are preprocessed as
+    :class:`ClipFeatureExtractor` does; ``prefix`` + each prompt is cut at the text tower's length
+    (77 tokens). LANTERN's evaluation ([LANTERN code] eval_fid_clip.py) reports the plain mean
+    cosine with ViT-B/32 and the prefix "A photo depicts ": this score / 100 with that prefix,
+    where no cosine is negative."""
+
+    def __init__(self, folder: str | os.PathLike[str], device: torch.device | str = "cpu", prefix: str = "") -> None:
+        try:
+            from transformers import AutoTokenizer, CLIPTextModelWithProjection
+        except ImportError as e:
+            raise LanternError("--clip-score needs the 'transformers' package: pip install transformers") from e
+        folder = Path(folder)
+        check(folder.is_dir(), f"--clip-score: no such CLIP folder {folder}")
+        try:
+            self.text = CLIPTextModelWithProjection.from_pretrained(str(folder), local_files_only=True).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: transformers' weights that do not fit
+            raise LanternError(f"--clip-score: {folder} is not a CLIP folder with a text tower and a tokenizer: "
+                               f"{str(e).splitlines()[0]}") from None
+        self.vision = ClipFeatureExtractor(folder)
+        self.text.to(device)
+        self.vision.to(device)
+        self.max_length = int(self.text.config.max_position_embeddings)
+        self.prefix = prefix
+        self.name = f"CLIP score, {folder.name}" + (f", prompts after {prefix!r}" if prefix else "")
+
+    @torch.no_grad()
+    def scores(self, images: Tensor, prompts: Sequence[str], batch_size: int = 64) -> Tensor:
+        """[N] CLIP scores of ``images`` [N, C, H, W] in [-1, 1] against ``prompts`` (one each)."""
+        check(len(prompts) == images.shape[0], f"CLIP score: {images.shape[0]} images, {len(prompts)} prompts")
+        out = []
+        for lo in range(0, len(prompts), batch_size):
+            device = self.vision.mean.device
+            image = self.vision._extract(images[lo : lo + batch_size].to(device))
+            texts = [self.prefix + p for p in prompts[lo : lo + batch_size]]
+            tokens = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+                                    return_tensors="pt").to(device)
+            text = self.text(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).text_embeds
+            out.append(100 * F.cosine_similarity(image, text.float(), dim=-1).clamp(min=0))
+        return torch.cat(out).cpu()
 
 
 def feature_net_dir(model: str | os.PathLike[str]) -> Path:

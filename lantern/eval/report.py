@@ -302,8 +302,9 @@ def _interval_cell(ci: list[float] | None) -> str:
 
 def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
     interval = any(r.speedup_ci is not None for r in rows)
+    clip = any(r.quality.get("clip_score") is not None for r in rows)
     head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", *(["95% CI"] if interval else []),
-            "FID", "KID", "prec", "recall", "class acc"]
+            "FID", "KID", "prec", "recall", "class acc", *(["CLIP"] if clip else [])]
     spread = any(r.outside_ar_spread is not None for r in rows)
     if spread:
         head.append("vs AR spread")
@@ -321,6 +322,7 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
             format_cell(r.quality.get("precision")),
             format_cell(r.quality.get("recall")),
             format_cell(r.quality.get("class_accuracy")),
+            *([format_cell(r.quality.get("clip_score"), 2)] if clip else []),
             *([_spread_cell(r)] if spread else []),
         ]
         for r in rows
