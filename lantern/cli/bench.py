@@ -98,6 +98,11 @@ def cmd_bench(args: Any) -> int:
         check(stack.num_classes is None, f"--prompts: {args.model} is class-conditional: bench draws its labels "
                                          "from its classes")
         stack.measure_with(prompts)
+    clip: Any = None  # read before the (long) reference images, so that a bad folder fails at once
+    if args.clip_score is not None and ctx.is_main:
+        from lantern.eval.metrics import ClipScorer
+
+        clip = ClipScorer(args.clip_score, device=args.device, prefix=args.clip_prefix)
     sampling = sampling_from(stack, args)
     parts = ModelParts(stack)  # the drafter and table, read once for every choice and run below
     given = config
@@ -122,11 +127,8 @@ def cmd_bench(args: Any) -> int:
                   f"speed on {config.speed_images} at batch {config.speed_batch_size} | {sampling.to_dict()} | "
                   f"{str(stack.dtype).replace('torch.', '')} on {args.device}"
                   + (f" | {ctx.world_size} processes" if ctx.enabled else ""))
-        if isinstance(scorer, QualityScorer) and args.clip_score is not None:
-            from lantern.eval.metrics import ClipScorer
-
-            scorer.clip = ClipScorer(args.clip_score, device=args.device, prefix=args.clip_prefix)
         if isinstance(scorer, QualityScorer):
+            scorer.clip = clip
             print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images"
                   + (f"; {scorer.clip.name}" if scorer.clip is not None else ""))
         runner: Any = RankRunner(ctx, parts) if ctx.enabled else BenchRunner(parts)

@@ -489,7 +489,7 @@ class LlamaGen(nn.Module):
             args = raw.get("args") if isinstance(raw, Mapping) else None
             config = official_config(state, image_size or official_image_size(Path(path), args),
                                      downsample or getattr(args, "downsample_size", None) or 16, source,
-                                     gpt_model or getattr(args, "gpt_model", None))
+                                     gpt_model or _named(getattr(args, "gpt_model", None)))
         model = cls(config)
         load_state_dict_strict(model, state, f"LlamaGen checkpoint {path}")
         return model.to(dtype) if dtype is not None else model
@@ -559,8 +559,10 @@ def official_config(state: Mapping[str, Tensor], image_size: int, downsample: in
 
     vocab, dim = shape(GPT_MARKER)
     n_layer = len({k.split(".")[1] for k in state if k.startswith("layers.") and k.endswith(".attention_norm.weight")})
+    check(gpt_model is None or gpt_model in GPT_CONFIGS,
+          f"gpt_model must be one of {', '.join(GPT_CONFIGS)}, got {gpt_model!r}")
     named = [n for n, c in GPT_CONFIGS.items() if (c["dim"], c["n_layer"]) == (dim, n_layer)]
-    name = gpt_model if gpt_model in GPT_CONFIGS else (named[0] if named else None)
+    name = gpt_model or (named[0] if named else None)
     check(name is not None, f"{source}: its weights (width {dim}, {n_layer} layers) are none of LlamaGen's models "
                             f"({', '.join(GPT_CONFIGS)})")
     assert name is not None
@@ -583,6 +585,11 @@ def official_config(state: Mapping[str, Tensor], image_size: int, downsample: in
     config = llamagen_config(name, **overrides)
     hidden = shape("layers.0.feed_forward.w1.weight")[0]
     return config if hidden == config.hidden_ffn else replace(config, ffn_hidden=hidden)
+
+
+def _named(gpt_model: Any) -> str | None:
+    """A training run's ``args.gpt_model`` when it names one of :data:`GPT_CONFIGS` (else the shapes decide)."""
+    return gpt_model if isinstance(gpt_model, str) and gpt_model in GPT_CONFIGS else None
 
 
 def official_image_size(path: Path, args: Any = None) -> int:
