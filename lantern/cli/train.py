@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lantern.cli.common import add_sampling_args
 from lantern.errors import LanternError, check
 from lantern.validate import MAX_TRAIN_STEPS
 
@@ -288,9 +289,20 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 def _add_make_drafter_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-drafter-data", help="teacher-forced target features for drafter training",
                        description="Run the target over real code grids (the paper's recipe) and store its "
-                                   "final-norm hidden states: OUT/train and OUT/test.")
+                                   "final-norm hidden states: OUT/train and OUT/test. A text-to-image target "
+                                   "takes --prompts instead: it samples its own images of them (self-distillation).")
     p.add_argument("--target", required=True, help="target model folder (or stack folder)")
-    p.add_argument("--codes", required=True, help="folder written by `lantern extract-codes`")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--codes", help="folder written by `lantern extract-codes` (class-conditional targets)")
+    source.add_argument("--prompts", metavar="FILE",
+                        help="text-to-image stacks: the prompts (one per line; a .tsv's Prompt column; a .json of "
+                             "captions) whose self-generated images the features are made of")
+    t2i = p.add_argument_group("with --prompts")
+    t2i.add_argument("--num-per-prompt", type=int, default=1, help="images sampled per prompt (default 1)")
+    t2i.add_argument("--eval-prompts", type=int, default=None,
+                     help="the last N prompts are held out as OUT/test (default a tenth, at least 1)")
+    t2i.add_argument("--t5", default=None, metavar="DIR", help="T5 encoder folder (default: t5/ in the stack)")
+    add_sampling_args(p)
     p.add_argument("--out", required=True, help="output folder (OUT/train, OUT/test)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out folder")
     p.add_argument("--cond-dropout", type=float, default=0.1, help="rate of rows run unconditionally (0.1)")
@@ -327,6 +339,13 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
     for name, value in (("--max-sequences", args.max_sequences), ("--max-test-sequences", args.max_test_sequences)):
         if value is not None and value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")
+    if args.prompts is not None:
+        return _make_prompt_drafter_data(args, out)
+    given = [flag for flag, value in (("--num-per-prompt", args.num_per_prompt != 1),
+                                      *((f, getattr(args, f[2:].replace("-", "_")) is not None) for f in PROMPT_ONLY))
+             if value]
+    check(not given, f"{given[0] if given else ''} is used with --prompts (a text-to-image target's self-generated "
+                     "images); --codes' features are of real code grids")
     target = _load_target(args.target)
     splits = {split: load_code_dir(args.codes, split) for split in ("train", "test")}
     with out.write() as folder:
@@ -339,6 +358,41 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
                               source=args.source if split == "train" else "real",
                               num_generated=args.num_generated if split == "train" else 0)
     print(f"wrote drafter data to {out.path}/train and {out.path}/test")
+    return 0
+
+
+PROMPT_ONLY = ("--eval-prompts", "--t5", "--temperature", "--top-k", "--top-p", "--cfg-scale")  # with --prompts
+
+
+def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
+    """``make-drafter-data --prompts``: a text-to-image stack's self-distilled features, the last
+    ``--eval-prompts`` prompts held out (OUT/test), so no test image shares a prompt with training."""
+    from lantern.api import load_model_stack, sampling_from
+    from lantern.targets.text import read_prompts
+    from lantern.train.drafter import make_prompt_drafter_data
+
+    codes_only = [flag for flag, value in (("--source", args.source != "real"), ("--num-generated", args.num_generated),
+                                           ("--max-sequences", args.max_sequences is not None)) if value]
+    check(not codes_only, f"{codes_only[0] if codes_only else ''} is used with --codes; with --prompts every row is "
+                          "self-generated (--num-per-prompt sets how many)")
+    prompts = read_prompts(args.prompts)
+    held = args.eval_prompts if args.eval_prompts is not None else max(1, len(prompts) // 10)
+    check(1 <= held < len(prompts), f"--eval-prompts must be in 1..{len(prompts) - 1} (the file's {len(prompts)} "
+                                    f"prompts less at least one to train on), got {held}")
+    stack = load_model_stack(args.target)
+    check(getattr(stack, "kind", None) == "t2i", f"--prompts: {args.target} is not a text-to-image LlamaGen stack "
+                                                 "(class-conditional targets take --codes; Chameleon-family, Janus "
+                                                 "and Emu3 models train with `lantern train-chameleon-drafter`)")
+    sampling = sampling_from(stack, args)
+    splits = {"train": prompts[:-held], "test": prompts[-held:]}
+    with out.write() as folder:
+        for split, part in splits.items():
+            make_prompt_drafter_data(stack, part, folder / split, num_per_prompt=args.num_per_prompt,
+                                     cond_dropout=args.cond_dropout, seed=args.seed + (split == "test"),
+                                     batch_size=args.batch_size, sampling=sampling, t5=args.t5,
+                                     progress=not args.no_progress)
+    print(f"wrote drafter data to {out.path}/train ({len(splits['train'])} prompts) and {out.path}/test "
+          f"({held} prompts), {args.num_per_prompt} image(s) each")
     return 0
 
 

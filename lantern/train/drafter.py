@@ -29,7 +29,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, T
 
 if TYPE_CHECKING:
     from lantern.models.janus import GenerationHead
+    from lantern.targets.llamagen_stack import ModelStack
 
 DATA_FORMAT = "lantern-drafter-data"
 DATA_VERSION = 1
@@ -228,6 +229,73 @@ def make_drafter_data(
     return out
 
 
+def make_prompt_drafter_data(
+    stack: ModelStack,
+    prompts: Sequence[str],
+    out: str | os.PathLike[str],
+    *,
+    num_per_prompt: int = 1,
+    cond_dropout: float = 0.1,
+    seed: int = 0,
+    batch_size: int = 32,
+    shard_size: int = 1024,
+    sampling: SamplingConfig | None = None,
+    t5: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Drafter data for a text-to-image LlamaGen stack, self-distilled: the target samples
+    ``num_per_prompt`` images of every prompt (plain AR, ``sampling``; LANTERN trains its T2I
+    drafters on LAION-COCO's images instead, which lantern cannot download), then runs
+    teacher-forced over each caption and its codes. A row is run on the unconditional caption
+    (``uncond_embedding``, the caption's own mask, as the target's CFG stream) with probability
+    ``cond_dropout``, so the drafter also learns the stream it drafts for under guidance."""
+    from lantern.api import resolve_sampling
+    from lantern.methods import MethodConfig
+    from lantern.run import run_conditions
+
+    target = stack.target
+    check(target.config.model_type == "t2i", "--prompts: drafter data from prompts needs a text-to-image target; "
+                                             "a class-conditional one takes --codes")
+    check(len(prompts) >= 1, "--prompts: no prompts given")
+    check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt!r}")
+    check(0.0 <= cond_dropout <= 1.0, f"--cond-dropout must be in [0, 1], got {cond_dropout!r}")
+    check(batch_size >= 1 and shard_size >= 1, f"--batch-size must be >= 1, got {batch_size!r}")
+    out = ensure_writable_dir(out)
+    check(not (out / META_FILE).exists(),
+          f"{out} already holds drafter data ({META_FILE}); choose a new folder or delete it first")
+    sampling = sampling or resolve_sampling(stack)  # the stack's own (LlamaGen's for an official model)
+    conditions = stack.encode(list(prompts), repeats=num_per_prompt, batch_size=batch_size, t5=t5)
+    codes = run_conditions(stack, conditions, seed, sampling, MethodConfig(), batch_size, progress).codes.cpu()
+    assert conditions.mask is not None
+    captions, mask = conditions.cond.cpu(), conditions.mask.cpu()
+    index = torch.arange(len(prompts)).repeat_interleave(num_per_prompt)
+    dropped = torch.rand(len(index), generator=torch.Generator().manual_seed(seed)) < cond_dropout
+    null = target.null_condition(1).to("cpu", captions.dtype)
+    captions = torch.where(dropped[:, None, None], null, captions)  # the CFG stream keeps the caption's mask
+    shards = _write_shards(target, codes, torch.where(dropped, -1, index), out, batch_size, shard_size, progress,
+                           cond=captions, cond_mask=mask)
+    meta = {
+        "format": DATA_FORMAT,
+        "version": DATA_VERSION,
+        "target_config": target.config.to_dict(),
+        "target_fingerprint": target_fingerprint(target),
+        "cond_dropout": cond_dropout,
+        "seed": seed,
+        "source": "generated",
+        "prompts": len(prompts),
+        "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        "num_per_prompt": num_per_prompt,
+        "num_real": 0,
+        "num_generated": int(len(index)),
+        "sampling": sampling.to_dict(),
+        "count": int(len(index)),
+        "num_dropped": int(dropped.sum()),
+        "shards": shards,
+    }
+    write_json(out / META_FILE, meta)  # last: a folder with meta.json is complete
+    return out
+
+
 def _check_data_args(target: LlamaGen, codes: CodeSet, cond_dropout: float, batch_size: int, shard_size: int,
                      source: str, num_generated: int) -> None:
     cfg = target.config
@@ -276,7 +344,9 @@ def _generate_codes(target: LlamaGen, count: int, sampling: SamplingConfig, seed
 
 @torch.no_grad()
 def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, batch_size: int, shard_size: int,
-                  progress: bool) -> list[dict[str, Any]]:
+                  progress: bool, cond: Tensor | None = None, cond_mask: Tensor | None = None) -> list[dict[str, Any]]:
+    """Teacher-forced features of ``codes`` under ``labels`` (c2i), or under captions ``cond`` with
+    their ``cond_mask`` (t2i; ``labels`` then only names each row's prompt, -1 when dropped)."""
     from tqdm.auto import tqdm
 
     was_training = target.training
@@ -288,7 +358,9 @@ def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, ba
         hidden = []
         for b in range(lo, hi, batch_size):
             e = min(b + batch_size, hi)
-            _, h = target(labels[b:e].to(target.device), codes[b:e].to(target.device))
+            rows = labels[b:e] if cond is None else cond[b:e]
+            mask = None if cond_mask is None else cond_mask[b:e].to(target.device)
+            _, h = target(rows.to(target.device), codes[b:e].to(target.device), cond_mask=mask)
             hidden.append(h.to(torch.bfloat16).cpu())
             bar.update(e - b)
         name = f"shard-{index:05d}.safetensors"
@@ -552,6 +624,9 @@ class DrafterTask(TrainTask):
         train_data.check_target(target)
         test_data.check_target(target)
         self.target, self.train_data, self.test_data, self.seed = target, train_data, test_data, seed
+        # a text-to-image target's held-out data keeps no captions to generate from: its held-out
+        # teacher-forced metrics (top1, top3, accept_prob) stand for the speculative generation
+        eval_generation = eval_generation and target.config.model_type == "c2i"
         self.eval_generation, self.eval_config = eval_generation, eval_config or EvalConfig()
         if eval_generation:
             _eval_tree(target)  # fail now, not after training, if the images are too small for it
