@@ -376,6 +376,8 @@ def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
     check(not codes_only, f"{codes_only[0] if codes_only else ''} is used with --codes; with --prompts every row is "
                           "self-generated (--num-per-prompt sets how many)")
     prompts = read_prompts(args.prompts)
+    check(len(prompts) >= 2, f"--prompts: {args.prompts} holds 1 prompt; drafter data needs at least 2 (one is held "
+                             "out for the evaluation)")
     held = args.eval_prompts if args.eval_prompts is not None else max(1, len(prompts) // 10)
     check(1 <= held < len(prompts), f"--eval-prompts must be in 1..{len(prompts) - 1} (the file's {len(prompts)} "
                                     f"prompts less at least one to train on), got {held}")

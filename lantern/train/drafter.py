@@ -49,6 +49,7 @@ from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, T
 
 if TYPE_CHECKING:
     from lantern.models.janus import GenerationHead
+    from lantern.targets.base import ConditionSet
     from lantern.targets.llamagen_stack import ModelStack
 
 DATA_FORMAT = "lantern-drafter-data"
@@ -251,6 +252,7 @@ def make_prompt_drafter_data(
     ``cond_dropout``, so the drafter also learns the stream it drafts for under guidance."""
     from lantern.api import resolve_sampling
     from lantern.methods import MethodConfig
+    from lantern.parts import ModelParts
     from lantern.run import run_conditions
 
     target = stack.target
@@ -259,21 +261,20 @@ def make_prompt_drafter_data(
     check(len(prompts) >= 1, "--prompts: no prompts given")
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt!r}")
     check(0.0 <= cond_dropout <= 1.0, f"--cond-dropout must be in [0, 1], got {cond_dropout!r}")
-    check(batch_size >= 1 and shard_size >= 1, f"--batch-size must be >= 1, got {batch_size!r}")
+    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size!r}")
+    check(shard_size >= 1, f"shard_size must be >= 1, got {shard_size!r}")
     out = ensure_writable_dir(out)
     check(not (out / META_FILE).exists(),
           f"{out} already holds drafter data ({META_FILE}); choose a new folder or delete it first")
     sampling = sampling or resolve_sampling(stack)  # the stack's own (LlamaGen's for an official model)
-    conditions = stack.encode(list(prompts), repeats=num_per_prompt, batch_size=batch_size, t5=t5)
+    # packed on the host: a prompt's caption once, its valid columns only (not 120 x 2048 per image)
+    conditions = ModelParts(stack, t5=t5).encode(list(prompts), repeats=num_per_prompt, batch_size=batch_size,
+                                                 progress=progress)
     codes = run_conditions(stack, conditions, seed, sampling, MethodConfig(), batch_size, progress).codes.cpu()
-    assert conditions.mask is not None
-    captions, mask = conditions.cond.cpu(), conditions.mask.cpu()
     index = torch.arange(len(prompts)).repeat_interleave(num_per_prompt)
     dropped = torch.rand(len(index), generator=torch.Generator().manual_seed(seed)) < cond_dropout
-    null = target.null_condition(1).to("cpu", captions.dtype)
-    captions = torch.where(dropped[:, None, None], null, captions)  # the CFG stream keeps the caption's mask
     shards = _write_shards(target, codes, torch.where(dropped, -1, index), out, batch_size, shard_size, progress,
-                           cond=captions, cond_mask=mask)
+                           captions=conditions)
     meta = {
         "format": DATA_FORMAT,
         "version": DATA_VERSION,
@@ -344,9 +345,10 @@ def _generate_codes(target: LlamaGen, count: int, sampling: SamplingConfig, seed
 
 @torch.no_grad()
 def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, batch_size: int, shard_size: int,
-                  progress: bool, cond: Tensor | None = None, cond_mask: Tensor | None = None) -> list[dict[str, Any]]:
-    """Teacher-forced features of ``codes`` under ``labels`` (c2i), or under captions ``cond`` with
-    their ``cond_mask`` (t2i; ``labels`` then only names each row's prompt, -1 when dropped)."""
+                  progress: bool, captions: ConditionSet | None = None) -> list[dict[str, Any]]:
+    """Teacher-forced features of ``codes`` under ``labels`` (c2i), or under the ``captions`` of each
+    row (t2i; ``labels`` then names each row's prompt, -1 for a row run on the unconditional
+    caption: ``uncond_embedding`` under the caption's own mask, what the target's CFG stream runs)."""
     from tqdm.auto import tqdm
 
     was_training = target.training
@@ -358,9 +360,13 @@ def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, ba
         hidden = []
         for b in range(lo, hi, batch_size):
             e = min(b + batch_size, hi)
-            rows = labels[b:e] if cond is None else cond[b:e]
-            mask = None if cond_mask is None else cond_mask[b:e].to(target.device)
-            _, h = target(rows.to(target.device), codes[b:e].to(target.device), cond_mask=mask)
+            cond, mask = labels[b:e].to(target.device), None
+            if captions is not None:
+                rows = captions.rows(b, e)
+                dropped = (labels[b:e] < 0).to(target.device)[:, None, None]
+                cond = torch.where(dropped, target.null_condition(e - b).to(rows.cond.dtype), rows.cond)
+                mask = rows.mask
+            _, h = target(cond, codes[b:e].to(target.device), cond_mask=mask)
             hidden.append(h.to(torch.bfloat16).cpu())
             bar.update(e - b)
         name = f"shard-{index:05d}.safetensors"
