@@ -811,3 +811,37 @@ def test_a_text_to_image_drafter_trained_on_its_prompts_beats_its_initialisation
     assert (runs["sd"][0] == runs["ar"][0]).all()
     print(f"greedy sd tokens/forward {runs['sd'][1]:.2f}")
     assert runs["sd"][1] > 1.1
+
+
+def test_real_images_are_centre_cropped_and_resized_as_a_reference(t2i_stack: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --reference-images DIR``: FID against real photos of any size (COCO for a text model,
+    as LANTERN's), centre-cropped and resized with Lanczos to the model's size, in file-name order."""
+    from PIL import Image
+
+    from lantern.cli.main import main
+    from lantern.eval.metrics import folder_images
+
+    real = tmp_path / "real"
+    real.mkdir()
+    wide = np.zeros((20, 60, 3), dtype=np.uint8)
+    wide[:, 20:40] = (255, 0, 0)  # only the centre square is red: the crop keeps it, the sides go
+    Image.fromarray(wide).save(real / "a.png")
+    gen = np.random.default_rng(0)
+    for name, shape in (("b.jpg", (50, 30, 3)), ("c.png", (16, 16, 3)), ("d.webp", (40, 40, 3)), ("e.png", (8, 9, 3))):
+        Image.fromarray(gen.integers(0, 256, shape, dtype=np.uint8)).save(real / name)
+    (real / "notes.txt").write_text("not an image")
+    images = folder_images(real, 16, limit=4)
+    assert images.shape == (4, 3, 16, 16) and images.min() >= -1 and images.max() <= 1
+    assert torch.allclose(images[0, 0], torch.ones(16, 16), atol=0.02) and images[0, 1:].max() < -0.98
+    assert torch.equal(images[2], folder_images(real, 16, limit=4)[2])
+    with pytest.raises(LanternError, match=r"--reference-images: .* holds 1 images .* FID needs 2"):
+        folder_images(real, 16, limit=1)
+
+    clip = _tiny_clip(tmp_path / "clip")
+    assert main(["bench", "--model", str(t2i_stack), "--methods", "ar", "--num-images", "4", "--speed-images", "2",
+                 "--batch-size", "4", "--num-real", "4", "--curve-images", "0", "--no-ar-spread", "--no-progress",
+                 "--feature-net", f"clip:{clip}", "--reference-images", str(real), "--out", str(tmp_path / "b")]) == 0
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert (run["reference"], run["reference_images"], run["num_real"]) == ("images", str(real), 4)
+    assert f"against 4 images of {real}" in (tmp_path / "b" / "bench.md").read_text()

@@ -118,6 +118,7 @@ def cmd_bench(args: Any) -> int:
         scorer: Any = None
         if not args.no_quality:  # metrics are computed once, on rank 0
             scorer = QualityScorer.build(stack, args.feature_net, config.num_real, progress=progress,
+                                         reference_dir=args.reference_images,
                                          sampling=sampling, seed=config.seed,
                                          batch_size=config.batch_size) if ctx.is_main else no_metrics
         if ctx.is_main:
@@ -210,6 +211,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tree for one method, e.g. lantern++=chain:5 or sd=dynamic (repeatable); "
                         "METHOD=auto picks it from this device's verify-cost curve (default: the stack's trees)")
     p.add_argument("--num-images", type=int, default=200, help="images per method for quality metrics (default 200)")
+    p.add_argument("--reference-images", default=None, metavar="DIR",
+                   help="compare with a folder of real images (the first --num-real, centre-cropped and resized "
+                        "to the model's size), e.g. COCO val2017 for a text model, instead of the model's data "
+                        "set or AR samples")
     p.add_argument("--clip-score", default=None, metavar="DIR",
                    help="prompt-conditioned models: also score how well each method's images follow their prompts "
                         "(CLIP score, 100 x cosine, as torchmetrics) with a local CLIP folder, e.g. "

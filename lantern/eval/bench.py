@@ -27,6 +27,7 @@ PNGs are written by :mod:`lantern.eval.report`.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -614,29 +615,43 @@ def resolve_auto_trees(
 
 class QualityScorer:
     """Decodes generated codes and scores them against a fixed reference set (features extracted
-    once): the stack's real images (its ``data.json``), or, for a stack without a data set (a t2i
-    or Chameleon folder), AR's own images at other seeds (``reference`` = ``"ar"``)."""
+    once): a folder of real images the user gives (``reference`` = ``"images"``: COCO's for a text
+    model, as LANTERN's FID), else the stack's real images (its ``data.json``), or, for a stack
+    without a data set (a t2i or Chameleon folder), AR's own images at other seeds (``"ar"``)."""
 
     def __init__(self, stack: Stack, extractor: Any, real: Any, num_real: int, spec: str,
                  reference: str = "data") -> None:
         self.stack, self.extractor, self.real, self.num_real, self.spec = stack, extractor, real, num_real, spec
         self.reference = reference
         self.clip: Any = None  # a lantern.eval.metrics.ClipScorer: prompt models' CLIP score (bench --clip-score)
+        self.reference_images: str | None = None  # the folder of a "images" reference
 
     @classmethod
     def build(
         cls, stack: Stack, spec: str | None, num_real: int, progress: bool = False,
         sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 25,
-        speed_only: str = "--no-quality",
+        speed_only: str = "--no-quality", reference_dir: str | os.PathLike[str] | None = None,
     ) -> QualityScorer:
         """``sampling``: how AR reference images are generated when the stack has no data set;
-        ``spec`` None: the model's own feature net (``speed_only`` names the way out without one)."""
+        ``spec`` None: the model's own feature net (``speed_only`` names the way out without one);
+        ``reference_dir``: a folder of real images to compare with instead (at the model's size)."""
         from lantern.data.datasets import DATA_FILE
-        from lantern.eval.metrics import default_feature_net, extract_features, load_feature_extractor, reference_images
+        from lantern.eval.metrics import (
+            default_feature_net,
+            extract_features,
+            folder_images,
+            load_feature_extractor,
+            reference_images,
+        )
 
         spec = spec or default_feature_net(stack.root, speed_only)
         extractor = load_feature_extractor(spec, device=stack.device)
-        if (stack.root / DATA_FILE).is_file():
+        if reference_dir is not None:
+            with torch.no_grad():  # the size the model's images come at: one decoded grid
+                size = int(stack.decode(torch.zeros(1, stack.num_tokens, dtype=torch.long,
+                                                    device=stack.device)).shape[-1])
+            images, reference = folder_images(reference_dir, size, num_real), "images"
+        elif (stack.root / DATA_FILE).is_file():
             images, _ = reference_images(stack)
             images, reference = images[:num_real], "data"  # the split's first items keep classes balanced
         else:
@@ -645,7 +660,9 @@ class QualityScorer:
             assert sampling is not None
             images, reference = ar_reference_images(stack, sampling, num_real, seed, batch_size, progress), "ar"
         real = extract_features(extractor, images, progress=progress, arg="real images")
-        return cls(stack, extractor, real, int(images.shape[0]), spec, reference)
+        scorer = cls(stack, extractor, real, int(images.shape[0]), spec, reference)
+        scorer.reference_images = None if reference_dir is None else str(reference_dir)
+        return scorer
 
     @property
     def description(self) -> str:
@@ -674,7 +691,8 @@ class QualityScorer:
     def meta(self) -> dict[str, Any]:
         return {"feature_net": self.description, "feature_net_spec": self.spec, "num_real": self.num_real,
                 "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description,
-                "reference": self.reference, **({"clip_score": self.clip.name} if self.clip is not None else {})}
+                "reference": self.reference, **({"clip_score": self.clip.name} if self.clip is not None else {}),
+                **({"reference_images": self.reference_images} if self.reference_images else {})}
 
 
 def ar_reference_images(stack: Stack, sampling: SamplingConfig, n: int, seed: int, batch_size: int,

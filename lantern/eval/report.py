@@ -414,7 +414,9 @@ def markdown_report(result: BenchResult, command: str) -> str:
                 f"- quality: {cfg['num_images']} images per method (batch {cfg['batch_size']}), same labels and "
                 f"seeds, against {m.get('num_real', '?')} "
                 + ("AR samples (the model has no data set: distances from AR, not from real images)"
-                   if m.get("reference") == "ar" else "real images of the training distribution"),
+                   if m.get("reference") == "ar" else
+                   f"images of {m.get('reference_images')}" if m.get("reference") == "images" else
+                   "real images of the training distribution"),
                 f"- feature network: {m['feature_net']} (**not** Inception: numbers compare rows of this run only)",
             ]
             if "feature_net" in m
