@@ -845,3 +845,7 @@ def test_real_images_are_centre_cropped_and_resized_as_a_reference(t2i_stack: Pa
     run = json.loads((tmp_path / "b" / "run.json").read_text())
     assert (run["reference"], run["reference_images"], run["num_real"]) == ("images", str(real), 4)
     assert f"against 4 images of {real}" in (tmp_path / "b" / "bench.md").read_text()
+    capsys.readouterr()
+    assert main(["bench", "--model", str(t2i_stack), "--reference-images", str(tmp_path / "none"), "--out",
+                 str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err == f"lantern: error: --reference-images: no such folder {tmp_path / 'none'}\n"

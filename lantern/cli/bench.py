@@ -55,6 +55,10 @@ def bench_config(args: Any) -> BenchConfig:
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
     check(not (args.clip_score and args.no_quality), "--clip-score is a quality metric: drop --no-quality")
+    check(not (args.reference_images and args.no_quality), "--reference-images is for the quality metrics: drop "
+                                                          "--no-quality")
+    check(args.reference_images is None or Path(args.reference_images).is_dir(),
+          f"--reference-images: no such folder {args.reference_images}")
     check(args.profile is None or any(m.tree == "auto" for m in config.methods),
           "--profile is only used with auto trees (--tree auto, or a row METHOD@auto)")
     return config

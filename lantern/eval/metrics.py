@@ -318,7 +318,7 @@ def folder_images(folder: str | os.PathLike[str], size: int, limit: int, what: s
         try:
             with Image.open(path) as image:
                 rgb = image.convert("RGB")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise LanternError(f"{what}: {path} is not a readable image ({e})") from None
         side = min(rgb.size)
         left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
