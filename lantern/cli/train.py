@@ -298,7 +298,7 @@ def _add_make_drafter_data(sub: argparse._SubParsersAction) -> None:
                         help="text-to-image stacks: the prompts (one per line; a .tsv's Prompt column; a .json of "
                              "captions) whose self-generated images the features are made of")
     t2i = p.add_argument_group("with --prompts")
-    t2i.add_argument("--num-per-prompt", type=int, default=1, help="images sampled per prompt (default 1)")
+    t2i.add_argument("--num-per-prompt", type=int, default=None, help="images sampled per prompt (default 1)")
     t2i.add_argument("--eval-prompts", type=int, default=None,
                      help="the last N prompts are held out as OUT/test (default a tenth, at least 1)")
     t2i.add_argument("--t5", default=None, metavar="DIR", help="T5 encoder folder (default: t5/ in the stack)")
@@ -341,9 +341,7 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
             raise LanternError(f"{name} must be >= 1, got {value}")
     if args.prompts is not None:
         return _make_prompt_drafter_data(args, out)
-    given = [flag for flag, value in (("--num-per-prompt", args.num_per_prompt != 1),
-                                      *((f, getattr(args, f[2:].replace("-", "_")) is not None) for f in PROMPT_ONLY))
-             if value]
+    given = [flag for flag in PROMPT_ONLY if getattr(args, flag[2:].replace("-", "_")) is not None]
     check(not given, f"{given[0] if given else ''} is used with --prompts (a text-to-image target's self-generated "
                      "images); --codes' features are of real code grids")
     target = _load_target(args.target)
@@ -361,7 +359,8 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
     return 0
 
 
-PROMPT_ONLY = ("--eval-prompts", "--t5", "--temperature", "--top-k", "--top-p", "--cfg-scale")  # with --prompts
+# flags of `make-drafter-data --prompts` only
+PROMPT_ONLY = ("--num-per-prompt", "--eval-prompts", "--t5", "--temperature", "--top-k", "--top-p", "--cfg-scale")
 
 
 def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
@@ -386,15 +385,16 @@ def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
                                                  "(class-conditional targets take --codes; Chameleon-family, Janus "
                                                  "and Emu3 models train with `lantern train-chameleon-drafter`)")
     sampling = sampling_from(stack, args)
+    per_prompt = 1 if args.num_per_prompt is None else args.num_per_prompt
     splits = {"train": prompts[:-held], "test": prompts[-held:]}
     with out.write() as folder:
         for split, part in splits.items():
-            make_prompt_drafter_data(stack, part, folder / split, num_per_prompt=args.num_per_prompt,
+            make_prompt_drafter_data(stack, part, folder / split, num_per_prompt=per_prompt,
                                      cond_dropout=args.cond_dropout, seed=args.seed + (split == "test"),
                                      batch_size=args.batch_size, sampling=sampling, t5=args.t5,
                                      progress=not args.no_progress)
     print(f"wrote drafter data to {out.path}/train ({len(splits['train'])} prompts) and {out.path}/test "
-          f"({held} prompts), {args.num_per_prompt} image(s) each")
+          f"({held} prompts), {per_prompt} image(s) each")
     return 0
 
 

@@ -32,7 +32,7 @@ from lantern.models.llamagen import GPT_CONFIGS, LlamaGen
 from lantern.models.vq import VQ_CONFIGS, VQModel
 from lantern.outputs import OutputFolder
 from lantern.targets.base import DRAFTER_DIR, GENERATION_FILE, PROXIMITY_FILE, TARGET_DIR, TOKENIZER_DIR
-from lantern.targets.llamagen_stack import LLAMAGEN_SAMPLING
+from lantern.targets.llamagen_stack import llamagen_sampling
 from lantern.targets.proximity import DEFAULT_K_MAX, build_proximity
 from lantern.version import __version__
 
@@ -77,8 +77,7 @@ def convert_llamagen(gpt_ckpt: str | os.PathLike[str], vq_ckpt: str | os.PathLik
             codebook = vq.quantize.embedding.weight.detach()
             table = build_proximity(codebook, min(DEFAULT_K_MAX, codebook.shape[0] - 1), progress=progress)
             table.save(folder / PROXIMITY_FILE)
-        sampling = LLAMAGEN_SAMPLING[config.model_type]  # a top_k past a small codebook keeps all of it, as here
-        write_json(folder / GENERATION_FILE, sampling | {"top_k": min(int(sampling["top_k"]), config.vocab_size)})
+        write_json(folder / GENERATION_FILE, llamagen_sampling(config.model_type, config.vocab_size))
         if drafter is not None:
             shutil.copytree(drafter, folder / DRAFTER_DIR)
         write_json(folder / "provenance.json", _provenance(gpt_path, vq_path, name, vq_name, size, config))

@@ -83,10 +83,7 @@ class ModelStack(StackFolder):
         """An official model (LANTERN's HF ports, jadohu/LlamaGen-T2I) samples with LlamaGen's own
         script defaults where generation.json is silent, as a converted checkpoint's stack does
         (``lantern convert-llamagen`` writes them); lantern-format targets keep lantern's."""
-        if not self.hf_port:
-            return {}
-        values = LLAMAGEN_SAMPLING[self.kind]  # a top_k past a small codebook keeps all of it, as LlamaGen's
-        return values | {"top_k": min(int(values["top_k"]), self.vocab_size)}
+        return llamagen_sampling(self.kind, self.vocab_size) if self.hf_port else {}
 
     def config_sampling_source(self) -> str:
         return f"LlamaGen's sample_{self.kind}.py default"
@@ -241,6 +238,13 @@ LLAMAGEN_SAMPLING: dict[str, dict[str, float]] = {
     "c2i": {"cfg_scale": 4.0, "top_k": 2000, "temperature": 1.0, "top_p": 1.0},
     "t2i": {"cfg_scale": 7.5, "top_k": 1000, "temperature": 1.0, "top_p": 1.0},
 }
+
+def llamagen_sampling(kind: str, vocab_size: int) -> dict[str, float]:
+    """:data:`LLAMAGEN_SAMPLING` of a c2i / t2i model: its top_k capped at the codebook, which is
+    what a larger top_k keeps (all of it), so a small test model is not refused for it."""
+    values = LLAMAGEN_SAMPLING[kind]
+    return values | {"top_k": min(int(values["top_k"]), vocab_size)}
+
 
 # Pickled checkpoint files as the official releases ship them (LlamaGen's c2i_*.pt / vq_ds16_*.pt)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
