@@ -152,11 +152,15 @@ def test_a_text_to_image_checkpoint_and_what_the_flags_override(tiny_named: None
     ("vocab", "predicts 512 codes, --vq-ckpt"),
     ("model", "--gpt-model must be one of GPT-B"),
     ("size", "--image-size must be a positive number of pixels, got 0"),
+    # trained without class dropout: 11 rows are 11 classes and no null class, not 10 and the null one
+    ("no-null", "its training args say 11 classes, its class embedding has 11 rows for 10 classes and the null "
+                "class (trained with class_dropout_prob 0: there is no null-class row"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny_named: None, tmp_path: Path, case: str, message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     target = tiny_llamagen(seed=1, vocab_size=512 if case == "vocab" else 256)
-    gpt, tok = _official_files(tmp_path / "dl", target, VQModel(TINY_VQ).eval(), "c2i_T.pt", image_size=32)
+    args = {"num_classes": 11, "class_dropout_prob": 0.0} if case == "no-null" else {"num_classes": 10}
+    gpt, tok = _official_files(tmp_path / "dl", target, VQModel(TINY_VQ).eval(), "c2i_T.pt", image_size=32, **args)
     argv = {"missing": ["--gpt-ckpt", str(tmp_path / "none.pt"), "--vq-ckpt", str(tok)],
             "swapped": ["--gpt-ckpt", str(tok), "--vq-ckpt", str(tok)],
             "model": ["--gpt-ckpt", str(gpt), "--vq-ckpt", str(tok), "--gpt-model", "GPT-Q"],

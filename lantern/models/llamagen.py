@@ -491,6 +491,7 @@ class LlamaGen(nn.Module):
             config = official_config(state, image_size or official_image_size(Path(path), args),
                                      downsample or getattr(args, "downsample_size", None) or 16, source,
                                      gpt_model or _named(getattr(args, "gpt_model", None)))
+            _check_null_class(config, args, source)
         with torch.device("meta"):  # no random init, no second copy: the file's tensors become the weights
             model = cls(config)  # (GPT-B 384 px conversion: peak memory 1.52 -> 1.41 GB)
         check_state_dict(model, state, source)
@@ -590,6 +591,19 @@ def official_config(state: Mapping[str, Tensor], image_size: int, downsample: in
     config = llamagen_config(name, **overrides)
     hidden = shape("layers.0.feed_forward.w1.weight")[0]
     return config if hidden == config.hidden_ffn else replace(config, ffn_hidden=hidden)
+
+
+def _check_null_class(config: LlamaGenConfig, args: Any, source: str) -> None:
+    """A c2i run trained with ``--class-dropout-prob 0`` has no null-class row (LlamaGen's
+    ``LabelEmbedder`` adds it only with dropout), so the shapes alone would read one class fewer and
+    no unconditional branch: refused where the training ``args`` say so (released models have the row)."""
+    classes, dropout = getattr(args, "num_classes", None), getattr(args, "class_dropout_prob", None)
+    if config.model_type != "c2i" or not isinstance(classes, int) or classes == config.num_classes:
+        return
+    why = (" (trained with class_dropout_prob 0: there is no null-class row, which classifier-free guidance "
+           "and lantern's c2i model need)") if dropout == 0 else ""
+    raise LanternError(f"{source}: its training args say {classes} classes, its class embedding has "
+                       f"{config.num_classes + 1} rows for {config.num_classes} classes and the null class{why}")
 
 
 def _named(gpt_model: Any) -> str | None:
