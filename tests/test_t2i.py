@@ -751,6 +751,11 @@ def test_drafter_data_from_prompts_is_the_targets_own_images_teacher_forced(
                               cond_mask=enc.mask)
         assert torch.allclose(hidden[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row
         assert not torch.allclose(other[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row  # power
+    # The held-out prompts' captions are kept (what train-drafter's speculative evaluation decodes
+    # from), bit for bit what a run encodes; the training split keeps none.
+    assert train.captions is None and test.captions is not None
+    encoded = stack.encode(prompts[8:])
+    assert torch.equal(test.captions.cond, encoded.cond) and torch.equal(test.captions.mask, encoded.mask)
     capsys.readouterr()
     assert main([*argv[:-1], str(tmp_path / "x"), "--source", "generated"]) == 2
     assert "--source is used with --codes" in capsys.readouterr().err
@@ -788,9 +793,15 @@ def test_a_text_to_image_drafter_trained_on_its_prompts_beats_its_initialisation
     assert main(["make-drafter-data", "--target", str(t2i_stack), "--prompts", str(tmp_path / "p.txt"),
                  "--num-per-prompt", "4", "--eval-prompts", "8", "--cfg-scale", "3", "--no-progress",
                  "--out", str(tmp_path / "dd")]) == 0
+    capsys.readouterr()
     assert main(["train-drafter", "--target", str(t2i_stack), "--data", str(tmp_path / "dd"), "--out",
                  str(tmp_path / "drafter"), "--steps", "600", "--batch-size", "16", "--lr", "3e-3", "--warmup-steps",
                  "10", "--precision", "fp32", "--no-progress"]) == 0
+    # The held-out speculative generation (greedy sd, the first held-out captions) is reported, as
+    # for a class-conditional drafter
+    report = capsys.readouterr().out.splitlines()[-1]
+    assert report.startswith(f"wrote drafter to {tmp_path / 'drafter'} | ") and "mean_accepted " in report, report
+    reported = float(report.split("mean_accepted ")[1].split(",")[0])
     target = load_model_stack(t2i_stack).target
     test = DrafterData.load(tmp_path / "dd" / "test")
     from lantern.models.drafter import EagleDrafterModel
@@ -809,8 +820,8 @@ def test_a_text_to_image_drafter_trained_on_its_prompts_beats_its_initialisation
         runs[method] = (np.load(tmp_path / method / "codes.npy"),
                         json.loads((tmp_path / method / "run.json").read_text())["stats"]["mean_accepted"])
     assert (runs["sd"][0] == runs["ar"][0]).all()
-    print(f"greedy sd tokens/forward {runs['sd'][1]:.2f}")
-    assert runs["sd"][1] > 1.1
+    print(f"greedy sd tokens/forward {runs['sd'][1]:.2f}, held-out evaluation {reported:.2f}")
+    assert runs["sd"][1] > 1.1 and reported > 1.1
 
 
 def test_real_images_are_centre_cropped_and_resized_as_a_reference(t2i_stack: Path, tmp_path: Path,

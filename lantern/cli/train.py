@@ -368,7 +368,7 @@ def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
     ``--eval-prompts`` prompts held out (OUT/test), so no test image shares a prompt with training."""
     from lantern.api import load_model_stack, sampling_from
     from lantern.targets.text import read_prompts
-    from lantern.train.drafter import make_prompt_drafter_data
+    from lantern.train.drafter import EvalConfig, make_prompt_drafter_data
 
     codes_only = [flag for flag, value in (("--source", args.source != "real"), ("--num-generated", args.num_generated),
                                            ("--max-sequences", args.max_sequences is not None)) if value]
@@ -392,7 +392,8 @@ def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
             make_prompt_drafter_data(stack, part, folder / split, num_per_prompt=per_prompt,
                                      cond_dropout=args.cond_dropout, seed=args.seed + (split == "test"),
                                      batch_size=args.batch_size, sampling=sampling, t5=args.t5,
-                                     progress=not args.no_progress)
+                                     progress=not args.no_progress,
+                                     keep_captions=EvalConfig().num_rows if split == "test" else 0)
     print(f"wrote drafter data to {out.path}/train ({len(splits['train'])} prompts) and {out.path}/test "
           f"({held} prompts), {per_prompt} image(s) each")
     return 0

@@ -49,12 +49,13 @@ from lantern.train.loop import BatchPart, LoopConfig, RunOptions, TrainResult, T
 
 if TYPE_CHECKING:
     from lantern.models.janus import GenerationHead
-    from lantern.targets.base import ConditionSet
+    from lantern.targets.base import Conditions, ConditionSet
     from lantern.targets.llamagen_stack import ModelStack
 
 DATA_FORMAT = "lantern-drafter-data"
 DATA_VERSION = 1
 META_FILE = "meta.json"
+CAPTIONS_FILE = "captions.safetensors"  # text-to-image held-out data: captions to generate from
 SOURCES = ("real", "generated")
 NOISE_STREAM = 1  # step_generator stream of the feature noise (stream 0 is left to the loop)
 
@@ -76,13 +77,16 @@ def target_fingerprint(target: LlamaGen) -> str:
 @dataclass
 class DrafterData:
     """Teacher-forced target features: ``hidden`` bf16 [N, L, D], ``tokens`` [N, n], ``labels`` [N]
-    (the condition actually used, the null class for dropped ones), ``meta`` (see ``meta.json``)."""
+    (the condition actually used, the null class for dropped ones), ``meta`` (see ``meta.json``).
+    ``captions``: text-to-image held-out data's first prompts, encoded (``captions.safetensors``),
+    which the held-out speculative generation decodes from; None for class-conditional data."""
 
     hidden: Tensor
     tokens: Tensor
     labels: Tensor
     meta: dict[str, Any]
     directory: Path | None = None
+    captions: Conditions | None = None
 
     def __post_init__(self) -> None:
         n = self.hidden.shape[0]
@@ -157,7 +161,21 @@ class DrafterData:
             labels[lo : lo + m] = part["labels"]
             lo += m
         check(lo == count, f"{directory}: shards hold {lo} examples but {META_FILE} says {count}")
-        return cls(hidden, tokens, labels, meta, directory)
+        return cls(hidden, tokens, labels, meta, directory, _read_captions(directory, meta.get("captions")))
+
+
+def _read_captions(directory: Path, entry: Any) -> Conditions | None:
+    """The held-out captions ``meta.json`` lists (None when it lists none), checked by their sha256."""
+    from lantern.targets.base import Conditions
+
+    if entry is None:
+        return None
+    check(isinstance(entry, dict) and entry.get("file") == CAPTIONS_FILE and isinstance(entry.get("sha256"), str),
+          f"{directory / META_FILE}: captions is damaged (make the data again)")
+    part = _read_shard(directory / CAPTIONS_FILE, entry["sha256"])
+    check({"cond", "mask"} <= part.keys() and part["mask"].shape == part["cond"].shape[:2],
+          f"{directory / CAPTIONS_FILE} holds no captions (cond, mask): make the data again")
+    return Conditions(part["cond"], part["mask"])
 
 
 def _whole(value: Any) -> bool:
@@ -243,13 +261,16 @@ def make_prompt_drafter_data(
     sampling: SamplingConfig | None = None,
     t5: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    keep_captions: int = 0,
 ) -> Path:
     """Drafter data for a text-to-image LlamaGen stack, self-distilled: the target samples
     ``num_per_prompt`` images of every prompt (plain AR, ``sampling``; LANTERN trains its T2I
     drafters on LAION-COCO's images instead, which lantern cannot download), then runs
     teacher-forced over each caption and its codes. A row is run on the unconditional caption
     (``uncond_embedding``, the caption's own mask, as the target's CFG stream) with probability
-    ``cond_dropout``, so the drafter also learns the stream it drafts for under guidance."""
+    ``cond_dropout``, so the drafter also learns the stream it drafts for under guidance.
+    ``keep_captions``: the first prompts whose encoded captions are kept (``captions.safetensors``,
+    about 1 MB each), for held-out data: training's speculative evaluation generates from them."""
     from lantern.api import resolve_sampling
     from lantern.methods import MethodConfig
     from lantern.parts import ModelParts
@@ -263,6 +284,7 @@ def make_prompt_drafter_data(
     check(0.0 <= cond_dropout <= 1.0, f"--cond-dropout must be in [0, 1], got {cond_dropout!r}")
     check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size!r}")
     check(shard_size >= 1, f"shard_size must be >= 1, got {shard_size!r}")
+    check(keep_captions >= 0, f"keep_captions must be >= 0, got {keep_captions!r}")
     out = ensure_writable_dir(out)
     check(not (out / META_FILE).exists(),
           f"{out} already holds drafter data ({META_FILE}); choose a new folder or delete it first")
@@ -275,6 +297,8 @@ def make_prompt_drafter_data(
     dropped = torch.rand(len(index), generator=torch.Generator().manual_seed(seed)) < cond_dropout
     shards = _write_shards(target, codes, torch.where(dropped, -1, index), out, batch_size, shard_size, progress,
                            captions=conditions)
+    kept = min(keep_captions, len(prompts))
+    captions = _write_captions(conditions, kept, num_per_prompt, out) if kept else None
     meta = {
         "format": DATA_FORMAT,
         "version": DATA_VERSION,
@@ -292,9 +316,21 @@ def make_prompt_drafter_data(
         "count": int(len(index)),
         "num_dropped": int(dropped.sum()),
         "shards": shards,
+        **({"captions": captions} if captions else {}),
     }
     write_json(out / META_FILE, meta)  # last: a folder with meta.json is complete
     return out
+
+
+def _write_captions(conditions: ConditionSet, count: int, per_prompt: int, out: Path) -> dict[str, Any]:
+    """The first ``count`` prompts' captions (``per_prompt`` images each in ``conditions``) into
+    ``captions.safetensors``: its ``meta.json`` entry."""
+    rows = conditions.take(range(0, count * per_prompt, per_prompt))
+    assert rows.mask is not None  # captions always carry their mask
+    with atomic_path(out / CAPTIONS_FILE) as tmp:
+        save_safetensors({"cond": rows.cond.cpu().contiguous(), "mask": rows.mask.cpu().contiguous()}, tmp)
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    return {"file": CAPTIONS_FILE, "count": count, "sha256": digest}
 
 
 def _check_data_args(target: LlamaGen, codes: CodeSet, cond_dropout: float, batch_size: int, shard_size: int,
@@ -549,7 +585,9 @@ class EvalConfig:
     """Held-out evaluation settings (they do not change training, so resume ignores them)."""
 
     batch_size: int = 32
-    num_rows: int = 4  # rows of the speculative generation: labels 0, 1, ... (at most num_classes)
+    # rows of the speculative generation: labels 0, 1, ... (at most num_classes), or the held-out
+    # data's first captions (text-to-image; ``make-drafter-data --prompts`` keeps this many)
+    num_rows: int = 4
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
 
 
@@ -581,7 +619,7 @@ def evaluate_drafter(drafter: EagleDrafterModel, target: LlamaGen, data: Drafter
         count += int(m.sum())
     metrics = {k: v / count for k, v in sums.items()}
     if generation:
-        metrics["mean_accepted"] = _mean_accepted(drafter, target, config)
+        metrics["mean_accepted"] = _mean_accepted(drafter, target, config, data.captions)
     drafter.train(was_training)
     return metrics
 
@@ -599,7 +637,10 @@ def _eval_tree(target: LlamaGen) -> TreeConfig:
     return tree
 
 
-def _mean_accepted(drafter: EagleDrafterModel, target: LlamaGen, config: EvalConfig) -> float:
+def _mean_accepted(drafter: EagleDrafterModel, target: LlamaGen, config: EvalConfig,
+                   captions: Conditions | None = None) -> float:
+    """Tokens per target forward of a speculative generation: of labels 0, 1, ..., or of a
+    text-to-image target's held-out ``captions``."""
     from lantern.decoding.loop import generate
     from lantern.decoding.sampling import make_generators
     from lantern.drafters.eagle import make_eagle_drafter
@@ -608,11 +649,18 @@ def _mean_accepted(drafter: EagleDrafterModel, target: LlamaGen, config: EvalCon
     was_training = target.training
     if drafter.device != target.device:
         drafter = copy.deepcopy(drafter).to(target.device)
-    labels = torch.arange(min(target.config.num_classes, config.num_rows), device=target.device)
+    if target.config.model_type == "t2i":
+        check(captions is not None, "a text-to-image drafter's generation evaluation needs held-out data with "
+                                    "captions (make-drafter-data --prompts keeps them)")
+        assert captions is not None
+        cond, mask = captions.cond[: config.num_rows].to(target.device), captions.mask
+        mask = None if mask is None else mask[: config.num_rows].to(target.device)
+    else:
+        cond, mask = torch.arange(min(target.config.num_classes, config.num_rows), device=target.device), None
     tree_drafter, nodes = make_eagle_drafter(target, drafter, config.sampling, _eval_tree(target))
-    gens = None if config.sampling.greedy else make_generators(list(range(len(labels))), target.device)
-    out = generate(LlamaGenTarget(target, config.sampling, max_tree_nodes=nodes), labels, generators=gens,
-                   drafter=tree_drafter)
+    gens = None if config.sampling.greedy else make_generators(list(range(len(cond))), target.device)
+    out = generate(LlamaGenTarget(target, config.sampling, max_tree_nodes=nodes), cond, generators=gens,
+                   drafter=tree_drafter, cond_mask=mask)
     target.train(was_training)
     return out.stats.mean_accepted
 
@@ -630,9 +678,9 @@ class DrafterTask(TrainTask):
         train_data.check_target(target)
         test_data.check_target(target)
         self.target, self.train_data, self.test_data, self.seed = target, train_data, test_data, seed
-        # a text-to-image target's held-out data keeps no captions to generate from: its held-out
-        # teacher-forced metrics (top1, top3, accept_prob) stand for the speculative generation
-        eval_generation = eval_generation and target.config.model_type == "c2i"
+        # text-to-image held-out data made before it kept captions has none to generate from: its
+        # teacher-forced metrics (top1, top3, accept_prob) then stand for the speculative generation
+        eval_generation = eval_generation and (target.config.model_type == "c2i" or test_data.captions is not None)
         self.eval_generation, self.eval_config = eval_generation, eval_config or EvalConfig()
         if eval_generation:
             _eval_tree(target)  # fail now, not after training, if the images are too small for it
