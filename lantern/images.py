@@ -1,5 +1,5 @@
-"""Image output helpers: codes' pixels to PIL images (one ``to_pil`` for every model family),
-grids and atomic PNG writes."""
+"""Image helpers: codes' pixels to PIL images (one ``to_pil`` for every model family), grids and
+atomic PNG writes; real images read as a model's square input (:func:`square_image`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from lantern.errors import check
+from lantern.errors import LanternError, check
 from lantern.io import atomic_path
 
 ROUNDINGS = ("half_up", "truncate")
@@ -53,3 +53,38 @@ def image_grid(images: Sequence[Image.Image], ncol: int | None = None, pad: int 
 def save_png(image: Image.Image, path: str | os.PathLike[str]) -> None:
     with atomic_path(path) as tmp:
         image.save(tmp, format="PNG")
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+SQUARINGS = ("lanczos", "adm")
+
+
+def square_image(path: str | os.PathLike[str], size: int, what: str, squaring: str = "lanczos") -> Tensor:
+    """The image file ``path`` as ``[3, size, size]`` in [-1, 1], squared so that real photos of any
+    size meet a model at its size; ``what`` (the argument that named it) leads the error of an
+    unreadable file. ``squaring``: ``lanczos`` centre-crops to a square, then resizes with Lanczos
+    (clean-fid's and LANTERN's evaluation resize: reference images for FID); ``adm`` is ADM's
+    ``center_crop_arr``, which LlamaGen and LANTERN train and extract codes with (box-halving while
+    the short side is at least twice ``size``, a bicubic resize of the short side to ``size``, then
+    the centre crop)."""
+    check(squaring in SQUARINGS, f"squaring must be one of {', '.join(SQUARINGS)}, got {squaring!r}")
+    try:
+        with Image.open(path) as image:
+            rgb = image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise LanternError(f"{what}: {path} is not a readable image ({e})") from None
+    if squaring == "adm":
+        while min(rgb.size) >= 2 * size:
+            rgb = rgb.resize((rgb.width // 2, rgb.height // 2), resample=Image.Resampling.BOX)
+        scale = size / min(rgb.size)
+        rgb = rgb.resize((round(rgb.width * scale), round(rgb.height * scale)), resample=Image.Resampling.BICUBIC)
+        left, top = (rgb.width - size) // 2, (rgb.height - size) // 2
+        square = rgb.crop((left, top, left + size, top + size))
+    else:
+        side = min(rgb.size)
+        left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
+        square = rgb.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.LANCZOS)
+    pixels = torch.frombuffer(bytearray(square.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    return pixels.permute(2, 0, 1).float() / 127.5 - 1

@@ -767,6 +767,107 @@ def test_drafter_data_from_prompts_is_the_targets_own_images_teacher_forced(
     assert capsys.readouterr().err.startswith("lantern: error: --prompts: digits is not a text-to-image LlamaGen stack")
 
 
+def _captioned_images(root: Path, captions: list[str]) -> list[Path]:
+    """An img2dataset-style folder: numbered sub-folders, each image with its caption beside it; sizes
+    differ (large and wide: halved before the resize; tall; square), one is greyscale."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    paths = []
+    for i, caption in enumerate(captions):
+        folder = root / f"{i // 4:05d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        w, h = ((200, 130), (32, 44), (40, 40))[i % 3]
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels).convert("L") if i == 1 else Image.fromarray(pixels)
+        path = folder / f"{i:09d}.{'png' if i % 2 else 'jpg'}"
+        image.save(path)
+        path.with_suffix(".txt").write_text(f"  {caption}\n")  # img2dataset writes the caption as it came
+        paths.append(path)
+    return paths
+
+
+def test_drafter_data_from_real_captioned_images(t2i_stack: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``make-drafter-data --images DIR`` (LANTERN's recipe: real LAION-COCO images, as img2dataset
+    downloads them): each image is centre-cropped, resized to the target's size and encoded by the
+    stack's tokenizer; the features are the target's teacher-forced hidden states under its caption
+    (or the unconditional one); the last images are held out with their captions kept; made a shard
+    at a time, the data is the same whatever the shard size. Images are squared as LlamaGen and
+    LANTERN's ``extract_code`` square them: ADM's ``center_crop_arr``."""
+    from lantern.api import load_model_stack
+    from lantern.cli.main import main
+    from lantern.data.captions import caption_folder
+    from lantern.images import square_image
+    from lantern.train.drafter import DrafterData, make_caption_drafter_data
+
+    captions = _word_prompts(9, 2)
+    paths = _captioned_images(tmp_path / "laion", captions)
+    argv = ["make-drafter-data", "--target", str(t2i_stack), "--images", str(tmp_path / "laion"), "--eval-prompts",
+            "2", "--cond-dropout", "0.3", "--batch-size", "4", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "dd")]) == 0
+    assert capsys.readouterr().out.strip().endswith("/train (7 images) and " + f"{tmp_path / 'dd'}/test (2 images)")
+    train, test = DrafterData.load(tmp_path / "dd" / "train"), DrafterData.load(tmp_path / "dd" / "test")
+    stack = load_model_stack(t2i_stack)
+    target, tokenizer = stack.target, stack.tokenizer
+    size = stack.grid_width * tokenizer.config.downsample_factor
+    pixels = torch.stack([square_image(p, size, "x", "adm") for p in paths])
+    with torch.no_grad():
+        expected = tokenizer.encode(pixels)
+    assert torch.equal(train.tokens, expected[:7]) and torch.equal(test.tokens, expected[7:])
+    assert (train.meta["source"], train.meta["num_real"], train.meta["image_size"]) == ("real", 7, size)
+    import numpy as np
+    from PIL import Image
+
+    def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:  # ADM's, as LANTERN copies it
+        while min(*pil_image.size) >= 2 * image_size:
+            pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
+        scale = image_size / min(*pil_image.size)
+        pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
+        arr = np.array(pil_image)
+        crop_y, crop_x = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
+        return arr[crop_y : crop_y + image_size, crop_x : crop_x + image_size]
+
+    for path, image in zip(paths[:3], pixels[:3], strict=True):  # large and wide, tall (greyscale), square
+        with Image.open(path) as raw:
+            adm = torch.from_numpy(center_crop_arr(raw.convert("RGB"), size)).permute(2, 0, 1).float() / 127.5 - 1
+        assert torch.equal(image, adm), path
+    assert not torch.equal(pixels[0], square_image(paths[0], size, "x"))  # power: clean-fid's Lanczos differs
+    dropped = train.labels == -1
+    assert 0 < int(dropped.sum()) < 7 and torch.equal(train.labels[~dropped], torch.arange(7)[~dropped])
+    for row in (int(torch.nonzero(~dropped)[0]), int(torch.nonzero(dropped)[0])):
+        enc = stack.encode([captions[row]])
+        cond = target.null_condition(1).to(enc.cond.dtype) if dropped[row] else enc.cond
+        with torch.no_grad():
+            _, hidden = target(cond, train.tokens[row : row + 1], cond_mask=enc.mask)
+            _, other = target(enc.cond if dropped[row] else target.null_condition(1), train.tokens[row : row + 1],
+                              cond_mask=enc.mask)
+        assert torch.allclose(hidden[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row
+        assert not torch.allclose(other[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row  # power
+    encoded = stack.encode(captions[7:])  # the held-out captions, kept for train-drafter's generation
+    assert test.captions is not None and torch.equal(test.captions.cond, encoded.cond)
+    # One shard at a time: three shards hold what one does
+    pairs = caption_folder(tmp_path / "laion")
+    assert [p for p, _ in pairs] == paths and [c for _, c in pairs] == captions
+    for shard_size, name in ((3, "small"), (100, "one")):
+        make_caption_drafter_data(stack, pairs[:7], tmp_path / name, shard_size=shard_size, cond_dropout=0.3,
+                                  batch_size=2, progress=False)
+    small, one = DrafterData.load(tmp_path / "small"), DrafterData.load(tmp_path / "one")
+    assert (len(small.meta["shards"]), len(one.meta["shards"])) == (3, 1)
+    assert torch.equal(small.tokens, one.tokens) and torch.equal(small.labels, one.labels)
+    assert torch.equal(small.hidden, one.hidden) and torch.equal(one.tokens, train.tokens)
+    # Bad input: one line, nothing written
+    paths[4].with_suffix(".txt").unlink()
+    for extra, message in ((["--cfg-scale", "3"], "--cfg-scale is used with --prompts, whose images the target "
+                                                  "samples; --images are real"),
+                           ([], f"--images: {paths[4]} has no caption ({paths[4].stem}.txt beside it")):
+        assert main([*argv, *extra, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("lantern: error: ") and err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.slow
 def test_a_text_to_image_drafter_trained_on_its_prompts_beats_its_initialisation(
         t2i_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -290,17 +290,23 @@ def _add_make_drafter_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-drafter-data", help="teacher-forced target features for drafter training",
                        description="Run the target over real code grids (the paper's recipe) and store its "
                                    "final-norm hidden states: OUT/train and OUT/test. A text-to-image target "
-                                   "takes --prompts instead: it samples its own images of them (self-distillation).")
+                                   "takes real captioned images (--images, LANTERN's recipe) or --prompts: it "
+                                   "samples its own images of them (self-distillation).")
     p.add_argument("--target", required=True, help="target model folder (or stack folder)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--codes", help="folder written by `lantern extract-codes` (class-conditional targets)")
     source.add_argument("--prompts", metavar="FILE",
                         help="text-to-image stacks: the prompts (one per line; a .tsv's Prompt column; a .json of "
                              "captions) whose self-generated images the features are made of")
-    t2i = p.add_argument_group("with --prompts")
-    t2i.add_argument("--num-per-prompt", type=int, default=None, help="images sampled per prompt (default 1)")
+    source.add_argument("--images", metavar="DIR",
+                        help="text-to-image stacks: real images, each with its caption in a .txt beside it "
+                             "(img2dataset's layout, sub-folders included), encoded by the stack's tokenizer")
+    t2i = p.add_argument_group("with --prompts or --images")
+    t2i.add_argument("--num-per-prompt", type=int, default=None,
+                     help="--prompts: images sampled per prompt (default 1)")
     t2i.add_argument("--eval-prompts", type=int, default=None,
-                     help="the last N prompts are held out as OUT/test (default a tenth, at least 1)")
+                     help="the last N prompts (--images: images) are held out as OUT/test (default a tenth, at "
+                          "least 1)")
     t2i.add_argument("--t5", default=None, metavar="DIR", help="T5 encoder folder (default: t5/ in the stack)")
     add_sampling_args(p)
     p.add_argument("--out", required=True, help="output folder (OUT/train, OUT/test)")
@@ -335,12 +341,12 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
     from lantern.train.drafter import make_drafter_data
 
     out = OutputFolder.check(args.out, "--out", args.overwrite, reads={"--target": args.target,
-                                                                       "--codes": args.codes})
+                                                                       "--codes": args.codes, "--images": args.images})
     for name, value in (("--max-sequences", args.max_sequences), ("--max-test-sequences", args.max_test_sequences)):
         if value is not None and value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")
-    if args.prompts is not None:
-        return _make_prompt_drafter_data(args, out)
+    if args.prompts is not None or args.images is not None:
+        return _make_caption_drafter_data(args, out)
     given = [flag for flag in PROMPT_ONLY if getattr(args, flag[2:].replace("-", "_")) is not None]
     check(not given, f"{given[0] if given else ''} is used with --prompts (a text-to-image target's self-generated "
                      "images); --codes' features are of real code grids")
@@ -363,39 +369,52 @@ def cmd_make_drafter_data(args: argparse.Namespace) -> int:
 PROMPT_ONLY = ("--num-per-prompt", "--eval-prompts", "--t5", "--temperature", "--top-k", "--top-p", "--cfg-scale")
 
 
-def _make_prompt_drafter_data(args: argparse.Namespace, out: Any) -> int:
-    """``make-drafter-data --prompts``: a text-to-image stack's self-distilled features, the last
-    ``--eval-prompts`` prompts held out (OUT/test), so no test image shares a prompt with training."""
+def _make_caption_drafter_data(args: argparse.Namespace, out: Any) -> int:
+    """``make-drafter-data --prompts`` (a text-to-image stack's self-distilled features) or
+    ``--images`` (real captioned images'), the last ``--eval-prompts`` prompts or images held out
+    (OUT/test), so that no test image shares a prompt with training."""
     from lantern.api import load_model_stack, sampling_from
+    from lantern.data.captions import caption_folder
     from lantern.targets.text import read_prompts
-    from lantern.train.drafter import EvalConfig, make_prompt_drafter_data
+    from lantern.train.drafter import EvalConfig, make_caption_drafter_data, make_prompt_drafter_data
 
-    codes_only = [flag for flag, value in (("--source", args.source != "real"), ("--num-generated", args.num_generated),
+    flag, unit = ("--prompts", "prompt") if args.prompts is not None else ("--images", "image")
+    codes_only = [name for name, value in (("--source", args.source != "real"), ("--num-generated", args.num_generated),
                                            ("--max-sequences", args.max_sequences is not None)) if value]
     check(not codes_only, f"{codes_only[0] if codes_only else ''} is used with --codes; with --prompts every row is "
                           "self-generated (--num-per-prompt sets how many)")
-    prompts = read_prompts(args.prompts)
-    check(len(prompts) >= 2, f"--prompts: {args.prompts} holds 1 prompt; drafter data needs at least 2 (one is held "
-                             "out for the evaluation)")
-    held = args.eval_prompts if args.eval_prompts is not None else max(1, len(prompts) // 10)
-    check(1 <= held < len(prompts), f"--eval-prompts must be in 1..{len(prompts) - 1} (the file's {len(prompts)} "
-                                    f"prompts less at least one to train on), got {held}")
+    if flag == "--images":  # real images: nothing is sampled
+        sampled = [name for name in PROMPT_ONLY if name not in ("--eval-prompts", "--t5")
+                   and getattr(args, name[2:].replace("-", "_")) is not None]
+        check(not sampled, f"{sampled[0] if sampled else ''} is used with --prompts, whose images the target samples; "
+                           "--images are real")
+    rows: list[Any] = read_prompts(args.prompts) if flag == "--prompts" else caption_folder(args.images)
+    source = args.prompts if flag == "--prompts" else args.images
+    check(len(rows) >= 2, f"{flag}: {source} holds 1 {unit}; drafter data needs at least 2 (one is held out for the "
+                          "evaluation)")
+    held = args.eval_prompts if args.eval_prompts is not None else max(1, len(rows) // 10)
+    check(1 <= held < len(rows), f"--eval-prompts must be in 1..{len(rows) - 1} ({source}'s {len(rows)} {unit}s "
+                                 f"less at least one to train on), got {held}")
     stack = load_model_stack(args.target)
-    check(getattr(stack, "kind", None) == "t2i", f"--prompts: {args.target} is not a text-to-image LlamaGen stack "
+    check(getattr(stack, "kind", None) == "t2i", f"{flag}: {args.target} is not a text-to-image LlamaGen stack "
                                                  "(class-conditional targets take --codes; Chameleon-family, Janus "
                                                  "and Emu3 models train with `lantern train-chameleon-drafter`)")
-    sampling = sampling_from(stack, args)
+    sampling = sampling_from(stack, args) if flag == "--prompts" else None
     per_prompt = 1 if args.num_per_prompt is None else args.num_per_prompt
-    splits = {"train": prompts[:-held], "test": prompts[-held:]}
+    splits = {"train": rows[:-held], "test": rows[-held:]}
     with out.write() as folder:
         for split, part in splits.items():
-            make_prompt_drafter_data(stack, part, folder / split, num_per_prompt=per_prompt,
-                                     cond_dropout=args.cond_dropout, seed=args.seed + (split == "test"),
-                                     batch_size=args.batch_size, sampling=sampling, t5=args.t5,
-                                     progress=not args.no_progress,
-                                     keep_captions=EvalConfig().num_rows if split == "test" else 0)
-    print(f"wrote drafter data to {out.path}/train ({len(splits['train'])} prompts) and {out.path}/test "
-          f"({held} prompts), {per_prompt} image(s) each")
+            common = {"cond_dropout": args.cond_dropout, "seed": args.seed + (split == "test"),
+                      "batch_size": args.batch_size, "t5": args.t5, "progress": not args.no_progress,
+                      "keep_captions": EvalConfig().num_rows if split == "test" else 0}
+            if flag == "--prompts":
+                make_prompt_drafter_data(stack, part, folder / split, num_per_prompt=per_prompt, sampling=sampling,
+                                         **common)
+            else:
+                make_caption_drafter_data(stack, part, folder / split, **common)
+    each = f", {per_prompt} image(s) each" if flag == "--prompts" else ""
+    print(f"wrote drafter data to {out.path}/train ({len(splits['train'])} {unit}s) and {out.path}/test "
+          f"({held} {unit}s){each}")
     return 0
 
 

@@ -300,14 +300,11 @@ class ClipScorer:
         return torch.cat(out).cpu()
 
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
 def folder_images(folder: str | os.PathLike[str], size: int, limit: int, what: str = "--reference-images") -> Tensor:
     """The first ``limit`` images of ``folder`` (file-name order) as ``[N, 3, size, size]`` in
     [-1, 1]: each centre-cropped to a square and resized with Lanczos (as clean-fid and LANTERN's
     evaluation resize), so that real photos of any size meet generated images at their size."""
-    from PIL import Image
+    from lantern.images import IMAGE_SUFFIXES, square_image
 
     folder = Path(folder)
     check(folder.is_dir(), f"{what}: no such folder {folder}")
@@ -315,16 +312,7 @@ def folder_images(folder: str | os.PathLike[str], size: int, limit: int, what: s
     check(len(files) >= 2, f"{what}: {folder} holds {len(files)} images ({', '.join(IMAGE_SUFFIXES)}); FID needs 2")
     out = torch.empty(len(files), 3, size, size)
     for i, path in enumerate(files):
-        try:
-            with Image.open(path) as image:
-                rgb = image.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise LanternError(f"{what}: {path} is not a readable image ({e})") from None
-        side = min(rgb.size)
-        left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
-        square = rgb.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.LANCZOS)
-        pixels = torch.frombuffer(bytearray(square.tobytes()), dtype=torch.uint8).view(size, size, 3)
-        out[i] = pixels.permute(2, 0, 1).float() / 127.5 - 1
+        out[i] = square_image(path, size, what)
     return out
 
 

@@ -277,49 +277,118 @@ def make_prompt_drafter_data(
     from lantern.run import run_conditions
 
     target = stack.target
-    check(target.config.model_type == "t2i", "--prompts: drafter data from prompts needs a text-to-image target; "
-                                             "a class-conditional one takes --codes")
-    check(len(prompts) >= 1, "--prompts: no prompts given")
+    out = _check_caption_args(stack, "--prompts", len(prompts), cond_dropout, batch_size, shard_size, keep_captions,
+                              out)
     check(num_per_prompt >= 1, f"--num-per-prompt must be >= 1, got {num_per_prompt!r}")
-    check(0.0 <= cond_dropout <= 1.0, f"--cond-dropout must be in [0, 1], got {cond_dropout!r}")
-    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size!r}")
-    check(shard_size >= 1, f"shard_size must be >= 1, got {shard_size!r}")
-    check(keep_captions >= 0, f"keep_captions must be >= 0, got {keep_captions!r}")
-    out = ensure_writable_dir(out)
-    check(not (out / META_FILE).exists(),
-          f"{out} already holds drafter data ({META_FILE}); choose a new folder or delete it first")
     sampling = sampling or resolve_sampling(stack)  # the stack's own (LlamaGen's for an official model)
     # packed on the host: a prompt's caption once, its valid columns only (not 120 x 2048 per image)
     conditions = ModelParts(stack, t5=t5).encode(list(prompts), repeats=num_per_prompt, batch_size=batch_size,
                                                  progress=progress)
     codes = run_conditions(stack, conditions, seed, sampling, MethodConfig(), batch_size, progress).codes.cpu()
     index = torch.arange(len(prompts)).repeat_interleave(num_per_prompt)
-    dropped = torch.rand(len(index), generator=torch.Generator().manual_seed(seed)) < cond_dropout
-    shards = _write_shards(target, codes, torch.where(dropped, -1, index), out, batch_size, shard_size, progress,
-                           captions=conditions)
+    labels = _caption_labels(index, cond_dropout, seed)
+    shards = _write_shards(target, codes, labels, out, batch_size, shard_size, progress, captions=conditions)
     kept = min(keep_captions, len(prompts))
     captions = _write_captions(conditions, kept, num_per_prompt, out) if kept else None
+    _write_caption_meta(out, target, labels, shards, captions, cond_dropout=cond_dropout, seed=seed,
+                        source="generated", prompts=len(prompts),
+                        prompts_sha256=hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+                        num_per_prompt=num_per_prompt, num_real=0, num_generated=int(len(index)),
+                        sampling=sampling.to_dict())
+    return out
+
+
+def make_caption_drafter_data(
+    stack: ModelStack,
+    pairs: Sequence[tuple[Path, str]],
+    out: str | os.PathLike[str],
+    *,
+    cond_dropout: float = 0.1,
+    seed: int = 0,
+    batch_size: int = 32,
+    shard_size: int = 1024,
+    t5: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    keep_captions: int = 0,
+) -> Path:
+    """Drafter data for a text-to-image LlamaGen stack from real images and their captions
+    (``pairs``, :func:`lantern.data.captions.caption_folder`; LANTERN's recipe, which trains its
+    T2I drafters on LAION-COCO's images): each image squared to the target's size as LlamaGen and
+    LANTERN extract codes (ADM's centre crop) and encoded by the stack's tokenizer; then the target runs
+    teacher-forced over its caption and codes, or over the unconditional caption with
+    probability ``cond_dropout``, as :func:`make_prompt_drafter_data` does. Made one shard at a
+    time: one shard's images and captions are in memory at once, whatever the data set's size."""
+    from tqdm.auto import tqdm
+
+    from lantern.images import square_image
+    from lantern.parts import ModelParts
+
+    target, tokenizer = stack.target, stack.tokenizer
+    out = _check_caption_args(stack, "--images", len(pairs), cond_dropout, batch_size, shard_size, keep_captions, out)
+    size = stack.grid_width * tokenizer.config.downsample_factor
+    tokenizer_at = next(tokenizer.parameters())
+    parts = ModelParts(stack, t5=t5)
+    labels = _caption_labels(torch.arange(len(pairs)), cond_dropout, seed)
+    shards: list[dict[str, Any]] = []
+    captions = None
+    with tqdm(total=len(pairs), desc="images to features", unit="image", disable=not progress) as bar:
+        for lo in range(0, len(pairs), shard_size):
+            chunk = pairs[lo : lo + shard_size]
+            conditions = parts.encode([caption for _, caption in chunk], batch_size=batch_size)
+            codes = []
+            for b in range(0, len(chunk), batch_size):
+                images = torch.stack([square_image(path, size, "--images", "adm")  # LANTERN's extract_code's
+                                      for path, _ in chunk[b : b + batch_size]])
+                codes.append(tokenizer.encode(images.to(tokenizer_at.device, tokenizer_at.dtype)).cpu())
+            shards += _write_shards(target, torch.cat(codes), labels[lo : lo + len(chunk)], out, batch_size,
+                                    shard_size, False, captions=conditions, first=len(shards))
+            if lo == 0 and keep_captions:  # the first prompts' (at most a shard's)
+                captions = _write_captions(conditions, min(keep_captions, len(chunk)), 1, out)
+            bar.update(len(chunk))
+    listing = "\n".join(f"{path.name}\t{caption}" for path, caption in pairs)
+    _write_caption_meta(out, target, labels, shards, captions, cond_dropout=cond_dropout, seed=seed, source="real",
+                        prompts=len(pairs), prompts_sha256=hashlib.sha256(listing.encode()).hexdigest(),
+                        num_per_prompt=1, num_real=len(pairs), num_generated=0, image_size=size)
+    return out
+
+
+def _check_caption_args(stack: ModelStack, source: str, count: int, cond_dropout: float, batch_size: int,
+                        shard_size: int, keep_captions: int, out: str | os.PathLike[str]) -> Path:
+    """The checks both caption routes make, before anything is encoded; ``out``, created."""
+    check(stack.target.config.model_type == "t2i", f"{source}: drafter data from captions needs a text-to-image "
+                                                   "target; a class-conditional one takes --codes")
+    check(count >= 1, f"{source}: no captions given")
+    check(0.0 <= cond_dropout <= 1.0, f"--cond-dropout must be in [0, 1], got {cond_dropout!r}")
+    check(batch_size >= 1, f"--batch-size must be >= 1, got {batch_size!r}")
+    check(shard_size >= 1, f"shard_size must be >= 1, got {shard_size!r}")
+    check(keep_captions >= 0, f"keep_captions must be >= 0, got {keep_captions!r}")
+    folder = ensure_writable_dir(out)
+    check(not (folder / META_FILE).exists(),
+          f"{folder} already holds drafter data ({META_FILE}); choose a new folder or delete it first")
+    return folder
+
+
+def _caption_labels(index: Tensor, cond_dropout: float, seed: int) -> Tensor:
+    """Each row's caption (its prompt's index), or -1 for a row run on the unconditional caption
+    (drawn with probability ``cond_dropout`` from ``seed``, one draw per row in order)."""
+    dropped = torch.rand(len(index), generator=torch.Generator().manual_seed(seed)) < cond_dropout
+    return torch.where(dropped, -1, index)
+
+
+def _write_caption_meta(out: Path, target: LlamaGen, labels: Tensor, shards: list[dict[str, Any]],
+                        captions: dict[str, Any] | None, **fields: Any) -> None:
     meta = {
         "format": DATA_FORMAT,
         "version": DATA_VERSION,
         "target_config": target.config.to_dict(),
         "target_fingerprint": target_fingerprint(target),
-        "cond_dropout": cond_dropout,
-        "seed": seed,
-        "source": "generated",
-        "prompts": len(prompts),
-        "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
-        "num_per_prompt": num_per_prompt,
-        "num_real": 0,
-        "num_generated": int(len(index)),
-        "sampling": sampling.to_dict(),
-        "count": int(len(index)),
-        "num_dropped": int(dropped.sum()),
+        **fields,
+        "count": int(len(labels)),
+        "num_dropped": int((labels < 0).sum()),
         "shards": shards,
         **({"captions": captions} if captions else {}),
     }
     write_json(out / META_FILE, meta)  # last: a folder with meta.json is complete
-    return out
 
 
 def _write_captions(conditions: ConditionSet, count: int, per_prompt: int, out: Path) -> dict[str, Any]:
@@ -381,10 +450,11 @@ def _generate_codes(target: LlamaGen, count: int, sampling: SamplingConfig, seed
 
 @torch.no_grad()
 def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, batch_size: int, shard_size: int,
-                  progress: bool, captions: ConditionSet | None = None) -> list[dict[str, Any]]:
+                  progress: bool, captions: ConditionSet | None = None, first: int = 0) -> list[dict[str, Any]]:
     """Teacher-forced features of ``codes`` under ``labels`` (c2i), or under the ``captions`` of each
     row (t2i; ``labels`` then names each row's prompt, -1 for a row run on the unconditional
-    caption: ``uncond_embedding`` under the caption's own mask, what the target's CFG stream runs)."""
+    caption: ``uncond_embedding`` under the caption's own mask, what the target's CFG stream runs).
+    The shards are numbered from ``first``."""
     from tqdm.auto import tqdm
 
     was_training = target.training
@@ -405,7 +475,7 @@ def _write_shards(target: LlamaGen, codes: Tensor, labels: Tensor, out: Path, ba
             _, h = target(cond, codes[b:e].to(target.device), cond_mask=mask)
             hidden.append(h.to(torch.bfloat16).cpu())
             bar.update(e - b)
-        name = f"shard-{index:05d}.safetensors"
+        name = f"shard-{first + index:05d}.safetensors"
         tensors = {"hidden": torch.cat(hidden).contiguous(), "tokens": codes[lo:hi].to(torch.int32).contiguous(),
                    "labels": labels[lo:hi].contiguous()}
         with atomic_path(out / name) as tmp:
