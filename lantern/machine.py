@@ -103,11 +103,15 @@ class MachineLoad:
                 "busy": self.busy}
 
 
-def busy_cores(window: float = 0.25) -> tuple[float, int] | None:
-    """(cores other processes keep busy, cores), measured over ``window`` seconds now (None
-    without ``/proc/stat``). Called while this process is idle, so what it sees is the others."""
-    start = read_machine()
-    time.sleep(window)
+def busy_cores(window: float = 0.25, since: Reading | None = None) -> tuple[float, int] | None:
+    """(cores other processes keep busy, cores), measured over at least ``window`` seconds (None
+    without ``/proc/stat``). This process's own CPU time is taken out, so the window may be time it
+    spent working: ``since``, a reading taken before (the command line takes one before it imports
+    torch, a second or more), is the window's start, and only what is left of ``window`` is waited."""
+    start = since if since is not None else read_machine()
+    left = window - (_seconds() - start.wall)
+    if left > 0:
+        time.sleep(left)
     share = MachineLoad(start, read_machine()).others_share
     return None if share is None else (share * start.cpus, start.cpus)
 

@@ -188,24 +188,46 @@ def test_busy_cores_sees_a_spinning_process(monkeypatch: pytest.MonkeyPatch) -> 
     assert cpus == (os.cpu_count() or 1) and 0.7 <= busy <= cpus + 0.1
 
 
+def test_busy_cores_counts_from_an_earlier_reading_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``since`` (the command line's reading from before torch's import): the window is the time
+    since then, so nothing is waited once it is a quarter second long, and a spinning process
+    is still seen; a shorter one is waited out to the quarter second, no more."""
+    monkeypatch.setattr(machine, "read_machine", read_machine)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # past the interpreter's start-up
+        since = machine.read_machine()
+        time.sleep(0.4)
+        slept: list[float] = []
+        monkeypatch.setattr(machine.time, "sleep", slept.append)
+        seen = machine.busy_cores(0.25, since=since)
+        assert slept == []
+        machine.busy_cores(0.25, since=machine.read_machine())
+        assert len(slept) == 1 and 0.2 < slept[0] <= 0.25
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert seen is not None and 0.7 <= seen[0] <= seen[1] + 0.1
+
+
 def test_choose_threads(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from lantern.cli.common import choose_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets 1 for the tests' subprocesses
-    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: (1.0, 2))
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25, since=None: (1.0, 2))
     assert choose_threads(2, "cpu", 1) == 2 and choose_threads(1, "cpu", 2) == 1  # a number is taken as given
     assert capsys.readouterr().err == ""
     assert choose_threads("auto", "cpu", 2) == 1  # one of 2 cores busy: one thread, said in one line
     assert capsys.readouterr().err == ("lantern: other processes keep 1.0 of the 2 cores busy: running on 1 thread, "
                                        "not 2 (a thread on a busy core stalls every op); --threads 2 uses them all\n")
     assert choose_threads("auto", "cuda", 2) == 2 and choose_threads("auto", "cuda:1", 2) == 2  # the GPU computes
-    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: (0.2, 2))
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25, since=None: (0.2, 2))
     assert choose_threads("auto", "cpu", 2) == 2  # quiet enough: torch's own count, nothing said
-    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: None)
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25, since=None: None)
     assert choose_threads("auto", "cpu", 2) == 2  # no /proc/stat: nothing to go on
     assert capsys.readouterr().err == ""
 
-    def unread(window: float = 0.25) -> None:
+    def unread(window: float = 0.25, since: object = None) -> None:
         raise AssertionError("one thread has nothing to lower: the machine is not read")
 
     monkeypatch.setattr(machine, "busy_cores", unread)
@@ -224,7 +246,7 @@ def test_a_command_runs_on_its_threads_and_gives_them_back(flag: str, expected: 
     import lantern.cli.generate as generate
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25: (1.0, 2))
+    monkeypatch.setattr(machine, "busy_cores", lambda window=0.25, since=None: (1.0, 2))
     seen: list[int] = []
     monkeypatch.setattr(generate, "cmd_generate", lambda args: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()

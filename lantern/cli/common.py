@@ -281,17 +281,18 @@ def adapts_threads(device: str) -> bool:
     return str(device).startswith("cpu") and not os.environ.get("OMP_NUM_THREADS")
 
 
-def choose_threads(choice: int | str, device: str, current: int) -> int:
+def choose_threads(choice: int | str, device: str, current: int, since: Any = None) -> int:
     """The intra-op thread count for ``--threads``: a number as given; ``auto`` on a CPU, the
-    cores other processes leave free (measured for a quarter of a second, said in one line when it
-    lowers ``current``); otherwise, or when ``OMP_NUM_THREADS`` chose the count, ``current``."""
+    cores other processes leave free (measured over at least a quarter of a second, from the
+    :class:`lantern.machine.Reading` ``since`` when given; said in one line when it lowers
+    ``current``); otherwise, or when ``OMP_NUM_THREADS`` chose the count, ``current``."""
     if isinstance(choice, int):
         return choice
     if current <= 1 or not adapts_threads(device):
         return current
     from lantern import machine
 
-    seen = machine.busy_cores()
+    seen = machine.busy_cores(since=since)
     if seen is None:
         return current
     busy, cpus = seen

@@ -131,9 +131,10 @@ def _warning_lines() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _threads(args: argparse.Namespace) -> Iterator[None]:
+def _threads(args: argparse.Namespace, since: Any) -> Iterator[None]:
     """``--threads`` for the command's duration (torch's thread count is the process's: restored
-    after, for a Python caller of :func:`main`)."""
+    after, for a Python caller of :func:`main`). ``since``: the machine reading from before torch's
+    import, whose time (this process's own CPU taken out) is what auto sees the others by."""
     choice = getattr(args, "threads", None)
     if choice is None or (choice == "auto" and getattr(args, "threads_follow_load", False)):
         yield  # (serve: its decode thread follows the load while it serves)
@@ -143,7 +144,7 @@ def _threads(args: argparse.Namespace) -> Iterator[None]:
     from lantern.cli.common import choose_threads
 
     before = torch.get_num_threads()
-    torch.set_num_threads(choose_threads(choice, getattr(args, "device", "cpu"), before))
+    torch.set_num_threads(choose_threads(choice, getattr(args, "device", "cpu"), before, since))
     try:
         yield
     finally:
@@ -188,10 +189,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_sampling_flags(args)
         check_seed_flags(args)
+        from lantern.machine import read_machine
+
+        # --threads auto looks at the machine across torch's import (a second or more of this
+        # process's time, its own CPU taken out) rather than in a quarter second of waiting after it
+        before_torch = read_machine()
         from lantern.io import trusted_checkpoints  # imports torch: only once the flags are known good
 
         with (trusted_checkpoints(getattr(args, "trust_checkpoint", False)), _notices(args), _warning_lines(),
-              _threads(args)):
+              _threads(args, before_torch)):
             return int(func(args) or 0)
     except LanternError as e:
         print(f"lantern: error: {_flagged(e)}", file=sys.stderr)
