@@ -42,9 +42,10 @@ from lantern.models.llamagen import LlamaGen, config_from_hf, hf_to_official, ll
 from lantern.run import run_generation_t2i
 from lantern.targets.base import Conditions, PackedConditions
 from lantern.targets.llamagen import LlamaGenTarget
-from lantern.targets.llamagen_stack import check_target_architecture, load_stack
+from lantern.targets.llamagen_stack import ModelStack, check_target_architecture, load_stack
 from lantern.targets.text import Captions, check_t5_folder, left_pad, load_t5, normalize_prompt, read_prompts
 from lantern.testing import make_random_stack
+from lantern.train.drafter import DrafterData
 
 PROMPTS = [
     "A photo of a  CAT",  # 6 tokens with </s>: 6 padded slots
@@ -714,6 +715,22 @@ def _word_prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(T5_WORDS) for _ in range(rng.randint(2, 6))) for _ in range(n)]
 
 
+def _check_teacher_forced(stack: ModelStack, data: DrafterData, captions: list[str]) -> None:
+    """A kept row's features are the target's teacher-forced hidden states under its caption, a
+    dropped row's (label -1) under the unconditional caption with the caption's mask (the CFG
+    stream), each checked against the other condition too (power)."""
+    target, dropped = stack.target, data.labels == -1
+    for row in (int(torch.nonzero(~dropped)[0]), int(torch.nonzero(dropped)[0])):
+        enc = stack.encode([captions[row]])
+        cond = target.null_condition(1).to(enc.cond.dtype) if dropped[row] else enc.cond
+        with torch.no_grad():
+            _, hidden = target(cond, data.tokens[row : row + 1], cond_mask=enc.mask)
+            _, other = target(enc.cond if dropped[row] else target.null_condition(1), data.tokens[row : row + 1],
+                              cond_mask=enc.mask)
+        assert torch.allclose(hidden[0], data.hidden[row].float(), atol=2e-2, rtol=2e-2), row
+        assert not torch.allclose(other[0], data.hidden[row].float(), atol=2e-2, rtol=2e-2), row  # power
+
+
 def test_drafter_data_from_prompts_is_the_targets_own_images_teacher_forced(
         t2i_stack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``make-drafter-data --prompts`` (text-to-image LlamaGen had no drafter training): the codes
@@ -742,15 +759,7 @@ def test_drafter_data_from_prompts_is_the_targets_own_images_teacher_forced(
     dropped = train.labels == -1
     assert 0 < int(dropped.sum()) == train.meta["num_dropped"] < 16
     assert torch.equal(train.labels[~dropped], torch.arange(8).repeat_interleave(2)[~dropped])
-    for row in (int(torch.nonzero(~dropped)[0]), int(torch.nonzero(dropped)[0])):
-        enc = stack.encode([prompts[row // 2]])
-        cond = target.null_condition(1).to(enc.cond.dtype) if dropped[row] else enc.cond
-        with torch.no_grad():
-            _, hidden = target(cond, train.tokens[row : row + 1], cond_mask=enc.mask)
-            _, other = target(enc.cond if dropped[row] else target.null_condition(1), train.tokens[row : row + 1],
-                              cond_mask=enc.mask)
-        assert torch.allclose(hidden[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row
-        assert not torch.allclose(other[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row  # power
+    _check_teacher_forced(stack, train, [prompts[row // 2] for row in range(len(train))])
     # The held-out prompts' captions are kept (what train-drafter's speculative evaluation decodes
     # from), bit for bit what a run encodes; the training split keeps none.
     assert train.captions is None and test.captions is not None
@@ -810,7 +819,7 @@ def test_drafter_data_from_real_captioned_images(t2i_stack: Path, tmp_path: Path
     assert capsys.readouterr().out.strip().endswith("/train (7 images) and " + f"{tmp_path / 'dd'}/test (2 images)")
     train, test = DrafterData.load(tmp_path / "dd" / "train"), DrafterData.load(tmp_path / "dd" / "test")
     stack = load_model_stack(t2i_stack)
-    target, tokenizer = stack.target, stack.tokenizer
+    tokenizer = stack.tokenizer
     size = stack.grid_width * tokenizer.config.downsample_factor
     pixels = torch.stack([square_image(p, size, "x", "adm") for p in paths])
     with torch.no_grad():
@@ -836,15 +845,7 @@ def test_drafter_data_from_real_captioned_images(t2i_stack: Path, tmp_path: Path
     assert not torch.equal(pixels[0], square_image(paths[0], size, "x"))  # power: clean-fid's Lanczos differs
     dropped = train.labels == -1
     assert 0 < int(dropped.sum()) < 7 and torch.equal(train.labels[~dropped], torch.arange(7)[~dropped])
-    for row in (int(torch.nonzero(~dropped)[0]), int(torch.nonzero(dropped)[0])):
-        enc = stack.encode([captions[row]])
-        cond = target.null_condition(1).to(enc.cond.dtype) if dropped[row] else enc.cond
-        with torch.no_grad():
-            _, hidden = target(cond, train.tokens[row : row + 1], cond_mask=enc.mask)
-            _, other = target(enc.cond if dropped[row] else target.null_condition(1), train.tokens[row : row + 1],
-                              cond_mask=enc.mask)
-        assert torch.allclose(hidden[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row
-        assert not torch.allclose(other[0], train.hidden[row].float(), atol=2e-2, rtol=2e-2), row  # power
+    _check_teacher_forced(stack, train, captions[:7])
     encoded = stack.encode(captions[7:])  # the held-out captions, kept for train-drafter's generation
     assert test.captions is not None and torch.equal(test.captions.cond, encoded.cond)
     # One shard at a time: three shards hold what one does
