@@ -265,7 +265,7 @@ def make_prompt_drafter_data(
 ) -> Path:
     """Drafter data for a text-to-image LlamaGen stack, self-distilled: the target samples
     ``num_per_prompt`` images of every prompt (plain AR, ``sampling``; LANTERN trains its T2I
-    drafters on LAION-COCO's images instead, which lantern cannot download), then runs
+    drafters on LAION-COCO's images instead: :func:`make_caption_drafter_data`), then runs
     teacher-forced over each caption and its codes. A row is run on the unconditional caption
     (``uncond_embedding``, the caption's own mask, as the target's CFG stream) with probability
     ``cond_dropout``, so the drafter also learns the stream it drafts for under guidance.
@@ -656,7 +656,7 @@ class EvalConfig:
 
     batch_size: int = 32
     # rows of the speculative generation: labels 0, 1, ... (at most num_classes), or the held-out
-    # data's first captions (text-to-image; ``make-drafter-data --prompts`` keeps this many)
+    # data's first captions (text-to-image; ``make-drafter-data`` keeps this many)
     num_rows: int = 4
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
 
@@ -721,7 +721,7 @@ def _mean_accepted(drafter: EagleDrafterModel, target: LlamaGen, config: EvalCon
         drafter = copy.deepcopy(drafter).to(target.device)
     if target.config.model_type == "t2i":
         check(captions is not None, "a text-to-image drafter's generation evaluation needs held-out data with "
-                                    "captions (make-drafter-data --prompts keeps them)")
+                                    "captions (make-drafter-data --prompts or --images keeps them)")
         assert captions is not None
         cond, mask = captions.cond[: config.num_rows].to(target.device), captions.mask
         mask = None if mask is None else mask[: config.num_rows].to(target.device)
