@@ -509,7 +509,9 @@ def method_settings(method: MethodConfig) -> dict[str, Any]:
         out.update(lantern_k=relaxation.k, **bound, lantern_residual=relaxation.residual,
                    lantern_budget=relaxation.budget, lantern_credit=relaxation.credit)
     if method.jacobi is not None:
-        out.update(sjd_window=method.jacobi.window, sjd_init=method.jacobi.init, sjd_coupling=method.jacobi.coupling)
+        out.update(sjd_window=method.jacobi.window, sjd_init=method.jacobi.init)
+        if METHOD_TABLE[method.method].couplings:  # the others redraw independently and take no setting
+            out["sjd_coupling"] = method.jacobi.coupling
     if method.pjd is not None:
         out.update(pjd_window=method.pjd.window, pjd_context=method.pjd.context, pjd_init=method.pjd.init)
     if method.pac is not None:

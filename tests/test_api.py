@@ -305,13 +305,13 @@ def test_submodules_are_attributes_of_the_package() -> None:
     assert out.stdout.split() == ["True", "False"], out.stderr
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "lantern", "lantern++", "sjd-coupled", "gsd", "sjd-pac", "pjd",
-                                    "sjd-coupled-lantern-sv"])
+@pytest.mark.parametrize("method", sorted(METHOD_TABLE))
 def test_an_outputs_settings_passed_back_give_its_codes(digits: lantern.Pipeline, method: str) -> None:
     """``out.config`` is the run's record (nested, with keys no call takes: a probe, 2026-11-29,
     found ``pipe(**out.config)`` refused); ``out.settings`` is the call's keywords with every
     default filled in (the prepared method's: lantern's K capped at the table's), which a call
-    takes back as they are."""
+    takes back as they are. Every method: the settings of sjd, sjd-lantern(++) and the -sv ones
+    held sjd_coupling="independent", which they refuse (an audit, 2026-11-30)."""
     first = digits(labels=[1, 2], method=method, seed=3, batch_size=2, num_per_label=2)
     assert first.settings["method"] == method and first.settings["seed"] == 3 and first.settings["num_per_label"] == 2
     assert set(first.settings) - {"method", "seed", "batch_size", "num_per_label"} <= set(METHOD_SETTINGS) | {

@@ -253,12 +253,14 @@ def test_a_method_gives_the_apis_codes(client: TestClient, pipe: lantern.Pipelin
 
 
 @pytest.mark.invariance
-@pytest.mark.parametrize("method", ["lantern", "sjd-pac", "pjd-lantern", "sjd-coupled-lantern-sv"])
+@pytest.mark.parametrize("method", ["lantern", "sjd-pac", "pjd-lantern", "sjd-coupled-lantern-sv", "sjd-lantern"])
 def test_the_answers_settings_sent_back_give_the_same_images(client: TestClient, method: str) -> None:
     """The answer's ``settings`` are the run's, and a request may send them back. Old behaviour (a
     probe, 2026-11-29): ``lantern_k`` read 1000 where the run used the table's 128 (sent back:
     400), the Jacobi and PJD methods reported the chain they verify as a ``tree`` (sent back: 400,
-    they take none), and SJD-PAC its tree's internal name (400: unknown static tree)."""
+    they take none), and SJD-PAC its tree's internal name (400: unknown static tree); sjd,
+    sjd-lantern(++) and the -sv methods said ``sjd_coupling: independent``, which they refuse (an
+    audit, 2026-11-30)."""
     body = {"label": 2, "seed": 5, "method": method, "return_codes": True}
     first = client.post(GENERATE, json=body)
     assert first.status_code == 200, first.text
