@@ -274,9 +274,9 @@ class Pipeline:
                 else:
                     (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
                 result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
+            # the tree or window auto chose, not "auto": sent back, the same codes without measuring again
             replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size,
-                      "num_per_label": num_per_label, **sampling.to_dict(),
-                      **method_settings(result.method), **({"tree": "auto"} if auto.get("auto_tree") else {})}
+                      "num_per_label": num_per_label, **sampling.to_dict(), **method_settings(result.method)}
             config = {**run_config(seed, batch_size, self.device, sampling, result.method,
                                    deterministic=self.deterministic), **auto, **chosen}
             return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes, settings=replay,
@@ -314,15 +314,17 @@ class Pipeline:
         from lantern.autotree.choose import choose_auto
 
         rest = {k: v for k, v in settings.items() if k != "tree"}
-        _, sampling = resolve_settings(self.stack, method, **rest)  # checks every setting first
-        method_settings = {k: v for k, v in rest.items() if k in METHOD_SETTINGS}
-        key = (method, repr(sorted(method_settings.items())), sampling, batch_size, self.compile)
+        resolved, sampling = resolve_settings(self.stack, method, **rest)  # checks every setting first
+        given = {k: v for k, v in rest.items() if k in METHOD_SETTINGS}
+        # keyed on the settings as resolved: defaults given explicitly are the same choice
+        as_run = {k: v for k, v in method_settings(resolved).items() if k not in ("tree", "sjd_window")}
+        key = (method, repr(sorted(as_run.items())), sampling, batch_size, self.compile)
         with self._lock:
             kept = self._auto_choices.get(key)
             if kept is not None:
                 self._auto_choices.move_to_end(key)
         if kept is None:
-            kept = choose_auto(self.stack, method, sampling, method_settings, seed=seed, batch_size=batch_size,
+            kept = choose_auto(self.stack, method, sampling, given, seed=seed, batch_size=batch_size,
                                parts=self.parts, progress=progress, compile=self.compile)
             with self._lock:
                 self._auto_choices[key] = kept

@@ -43,7 +43,7 @@ window (each open row's chain), and the loop runs its grid round for them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -68,6 +68,7 @@ from lantern.decoding.config import (
     TreeConfig,
     check_tree_nodes,
 )
+from lantern.decoding.trees import STATIC_TREES
 from lantern.errors import LanternError, check, first_given
 
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen ([LANTERN code])
@@ -354,6 +355,8 @@ class MethodConfig:
             return cls(method="ar")
         if isinstance(tree, TreeConfig):
             tree_cfg = tree
+        elif isinstance(tree, list | tuple):  # a shape as its choices (a tree="auto" run's settings record it so)
+            tree_cfg = _tree_of_choices(tree)
         else:
             tree_cfg = TreeConfig.parse(tree or str(record.default_tree))
         return cls(method=method, tree=tree_cfg, relaxation=relaxation, k_explicit=k is not None)
@@ -494,12 +497,30 @@ def recommended_tree(stack: Any, method: str) -> str | None:
     return trees.get(method)
 
 
+def _tree_of_choices(choices: Sequence[Any]) -> TreeConfig:
+    """``tree=[[0], [1], [0, 0]]``: a static tree of that shape (EAGLE's ``choices``: each draft's
+    path of child ranks), checked as :meth:`TreeConfig.from_choices` checks it, the setting named."""
+    try:
+        return TreeConfig.from_choices([list(c) if isinstance(c, list | tuple) else c for c in choices],
+                                       prefix="custom")
+    except LanternError as e:
+        raise LanternError(f"tree: {e}", field="tree") from None
+
+
+def tree_setting(tree: TreeConfig) -> str | list[list[int]]:
+    """A tree as a call takes it back: its ``--tree`` form, or, for a shape no name spells (what
+    ``tree="auto"`` may choose), its choices."""
+    if tree.kind == "static" and tree.name not in STATIC_TREES:
+        return [list(c) for c in tree.choices]
+    return tree.spec
+
+
 def method_settings(method: MethodConfig) -> dict[str, Any]:
     """A resolved method's settings under their request names (those it uses and a request may set,
     defaults filled in). The tree is a setting of the drafter methods only: the Jacobi and PJD
     methods verify a chain of their window, SJD-PAC a tree of its width and depth."""
     drafted = METHOD_TABLE[method.method].family == "eagle"
-    out: dict[str, Any] = {"tree": method.tree.spec} if drafted and method.tree.kind != "none" else {}
+    out: dict[str, Any] = {"tree": tree_setting(method.tree)} if drafted and method.tree.kind != "none" else {}
     relaxation = method.relaxation
     if relaxation is not None and relaxation.mode == "group":
         out["gsd_group"] = relaxation.k

@@ -5,6 +5,7 @@ Lumina-mGPT, a Hugging Face repo id in an offline cache) loads through the one c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -322,6 +323,22 @@ def test_an_outputs_settings_passed_back_give_its_codes(digits: lantern.Pipeline
     # the same run but for k_explicit: passed back, the default K is given explicitly
     assert {**again.config, "method": {**again.config["method"], "k_explicit": None}} == \
         {**first.config, "method": {**first.config["method"], "k_explicit": None}}
+
+
+def test_a_tree_is_also_given_by_its_choices(digits: lantern.Pipeline) -> None:
+    """``tree=[[0], [1], [0, 0]]``: a static tree of that shape (what ``tree="auto"`` may choose, which
+    no name spells: its settings record the choices so that a call can take them back). A chain
+    given as choices is that chain; a bad shape is refused in one line naming ``tree``."""
+    named = digits(labels=[1, 2], method="sd", tree="chain:2", seed=3)
+    assert torch.equal(digits(labels=[1, 2], method="sd", tree=[[0], [0, 0]], seed=3).codes, named.codes)
+    custom = digits(labels=[1, 2], method="lantern++", tree=([0, 0], [1], [0]), seed=3)  # any order, tuples too
+    assert custom.config["method"]["tree"]["choices"] == [[0], [1], [0, 0]]
+    assert custom.settings["tree"] == [[0], [1], [0, 0]]
+    assert torch.equal(digits(labels=[1, 2], **custom.settings).codes, custom.codes)
+    for tree, message in (([[1]], "sibling ranks must be contiguous"), ([[0], [0, 0, 0]], "has no parent"),
+                          ([], "non-empty list of lists"), ([[0], [0]], "appears twice")):
+        with pytest.raises(LanternError, match=rf"^tree: .*{re.escape(message)}"):
+            digits(labels=[1], method="sd", tree=tree)
 
 
 def test_a_jacobi_window_of_auto_is_measured_as_tree_auto(digits: lantern.Pipeline) -> None:

@@ -140,6 +140,15 @@ def test_tree_auto_reads_the_drafter_once_and_measures_once(reads: Reads, monkey
     assert again.config["auto_tree"] is not out.config["auto_tree"]  # a copy: one call's record cannot edit another's
     pipe(labels=[3], method="lantern++", seed=1, tree="auto", batch_size=2)  # one image: still a batch of 1
     assert measured == []
+    # The defaults given explicitly are the same choice (they were keyed apart: measured again)
+    pipe(labels=[3], method="lantern++", seed=1, batch_size=1, tree="auto", lantern_k=10, lantern_lambda=5.0)
+    assert measured == []
+    # The settings hold the tree auto chose, not "auto": sent back, the same codes, nothing measured
+    # (an audit, 2026-11-30: the replay measured again, chose another tree and gave other codes)
+    tree = out.config["auto_tree"]["tree"]
+    assert out.settings["tree"] in (tree, out.config["auto_tree"]["choices"]) and out.settings["tree"] != "auto"
+    replay = pipe(labels=[3], **out.settings)
+    assert measured == [] and torch.equal(replay.codes, out.codes) and replay.settings == out.settings
     for other in ({"batch_size": 2}, {"batch_size": 1, "temperature": 0.5}):
         with pytest.raises(RuntimeError, match="measured again"):
             pipe(labels=[3, 4], method="lantern++", seed=1, tree="auto", **other)
