@@ -39,6 +39,8 @@ from lantern.parts import ModelParts
 from lantern.run import PreparedMethod, RunResult
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from lantern.targets.chameleon_stack import Prompter
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
@@ -79,6 +81,12 @@ def api_argument_names() -> frozenset[str]:
     return api_arguments()
 
 
+# A diffusers pipeline's keywords, which its users type first: the suggestion is lantern's name for
+# the same thing (difflib offered "temperature" for generator=, nothing for num_images_per_prompt=).
+DIFFUSERS_NAMES = {"num_images_per_prompt": "num_per_label", "generator": "seed", "guidance_scale": "cfg_scale",
+                   "prompt": "prompts", "class_labels": "labels", "show_progress_bar": "progress"}
+
+
 @python_errors(api_argument_names)
 def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodConfig, SamplingConfig]:
     """Method and sampling for one run, from keyword settings named like the CLI's flags."""
@@ -87,7 +95,8 @@ def resolve_settings(stack: Any, method: str, **settings: Any) -> tuple[MethodCo
     if unknown:
         # a call's own arguments are keywords too: a misspelt one (num_per_prompt) lands here
         own = [name for name in inspect.signature(Pipeline.__call__).parameters if name not in ("self", "settings")]
-        close = difflib.get_close_matches(unknown[0], [*own, *METHOD_SETTINGS, *SAMPLING_SETTINGS], n=1)
+        close = ([DIFFUSERS_NAMES[unknown[0]]] if unknown[0] in DIFFUSERS_NAMES
+                 else difflib.get_close_matches(unknown[0], [*own, *METHOD_SETTINGS, *SAMPLING_SETTINGS], n=1))
         raise LanternError(f"unknown setting {unknown[0]!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
                            f"a call takes {', '.join(own)} and the settings "
                            f"{', '.join(METHOD_SETTINGS + SAMPLING_SETTINGS)}", field=unknown[0])
@@ -139,17 +148,24 @@ def _window_as_tree(method: str, settings: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in settings.items() if k != name}, "tree": "auto"}
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a generated equality would compare tensors and raise
 class PipelineOutput:
     """What a :class:`Pipeline` call returns (a transformers-style output dataclass)."""
 
-    images: list[Any]  # PIL images, one per generated row
+    images: list[Image.Image]  # PIL images, one per generated row
     codes: Tensor  # [N, T] image token ids
     stats: dict[str, Any]  # as run.json's "stats"
     config: dict[str, Any]  # resolved seed, batch size, device, sampling and method: run.json's values
     outputs: list[Any] = field(default_factory=list)  # per-batch GenerationOutput (SpecStats in .stats)
     # the call's keywords, defaults filled in: pipe(labels, **out.settings) gives these codes again
     settings: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """One line: the generated repr printed every per-batch record (a 94-line screen for 8 digits)."""
+        size = f" {self.images[0].width}x{self.images[0].height}" if self.images else ""
+        stats = ", ".join(f"{k}={self.stats[k]}" for k in ("target_forwards", "mean_accepted") if k in self.stats)
+        return (f"PipelineOutput({len(self.images)} images{size}, codes {list(self.codes.shape)}, "
+                f"method={self.settings.get('method')!r}, seed={self.settings.get('seed')!r}, {stats})")
 
 
 # Prepared methods a Pipeline keeps (each holds its caches; the drafter and table are shared):
@@ -182,7 +198,8 @@ class Pipeline:
         self._call_lock = threading.RLock()  # one decode at a time: the prepared methods' caches are shared
 
     def __repr__(self) -> str:
-        return f"Pipeline({self.stack.root}, device={self.device!r}, compile={self.compile!r})"
+        return (f"Pipeline({self.stack.root}, device={self.device!r}, dtype={str(self.stack.dtype)[6:]!r}, "
+                f"compile={self.compile!r}, deterministic={self.deterministic})")
 
     @property
     def deterministic(self) -> bool:
@@ -385,6 +402,8 @@ def check_label_list(labels: Any) -> list[int]:
             raise LanternError(f"labels: expected a 1-D integer array of class ids, got a {labels.ndim}-D "
                                f"{labels.dtype} array")
         labels = labels.tolist()
+    if isinstance(labels, range):  # what the type (a Sequence) admits: range(10) for one image per class
+        labels = list(labels)
     if not isinstance(labels, (list, tuple)):
         raise LanternError(f"labels: expected a list of class ids (integers), got {type(labels).__name__} "
                            f"{_short(labels)}")
@@ -411,7 +430,8 @@ def check_prompt_list(prompts: Any) -> list[str]:
 
 
 @python_errors(api_argument_names)
-def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *, device: str = "cpu",
+def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None = None, *,
+         device: str | torch.device = "cpu",
          dtype: str | torch.dtype = "float32", compile: str | None = "off",
          tokenizer: str | os.PathLike[str] | None = None, t5: str | os.PathLike[str] | None = None,
          vq: str | os.PathLike[str] | None = None, layout: str | None = None, image_size: int | None = None,
@@ -429,6 +449,12 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
     ``prompt_width`` (Chameleon family): the tokens every prompt context is padded to, the prompt in
     its template (default 256); a longer prompt is refused."""
     image_size, prompt_width = plain(image_size), plain(prompt_width)
+    device = str(device) if isinstance(device, torch.device) else device  # torch.device("cuda", 1): "cuda:1"
+    for name, value, what in (("model", model, "a preset name, a folder or a Hub repo id"),
+                              ("drafter", drafter, "a folder or a Hub repo id"), ("proximity", proximity, "a file")):
+        if not (value is None and name != "model" or isinstance(value, str | os.PathLike)):
+            raise LanternError(f"--{name} must be {what} (a string or a path), got {type(value).__name__} "
+                               f"{value!r}"[:200], field=name)
     if not isinstance(deterministic, bool):
         raise LanternError(f"deterministic must be True or False, got {deterministic!r}", field="deterministic")
     check(prompt_width is None or (type(prompt_width) is int and prompt_width >= 1),
@@ -478,10 +504,11 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
              for name, value in (("drafter", drafter), ("t5", t5), ("vq", vq))}
     prox = None if proximity is None else str(proximity)
     # named now, not at the first call of a method that needs them (an AR call never would)
-    check(paths["drafter"] is None or Path(paths["drafter"]).is_dir(),
-          f"--drafter: no such folder {paths['drafter']} (a drafter folder, or a Hub repo id)", field="drafter")
-    check(prox is None or Path(prox).is_file(), f"--proximity: no such file {prox} (a proximity table)",
-          field="proximity")
+    if paths["drafter"] is not None and not Path(paths["drafter"]).is_dir():
+        raise LanternError(f"--drafter: {_missing(paths['drafter'], 'folder')} (a drafter folder, or a Hub repo id)",
+                           field="drafter")
+    if prox is not None and not Path(prox).is_file():
+        raise LanternError(f"--proximity: {_missing(prox, 'file')} (a proximity table)", field="proximity")
     refuse_remote_code(root)  # a folder whose config needs its own code, of any family
     if is_janus_folder(root):
         return _load_janus(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
@@ -511,6 +538,14 @@ def api_arguments() -> frozenset[str]:
     calls = (load, Pipeline.__call__, Pipeline.auto_method)
     named = {name for call in calls for name in inspect.signature(call).parameters if name != "self"}
     return frozenset(named | set(METHOD_SETTINGS) | set(SAMPLING_SETTINGS))
+
+
+def _missing(path: Any, kind: str) -> str:
+    """Why ``path`` is not the ``kind`` (folder or file) an argument takes: absent, or the other kind."""
+    where = Path(path)
+    if where.exists():
+        return f"{path} is a {'file' if kind == 'folder' else 'folder'}, not a {kind}"
+    return f"no such {kind} {path}"
 
 
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",

@@ -420,12 +420,11 @@ def _resolve_relaxation(
     if rule != "gsd":
         check(group is None, f"--gsd-group needs --method gsd, got --method {method}", field="gsd_group")
     if rule in ("exact", "gsd"):
-        check(
-            k is None and delta is None and lam is None and residual is None and budget is None and credit is None,
-            f"--lantern-* options need a relaxed method ({', '.join(method_names(lambda r: r.needs_proximity))})",
-            field=first_given(lantern_k=k, lantern_delta=delta, lantern_lambda=lam, lantern_residual=residual,
-                              lantern_budget=budget, lantern_credit=credit),
-        )
+        given = first_given(lantern_k=k, lantern_delta=delta, lantern_lambda=lam, lantern_residual=residual,
+                            lantern_budget=budget, lantern_credit=credit)
+        check(given is None, f"--{str(given).replace('_', '-')} needs a relaxed method "  # (the option given, named)
+                             f"({', '.join(method_names(lambda r: r.needs_proximity))}), got --method {method}",
+              field=given)
     if rule == "exact":
         return None
     if rule == "gsd":

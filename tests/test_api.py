@@ -325,6 +325,46 @@ def test_an_outputs_settings_passed_back_give_its_codes(digits: lantern.Pipeline
         {**first.config, "method": {**first.config["method"], "k_explicit": None}}
 
 
+def test_outputs_compare_print_and_take_what_their_types_say(digits: lantern.Pipeline) -> None:
+    """From an audit (2026-11-30): ``out == other`` raised (the generated equality compared
+    tensors), ``repr(out)`` printed 94 lines of per-batch records for 8 digits, ``labels=range(3)``
+    passed the type (a Sequence) but was refused, and ``load(device=torch.device("cpu"))`` ran
+    but was typed ``str`` and printed as ``device(type='cpu')``."""
+    a = digits(labels=range(3), method="sd", seed=1)
+    b = digits(labels=[0, 1, 2], method="sd", seed=1)
+    assert torch.equal(a.codes, b.codes) and a.settings == b.settings
+    assert a == a and a != b  # identity, never a tensor comparison
+    text = repr(a)
+    assert "\n" not in text, text
+    assert text.startswith("PipelineOutput(3 images 32x32, codes [3, 64], method='sd', seed=1, "), text
+    with pytest.raises(LanternError, match=r"^lantern_delta needs a relaxed method \(.*\), got method ar$"):
+        digits(labels=[3], method="ar", lantern_delta=0.2)  # was "--lantern-* options need ...", a flag and a glob
+    pipe = lantern.load("digits", device=torch.device("cpu"))
+    assert pipe.device == "cpu" and "device='cpu', dtype='float32'" in repr(pipe)
+    assert "deterministic=False" in repr(pipe)
+
+
+def test_wrong_arguments_are_named_with_what_was_meant(digits: lantern.Pipeline, tmp_path: Path) -> None:
+    """From an audit (2026-11-30): a file given as the drafter folder was "no such folder", None as the
+    model "no such model folder None", and diffusers' keywords got no suggestion (generator: "did you
+    mean 'temperature'?")."""
+    (tmp_path / "file").write_text("x")
+    for kwargs, message in (
+            ({"model": None}, "model must be a preset name, a folder or a Hub repo id (a string or a path), got "
+                              "NoneType None"),
+            ({"model": 3}, "model must be a preset name, a folder or a Hub repo id (a string or a path), got int 3"),
+            ({"model": "digits", "drafter": str(tmp_path / "file")}, f"drafter: {tmp_path / 'file'} is a file, not a "
+                                                                     "folder"),
+            ({"model": "digits", "proximity": str(tmp_path)}, f"proximity: {tmp_path} is a folder, not a file"),
+            ({"model": "digits", "proximity": str(tmp_path / "none")}, f"proximity: no such file {tmp_path / 'none'}")):
+        with pytest.raises(LanternError, match=f"^{re.escape(message)}"):
+            lantern.load(**kwargs)
+    for given, meant in (("generator", "seed"), ("num_images_per_prompt", "num_per_label"),
+                         ("guidance_scale", "cfg_scale")):
+        with pytest.raises(LanternError, match=rf"^unknown setting '{given}' \(did you mean '{meant}'\?\)"):
+            digits(labels=[1], **{given: 1})
+
+
 def test_a_tree_is_also_given_by_its_choices(digits: lantern.Pipeline) -> None:
     """``tree=[[0], [1], [0, 0]]``: a static tree of that shape (what ``tree="auto"`` may choose, which
     no name spells: its settings record the choices so that a call can take them back). A chain

@@ -205,7 +205,7 @@ def test_config_and_option_errors() -> None:
         # silently unused before (a probe, 2026-11-30)
         (["--profile", "p.json"], "--profile is only used with auto trees"),
         (["--speed-batch-size", "1,2,2"], "distinct"),
-        (["--methods", "ar,sd/k=3"], "--methods sd/k=3: --lantern-* options need a relaxed method"),
+        (["--methods", "ar,sd/k=3"], "--methods sd/k=3: --lantern-k needs a relaxed method"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(

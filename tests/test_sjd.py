@@ -359,15 +359,15 @@ def test_cli_generate_relaxed_sjd(tmp_path: Path) -> None:
         (["--method", "sjd", "--sjd-window", "64"], r"--sjd-window \(64\) must be less than the image's 64 tokens"),
         (["--method", "ar", "--sjd-window", "4"], r"--sjd-window / --sjd-init need --method sjd"),
         (["--method", "sjd", "--tree", "chain:3"], r"--tree is not used by sjd"),
-        (["--method", "sjd", "--lantern-delta", "0.1"], r"--lantern-\* options need a relaxed method"),
+        (["--method", "sjd", "--lantern-delta", "0.1"], r"--lantern-delta needs a relaxed method"),
         (["--method", "sjd-lantern", "--lantern-lambda", "3"], r"--lantern-lambda belongs to sjd-lantern\+\+"),
         # coupled SJD (test_sjd_coupled.py) and GSD (test_gsd.py)
         (["--method", "sjd", "--sjd-coupling", "gumbel"], r"--sjd-coupling needs --method sjd-coupled or "),
         (["--method", "sd", "--sjd-coupling", "maximal"], r"--sjd-coupling needs --method sjd-coupled"),
-        (["--method", "sjd-coupled", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method"),
+        (["--method", "sjd-coupled", "--lantern-lambda", "2"], r"--lantern-lambda needs a relaxed method"),
         (["--method", "gsd", "--gsd-group", "0"], r"--gsd-group must be an integer >= 1, got 0"),
         (["--method", "sjd", "--gsd-group", "3"], r"--gsd-group needs --method gsd, got --method sjd"),
-        (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-\* options need a relaxed method \(lantern, "),
+        (["--method", "gsd", "--lantern-lambda", "2"], r"--lantern-lambda needs a relaxed method \(lantern, "),
         (["--method", "sjd-coupled", "--sjd-coupling", "independent"], r"--sjd-coupling must be one of maximal, "),
         # --sjd-window auto (test_autowindow.py)
         (["--method", "ar", "--sjd-window", "auto"], r"--sjd-window auto needs a --method with that window \(sjd, "),
