@@ -160,6 +160,28 @@ class PipelineOutput:
     # the call's keywords, defaults filled in: pipe(labels, **out.settings) gives these codes again
     settings: dict[str, Any] = field(default_factory=dict)
 
+    @python_errors(lambda: ("directory", "grid", "overwrite"))
+    def save(self, directory: str | os.PathLike[str], *, grid: bool = True, overwrite: bool = False) -> Path:
+        """Write what ``lantern generate`` writes for these images into ``directory``, all or
+        nothing: ``0000.png``, ... in row order, ``codes.npy`` (int64), ``grid.png`` (not with
+        ``grid=False``, for a folder an evaluation reads as its samples) and ``run.json`` (this
+        call's ``settings``, ``config`` and ``stats``). An existing non-empty folder is refused
+        unless ``overwrite``; the folder is returned."""
+        from lantern.images import image_grid, save_png
+        from lantern.io import write_json
+        from lantern.outputs import OutputFolder
+
+        out = OutputFolder.check(directory, "directory", overwrite)
+        with out.write() as folder:
+            for i, image in enumerate(self.images):
+                save_png(image, folder / f"{i:04d}.png")
+            with open(folder / "codes.npy", "wb") as f:
+                np.save(f, self.codes.detach().cpu().numpy().astype(np.int64))
+            if grid and self.images:
+                save_png(image_grid(self.images[:256]), folder / "grid.png")  # a preview: the first 256
+            write_json(folder / "run.json", {"settings": self.settings, "config": self.config, "stats": self.stats})
+        return out.path
+
     def __repr__(self) -> str:
         """One line: the generated repr printed every per-batch record (a 94-line screen for 8 digits)."""
         size = f" {self.images[0].width}x{self.images[0].height}" if self.images else ""
@@ -200,6 +222,23 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline({self.stack.root}, device={self.device!r}, dtype={str(self.stack.dtype)[6:]!r}, "
                 f"compile={self.compile!r}, deterministic={self.deterministic})")
+
+    def decode(self, codes: Tensor | np.ndarray) -> list[Image.Image]:
+        """The images of ``codes``: ``[N, T]`` image tokens of this model (``out.codes``, or a run's
+        ``codes.npy`` read with ``numpy.load``), one PIL image per row, as a call makes them."""
+        try:
+            table = torch.as_tensor(codes)
+        except (TypeError, ValueError, RuntimeError):
+            raise LanternError(f"codes must be an integer array or tensor, got {type(codes).__name__}",
+                               field="codes") from None
+        tokens, vocab = int(self.stack.num_tokens), int(self.stack.vocab_size)
+        check(table.ndim == 2 and table.shape[0] >= 1 and table.shape[1] == tokens
+              and not table.is_floating_point() and not table.is_complex() and table.dtype != torch.bool,
+              f"codes must be an [N, {tokens}] integer array of this model's image tokens, got "
+              f"{table.dtype} {list(table.shape)}", field="codes")
+        check(bool(((table >= 0) & (table < vocab)).all()), f"codes must be image tokens 0..{vocab - 1}, got "
+              f"{int(table.min())}..{int(table.max())}", field="codes")
+        return self.stack.to_pil(table.to(torch.long, copy=False).to(self.stack.device))
 
     @property
     def deterministic(self) -> bool:

@@ -365,6 +365,35 @@ def test_wrong_arguments_are_named_with_what_was_meant(digits: lantern.Pipeline,
             digits(labels=[1], **{given: 1})
 
 
+def test_an_output_saves_as_generate_writes_and_its_codes_decode_to_its_images(digits: lantern.Pipeline,
+                                                                                tmp_path: Path) -> None:
+    """``out.save(dir)``: the images, codes.npy, grid.png and run.json the command line writes, all or
+    nothing; ``pipe.decode(codes)``: a run's codes (``codes.npy`` read back) as the same images, byte
+    for byte. Both were missing (an audit, 2026-11-30: decoding saved codes needed the internal
+    ``pipe.stack.to_pil``)."""
+    out = digits(labels=[2, 5, 7], method="sjd-coupled", seed=4)
+    folder = out.save(tmp_path / "run")
+    assert sorted(p.name for p in folder.iterdir()) == ["0000.png", "0001.png", "0002.png", "codes.npy", "grid.png",
+                                                        "run.json"]
+    codes = np.load(folder / "codes.npy")
+    assert codes.dtype == np.int64 and np.array_equal(codes, out.codes.numpy())
+    assert json.loads((folder / "run.json").read_text())["settings"] == out.settings
+    for i, image in enumerate(digits.decode(codes)):
+        assert image.tobytes() == out.images[i].tobytes()
+        with Image.open(folder / f"{i:04d}.png") as png:
+            assert png.tobytes() == image.tobytes()
+    assert not torch.equal(out.codes[0], out.codes[1])  # power: the rows differ, so order is checked
+    with pytest.raises(LanternError, match=r"^directory: .* is not empty; pass overwrite to replace it"):
+        out.save(folder)
+    out.save(folder, grid=False, overwrite=True)
+    assert not (folder / "grid.png").exists() and (folder / "0002.png").exists()
+    for codes_in, message in ((codes[:, :10], r"codes must be an \[N, 64\] integer array"),
+                              (codes.astype(np.float32), r"codes must be an \[N, 64\] integer array"),
+                              (codes + 100_000, r"codes must be image tokens 0\.\.")):
+        with pytest.raises(LanternError, match=message):
+            digits.decode(codes_in)
+
+
 def test_a_tree_is_also_given_by_its_choices(digits: lantern.Pipeline) -> None:
     """``tree=[[0], [1], [0, 0]]``: a static tree of that shape (what ``tree="auto"`` may choose, which
     no name spells: its settings record the choices so that a call can take them back). A chain
