@@ -25,7 +25,7 @@ from lantern.methods import METHOD_SETTINGS, METHOD_TABLE
 from lantern.targets.llamagen_stack import preset_dir
 from lantern.testing import make_tiny_chameleon_folder
 
-CONFIG_KEYS = ("seed", "batch_size", "device", "deterministic", "sampling", "method")
+CONFIG_KEYS = ("seed", "batch_size", "device", "deterministic", "hardware", "sampling", "method")
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +334,10 @@ def test_outputs_compare_print_and_take_what_their_types_say(digits: lantern.Pip
     b = digits(labels=[0, 1, 2], method="sd", seed=1)
     assert torch.equal(a.codes, b.codes) and a.settings == b.settings
     assert a == a and a != b  # identity, never a tensor comparison
+    # what decided the floats besides the settings (an audit: two runs.json of the same command, one
+    # under forced AVX2 kernels, differed in an image and in nothing they recorded)
+    assert a.config["hardware"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert a.config["hardware"]["torch"] == torch.__version__ and a.config["hardware"]["name"]
     text = repr(a)
     assert "\n" not in text, text
     assert text.startswith("PipelineOutput(3 images 32x32, codes [3, 64], method='sd', seed=1, "), text
