@@ -414,6 +414,24 @@ def test_a_tree_is_also_given_by_its_choices(digits: lantern.Pipeline) -> None:
             digits(labels=[1], method="sd", tree=tree)
 
 
+def test_the_command_line_takes_a_tree_as_its_choices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tree '[[0], [1], [0, 0]]'``: run.json records a ``--tree auto`` pick that no name spells as
+    its choices (``static:auto_<hash>`` was refused as an unknown tree), which ``--tree`` now takes."""
+    from lantern.cli.main import main
+
+    base = ["generate", "--model", "digits", "--labels", "1,2", "--method", "sd", "--seed", "3", "--no-progress"]
+    assert main([*base, "--tree", "[[0], [1], [0, 0]]", "--out", str(tmp_path / "a")]) == 0
+    run = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert run["method"]["tree"]["choices"] == [[0], [1], [0, 0]]
+    again = ["--tree", json.dumps(run["method"]["tree"]["choices"]), "--out", str(tmp_path / "b")]
+    assert main([*base, *again]) == 0
+    assert np.array_equal(np.load(tmp_path / "a" / "codes.npy"), np.load(tmp_path / "b" / "codes.npy"))
+    capsys.readouterr()
+    assert main([*base, "--tree", "[[0],", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lantern: error: --tree [[0],: expected a JSON list of choices") and err.count("\n") == 1
+
+
 def test_a_jacobi_window_of_auto_is_measured_as_tree_auto(digits: lantern.Pipeline) -> None:
     """``sjd_window="auto"`` was refused ("must be an integer >= 1") though ``--sjd-window auto``
     works and the docs give every setting one name (a probe, 2026-11-30)."""

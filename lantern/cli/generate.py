@@ -113,8 +113,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tree",
         default=None,
-        help="draft tree: dynamic | static:NAME (e.g. static:naive_extend_57) | chain:N | auto (default per method); "
-        "auto measures this device and the drafter's acceptance, then picks the fastest static tree",
+        help="draft tree: dynamic | static:NAME (e.g. static:naive_extend_57) | chain:N | auto (default per method) "
+        "| its choices as JSON, '[[0], [1], [0, 0]]' (run.json's method.tree.choices); auto measures this device "
+        "and the drafter's acceptance, then picks the fastest static tree",
     )
     p.add_argument(
         "--profile", default=None, help="with --tree auto: a profile.json from `lantern profile` (default: measure now)"

@@ -260,6 +260,19 @@ class TreeConfig:
             check(not self.choices, f"a {self.kind} tree takes no choices")
 
     @classmethod
+    def _from_json(cls, spec: str) -> TreeConfig:
+        import json
+
+        from lantern.errors import LanternError
+
+        try:
+            choices = json.loads(spec)
+            return cls.from_choices(choices, prefix="custom")
+        except (ValueError, LanternError) as e:  # (JSONDecodeError is a ValueError)
+            raise LanternError(f"--tree {spec[:60]}: expected a JSON list of choices, each a path of child ranks "
+                               f"like [[0], [1], [0, 0]] ({e})", field="tree") from None
+
+    @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]], prefix: str = "auto") -> TreeConfig:
         """A static tree of any shape, named ``PREFIX_<hash of the shape>`` (its ``--tree`` form,
         ``static:PREFIX_<hash>``, is for display and records only: run.json holds the choices)."""
@@ -279,6 +292,8 @@ class TreeConfig:
             raise LanternError(f"--tree must be a string (none, dynamic, chain:N or static:NAME), got {spec!r} "
                                f"({type(spec).__name__})", field="tree")
         spec = spec.strip()
+        if spec.startswith("["):  # a shape as its choices, '[[0], [1], [0, 0]]': what run.json records of --tree auto
+            return cls._from_json(spec)
         if spec in ("none", "ar"):
             return cls(kind="none")
         if spec == "dynamic":
