@@ -68,7 +68,6 @@ from lantern.decoding.config import (
     TreeConfig,
     check_tree_nodes,
 )
-from lantern.decoding.trees import STATIC_TREES
 from lantern.errors import LanternError, check, first_given
 
 DEFAULT_STATIC_TREE = "naive_extend_57"  # LANTERN++'s effective tree for LlamaGen ([LANTERN code])
@@ -509,6 +508,8 @@ def _tree_of_choices(choices: Sequence[Any]) -> TreeConfig:
 def tree_setting(tree: TreeConfig) -> str | list[list[int]]:
     """A tree as a call takes it back: its ``--tree`` form, or, for a shape no name spells (what
     ``tree="auto"`` may choose), its choices."""
+    from lantern.decoding.trees import STATIC_TREES  # (imports torch: not at the command line's start)
+
     if tree.kind == "static" and tree.name not in STATIC_TREES:
         return [list(c) for c in tree.choices]
     return tree.spec
