@@ -381,8 +381,10 @@ def _make_caption_drafter_data(args: argparse.Namespace, out: Any) -> int:
     flag, unit = ("--prompts", "prompt") if args.prompts is not None else ("--images", "image")
     codes_only = [name for name, value in (("--source", args.source != "real"), ("--num-generated", args.num_generated),
                                            ("--max-sequences", args.max_sequences is not None)) if value]
-    check(not codes_only, f"{codes_only[0] if codes_only else ''} is used with --codes; with --prompts every row is "
-                          "self-generated (--num-per-prompt sets how many)")
+    rows_are = ("self-generated (--num-per-prompt sets how many)" if flag == "--prompts"
+                else "one of the folder's images")
+    check(not codes_only, f"{codes_only[0] if codes_only else ''} is used with --codes; with {flag} every row is "
+                          f"{rows_are}")
     if flag == "--images":  # real images: nothing is sampled
         sampled = [name for name in PROMPT_ONLY if name not in ("--eval-prompts", "--t5")
                    and getattr(args, name[2:].replace("-", "_")) is not None]
