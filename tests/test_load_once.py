@@ -145,8 +145,11 @@ def test_tree_auto_reads_the_drafter_once_and_measures_once(reads: Reads, monkey
     assert measured == []
     # The settings hold the tree auto chose, not "auto": sent back, the same codes, nothing measured
     # (an audit, 2026-11-30: the replay measured again, chose another tree and gave other codes)
-    tree = out.config["auto_tree"]["tree"]
-    assert out.settings["tree"] in (tree, out.config["auto_tree"]["choices"]) and out.settings["tree"] != "auto"
+    chosen = out.config["auto_tree"]
+    if out.settings["method"] == "ar":  # this machine's timing found AR fastest: the run decoded as AR
+        assert "tree" not in out.settings
+    else:
+        assert out.settings["tree"] in (chosen["tree"], chosen["choices"]) and out.settings["tree"] != "auto"
     replay = pipe(labels=[3], **out.settings)
     assert measured == [] and torch.equal(replay.codes, out.codes) and replay.settings == out.settings
     for other in ({"batch_size": 2}, {"batch_size": 1, "temperature": 0.5}):
