@@ -203,7 +203,7 @@ def test_busy_cores_counts_from_an_earlier_reading_without_waiting(monkeypatch: 
         seen = machine.busy_cores(0.25, since=since)
         assert slept == []
         machine.busy_cores(0.25, since=machine.read_machine())
-        assert len(slept) == 1 and 0.2 < slept[0] <= 0.25
+        assert len(slept) == 1 and 0 < slept[0] <= 0.25  # the rest of the quarter second (less on a busy machine)
     finally:
         spinner.kill()
         spinner.wait()
