@@ -109,9 +109,10 @@ def run_config(seed: int, batch_size: int, device: str, sampling: SamplingConfig
                method: MethodConfig, *, deterministic: bool = False) -> dict[str, Any]:
     """The resolved configuration of a run, as ``run.json`` records it and ``PipelineOutput.config`` holds it."""
     return {"seed": seed, "batch_size": batch_size, "device": str(device), "deterministic": deterministic,
-            "hardware": hardware_record(str(device)), "sampling": sampling.to_dict(), "method": method.to_dict()}
+            "hardware": dict(hardware_record(str(device))), "sampling": sampling.to_dict(), "method": method.to_dict()}
 
 
+@functools.cache  # fixed for the process (torch and MKL pick their kernels once): not read at every call
 def hardware_record(device: str) -> dict[str, str]:
     """What decided a run's floats besides its settings: the device's hardware, the CPU kernels torch
     dispatched to (``ATEN_CPU_CAPABILITY`` forces them; MKL's own ``MKL_ENABLE_INSTRUCTIONS``, when
@@ -122,7 +123,7 @@ def hardware_record(device: str) -> dict[str, str]:
     record = {"name": device_name(device), "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
               "torch": torch.__version__}
     mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
-    return record | ({"mkl_instructions": mkl} if mkl else {})
+    return record | ({"mkl_instructions": mkl} if mkl else {})  # (run_config copies it: a config is its caller's)
 
 
 def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
