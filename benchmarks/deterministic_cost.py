@@ -2,13 +2,16 @@
 a deterministic pipeline, side by side in one process, in rotating order (drift hits both alike).
 
     python benchmarks/deterministic_cost.py --model photos --methods ar,lantern++,sjd-coupled \
-        --batch-sizes 1,8 --images 8 --repeats 3 [--compile default] [--no-single-calls] [--smallest-calls]
+        --batch-sizes 1,8 --images 8 --repeats 3 [--compile default] [--no-single-calls] [--smallest-calls] \
+        [--fused-attention]
 
 Prints, per method and batch size, the median wall seconds per image of each mode and their ratio.
 ``--no-single-calls`` adds a deterministic pipeline whose layers pad every call to a multiple of
 their smallest chunk (how the mode chunked rows before the single-call sizes were probed on a
 CPU), ``--smallest-calls`` one held to its smallest chunk alone (before larger calls were
-probed), to show what each saves.
+probed), ``--fused-attention`` one whose attention is one fused call over the cache the tree
+needs (the mode before its attention was held to probed shapes: batch-invariant, but a query's
+bits then follow the query count and the cache length), to show what each saves.
 Run it alone on the machine: timings on a busy machine lie.
 """
 
@@ -35,6 +38,16 @@ def held_to(pipe: lantern.Pipeline, smallest_only: bool) -> lantern.Pipeline:
     return pipe
 
 
+def fused_attention(pipe: lantern.Pipeline) -> lantern.Pipeline:
+    """``pipe`` with every attention layer back to one fused call (and so its caches back to the
+    length the tree needs: ``key_granule`` reads the layers)."""
+    for net in (pipe.stack.network(), pipe.drafter):
+        for layer in [] if net is None else net.modules():
+            if hasattr(type(layer), "attention_calls"):
+                layer.attention_calls = None
+    return pipe
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="photos")
@@ -46,13 +59,17 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="as lantern.load (float32: the server's default)")
     p.add_argument("--no-single-calls", action="store_true")
     p.add_argument("--smallest-calls", action="store_true")
+    p.add_argument("--fused-attention", action="store_true")
     args = p.parse_args()
-    variants = {"no single calls": args.no_single_calls, "smallest calls": args.smallest_calls}
+    variants = {"no single calls": args.no_single_calls, "smallest calls": args.smallest_calls,
+                "fused attention": args.fused_attention}
     pipes = {mode: lantern.load(args.model, compile=args.compile, dtype=args.dtype, deterministic=mode != "default")
              for mode in ("default", "deterministic", *(v for v, asked in variants.items() if asked))}
     for v in ("no single calls", "smallest calls"):
         if v in pipes:
             held_to(pipes[v], smallest_only=v == "smallest calls")
+    if "fused attention" in pipes:
+        fused_attention(pipes["fused attention"])
     modes = list(pipes)
     labels = [i % (pipes["default"].stack.num_classes or 1) for i in range(args.images)]
     print(f"{'method':<12} {'batch':>5} " + " ".join(f"{m + ' s/img':>20} {'ratio':>6}" for m in modes))

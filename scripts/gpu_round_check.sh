@@ -7,8 +7,8 @@
 #   STAGES=targets-b1,trace BUDGET=300 bash scripts/gpu_round_check.sh
 #   DEVICE=cpu COMPILE=off QUICK=1 bash scripts/gpu_round_check.sh   # a dry run of the plumbing here
 # Stages run in the order below whatever STAGES lists. Still to measure after 2026-11-27's H200 run
-# (benchmarks/RESULTS.md): STAGES=env,decodes,gpt-xl-b1,invariance-det,invariance-layers,sizes,windows,chameleon-7b,
-# chameleon-7b-released.
+# (benchmarks/RESULTS.md): STAGES=env,decodes,gpt-xl-b1,invariance-det,greedy,invariance-layers,sizes,windows,
+# chameleon-7b,chameleon-7b-released.
 # The GPU machines carry their own torch: lantern runs from the checkout (PYTHONPATH), and what the
 # server needs beyond their image (FastAPI, uvicorn, pydantic) travels as wheels in .whl/ (name
 # .whl in the device tool's carry; keep it out of git with .git/info/exclude), fetched here by
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-round}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${BUDGET:-540}
-STAGES=${STAGES:-env,targets-b1,trace,decodes,gpt-xl-b1,serve,invariance-det,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b,chameleon-7b-released}
+STAGES=${STAGES:-env,targets-b1,trace,decodes,gpt-xl-b1,serve,invariance-det,greedy,invariance-layers,sizes,windows,targets-b1-more,targets-b8,invariance,chameleon-7b,chameleon-7b-released}
 DEVICE=${DEVICE:-cuda}
 COMPILE=${COMPILE:-auto}
 QUICK=${QUICK:-0}
@@ -89,6 +89,10 @@ stage serve 150 330 env TORCH_LOGS=recompiles "$PY" benchmarks/serve_load.py --m
 stage invariance-det 40 150 "$PY" benchmarks/batch_invariance.py --model photos --device "$DEVICE" --dtype auto \
   --compile "$COMPILE" --deterministic --images "$INV" --methods ar,lantern++,sjd-coupled --batch-sizes "$B8" \
   --out "$WORK/invariance-deterministic.json"
+# greedy lossless methods against greedy AR, row by row, default and deterministic (whose attention
+# calls the kernel at probed query counts and cache lengths): bf16 on the CPU parted 7 of 8 sd rows
+stage greedy 40 150 "$PY" benchmarks/greedy_equality.py --model photos --device "$DEVICE" --dtype auto \
+  --compile off --images "$B8" --methods sd,sjd,sjd-coupled --out "$WORK/greedy.json"
 # where the deterministic mode's AR still depends on the batch on CUDA (7/16 images on 2026-11-27):
 # the first module whose input or output differs for one image alone and in a batch (eager, bf16),
 # then the same images eager, end to end (compiled was measured above: eager against compiled

@@ -50,6 +50,7 @@ from lantern.models.hf_folder import (
     indexed_shards,
     load_pretrained,
 )
+from lantern.models.invariant import AttentionCalls
 
 if TYPE_CHECKING:  # transformers is an optional extra: import it only where a Chameleon is loaded
     from transformers import ChameleonForConditionalGeneration, ChameleonVQVAEConfig
@@ -181,6 +182,7 @@ class ChameleonLM(nn.Module):
     """A transformers Chameleon decoder run over lantern's static KV cache, in code space."""
 
     image_ids: Tensor  # a buffer [V_codes]: each code's BPE id
+    attention_calls: AttentionCalls | None = None  # batch-invariant mode's (lantern.models.invariant)
 
     def __init__(self, hf_model: ChameleonForConditionalGeneration, num_codes: int | None = None) -> None:
         super().__init__()
@@ -244,7 +246,7 @@ class ChameleonLM(nn.Module):
         k = k.reshape(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, kv_start=kv_start)
+        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, kv_start=kv_start, calls=self.attention_calls)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
     def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,

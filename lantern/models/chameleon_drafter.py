@@ -39,6 +39,7 @@ from lantern.decoding.cache import KVCache
 from lantern.errors import LanternError, check
 from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict, read_json, save_safetensors
 from lantern.models.drafter import DrafterMLP, EagleModule, cached_attention
+from lantern.models.invariant import AttentionCalls
 from lantern.models.llamagen import RMSNorm
 
 RELEASED_MODEL_TYPE = "chameleon"
@@ -141,6 +142,8 @@ def rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class ReleasedAttention(nn.Module):
+    attention_calls: AttentionCalls | None = None  # batch-invariant mode's (lantern.models.invariant)
+
     def __init__(self, cfg: ReleasedDrafterConfig, layer: int) -> None:
         super().__init__()
         d, h, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -159,7 +162,7 @@ class ReleasedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(n, t, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(n, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
-        return self.o_proj(cached_attention(q, k, v, mask, cache, slots, self.layer))
+        return self.o_proj(cached_attention(q, k, v, mask, cache, slots, self.layer, calls=self.attention_calls))
 
 
 class ReleasedLayer(nn.Module):

@@ -37,6 +37,8 @@ from lantern.io import (
     read_json_object,
     save_model_folder,
 )
+from lantern.models.attention import attend
+from lantern.models.invariant import AttentionCalls
 from lantern.models.llamagen import LlamaGenConfig, RMSNorm, apply_rope, keep_rope_float32, rope_table_1d, rope_table_2d
 
 MODEL_TYPE = "lantern-eagle-drafter"
@@ -132,6 +134,8 @@ class DrafterConfig:
 
 
 class DrafterAttention(nn.Module):
+    attention_calls: AttentionCalls | None = None  # batch-invariant mode's (lantern.models.invariant)
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         d, h, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
@@ -153,11 +157,11 @@ class DrafterAttention(nn.Module):
         q = apply_rope(self.q_proj(x).view(n, t, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(self.k_proj(x).view(n, t, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
         v = self.v_proj(x).view(n, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        return self.o_proj(cached_attention(q, k, v, mask, cache, slots))
+        return self.o_proj(cached_attention(q, k, v, mask, cache, slots, calls=self.attention_calls))
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCache | None = None,
-                     slots: Tensor | None = None, layer: int = 0) -> Tensor:
+                     slots: Tensor | None = None, layer: int = 0, calls: AttentionCalls | None = None) -> Tensor:
     """Attention of q [N, H, T, Dh] over k / v [N, Hkv, T, Dh], first written to ``cache`` at
     ``slots`` and read back with everything before them; key/value heads are shared by groups of
     query heads. mask [N, T, S] bool. Returns [N, T, H * Dh]."""
@@ -170,7 +174,7 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCac
     if k.shape[1] != h:
         rep = h // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    out = attend(q, k, v, mask, calls=calls)
     return out.transpose(1, 2).reshape(n, t, -1)
 
 

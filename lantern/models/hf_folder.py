@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern.decoding.cache import KVCache
 from lantern.errors import TRANSFORMERS_LOAD_ERRORS, LanternError, check
+from lantern.models.attention import attend
+from lantern.models.invariant import AttentionCalls
 
 # model_type values of releases that need their authors' own code package (DeepSeek's original Janus)
 ORIGINAL_MODEL_TYPES = ("multi_modality",)
@@ -233,7 +234,7 @@ class _Report(logging.Handler):
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCache, layer_idx: int, slots: Tensor,
-                     scale: float | None = None, kv_start: int = 0) -> Tensor:
+                     scale: float | None = None, kv_start: int = 0, calls: AttentionCalls | None = None) -> Tensor:
     """Attention of the queries over lantern's cache: the new keys and values ([N, Hkv, T, Dh],
     rotated) are written at per-row ``slots`` first, then every query reads the ``mask.shape[-1]``
     slots from ``kv_start`` on under ``mask`` [N, T, S] (grouped heads repeated). -> [N, H, T, Dh]."""
@@ -243,7 +244,7 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cache: KVCac
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    return attend(q, k, v, mask, scale=scale, calls=calls)
 
 
 class CachedDecoder(nn.Module):
@@ -256,6 +257,7 @@ class CachedDecoder(nn.Module):
 
     lm: Any
     config: Any
+    attention_calls: AttentionCalls | None = None  # batch-invariant mode's (lantern.models.invariant)
 
     def _set_decoder(self, lm: nn.Module, text_config: Any) -> None:
         self.lm, self.config = lm, text_config
@@ -285,7 +287,8 @@ class CachedDecoder(nn.Module):
         k = attn.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, scale=attn.scaling, kv_start=kv_start)
+        out = cached_attention(q, k, v, mask, cache, layer_idx, slots, scale=attn.scaling, kv_start=kv_start,
+                               calls=self.attention_calls)
         return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
     def forward_cached(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, cache: KVCache,

@@ -1,4 +1,5 @@
-"""Batch-invariant linear layers: every matmul call runs at a row count known to give a row the same bits.
+"""Batch-invariant linear layers and attention: every matmul and attention call runs at a shape known
+to give a row the same bits.
 
 Why: a BLAS picks its kernel, its blocking and its thread split from the matrix shape. On x86
 MKL's AVX2 sgemm (what MKL runs on AMD EPYC, and on Intel with ``MKL_ENABLE_INSTRUCTIONS=AVX2``)
@@ -23,8 +24,13 @@ an Intel Xeon fails at 8 (rows 6 and 7 sit in an edge tile) and passes at 16; on
 layer, and every multiple of 8 up to 256 rows gives the 8-row bits; on a Zen 5 EPYC float32 keeps
 4 and 12 to 64 rows and bf16 every size, so the answer is the probe's, never a table's.
 
+Attention is held the same way (:class:`AttentionCalls`, :func:`lantern.models.attention.attend`):
+the kernel blocks its query and key axes by their lengths, so a query would round apart in a
+verified tree and in an AR step; see "attention" below.
+
 Cost: one to three calls per layer where the native kernel makes one, plus the padding (a batch-1
-AR step's 2 rows take an 8-row call where no smaller size gives them its bits), which is why this
+AR step's 2 rows take an 8-row call where no smaller size gives them its bits; its one query a
+4-query attention call over a cache of whole 512-key blocks), which is why this
 is a mode (``lantern.load(..., deterministic=True)``, the server's default) and not always on:
 docs/DESIGN.md, "Batch invariance".
 """
@@ -33,7 +39,9 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -181,7 +189,7 @@ def _probe_threads() -> list[int]:
     return sorted({1, torch.get_num_threads(), max(1, min(os.cpu_count() or 1, 64))})
 
 
-def _at_every_thread_count(check: Callable[[], bool]) -> bool:
+def at_every_thread_count(check: Callable[[], bool]) -> bool:
     before = torch.get_num_threads()
     try:
         for threads in _probe_threads():
@@ -198,10 +206,10 @@ def _probe(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[
     w = _randn(gen, weight, *weight.shape)
     b = None if bias is None else _randn(gen, bias, *bias.shape)
     smallest = next(r for r in candidate_rows(weight.device)
-                    if r == 1 or _at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
+                    if r == 1 or at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
 
     def same(r: int) -> bool:
-        return _at_every_thread_count(functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))
+        return at_every_thread_count(functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))
 
     larger = [r for r in larger_calls(smallest, largest_call_rows(weight.device)) if same(r)]
     single = [r for r in single_calls(smallest, weight.device) if r in larger or same(r)]
@@ -236,6 +244,221 @@ def _probed_sizes(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...],
     return _probed[key]
 
 
+# ---- attention ----------------------------------------------------------------------------------
+# A fused attention kernel blocks the query and key axes by their lengths: measured with ATen's
+# CPU kernel, a query's output took other bits in a call of 4 queries than alone (about 1 head-row
+# in 100 in bfloat16, every one in float32 at 1,100 keys), and in a call over 7 more keys, masked:
+# a tree round (many queries, a cache sized for the tree) and an AR step (one query, a smaller
+# cache) then rounded a position apart, and in bfloat16 7 of 8 greedy `sd` rows on `digits` left
+# greedy AR. Batch-invariant attention calls the kernel at query counts and key counts a probe
+# found to give a query one result (:class:`AttentionCalls`, :func:`lantern.models.attention.attend`).
+
+# Key-axis granules tried, smallest first: a cache's length is rounded up to a multiple (masked
+# keys). ATen's CPU kernel cuts the keys into blocks of 512 and sums a block's keys in an order
+# that follows the block's length: over a cache one 256-key granule longer, a float32 query whose
+# keys end at 700 took other bits in every (head, query) output, a bfloat16 one in 0.2-0.6 % of
+# them at granules of 64 and 128 (too rare for a probe to be sure to see), none at 512.
+KEY_GRANULES = (512, 1024)
+CUDA_KEY_GRANULES = (64, 128, 256, 512, 1024)
+# Query counts tried for the smallest call. On a GPU a call of 64 queries costs what one of 1 does.
+ATTENTION_QUERY_CANDIDATES = (4, 8, 16, 2, 1)
+CUDA_ATTENTION_QUERY_CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
+# Batch sizes at which a row's result is checked against its result alone; CUDA's kernels pick
+# their split of the keys by batch x heads (FlashAttention's split-KV heuristic), ATen's CPU one
+# runs each (row, head, query block) alone.
+ATTENTION_ROW_COUNTS = (2, 3, 8)
+
+
+@dataclass(frozen=True)
+class AttentionCalls:
+    """How batch-invariant attention calls its kernel on one device, dtype and head shape.
+
+    ``queries``: the query counts of a call, smallest first (each a multiple of the first; a
+    forward's queries are zero-padded to a multiple of it and cut by :func:`call_sizes`).
+    ``keys``: the key-axis granule; a cache holds a multiple of it (:func:`key_granule`), so that
+    a cache sized for a larger tree only adds whole blocks of masked keys, which leave a query's
+    bits alone. ``rows_free``: whether a call may hold any number of rows (else one row per call)."""
+
+    queries: tuple[int, ...]
+    keys: int
+    rows_free: bool
+
+
+def _probe_key_ends(granule: int) -> tuple[int, ...]:
+    """Where the probe's queries' own keys end: inside the first three granules (so that the fewest
+    granules holding them are 1 to 3 of them, odd and even counts) and at lengths that end inside
+    the blocks a kernel cuts the key axis into (ATen's CPU kernel: 512 keys; measured in float32, a
+    query whose keys end at 700 took other bits over 768 keys than over 1,024)."""
+    return (granule // 2 + 1, granule + granule // 3, 2 * granule + granule // 5, 333, 777)
+
+
+@dataclass
+class _AttentionCase:
+    """A query, its mask (its keys end at ``real``, some before masked) and random keys and values,
+    tried over caches of several multiples of a granule: the fewest that hold its keys, then 1 and 2
+    granules more, all masked (a cache sized for a larger tree)."""
+
+    q: Tensor  # [H, Dh]
+    k: Tensor  # [H, S_max, Dh]
+    v: Tensor
+    mask: Tensor  # [S_max] bool
+    key_counts: tuple[int, ...]
+    gen: torch.Generator
+
+    @classmethod
+    def random(cls, gen: torch.Generator, heads: int, head_dim: int, like: Tensor, granule: int,
+               real: int) -> _AttentionCase:
+        fit = round_up(real, granule)
+        key_counts = (fit, fit + granule, fit + 2 * granule)
+        k, v = (_randn(gen, like, heads, key_counts[-1], head_dim) for _ in range(2))
+        mask = torch.rand(key_counts[-1], generator=gen) < 0.8
+        mask[0], mask[real:] = True, False
+        return cls(_randn(gen, like, heads, head_dim), k, v, mask.to(like.device), key_counts, gen)
+
+    def outputs(self, queries: int, positions: range, keys: int, rows: int = 1, row: int = 0) -> Tensor:
+        """The query's outputs [P, H, Dh] when it sits at each of ``positions`` of one call of
+        ``queries`` queries over the first ``keys`` keys, in row ``row`` of ``rows`` (the other
+        queries, their masks and the other rows random)."""
+        heads, head_dim = self.q.shape
+        q = _randn(self.gen, self.q, rows, heads, queries, head_dim)
+        mask = (torch.rand(rows, 1, queries, keys, generator=self.gen) < 0.8).to(self.mask.device)
+        mask[..., 0] = True
+        q[row, :, positions], mask[row, 0, positions] = self.q[:, None], self.mask[:keys]
+        # other rows: the case's keys and values moved along the key axis (other values, no new draws)
+        k, v = (kv[None, :, :keys] if rows == 1 else torch.stack([kv[:, :keys].roll(i - row, 1) for i in range(rows)])
+                for kv in (self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out[row, :, positions].transpose(0, 1)
+
+    def agrees(self, queries: int, reference: int, key_counts: tuple[int, ...] = ()) -> bool:
+        """Whether the query, at every position of a ``queries``-query call (every other position in
+        each of two calls) and over each of ``key_counts`` keys (default: the case's), gets its bits
+        at position 0 of a ``reference``-query call over the fewest."""
+        want = self.outputs(reference, range(1), self.key_counts[0])
+        spots = [range(0, queries, 2), range(1, queries, 2)]
+        return all(torch.equal(self.outputs(queries, spot, keys), want.expand(len(spot), -1, -1))
+                   for keys in key_counts or self.key_counts for spot in spots if len(spot))
+
+    def heads(self, n: int | None) -> _AttentionCase:
+        """The case with its first ``n`` heads (None: all)."""
+        return _AttentionCase(self.q[:n], self.k[:n], self.v[:n], self.mask, self.key_counts, self.gen)
+
+
+# A kernel's rounding of a query differs only where its sums round apart: measured on ATen's CPU
+# kernel in bfloat16, 0.2-0.6 % of (head, query) outputs over a cache one granule of 64 or 128
+# keys longer, so one check must see thousands. ATen's CPU kernel computes each (row, head, query
+# block) alone, so a head's bits do not depend on the head count: there the probe's heads are
+# samples, 64 of them (4 in a larger call, whose many queries are samples too, and in a batch,
+# which changes no order there). CUDA's kernels choose their split of the keys by batch x heads:
+# there the probe takes the model's heads, and 8 random cases per key end instead (a GPU call
+# costs microseconds).
+_CPU_PROBE_HEADS = 64
+_CPU_FEW_HEADS = 4
+_CUDA_PROBE_TRIALS = 8
+
+
+def _probe_attention(heads: int, head_dim: int, like: Tensor) -> AttentionCalls:
+    gen = torch.Generator().manual_seed(0)
+    trials = 1
+    if like.device.type == "cpu":
+        heads = _CPU_PROBE_HEADS
+    else:
+        trials = _CUDA_PROBE_TRIALS
+    candidates = CUDA_ATTENTION_QUERY_CANDIDATES if like.device.type == "cuda" else ATTENTION_QUERY_CANDIDATES
+    # Fewer calls first, then fewer masked keys: a granule of 512 adds at most 511 keys to a cache
+    # of hundreds to thousands, where one query per call would multiply a round's calls by its size.
+    for smallest in candidates:
+        for granule in CUDA_KEY_GRANULES if like.device.type == "cuda" else KEY_GRANULES:
+            cases = [_AttentionCase.random(gen, heads, head_dim, like, granule, real)
+                     for real in _probe_key_ends(granule) for _ in range(trials)]
+
+            def agree(c: list[_AttentionCase] = cases, q: int = smallest) -> bool:
+                return all(case.agrees(q, q) for case in c)
+
+            if at_every_thread_count(agree):
+                return _calls_from(cases, granule, smallest, like.device)
+    warnings.warn(f"attention on {like.device} ({like.dtype}, {heads} x {head_dim}) gave a query other bits at "
+                  f"every key granule up to {KEY_GRANULES[-1]}: batch-invariant mode calls it one query and one "
+                  "row at a time, and a cache sized for another tree may still change a query's last bits",
+                  stacklevel=2)
+    return AttentionCalls((1,), KEY_GRANULES[-1], False)
+
+
+def _calls_from(cases: list[_AttentionCase], granule: int, smallest: int, device: torch.device) -> AttentionCalls:
+    """The calls once ``smallest`` queries passed at ``granule``: the larger query counts that give
+    a query its bits in the smallest call (two cases whose keys fit in two granules, over one
+    granule more), and whether a row's output is its output alone in a batch of each of
+    ``ATTENTION_ROW_COUNTS``."""
+    short = [case.heads(_CPU_FEW_HEADS if device.type == "cpu" else None)
+             for case in cases if case.key_counts[0] <= 2 * granule][:2]
+
+    def same(r: int) -> bool:
+        return all(case.agrees(r, smallest, case.key_counts[1:2]) for case in short)
+
+    def alone_in_a_batch(case: _AttentionCase, rows: int, row: int) -> bool:
+        keys = case.key_counts[1]
+        return torch.equal(case.outputs(smallest, range(1), keys, rows, row), case.outputs(smallest, range(1), keys))
+
+    larger = [r for r in larger_calls(smallest, largest_call_rows(device))
+              if at_every_thread_count(functools.partial(same, r))]
+    rows_free = all(alone_in_a_batch(case, rows, row)
+                    for case in short for rows in ATTENTION_ROW_COUNTS for row in range(rows))
+    return AttentionCalls((smallest, *larger), granule, rows_free)
+
+
+# (heads, head dim, dtype, device) -> AttentionCalls, found once per process
+_probed_attention: dict[tuple[Any, ...], AttentionCalls] = {}
+
+
+@torch.no_grad()
+def attention_calls(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionCalls:
+    """The :class:`AttentionCalls` of this device's ``F.scaled_dot_product_attention`` for one
+    head shape and dtype: the smallest key granule (of ``KEY_GRANULES``) and query count at which a
+    query's output is the same at every position of a call and over one, two or four granules of
+    keys (those past its own masked), the larger query counts that give it the same bits, and
+    whether a row's output is the same in a batch (checked at every thread count of
+    :func:`_probe_threads`; cached per process; on a CPU run in a thread of its own)."""
+    key = (heads, head_dim, dtype, device)
+    if key not in _probed_attention:
+        like = torch.empty(0, dtype=dtype, device=device)
+        probe = functools.partial(_probe_attention, heads, head_dim, like)
+        _probed_attention[key] = in_a_thread_that_ends(probe) if device.type == "cpu" else probe()
+    return _probed_attention[key]
+
+
+class AttentionModule(Protocol):
+    """A module that computes attention (lantern's LlamaGen layer, a cached decoder, a drafter layer):
+    ``attention_calls`` is None in the default mode."""
+
+    n_head: int
+    head_dim: int
+    attention_calls: AttentionCalls | None
+
+
+def key_granule(module: Modular) -> int:
+    """The key granule a cache for ``module`` must be a multiple of: the largest of its attention
+    layers' (1 in the default mode)."""
+    return max([calls.keys for sub in module.modules()
+                if (calls := getattr(sub, "attention_calls", None)) is not None], default=1)
+
+
+def round_up(n: int, granule: int) -> int:
+    return -(-n // granule) * granule
+
+
+def _set_attention_calls(module: nn.Module, enabled: bool) -> None:
+    """Probe (or clear) the calls of a module whose class declares ``attention_calls``."""
+    if not hasattr(type(module), "attention_calls"):
+        return
+    layer = cast(AttentionModule, module)
+    if not enabled:
+        layer.attention_calls = None
+        return
+    weight = next(module.parameters())
+    dtype = getattr(module, "dtype", weight.dtype)  # a decoder's own (a wrapped VQ model may keep float32)
+    layer.attention_calls = attention_calls(layer.n_head, layer.head_dim, dtype, weight.device)
+
+
 class RowChunkedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is :func:`chunked_linear`; same parameters and state dict.
 
@@ -253,6 +476,7 @@ def make_batch_invariant(module: nn.Module, enabled: bool = True) -> nn.Module:
     """Turn every ``nn.Linear`` inside ``module`` into a :class:`RowChunkedLinear` (or back, with
     ``enabled=False``). In place; returns ``module``."""
     for sub in module.modules():
+        _set_attention_calls(sub, enabled)
         if enabled and type(sub) is nn.Linear:
             layer = cast(RowChunkedLinear, sub)  # (one, swapped next)
             layer.invariant_chunks = invariant_chunks(sub.weight, sub.bias)

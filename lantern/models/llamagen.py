@@ -39,6 +39,8 @@ from lantern.io import (
     read_json_object,
     save_model_folder,
 )
+from lantern.models.attention import attend
+from lantern.models.invariant import AttentionCalls
 
 MODEL_TYPE = "lantern-llamagen"
 
@@ -254,6 +256,8 @@ class CaptionEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
+    attention_calls: AttentionCalls | None = None  # batch-invariant mode's (lantern.models.invariant)
+
     def __init__(self, cfg: LlamaGenConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
@@ -287,9 +291,8 @@ class Attention(nn.Module):
         if self.n_kv_head != self.n_head:
             rep = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], dropout_p=self.attn_dropout_p if self.training else 0.0
-        )
+        out = attend(q, k, v, mask, calls=self.attention_calls,
+                     dropout_p=self.attn_dropout_p if self.training else 0.0)
         out = out.transpose(1, 2).reshape(n, t, -1)
         return self.resid_dropout(self.wo(out))
 

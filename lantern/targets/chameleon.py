@@ -53,7 +53,7 @@ from lantern.decoding.sampling import apply_cfg
 from lantern.decoding.trees import TreeBuffers
 from lantern.errors import LanternError, check
 from lantern.models.chameleon import ChameleonLM, ImageLayout
-from lantern.models.invariant import is_batch_invariant
+from lantern.models.invariant import is_batch_invariant, key_granule, round_up
 
 if TYPE_CHECKING:
     from lantern.models.emu3 import Emu3LM
@@ -344,7 +344,8 @@ class ChameleonTarget:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _cache_len(self, context: int) -> int:
-        return context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1
+        # batch-invariant attention: a whole number of the kernel's key blocks, whatever the tree
+        return round_up(context + self._max_model_tokens() + 2 * self.max_tree_nodes + 1, key_granule(self.model))
 
     def cache_bytes(self, batch: int) -> int:
         """Bytes of the key/value cache :meth:`start` allocates for ``batch`` prompts (each padded

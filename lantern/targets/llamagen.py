@@ -24,6 +24,7 @@ from lantern.decoding.pjd import commit_cells, grid_positions, grid_verify_mask
 from lantern.decoding.sampling import apply_cfg
 from lantern.decoding.trees import TreeBuffers
 from lantern.errors import LanternError, check
+from lantern.models.invariant import key_granule, round_up
 from lantern.models.llamagen import LlamaGen
 
 
@@ -85,7 +86,8 @@ class LlamaGenTarget:
 
     def _cache_len(self) -> int:
         cfg = self.model.config
-        return cfg.cls_token_num + cfg.block_size + self.max_tree_nodes + 1
+        # batch-invariant attention: a whole number of the kernel's key blocks, whatever the tree
+        return round_up(cfg.cls_token_num + cfg.block_size + self.max_tree_nodes + 1, key_granule(self.model))
 
     def cache_bytes(self, batch: int) -> int:
         """Bytes of the key/value cache :meth:`start` allocates for ``batch`` images."""

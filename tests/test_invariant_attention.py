@@ -1,0 +1,181 @@
+"""Batch-invariant attention (lantern.models.invariant's probe, lantern.models.attention.attend).
+
+A fused attention kernel blocks its query and key axes by their lengths, so the same query could
+round apart in a verified tree (many queries, a cache sized for the tree) and in an AR step (one
+query, a smaller cache): in bfloat16, 7 of 8 greedy ``sd`` rows on ``digits`` left greedy AR.
+Deterministic mode calls the kernel at query counts and key counts a probe found to give a query
+one result. Here: the end-to-end promise (greedy lossless methods = greedy AR in bfloat16), the
+float-level property on this machine's kernel, and the probe's answers for planted kernels that
+depend on the query count, a query's position, the key count or the batch (each test's power).
+tests/test_capabilities.py runs the ``invariance`` tests again under forced AVX2 kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import lantern
+from lantern.decoding.config import SamplingConfig
+from lantern.methods import METHOD_TABLE
+from lantern.models import invariant
+from lantern.models.attention import attend
+from lantern.models.invariant import AttentionCalls, attention_calls, key_granule
+
+pytestmark = pytest.mark.invariance
+
+LOSSLESS = [m.name for m in METHOD_TABLE.values() if m.lossless and m.name != "ar"]
+LABELS = list(range(8))
+_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.fixture(scope="module")
+def bf16_pipe() -> lantern.Pipeline:
+    return lantern.load("digits", dtype="bfloat16", deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_ar(bf16_pipe: lantern.Pipeline) -> Tensor:
+    return bf16_pipe(labels=LABELS, method="ar", temperature=0, seed=0).codes
+
+
+@pytest.mark.parametrize("method", LOSSLESS)
+def test_greedy_lossless_methods_reproduce_greedy_ar_in_bfloat16(bf16_pipe: lantern.Pipeline, bf16_ar: Tensor,
+                                                                  method: str) -> None:
+    """Token for token, every row (before batch-invariant attention, 7 of 8 ``sd`` rows parted)."""
+    codes = bf16_pipe(labels=LABELS, method=method, temperature=0, seed=0).codes
+    differ = [i for i in range(len(LABELS)) if not torch.equal(codes[i], bf16_ar[i])]
+    assert not differ, f"{method}: rows {differ} left greedy AR"
+
+
+def test_a_deterministic_targets_attention_and_cache_follow_the_probe(bf16_pipe: lantern.Pipeline) -> None:
+    network = bf16_pipe.stack.network()
+    calls = {m.attention_calls for m in network.modules() if hasattr(type(m), "attention_calls")}
+    assert len(calls) == 1 and None not in calls  # every layer: one head shape, one probe
+    granule = key_granule(network)
+    assert granule == next(iter(calls)).keys  # type: ignore[union-attr]
+    for nodes in (1, 60):  # an AR step's cache, and one sized for a 60-node tree
+        target = bf16_pipe.stack.make_target(SamplingConfig(), max_tree_nodes=nodes)
+        target.start(torch.tensor([1]))
+        assert target.cache.max_len % granule == 0
+    default = lantern.load("digits").stack.network()
+    assert key_granule(default) == 1
+    assert all(m.attention_calls is None for m in default.modules() if hasattr(type(m), "attention_calls"))
+
+
+def _random_attention(gen: torch.Generator, rows: int, queries: int, keys: int, dtype: torch.dtype,
+                      heads: int = 4, head_dim: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q [rows, H, queries, Dh], k / v over ``keys`` keys, a mask [rows, queries, keys] whose
+    attended keys end before 300 (the rest of the cache masked)."""
+    q, k, v = (torch.randn(rows, heads, n, head_dim, generator=gen).to(dtype) for n in (queries, keys, keys))
+    mask = torch.rand(rows, queries, keys, generator=gen) < 0.8
+    mask[..., 0], mask[..., 300:] = True, False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries", [5, 13, 40])
+def test_a_query_gets_its_alone_bits_in_any_call_batch_and_cache_length(dtype: torch.dtype, queries: int) -> None:
+    """This machine's kernel through ``attend`` with its probed calls: a query in a call of
+    ``queries`` queries (padded), in a batch of 3, over a cache one or two granules longer, has
+    the bits it has alone, one query over the shortest cache that holds its keys."""
+    calls = attention_calls(4, 64, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(queries)
+    short = invariant.round_up(300, calls.keys)
+    for extra in (1, 2):
+        keys = short + extra * calls.keys
+        q, k, v, mask = _random_attention(gen, 3, queries, keys, dtype)
+        out = attend(q, k, v, mask, calls=calls)
+        for row in range(3):
+            for t in range(queries):
+                alone = attend(q[row : row + 1, :, t : t + 1], k[row : row + 1, :, :short],
+                               v[row : row + 1, :, :short], mask[row : row + 1, t : t + 1, :short], calls=calls)
+                assert torch.equal(out[row, :, t], alone[0, :, 0]), (extra, row, t)
+
+
+def _planted(change: Callable[[Tensor, Tensor], Tensor | bool]) -> Callable[..., Tensor]:
+    """ATen's kernel plus a change of 1e-2 where ``change(q, k)`` (a bool, or a mask over the
+    output's query axis) says so: a kernel whose rounding depends on the call's shape."""
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any) -> Tensor:
+        out = _SDPA(q, k, v, attn_mask=attn_mask, **kw)
+        where = change(q, k)
+        if isinstance(where, Tensor):
+            return out + 1e-2 * where[None, None, :, None].to(out.dtype)
+        return out + 1e-2 if where else out
+
+    return kernel
+
+
+def _probe_with(monkeypatch: pytest.MonkeyPatch, kernel: Callable[..., Tensor]) -> AttentionCalls:
+    monkeypatch.setattr(invariant, "_probed_attention", {})
+    monkeypatch.setattr(invariant.F, "scaled_dot_product_attention", kernel)
+    return attention_calls(2, 16, torch.float32, torch.device("cpu"))
+
+
+def test_the_probe_finds_this_kernels_calls_and_a_real_query_check_fails_without_them() -> None:
+    """The unplanted answer on a CPU: 8 queries (the cheapest candidate), ATen's 512-key blocks or
+    more, and every batch. Power of the float-level test above: without the calls, a float32 query
+    over a cache of 7 more masked keys, or alone against in a call of 8, changes bits somewhere."""
+    calls = attention_calls(4, 64, torch.float32, torch.device("cpu"))
+    assert calls.queries[0] == 8 and calls.keys in invariant.KEY_GRANULES and calls.rows_free
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, mask = _random_attention(gen, 1, 8, 1100, torch.float32, heads=16)
+    full = attend(q, k, v, mask)
+    longer = attend(q, F.pad(k, (0, 0, 0, 7)), F.pad(v, (0, 0, 0, 7)), F.pad(mask, (0, 7)))
+    alone = torch.cat([attend(q[:, :, t : t + 1], k, v, mask[:, t : t + 1]) for t in range(8)], 2)
+    assert not torch.equal(full, longer) or not torch.equal(full, alone)
+
+
+def test_the_probe_drops_query_counts_that_round_a_query_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of 32 or more queries round apart: the probe keeps 8 to 24."""
+    calls = _probe_with(monkeypatch, _planted(lambda q, k: q.shape[2] >= 32))
+    assert calls.queries == (8, 16, 24)
+
+
+def test_the_probe_skips_a_query_count_whose_edge_positions_round_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a call of 8 queries, positions 6 and 7 (an edge tile) round apart: 16 is the smallest call."""
+
+    def edge(q: Tensor, k: Tensor) -> Tensor | bool:
+        t = q.shape[2]
+        return (torch.arange(t) >= 6) if t % 16 == 8 else False
+
+    calls = _probe_with(monkeypatch, _planted(edge))
+    assert calls.queries[0] == 16
+
+
+def test_the_probe_takes_a_granule_of_whole_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose rounding follows the key count unless it is a multiple of 1024: granule 1024."""
+    calls = _probe_with(monkeypatch, _planted(lambda q, k: k.shape[2] % 1024 != 0))
+    assert calls.keys == 1024
+
+
+def test_a_batch_dependent_kernel_gets_one_row_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose rounding changes with the batch: the probe says so, and ``attend`` then gives
+    each row its alone bits (one call per row) where one batched call does not."""
+    kernel = _planted(lambda q, k: q.shape[0] > 1)
+    calls = _probe_with(monkeypatch, kernel)
+    assert not calls.rows_free
+    q, k, v, mask = _random_attention(torch.Generator().manual_seed(1), 3, 5, 2 * calls.keys, torch.float32)
+    out = attend(q, k, v, mask, calls=calls)
+    batched = attend(q, k, v, mask, calls=AttentionCalls(calls.queries, calls.keys, True))
+    for row in range(3):
+        alone = attend(q[row : row + 1], k[row : row + 1], v[row : row + 1], mask[row : row + 1], calls=calls)
+        assert torch.equal(out[row], alone[0]) and not torch.equal(batched[row], alone[0])
+
+
+def test_a_kernel_that_never_agrees_gets_a_warning_and_the_most_careful_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    noisy = torch.Generator().manual_seed(2)
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any) -> Tensor:
+        out = _SDPA(q, k, v, attn_mask=attn_mask, **kw)
+        return out + 1e-2 * torch.rand(out.shape, generator=noisy)
+
+    with pytest.warns(UserWarning, match="other bits at every key granule"):
+        calls = _probe_with(monkeypatch, kernel)
+    assert calls == AttentionCalls((1,), invariant.KEY_GRANULES[-1], False)
