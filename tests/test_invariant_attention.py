@@ -18,14 +18,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_chameleon
 from torch import Tensor
 
 import lantern
+from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
 from lantern.methods import METHOD_TABLE
 from lantern.models import invariant
 from lantern.models.attention import attend
-from lantern.models.invariant import AttentionCalls, attention_calls, key_granule
+from lantern.models.chameleon import ChameleonLM
+from lantern.models.invariant import AttentionCalls, attention_calls, key_granule, make_batch_invariant, round_up
 
 pytestmark = pytest.mark.invariance
 
@@ -179,3 +182,45 @@ def test_a_kernel_that_never_agrees_gets_a_warning_and_the_most_careful_calls(mo
     with pytest.warns(UserWarning, match="other bits at every key granule"):
         calls = _probe_with(monkeypatch, kernel)
     assert calls == AttentionCalls((1,), invariant.KEY_GRANULES[-1], False)
+
+
+def _chameleon_hidden(lm: ChameleonLM, ids: Tensor, prompt: int, keys: int, one_at_a_time: bool) -> Tensor:
+    """The final hidden states [N, L - prompt, D] of ``ids`` after a ``prompt``-token prefill, over
+    a cache of ``keys`` slots: one forward per token (AR steps), or one forward over them all (a
+    verified chain)."""
+    n, length = ids.shape
+    cache = KVCache(lm.n_layer, n, lm.kv_heads, keys, lm.head_dim, lm.dtype, lm.device)
+    pos = torch.arange(length).expand(n, -1)
+
+    def forward(a: int, b: int) -> Tensor:
+        mask = torch.arange(keys)[None, :] <= pos[0, a:b, None]  # causal over the cache's slots
+        return lm.forward_cached(ids[:, a:b], pos[:, a:b], pos[:, a:b], mask.expand(n, -1, -1), cache)
+
+    forward(0, prompt)
+    if one_at_a_time:
+        return torch.cat([forward(i, i + 1) for i in range(prompt, length)], 1)
+    return forward(prompt, length)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_chameleon_decoders_ar_steps_and_chain_forward_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                                          planted: bool) -> None:
+    """A Chameleon-family decoder (transformers' layers over lantern's cache), deterministic:
+    32 tokens one AR step at a time over a cache of the fewest granules equal, bit for bit, one
+    forward over all 32 over a cache one granule longer. Power: a planted kernel that rounds calls
+    of fewer than 4 queries apart makes the default mode's two differ (this machine's float32
+    kernel does too: 96 of 96 positions, measured), and the probe then keeps AR steps at 4."""
+    if planted:
+        monkeypatch.setattr(invariant, "_probed_attention", {})
+        monkeypatch.setattr(invariant.F, "scaled_dot_product_attention", _planted(lambda q, k: q.shape[2] < 4))
+    ids = torch.randint(0, 100, (3, 40), generator=torch.Generator().manual_seed(0))
+    for deterministic in (True, False):
+        lm = ChameleonLM(tiny_chameleon(seed=0, num_codes=16))
+        make_batch_invariant(lm, enabled=deterministic)
+        granule = max(key_granule(lm), 64)
+        steps = _chameleon_hidden(lm, ids, 8, round_up(40, granule), one_at_a_time=True)
+        chain = _chameleon_hidden(lm, ids, 8, round_up(40, granule) + granule, one_at_a_time=False)
+        if deterministic:
+            assert key_granule(lm) > 1 and torch.equal(steps, chain)
+        elif planted:
+            assert not torch.equal(steps, chain)

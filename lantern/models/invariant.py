@@ -413,11 +413,12 @@ _probed_attention: dict[tuple[Any, ...], AttentionCalls] = {}
 @torch.no_grad()
 def attention_calls(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionCalls:
     """The :class:`AttentionCalls` of this device's ``F.scaled_dot_product_attention`` for one
-    head shape and dtype: the smallest key granule (of ``KEY_GRANULES``) and query count at which a
-    query's output is the same at every position of a call and over one, two or four granules of
-    keys (those past its own masked), the larger query counts that give it the same bits, and
-    whether a row's output is the same in a batch (checked at every thread count of
-    :func:`_probe_threads`; cached per process; on a CPU run in a thread of its own)."""
+    head shape and dtype: the first query count (of ``ATTENTION_QUERY_CANDIDATES``) and, for it,
+    the first key granule (of ``KEY_GRANULES``) at which a query's output is the same at every
+    position of a call and over the fewest granules that hold its keys and one and two more (all
+    masked), the larger query counts that give it the same bits, and whether a row's output is the
+    same in a batch (checked at every thread count of :func:`_probe_threads`; cached per process;
+    on a CPU run in a thread of its own)."""
     key = (heads, head_dim, dtype, device)
     if key not in _probed_attention:
         like = torch.empty(0, dtype=dtype, device=device)
