@@ -122,11 +122,13 @@ def _probe_with(monkeypatch: pytest.MonkeyPatch, kernel: Callable[..., Tensor]) 
 
 
 def test_the_probe_finds_this_kernels_calls_and_a_real_query_check_fails_without_them() -> None:
-    """The unplanted answer on a CPU: 8 queries (the cheapest candidate), ATen's 512-key blocks or
+    """The unplanted answer on a CPU: one of the candidate query counts with larger calls kept
+    (the Zen 5 EPYC: 4, then every multiple of 4 to 32, 64, 128, 256), ATen's 512-key blocks or
     more, and every batch. Power of the float-level test above: without the calls, a float32 query
     over a cache of 7 more masked keys, or alone against in a call of 8, changes bits somewhere."""
     calls = attention_calls(4, 64, torch.float32, torch.device("cpu"))
-    assert calls.queries[0] == 8 and calls.keys in invariant.KEY_GRANULES and calls.rows_free
+    assert calls.queries[0] in invariant.ATTENTION_QUERY_CANDIDATES and len(calls.queries) > 1
+    assert calls.keys in invariant.KEY_GRANULES and calls.rows_free
     gen = torch.Generator().manual_seed(0)
     q, k, v, mask = _random_attention(gen, 1, 8, 1100, torch.float32, heads=16)
     full = attend(q, k, v, mask)
@@ -136,20 +138,23 @@ def test_the_probe_finds_this_kernels_calls_and_a_real_query_check_fails_without
 
 
 def test_the_probe_drops_query_counts_that_round_a_query_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Calls of 32 or more queries round apart: the probe keeps 8 to 24."""
+    """Calls of 32 or more queries round apart: the probe keeps the sizes it keeps unplanted, below 32."""
+    native = attention_calls(2, 16, torch.float32, torch.device("cpu"))
     calls = _probe_with(monkeypatch, _planted(lambda q, k: q.shape[2] >= 32))
-    assert calls.queries == (8, 16, 24)
+    assert calls.queries == tuple(r for r in native.queries if r < 32) and len(calls.queries) > 1
 
 
 def test_the_probe_skips_a_query_count_whose_edge_positions_round_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a call of 8 queries, positions 6 and 7 (an edge tile) round apart: 16 is the smallest call."""
+    """In calls of an odd multiple of the first candidate, the second half of the first candidate's
+    positions (an edge tile) rounds apart: the probe skips that count and keeps no size that has it."""
+    first = invariant.ATTENTION_QUERY_CANDIDATES[0]
 
     def edge(q: Tensor, k: Tensor) -> Tensor | bool:
         t = q.shape[2]
-        return (torch.arange(t) >= 6) if t % 16 == 8 else False
+        return (torch.arange(t) % first >= first // 2) if t % (2 * first) == first else False
 
     calls = _probe_with(monkeypatch, _planted(edge))
-    assert calls.queries[0] == 16
+    assert calls.queries[0] != first and all(r % (2 * first) != first for r in calls.queries)
 
 
 def test_the_probe_takes_a_granule_of_whole_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
