@@ -7,7 +7,8 @@ Deterministic mode calls the kernel at query counts and key counts a probe found
 one result. Here: the end-to-end promise (greedy lossless methods = greedy AR in bfloat16), the
 float-level property on this machine's kernel, and the probe's answers for planted kernels that
 depend on the query count, a query's position, the key count or the batch (each test's power).
-tests/test_capabilities.py runs the ``invariance`` tests again under forced AVX2 kernels.
+tests/test_capabilities.py runs the ``invariance`` tests again under forced AVX2 kernels: the
+end-to-end, float-level and decoder tests (the planted ones test the probe's logic, not the ISA).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from lantern.models.attention import attend
 from lantern.models.chameleon import ChameleonLM
 from lantern.models.invariant import AttentionCalls, attention_calls, key_granule, make_batch_invariant, round_up
 
-pytestmark = pytest.mark.invariance
-
 LOSSLESS = [m.name for m in METHOD_TABLE.values() if m.lossless and m.name != "ar"]
 LABELS = list(range(8))
 _SDPA = F.scaled_dot_product_attention
@@ -47,6 +46,7 @@ def bf16_ar(bf16_pipe: lantern.Pipeline) -> Tensor:
     return bf16_pipe(labels=LABELS, method="ar", temperature=0, seed=0).codes
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("method", LOSSLESS)
 def test_greedy_lossless_methods_reproduce_greedy_ar_in_bfloat16(bf16_pipe: lantern.Pipeline, bf16_ar: Tensor,
                                                                   method: str) -> None:
@@ -56,6 +56,7 @@ def test_greedy_lossless_methods_reproduce_greedy_ar_in_bfloat16(bf16_pipe: lant
     assert not differ, f"{method}: rows {differ} left greedy AR"
 
 
+@pytest.mark.invariance
 def test_a_deterministic_targets_attention_and_cache_follow_the_probe(bf16_pipe: lantern.Pipeline) -> None:
     network = bf16_pipe.stack.network()
     calls = {m.attention_calls for m in network.modules() if hasattr(type(m), "attention_calls")}
@@ -81,6 +82,7 @@ def _random_attention(gen: torch.Generator, rows: int, queries: int, keys: int, 
     return q, k, v, mask
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("queries", [5, 13, 40])
 def test_a_query_gets_its_alone_bits_in_any_call_batch_and_cache_length(dtype: torch.dtype, queries: int) -> None:
@@ -207,6 +209,7 @@ def _chameleon_hidden(lm: ChameleonLM, ids: Tensor, prompt: int, keys: int, one_
     return forward(prompt, length)
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("planted", [False, True])
 def test_a_chameleon_decoders_ar_steps_and_chain_forward_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
                                                                           planted: bool) -> None:
