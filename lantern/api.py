@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Never
 
 import numpy as np
 import torch
@@ -85,6 +85,8 @@ def api_argument_names() -> frozenset[str]:
 # the same thing (difflib offered "temperature" for generator=, nothing for num_images_per_prompt=).
 DIFFUSERS_NAMES = {"num_images_per_prompt": "num_per_label", "generator": "seed", "guidance_scale": "cfg_scale",
                    "prompt": "prompts", "class_labels": "labels", "show_progress_bar": "progress"}
+# what diffusers' and transformers' from_pretrained call the arguments of load()
+DIFFUSERS_LOAD_NAMES = {"torch_dtype": "dtype", "device_map": "device", "pretrained_model_name_or_path": "model"}
 
 
 @python_errors(api_argument_names)
@@ -489,18 +491,26 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
          tokenizer: str | os.PathLike[str] | None = None, t5: str | os.PathLike[str] | None = None,
          vq: str | os.PathLike[str] | None = None, layout: str | None = None, image_size: int | None = None,
          proximity: str | os.PathLike[str] | None = None, deterministic: bool = False,
-         prompt_width: int | None = None) -> Pipeline:
+         prompt_width: int | None = None, **unknown: Never) -> Pipeline:
     """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
     folder (c2i or t2i), an Anole / Lumina-mGPT folder, a Janus / Janus-Pro or Emu3 folder (transformers
     layout; ``image_size``: an Emu3 image's side in pixels), or a Hugging Face repo id of any of these.
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
     ``bfloat16``, ``auto``) or a torch dtype. ``compile``: ``off`` (or None), ``auto`` (a decoding
     round as one compiled graph, CUDA graphs on a GPU) or a ``torch.compile`` mode.
-    ``deterministic=True``: batch-invariant matmuls (:mod:`lantern.models.invariant`), so an
-    image's codes never depend on the batch it runs in, whatever the kernel library (the server's
+    ``deterministic=True``: batch-invariant matmuls and attention (:mod:`lantern.models.invariant`),
+    so an image's codes never depend on the batch it runs in, whatever the kernel library, and a
+    lossless method at temperature 0 gives AR's codes token for token in any dtype (the server's
     default; slower, and other samples than the default).
     ``prompt_width`` (Chameleon family): the tokens every prompt context is padded to, the prompt in
     its template (default 256); a longer prompt is refused."""
+    if unknown:  # typed Never: a type checker flags them; at run time, one line that names the right one
+        name = sorted(unknown)[0]
+        own = [p for p in inspect.signature(load).parameters if p != "unknown"]
+        close = ([DIFFUSERS_LOAD_NAMES[name]] if name in DIFFUSERS_LOAD_NAMES
+                 else difflib.get_close_matches(name, own, n=1))
+        raise LanternError(f"load() has no argument {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                           f"it takes {', '.join(own)}", field=name)
     image_size, prompt_width = plain(image_size), plain(prompt_width)
     device = str(device) if isinstance(device, torch.device) else device  # torch.device("cuda", 1): "cuda:1"
     for name, value, what in (("model", model, "a preset name, a folder or a Hub repo id"),

@@ -367,6 +367,11 @@ def test_wrong_arguments_are_named_with_what_was_meant(digits: lantern.Pipeline,
                          ("guidance_scale", "cfg_scale")):
         with pytest.raises(LanternError, match=rf"^unknown setting '{given}' \(did you mean '{meant}'\?\)"):
             digits(labels=[1], **{given: 1})
+    # load()'s own arguments under diffusers' names, and misspelt: one line naming the right one
+    for given, meant in (("torch_dtype", "dtype"), ("device_map", "device"), ("determinstic", "deterministic")):
+        with pytest.raises(LanternError, match=rf"^load\(\) has no argument '{given}' \(did you mean '{meant}'\?\); "
+                                               "it takes model, drafter, device, dtype"):
+            lantern.load("digits", **{given: torch.bfloat16})
 
 
 def test_an_output_saves_as_generate_writes_and_its_codes_decode_to_its_images(digits: lantern.Pipeline,
