@@ -304,9 +304,12 @@ class Pipeline:
     def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
                  prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
                  num_per_label: int = 1, progress: bool = False, quality: str | None = None,
-                 **settings: Any) -> PipelineOutput:
-        """Generate ``num_per_label`` images per label or prompt; ``settings``: the CLI's sampling,
-        method and tree options (``temperature``, ``top_k``, ``tree``, ``lantern_lambda``, ...).
+                 indices: Sequence[int] | np.ndarray | Tensor | None = None, **settings: Any) -> PipelineOutput:
+        """Generate ``num_per_label`` images per label or prompt with ``method`` (``"ar"``, ``"sd"``,
+        ``"lantern"``, ``"lantern++"``, ``"sjd-coupled"``, ...: ``lantern.methods.METHOD_TABLE``, or
+        ``"auto"``), ``batch_size`` rows at a time; image ``i`` draws from its own stream of ``seed``
+        (an integer in [0, 2^63)), so the batch never decides it. ``progress``: a tqdm bar.
+        ``settings``: the CLI's sampling, method and tree options (listed below).
         ``tree="auto"`` measures this device first: the fastest drafter tree, or for the Jacobi
         methods the fastest window (recorded in ``config`` as ``auto_tree`` / ``auto_window``).
         ``method="auto"``: the fastest method of the ``quality`` class (``"ar"``, the default, or
@@ -314,12 +317,38 @@ class Pipeline:
         (:meth:`auto_method`; recorded in ``config`` as ``auto_method``). Both choose for the rows a call
         decodes: ``batch_size``, or the number of images when that is smaller.
 
+        ``indices``: generate only these images of the call, numbered as its output would be
+        (image ``i`` is label or prompt ``i // num_per_label``), in the order given: each draws
+        from its own place's random stream, so ``pipe(labels, seed=s, num_per_label=n,
+        indices=[37])`` is image 37 of the whole call, alone (bit for bit with
+        ``deterministic=True``; a server response's image ``i`` likewise).
+
         ``labels``: a non-empty list or tuple of class ids (Python or numpy integers), or a 1-D
         integer numpy array or tensor (the natural output of a data loader; taken as its list of
         ids). ``prompts``: a non-empty list or tuple of strings. Any other type or value raises
         :class:`~lantern.errors.LanternError` (a ``ValueError``, also for wrong types) naming the
-        argument, as the CLI's one-line errors do."""
-        from lantern.validate import check_count, check_image_total, check_seed
+        argument, as the CLI's one-line errors do.
+
+        Settings (``lantern generate``'s flags of the same names; left out: the model's
+        ``generation.json``, then the method's default; docs/methods.md says more):
+
+        - ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``cfg_scale``
+          (classifier-free guidance; 1: off): sampling.
+        - ``tree``: the drafter methods' draft tree: ``"dynamic"``, ``"static:NAME"``,
+          ``"chain:N"``, ``"auto"``, or its choices as a list (``[[0], [1], [0, 0]]``).
+        - ``lantern_k`` (neighbours per token), ``lantern_delta`` (LANTERN's mass bound, in [0, 1]),
+          ``lantern_lambda`` (LANTERN++'s relative bound, >= 1), ``lantern_residual``
+          (``"paper"``, ``"official"``, ``"official-lumina"``), ``lantern_budget`` (``"test"``,
+          ``"token"``) and ``lantern_credit`` (``"drawn"``, ``"clean"``): the relaxed methods.
+        - ``sjd_window`` (Jacobi window length, or ``"auto"``), ``sjd_init`` (``"random"``,
+          ``"repeat_horizon"``), ``sjd_coupling`` (``"independent"``, ``"maximal"``,
+          ``"gumbel"``): the SJD methods and ``gsd``; ``gsd_group``: GSD's group size G.
+        - ``pac_width`` (K) and ``pac_depth`` (D): ``sjd-pac``'s proactive subtree.
+        - ``sv_alpha``: the ``-sv`` methods' share of a run's probability its tail holds, in (0, 1].
+        - ``pjd_window`` (guesses per open row, or ``"auto"``), ``pjd_context`` (known tokens a row
+          needs before the next opens; the row length is lossless), ``pjd_init`` (``"random"``,
+          ``"row_above"``, ``"above_mode"``): the PJD methods."""
+        from lantern.validate import check_count, check_image_indices, check_image_total, check_seed
 
         num_per_label, batch_size, method = plain(num_per_label), plain(batch_size), plain(method)
         settings = {name: plain(value) for name, value in settings.items()}
@@ -330,27 +359,30 @@ class Pipeline:
             raise LanternError(f"progress must be True or False, got {progress!r}")
         conditions = self._check_conditions(labels, prompts)
         check_image_total(len(conditions), num_per_label, "num_per_label")
+        chosen = None if indices is None else check_image_indices(indices, len(conditions) * num_per_label)
         check_quality(quality, method)  # only with method="auto"
         with self._call_lock:  # calls from several threads take turns
-            chosen: dict[str, Any] = {}
+            picked: dict[str, Any] = {}
             # The rows a call decodes: what method="auto" and tree="auto" choose for (two images at
             # batch_size 8 decode as a batch of 2, whose fastest method or tree may be another).
-            call_batch = min(batch_size, len(conditions) * num_per_label)
+            call_batch = min(batch_size, len(conditions) * num_per_label if chosen is None else len(chosen))
             if method == AUTO:
                 choice = self.auto_method(quality, call_batch, **settings)
-                method, chosen = choice.method, {"auto_method": choice.to_dict()}
+                method, picked = choice.method, {"auto_method": choice.to_dict()}
             settings = _window_as_tree(method, settings)
             with compile_notices(progress):  # a compiled round's first call: seconds to minutes
                 if settings.get("tree") == "auto":  # measured on this device: a drafter tree, or a Jacobi window
                     method_cfg, sampling, auto = self._auto(method, settings, seed, call_batch, progress)
                 else:
                     (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
-                result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress)
+                result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress,
+                                   chosen)
             # the tree or window auto chose, not "auto": sent back, the same codes without measuring again
+            which = {} if chosen is None else {"indices": chosen}
             replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size,
-                      "num_per_label": num_per_label, **sampling.to_dict(), **method_settings(result.method)}
+                      "num_per_label": num_per_label, **which, **sampling.to_dict(), **method_settings(result.method)}
             config = {**run_config(seed, batch_size, self.device, sampling, result.method,
-                                   deterministic=self.deterministic), **auto, **chosen}
+                                   deterministic=self.deterministic), **which, **auto, **picked}
             return PipelineOutput(images=self.stack.to_pil(result.codes), codes=result.codes, settings=replay,
                                   stats=result.stats_dict(), config=config, outputs=result.output_stats)
 
@@ -421,12 +453,15 @@ class Pipeline:
         return check_label_list(labels)
 
     def _run(self, conditions: list[Any], seed: int, sampling: SamplingConfig, method: MethodConfig,
-             batch_size: int, num_per_label: int, progress: bool) -> RunResult:
+             batch_size: int, num_per_label: int, progress: bool, indices: list[int] | None = None) -> RunResult:
+        """Every image of the call, or (``indices``) those images alone, each with its place's stream."""
         from lantern.run import run_conditions
 
+        if indices is not None:  # only the chosen images' conditions are encoded (a t2i prompt's T5 pass)
+            conditions, num_per_label = [conditions[i // num_per_label] for i in indices], 1
         encoded = self.parts.encode(conditions, num_per_label, batch_size)
         return run_conditions(self.stack, encoded, seed, sampling, method, batch_size, progress,
-                              prepared=self.prepare(method, sampling))
+                              prepared=self.prepare(method, sampling), indices=indices)
 
     def t5_dir(self) -> Path:
         return self.parts.t5_dir()

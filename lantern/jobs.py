@@ -64,8 +64,8 @@ GRID_MAX_ROWS = 16  # beyond this many labels or prompts, grid.png is a square, 
 NPZ_NAME = "samples.npz"
 # What must match for --resume to continue a job: these decide every image. run.json records
 # them all, JOB_ONLY_KEYS under "job" (the others are its own top-level fields).
-IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "t5", "sampling", "method", "dtype",
-                 "device_type")
+IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "indices", "t5", "sampling", "method",
+                 "dtype", "device_type")
 JOB_ONLY_KEYS = ("dtype", "device_type")
 
 
@@ -93,6 +93,13 @@ class JobRequest:
     progress: bool = True
     num_tokens: int | None = None  # image codes per image, to check a resumed job's records (None: unchecked)
     vocab_size: int | None = None  # codes lie in [0, vocab_size)
+    indices: list[int] | None = None  # --indices: each image's place in the whole run (None: its own position)
+
+    def seed_of(self, position: int) -> int:
+        """The seed of the request's image ``position``: that of its place in the run."""
+        from lantern.run import image_seed
+
+        return image_seed(self.seed, position if self.indices is None else self.indices[position])
 
 
 @dataclass
@@ -224,8 +231,6 @@ def _read_record(path: Path) -> tuple[dict[str, np.ndarray] | None, str | None]:
 
 def _record_problem(record: dict[str, np.ndarray], job: Path, request: JobRequest, claimed: set[int]) -> str | None:
     """Why a record cannot be trusted, or None: its arrays, their sha256, and its PNGs."""
-    from lantern.run import image_seed
-
     missing = [k for k in RECORD_ARRAYS if k not in record]
     if missing:
         return f"lacks {missing[0]!r}"
@@ -242,7 +247,7 @@ def _record_problem(record: dict[str, np.ndarray], job: Path, request: JobReques
         return "lists an image index out of range, or one already recorded"
     if codes.min() < 0 or (request.vocab_size is not None and codes.max() >= request.vocab_size):
         return f"holds codes in [{codes.min()}, {codes.max()}], outside the image vocabulary"
-    if record["seeds"].tolist() != [image_seed(request.seed, int(i)) for i in indices]:
+    if record["seeds"].tolist() != [request.seed_of(int(i)) for i in indices]:
         return "holds seeds that are not its images' seeds"
     # Without its hashes nothing vouches for the codes (any in-vocabulary rewrite passes the checks
     # above) nor for the PNGs (a valid PNG of another image decodes fine).
@@ -376,7 +381,8 @@ def _generate_batch(parts: PreparedMethod, request: JobRequest, indices: list[in
     if not indices:
         return RoundPart(rank, [], np.zeros((0, 0), np.int64), [], [], 0, 0.0)
     t0, compiling_before = time.perf_counter(), compiling.first_call_seconds
-    output = generate_rows(parts, request.conditions.take(indices), request.seed, indices)
+    places = indices if request.indices is None else [request.indices[i] for i in indices]  # their seeds' indices
+    output = generate_rows(parts, request.conditions.take(indices), request.seed, places)
     seconds = time.perf_counter() - t0
     # One image at a time: the decoder's batched convolutions differ in their low bits with the batch
     # size, which can move a pixel across a rounding step; a job's PNGs must not depend on how its
@@ -393,7 +399,6 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
 
     from lantern.images import save_png
     from lantern.io import atomic_path
-    from lantern.run import image_seed
 
     parts = [p for p in gathered if p.indices]
     if not parts:
@@ -408,7 +413,7 @@ def _write_round(job: Path, request: JobRequest, gathered: list[RoundPart], reco
     indices = [i for p in parts for i in p.indices]
     record = {
         "indices": np.array(indices, np.int64),
-        "seeds": np.array([image_seed(request.seed, i) for i in indices], np.uint64),
+        "seeds": np.array([request.seed_of(i) for i in indices], np.uint64),
         "codes": np.concatenate([p.codes for p in parts]),
         "target_forwards": np.array([t for p in parts for t in p.target_forwards], np.int64),
         "ranks": np.array([p.rank for p in parts for _ in p.indices], np.int64),

@@ -61,6 +61,30 @@ def check_image_total(conditions: int, per_condition: int, arg: str) -> None:
                                f"{MAX_IMAGES} (split it into several runs with different --seed)")
 
 
+def check_image_indices(indices: object, total: int, arg: str = "--indices") -> list[int]:
+    """Which images of a run to generate: distinct indices into its ``total`` images (label or prompt
+    ``i // per_condition``, as its file names number them), as Python ints in the order given. Each
+    keeps its place's random stream, so it is the image the whole run makes there."""
+    if isinstance(indices, range):
+        indices = list(indices)
+    if hasattr(indices, "tolist") and not isinstance(indices, list | tuple):  # a 1-D numpy array or tensor
+        shape = getattr(indices, "shape", ())
+        check(len(shape) == 1, f"{arg} must be a list of image indices, got a {len(shape)}-D array")
+        indices = indices.tolist()
+    if not isinstance(indices, list | tuple):
+        raise LanternError(f"{arg} must be a list of image indices (integers), got {type(indices).__name__}")
+    check(len(indices) > 0, f"{arg} is empty; name at least one image of the run (0..{total - 1})")
+    seen: set[int] = set()
+    for index in indices:
+        if not isinstance(index, Integral) or isinstance(index, bool):
+            raise LanternError(f"{arg} must hold integers (image indices), got {index!r} ({type(index).__name__})")
+        check(0 <= int(index) < total, f"{arg}: image {index} is not in this run, whose {total} images are "
+                                       f"0..{total - 1} (labels or prompts x images per label or prompt)")
+        check(int(index) not in seen, f"{arg} names image {index} twice")
+        seen.add(int(index))
+    return [int(index) for index in indices]
+
+
 def check_label_values(labels: Sequence[int], num_classes: int, arg: str = "--labels") -> None:
     """Class ids in ``0..num_classes-1``, checked on Python integers: an id past int64 would
     otherwise overflow inside ``torch.tensor`` before any range check sees it."""

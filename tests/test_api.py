@@ -4,6 +4,7 @@ Lumina-mGPT, a Hugging Face repo id in an offline cache) loads through the one c
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import shutil
@@ -85,7 +86,7 @@ def test_overrides_match_the_cli_flags(digits: lantern.Pipeline, tmp_path: Path)
 def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
     with pytest.raises(LanternError, match=r"^unknown setting 'temprature' \(did you mean 'temperature'\?\); a call "
                                            r"takes labels, prompts, method, seed, batch_size, num_per_label, progress, "
-                                           r"quality and the settings tree, "):
+                                           r"quality, indices and the settings tree, "):
         digits(labels=[1], temprature=0.5)
     with pytest.raises(LanternError, match=r"^unknown setting 'num_per_prompt'; a call takes .*num_per_label"):
         digits(labels=[1], num_per_prompt=2)  # the call's own arguments are listed (they were not: an audit)
@@ -502,3 +503,15 @@ def test_calls_from_two_threads_take_turns(locked: bool, monkeypatch: pytest.Mon
     monkeypatch.undo()
     for label in (3, 5):
         assert torch.equal(results[label], pipe(labels=[label], seed=label, method="sjd-coupled").codes)
+
+
+def test_every_argument_and_setting_is_in_the_calls_help() -> None:
+    """``help(pipe)`` / ``pipe.__call__.__doc__`` names every keyword a call takes, each in ``name``
+    form; before, the settings were "temperature, top_k, tree, lantern_lambda, ..." (an audit,
+    2026-11-30), so the rest were found only in the CLI's --help under other names."""
+    from lantern.api import SAMPLING_SETTINGS
+
+    doc = lantern.Pipeline.__call__.__doc__ or ""
+    own = [name for name in inspect.signature(lantern.Pipeline.__call__).parameters if name not in ("self", "settings")]
+    missing = [name for name in (*own, *METHOD_SETTINGS, *SAMPLING_SETTINGS) if f"``{name}``" not in doc]
+    assert not missing, missing

@@ -140,7 +140,7 @@ def test_file_names_sort_in_request_order_past_ten_thousand_images() -> None:
 
     for count, first, last in [(10_000, "0000_label3.png", "9999_label3.png"),
                                (10_001, "00000_label3.png", "10000_label3.png")]:
-        names, _ = _condition_record(None, Namespace(labels=[3], num_per_label=count), None, None)
+        names, _ = _condition_record(None, Namespace(labels=[3], num_per_label=count, indices=None), None, None)
         assert (names[0], names[-1], len(names)) == (first, last, count) and sorted(names) == names
 
 

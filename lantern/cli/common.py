@@ -41,14 +41,14 @@ def add_pjd_args(p: argparse.ArgumentParser) -> None:
 _LABEL_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, what: str = "label", many: str = "labels") -> list[int]:
     """``--labels``: comma-separated class ids and inclusive ranges, ``0-999,5`` (an FID run over
     every ImageNet class is ``--labels 0-999 --num-per-label 50``, not a 3,890-character list)."""
     from lantern.validate import MAX_IMAGES
 
     items = text.split(",")
     if not text.strip():
-        raise argparse.ArgumentTypeError("expected at least one label")
+        raise argparse.ArgumentTypeError(f"expected at least one {what}")
     if any(item.strip() == "" for item in items):  # "0,,3": a label was meant there, or a typo
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (an empty item)")
     labels: list[int] = []
@@ -65,9 +65,14 @@ def int_list(text: str) -> list[int]:
         if hi < lo:
             raise argparse.ArgumentTypeError(f"the range {item.strip()!r} runs downward; write {hi}-{lo}")
         if len(labels) + hi - lo + 1 > MAX_IMAGES:
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} makes more than {MAX_IMAGES} labels")
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} makes more than {MAX_IMAGES} {many}")
         labels.extend(range(lo, hi + 1))
     return labels
+
+
+def index_list(text: str) -> list[int]:
+    """``--indices``: image indices of a run, written as ``--labels`` is (``37`` or ``0-7,40``)."""
+    return int_list(text, "image index", "images")
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "cfg_scale")  # --temperature, --top-k, ...
@@ -309,8 +314,9 @@ def choose_threads(choice: int | str, device: str, current: int, since: Any = No
 def add_deterministic_arg(p: argparse.ArgumentParser, default: bool) -> None:
     state = "on" if default else "off"
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default,
-                   help="batch-invariant matmuls: an image's codes never depend on the batch it runs in, whatever "
-                        "the kernel library (slower; other samples than without it). Default " + state)
+                   help="batch-invariant matmuls and attention: an image's codes never depend on the batch it runs "
+                        "in, whatever the kernel library, and a lossless method at --temperature 0 gives AR's codes "
+                        "in any dtype (slower; other samples than without it). Default " + state)
 
 
 def check_compile(args: argparse.Namespace) -> None:

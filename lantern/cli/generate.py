@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from lantern.cli.common import (
     check_run_args,
     choose_auto_tree,
     choose_auto_window,
+    index_list,
     int_list,
     method_from_args,
     read_prompt_args,
@@ -77,6 +79,12 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         help="images per label or prompt (default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="base seed; image i uses its own generator (default 0)")
+    p.add_argument(
+        "--indices", type=index_list, default=None, metavar="LIST",
+        help="generate only these images of the run (as its file names number them, e.g. 37 or 32-39,40): each "
+             "from its own place's random stream, so it is the image the whole run makes there (bit for bit with "
+             "--deterministic), under the same file name",
+    )
     p.add_argument("--out", required=True, help="output directory (written all-or-nothing: it appears complete or "
                                                 "not at all)")
     add_overwrite_arg(p)
@@ -198,7 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     (:mod:`lantern.distributed`), written image by image (:mod:`lantern.jobs`)."""
     from lantern.distributed import DistContext, check_enough_items
     from lantern.jobs import finished_job
-    from lantern.validate import check_image_total
+    from lantern.validate import check_image_indices, check_image_total
 
     check_compile(args)
     ctx = DistContext.from_env()
@@ -211,6 +219,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_image_total(len(prompts if prompts is not None else args.labels), args.num_per_label,
                       "--num-per-label / --num-per-prompt")
     num_images = len(prompts if prompts is not None else args.labels) * args.num_per_label
+    if args.indices is not None:  # the run's images to generate; each keeps its place's seed and name
+        args.indices = check_image_indices(args.indices, num_images)
+        num_images = len(args.indices)
     check_enough_items(num_images, ctx)
     # The rows a call decodes: what --method auto, --tree auto and the auto windows choose for (two
     # images at --batch-size 8 decode as a batch of 2, whose fastest method may be another).
@@ -246,8 +257,10 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
     t5_dir = pipe.t5_dir() if stack.kind == "t2i" else None
     with process_group(ctx, args.device):
         finished = all_gather(finished, ctx)[0]  # rank 0's finding
-        encoded = pipe.parts.encode(prompts if prompts is not None else args.labels, args.num_per_label,
-                                    args.batch_size, progress=not args.no_progress and ctx.is_main)
+        given, repeats = prompts if prompts is not None else args.labels, args.num_per_label
+        if args.indices is not None:  # only the chosen images' conditions (a t2i prompt's T5 pass)
+            given, repeats = [given[i // repeats] for i in args.indices], 1
+        encoded = pipe.parts.encode(given, repeats, args.batch_size, progress=not args.no_progress and ctx.is_main)
         method, extra = _generate_method(args, pipe, sampling, auto, auto_window)
         names, conditions = _condition_record(stack, args, prompts, t5_dir)
         parts = prepare_run(stack, sampling, method, args.batch_size, encoded,
@@ -263,10 +276,12 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
             if ctx.is_main:
                 print(f"{args.out} already holds this job, complete: nothing to do")
             return 0
-        request = JobRequest(names, args.seed, encoded, identity, args.batch_size,
-                             args.num_per_label, save_npz=args.save_npz, grid=not args.no_grid, resume=args.resume,
-                             progress=not args.no_progress, num_tokens=stack.num_tokens,
-                             vocab_size=stack.vocab_size)
+        # grid.png: a row per label or prompt; a selection of images, a square
+        ncol = args.num_per_label if args.indices is None else math.ceil(math.sqrt(len(names)))
+        request = JobRequest(names, args.seed, encoded, identity, args.batch_size, ncol, save_npz=args.save_npz,
+                             grid=not args.no_grid, resume=args.resume, progress=not args.no_progress,
+                             num_tokens=stack.num_tokens,
+                             vocab_size=stack.vocab_size, indices=args.indices)
         run = run_job(parts, request, out, ctx, stack.to_pil, record)
     if run is None:  # ranks other than 0 write nothing
         return 0
@@ -382,21 +397,25 @@ def _index_digits(count: int) -> int:
 def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] | None,
                       t5_dir: Path | None) -> tuple[list[str], dict[str, Any]]:
     """The images' file names and what run.json records of their conditions (labels, or prompts with
-    the T5 folder / the Chameleon layout)."""
+    the T5 folder / the Chameleon layout); with ``--indices``, of those images of the run, named as
+    the whole run names them, and the indices themselves."""
+    count = len(prompts if prompts is not None else args.labels) * args.num_per_label
+    chosen = list(range(count)) if args.indices is None else args.indices
+    which = {} if args.indices is None else {"indices": chosen}
+    digits = _index_digits(count)
     if prompts is None:
-        labels = [lab for lab in args.labels for _ in range(args.num_per_label)]
-        digits = _index_digits(len(labels))
-        return [f"{i:0{digits}d}_label{lab}.png" for i, lab in enumerate(labels)], {"labels": labels}
-    index = [j for j in range(len(prompts)) for _ in range(args.num_per_label)]
-    digits = _index_digits(len(index))
-    names = [f"{i:0{digits}d}_prompt{j}.png" for i, j in enumerate(index)]
+        labels = [args.labels[i // args.num_per_label] for i in chosen]
+        return [f"{i:0{digits}d}_label{lab}.png" for i, lab in zip(chosen, labels, strict=True)], {
+            "labels": labels, **which}
+    index = [i // args.num_per_label for i in chosen]
+    names = [f"{i:0{digits}d}_prompt{j}.png" for i, j in zip(chosen, index, strict=True)]
     if stack.kind in ("chameleon", "janus", "emu3"):
         layout = stack.layout
         info = {"name": layout.name, "height": layout.height, "width": layout.width,
                 "pixel_size": list(layout.pixel_size)}
-        return names, {"layout": info, "prompts": prompts, "prompt_index": index}
+        return names, {"layout": info, "prompts": prompts, "prompt_index": index, **which}
     return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
-                   "t5_max_length": stack.target.config.cls_token_num}
+                   "t5_max_length": stack.target.config.cls_token_num, **which}
 
 
 def _parts_record(pipe: Pipeline, method: Any) -> dict[str, Any]:
@@ -429,6 +448,6 @@ def _run_record(args: argparse.Namespace, num_images: int, sampling: Any, method
         **software(),
         "model": str(args.model),
         **conditions,
-        "seeds": [image_seed(args.seed, i) for i in range(num_images)],
+        "seeds": [image_seed(args.seed, i) for i in (range(num_images) if args.indices is None else args.indices)],
         **run_config(args.seed, args.batch_size, args.device, sampling, method, deterministic=args.deterministic),
     }
