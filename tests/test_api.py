@@ -347,6 +347,10 @@ def test_outputs_compare_print_and_take_what_their_types_say(digits: lantern.Pip
     pipe = lantern.load("digits", device=torch.device("cpu"))
     assert pipe.device == "cpu" and "device='cpu', dtype='float32'" in repr(pipe)
     assert "deterministic=False" in repr(pipe)
+    # numbers of float settings are floats, as the CLI's: run.json said "cfg_scale": 4 from Python, 4.0 from the CLI
+    whole = digits(labels=[1], cfg_scale=4, temperature=1, top_p=1)
+    assert json.dumps(whole.config["sampling"]) == '{"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 4.0}'
+    assert [type(whole.settings[k]) for k in ("temperature", "top_p", "cfg_scale")] == [float] * 3
 
 
 def test_wrong_arguments_are_named_with_what_was_meant(digits: lantern.Pipeline, tmp_path: Path) -> None:

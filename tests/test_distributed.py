@@ -148,6 +148,23 @@ def test_two_processes_give_the_images_of_one(stack: Path, tmp_path: Path, metho
 
 
 @pytest.mark.slow
+@pytest.mark.invariance
+def test_two_processes_give_a_one_process_runs_chosen_images(stack: Path, tmp_path: Path) -> None:
+    """``--indices`` across ranks: each rank's images keep their places' seeds and names, so the job
+    holds what one process writes for the whole run (deterministic: the batches differ)."""
+    args = ["--labels", LABELS, "--method", "lantern++", "--batch-size", "2", "--seed", "4", "--deterministic"]
+    assert generate(stack, tmp_path / "one", *args) == 0
+    proc = torchrun(["generate", "--model", str(stack), "--out", str(tmp_path / "two"), *args, "--indices", "4,0,2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = ["0004_label4.png", "0000_label0.png", "0002_label2.png"]
+    for name in names:
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    assert np.array_equal(np.load(tmp_path / "two" / "codes.npy"), np.load(tmp_path / "one" / "codes.npy")[[4, 0, 2]])
+    run = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert run["indices"] == [4, 0, 2] and [r["images"] for r in run["stats"]["ranks"]] == [2, 1]
+
+
+@pytest.mark.slow
 def test_two_processes_give_the_images_of_one_from_prompts(t2i_stack: Path, tmp_path: Path) -> None:
     args = ["--prompt", "a red car", "--prompt", "dog on the beach", "--num-per-prompt", "2", "--method",
             "lantern++", "--batch-size", "3", "--seed", "1"]

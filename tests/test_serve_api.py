@@ -119,6 +119,8 @@ def _events_of(text: str) -> list[tuple[str, dict[str, Any]]]:
         ({"label": 1, "method": "lantern++", "tree": "chain:0"}, 400, "tree"),
         ({"label": 1, "method": "gsd", "gsd_group": 2000}, 400, "gsd_group"),
         ({"label": 1, "method": "lantern", "lantern_residual": "official", "lantern_k": 128}, 400, "lantern_residual"),
+        ({"label": 1, "first_index": -1}, 400, "first_index"),
+        ({"label": 1, "first_index": 999_999, "n": 2}, 400, "first_index"),  # image indices stay below 10^6
     ],
 )
 def test_a_bad_request_is_refused_naming_its_field(client: TestClient, body: dict[str, Any], status: int,
@@ -224,6 +226,23 @@ def test_a_request_twice_gives_the_same_png_and_the_apis_codes(client: TestClien
         assert stats["tokens_per_forward"] == pytest.approx(64 / stats["target_forwards"])
         assert 0 <= stats["queue_seconds"] <= stats["latency_seconds"]
     assert [d["index"] for d in a["data"]] == [0, 1]
+
+
+@pytest.mark.invariance
+def test_first_index_answers_later_images_of_a_request_alone(client: TestClient) -> None:
+    """``"first_index": i, "n": 1`` is image ``i`` of a request of more images, alone (its own
+    stream), in plain and streamed answers, each item numbered by its image."""
+    whole = client.post(GENERATE, json={"label": 3, "n": 4, "seed": 7, "return_codes": True}).json()["data"]
+    some = client.post(GENERATE, json={"label": 3, "n": 2, "seed": 7, "first_index": 2, "return_codes": True})
+    assert some.status_code == 200, some.text
+    assert [(d["index"], d["codes"], d["b64_json"]) for d in some.json()["data"]] == [
+        (d["index"], d["codes"], d["b64_json"]) for d in whole[2:]]
+    assert whole[2]["codes"] != whole[0]["codes"]  # power: another stream is another image
+    streamed = client.post(GENERATE, json={"label": 3, "seed": 7, "first_index": 3, "return_codes": True,
+                                           "stream": True, "preview_every": 1})
+    events = _events_of(streamed.text)
+    assert {data["index"] for name, data in events if name in ("preview", "image")} == {3}
+    assert [data["codes"] for name, data in events if name == "image"] == [whole[3]["codes"]]
 
 
 def test_null_is_the_default_for_every_field(client: TestClient) -> None:

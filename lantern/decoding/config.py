@@ -94,6 +94,10 @@ class SamplingConfig:
             f"cfg_scale must be in [1, {MAX_CFG_SCALE:g}] (1 disables guidance; usual values 1.5-10), "
             f"got {self.cfg_scale}", field="cfg_scale",
         )
+        # Held as floats, as the fields say: cfg_scale=4 from Python is the CLI's --cfg-scale 4 (4.0)
+        # in run.json and in the settings an output hands back, not an int beside its float.
+        for name in ("temperature", "top_p", "cfg_scale"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

@@ -297,7 +297,7 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         results = await wait_results(state, tickets, request)
         if results is None:
             return Response(status_code=CLIENT_GONE)
-        data = await in_worker(_image_items, state, results, body.return_codes)
+        data = await in_worker(_image_items, state, results, body.return_codes, body.first_index)
         state.metrics.latency(time.perf_counter() - arrived)
         return JSONResponse({"created": int(time.time()), "data": data, "method": resolved.method,
                              "settings": answer_settings(resolved)})
@@ -411,6 +411,7 @@ def _cancel(tickets: list[Ticket]) -> None:
 
 def _image_items(state: ServeState, results: list[ImageResult], return_codes: bool,
                  first_index: int = 0) -> list[dict[str, Any]]:
+    """The answer's items; ``index``: each image's number in its seed's numbering (``first_index + i``)."""
     # One image at a time, as a stream decodes them (each when it finishes): the VQ decoder's
     # floats depend on its batch, and a request's PNGs must not depend on how it was answered.
     images = [state.scheduler.images(r.codes[None])[0] for r in results]
@@ -475,11 +476,11 @@ async def image_events(state: ServeState, resolved: Resolved, tickets: list[Tick
             latest = {index[id(t)]: codes for t, codes in happened if codes is not None}
             for i, codes in sorted(latest.items()):
                 if i not in done and i not in finished:
-                    yield _event("preview", await in_worker(_preview, state, i, codes))
+                    yield _event("preview", await in_worker(_preview, state, tickets[i].index, codes))
             for i in sorted(done):
                 result = _result(state, tickets[i])
                 finished.add(i)
-                items = await in_worker(_image_items, state, [result], return_codes, i)
+                items = await in_worker(_image_items, state, [result], return_codes, tickets[i].index)
                 yield _event("image", items[0])
         state.metrics.latency(time.perf_counter() - arrived)
         yield _event("done", {"created": int(time.time()), "method": resolved.method,

@@ -28,6 +28,7 @@ from lantern.run import verify_nodes
 from lantern.serve.limits import MIN_ROUND_NODES, ROUND_FACTOR
 from lantern.serve.scheduler import Resolved, Scheduler
 from lantern.serve.schema import GenerationRequest
+from lantern.validate import MAX_IMAGES
 
 SETTINGS = (*SAMPLING_SETTINGS, *METHOD_SETTINGS)  # every field passed on as a setting
 DEFAULT_PREVIEW_EVERY = 4  # rounds between previews of a stream
@@ -135,6 +136,9 @@ def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: 
     condition = _condition(body, pipeline, limits)
     if body.n > limits.max_images_per_request:
         raise RequestError(f"n: at most {limits.max_images_per_request} images per request, got {body.n}", "n")
+    if body.first_index + body.n > MAX_IMAGES:  # image indices stay below lantern generate's cap
+        raise RequestError(f"first_index: images first_index .. first_index + n - 1 must be below {MAX_IMAGES}, "
+                           f"got {body.first_index} + {body.n}", "first_index")
     method = body.method if body.method is not None else default_method
     chosen = auto if body.method in (None, AUTO) else None
     if method == AUTO:
@@ -153,7 +157,8 @@ def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: 
     preview = body.preview_every if body.preview_every is not None else DEFAULT_PREVIEW_EVERY
     bound = round_bound(pipeline, method, limits.round_nodes.get(method), given)
     try:
-        resolved = scheduler.resolve(condition, body.seed, method, given, range(body.n),
+        resolved = scheduler.resolve(condition, body.seed, method, given,
+                                     range(body.first_index, body.first_index + body.n),
                                      preview if body.stream else 0, bound)
     except LanternError as e:
         raise setting_error(e) from None

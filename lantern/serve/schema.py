@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lantern.decoding.config import COUPLINGS, CREDITS, JACOBI_INITS, MAX_CFG_SCALE, PJD_INITS, RESIDUALS
 from lantern.decoding.trees import STATIC_TREES
 from lantern.methods import BUDGETS
+from lantern.validate import MAX_IMAGES
 
 INT64 = 2**63
 MAX_CHAIN = 4096  # far above any model's image length; the method's own checks refuse what does not fit
@@ -40,6 +41,9 @@ class GenerationRequest(Strict):
     label: int | None = Field(None, description="class-conditional models: the class id")
     n: int = Field(1, ge=1, description="images (at most the server's --max-images-per-request)")
     seed: int = Field(0, ge=0, lt=INT64, description="base seed in [0, 2^63): image i uses image_seed(seed, i)")
+    first_index: int = Field(0, ge=0, lt=MAX_IMAGES, description="the images are images first_index .. "
+                             "first_index + n - 1 of this seed (each its own stream): first_index 5 with n 1 is "
+                             "image 5 of a request with n >= 6, alone")
     method: str | None = Field(None, description="a method of GET /v1/methods, or auto (what the server's "
                                                   "--method auto chose; default: the server's --method)")
     # Sampling (null: the model's generation.json, then lantern's defaults)
