@@ -353,3 +353,79 @@ def test_train_features_cli(tmp_path: Path) -> None:
     assert main([*common, "--out", str(tmp_path / "split"), "--resume"]) == 0
     a, b = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("full", "split"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# torchvision's VGG16 layout: features.{i} convolutions, a 2x2 max pool after those in POOLED
+VGG16_CONVS = {0: (3, 64), 2: (64, 64), 5: (64, 128), 7: (128, 128), 10: (128, 256), 12: (256, 256),
+               14: (256, 256), 17: (256, 512), 19: (512, 512), 21: (512, 512), 24: (512, 512), 26: (512, 512),
+               28: (512, 512)}
+VGG16_POOLED = (2, 7, 14, 21, 28)
+
+
+def _vgg16_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A state dict with the keys and shapes of torchvision's ``vgg16-397923af.pth``, He-scaled so
+    activations stay of order one through the 13 convolutions."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i, (cin, cout) in VGG16_CONVS.items():
+        state[f"features.{i}.weight"] = torch.randn(cout, cin, 3, 3, generator=g) * (2 / (9 * cin)) ** 0.5
+        state[f"features.{i}.bias"] = torch.randn(cout, generator=g) * 0.01
+    for i, (fin, fout) in {0: (25088, 4096), 3: (4096, 4096), 6: (4096, 1000)}.items():
+        state[f"classifier.{i}.weight"] = torch.randn(fout, fin, generator=g) * (2 / fin) ** 0.5
+        state[f"classifier.{i}.bias"] = torch.randn(fout, generator=g) * 0.01
+    return state
+
+
+def _prec_recall_features(state: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
+    """LANTERN's ``eval_prec_recall.py`` on images in [-1, 1], written out op by op from torchvision's
+    layout: [0, 1], resized to 224, ImageNet-normalised, ``vgg16.features``, flattened to 7 * 7 * 512,
+    ``classifier[:4]`` (fc1, ReLU, dropout, fc2) in eval mode."""
+    x = F.interpolate((images.expand(-1, 3, -1, -1) + 1) / 2, size=(224, 224), mode="bilinear",
+                      align_corners=False, antialias=True)
+    x = (x - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(
+        1, 3, 1, 1)
+    for i in VGG16_CONVS:
+        x = F.relu(F.conv2d(x, state[f"features.{i}.weight"], state[f"features.{i}.bias"], padding=1))
+        if i in VGG16_POOLED:
+            x = F.max_pool2d(x, 2)
+    x = F.relu(F.linear(x.reshape(-1, 7 * 7 * 512), state["classifier.0.weight"], state["classifier.0.bias"]))
+    return F.linear(x, state["classifier.3.weight"], state["classifier.3.bias"])
+
+
+def test_vgg16_extractor_gives_lanterns_precision_recall_features(tmp_path: Path) -> None:
+    """``vgg16:PATH`` reads torchvision's VGG16 file (pickled state dict or safetensors) without
+    running code and gives its fc2 features before the ReLU, as LANTERN's evaluation takes them."""
+    from safetensors.torch import save_file
+
+    state = _vgg16_state()
+    torch.save(state, tmp_path / "vgg16-397923af.pth")
+    save_file(state, tmp_path / "vgg16.safetensors")
+    g = torch.Generator().manual_seed(1)
+    # one at VGG's size, one resized up
+    images = [torch.rand(1, 3, 224, 224, generator=g) * 2 - 1, torch.rand(1, 3, 64, 64, generator=g) * 2 - 1]
+    expected = [_prec_recall_features(state, im) for im in images]
+    for name in ("vgg16-397923af.pth", "vgg16.safetensors"):
+        extractor = load_feature_extractor(f"vgg16:{tmp_path / name}")
+        assert extractor.dim == 4096 and extractor.name == f"VGG16 fc2 {name} (4096-d, 224px)"
+        with torch.no_grad():
+            got = [extractor(im) for im in images]
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert (a < 0).any()  # fc2 before its ReLU
+    grey = extract_features(extractor, torch.zeros(2, 1, 32, 32)).features  # grey images: repeated to RGB
+    assert grey.shape == (2, 4096)
+
+
+def test_a_file_that_is_not_torchvisions_vgg16_is_named(tmp_path: Path) -> None:
+    with pytest.raises(LanternError, match=r"^--feature-net vgg16:.*none\.pth: no such file \(torchvision's "):
+        load_feature_extractor(f"vgg16:{tmp_path / 'none.pth'}")
+    small = {"features.0.weight": torch.zeros(64, 3, 3, 3), "features.0.bias": torch.zeros(64),
+             "fc.weight": torch.zeros(10, 2048)}  # another network's file
+    torch.save(small, tmp_path / "other.pth")
+    with pytest.raises(LanternError, match=r"\(torchvision's VGG16\) does not match the model: missing keys: "
+                                           r"features\.2\.weight, features\.2\.bias, .*; unexpected keys: fc\.weight$"):
+        load_feature_extractor(f"vgg16:{tmp_path / 'other.pth'}")
+    torch.save({"state_dict": small}, tmp_path / "nested.pth")
+    with pytest.raises(LanternError, match=r"expected a state dict of tensors \(torchvision's vgg16-397923af\.pth\), "
+                                           r"got dict"):
+        load_feature_extractor(f"vgg16:{tmp_path / 'nested.pth'}")

@@ -239,7 +239,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="held-out real images to compare with (default 1000, capped by the test split)")
     p.add_argument("--feature-net", default=None,
                    help="feature extractor: a lantern feature-net folder (default: the stack's features/), "
-                        "torchscript:FILE (e.g. clean-fid's Inception) or clip:DIR (a local CLIP vision model)")
+                        "torchscript:FILE (e.g. clean-fid's Inception), clip:DIR (a local CLIP vision model) or "
+                        "vgg16:FILE (torchvision's vgg16-397923af.pth: the fc2 features of LANTERN's precision and "
+                        "recall)")
     p.add_argument("--curve-images", type=int, default=16,
                    help="images per point of the tau-vs-delta/lambda curves (0 = skip; default 16)")
     p.add_argument("--ar-seeds", type=int, default=5,

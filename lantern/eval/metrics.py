@@ -213,6 +213,62 @@ class TorchScriptFeatureExtractor(FeatureExtractor):
         return out.reshape(out.shape[0], -1).float()
 
 
+# torchvision's VGG16 (configuration "D"): the channels of each 3x3 convolution, "M" a 2x2 max pool.
+VGG16_LAYERS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Vgg16FeatureExtractor(FeatureExtractor):
+    """VGG16's fc2 activations (4096-d, before their ReLU), the features of the improved precision
+    and recall (Kynkäänniemi et al. 2019) as LANTERN's ``eval_prec_recall.py`` computes them:
+    torchvision's ImageNet VGG16 (``vgg16-397923af.pth``, or its safetensors), images resized to
+    224 x 224 (bilinear) and normalised with ImageNet's mean and std, ``features`` flattened, then
+    ``classifier[:4]``. The file is a plain state dict, read without running code. The resize is
+    torch's, not PIL's, so values are close to, not equal to, that script's."""
+
+    mean: Tensor  # buffers [1, 3, 1, 1] (register_buffer)
+    std: Tensor
+    input_size = 224
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict
+
+        path = Path(path)
+        check(path.is_file(), f"--feature-net vgg16:{path}: no such file (torchvision's vgg16-397923af.pth)")
+        layers: list[nn.Module] = []
+        channels = 3
+        for item in VGG16_LAYERS:  # named as torchvision's nn.Sequential, so its state dict loads as it is
+            if item == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(channels, int(item), 3, padding=1), nn.ReLU(inplace=True)]
+                channels = int(item)
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+                                        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+                                        nn.Linear(4096, 1000))  # the ImageNet head: loaded (a whole file), unused
+        what = f"--feature-net vgg16:{path}"
+        state = (load_safetensors(path, what) if path.suffix == ".safetensors"
+                 else load_checkpoint(path, what))
+        check(isinstance(state, dict) and all(isinstance(v, Tensor) for v in state.values()),
+              f"{what}: expected a state dict of tensors (torchvision's vgg16-397923af.pth), got "
+              f"{type(state).__name__}")
+        load_state_dict_strict(self, state, f"{what} (torchvision's VGG16)")
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+        self.dim = 4096
+        self.name = f"VGG16 fc2 {path.name} (4096-d, 224px)"
+
+    def _extract(self, images: Tensor) -> Tensor:
+        x = (_resize(_to_rgb(images), self.input_size, "bilinear") + 1) / 2
+        x = self.features((x - self.mean) / self.std)
+        fc1, fc2 = self.classifier[0], self.classifier[3]
+        # classifier[:4] in eval mode: fc1, ReLU, dropout (none at inference), fc2, whose ReLU is not taken
+        return fc2(F.relu(fc1(x.flatten(1))))
+
+
 class ClipFeatureExtractor(FeatureExtractor):
     """``image_embeds`` of a local Hugging Face CLIP vision folder (``CLIPVisionModelWithProjection``).
 
@@ -335,8 +391,8 @@ def default_feature_net(root: str | os.PathLike[str], speed_only: str = "--no-qu
     folder = Path(root)
     check((folder / FEATURES_DIR).is_dir(),
           f"--model {folder} has no {FEATURES_DIR}/ feature net to score quality with: pass --feature-net (a "
-          f"lantern feature net folder, made by `lantern train-features`; clip:DIR; or torchscript:PATH), or "
-          f"{speed_only} to measure speed only")
+          f"lantern feature net folder, made by `lantern train-features`; clip:DIR; torchscript:PATH; or "
+          f"vgg16:PATH), or {speed_only} to measure speed only")
     return str(folder)
 
 
@@ -349,13 +405,17 @@ def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.
     - ``torchscript:PATH``: a TorchScript file such as clean-fid's ``inception-2015-12-05.pt``
       (resized to ``input_size``); it runs the file's code, so only with ``trust_checkpoint=True``
       (None: ``--trust-checkpoint``'s setting, :func:`lantern.io.trusted_checkpoints`);
-    - ``clip:DIR``: a local Hugging Face CLIP folder (needs ``transformers``).
+    - ``clip:DIR``: a local Hugging Face CLIP folder (needs ``transformers``);
+    - ``vgg16:PATH``: torchvision's ImageNet VGG16 weights, whose fc2 features LANTERN's precision
+      and recall use (:class:`Vgg16FeatureExtractor`).
     """
     text = str(spec)
     check(bool(text), "feature extractor spec must not be empty")
     if text.startswith("torchscript:"):
         extractor: FeatureExtractor = TorchScriptFeatureExtractor(text[len("torchscript:"):], input_size,
                                                                 trust=trust_checkpoint)
+    elif text.startswith("vgg16:"):
+        extractor = Vgg16FeatureExtractor(text[len("vgg16:"):])
     elif text.startswith("clip:"):
         extractor = ClipFeatureExtractor(text[len("clip:"):])
     else:
@@ -373,7 +433,8 @@ def _load_lantern_extractor(text: str) -> FeatureExtractor:
     path = Path(text)
     if not path.exists():
         raise LanternError(f"feature extractor {text!r}: no such file or folder; expected a preset "
-                           f"({', '.join(PRESETS)}), a stack or feature net folder, torchscript:PATH or clip:DIR")
+                           f"({', '.join(PRESETS)}), a stack or feature net folder, torchscript:PATH, clip:DIR or "
+                           "vgg16:PATH")
     if path.is_dir() and (path / FEATURES_DIR).is_dir():
         return LanternFeatureExtractor.from_folder(path / FEATURES_DIR, str(path))
     if path.is_dir() and (path / "config.json").is_file():
