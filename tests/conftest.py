@@ -1127,3 +1127,26 @@ def run_launcher(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.Co
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def tiny_clip(folder: Path, hidden_act: str = "quick_gelu") -> Path:
+    """A random CLIP with both towers and a word-level tokenizer, laid out as openai/clip-vit-base-patch32
+    (``hidden_act="gelu"``: as OpenCLIP's ViT-H-14, HPS's)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[BOS]", "[PAD]", "[EOS]", "[UNK]", "a", "kite", "over", "beach", "two", "dogs", "red", "car", "cat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+                                         unk_token="[UNK]").save_pretrained(folder)
+    text = {"vocab_size": len(words), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 77, "bos_token_id": 0, "pad_token_id": 1,
+            "eos_token_id": 2, "projection_dim": 8,  # 2: pooled at the highest id (transformers' legacy rule)
+            "hidden_act": hidden_act}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16, "projection_dim": 8, "hidden_act": hidden_act}
+    torch.manual_seed(0)
+    transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval() \
+        .save_pretrained(folder)
+    return folder

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import T5_DIM, T5_MAXLEN, T5_WORDS, tiny_t2i_target
+from conftest import T5_DIM, T5_MAXLEN, T5_WORDS, tiny_clip, tiny_t2i_target
 from PIL import Image
 
 import lantern
@@ -623,27 +623,6 @@ def test_bench_measures_with_the_users_prompts(t2i_stack: Path, tmp_path: Path, 
                                        "labels from its classes\n")
 
 
-def _tiny_clip(folder: Path) -> Path:
-    """A random CLIP with both towers and a word-level tokenizer, laid out as openai/clip-vit-base-patch32."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["[BOS]", "[PAD]", "[EOS]", "[UNK]", "a", "kite", "over", "beach", "two", "dogs", "red", "car", "cat"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
-                                         unk_token="[UNK]").save_pretrained(folder)
-    text = {"vocab_size": len(words), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "max_position_embeddings": 77, "bos_token_id": 0, "pad_token_id": 1,
-            "eos_token_id": 2, "projection_dim": 8}  # 2: pooled at the highest id (transformers' legacy rule)
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 32, "patch_size": 16, "projection_dim": 8}
-    torch.manual_seed(0)
-    transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval() \
-        .save_pretrained(folder)
-    return folder
-
-
 def test_clip_score_is_clips_cosine_of_each_image_and_its_prompt(tmp_path: Path) -> None:
     """``ClipScorer``: 100 x max(cos, 0) of the image and text embeddings (torchmetrics' CLIPScore),
     checked against transformers' whole CLIPModel (logits_per_image / logit_scale); a score depends
@@ -652,7 +631,7 @@ def test_clip_score_is_clips_cosine_of_each_image_and_its_prompt(tmp_path: Path)
 
     from lantern.eval.metrics import CLIP_MEAN, CLIP_STD, ClipScorer
 
-    folder = _tiny_clip(tmp_path / "clip")
+    folder = tiny_clip(tmp_path / "clip")
     scorer = ClipScorer(folder)
     gen = torch.Generator().manual_seed(0)
     images = torch.rand(24, 3, 24, 24, generator=gen) * 2 - 1
@@ -683,7 +662,7 @@ def test_bench_scores_prompt_following_with_clip(t2i_stack: Path, tmp_path: Path
     from lantern.eval.metrics import ClipScorer
     from lantern.targets.base import prompts_for
 
-    clip = _tiny_clip(tmp_path / "clip")
+    clip = tiny_clip(tmp_path / "clip")
     seen: list[int] = []
 
     def planted(self: ClipScorer, images: torch.Tensor, prompts: list[str], batch_size: int = 64) -> torch.Tensor:
@@ -951,7 +930,7 @@ def test_real_images_are_centre_cropped_and_resized_as_a_reference(t2i_stack: Pa
     with pytest.raises(LanternError, match=r"--reference-images: .* holds 1 images .* FID needs 2"):
         folder_images(real, 16, limit=1)
 
-    clip = _tiny_clip(tmp_path / "clip")
+    clip = tiny_clip(tmp_path / "clip")
     assert main(["bench", "--model", str(t2i_stack), "--methods", "ar", "--num-images", "4", "--speed-images", "2",
                  "--batch-size", "4", "--num-real", "4", "--curve-images", "0", "--no-ar-spread", "--no-progress",
                  "--feature-net", f"clip:{clip}", "--reference-images", str(real), "--out", str(tmp_path / "b")]) == 0

@@ -55,6 +55,9 @@ def bench_config(args: Any) -> BenchConfig:
     )
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
     check(not (args.clip_score and args.no_quality), "--clip-score is a quality metric: drop --no-quality")
+    check(not (args.hps and args.no_quality), "--hps is a quality metric: drop --no-quality")
+    check((args.hps is None) == (args.hps_clip is None), "--hps FILE needs --hps-clip DIR (the ViT-H-14 CLIP "
+                                                         "folder whose config and tokenizer it runs on), and back")
     check(not (args.reference_images and args.no_quality), "--reference-images is for the quality metrics: drop "
                                                           "--no-quality")
     check(args.reference_images is None or Path(args.reference_images).is_dir(),
@@ -98,6 +101,8 @@ def cmd_bench(args: Any) -> int:
     stack = load_model_stack(args.model, device=args.device, dtype=args.dtype, **chameleon_options(args))
     check(args.clip_score is None or stack.num_classes is None,
           f"--clip-score: {args.model} is class-conditional: a CLIP score needs prompts")
+    check(args.hps is None or stack.num_classes is None,
+          f"--hps: {args.model} is class-conditional: a preference score needs prompts")
     if prompts:
         check(stack.num_classes is None, f"--prompts: {args.model} is class-conditional: bench draws its labels "
                                          "from its classes")
@@ -107,6 +112,11 @@ def cmd_bench(args: Any) -> int:
         from lantern.eval.metrics import ClipScorer
 
         clip = ClipScorer(args.clip_score, device=args.device, prefix=args.clip_prefix)
+    hps: Any = None
+    if args.hps is not None and ctx.is_main:
+        from lantern.eval.hps import HpsScorer
+
+        hps = HpsScorer(args.hps, args.hps_clip, device=args.device)
     sampling = sampling_from(stack, args)
     parts = ModelParts(stack)  # the drafter and table, read once for every choice and run below
     given = config
@@ -133,9 +143,9 @@ def cmd_bench(args: Any) -> int:
                   f"{str(stack.dtype).replace('torch.', '')} on {args.device}"
                   + (f" | {ctx.world_size} processes" if ctx.enabled else ""))
         if isinstance(scorer, QualityScorer):
-            scorer.clip = clip
+            scorer.clip, scorer.hps = clip, hps
             print(f"feature network: {scorer.description}; real set: {scorer.num_real} real images"
-                  + (f"; {scorer.clip.name}" if scorer.clip is not None else ""))
+                  + "".join(f"; {s.name}" for s in (clip, hps) if s is not None))
         runner: Any = RankRunner(ctx, parts) if ctx.enabled else BenchRunner(parts)
         store = None
         if cache_dir is not None:
@@ -225,6 +235,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "openai/clip-vit-base-patch32 (LANTERN's)")
     p.add_argument("--clip-prefix", default="", metavar="TEXT",
                    help='with --clip-score: text put before every prompt (LANTERN\'s evaluation: "A photo depicts ")')
+    p.add_argument("--hps", default=None, metavar="FILE",
+                   help="prompt-conditioned models: also score each method's images with HPS v2 / v2.1, the human "
+                        "preference score LANTERN's evaluation reports (HPS_v2.1_compressed.pt, read without "
+                        "running code); needs --hps-clip")
+    p.add_argument("--hps-clip", default=None, metavar="DIR",
+                   help="with --hps: a local ViT-H-14 CLIP folder in transformers' layout "
+                        "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K) for the config and tokenizer HPS runs on")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompt-conditioned models: the evaluation's prompts, cycled over the images (a text file, "
                         "one per line; a .tsv's Prompt column; a .json of captions). Default: 4 fixed prompts")

@@ -624,6 +624,7 @@ class QualityScorer:
         self.stack, self.extractor, self.real, self.num_real, self.spec = stack, extractor, real, num_real, spec
         self.reference = reference
         self.clip: Any = None  # a lantern.eval.metrics.ClipScorer: prompt models' CLIP score (bench --clip-score)
+        self.hps: Any = None  # a lantern.eval.hps.HpsScorer: their human preference score (bench --hps)
         self.reference_images: str | None = None  # the folder of a "images" reference
 
     @classmethod
@@ -686,12 +687,15 @@ class QualityScorer:
             del out["class_accuracy"]
         if self.clip is not None:  # how well the images follow their prompts
             out["clip_score"] = float(self.clip.scores(images, labels).mean())
+        if self.hps is not None:  # how much people would like them for their prompts
+            out["hps"] = float(self.hps.scores(images, labels).mean())
         return out
 
     def meta(self) -> dict[str, Any]:
         return {"feature_net": self.description, "feature_net_spec": self.spec, "num_real": self.num_real,
                 "feature_net_short": "lantern feature net" if "lantern" in self.description else self.description,
                 "reference": self.reference, **({"clip_score": self.clip.name} if self.clip is not None else {}),
+                **({"hps": self.hps.name} if self.hps is not None else {}),
                 **({"reference_images": self.reference_images} if self.reference_images else {})}
 
 

@@ -280,7 +280,8 @@ class ClipFeatureExtractor(FeatureExtractor):
     mean: Tensor  # buffers [1, 3, 1, 1] (register_buffer)
     std: Tensor
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], model: Any = None) -> None:
+        """``model``: a vision tower already built (HPS's weights on the folder's config); else the folder's."""
         super().__init__()
         try:
             from transformers import CLIPVisionModelWithProjection
@@ -292,7 +293,8 @@ class ClipFeatureExtractor(FeatureExtractor):
         folder = Path(folder)
         check(folder.is_dir(), f"clip: no such CLIP folder {folder}")
         try:
-            self.model = CLIPVisionModelWithProjection.from_pretrained(str(folder), local_files_only=True).eval()
+            self.model = (model if model is not None else
+                          CLIPVisionModelWithProjection.from_pretrained(str(folder), local_files_only=True)).eval()
         except (OSError, ValueError) as e:
             raise LanternError(f"clip:{folder} is not a CLIP vision model folder: {e}") from None
         mean, std = CLIP_MEAN, CLIP_STD
@@ -340,9 +342,13 @@ class ClipScorer:
         self.prefix = prefix
         self.name = f"CLIP score, {folder.name}" + (f", prompts after {prefix!r}" if prefix else "")
 
-    @torch.no_grad()
     def scores(self, images: Tensor, prompts: Sequence[str], batch_size: int = 64) -> Tensor:
         """[N] CLIP scores of ``images`` [N, C, H, W] in [-1, 1] against ``prompts`` (one each)."""
+        return 100 * self.cosines(images, prompts, batch_size).clamp(min=0)
+
+    @torch.no_grad()
+    def cosines(self, images: Tensor, prompts: Sequence[str], batch_size: int = 64) -> Tensor:
+        """[N] cosines of each image's and its prompt's projected embeddings."""
         check(len(prompts) == images.shape[0], f"CLIP score: {images.shape[0]} images, {len(prompts)} prompts")
         out = []
         for lo in range(0, len(prompts), batch_size):
@@ -352,7 +358,7 @@ class ClipScorer:
             tokens = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
                                     return_tensors="pt").to(device)
             text = self.text(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).text_embeds
-            out.append(100 * F.cosine_similarity(image, text.float(), dim=-1).clamp(min=0))
+            out.append(F.cosine_similarity(image, text.float(), dim=-1))
         return torch.cat(out).cpu()
 
 

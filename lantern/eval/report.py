@@ -303,8 +303,9 @@ def _interval_cell(ci: list[float] | None) -> str:
 def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
     interval = any(r.speedup_ci is not None for r in rows)
     clip = any(r.quality.get("clip_score") is not None for r in rows)
+    hps = any(r.quality.get("hps") is not None for r in rows)
     head = ["method", "tree", "tau", "fwd/img", "s/img", "speed-up", *(["95% CI"] if interval else []),
-            "FID", "KID", "prec", "recall", "class acc", *(["CLIP"] if clip else [])]
+            "FID", "KID", "prec", "recall", "class acc", *(["CLIP"] if clip else []), *(["HPS"] if hps else [])]
     spread = any(r.outside_ar_spread is not None for r in rows)
     if spread:
         head.append("vs AR spread")
@@ -323,6 +324,7 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
             format_cell(r.quality.get("recall")),
             format_cell(r.quality.get("class_accuracy")),
             *([format_cell(r.quality.get("clip_score"), 2)] if clip else []),
+            *([format_cell(r.quality.get("hps"), 4)] if hps else []),
             *([_spread_cell(r)] if spread else []),
         ]
         for r in rows
