@@ -19,6 +19,7 @@ from lantern.cli.common import check_sampling_flags, check_seed_flags
 from lantern.cli.demo import add_demo
 from lantern.cli.generate import add_generate
 from lantern.cli.profile import add_profile
+from lantern.cli.score import add_score
 from lantern.cli.serve import add_serve
 from lantern.cli.tools import add_build_proximity, add_convert_llamagen, add_make_random_stack
 from lantern.errors import COMMAND_LINE, LanternError
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile(sub)
     add_bench(sub)
     add_calibrate(sub)
+    add_score(sub)
     add_serve(sub)
     from lantern.cli.train import add_train_commands
 

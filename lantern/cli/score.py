@@ -1,0 +1,139 @@
+"""``lantern score``: FID, KID, precision / recall, class accuracy, CLIP score and HPS of folders of
+images already generated (``lantern.eval.score``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lantern.cli.common import MODEL_HELP, add_overwrite_arg, add_threads_arg, add_trust_checkpoint_arg
+from lantern.errors import check
+
+
+def add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score", help="FID, precision / recall, CLIP score and HPS of folders of generated images",
+        description="Score folders of generated images against real ones, as LANTERN's eval_fid_clip.py, "
+                    "eval_prec_recall.py and eval_hpsv2.py do: a lantern generate run's folder (its classes and "
+                    "prompts read from its own record), or any folder of images (prompts from --prompts FILE by "
+                    "the number in each file name).")
+    p.add_argument("folders", nargs="+", metavar="FOLDER", help="folders of generated images, one row each")
+    p.add_argument("--model", default=None,
+                   help=MODEL_HELP + ": the model the images came from; its data set is the reference and its "
+                        "features/ the feature net, unless --reference-images / --feature-net say otherwise")
+    p.add_argument("--reference-images", default=None, metavar="DIR",
+                   help="a folder of real images to compare with (the first --num-real, centre-cropped and resized "
+                        "with Lanczos to the generated images' size), e.g. COCO val2017")
+    p.add_argument("--num-real", type=int, default=1000, help="real images to compare with (default 1000)")
+    p.add_argument("--feature-net", default=None,
+                   help="feature extractor, as for bench: a lantern feature-net folder (default: --model's "
+                        "features/), torchscript:FILE, clip:DIR or vgg16:FILE")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="for folders lantern did not write: the prompt file of their generation (a text file, one "
+                        "per line; a .tsv's Prompt column; a .json list); image N (prompt_N.png, image_N.png or "
+                        "N.png) is prompt N")
+    p.add_argument("--clip-score", default=None, metavar="DIR",
+                   help="also the CLIP score of each image against its prompt (100 x max(cosine, 0)) with a local "
+                        "CLIP folder, e.g. openai/clip-vit-base-patch32 (LANTERN's)")
+    p.add_argument("--clip-prefix", default="", metavar="TEXT",
+                   help='with --clip-score: text put before every prompt (LANTERN\'s evaluation: "A photo depicts ")')
+    p.add_argument("--hps", default=None, metavar="FILE",
+                   help="also HPS v2 / v2.1 of each image against its prompt (HPS_v2.1_compressed.pt); needs "
+                        "--hps-clip")
+    p.add_argument("--hps-clip", default=None, metavar="DIR",
+                   help="with --hps: a local ViT-H-14 CLIP folder in transformers' layout for its config and tokenizer")
+    p.add_argument("--batch-size", type=int, default=100, help="images read and scored at a time (default 100)")
+    p.add_argument("--device", default="cpu", help="torch device for the feature networks (default cpu)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="also write the rows as JSON to FILE (written whole or not at all)")
+    add_overwrite_arg(p, "file")
+    add_trust_checkpoint_arg(p)
+    add_threads_arg(p)
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.set_defaults(func=cmd_score)
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """Every check before the first network loads, then the reference once and each folder in turn."""
+    from lantern.outputs import OutputFile
+    from lantern.validate import check_count, check_device
+
+    check_count(args.num_real, "--num-real", minimum=2)
+    check_count(args.batch_size, "--batch-size")
+    check_device(args.device)
+    check(args.model is not None or args.reference_images is not None,
+          "score needs real images to compare with: --reference-images DIR, or --model NAME (its data set)")
+    check(args.model is not None or args.feature_net is not None,
+          "score needs a feature network: --feature-net SPEC, or --model NAME (its features/)")
+    check((args.hps is None) == (args.hps_clip is None), "--hps FILE needs --hps-clip DIR (the ViT-H-14 CLIP folder "
+                                                         "whose config and tokenizer it runs on), and back")
+    out = None if args.out is None else OutputFile.check(args.out, "--out", args.overwrite)
+    folders = _read_folders(args)
+    for folder in folders:  # before any network loads (a CLIP or HPS model takes a while)
+        check(folder.prompts is not None or (args.clip_score is None and args.hps is None),
+              f"score: {folder.path} has no prompts for {'clip_score' if args.clip_score else 'hps'}: it is not a "
+              "prompted lantern generate run; pass --prompts FILE (LANTERN's scripts' prompt file)")
+    rows, meta = _score(args, folders)
+    _print(rows, meta)
+    if out is not None:
+        from lantern.io import write_json
+
+        with out.write() as tmp:
+            write_json(tmp, {**meta, "rows": [row.__dict__ for row in rows]})
+        print(f"wrote {out.path}")
+    return 0
+
+
+def _read_folders(args: argparse.Namespace) -> list[Any]:
+    from lantern.eval.score import ImageFolder
+
+    prompts = None
+    if args.prompts is not None:
+        from lantern.targets.text import read_prompts
+
+        prompts = read_prompts(args.prompts)
+    return [ImageFolder.read(folder, prompts) for folder in args.folders]
+
+
+def _score(args: argparse.Namespace, folders: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    from lantern.eval.metrics import ClipScorer, load_feature_extractor
+    from lantern.eval.score import reference_features, score_folders
+
+    progress = not args.no_progress
+    spec = args.feature_net or args.model  # a preset or stack folder: its features/
+    extractor = load_feature_extractor(spec, device=args.device)
+    scorers: list[tuple[str, Any]] = []
+    if args.clip_score is not None:
+        scorers.append(("clip_score", ClipScorer(args.clip_score, device=args.device, prefix=args.clip_prefix)))
+    if args.hps is not None:
+        from lantern.eval.hps import HpsScorer
+
+        scorers.append(("hps", HpsScorer(args.hps, args.hps_clip, device=args.device)))
+    size = int(next(folders[0].batches(1))[1].shape[-1])  # the generated images' side
+    real, reference = reference_features(extractor, images_dir=args.reference_images, model=args.model,
+                                         num_real=args.num_real, size=size, batch_size=args.batch_size,
+                                         progress=progress)
+    rows = score_folders(folders, real, extractor, scorers, args.batch_size, progress)
+    meta = {"feature_net": extractor.name, "feature_net_spec": str(spec), "reference": reference,
+            "num_real": len(real), **{name: scorer.name for name, scorer in scorers}}
+    return rows, meta
+
+
+def _print(rows: list[Any], meta: dict[str, Any]) -> None:
+    from lantern.eval.report import format_cell
+
+    keys = [k for k in ("fid", "kid", "precision", "recall", "class_accuracy", "clip_score", "hps")
+            if any(k in row.metrics for row in rows)]
+    names = {"fid": "FID", "kid": "KID", "precision": "prec", "recall": "recall", "class_accuracy": "class acc",
+             "clip_score": "CLIP", "hps": "HPS"}
+    digits = {"fid": 2, "kid": 4, "clip_score": 2, "hps": 4}
+    head = ["folder", "images", *(names[k] for k in keys)]
+    body = [[row.folder, str(row.images), *(format_cell(row.metrics.get(k), digits.get(k, 3)) for k in keys)]
+            for row in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    print(f"feature network: {meta['feature_net']}; reference: {meta['reference']} ({meta['num_real']} images)"
+          + "".join(f"; {meta[name]}" for name in ("clip_score", "hps") if name in meta))
+    for line in [head, *body]:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths,
+                                                                                                     strict=True))))
+

@@ -1,0 +1,132 @@
+"""``lantern score``: folders of images already generated get the metrics their images get from
+``lantern.eval.metrics`` directly, with each image's class or prompt read from the folder's own
+record (lantern generate) or from ``--prompts`` by the number in its name (LANTERN's folders)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_clip
+from PIL import Image
+
+from lantern.cli.main import main
+from lantern.eval.metrics import ClipScorer, extract_features, load_feature_extractor, quality_metrics, reference_images
+from lantern.eval.score import ImageFolder
+
+
+def _pngs(paths: list[Path]) -> torch.Tensor:
+    """Images as a PNG's bytes say, [N, C, H, W] in [-1, 1] (pixel / 127.5 - 1)."""
+    arrays = [np.asarray(Image.open(p)) for p in paths]
+    x = torch.from_numpy(np.stack(arrays)).float() / 127.5 - 1
+    return x[:, None] if x.dim() == 3 else x.permute(0, 3, 1, 2)
+
+
+def _generate(out: Path, *extra: str) -> None:
+    assert main(["generate", "--model", "digits", "--labels", "0-4", "--num-per-label", "2", "--seed", "3",
+                 "--out", str(out), "--no-progress", *extra]) == 0
+
+
+def test_a_generated_folder_scores_as_its_images_do(tmp_path: Path) -> None:
+    _generate(tmp_path / "run", "--method", "sjd-coupled")
+    _generate(tmp_path / "some", "--method", "sjd-coupled", "--indices", "9,0,5,2")  # names out of request order
+    assert main(["score", str(tmp_path / "run"), str(tmp_path / "some"), "--model", "digits", "--num-real", "60",
+                 "--batch-size", "4", "--out", str(tmp_path / "score.json"), "--no-progress"]) == 0
+    record = json.loads((tmp_path / "score.json").read_text())
+    assert record["reference"] == "the data set of digits" and record["num_real"] == 60
+    extractor = load_feature_extractor("digits")
+    real = extract_features(extractor, reference_images("digits")[0][:60])
+    for row, folder in zip(record["rows"], ("run", "some"), strict=True):
+        run = json.loads((tmp_path / folder / "run.json").read_text())
+        files = sorted((tmp_path / folder).glob("*_label*.png"))
+        labels = [int(p.stem.split("_label")[1]) for p in files]
+        by_place = dict(zip(run.get("indices", range(10)), run["labels"], strict=True))
+        assert labels == [by_place[int(p.stem.split("_")[0])] for p in files]  # the names carry each class
+        expected = quality_metrics(real, _pngs(files), torch.tensor(labels), extractor)
+        assert row["images"] == len(files) and row["source"] == "lantern generate"
+        for key, value in (("fid", expected.fid), ("precision", expected.precision), ("recall", expected.recall),
+                           ("class_accuracy", expected.class_accuracy)):
+            assert row["metrics"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    # power: the classes decide the accuracy (the same images under other labels score otherwise)
+    files = sorted((tmp_path / "run").glob("*_label*.png"))
+    shifted = [(int(p.stem.split("_label")[1]) + 1) % 10 for p in files]
+    assert quality_metrics(real, _pngs(files), torch.tensor(shifted), extractor).class_accuracy != \
+        record["rows"][0]["metrics"]["class_accuracy"]
+
+
+def test_a_plain_folder_takes_its_prompts_by_the_number_in_each_name(tmp_path: Path) -> None:
+    """LANTERN's folders: ``prompt_N.png`` is prompt N, whatever order the names sort in (prompt_10
+    before prompt_2), and the CLIP score is each image's against its own prompt."""
+    clip = tiny_clip(tmp_path / "clip")
+    words = ["a kite over a beach", "two dogs", "a red car", "a cat", "a red cat", "two kite"]
+    prompts = [words[i % len(words)] + (" red" * (i // len(words))) for i in range(12)]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    g = torch.Generator().manual_seed(0)
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "real").mkdir()
+    for i in range(12):
+        for folder in ("fake", "real"):
+            pixels = (torch.rand(24, 24, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(tmp_path / folder / f"prompt_{i}.png")
+    assert main(["score", str(tmp_path / "fake"), "--reference-images", str(tmp_path / "real"), "--feature-net",
+                 f"clip:{clip}", "--prompts", str(tmp_path / "prompts.txt"), "--clip-score", str(clip),
+                 "--batch-size", "5", "--out", str(tmp_path / "s.json"), "--no-progress"]) == 0
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    files = sorted((tmp_path / "fake").glob("*.png"))
+    assert files[2].name == "prompt_10.png"  # the order the names sort in is not the prompts' order
+    own = [prompts[int(p.stem.split("_")[1])] for p in files]
+    expected = ClipScorer(clip).scores(_pngs(files), own)
+    assert row["metrics"]["clip_score"] == pytest.approx(float(expected.mean()), rel=1e-5)
+    assert row["metrics"]["clip_score"] != pytest.approx(float(ClipScorer(clip).scores(_pngs(files), prompts).mean()),
+                                                         rel=1e-5)  # power: by file order it would be another
+    assert "class_accuracy" not in row["metrics"] and row["source"] == "folder"
+    assert ImageFolder.read(tmp_path / "fake", prompts).prompts == own
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "score needs real images to compare with: --reference-images DIR, or --model NAME"),
+    (["--reference-images", "REAL"], "score needs a feature network: --feature-net SPEC, or --model NAME"),
+    (["--model", "digits", "--hps", "x.pt"], "--hps FILE needs --hps-clip DIR"),
+    (["--model", "digits", "--clip-score", "CLIP"], "score: RUN has no prompts for clip_score: it is not a prompted "
+                                                    "lantern generate run; pass --prompts FILE"),
+    (["--model", "digits", "--prompts", "PROMPTS"], "score: 0004_label2.png is image 2, but --prompts holds 2 "
+                                                    "prompts"),
+    (["--model", "digits", "--out", "TAKEN"], "--out: TAKEN already exists; pass --overwrite to replace it"),
+])
+def test_bad_input_is_one_line_naming_what_to_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   extra: list[str], message: str) -> None:
+    run = tmp_path / "run"
+    _generate(run)
+    (run / "run.json").unlink()  # a folder lantern did not write: every image, prompts by number
+    (tmp_path / "prompts.txt").write_text("a\nb\n")
+    (tmp_path / "taken.json").write_text("{}")
+    where = {"REAL": str(tmp_path), "CLIP": str(tiny_clip(tmp_path / "clip")), "PROMPTS": str(tmp_path / "prompts.txt"),
+             "TAKEN": str(tmp_path / "taken.json")}
+    capsys.readouterr()
+    assert main(["score", str(run), "--no-progress", *[where.get(x, x) for x in extra]]) == 2
+    err = capsys.readouterr().err
+    expected = message.replace("RUN", str(run)).replace("TAKEN", str(tmp_path / "taken.json"))
+    assert err.startswith("lantern: error: ") and expected in err and err.count("\n") == 1, err
+
+
+def test_a_folder_of_two_sizes_or_none_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "mixed").mkdir()
+    Image.new("L", (32, 32)).save(tmp_path / "mixed" / "0.png")
+    Image.new("L", (16, 16)).save(tmp_path / "mixed" / "1.png")
+    assert main(["score", str(tmp_path / "mixed"), "--model", "digits", "--no-progress"]) == 2
+    assert "1.png is 16x16 grey, but the folder's first image is 32x32 grey" in capsys.readouterr().err
+    (tmp_path / "unnumbered").mkdir()
+    for name in ("a.png", "b.png"):
+        Image.new("L", (32, 32)).save(tmp_path / "unnumbered" / name)
+    (tmp_path / "p.txt").write_text("x\n")
+    assert main(["score", str(tmp_path / "unnumbered"), "--model", "digits", "--prompts", str(tmp_path / "p.txt"),
+                 "--no-progress"]) == 2
+    assert "score: a.png has no number in its name to find its prompt by" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["score", str(tmp_path / "empty"), "--model", "digits", "--no-progress"]) == 2
+    assert "holds 0 images" in capsys.readouterr().err
+    assert main(["score", str(tmp_path / "none"), "--model", "digits", "--no-progress"]) == 2
+    assert f"score: no such folder {tmp_path / 'none'}" in capsys.readouterr().err
