@@ -130,3 +130,11 @@ def test_a_folder_of_two_sizes_or_none_is_refused(tmp_path: Path, capsys: pytest
     assert "holds 0 images" in capsys.readouterr().err
     assert main(["score", str(tmp_path / "none"), "--model", "digits", "--no-progress"]) == 2
     assert f"score: no such folder {tmp_path / 'none'}" in capsys.readouterr().err
+    stack = tmp_path / "stack"  # a model without a data set (a downloaded one): real images are asked for
+    assert main(["make-random-stack", "--out", str(stack)]) == 0
+    (stack / "data.json").unlink(missing_ok=True)
+    capsys.readouterr()
+    assert main(["score", str(tmp_path / "mixed"), "--model", str(stack), "--feature-net", "digits",
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"lantern: error: score: --model {stack} has no data set (data.json) to "
+                                       "compare with; pass --reference-images DIR (real images)\n")

@@ -67,6 +67,13 @@ def cmd_score(args: argparse.Namespace) -> int:
           "score needs a feature network: --feature-net SPEC, or --model NAME (its features/)")
     check((args.hps is None) == (args.hps_clip is None), "--hps FILE needs --hps-clip DIR (the ViT-H-14 CLIP folder "
                                                          "whose config and tokenizer it runs on), and back")
+    if args.reference_images is None:  # the model's data set: named now, not after the networks load
+        from lantern.data.datasets import DATA_FILE
+        from lantern.targets.llamagen_stack import resolve_model_dir
+
+        root = resolve_model_dir(args.model)
+        check((root / DATA_FILE).is_file(), f"score: --model {args.model} has no data set ({DATA_FILE}) to compare "
+                                            "with; pass --reference-images DIR (real images)")
     out = None if args.out is None else OutputFile.check(args.out, "--out", args.overwrite)
     folders = _read_folders(args)
     for folder in folders:  # before any network loads (a CLIP or HPS model takes a while)
