@@ -13,10 +13,12 @@ from lantern.cli.common import (
     add_budget_arg,
     add_cache_arg,
     add_overwrite_arg,
+    add_prompt_score_args,
     add_tool_args,
     cache_folder,
     chameleon_options,
     check_feature_net_early,
+    check_prompt_score_args,
     command_line,
     model_reads,
 )
@@ -56,8 +58,7 @@ def bench_config(args: Any) -> BenchConfig:
     check(not (args.sweep and args.no_quality), "--sweep needs quality metrics: drop --no-quality")
     check(not (args.clip_score and args.no_quality), "--clip-score is a quality metric: drop --no-quality")
     check(not (args.hps and args.no_quality), "--hps is a quality metric: drop --no-quality")
-    check((args.hps is None) == (args.hps_clip is None), "--hps FILE needs --hps-clip DIR (the ViT-H-14 CLIP "
-                                                         "folder whose config and tokenizer it runs on), and back")
+    check_prompt_score_args(args)
     check(not (args.reference_images and args.no_quality), "--reference-images is for the quality metrics: drop "
                                                           "--no-quality")
     check(args.reference_images is None or Path(args.reference_images).is_dir(),
@@ -229,19 +230,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="compare with a folder of real images (the first --num-real, centre-cropped and resized "
                         "to the model's size), e.g. COCO val2017 for a text model, instead of the model's data "
                         "set or AR samples")
-    p.add_argument("--clip-score", default=None, metavar="DIR",
-                   help="prompt-conditioned models: also score how well each method's images follow their prompts "
-                        "(CLIP score, 100 x cosine, as torchmetrics) with a local CLIP folder, e.g. "
-                        "openai/clip-vit-base-patch32 (LANTERN's)")
-    p.add_argument("--clip-prefix", default="", metavar="TEXT",
-                   help='with --clip-score: text put before every prompt (LANTERN\'s evaluation: "A photo depicts ")')
-    p.add_argument("--hps", default=None, metavar="FILE",
-                   help="prompt-conditioned models: also score each method's images with HPS v2 / v2.1, the human "
-                        "preference score LANTERN's evaluation reports (HPS_v2.1_compressed.pt, read without "
-                        "running code); needs --hps-clip")
-    p.add_argument("--hps-clip", default=None, metavar="DIR",
-                   help="with --hps: a local ViT-H-14 CLIP folder in transformers' layout "
-                        "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K) for the config and tokenizer HPS runs on")
+    add_prompt_score_args(p)
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompt-conditioned models: the evaluation's prompts, cycled over the images (a text file, "
                         "one per line; a .tsv's Prompt column; a .json of captions). Default: 4 fixed prompts")

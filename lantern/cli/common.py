@@ -492,3 +492,23 @@ def check_feature_net_early(args: argparse.Namespace, speed_only: str) -> None:
         from lantern.eval.metrics import default_feature_net
 
         default_feature_net(model, speed_only)
+
+
+def add_prompt_score_args(p: argparse.ArgumentParser) -> None:
+    """bench's and score's prompt-following metrics: the CLIP score and HPS of each image against its prompt."""
+    p.add_argument("--clip-score", default=None, metavar="DIR",
+                   help="prompt-conditioned images: also their CLIP score against their prompts (100 x max(cosine, "
+                        "0), as torchmetrics) with a local CLIP folder, e.g. openai/clip-vit-base-patch32 (LANTERN's)")
+    p.add_argument("--clip-prefix", default="", metavar="TEXT",
+                   help='with --clip-score: text put before every prompt (LANTERN\'s evaluation: "A photo depicts ")')
+    p.add_argument("--hps", default=None, metavar="FILE",
+                   help="prompt-conditioned images: also HPS v2 / v2.1, the human preference score LANTERN's "
+                        "evaluation reports (HPS_v2.1_compressed.pt, read without running code); needs --hps-clip")
+    p.add_argument("--hps-clip", default=None, metavar="DIR",
+                   help="with --hps: a local ViT-H-14 CLIP folder in transformers' layout "
+                        "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K) for the config and tokenizer HPS runs on")
+
+
+def check_prompt_score_args(args: argparse.Namespace) -> None:
+    check((args.hps is None) == (args.hps_clip is None), "--hps FILE needs --hps-clip DIR (the ViT-H-14 CLIP folder "
+                                                         "whose config and tokenizer it runs on), and back")

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lantern.cli.common import MODEL_HELP, add_overwrite_arg, add_threads_arg, add_trust_checkpoint_arg
+from lantern.cli.common import (
+    MODEL_HELP,
+    add_overwrite_arg,
+    add_prompt_score_args,
+    add_threads_arg,
+    add_trust_checkpoint_arg,
+    check_prompt_score_args,
+)
 from lantern.errors import check
 
 
@@ -32,16 +39,7 @@ def add_score(sub: argparse._SubParsersAction) -> None:
                    help="for folders lantern did not write: the prompt file of their generation (a text file, one "
                         "per line; a .tsv's Prompt column; a .json list); image N (prompt_N.png, image_N.png or "
                         "N.png) is prompt N")
-    p.add_argument("--clip-score", default=None, metavar="DIR",
-                   help="also the CLIP score of each image against its prompt (100 x max(cosine, 0)) with a local "
-                        "CLIP folder, e.g. openai/clip-vit-base-patch32 (LANTERN's)")
-    p.add_argument("--clip-prefix", default="", metavar="TEXT",
-                   help='with --clip-score: text put before every prompt (LANTERN\'s evaluation: "A photo depicts ")')
-    p.add_argument("--hps", default=None, metavar="FILE",
-                   help="also HPS v2 / v2.1 of each image against its prompt (HPS_v2.1_compressed.pt); needs "
-                        "--hps-clip")
-    p.add_argument("--hps-clip", default=None, metavar="DIR",
-                   help="with --hps: a local ViT-H-14 CLIP folder in transformers' layout for its config and tokenizer")
+    add_prompt_score_args(p)
     p.add_argument("--batch-size", type=int, default=100, help="images read and scored at a time (default 100)")
     p.add_argument("--device", default="cpu", help="torch device for the feature networks (default cpu)")
     p.add_argument("--out", default=None, metavar="FILE",
@@ -65,8 +63,7 @@ def cmd_score(args: argparse.Namespace) -> int:
           "score needs real images to compare with: --reference-images DIR, or --model NAME (its data set)")
     check(args.model is not None or args.feature_net is not None,
           "score needs a feature network: --feature-net SPEC, or --model NAME (its features/)")
-    check((args.hps is None) == (args.hps_clip is None), "--hps FILE needs --hps-clip DIR (the ViT-H-14 CLIP folder "
-                                                         "whose config and tokenizer it runs on), and back")
+    check_prompt_score_args(args)
     if args.reference_images is None:  # the model's data set: named now, not after the networks load
         from lantern.data.datasets import DATA_FILE
         from lantern.targets.llamagen_stack import resolve_model_dir
