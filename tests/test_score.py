@@ -138,3 +138,38 @@ def test_a_folder_of_two_sizes_or_none_is_refused(tmp_path: Path, capsys: pytest
                  "--no-progress"]) == 2
     assert capsys.readouterr().err == (f"lantern: error: score: --model {stack} has no data set (data.json) to "
                                        "compare with; pass --reference-images DIR (real images)\n")
+
+
+def test_folders_are_judged_against_ars_spread_as_bench_judges_its_rows(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ar A0 A1``: AR's folders at two seeds make the spread (bench's ARSpread, its seeds read
+    from their run.json) and every other folder gets bench's verdict against it."""
+    from lantern.eval.report import ARSpread
+    from lantern.eval.score import FolderScore, ar_spread, verdict
+
+    for seed in (5, 6):
+        _generate(tmp_path / f"ar{seed}", "--seed", str(seed))
+    _generate(tmp_path / "fast", "--method", "sjd-coupled")
+    assert main(["score", str(tmp_path / "fast"), "--ar", str(tmp_path / "ar5"), str(tmp_path / "ar6"), "--model",
+                 "digits", "--num-real", "60", "--out", str(tmp_path / "s.json"), "--no-progress"]) == 0
+    record = json.loads((tmp_path / "s.json").read_text())
+    spread = ARSpread.from_dict(record["ar_spread"])
+    assert spread.seeds == (5, 6) and [r["folder"] for r in record["ar_rows"]] == [str(tmp_path / "ar5"),
+                                                                                    str(tmp_path / "ar6")]
+    assert spread.values["fid"] == [r["metrics"]["fid"] for r in record["ar_rows"]]
+    assert spread.counts == {"precision": 10, "class_accuracy": 10, "recall": 60}
+    row = record["rows"][0]
+    sides = spread.sides(row["metrics"])
+    assert row["vs_ar"] == {"out": [k for k, v in sides.items() if v == "worse"],
+                            "better": [k for k, v in sides.items() if v == "better"]}
+    assert "vs AR's spread" in capsys.readouterr().out
+    # power: a folder far worse than AR on FID is out on it, and only there
+    ar_rows = [FolderScore(str(i), 100, "folder", {"fid": f, "precision": 0.9, "recall": 0.8})
+               for i, f in enumerate((1.0, 1.1, 0.9, 1.05))]
+    spread = ar_spread(ar_rows, 500, [0, 1, 2, 3])
+    assert verdict(spread, {"fid": 9.0, "precision": 0.9, "recall": 0.8}) == {"out": ["fid"], "better": []}
+    assert verdict(spread, {"fid": 1.0, "precision": 0.9, "recall": 0.8}) == {"out": [], "better": []}
+    capsys.readouterr()
+    assert main(["score", str(tmp_path / "fast"), "--ar", str(tmp_path / "ar5"), "--model", "digits",
+                 "--no-progress"]) == 2
+    assert "--ar needs AR's folders at 2 seeds or more (a spread), got 1" in capsys.readouterr().err

@@ -25,6 +25,10 @@ def add_score(sub: argparse._SubParsersAction) -> None:
                     "prompts read from its own record), or any folder of images (prompts from --prompts FILE by "
                     "the number in each file name).")
     p.add_argument("folders", nargs="+", metavar="FOLDER", help="folders of generated images, one row each")
+    p.add_argument("--ar", nargs="+", default=None, metavar="FOLDER",
+                   help="AR's images of the same conditions at 2 or more seeds, one folder each: every FOLDER is "
+                        "then judged against AR's spread as bench judges its rows (out when a metric is worse than "
+                        "AR's one-sided prediction bound; a method that is AR is called out at most 5%% of the time)")
     p.add_argument("--model", default=None,
                    help=MODEL_HELP + ": the model the images came from; its data set is the reference and its "
                         "features/ the feature net, unless --reference-images / --feature-net say otherwise")
@@ -72,18 +76,21 @@ def cmd_score(args: argparse.Namespace) -> int:
         check((root / DATA_FILE).is_file(), f"score: --model {args.model} has no data set ({DATA_FILE}) to compare "
                                             "with; pass --reference-images DIR (real images)")
     out = None if args.out is None else OutputFile.check(args.out, "--out", args.overwrite)
+    check(args.ar is None or len(args.ar) >= 2, f"--ar needs AR's folders at 2 seeds or more (a spread), got "
+                                                f"{len(args.ar or [])}")
     folders = _read_folders(args)
     for folder in folders:  # before any network loads (a CLIP or HPS model takes a while)
         check(folder.prompts is not None or (args.clip_score is None and args.hps is None),
               f"score: {folder.path} has no prompts for {'clip_score' if args.clip_score else 'hps'}: it is not a "
               "prompted lantern generate run; pass --prompts FILE (LANTERN's scripts' prompt file)")
-    rows, meta = _score(args, folders)
-    _print(rows, meta)
+    rows, ar_rows, meta = _score(args, folders)
+    _print(rows, ar_rows, meta)
     if out is not None:
         from lantern.io import write_json
 
         with out.write() as tmp:
-            write_json(tmp, {**meta, "rows": [row.__dict__ for row in rows]})
+            write_json(tmp, {**meta, "rows": [row.__dict__ for row in rows],
+                             **({"ar_rows": [row.__dict__ for row in ar_rows]} if ar_rows else {})})
         print(f"wrote {out.path}")
     return 0
 
@@ -96,10 +103,12 @@ def _read_folders(args: argparse.Namespace) -> list[Any]:
         from lantern.targets.text import read_prompts
 
         prompts = read_prompts(args.prompts)
-    return [ImageFolder.read(folder, prompts) for folder in args.folders]
+    return [ImageFolder.read(folder, prompts) for folder in [*args.folders, *(args.ar or [])]]
 
 
-def _score(args: argparse.Namespace, folders: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+def _score(args: argparse.Namespace, folders: list[Any]) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """Every folder's row (the --ar folders' apart, the others judged against their spread) and
+    what they were scored with."""
     from lantern.eval.metrics import ClipScorer, load_feature_extractor
     from lantern.eval.score import reference_features, score_folders
 
@@ -120,24 +129,45 @@ def _score(args: argparse.Namespace, folders: list[Any]) -> tuple[list[Any], dic
     rows = score_folders(folders, real, extractor, scorers, args.batch_size, progress)
     meta = {"feature_net": extractor.name, "feature_net_spec": str(spec), "reference": reference,
             "num_real": len(real), **{name: scorer.name for name, scorer in scorers}}
-    return rows, meta
+    ar_rows, rows = rows[len(args.folders):], rows[: len(args.folders)]  # --ar's folders come last
+    if ar_rows:  # the others are read against their spread
+        from lantern.eval.score import ar_spread, verdict
+
+        spread = ar_spread(ar_rows, len(real), [_seed(folder, i) for i, folder in enumerate(folders[len(rows):])])
+        for row in rows:
+            row.vs_ar = verdict(spread, row.metrics)
+        meta |= {"ar_spread": spread.to_dict(), "ar_rule": spread.rule()}
+    return rows, ar_rows, meta
 
 
-def _print(rows: list[Any], meta: dict[str, Any]) -> None:
-    from lantern.eval.report import format_cell
+def _seed(folder: Any, position: int) -> int:
+    """An AR folder's seed: its run.json's (a lantern generate run), else its place in --ar."""
+    from lantern.io import read_json
 
+    run = folder.path / "run.json"
+    seed = read_json(run, "score: run.json").get("seed") if run.is_file() else None
+    return int(seed) if isinstance(seed, int) else position
+
+
+def _print(rows: list[Any], ar_rows: list[Any], meta: dict[str, Any]) -> None:
+    from lantern.eval.report import format_cell, verdict_cell
+
+    everything = [*rows, *ar_rows]
     keys = [k for k in ("fid", "kid", "precision", "recall", "class_accuracy", "clip_score", "hps")
-            if any(k in row.metrics for row in rows)]
+            if any(k in row.metrics for row in everything)]
     names = {"fid": "FID", "kid": "KID", "precision": "prec", "recall": "recall", "class_accuracy": "class acc",
              "clip_score": "CLIP", "hps": "HPS"}
     digits = {"fid": 2, "kid": 4, "clip_score": 2, "hps": 4}
-    head = ["folder", "images", *(names[k] for k in keys)]
-    body = [[row.folder, str(row.images), *(format_cell(row.metrics.get(k), digits.get(k, 3)) for k in keys)]
-            for row in rows]
+    head = ["folder", "images", *(names[k] for k in keys), *(["vs AR's spread"] if ar_rows else [])]
+    body = [[row.folder + (" (AR)" if i >= len(rows) else ""), str(row.images),
+             *(format_cell(row.metrics.get(k), digits.get(k, 3)) for k in keys),
+             *([verdict_cell(row.vs_ar["out"], row.vs_ar["better"]) if row.vs_ar else "-"] if ar_rows else [])]
+            for i, row in enumerate(everything)]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     print(f"feature network: {meta['feature_net']}; reference: {meta['reference']} ({meta['num_real']} images)"
           + "".join(f"; {meta[name]}" for name in ("clip_score", "hps") if name in meta))
     for line in [head, *body]:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths,
                                                                                                      strict=True))))
-
+    if ar_rows:
+        print(f"AR's spread over {len(ar_rows)} seeds: {meta['ar_rule']}")

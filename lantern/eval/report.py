@@ -340,14 +340,18 @@ def format_table(rows: Sequence[BenchRow], markdown: bool = False) -> str:
 
 
 def _spread_cell(r: BenchRow) -> str:
+    if r.outside_ar_spread is None or r.method == "ar":
+        return "-"
+    return verdict_cell(r.outside_ar_spread, r.better_than_ar or [])
+
+
+def verdict_cell(worse: Sequence[str], better: Sequence[str]) -> str:
     """The verdict (:meth:`ARSpread.judge`): "within", or "out: FID, acc" (the metrics worse than
     AR's bound), then any better ones: "within (better: FID)". A method that is AR is called out
     at most 5 % of the time."""
-    if r.outside_ar_spread is None or r.method == "ar":
-        return "-"
     short = {"fid": "FID", "precision": "prec", "recall": "recall", "class_accuracy": "acc"}
-    verdict = "out: " + ", ".join(short[k] for k in r.outside_ar_spread) if r.outside_ar_spread else "within"
-    return verdict + (f" (better: {', '.join(short[k] for k in r.better_than_ar)})" if r.better_than_ar else "")
+    verdict = "out: " + ", ".join(short[k] for k in worse) if worse else "within"
+    return verdict + (f" (better: {', '.join(short[k] for k in better)})" if better else "")
 
 
 def throughput_table(points: Sequence[Mapping[str, Any]]) -> str:

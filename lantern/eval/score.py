@@ -129,6 +129,7 @@ class FolderScore:
     images: int
     source: str
     metrics: dict[str, Any] = field(default_factory=dict)
+    vs_ar: dict[str, list[str]] | None = None  # with --ar: the metrics worse / better than AR's spread
 
 
 def folder_features(folder: ImageFolder, extractor: FeatureExtractor, scorers: Sequence[tuple[str, Any]],
@@ -211,3 +212,24 @@ def reference_features(extractor: FeatureExtractor, *, images_dir: str | os.Path
                       None if any(x is None for x in logits) else torch.cat(logits),  # type: ignore[arg-type]
                       extractor.name)
     return merged, f"{len(files)} images of {folder}"
+
+
+def ar_spread(ar_rows: Sequence[FolderScore], num_real: int, seeds: Sequence[int]) -> Any:
+    """AR's spread over its folders (one per seed), as ``bench`` reads a method against it
+    (:class:`lantern.eval.report.ARSpread`): precision and class accuracy are fractions of a
+    folder's images (the fewest of them), recall of the ``num_real`` real ones."""
+    from lantern.eval.report import QUALITY_KEYS, ARSpread
+
+    check(len(ar_rows) >= 2, f"--ar needs AR's folders at 2 seeds or more (a spread), got {len(ar_rows)}")
+    values = {k: [float(r.metrics[k]) for r in ar_rows] for k in QUALITY_KEYS
+              if all(k in r.metrics for r in ar_rows)}
+    images = min(r.images for r in ar_rows)
+    counts = {"precision": images, "class_accuracy": images, "recall": num_real}
+    return ARSpread(tuple(seeds), values, counts={k: n for k, n in counts.items() if k in values})
+
+
+def verdict(spread: Any, metrics: dict[str, Any]) -> dict[str, list[str]]:
+    """A folder against AR's spread: the judged metrics it is worse on (out when any) and better on."""
+    sides = spread.sides(metrics)
+    return {"out": [k for k, s in sides.items() if s == "worse"], "better": [k for k, s in sides.items()
+                                                                             if s == "better"]}
