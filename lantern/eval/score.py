@@ -138,25 +138,26 @@ def folder_features(folder: ImageFolder, extractor: FeatureExtractor, scorers: S
     ``hps``) over its images, one batch of pixels in memory at a time."""
     from tqdm.auto import tqdm
 
-    feats: list[Tensor] = []
-    logits: list[Tensor] = []
+    from lantern.eval.metrics import extract_features
+
+    parts: list[Features] = []
     sums = {name: 0.0 for name, _ in scorers}
-    with torch.no_grad(), tqdm(total=len(folder.files), desc=f"scoring {folder.path.name}", unit="img",
-                               disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=len(folder.files), desc=f"scoring {folder.path.name}", unit="img", disable=not progress,
+              dynamic_ncols=True) as bar:
         for lo, images in folder.batches(batch_size):
-            extractor.check_images(images, f"the images of {folder.path}")
-            f = extractor(images)
-            feats.append(f.double().cpu())
-            if extractor.has_classifier:
-                logits.append(extractor.classify_features(f).float().cpu())  # type: ignore[union-attr]
+            parts.append(extract_features(extractor, images, batch_size=batch_size, arg=f"the images of {folder.path}"))
             for name, scorer in scorers:
                 assert folder.prompts is not None  # checked by score_folders
                 sums[name] += float(scorer.scores(images, folder.prompts[lo : lo + len(images)]).sum())
             bar.update(len(images))
-    out = torch.cat(feats)
-    check(bool(torch.isfinite(out).all()), f"{extractor.name} returned non-finite features for {folder.path}")
-    features = Features(out, torch.cat(logits) if logits else None, extractor.name)
-    return features, {name: total / len(folder.files) for name, total in sums.items()}
+    return merge_features(parts, extractor), {name: total / len(folder.files) for name, total in sums.items()}
+
+
+def merge_features(parts: Sequence[Features], extractor: FeatureExtractor) -> Features:
+    """One set's features from its batches' (class logits too, where the extractor has a head)."""
+    logits = [p.logits for p in parts if p.logits is not None]
+    return Features(torch.cat([p.features for p in parts]), torch.cat(logits) if len(logits) == len(parts) else None,
+                    extractor.name)
 
 
 def score_folders(folders: Sequence[ImageFolder], real: Features, extractor: FeatureExtractor,
@@ -207,11 +208,7 @@ def reference_features(extractor: FeatureExtractor, *, images_dir: str | os.Path
                                                       for p in files[lo : lo + batch_size]]), arg="real images")
              for lo in tqdm(range(0, len(files), batch_size), desc="features (real images)", dynamic_ncols=True,
                             disable=not progress)]
-    logits = [p.logits for p in parts]
-    merged = Features(torch.cat([p.features for p in parts]),
-                      None if any(x is None for x in logits) else torch.cat(logits),  # type: ignore[arg-type]
-                      extractor.name)
-    return merged, f"{len(files)} images of {folder}"
+    return merge_features(parts, extractor), f"{len(files)} images of {folder}"
 
 
 def ar_spread(ar_rows: Sequence[FolderScore], num_real: int, seeds: Sequence[int]) -> Any:
