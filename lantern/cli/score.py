@@ -7,7 +7,6 @@ import argparse
 from typing import Any
 
 from lantern.cli.common import (
-    MODEL_HELP,
     add_overwrite_arg,
     add_prompt_score_args,
     add_threads_arg,
@@ -30,8 +29,9 @@ def add_score(sub: argparse._SubParsersAction) -> None:
                         "then judged against AR's spread as bench judges its rows (out when a metric is worse than "
                         "AR's one-sided prediction bound; a method that is AR is called out at most 5%% of the time)")
     p.add_argument("--model", default=None,
-                   help=MODEL_HELP + ": the model the images came from; its data set is the reference and its "
-                        "features/ the feature net, unless --reference-images / --feature-net say otherwise")
+                   help="the model the images came from, an embedded preset (digits | photos) or a stack folder: "
+                        "its data set (data.json) is the reference and its features/ the feature net, unless "
+                        "--reference-images / --feature-net say otherwise")
     p.add_argument("--reference-images", default=None, metavar="DIR",
                    help="a folder of real images to compare with (the first --num-real, centre-cropped and resized "
                         "with Lanczos to the generated images' size), e.g. COCO val2017")
