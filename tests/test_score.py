@@ -47,6 +47,7 @@ def test_a_generated_folder_scores_as_its_images_do(tmp_path: Path) -> None:
         assert labels == [by_place[int(p.stem.split("_")[0])] for p in files]  # the names carry each class
         expected = quality_metrics(real, _pngs(files), torch.tensor(labels), extractor)
         assert row["images"] == len(files) and row["source"] == "lantern generate"
+        assert row["method"] == "sjd-coupled" and row["tau"] == run["stats"]["mean_accepted"] > 1
         for key, value in (("fid", expected.fid), ("precision", expected.precision), ("recall", expected.recall),
                            ("class_accuracy", expected.class_accuracy)):
             assert row["metrics"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
@@ -128,6 +129,12 @@ def test_a_folder_of_two_sizes_or_none_is_refused(tmp_path: Path, capsys: pytest
     (tmp_path / "empty").mkdir()
     assert main(["score", str(tmp_path / "empty"), "--model", "digits", "--no-progress"]) == 2
     assert "holds 0 images" in capsys.readouterr().err
+    # 16-bit grey PNGs: their top 8 bits (a plain convert("L") clipped every value over 255 to white)
+    (tmp_path / "deep").mkdir()
+    for i, level in enumerate((1000, 40000)):
+        Image.fromarray(np.full((4, 4), level, np.uint16)).save(tmp_path / "deep" / f"{i}.png")
+    images = next(ImageFolder.read(tmp_path / "deep").batches(2))[1]
+    assert images[:, 0, 0, 0].tolist() == pytest.approx([1000 / 257 / 127.5 - 1, 40000 / 257 / 127.5 - 1])
     assert main(["score", str(tmp_path / "none"), "--model", "digits", "--no-progress"]) == 2
     assert f"score: no such folder {tmp_path / 'none'}" in capsys.readouterr().err
     stack = tmp_path / "stack"  # a model without a data set (a downloaded one): real images are asked for

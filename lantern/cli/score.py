@@ -158,8 +158,11 @@ def _print(rows: list[Any], ar_rows: list[Any], meta: dict[str, Any]) -> None:
     names = {"fid": "FID", "kid": "KID", "precision": "prec", "recall": "recall", "class_accuracy": "class acc",
              "clip_score": "CLIP", "hps": "HPS"}
     digits = {"fid": 2, "kid": 4, "clip_score": 2, "hps": 4}
-    head = ["folder", "images", *(names[k] for k in keys), *(["vs AR's spread"] if ar_rows else [])]
+    runs = any(row.method is not None for row in everything)  # lantern generate's folders: their method and tau
+    head = ["folder", "images", *(["method", "tau"] if runs else []), *(names[k] for k in keys),
+            *(["vs AR's spread"] if ar_rows else [])]
     body = [[row.folder + (" (AR)" if i >= len(rows) else ""), str(row.images),
+             *([row.method or "-", format_cell(row.tau, 2)] if runs else []),
              *(format_cell(row.metrics.get(k), digits.get(k, 3)) for k in keys),
              *([verdict_cell(row.vs_ar["out"], row.vs_ar["better"]) if row.vs_ar else "-"] if ar_rows else [])]
             for i, row in enumerate(everything)]
@@ -167,7 +170,7 @@ def _print(rows: list[Any], ar_rows: list[Any], meta: dict[str, Any]) -> None:
     print(f"feature network: {meta['feature_net']}; reference: {meta['reference']} ({meta['num_real']} images)"
           + "".join(f"; {meta[name]}" for name in ("clip_score", "hps") if name in meta))
     for line in [head, *body]:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths,
-                                                                                                     strict=True))))
+        print("  ".join(cell.ljust(w) if name in ("folder", "method") else cell.rjust(w)
+                        for name, cell, w in zip(head, line, widths, strict=True)))
     if ar_rows:
         print(f"AR's spread over {len(ar_rows)} seeds: {meta['ar_rule']}")

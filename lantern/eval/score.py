@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
@@ -44,6 +45,8 @@ class ImageFolder:
     labels: list[int] | None = None  # class ids (lantern's c2i runs)
     prompts: list[str] | None = None  # each image's prompt (lantern's t2i runs, or --prompts FILE)
     source: str = "folder"  # "lantern generate" when read by its run.json
+    method: str | None = None  # a lantern run's method and its tokens per target forward (run.json)
+    tau: float | None = None
 
     @classmethod
     def read(cls, folder: str | os.PathLike[str], prompts: Sequence[str] | None = None) -> ImageFolder:
@@ -57,7 +60,8 @@ class ImageFolder:
         if named and (path / "run.json").is_file():
             return cls._lantern(path, named)
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.name != PREVIEW)
-        check(len(files) >= 2, f"score: {path} holds {len(files)} images ({', '.join(IMAGE_SUFFIXES)}); FID needs 2")
+        check(len(files) >= 2, f"score: {path} holds {len(files)} image{'' if len(files) == 1 else 's'} "
+                               f"({', '.join(IMAGE_SUFFIXES)}); FID needs 2")
         if prompts is None:
             return cls(path, files)
         return cls(path, files, prompts=[prompts[_number(p, len(prompts))] for p in files])
@@ -71,13 +75,17 @@ class ImageFolder:
         kinds = {m[2] for m in names if m is not None}
         check(len(kinds) == 1, f"score: {path} mixes labelled and prompted images")
         values = [int(m[3]) for m in names if m is not None]
+        method, stats = run.get("method"), run.get("stats")
+        record: dict[str, Any] = {"source": "lantern generate",
+                                  "method": method.get("method") if isinstance(method, dict) else None,
+                                  "tau": stats.get("mean_accepted") if isinstance(stats, dict) else None}
         if kinds == {"label"}:
-            return cls(path, files, labels=values, source="lantern generate")
+            return cls(path, files, labels=values, **record)
         prompts = run.get("prompts")
         check(isinstance(prompts, list) and all(0 <= j < len(prompts) for j in values),
               f"score: {path}/run.json does not list the prompts its file names number")
         assert isinstance(prompts, list)  # (checked above)
-        return cls(path, files, prompts=[str(prompts[j]) for j in values], source="lantern generate")
+        return cls(path, files, prompts=[str(prompts[j]) for j in values], **record)
 
     def batches(self, batch_size: int) -> Iterator[tuple[int, Tensor]]:
         """(first index, images [b, C, H, W] in [-1, 1]) in file order; every image of one size and mode."""
@@ -107,7 +115,9 @@ def _read(path: Path) -> Tensor:
     try:
         with Image.open(path) as image:
             image.load()
-            grey = image.mode in ("L", "I;16", "1")
+            grey = image.mode in ("L", "1") or image.mode.startswith("I;16")
+            if image.mode.startswith("I;16"):  # 16-bit grey: its top 8 bits (convert("L") would clip at 255)
+                return torch.from_numpy(np.asarray(image, dtype=np.float32) / 257.0)[None] / 127.5 - 1
             pixels = image.convert("L" if grey else "RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise LanternError(f"score: {path} is not a readable image ({e})") from None
@@ -130,6 +140,8 @@ class FolderScore:
     source: str
     metrics: dict[str, Any] = field(default_factory=dict)
     vs_ar: dict[str, list[str]] | None = None  # with --ar: the metrics worse / better than AR's spread
+    method: str | None = None  # a lantern run's, with its tokens per target forward
+    tau: float | None = None
 
 
 def folder_features(folder: ImageFolder, extractor: FeatureExtractor, scorers: Sequence[tuple[str, Any]],
@@ -182,7 +194,8 @@ def score_folders(folders: Sequence[ImageFolder], real: Features, extractor: Fea
                                    "recall": q.recall}
         if q.class_accuracy is not None:
             metrics["class_accuracy"] = q.class_accuracy
-        rows.append(FolderScore(str(folder.path), len(folder.files), folder.source, {**metrics, **means}))
+        rows.append(FolderScore(str(folder.path), len(folder.files), folder.source, {**metrics, **means},
+                                method=folder.method, tau=folder.tau))
     return rows
 
 
