@@ -18,10 +18,10 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Never
+from typing import TYPE_CHECKING, Any, Never, NoReturn
 
 import numpy as np
 import torch
@@ -197,6 +197,24 @@ class PipelineOutput:
                 save_png(image_grid(self.images[:256]), folder / "grid.png")  # a preview: the first 256
             write_json(folder / "run.json", {"settings": self.settings, "config": self.config, "stats": self.stats})
         return out.path
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        """The fields in order, ``images`` first, as diffusers' outputs give them (``images, *_ = out.to_tuple()``)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __getitem__(self, key: int | slice | str) -> Any:
+        """diffusers' indexing: ``out[0]`` is ``out.images`` (a position in :meth:`to_tuple`),
+        ``out["codes"]`` is ``out.codes``; any other key raises, naming the fields."""
+        if isinstance(key, str):
+            if key not in {f.name for f in fields(self)}:
+                raise KeyError(f"{key!r}: a PipelineOutput holds {', '.join(f.name for f in fields(self))}")
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+    def __iter__(self) -> NoReturn:
+        """Refused: with ``__getitem__`` Python would iterate the fields, where ``for image in out``
+        means the images."""
+        raise TypeError("a PipelineOutput is not iterable: iterate out.images (the PIL images), or out.to_tuple()")
 
     def __repr__(self) -> str:
         """One line: the generated repr printed every per-batch record (a 94-line screen for 8 digits)."""

@@ -347,6 +347,15 @@ def test_outputs_compare_print_and_take_what_their_types_say(digits: lantern.Pip
     pipe = lantern.load("digits", device=torch.device("cpu"))
     assert pipe.device == "cpu" and "device='cpu', dtype='float32'" in repr(pipe)
     assert "deterministic=False" in repr(pipe)
+    # diffusers' indexing (an audit, 2026-11-30: pipe(...)[0] raised "not subscriptable")
+    assert a[0] is a.images and a["codes"] is a.codes and a.to_tuple()[:2] == (a.images, a.codes)
+    images, *_ = a.to_tuple()
+    assert images is a.images and a[-1] is a.settings
+    with pytest.raises(KeyError, match="'image': a PipelineOutput holds images, codes, stats, config, outputs, "
+                                       "settings"):
+        a["image"]
+    with pytest.raises(TypeError, match="iterate out.images"):
+        list(a)  # not the fields, where a loop over an output means its images
     # numbers of float settings are floats, as the CLI's: run.json said "cfg_scale": 4 from Python, 4.0 from the CLI
     whole = digits(labels=[1], cfg_scale=4, temperature=1, top_p=1)
     assert json.dumps(whole.config["sampling"]) == '{"temperature": 1.0, "top_k": 100, "top_p": 1.0, "cfg_scale": 4.0}'
