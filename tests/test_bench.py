@@ -232,8 +232,8 @@ def test_a_model_folder_without_a_feature_net_is_named_before_it_loads(
     assert main([command, "--model", str(folder), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         f"lantern: error: --model {folder} has no features/ feature net to score quality with: pass --feature-net "
-        "(a lantern feature net folder, made by `lantern train-features`; clip:DIR; torchscript:PATH; or "
-        f"vgg16:PATH), or {speed_only} to measure speed only\n")
+        "(a lantern feature net folder, made by `lantern train-features`; inception:PATH; clip:DIR; "
+        f"torchscript:PATH; or vgg16:PATH), or {speed_only} to measure speed only\n")
 
 
 def test_a_preset_name_is_the_preset_whatever_folder_of_that_name_is_here(

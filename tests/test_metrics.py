@@ -429,3 +429,59 @@ def test_a_file_that_is_not_torchvisions_vgg16_is_named(tmp_path: Path) -> None:
     with pytest.raises(LanternError, match=r"expected a state dict of tensors \(torchvision's vgg16-397923af\.pth\), "
                                            r"got dict"):
         load_feature_extractor(f"vgg16:{tmp_path / 'nested.pth'}")
+
+
+FID_REFERENCE = Path(__file__).parent / "data" / "fid_inception_reference.npz"
+
+
+def _fid_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A seeded FID Inception state dict (uniform draws in key order, batch-norm statistics kept
+    sane). tests/data/fid_inception_reference.npz holds pytorch-fid's own network's features for it
+    (pytorch-fid 0.3.0 on torchvision 0.29.1 and torch 2.14.1, which cannot share this venv: the
+    one-off run: scripts/make_fid_reference.py)."""
+    import math
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for key in sorted(shapes):
+        shape = shapes[key]
+        if key.endswith("num_batches_tracked"):
+            out[key] = torch.tensor(0)
+            continue
+        x = torch.rand(shape, generator=g)
+        if key.endswith("running_var"):
+            out[key] = 0.5 + x
+        elif key.endswith("running_mean") or key.endswith("bn.bias"):
+            out[key] = (x - 0.5) * 0.2
+        elif key.endswith("bn.weight"):
+            out[key] = 0.8 + 0.4 * x
+        elif key.endswith("conv.weight"):
+            out[key] = (x - 0.5) * 2 * math.sqrt(6 / math.prod(shape[1:]))
+        else:
+            out[key] = (x - 0.5) * 0.02
+    return out
+
+
+def test_inception_extractor_gives_pytorch_fids_features(tmp_path: Path) -> None:
+    """``inception:PATH`` is pytorch-fid's FID Inception: torchvision's layer names and shapes (the
+    reference's 566 keys), TensorFlow's pooling quirks, its resize and scaling; its features for a
+    seeded state dict equal those pytorch-fid's own code computed (stored), at 64 px (enlarged)
+    and 320 px (shrunk without antialias)."""
+    with np.load(FID_REFERENCE, allow_pickle=False) as ref:
+        keys, shapes = ref["keys"].tolist(), ref["shapes"].tolist()
+        small, large = torch.from_numpy(ref["small"]), torch.from_numpy(ref["large"])
+    state = _fid_state({k: tuple(int(n) for n in s.split(",") if n) for k, s in zip(keys, shapes, strict=True)})
+    del state["Conv2d_1a_3x3.bn.num_batches_tracked"]  # older saves lack the counters: they are filled in
+    torch.save(state, tmp_path / "pt_inception-2015-12-05-6726825d.pth")
+    extractor = load_feature_extractor(f"inception:{tmp_path / 'pt_inception-2015-12-05-6726825d.pth'}")
+    assert sorted(extractor.state_dict()) == keys and extractor.dim == 2048
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(2, 3, 64, 64, generator=g), torch.rand(1, 3, 320, 320, generator=g)  # [0, 1]
+    with torch.no_grad():
+        got = [extractor(x * 2 - 1) for x in images]
+    torch.testing.assert_close(got[0], small, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(got[1], large, rtol=2e-4, atol=2e-4)
+    assert not torch.allclose(got[0][0], got[0][1])  # power: the images' features differ
+    with pytest.raises(LanternError, match=r"\(the FID Inception\) does not match the model: missing keys: "):
+        torch.save({k: v for k, v in state.items() if not k.startswith("Mixed_7c")}, tmp_path / "cut.pth")
+        load_feature_extractor(f"inception:{tmp_path / 'cut.pth'}")

@@ -245,9 +245,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="held-out real images to compare with (default 1000, capped by the test split)")
     p.add_argument("--feature-net", default=None,
                    help="feature extractor: a lantern feature-net folder (default: the stack's features/), "
-                        "torchscript:FILE (e.g. clean-fid's Inception), clip:DIR (a local CLIP vision model) or "
-                        "vgg16:FILE (torchvision's vgg16-397923af.pth: the fc2 features of LANTERN's precision and "
-                        "recall)")
+                        "torchscript:FILE (e.g. clean-fid's Inception), inception:FILE (pytorch-fid's "
+                        "pt_inception-2015-12-05-6726825d.pth: pytorch-fid's and torchmetrics' FID, no code run), "
+                        "clip:DIR (a local CLIP vision model) or vgg16:FILE (torchvision's vgg16-397923af.pth: the "
+                        "fc2 features of LANTERN's precision and recall)")
     p.add_argument("--curve-images", type=int, default=16,
                    help="images per point of the tau-vs-delta/lambda curves (0 = skip; default 16)")
     p.add_argument("--ar-seeds", type=int, default=5,

@@ -38,7 +38,7 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-real", type=int, default=1000, help="real images to compare with (default 1000)")
     p.add_argument("--feature-net", default=None,
                    help="feature extractor, as for bench: a lantern feature-net folder (default: --model's "
-                        "features/), torchscript:FILE, clip:DIR or vgg16:FILE")
+                        "features/), inception:FILE (pytorch-fid's weights), torchscript:FILE, clip:DIR or vgg16:FILE")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="for folders lantern did not write: the prompt file of their generation (a text file, one "
                         "per line; a .tsv's Prompt column; a .json list); image N (prompt_N.png, image_N.png or "

@@ -269,6 +269,154 @@ class Vgg16FeatureExtractor(FeatureExtractor):
         return fc2(F.relu(fc1(x.flatten(1))))
 
 
+class _Conv(nn.Module):
+    """torchvision's BasicConv2d: a convolution without bias, batch norm (eps 0.001), ReLU."""
+
+    def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int], stride: int = 1,
+                 padding: int | tuple[int, int] = 0) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=False)
+        self.bn = nn.BatchNorm2d(cout, eps=0.001)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+
+def _tf_avg_pool(x: Tensor) -> Tensor:
+    """TensorFlow's 3x3 average pool, which leaves the padding out of the average (the FID patch)."""
+    return F.avg_pool2d(x, kernel_size=3, stride=1, padding=1, count_include_pad=False)
+
+
+class _MixedA(nn.Module):  # torchvision's InceptionA, as pytorch-fid's FIDInceptionA runs it
+    def __init__(self, cin: int, pool: int) -> None:
+        super().__init__()
+        self.branch1x1 = _Conv(cin, 64, 1)
+        self.branch5x5_1, self.branch5x5_2 = _Conv(cin, 48, 1), _Conv(48, 64, 5, padding=2)
+        self.branch3x3dbl_1, self.branch3x3dbl_2 = _Conv(cin, 64, 1), _Conv(64, 96, 3, padding=1)
+        self.branch3x3dbl_3 = _Conv(96, 96, 3, padding=1)
+        self.branch_pool = _Conv(cin, pool, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([self.branch1x1(x), self.branch5x5_2(self.branch5x5_1(x)),
+                          self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
+                          self.branch_pool(_tf_avg_pool(x))], 1)
+
+
+class _MixedB(nn.Module):  # torchvision's InceptionB (unpatched)
+    def __init__(self, cin: int) -> None:
+        super().__init__()
+        self.branch3x3 = _Conv(cin, 384, 3, stride=2)
+        self.branch3x3dbl_1, self.branch3x3dbl_2 = _Conv(cin, 64, 1), _Conv(64, 96, 3, padding=1)
+        self.branch3x3dbl_3 = _Conv(96, 96, 3, stride=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([self.branch3x3(x), self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
+                          F.max_pool2d(x, kernel_size=3, stride=2)], 1)
+
+
+class _MixedC(nn.Module):  # torchvision's InceptionC, as FIDInceptionC runs it
+    def __init__(self, cin: int, c7: int) -> None:
+        super().__init__()
+        self.branch1x1 = _Conv(cin, 192, 1)
+        self.branch7x7_1, self.branch7x7_2 = _Conv(cin, c7, 1), _Conv(c7, c7, (1, 7), padding=(0, 3))
+        self.branch7x7_3 = _Conv(c7, 192, (7, 1), padding=(3, 0))
+        self.branch7x7dbl_1, self.branch7x7dbl_2 = _Conv(cin, c7, 1), _Conv(c7, c7, (7, 1), padding=(3, 0))
+        self.branch7x7dbl_3, self.branch7x7dbl_4 = _Conv(c7, c7, (1, 7), padding=(0, 3)), _Conv(c7, c7, (7, 1),
+                                                                                                  padding=(3, 0))
+        self.branch7x7dbl_5 = _Conv(c7, 192, (1, 7), padding=(0, 3))
+        self.branch_pool = _Conv(cin, 192, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        seven = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
+        double = self.branch7x7dbl_1(x)
+        for layer in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+            double = layer(double)
+        return torch.cat([self.branch1x1(x), seven, double, self.branch_pool(_tf_avg_pool(x))], 1)
+
+
+class _MixedD(nn.Module):  # torchvision's InceptionD (unpatched)
+    def __init__(self, cin: int) -> None:
+        super().__init__()
+        self.branch3x3_1, self.branch3x3_2 = _Conv(cin, 192, 1), _Conv(192, 320, 3, stride=2)
+        self.branch7x7x3_1, self.branch7x7x3_2 = _Conv(cin, 192, 1), _Conv(192, 192, (1, 7), padding=(0, 3))
+        self.branch7x7x3_3, self.branch7x7x3_4 = _Conv(192, 192, (7, 1), padding=(3, 0)), _Conv(192, 192, 3, stride=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        seven = self.branch7x7x3_4(self.branch7x7x3_3(self.branch7x7x3_2(self.branch7x7x3_1(x))))
+        return torch.cat([self.branch3x3_2(self.branch3x3_1(x)), seven, F.max_pool2d(x, kernel_size=3, stride=2)], 1)
+
+
+class _MixedE(nn.Module):  # torchvision's InceptionE, as FIDInceptionE_1 (average pool) / _2 (max pool) run it
+    def __init__(self, cin: int, max_pool: bool) -> None:
+        super().__init__()
+        self.max_pool = max_pool  # the FID network's last block pools by max: a quirk of its TensorFlow graph
+        self.branch1x1 = _Conv(cin, 320, 1)
+        self.branch3x3_1 = _Conv(cin, 384, 1)
+        self.branch3x3_2a, self.branch3x3_2b = _Conv(384, 384, (1, 3), padding=(0, 1)), _Conv(384, 384, (3, 1),
+                                                                                                padding=(1, 0))
+        self.branch3x3dbl_1, self.branch3x3dbl_2 = _Conv(cin, 448, 1), _Conv(448, 384, 3, padding=1)
+        self.branch3x3dbl_3a = _Conv(384, 384, (1, 3), padding=(0, 1))
+        self.branch3x3dbl_3b = _Conv(384, 384, (3, 1), padding=(1, 0))
+        self.branch_pool = _Conv(cin, 192, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        three = self.branch3x3_1(x)
+        double = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
+        pooled = F.max_pool2d(x, kernel_size=3, stride=1, padding=1) if self.max_pool else _tf_avg_pool(x)
+        return torch.cat([self.branch1x1(x), self.branch3x3_2a(three), self.branch3x3_2b(three),
+                          self.branch3x3dbl_3a(double), self.branch3x3dbl_3b(double), self.branch_pool(pooled)], 1)
+
+
+class InceptionFeatureExtractor(FeatureExtractor):
+    """The FID Inception network (TensorFlow's 2015-12-05 graph) as pytorch-fid runs it: its
+    ``pt_inception-2015-12-05-6726825d.pth``, a plain state dict read without running code, and
+    the 2048-d pool features of images in [0, 1] resized to 299 x 299 (bilinear, no antialias)
+    and scaled to [-1, 1]. FIDs in this space are pytorch-fid's (and torchmetrics'), close to
+    TensorFlow's; torchvision's own Inception weights are another network."""
+
+    input_size = 299
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict
+
+        path = Path(path)
+        check(path.is_file(), f"--feature-net inception:{path}: no such file (pytorch-fid's "
+                              "pt_inception-2015-12-05-6726825d.pth)")
+        self.Conv2d_1a_3x3, self.Conv2d_2a_3x3 = _Conv(3, 32, 3, stride=2), _Conv(32, 32, 3)
+        self.Conv2d_2b_3x3, self.Conv2d_3b_1x1 = _Conv(32, 64, 3, padding=1), _Conv(64, 80, 1)
+        self.Conv2d_4a_3x3 = _Conv(80, 192, 3)
+        self.Mixed_5b, self.Mixed_5c, self.Mixed_5d = _MixedA(192, 32), _MixedA(256, 64), _MixedA(288, 64)
+        self.Mixed_6a = _MixedB(288)
+        self.Mixed_6b, self.Mixed_6c = _MixedC(768, 128), _MixedC(768, 160)
+        self.Mixed_6d, self.Mixed_6e = _MixedC(768, 160), _MixedC(768, 192)
+        self.Mixed_7a, self.Mixed_7b, self.Mixed_7c = _MixedD(768), _MixedE(1280, False), _MixedE(2048, True)
+        self.fc = nn.Linear(2048, 1008)  # the file's classifier: loaded (a whole file), unused
+        what = f"--feature-net inception:{path}"
+        state = load_safetensors(path, what) if path.suffix == ".safetensors" else load_checkpoint(path, what)
+        check(isinstance(state, dict) and all(isinstance(v, Tensor) for v in state.values()),
+              f"{what}: expected a state dict of tensors (pytorch-fid's pt_inception-2015-12-05-6726825d.pth), "
+              f"got {type(state).__name__}")
+        own = self.state_dict()  # a batch-norm counter, not a weight: older saves leave it out
+        state = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked") and k not in state}, **state}
+        load_state_dict_strict(self, state, f"{what} (the FID Inception)")
+        self.dim = 2048
+        self.name = f"FID Inception {path.name} (2048-d, 299px)"
+
+    def _extract(self, images: Tensor) -> Tensor:
+        x = F.interpolate((_to_rgb(images) + 1) / 2, size=(self.input_size, self.input_size), mode="bilinear",
+                          align_corners=False)
+        x = 2 * x - 1
+        for layer in (self.Conv2d_1a_3x3, self.Conv2d_2a_3x3, self.Conv2d_2b_3x3):
+            x = layer(x)
+        x = F.max_pool2d(x, kernel_size=3, stride=2)
+        x = F.max_pool2d(self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x)), kernel_size=3, stride=2)
+        for block in (self.Mixed_5b, self.Mixed_5c, self.Mixed_5d, self.Mixed_6a, self.Mixed_6b, self.Mixed_6c,
+                      self.Mixed_6d, self.Mixed_6e, self.Mixed_7a, self.Mixed_7b, self.Mixed_7c):
+            x = block(x)
+        return x.mean((2, 3))  # the adaptive average pool to 1 x 1
+
+
 class ClipFeatureExtractor(FeatureExtractor):
     """``image_embeds`` of a local Hugging Face CLIP vision folder (``CLIPVisionModelWithProjection``).
 
@@ -397,8 +545,8 @@ def default_feature_net(root: str | os.PathLike[str], speed_only: str = "--no-qu
     folder = Path(root)
     check((folder / FEATURES_DIR).is_dir(),
           f"--model {folder} has no {FEATURES_DIR}/ feature net to score quality with: pass --feature-net (a "
-          f"lantern feature net folder, made by `lantern train-features`; clip:DIR; torchscript:PATH; or "
-          f"vgg16:PATH), or {speed_only} to measure speed only")
+          f"lantern feature net folder, made by `lantern train-features`; inception:PATH; clip:DIR; "
+          f"torchscript:PATH; or vgg16:PATH), or {speed_only} to measure speed only")
     return str(folder)
 
 
@@ -413,7 +561,8 @@ def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.
       (None: ``--trust-checkpoint``'s setting, :func:`lantern.io.trusted_checkpoints`);
     - ``clip:DIR``: a local Hugging Face CLIP folder (needs ``transformers``);
     - ``vgg16:PATH``: torchvision's ImageNet VGG16 weights, whose fc2 features LANTERN's precision
-      and recall use (:class:`Vgg16FeatureExtractor`).
+      and recall use (:class:`Vgg16FeatureExtractor`);
+    - ``inception:PATH``: pytorch-fid's FID Inception weights (:class:`InceptionFeatureExtractor`).
     """
     text = str(spec)
     check(bool(text), "feature extractor spec must not be empty")
@@ -422,6 +571,8 @@ def load_feature_extractor(spec: str | os.PathLike[str], *, device: str | torch.
                                                                 trust=trust_checkpoint)
     elif text.startswith("vgg16:"):
         extractor = Vgg16FeatureExtractor(text[len("vgg16:"):])
+    elif text.startswith("inception:"):
+        extractor = InceptionFeatureExtractor(text[len("inception:"):])
     elif text.startswith("clip:"):
         extractor = ClipFeatureExtractor(text[len("clip:"):])
     else:
@@ -439,8 +590,8 @@ def _load_lantern_extractor(text: str) -> FeatureExtractor:
     path = Path(text)
     if not path.exists():
         raise LanternError(f"feature extractor {text!r}: no such file or folder; expected a preset "
-                           f"({', '.join(PRESETS)}), a stack or feature net folder, torchscript:PATH, clip:DIR or "
-                           "vgg16:PATH")
+                           f"({', '.join(PRESETS)}), a stack or feature net folder, torchscript:PATH, clip:DIR, "
+                           "vgg16:PATH or inception:PATH")
     if path.is_dir() and (path / FEATURES_DIR).is_dir():
         return LanternFeatureExtractor.from_folder(path / FEATURES_DIR, str(path))
     if path.is_dir() and (path / "config.json").is_file():
