@@ -404,6 +404,12 @@ def test_vgg16_extractor_gives_lanterns_precision_recall_features(tmp_path: Path
     # one at VGG's size, one resized up
     images = [torch.rand(1, 3, 224, 224, generator=g) * 2 - 1, torch.rand(1, 3, 64, 64, generator=g) * 2 - 1]
     expected = [_prec_recall_features(state, im) for im in images]
+    # and torchvision's own VGG16 on the same state dict (scripts/make_vgg16_reference.py: torchvision
+    # cannot share this venv), so the op-by-op reference above is checked too
+    with np.load(Path(__file__).parent / "data" / "vgg16_reference.npz", allow_pickle=False) as ref:
+        torchvision_says = [torch.from_numpy(ref["at224"]), torch.from_numpy(ref["at64"])]
+    for a, b in zip(expected, torchvision_says, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
     for name in ("vgg16-397923af.pth", "vgg16.safetensors"):
         extractor = load_feature_extractor(f"vgg16:{tmp_path / name}")
         assert extractor.dim == 4096 and extractor.name == f"VGG16 fc2 {name} (4096-d, 224px)"
