@@ -107,6 +107,24 @@ def test_hps_scores_are_open_clips_cosines(tmp_path: Path) -> None:
         torch.testing.assert_close(HpsScorer(tmp_path / name, folder).scores(images, prompts), got, atol=0, rtol=0)
 
 
+def test_hps_scores_are_what_open_clips_own_model_gives(tmp_path: Path) -> None:
+    """OpenCLIP's own ``CLIP`` (open_clip 3.3.0, its random weights and its scores stored by
+    scripts/make_hps_reference.py: open_clip needs torchvision, which cannot share this venv) at
+    tiny_clip's shapes: its state dict, renamed, gives the scores its encode_image / encode_text do."""
+    import numpy as np
+
+    from lantern.eval.hps import HpsScorer
+
+    with np.load(Path(__file__).parent / "data" / "hps_reference.npz", allow_pickle=False) as ref:
+        state = {k[len("state/"):]: torch.from_numpy(ref[k]) for k in ref.files if k.startswith("state/")}
+        images, scores, prompts = torch.from_numpy(ref["images"]), torch.from_numpy(ref["scores"]), ref["prompts"]
+    torch.save({"state_dict": state}, tmp_path / "hps.pt")
+    got = HpsScorer(tmp_path / "hps.pt", tiny_clip(tmp_path / "clip", hidden_act="gelu")).scores(images,
+                                                                                                prompts.tolist())
+    torch.testing.assert_close(got, scores, atol=2e-5, rtol=0)
+    assert len(set(scores.tolist())) == 4  # power: every image-prompt pair scores its own value
+
+
 def test_a_file_that_is_not_open_clips_vit_is_named(tmp_path: Path) -> None:
     from lantern.eval.hps import HpsScorer
 
