@@ -10,36 +10,17 @@ torchvision does not import beside lantern's torch, so this runs in a venv of it
 (2026-12-01: torch 2.14.1, torchvision 0.29.1, pytorch-fid 0.3.0.) No weights are downloaded: the
 network's own loader is handed the recipe's state dict.
 """
-import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from pytorch_fid import inception as pfid
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "fid_inception_reference.npz"
-
-
-def fid_state(shapes):  # tests/test_metrics.py's _fid_state (that module needs lantern's venv)
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for key in sorted(shapes):
-        shape = shapes[key]
-        if key.endswith("num_batches_tracked"):
-            out[key] = torch.tensor(0)
-            continue
-        x = torch.rand(shape, generator=g)
-        if key.endswith("running_var"):
-            out[key] = 0.5 + x
-        elif key.endswith("running_mean") or key.endswith("bn.bias"):
-            out[key] = (x - 0.5) * 0.2
-        elif key.endswith("bn.weight"):
-            out[key] = 0.8 + 0.4 * x
-        elif key.endswith("conv.weight"):
-            out[key] = (x - 0.5) * 2 * math.sqrt(6 / math.prod(shape[1:]))
-        else:
-            out[key] = (x - 0.5) * 0.02
-    return out
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "data" / "fid_inception_reference.npz"
+sys.path.insert(0, str(ROOT / "tests"))
+from reference_recipes import fid_state  # noqa: E402  (the tests' recipe: plain torch)
 
 
 def fid_images():  # the test's images, in [0, 1]

@@ -10,6 +10,7 @@ torchvision does not import beside lantern's torch, so this runs in a venv of it
 
 (2026-12-01: torch 2.14.1, torchvision 0.29.1.)
 """
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,22 +18,10 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "vgg16_reference.npz"
-CONVS = {0: (3, 64), 2: (64, 64), 5: (64, 128), 7: (128, 128), 10: (128, 256), 12: (256, 256), 14: (256, 256),
-         17: (256, 512), 19: (512, 512), 21: (512, 512), 24: (512, 512), 26: (512, 512), 28: (512, 512)}
-
-
-def vgg16_state(seed: int = 0) -> dict[str, torch.Tensor]:  # tests/test_metrics.py's _vgg16_state
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for i, (cin, cout) in CONVS.items():
-        state[f"features.{i}.weight"] = torch.randn(cout, cin, 3, 3, generator=g) * (2 / (9 * cin)) ** 0.5
-        state[f"features.{i}.bias"] = torch.randn(cout, generator=g) * 0.01
-    for i, (fin, fout) in {0: (25088, 4096), 3: (4096, 4096), 6: (4096, 1000)}.items():
-        state[f"classifier.{i}.weight"] = torch.randn(fout, fin, generator=g) * (2 / fin) ** 0.5
-        state[f"classifier.{i}.bias"] = torch.randn(fout, generator=g) * 0.01
-    return state
-
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "data" / "vgg16_reference.npz"
+sys.path.insert(0, str(ROOT / "tests"))
+from reference_recipes import vgg16_state  # noqa: E402  (the tests' recipe: plain torch)
 
 net = torchvision.models.vgg16()
 net.load_state_dict(vgg16_state())

@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from reference_recipes import VGG16_CONVS, VGG16_POOLED, fid_state, vgg16_state
+
 from lantern.cli.main import main
 from lantern.errors import LanternError
 from lantern.eval.metrics import (
@@ -355,27 +357,6 @@ def test_train_features_cli(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# torchvision's VGG16 layout: features.{i} convolutions, a 2x2 max pool after those in POOLED
-VGG16_CONVS = {0: (3, 64), 2: (64, 64), 5: (64, 128), 7: (128, 128), 10: (128, 256), 12: (256, 256),
-               14: (256, 256), 17: (256, 512), 19: (512, 512), 21: (512, 512), 24: (512, 512), 26: (512, 512),
-               28: (512, 512)}
-VGG16_POOLED = (2, 7, 14, 21, 28)
-
-
-def _vgg16_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A state dict with the keys and shapes of torchvision's ``vgg16-397923af.pth``, He-scaled so
-    activations stay of order one through the 13 convolutions."""
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for i, (cin, cout) in VGG16_CONVS.items():
-        state[f"features.{i}.weight"] = torch.randn(cout, cin, 3, 3, generator=g) * (2 / (9 * cin)) ** 0.5
-        state[f"features.{i}.bias"] = torch.randn(cout, generator=g) * 0.01
-    for i, (fin, fout) in {0: (25088, 4096), 3: (4096, 4096), 6: (4096, 1000)}.items():
-        state[f"classifier.{i}.weight"] = torch.randn(fout, fin, generator=g) * (2 / fin) ** 0.5
-        state[f"classifier.{i}.bias"] = torch.randn(fout, generator=g) * 0.01
-    return state
-
-
 def _prec_recall_features(state: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
     """LANTERN's ``eval_prec_recall.py`` on images in [-1, 1], written out op by op from torchvision's
     layout: [0, 1], resized to 224, ImageNet-normalised, ``vgg16.features``, flattened to 7 * 7 * 512,
@@ -397,7 +378,7 @@ def test_vgg16_extractor_gives_lanterns_precision_recall_features(tmp_path: Path
     running code and gives its fc2 features before the ReLU, as LANTERN's evaluation takes them."""
     from safetensors.torch import save_file
 
-    state = _vgg16_state()
+    state = vgg16_state()
     torch.save(state, tmp_path / "vgg16-397923af.pth")
     save_file(state, tmp_path / "vgg16.safetensors")
     g = torch.Generator().manual_seed(1)
@@ -440,34 +421,6 @@ def test_a_file_that_is_not_torchvisions_vgg16_is_named(tmp_path: Path) -> None:
 FID_REFERENCE = Path(__file__).parent / "data" / "fid_inception_reference.npz"
 
 
-def _fid_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """A seeded FID Inception state dict (uniform draws in key order, batch-norm statistics kept
-    sane). tests/data/fid_inception_reference.npz holds pytorch-fid's own network's features for it
-    (pytorch-fid 0.3.0 on torchvision 0.29.1 and torch 2.14.1, which cannot share this venv: the
-    one-off run: scripts/make_fid_reference.py)."""
-    import math
-
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for key in sorted(shapes):
-        shape = shapes[key]
-        if key.endswith("num_batches_tracked"):
-            out[key] = torch.tensor(0)
-            continue
-        x = torch.rand(shape, generator=g)
-        if key.endswith("running_var"):
-            out[key] = 0.5 + x
-        elif key.endswith("running_mean") or key.endswith("bn.bias"):
-            out[key] = (x - 0.5) * 0.2
-        elif key.endswith("bn.weight"):
-            out[key] = 0.8 + 0.4 * x
-        elif key.endswith("conv.weight"):
-            out[key] = (x - 0.5) * 2 * math.sqrt(6 / math.prod(shape[1:]))
-        else:
-            out[key] = (x - 0.5) * 0.02
-    return out
-
-
 def test_inception_extractor_gives_pytorch_fids_features(tmp_path: Path) -> None:
     """``inception:PATH`` is pytorch-fid's FID Inception: torchvision's layer names and shapes (the
     reference's 566 keys), TensorFlow's pooling quirks, its resize and scaling; its features for a
@@ -476,7 +429,7 @@ def test_inception_extractor_gives_pytorch_fids_features(tmp_path: Path) -> None
     with np.load(FID_REFERENCE, allow_pickle=False) as ref:
         keys, shapes = ref["keys"].tolist(), ref["shapes"].tolist()
         small, large = torch.from_numpy(ref["small"]), torch.from_numpy(ref["large"])
-    state = _fid_state({k: tuple(int(n) for n in s.split(",") if n) for k, s in zip(keys, shapes, strict=True)})
+    state = fid_state({k: tuple(int(n) for n in s.split(",") if n) for k, s in zip(keys, shapes, strict=True)})
     del state["Conv2d_1a_3x3.bn.num_batches_tracked"]  # older saves lack the counters: they are filled in
     torch.save(state, tmp_path / "pt_inception-2015-12-05-6726825d.pth")
     extractor = load_feature_extractor(f"inception:{tmp_path / 'pt_inception-2015-12-05-6726825d.pth'}")
