@@ -433,7 +433,7 @@ def test_inception_extractor_gives_pytorch_fids_features(tmp_path: Path) -> None
     del state["Conv2d_1a_3x3.bn.num_batches_tracked"]  # older saves lack the counters: they are filled in
     torch.save(state, tmp_path / "pt_inception-2015-12-05-6726825d.pth")
     extractor = load_feature_extractor(f"inception:{tmp_path / 'pt_inception-2015-12-05-6726825d.pth'}")
-    assert sorted(extractor.state_dict()) == keys and extractor.dim == 2048
+    assert sorted(extractor.net.state_dict()) == keys and extractor.dim == 2048
     g = torch.Generator().manual_seed(1)
     images = torch.rand(2, 3, 64, 64, generator=g), torch.rand(1, 3, 320, 320, generator=g)  # [0, 1]
     with torch.no_grad():

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from lantern.errors import LanternError, check
 
+NetT = TypeVar("NetT", bound=nn.Module)
 NOT_INCEPTION = ("feature-space metrics of a lantern-trained network unless stated otherwise; "
                  "not comparable with published (Inception) FID/KID")
 BENCH_HINT = "pip install 'lantern-ar[bench]'"
@@ -213,19 +214,13 @@ class TorchScriptFeatureExtractor(FeatureExtractor):
         return out.reshape(out.shape[0], -1).float()
 
 
-# torchvision's VGG16 (configuration "D"): the channels of each 3x3 convolution, "M" a 2x2 max pool.
-VGG16_LAYERS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
 class Vgg16FeatureExtractor(FeatureExtractor):
     """VGG16's fc2 activations (4096-d, before their ReLU), the features of the improved precision
     and recall (Kynkäänniemi et al. 2019) as LANTERN's ``eval_prec_recall.py`` computes them:
-    torchvision's ImageNet VGG16 (``vgg16-397923af.pth``, or its safetensors), images resized to
-    224 x 224 (bilinear) and normalised with ImageNet's mean and std, ``features`` flattened, then
-    ``classifier[:4]``. The file is a plain state dict, read without running code. The resize is
-    torch's, not PIL's, so values are close to, not equal to, that script's."""
+    torchvision's ImageNet VGG16 (``vgg16-397923af.pth``, or its safetensors;
+    :class:`lantern.models.metric_nets.Vgg16`), images resized to 224 x 224 (bilinear) and
+    normalised with ImageNet's mean and std. The file is a plain state dict, read without running
+    code. The resize is torch's, not PIL's, so values are close to, not equal to, that script's."""
 
     mean: Tensor  # buffers [1, 3, 1, 1] (register_buffer)
     std: Tensor
@@ -233,29 +228,12 @@ class Vgg16FeatureExtractor(FeatureExtractor):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
-        from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict
+        from lantern.models.metric_nets import IMAGENET_MEAN, IMAGENET_STD, Vgg16
 
         path = Path(path)
         check(path.is_file(), f"--feature-net vgg16:{path}: no such file (torchvision's vgg16-397923af.pth)")
-        layers: list[nn.Module] = []
-        channels = 3
-        for item in VGG16_LAYERS:  # named as torchvision's nn.Sequential, so its state dict loads as it is
-            if item == "M":
-                layers.append(nn.MaxPool2d(2, 2))
-            else:
-                layers += [nn.Conv2d(channels, int(item), 3, padding=1), nn.ReLU(inplace=True)]
-                channels = int(item)
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 4096), nn.ReLU(inplace=True), nn.Dropout(),
-                                        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(),
-                                        nn.Linear(4096, 1000))  # the ImageNet head: loaded (a whole file), unused
-        what = f"--feature-net vgg16:{path}"
-        state = (load_safetensors(path, what) if path.suffix == ".safetensors"
-                 else load_checkpoint(path, what))
-        check(isinstance(state, dict) and all(isinstance(v, Tensor) for v in state.values()),
-              f"{what}: expected a state dict of tensors (torchvision's vgg16-397923af.pth), got "
-              f"{type(state).__name__}")
-        load_state_dict_strict(self, state, f"{what} (torchvision's VGG16)")
+        self.net = _load_net(Vgg16(), path, f"--feature-net vgg16:{path}", "torchvision's vgg16-397923af.pth",
+                             "torchvision's VGG16")
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
         self.dim = 4096
@@ -263,112 +241,27 @@ class Vgg16FeatureExtractor(FeatureExtractor):
 
     def _extract(self, images: Tensor) -> Tensor:
         x = (_resize(_to_rgb(images), self.input_size, "bilinear") + 1) / 2
-        x = self.features((x - self.mean) / self.std)
-        fc1, fc2 = self.classifier[0], self.classifier[3]
-        # classifier[:4] in eval mode: fc1, ReLU, dropout (none at inference), fc2, whose ReLU is not taken
-        return fc2(F.relu(fc1(x.flatten(1))))
+        return self.net.fc2_features((x - self.mean) / self.std)
 
 
-class _Conv(nn.Module):
-    """torchvision's BasicConv2d: a convolution without bias, batch norm (eps 0.001), ReLU."""
+def _load_net(net: NetT, path: Path, what: str, expected: str, model: str) -> NetT:
+    """``net`` with the plain state dict of ``path`` (pickled, read without running code, or
+    safetensors), strictly; batch-norm counters an older save left out are the net's own."""
+    from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict
 
-    def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int], stride: int = 1,
-                 padding: int | tuple[int, int] = 0) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=False)
-        self.bn = nn.BatchNorm2d(cout, eps=0.001)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.relu(self.bn(self.conv(x)))
-
-
-def _tf_avg_pool(x: Tensor) -> Tensor:
-    """TensorFlow's 3x3 average pool, which leaves the padding out of the average (the FID patch)."""
-    return F.avg_pool2d(x, kernel_size=3, stride=1, padding=1, count_include_pad=False)
-
-
-class _MixedA(nn.Module):  # torchvision's InceptionA, as pytorch-fid's FIDInceptionA runs it
-    def __init__(self, cin: int, pool: int) -> None:
-        super().__init__()
-        self.branch1x1 = _Conv(cin, 64, 1)
-        self.branch5x5_1, self.branch5x5_2 = _Conv(cin, 48, 1), _Conv(48, 64, 5, padding=2)
-        self.branch3x3dbl_1, self.branch3x3dbl_2 = _Conv(cin, 64, 1), _Conv(64, 96, 3, padding=1)
-        self.branch3x3dbl_3 = _Conv(96, 96, 3, padding=1)
-        self.branch_pool = _Conv(cin, pool, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([self.branch1x1(x), self.branch5x5_2(self.branch5x5_1(x)),
-                          self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
-                          self.branch_pool(_tf_avg_pool(x))], 1)
-
-
-class _MixedB(nn.Module):  # torchvision's InceptionB (unpatched)
-    def __init__(self, cin: int) -> None:
-        super().__init__()
-        self.branch3x3 = _Conv(cin, 384, 3, stride=2)
-        self.branch3x3dbl_1, self.branch3x3dbl_2 = _Conv(cin, 64, 1), _Conv(64, 96, 3, padding=1)
-        self.branch3x3dbl_3 = _Conv(96, 96, 3, stride=2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([self.branch3x3(x), self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
-                          F.max_pool2d(x, kernel_size=3, stride=2)], 1)
-
-
-class _MixedC(nn.Module):  # torchvision's InceptionC, as FIDInceptionC runs it
-    def __init__(self, cin: int, c7: int) -> None:
-        super().__init__()
-        self.branch1x1 = _Conv(cin, 192, 1)
-        self.branch7x7_1, self.branch7x7_2 = _Conv(cin, c7, 1), _Conv(c7, c7, (1, 7), padding=(0, 3))
-        self.branch7x7_3 = _Conv(c7, 192, (7, 1), padding=(3, 0))
-        self.branch7x7dbl_1, self.branch7x7dbl_2 = _Conv(cin, c7, 1), _Conv(c7, c7, (7, 1), padding=(3, 0))
-        self.branch7x7dbl_3, self.branch7x7dbl_4 = _Conv(c7, c7, (1, 7), padding=(0, 3)), _Conv(c7, c7, (7, 1),
-                                                                                                  padding=(3, 0))
-        self.branch7x7dbl_5 = _Conv(c7, 192, (1, 7), padding=(0, 3))
-        self.branch_pool = _Conv(cin, 192, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        seven = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
-        double = self.branch7x7dbl_1(x)
-        for layer in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
-            double = layer(double)
-        return torch.cat([self.branch1x1(x), seven, double, self.branch_pool(_tf_avg_pool(x))], 1)
-
-
-class _MixedD(nn.Module):  # torchvision's InceptionD (unpatched)
-    def __init__(self, cin: int) -> None:
-        super().__init__()
-        self.branch3x3_1, self.branch3x3_2 = _Conv(cin, 192, 1), _Conv(192, 320, 3, stride=2)
-        self.branch7x7x3_1, self.branch7x7x3_2 = _Conv(cin, 192, 1), _Conv(192, 192, (1, 7), padding=(0, 3))
-        self.branch7x7x3_3, self.branch7x7x3_4 = _Conv(192, 192, (7, 1), padding=(3, 0)), _Conv(192, 192, 3, stride=2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        seven = self.branch7x7x3_4(self.branch7x7x3_3(self.branch7x7x3_2(self.branch7x7x3_1(x))))
-        return torch.cat([self.branch3x3_2(self.branch3x3_1(x)), seven, F.max_pool2d(x, kernel_size=3, stride=2)], 1)
-
-
-class _MixedE(nn.Module):  # torchvision's InceptionE, as FIDInceptionE_1 (average pool) / _2 (max pool) run it
-    def __init__(self, cin: int, max_pool: bool) -> None:
-        super().__init__()
-        self.max_pool = max_pool  # the FID network's last block pools by max: a quirk of its TensorFlow graph
-        self.branch1x1 = _Conv(cin, 320, 1)
-        self.branch3x3_1 = _Conv(cin, 384, 1)
-        self.branch3x3_2a, self.branch3x3_2b = _Conv(384, 384, (1, 3), padding=(0, 1)), _Conv(384, 384, (3, 1),
-                                                                                                padding=(1, 0))
-        self.branch3x3dbl_1, self.branch3x3dbl_2 = _Conv(cin, 448, 1), _Conv(448, 384, 3, padding=1)
-        self.branch3x3dbl_3a = _Conv(384, 384, (1, 3), padding=(0, 1))
-        self.branch3x3dbl_3b = _Conv(384, 384, (3, 1), padding=(1, 0))
-        self.branch_pool = _Conv(cin, 192, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        three = self.branch3x3_1(x)
-        double = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
-        pooled = F.max_pool2d(x, kernel_size=3, stride=1, padding=1) if self.max_pool else _tf_avg_pool(x)
-        return torch.cat([self.branch1x1(x), self.branch3x3_2a(three), self.branch3x3_2b(three),
-                          self.branch3x3dbl_3a(double), self.branch3x3dbl_3b(double), self.branch_pool(pooled)], 1)
+    state = load_safetensors(path, what) if path.suffix == ".safetensors" else load_checkpoint(path, what)
+    check(isinstance(state, dict) and all(isinstance(v, Tensor) for v in state.values()),
+          f"{what}: expected a state dict of tensors ({expected}), got {type(state).__name__}")
+    own = net.state_dict()  # a counter, not a weight
+    state = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked") and k not in state}, **state}
+    load_state_dict_strict(net, state, f"{what} ({model})")
+    net.eval()
+    return net
 
 
 class InceptionFeatureExtractor(FeatureExtractor):
-    """The FID Inception network (TensorFlow's 2015-12-05 graph) as pytorch-fid runs it: its
+    """The FID Inception network (TensorFlow's 2015-12-05 graph) as pytorch-fid runs it
+    (:class:`lantern.models.metric_nets.FidInceptionV3`): its
     ``pt_inception-2015-12-05-6726825d.pth``, a plain state dict read without running code, and
     the 2048-d pool features of images in [0, 1] resized to 299 x 299 (bilinear, no antialias)
     and scaled to [-1, 1]. FIDs in this space are pytorch-fid's (and torchmetrics'), close to
@@ -378,43 +271,20 @@ class InceptionFeatureExtractor(FeatureExtractor):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
-        from lantern.io import load_checkpoint, load_safetensors, load_state_dict_strict
+        from lantern.models.metric_nets import FidInceptionV3
 
         path = Path(path)
         check(path.is_file(), f"--feature-net inception:{path}: no such file (pytorch-fid's "
                               "pt_inception-2015-12-05-6726825d.pth)")
-        self.Conv2d_1a_3x3, self.Conv2d_2a_3x3 = _Conv(3, 32, 3, stride=2), _Conv(32, 32, 3)
-        self.Conv2d_2b_3x3, self.Conv2d_3b_1x1 = _Conv(32, 64, 3, padding=1), _Conv(64, 80, 1)
-        self.Conv2d_4a_3x3 = _Conv(80, 192, 3)
-        self.Mixed_5b, self.Mixed_5c, self.Mixed_5d = _MixedA(192, 32), _MixedA(256, 64), _MixedA(288, 64)
-        self.Mixed_6a = _MixedB(288)
-        self.Mixed_6b, self.Mixed_6c = _MixedC(768, 128), _MixedC(768, 160)
-        self.Mixed_6d, self.Mixed_6e = _MixedC(768, 160), _MixedC(768, 192)
-        self.Mixed_7a, self.Mixed_7b, self.Mixed_7c = _MixedD(768), _MixedE(1280, False), _MixedE(2048, True)
-        self.fc = nn.Linear(2048, 1008)  # the file's classifier: loaded (a whole file), unused
-        what = f"--feature-net inception:{path}"
-        state = load_safetensors(path, what) if path.suffix == ".safetensors" else load_checkpoint(path, what)
-        check(isinstance(state, dict) and all(isinstance(v, Tensor) for v in state.values()),
-              f"{what}: expected a state dict of tensors (pytorch-fid's pt_inception-2015-12-05-6726825d.pth), "
-              f"got {type(state).__name__}")
-        own = self.state_dict()  # a batch-norm counter, not a weight: older saves leave it out
-        state = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked") and k not in state}, **state}
-        load_state_dict_strict(self, state, f"{what} (the FID Inception)")
+        self.net = _load_net(FidInceptionV3(), path, f"--feature-net inception:{path}",
+                             "pytorch-fid's pt_inception-2015-12-05-6726825d.pth", "the FID Inception")
         self.dim = 2048
         self.name = f"FID Inception {path.name} (2048-d, 299px)"
 
     def _extract(self, images: Tensor) -> Tensor:
         x = F.interpolate((_to_rgb(images) + 1) / 2, size=(self.input_size, self.input_size), mode="bilinear",
                           align_corners=False)
-        x = 2 * x - 1
-        for layer in (self.Conv2d_1a_3x3, self.Conv2d_2a_3x3, self.Conv2d_2b_3x3):
-            x = layer(x)
-        x = F.max_pool2d(x, kernel_size=3, stride=2)
-        x = F.max_pool2d(self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x)), kernel_size=3, stride=2)
-        for block in (self.Mixed_5b, self.Mixed_5c, self.Mixed_5d, self.Mixed_6a, self.Mixed_6b, self.Mixed_6c,
-                      self.Mixed_6d, self.Mixed_6e, self.Mixed_7a, self.Mixed_7b, self.Mixed_7c):
-            x = block(x)
-        return x.mean((2, 3))  # the adaptive average pool to 1 x 1
+        return self.net.pool_features(2 * x - 1)
 
 
 class ClipFeatureExtractor(FeatureExtractor):
