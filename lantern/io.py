@@ -264,12 +264,17 @@ def check_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], 
 
 
 def load_state_dict_strict(
-    module: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint"
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint",
+    own: tuple[str, ...] = (),
 ) -> None:
-    """Check keys and shapes (clear error), then load with ``strict=True``, casting dtypes."""
+    """Check keys and shapes (clear error), then load with ``strict=True``, casting dtypes. ``own``:
+    name endings of buffers that are bookkeeping, not weights (``num_batches_tracked``,
+    ``position_ids``), which some saves leave out: where the file lacks one, the module keeps its own."""
+    mine = module.state_dict()
+    if own:
+        state_dict = {**{k: v for k, v in mine.items() if k.endswith(own) and k not in state_dict}, **state_dict}
     check_state_dict(module, state_dict, source)
-    own = module.state_dict()
-    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
+    module.load_state_dict({k: v.to(mine[k].dtype) for k, v in state_dict.items()}, strict=True)
 
 
 # ---- pickled checkpoints -------------------------------------------------------------------------

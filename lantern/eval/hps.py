@@ -165,6 +165,4 @@ def _load(tower: torch.nn.Module, state: dict[str, Tensor], weights: Path, folde
     """Strictly, with the tower's own position ids where the file has none (a buffer, not a weight)."""
     from lantern.io import load_state_dict_strict
 
-    own = tower.state_dict()
-    state = {**{k: v for k, v in own.items() if k.endswith("position_ids") and k not in state}, **state}
-    load_state_dict_strict(tower, state, f"--hps {weights} (on {folder.name}'s config)")
+    load_state_dict_strict(tower, state, f"--hps {weights} (on {folder.name}'s config)", own=("position_ids",))

@@ -252,9 +252,7 @@ def _load_net(net: NetT, path: Path, what: str, expected: str, model: str) -> Ne
     state = load_safetensors(path, what) if path.suffix == ".safetensors" else load_checkpoint(path, what)
     check(isinstance(state, dict) and all(isinstance(v, Tensor) for v in state.values()),
           f"{what}: expected a state dict of tensors ({expected}), got {type(state).__name__}")
-    own = net.state_dict()  # a counter, not a weight
-    state = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked") and k not in state}, **state}
-    load_state_dict_strict(net, state, f"{what} ({model})")
+    load_state_dict_strict(net, state, f"{what} ({model})", own=("num_batches_tracked",))
     net.eval()
     return net
 
