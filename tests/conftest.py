@@ -6,6 +6,7 @@ Test modules never import each other; what two of them use lives here (helpers a
 
 from __future__ import annotations
 
+import atexit
 import copy
 import itertools
 import json
@@ -62,7 +63,9 @@ F64 = torch.float64
 # The calibrations of the machine's user (``--method auto``, and ``lantern serve``'s default method
 # when one exists) must not change what a test runs: every test process, and every server it
 # starts, reads an empty folder of its own unless a test points elsewhere.
+# Removed when the process exits: CI runs pytest on one machine many times a day.
 os.environ["LANTERN_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="lantern-test-calibrations-")
+atexit.register(shutil.rmtree, os.environ["LANTERN_CALIBRATION_DIR"], ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -1117,15 +1120,19 @@ def run_launcher(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.Co
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a launcher
     (torchrun, accelerate) whose ranks are its children: on a timeout the whole process group is
     killed, ranks included, before ``TimeoutExpired`` is raised. ``subprocess.run`` kills only the
-    launcher, so a hung rank outlived the test (seen with torch 2.6, whose gloo teardown can hang)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    launcher, so a hung rank outlived the test (seen with torch 2.6, whose gloo teardown can hang).
+    The launch's temporary files (torchelastic's log folder, which it never removes) go to a folder
+    removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="lantern-test-launch-") as tmp:
+        env = {**kwargs.pop("env", os.environ), "TMPDIR": tmp}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=env, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
