@@ -365,7 +365,8 @@ class Pipeline:
         - ``sv_alpha``: the ``-sv`` methods' share of a run's probability its tail holds, in (0, 1].
         - ``pjd_window`` (guesses per open row, or ``"auto"``), ``pjd_context`` (known tokens a row
           needs before the next opens; the row length is lossless), ``pjd_init`` (``"random"``,
-          ``"row_above"``, ``"above_mode"``): the PJD methods."""
+          ``"row_above"``, ``"above_mode"``), ``pjd_coupling`` (``"independent"``, ``"maximal"``):
+          the PJD methods."""
         from lantern.validate import check_count, check_image_indices, check_image_total, check_seed
 
         num_per_label, batch_size, method = plain(num_per_label), plain(batch_size), plain(method)

@@ -294,6 +294,7 @@ class MethodConfig:
         pjd_window: int | None = None,
         pjd_context: int | None = None,
         pjd_init: str | None = None,
+        pjd_coupling: str | None = None,
         pac_width: int | None = None,
         pac_depth: int | None = None,
         sv_alpha: float | None = None,
@@ -315,16 +316,19 @@ class MethodConfig:
                   field="tree")
             check(sjd_window is None and sjd_init is None and sjd_coupling is None,
                   f"--sjd-window / --sjd-init / --sjd-coupling are not used by {method} (it takes --pjd-window, "
-                  "--pjd-context)",
+                  "--pjd-context, --pjd-init, --pjd-coupling)",
                   field=first_given(sjd_window=sjd_window, sjd_init=sjd_init, sjd_coupling=sjd_coupling))
             pjd = PJDConfig(window=DEFAULT_PJD_WINDOW if pjd_window is None else pjd_window,
                             context=DEFAULT_PJD_CONTEXT if pjd_context is None else pjd_context,
-                            init=first_set(pjd_init, record.default_init))
+                            init=first_set(pjd_init, record.default_init),
+                            coupling="independent" if pjd_coupling is None else pjd_coupling)
             chain = TreeConfig(kind="chain", depth=pjd.window)
             return cls(method=method, tree=chain, relaxation=relaxation, k_explicit=k is not None, pjd=pjd)
-        check(pjd_window is None and pjd_context is None and pjd_init is None,
-              f"--pjd-window / --pjd-context / --pjd-init need --method {' or '.join(family_methods('pjd'))}",
-              field=first_given(pjd_window=pjd_window, pjd_context=pjd_context, pjd_init=pjd_init))
+        check(pjd_window is None and pjd_context is None and pjd_init is None and pjd_coupling is None,
+              f"--pjd-window / --pjd-context / --pjd-init / --pjd-coupling need --method "
+              f"{' or '.join(family_methods('pjd'))}",
+              field=first_given(pjd_window=pjd_window, pjd_context=pjd_context, pjd_init=pjd_init,
+                                pjd_coupling=pjd_coupling))
         if record.family == "sjd":
             check(tree is None, f"--tree is not used by {method}: it verifies a chain of --sjd-window guesses",
                   field="tree")
@@ -459,22 +463,22 @@ def _resolve_relaxation(
 # ``lantern/delta=0.2``, see SETTING_ALIASES).
 METHOD_SETTINGS = ("tree", "lantern_k", "lantern_delta", "lantern_lambda", "lantern_residual", "lantern_budget",
                    "lantern_credit", "sjd_window", "sjd_init", "sjd_coupling", "gsd_group", "pjd_window", "pjd_context",
-                   "pjd_init", "pac_width", "pac_depth", "sv_alpha")
-# The bench grammar's short keys. ``window`` and ``init`` are the method's own: sjd_* or pjd_*.
+                   "pjd_init", "pjd_coupling", "pac_width", "pac_depth", "sv_alpha")
+# The bench grammar's short keys. ``window``, ``init`` and ``coupling`` are the method's own: sjd_* or pjd_*.
 SETTING_ALIASES = {"k": "lantern_k", "delta": "lantern_delta", "lambda": "lantern_lambda",
                    "residual": "lantern_residual", "budget": "lantern_budget", "credit": "lantern_credit",
-                   "coupling": "sjd_coupling", "group": "gsd_group", "context": "pjd_context",
+                   "group": "gsd_group", "context": "pjd_context",
                    "width": "pac_width", "depth": "pac_depth", "alpha": "sv_alpha"}
 
 
 def setting_name(method: str, key: str) -> str:
     """The setting a bench-grammar key (a short alias or a full name) stands for in ``method``'s row."""
-    if key in ("window", "init"):  # the method's own window and initialisation
+    if key in ("window", "init", "coupling"):  # the method's own window, initialisation and coupling
         record = METHOD_TABLE.get(method)
         return f"pjd_{key}" if record is not None and record.family == "pjd" else f"sjd_{key}"
     name = SETTING_ALIASES.get(key, key)
     check(name in METHOD_SETTINGS, f"unknown method setting {key!r} (expected one of "
-                                   f"{', '.join([*METHOD_SETTINGS, 'window', 'init', *SETTING_ALIASES])})")
+                                   f"{', '.join([*METHOD_SETTINGS, 'window', 'init', 'coupling', *SETTING_ALIASES])})")
     return name
 
 
@@ -534,7 +538,8 @@ def method_settings(method: MethodConfig) -> dict[str, Any]:
         if METHOD_TABLE[method.method].couplings:  # the others redraw independently and take no setting
             out["sjd_coupling"] = method.jacobi.coupling
     if method.pjd is not None:
-        out.update(pjd_window=method.pjd.window, pjd_context=method.pjd.context, pjd_init=method.pjd.init)
+        out.update(pjd_window=method.pjd.window, pjd_context=method.pjd.context, pjd_init=method.pjd.init,
+                   pjd_coupling=method.pjd.coupling)
     if method.pac is not None:
         out.update(pac_width=method.pac.width, pac_depth=method.pac.depth)
     if method.subsequence is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,11 +44,12 @@ from lantern.cli.main import main
 from lantern.decoding.config import PJDConfig, SamplingConfig
 from lantern.decoding.loop import GenerationOutput
 from lantern.decoding.pjd import GridBlock, GridJacobiDrafter
+from lantern.decoding.rng import RowRandom
 from lantern.errors import LanternError
 from lantern.eval.bench import BenchConfig, resolve_auto_windows
 from lantern.eval.methods_grammar import parse_methods
 from lantern.eval.report import tree_label
-from lantern.methods import MethodConfig
+from lantern.methods import MethodConfig, method_settings
 from lantern.models.llamagen import LlamaGen
 from lantern.run import run_generation
 from lantern.targets.llamagen import LlamaGenTarget
@@ -145,19 +147,48 @@ def test_loop_equals_explicit_recomputation(window: int, context: int) -> None:
 # ---- batches, greedy = AR, lossless sampling -------------------------------------------------
 
 
-@pytest.mark.parametrize("init", ["random", "above_mode"])  # above_mode reads the target's last predictions
+@pytest.mark.parametrize(("init", "coupling"), [("random", "independent"), ("above_mode", "independent"),
+                                                ("row_above", "maximal")])  # above_mode reads the last predictions
 @pytest.mark.parametrize("context", [2, 8])
-def test_rows_independent_of_batch(context: int, init: str) -> None:
+def test_rows_independent_of_batch(context: int, init: str, coupling: str) -> None:
     """A row gives the same codes, in the same number of forwards, alone and in a batch of 3."""
     model = tiny_llamagen(seed=7)
     s = SamplingConfig(temperature=1.0, top_k=20, cfg_scale=2.0)
-    labels, seeds, config = [4, 5, 6], [1, 2, 3], PJDConfig(3, context, init=init)
+    labels, seeds, config = [4, 5, 6], [1, 2, 3], PJDConfig(3, context, init=init, coupling=coupling)
     batch, _ = _run(model, labels, s, config, seeds)
     for i in range(3):
         alone, _ = _run(model, labels[i : i + 1], s, config, seeds[i : i + 1])
         assert torch.equal(batch.codes[i], alone.codes[0]), i
         assert int(batch.stats.target_forwards[i]) == int(alone.stats.target_forwards[0])
     assert any(len(set(step.tolist())) > 1 for step in batch.stats.tokens_per_step)  # rows drifted apart
+
+
+@pytest.mark.parametrize("coupling", ["independent", "maximal"])
+def test_a_coupled_redraw_keeps_guesses_whose_law_did_not_move(coupling: str) -> None:
+    """SCD's maximal coupling in PJD's carry-over: where the new prediction p is the law q a guess
+    was drawn from, the guess stays (Pr = 1 - TV(p, q) = 1), and a fill (drawn from no
+    prediction: a point mass) stays where p is that point; independent redraws move nearly all."""
+    b, n, v = 4, 16, 64
+    drafter = GridJacobiDrafter(PJDConfig(3, 4, coupling=coupling), SamplingConfig(temperature=1.0), v, n)
+    drafter.start(torch.zeros(b, 1), torch.zeros(b, dtype=torch.long))
+    assert drafter.q is not None
+    gen = torch.Generator().manual_seed(0)
+    cell = torch.arange(1, 13).repeat(b, 1)  # [B, M]: 12 open cells per row
+    index = cell[:, :, None].expand(-1, -1, v)
+    law = torch.softmax(3 * torch.randn(b, 12, v, generator=gen), dim=-1)
+    old = torch.multinomial(law.view(-1, v), 1, generator=gen).view(b, 12)
+    drawn = torch.arange(12)[None, :].expand(b, -1) < 8  # cells 1-8 were drawn, 9-12 are fills
+    p = torch.where(drawn[:, :, None], law, torch.nn.functional.one_hot(old, v).float())
+    drafter.q.scatter_(1, index, torch.where(drawn[:, :, None], law, 0.0))
+    drafter.drawn.scatter_(1, cell, drawn)
+    drafter.canvas.scatter_(1, cell, old)
+    y = drafter._redraw(p, old, cell, index, RowRandom.from_seeds([1, 2, 3, 4], "cpu"))
+    kept = (y == old)[drawn].float().mean().item()
+    assert torch.equal(y[~drawn], old[~drawn])  # p is the fill's point mass: any redraw gives it
+    if coupling == "maximal":
+        assert kept == 1.0
+    else:
+        assert kept < 0.6, kept  # each stays with probability sum_x q(x)^2 (measured 0.34)
 
 
 LABELS = {1: [5], 3: [0, 3, 7]}
@@ -206,25 +237,45 @@ def _grid_dist_model(width: int) -> LlamaGen:
                          multiple_of=16)
 
 
+class _StaleCoupling(GridJacobiDrafter):
+    """A broken coupling: a redraw that kept its old guess keeps the old guess's law too (the SCD
+    reference code's bookkeeping, lantern.decoding.jacobi's NOTE): the kept guess is then tested
+    against a q it no longer follows."""
+
+    def _redraw(self, p: Tensor, old: Tensor, cell: Tensor, index: Tensor, gens: RowRandom) -> Tensor:
+        y = super()._redraw(p, old, cell, index, gens)
+        assert self.q is not None
+        self._stale = (index, (y == old) & self.drawn.gather(1, cell), self.q.gather(1, index).clone())
+        return y
+
+    def _carry_over(self, *args: Any, **kwargs: Any) -> None:
+        super()._carry_over(*args, **kwargs)
+        index, stale, q_old = self._stale
+        assert self.q is not None
+        self.q.scatter_(1, index, torch.where(stale[:, :, None], q_old, self.q.gather(1, index)))
+
+
 @cache
-def _dist_run(width: int, broken: bool = False) -> GenerationOutput:
+def _dist_run(width: int, broken: bool = False, coupling: str = "independent") -> GenerationOutput:
     # window 2 on a 3 x 3 image, 3 on a 4 x 4 one; context = the row length: one row at a time
     rows = DIST_ROWS
-    out, _ = _run(_grid_dist_model(width), [DIST_LABEL] * rows, DIST_SAMPLING, PJDConfig(width - 1, width),
-                  list(range(rows)), _WrongQ if broken else GridJacobiDrafter)
+    drafter = (_StaleCoupling if coupling == "maximal" else _WrongQ) if broken else GridJacobiDrafter
+    out, _ = _run(_grid_dist_model(width), [DIST_LABEL] * rows, DIST_SAMPLING,
+                  PJDConfig(width - 1, width, coupling=coupling), list(range(rows)), drafter)
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("width", [3, 4])
-def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
+@pytest.mark.parametrize(("width", "coupling"), [(3, "independent"), (4, "independent"), (4, "maximal")])
+def test_one_row_at_a_time_matches_target_distribution(width: int, coupling: str) -> None:
     """Chi-square goodness of fit of the first 4 tokens' joint law (V = 6, top-k 4, CFG 2: 256
     cells), at significance 0.001: a correct implementation fails with probability 0.1 % per
     test (fixed seeds: deterministic). 3 x 3: token 3 opens row 1 through a root that is the row
     above's real last token, and is tested as a fresh guess of the new row; 4 x 4: row 0's third
-    token is often a carried guess (drawn from the previous round's p and tested with it)."""
+    token is often a carried guess (drawn from the previous round's p and tested with it), which
+    ``maximal`` coupling redraws from the guess it replaces (SCD): still lossless."""
     p = exact_joint(_grid_dist_model(width), DIST_SAMPLING, DIST_TOKENS)
-    out = _dist_run(width)
+    out = _dist_run(width, coupling=coupling)
     stat, df = chi_square(out.codes[:, :DIST_TOKENS], p)
     assert df >= 30
     assert stat < chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
@@ -233,11 +284,13 @@ def test_one_row_at_a_time_matches_target_distribution(width: int) -> None:
 
 
 @pytest.mark.slow
-def test_chi_square_detects_a_broken_acceptance() -> None:
+@pytest.mark.parametrize("coupling", ["independent", "maximal"])
+def test_chi_square_detects_a_broken_acceptance(coupling: str) -> None:
     """Power: the same test rejects PJD that tests its guesses against the wrong q (measured
-    chi2 814 against a threshold of 109)."""
+    chi2 814 against a threshold of 109), and coupled PJD whose kept guesses keep their old q
+    (measured 135; the right coupling: 96)."""
     p = exact_joint(_grid_dist_model(4), DIST_SAMPLING, DIST_TOKENS)
-    stat, df = chi_square(_dist_run(4, broken=True).codes[:, :DIST_TOKENS], p)
+    stat, df = chi_square(_dist_run(4, broken=True, coupling=coupling).codes[:, :DIST_TOKENS], p)
     assert stat > chi_square_threshold(df), f"chi2 = {stat:.1f} with {df} dof"
 
 
@@ -248,8 +301,12 @@ def test_methods_resolve_and_round_trip() -> None:
     m = MethodConfig.resolve("pjd-lantern++", pjd_window=2, pjd_context=3, lantern_lambda=2.0)
     assert m.pjd == PJDConfig(2, 3, "row_above") and m.tree.depth == 2  # row_above: the measured default
     assert m.relaxation is not None and m.relaxation.lam == 2.0
-    assert m.to_dict()["pjd"] == {"window": 2, "context": 3, "init": "row_above"}
+    assert m.to_dict()["pjd"] == {"window": 2, "context": 3, "init": "row_above", "coupling": "independent"}
     assert MethodConfig.resolve("pjd", pjd_init="random").pjd == PJDConfig()
+    coupled = MethodConfig.resolve("pjd", pjd_coupling="maximal")
+    assert coupled.pjd == PJDConfig(init="row_above", coupling="maximal")
+    assert method_settings(coupled)["pjd_coupling"] == "maximal"
+    assert MethodConfig.resolve(**{"method": "pjd", **method_settings(coupled)}) == coupled
 
 
 def test_python_api_errors_and_run(random_stack: Path) -> None:
@@ -258,9 +315,14 @@ def test_python_api_errors_and_run(random_stack: Path) -> None:
         pipe(labels=[1], method="pjd", pjd_window=20)
     with pytest.raises(LanternError, match=r"^pjd_context must be an integer >= 1, got -1"):
         pipe(labels=[1], method="pjd", pjd_context=-1)
+    with pytest.raises(LanternError, match=r"^pjd_coupling must be one of independent, maximal, got 'gumbel'$"):
+        pipe(labels=[1], method="pjd", pjd_coupling="gumbel")  # SCD's shared noise: not for PJD's grid
+    with pytest.raises(LanternError, match=r"^pjd_window / pjd_context / pjd_init / pjd_coupling need method pjd "):
+        pipe(labels=[1], method="sjd-coupled", pjd_coupling="maximal")
     out = pipe(labels=[1, 2], method="pjd", pjd_window=2, pjd_context=4, temperature=0.0)
     ar = pipe(labels=[1, 2], method="ar", temperature=0.0)
-    assert out.config["method"]["pjd"] == {"window": 2, "context": 4, "init": "row_above"}
+    assert out.config["method"]["pjd"] == {"window": 2, "context": 4, "init": "row_above",
+                                              "coupling": "independent"}
     assert out.codes.shape == ar.codes.shape
 
 
@@ -286,7 +348,8 @@ def test_cli_auto_pjd_window_is_recorded(random_stack: Path, tmp_path: Path,
     assert rc == 0
     assert "--pjd-window auto [pjd]: window " in capsys.readouterr().out
     run = json.loads((out / "run.json").read_text())
-    assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4, "init": "row_above"}
+    assert run["method"]["pjd"] == {"window": run["auto_window"]["window"], "context": 4, "init": "row_above",
+                                   "coupling": "independent"}
     assert run["auto_window"]["window"] in (2, 4, 8)
 
 
@@ -306,6 +369,9 @@ def test_bench_rows_take_pjd_settings_and_auto_windows(random_stack: Path) -> No
     assert sjd.jacobi is not None and sjd.jacobi.window == 8
     with pytest.raises(LanternError, match=r"--methods 'pjd/window=wide': window must be a number, got 'wide'"):
         parse_methods("pjd/window=wide")
+    coupled, sjd_coupled = parse_methods("pjd/coupling=maximal,sjd-coupled/coupling=gumbel")  # the method's own
+    assert coupled.settings == {"pjd_coupling": "maximal"} and sjd_coupled.settings == {"sjd_coupling": "gumbel"}
+    assert tree_label(coupled.resolve(stack)) == "pjd:4/c8/maximal"
 
 
 @pytest.mark.slow

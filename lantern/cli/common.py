@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lantern.decoding.config import PJD_COUPLINGS
 from lantern.errors import LanternError, check
 
 if TYPE_CHECKING:
@@ -36,6 +37,10 @@ def add_pjd_args(p: argparse.ArgumentParser) -> None:
                    help="pjd*: a cell's first guess: uniform noise, the token of the cell above (a new row "
                         "continues the one above it; else the cell to the left), or above_mode: the most likely "
                         "token of the target's last prediction for that cell (default row_above)")
+    p.add_argument("--pjd-coupling", default=None, choices=list(PJD_COUPLINGS),
+                   help="pjd*: how a guess still open is redrawn from the next forward: independently (the PJD "
+                        "paper's rule; default) or maximal: kept with probability min(1, p/q), else drawn from "
+                        "the residual (SCD's coupling, as sjd-coupled; lossless at --pjd-context = the row length)")
 
 
 _LABEL_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")

@@ -548,6 +548,11 @@ DEFAULT_PJD_CONTEXT = 8
 # accepted with sum p'^2 <= max p', the mode's chance. (Greedy: the mode is the token, so it is
 # ``row_above``.)
 PJD_INITS = ("random", "row_above", "above_mode")
+# How PJD redraws a carried guess: independently (SJD's rule, the PJD paper's) or with SCD's
+# maximal coupling to the guess it replaces (as ``sjd-coupled``). SCD's shared Gumbel noise would
+# need a [V] row of noise per image cell (64 MB per image at LlamaGen's 1024 cells x 16384 codes), so
+# PJD does not take it.
+PJD_COUPLINGS = ("independent", "maximal")
 
 
 @dataclass(frozen=True)
@@ -555,11 +560,13 @@ class PJDConfig:
     """PJD's grid (``lantern.decoding.pjd``): ``window``: drafts per active row and round;
     ``context``: committed tokens row r needs before row r + 1 opens (``context`` >= the row
     length: one row at a time, which is lossless); ``init``: how a cell's first guess is made
-    (:data:`PJD_INITS`)."""
+    (:data:`PJD_INITS`); ``coupling``: how a carried guess is redrawn (:data:`PJD_COUPLINGS`;
+    ``maximal`` keeps the one-row-at-a-time grid lossless, as it keeps SJD's chain)."""
 
     window: int = DEFAULT_PJD_WINDOW
     context: int = DEFAULT_PJD_CONTEXT
     init: str = "random"
+    coupling: str = "independent"
 
     def __post_init__(self) -> None:
         for flag, value in (("--pjd-window", self.window), ("--pjd-context", self.context)):
@@ -570,6 +577,8 @@ class PJDConfig:
         check_tree_nodes(self.window + 1, f"--pjd-window {self.window}", "pjd_window")
         check(self.init in PJD_INITS, f"--pjd-init must be one of {', '.join(PJD_INITS)}, got {self.init!r}",
               field="pjd_init")
+        check(self.coupling in PJD_COUPLINGS,
+              f"--pjd-coupling must be one of {', '.join(PJD_COUPLINGS)}, got {self.coupling!r}", field="pjd_coupling")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lantern.decoding.acceptance import clean_context
+from lantern.decoding.acceptance import clean_context, maximal_coupling
 
 # The grid's settings live in the torch-free lantern.decoding.config; re-exported here, where they were defined first.
 from lantern.decoding.config import DEFAULT_PJD_CONTEXT as DEFAULT_PJD_CONTEXT
@@ -167,8 +167,9 @@ class GridJacobiDrafter:
     a redraw with a clean context (``lantern.decoding.acceptance.clean_context``), the cell of the
     guess rejected when it was drawn, which is its chain's root when the chain is next proposed
     (-1: not clean; a guess tested from another root, as when the next row opens on guesses the
-    row above's window made, is not clean either). Guesses are redrawn independently
-    (SJD's rule) from each round's predictions, row by row as ``lantern.decoding.jacobi`` does.
+    row above's window made, is not clean either). Guesses are redrawn from each round's
+    predictions, row by row as ``lantern.decoding.jacobi`` does: independently (SJD's rule) or
+    coupled with the guess they replace (``PJDConfig.coupling``: SCD's maximal coupling).
 
     Randomness per batch row and round is a fixed count (``R * W`` initial guesses, ``R * (W + 2)``
     acceptance, ``R * (W + 1)`` redraws) from the row's own stream (``lantern.decoding.rng``), so a row's codes do not
@@ -379,14 +380,30 @@ class GridJacobiDrafter:
             y = logits.argmax(dim=-1).view(b, -1)
         else:
             p = (probs if probs is not None else probs_from_logits(logits, self.sampling)).view(b, r * t, v)
-            u = gens.uniform(r * t)
-            y = sample_from_probs(p.reshape(-1, v), u.view(-1)).view(b, -1)
-            flat = carry.view(b, -1)
             index = cell[:, :, None].expand(-1, -1, v)
+            y = self._redraw(p, old, cell, index, gens)
+            flat = carry.view(b, -1)
             self.q.scatter_(1, index, torch.where(flat[:, :, None], p.to(self.q.dtype), self.q.gather(1, index)))
         self.drawn.scatter_(1, cell, carry.view(b, -1) | self.drawn.gather(1, cell))  # greedy too: argmax draws
         self._mark_clean(block, a, cell, carry, y == old)
         self.canvas.scatter_(1, cell, torch.where(carry.view(b, -1), y, old))
+
+    def _redraw(self, p: Tensor, old: Tensor, cell: Tensor, index: Tensor, gens: RowRandom) -> Tensor:
+        """New guesses [B, M] drawn from p [B, M, V] at ``cell`` [B, M] (``index``: the cells as a
+        gather index over V), replacing ``old`` [B, M] (-1: none yet). ``maximal``: SCD's coupling
+        with the old guess and the law it was drawn from (``q``; a fill, drawn from no prediction,
+        is coupled as a point mass: given the fill, the coupled draw is still distributed as p), so
+        a guess changes only where p moved away from it. One uniform per redraw either way."""
+        b, m, v = p.shape
+        u = gens.uniform(m)
+        if self.config.coupling == "independent":
+            return sample_from_probs(p.reshape(-1, v), u.view(-1)).view(b, m)
+        assert self.q is not None
+        drawn = self.drawn.gather(1, cell)
+        q_old = torch.where(drawn[:, :, None], self.q.gather(1, index).to(p.dtype),
+                            one_hot(old.clamp(min=0), v).to(p.dtype) * (old >= 0)[:, :, None])  # no guess: q = 0
+        return maximal_coupling(p.reshape(-1, v), q_old.reshape(-1, v), old.clamp(min=0).reshape(-1),
+                                u.view(-1)).view(b, m)
 
     def _mark_clean(self, block: GridBlock, a: Tensor, cell: Tensor, carry: Tensor, same: Tensor) -> None:
         """``clean_root`` of the redrawn cells ``cell`` [B, R * t] (carried: ``carry`` [B, R, t]; the redraw

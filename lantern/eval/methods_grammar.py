@@ -93,6 +93,7 @@ _VALUE_KINDS: dict[str, Callable[[str], Any]] = {
     "lantern_k": int, "lantern_delta": float, "lantern_lambda": float, "lantern_residual": str, "lantern_credit": str,
     "lantern_budget": str, "sjd_window": lambda text: _window_value(text), "sjd_init": str, "sjd_coupling": str,
     "gsd_group": int, "pjd_window": lambda text: _window_value(text), "pjd_context": int, "pjd_init": str,
+    "pjd_coupling": str,
     "pac_width": int, "pac_depth": int, "sv_alpha": float,
 }
 
@@ -101,7 +102,7 @@ def _row_settings(where: str, name: str, options: list[str], budget: str | None)
     """The ``/KEY=VALUE`` settings of one ``--methods`` entry (``where``: the flag and entry, for
     errors), by their full names; KEY is a full name (``lantern_delta``) or a short alias (``delta``,
     ``lambda``, ``window``: SETTING_ALIASES)."""
-    keys = sorted({*SETTING_ALIASES, "window", "init", *_VALUE_KINDS})
+    keys = sorted({*SETTING_ALIASES, "window", "init", "coupling", *_VALUE_KINDS})
     tuned = METHOD_TABLE[name].needs_proximity  # the rules --lantern-budget bounds (not GSD's groups)
     out: dict[str, Any] = {"lantern_budget": budget} if tuned and budget is not None else {}
     for option in options:

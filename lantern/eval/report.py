@@ -261,7 +261,8 @@ def tree_label(method: MethodConfig) -> str:
         label = f"jacobi:{j.window}/{j.init}" + ("" if j.coupling == "independent" else f"/{j.coupling}")
         return label if method.pac is None else f"{label}/pd{method.pac.width}x{method.pac.depth}"
     if method.pjd is not None:
-        return f"pjd:{method.pjd.window}/c{method.pjd.context}"
+        c = method.pjd.coupling
+        return f"pjd:{method.pjd.window}/c{method.pjd.context}" + ("" if c == "independent" else f"/{c}")
     if t.kind == "none":
         return "-"
     if t.kind == "dynamic":

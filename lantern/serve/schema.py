@@ -14,7 +14,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lantern.decoding.config import COUPLINGS, CREDITS, JACOBI_INITS, MAX_CFG_SCALE, PJD_INITS, RESIDUALS
+from lantern.decoding.config import (
+    COUPLINGS,
+    CREDITS,
+    JACOBI_INITS,
+    MAX_CFG_SCALE,
+    PJD_COUPLINGS,
+    PJD_INITS,
+    RESIDUALS,
+)
 from lantern.decoding.trees import STATIC_TREES
 from lantern.methods import BUDGETS
 from lantern.validate import MAX_IMAGES
@@ -66,6 +74,7 @@ class GenerationRequest(Strict):
     pjd_window: int | None = Field(None, ge=1, le=MAX_CHAIN)
     pjd_context: int | None = Field(None, ge=1, le=MAX_CHAIN)
     pjd_init: Literal[PJD_INITS] | None = None  # type: ignore[valid-type]
+    pjd_coupling: Literal[PJD_COUPLINGS] | None = None  # type: ignore[valid-type]
     pac_width: int | None = Field(None, ge=1, le=64)
     pac_depth: int | None = Field(None, ge=1, le=64)
     sv_alpha: float | None = Field(None, gt=0, le=1)
