@@ -180,3 +180,50 @@ def test_folders_are_judged_against_ars_spread_as_bench_judges_its_rows(tmp_path
     assert main(["score", str(tmp_path / "fast"), "--ar", str(tmp_path / "ar5"), "--model", "digits",
                  "--no-progress"]) == 2
     assert "--ar needs AR's folders at 2 seeds or more (a spread), got 1" in capsys.readouterr().err
+
+
+def test_an_adm_sample_batch_scores_as_its_folder_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--save-npz``'s samples.npz (ADM's layout, read a batch at a time from the zip) gives the
+    folder's numbers; an ``arr_1`` of classes gives class accuracy; an ADM reference batch .npz is
+    the real images as they are."""
+    _generate(tmp_path / "run", "--save-npz")
+    npz = tmp_path / "run" / "samples.npz"
+    with np.load(npz) as z:
+        images = z["arr_0"]
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    np.savez_compressed(tmp_path / "labelled.npz", arr_0=images, arr_1=np.array(run["labels"]))  # deflated
+    real = ((reference_images("digits")[0][:40] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    np.savez(tmp_path / "real.npz", real.permute(0, 2, 3, 1).expand(-1, -1, -1, 3).numpy())
+    for reference in (["--model", "digits"], ["--reference-images", str(tmp_path / "real.npz"), "--feature-net",
+                                              "digits"]):
+        out = tmp_path / f"score{len(reference)}.json"
+        assert main(["score", str(tmp_path / "run"), str(npz), str(tmp_path / "labelled.npz"), "--num-real", "40",
+                     "--batch-size", "3", "--out", str(out), "--no-progress", *reference]) == 0
+        record = json.loads(out.read_text())
+        folder, plain, labelled = record["rows"]
+        assert plain["images"] == labelled["images"] == 10 and plain["source"] == "npz"
+        for key in ("fid", "kid", "precision", "recall"):
+            assert plain["metrics"][key] == pytest.approx(folder["metrics"][key], rel=1e-5, abs=1e-7), key
+        assert "class_accuracy" not in plain["metrics"]  # ADM's c2i batches carry classes in arr_1; this has none
+        assert labelled["metrics"]["class_accuracy"] == folder["metrics"]["class_accuracy"]
+    assert record["reference"] == f"40 images of {tmp_path / 'real.npz'}"
+    extractor = load_feature_extractor("digits")
+    expected = quality_metrics(extract_features(extractor, real.float() / 127.5 - 1),
+                               _pngs(sorted((tmp_path / "run").glob("*_label*.png"))), None, extractor)
+    assert folder["metrics"]["fid"] == pytest.approx(expected.fid, rel=1e-5)
+    # what is not an ADM sample batch: one line each, and nothing in the file is unpickled
+    np.savez(tmp_path / "floats.npz", arr_0=images.astype(np.float32))
+    np.savez(tmp_path / "objects.npz", arr_0=np.array([{"a": 1}, {"b": 2}], dtype=object))
+    np.savez(tmp_path / "other.npz", codes=np.zeros(3))
+    np.savez(tmp_path / "strings.npz", arr_0=images, arr_1=np.array(["cat"] * 10))
+    (tmp_path / "text.npz").write_text("not a zip")
+    for name, message in (("floats", "arr_0 is float32 [10, 32, 32, 3]; expected uint8 [N, H, W, 3]"),
+                          ("objects", "arr_0 is object [2]; expected uint8 [N, H, W, 3]"),
+                          ("other", "has no arr_0 (the images of an ADM sample batch); it holds codes"),
+                          ("strings", "arr_1 is <U3 [10]; expected one integer class id per image, [10]"),
+                          ("text", "is not a readable .npz (File is not a zip file)")):
+        capsys.readouterr()
+        assert main(["score", str(tmp_path / f"{name}.npz"), "--model", "digits", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"lantern: error: score: {tmp_path / name}.npz") and message in err, err
+        assert err.count("\n") == 1, err

@@ -21,9 +21,12 @@ def add_score(sub: argparse._SubParsersAction) -> None:
         "score", help="FID, precision / recall, CLIP score and HPS of folders of generated images",
         description="Score folders of generated images against real ones, as LANTERN's eval_fid_clip.py, "
                     "eval_prec_recall.py and eval_hpsv2.py do: a lantern generate run's folder (its classes and "
-                    "prompts read from its own record), or any folder of images (prompts from --prompts FILE by "
-                    "the number in each file name).")
-    p.add_argument("folders", nargs="+", metavar="FOLDER", help="folders of generated images, one row each")
+                    "prompts read from its own record), any folder of images (prompts from --prompts FILE by "
+                    "the number in each file name), or an ADM sample batch .npz.")
+    p.add_argument("folders", nargs="+", metavar="FOLDER",
+                   help="folders of generated images, one row each, or .npz files in the layout of ADM's sample "
+                        "batches (arr_0: uint8 [N, H, W, 3]; arr_1: class ids if any), as lantern generate "
+                        "--save-npz and LlamaGen's sampling scripts write them")
     p.add_argument("--ar", nargs="+", default=None, metavar="FOLDER",
                    help="AR's images of the same conditions at 2 or more seeds, one folder each: every FOLDER is "
                         "then judged against AR's spread as bench judges its rows (out when a metric is worse than "
@@ -34,7 +37,8 @@ def add_score(sub: argparse._SubParsersAction) -> None:
                         "--reference-images / --feature-net say otherwise")
     p.add_argument("--reference-images", default=None, metavar="DIR",
                    help="a folder of real images to compare with (the first --num-real, centre-cropped and resized "
-                        "with Lanczos to the generated images' size), e.g. COCO val2017")
+                        "with Lanczos to the generated images' size), e.g. COCO val2017, or an ADM reference batch "
+                        ".npz (its arr_0 images as they are, e.g. VIRTUAL_imagenet256_labeled.npz)")
     p.add_argument("--num-real", type=int, default=1000, help="real images to compare with (default 1000)")
     p.add_argument("--feature-net", default=None,
                    help="feature extractor, as for bench: a lantern feature-net folder (default: --model's "

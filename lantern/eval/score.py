@@ -11,13 +11,18 @@ A folder ``lantern generate`` wrote is read by its own record: each ``NNNN_label
 of class C, each ``NNNN_promptJ.png`` one of ``run.json``'s prompt J (so ``--indices`` runs and
 sharded jobs read the same). Any other folder is every image in it (``grid.png`` aside), and its
 prompts come from ``--prompts FILE`` by the number in each file name, as LANTERN's scripts match
-them (``prompt_12.png``, ``image_12.png`` or ``12.png``: prompt 12).
+them (``prompt_12.png``, ``image_12.png`` or ``12.png``: prompt 12). An ``.npz`` in the layout of
+the guided-diffusion (ADM) evaluator's sample batches, which ``lantern generate --save-npz`` and
+LlamaGen's sampling scripts write (``arr_0``: uint8 [N, H, W, 3]; ``arr_1``: class ids, where
+guided-diffusion's class-conditional sampler writes them), is read as a folder is, image i being
+prompt i of ``--prompts``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +39,78 @@ from lantern.eval.metrics import FeatureExtractor, Features
 LANTERN_NAME = re.compile(r"^(\d+)_(label|prompt)(\d+)\.png$")  # lantern generate's file names
 NUMBERED = (re.compile(r"(?:prompt|image)_(\d+)\.[A-Za-z]+$"), re.compile(r"(\d+)\.[A-Za-z]+$"))  # LANTERN's
 PREVIEW = "grid.png"  # generate's preview, never a sample
+NPZ_IMAGES, NPZ_LABELS = "arr_0", "arr_1"  # ADM's sample batch: the images, and the classes where known
+
+
+@dataclass(frozen=True)
+class NpzImages:
+    """``arr_0`` of an ``.npz`` (uint8 [N, H, W, 3], or [N, H, W] for grey images), read a batch
+    at a time from the zip member, as guided-diffusion's evaluator streams it: a 50,000-image array
+    of 256 x 256 images is 9.8 GB. numpy's format reader parses the header; the bytes are only
+    ever read as uint8, so nothing in the file is unpickled."""
+
+    path: Path
+    shape: tuple[int, ...]
+
+    @classmethod
+    def open(cls, path: Path, what: str) -> NpzImages:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = [n.removesuffix(".npy") for n in zf.namelist()]
+                check(NPZ_IMAGES in names, f"{what}: {path} has no {NPZ_IMAGES} (the images of an ADM sample "
+                                           f"batch); it holds {', '.join(names) or 'nothing'}")
+                with zf.open(f"{NPZ_IMAGES}.npy") as f:
+                    shape, fortran, dtype = _npy_header(f)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise LanternError(f"{what}: {path} is not a readable .npz ({e})") from None
+        grey_or_rgb = len(shape) == 3 or (len(shape) == 4 and shape[3] == 3)
+        check(dtype == np.uint8 and not fortran and grey_or_rgb,
+              f"{what}: {path}'s {NPZ_IMAGES} is {dtype} {list(shape)}; expected uint8 [N, H, W, 3] (ADM's layout)")
+        check(shape[0] >= 2, f"{what}: {path} holds {shape[0]} image{'' if shape[0] == 1 else 's'}; FID needs 2")
+        return cls(path, tuple(shape))
+
+    @property
+    def count(self) -> int:
+        return self.shape[0]
+
+    def labels(self, what: str) -> list[int] | None:
+        """``arr_1``: one class id per image, where the file has it."""
+        with np.load(self.path, allow_pickle=False) as z:
+            if NPZ_LABELS not in z.files:
+                return None
+            try:
+                labels = z[NPZ_LABELS]
+            except ValueError as e:  # an array of objects: numpy refuses to unpickle it
+                raise LanternError(f"{what}: {self.path}'s {NPZ_LABELS} is not an array of class ids ({e})") from None
+        check(labels.dtype.kind in "iu" and labels.shape == (self.count,),
+              f"{what}: {self.path}'s {NPZ_LABELS} is {labels.dtype} {list(labels.shape)}; expected one integer class "
+              f"id per image, [{self.count}]")
+        return [int(v) for v in labels]
+
+    def batches(self, batch_size: int) -> Iterator[tuple[int, Tensor]]:
+        """(first index, images [b, C, H, W] in [-1, 1]) in the array's order."""
+        n, h, w = self.shape[:3]
+        c = self.shape[3] if len(self.shape) == 4 else 1
+        item = h * w * c
+        with zipfile.ZipFile(self.path) as zf, zf.open(f"{NPZ_IMAGES}.npy") as f:
+            _npy_header(f)
+            for lo in range(0, n, batch_size):
+                b = min(batch_size, n - lo)
+                data = f.read(b * item)
+                check(len(data) == b * item,
+                      f"score: {self.path}'s {NPZ_IMAGES} ends after {lo + len(data) // item} of its {n} images")
+                pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(b, h, w, c)
+                yield lo, pixels.permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+def _npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """(shape, fortran order, dtype) of the .npy stream ``f``, left at the array's first byte."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f".npy format version {version[0]}.{version[1]}; numpy's savez writes 1.0 or 2.0")
 
 
 @dataclass
@@ -44,17 +121,24 @@ class ImageFolder:
     files: list[Path]
     labels: list[int] | None = None  # class ids (lantern's c2i runs)
     prompts: list[str] | None = None  # each image's prompt (lantern's t2i runs, or --prompts FILE)
-    source: str = "folder"  # "lantern generate" when read by its run.json
+    source: str = "folder"  # "lantern generate" when read by its run.json, "npz" for an ADM sample batch
     method: str | None = None  # a lantern run's method and its tokens per target forward (run.json)
     tau: float | None = None
+    npz: NpzImages | None = None  # the images of an .npz (``files`` is then empty)
+
+    @property
+    def count(self) -> int:
+        return self.npz.count if self.npz is not None else len(self.files)
 
     @classmethod
     def read(cls, folder: str | os.PathLike[str], prompts: Sequence[str] | None = None) -> ImageFolder:
-        """``folder``'s images; ``prompts``: a prompt list for a folder lantern did not write (the
-        image numbered i is prompt i)."""
+        """``folder``'s images (a folder, or an ADM sample batch ``.npz``); ``prompts``: a prompt
+        list for images lantern did not name (the image numbered i is prompt i)."""
         from lantern.images import IMAGE_SUFFIXES
 
         path = Path(folder)
+        if path.suffix.lower() == ".npz" and not path.is_dir():
+            return cls._npz(path, prompts)
         check(path.is_dir(), f"score: no such folder {path}")
         named = sorted(p for p in path.iterdir() if LANTERN_NAME.match(p.name))
         if named and (path / "run.json").is_file():
@@ -65,6 +149,17 @@ class ImageFolder:
         if prompts is None:
             return cls(path, files)
         return cls(path, files, prompts=[prompts[_number(p, len(prompts))] for p in files])
+
+    @classmethod
+    def _npz(cls, path: Path, prompts: Sequence[str] | None) -> ImageFolder:
+        check(path.is_file(), f"score: no such file {path}")
+        npz = NpzImages.open(path, "score")
+        labels = npz.labels("score")
+        if prompts is not None:
+            check(len(prompts) >= npz.count, f"score: {path} holds {npz.count} images, but --prompts holds "
+                                             f"{len(prompts)} prompts")
+            prompts = list(prompts[: npz.count])
+        return cls(path, [], labels=labels, prompts=None if prompts is None else list(prompts), source="npz", npz=npz)
 
     @classmethod
     def _lantern(cls, path: Path, files: list[Path]) -> ImageFolder:
@@ -89,6 +184,9 @@ class ImageFolder:
 
     def batches(self, batch_size: int) -> Iterator[tuple[int, Tensor]]:
         """(first index, images [b, C, H, W] in [-1, 1]) in file order; every image of one size and mode."""
+        if self.npz is not None:
+            yield from self.npz.batches(batch_size)
+            return
         shape: tuple[int, ...] | None = None
         for lo in range(0, len(self.files), batch_size):
             chunk = [_read(p) for p in self.files[lo : lo + batch_size]]
@@ -154,15 +252,25 @@ def folder_features(folder: ImageFolder, extractor: FeatureExtractor, scorers: S
 
     parts: list[Features] = []
     sums = {name: 0.0 for name, _ in scorers}
-    with tqdm(total=len(folder.files), desc=f"scoring {folder.path.name}", unit="img", disable=not progress,
+    with tqdm(total=folder.count, desc=f"scoring {folder.path.name}", unit="img", disable=not progress,
               dynamic_ncols=True) as bar:
         for lo, images in folder.batches(batch_size):
+            images = grey_as_stored(images, extractor)
             parts.append(extract_features(extractor, images, batch_size=batch_size, arg=f"the images of {folder.path}"))
             for name, scorer in scorers:
                 assert folder.prompts is not None  # checked by score_folders
                 sums[name] += float(scorer.scores(images, folder.prompts[lo : lo + len(images)]).sum())
             bar.update(len(images))
-    return merge_features(parts, extractor), {name: total / len(folder.files) for name, total in sums.items()}
+    return merge_features(parts, extractor), {name: total / folder.count for name, total in sums.items()}
+
+
+def grey_as_stored(images: Tensor, extractor: FeatureExtractor) -> Tensor:
+    """ADM's layout is RGB even for grey images (``--save-npz`` repeats a grey PNG's one channel
+    three times): for a feature net of grey images, three equal channels are that channel. Colour
+    images stay as they are (and the net refuses them)."""
+    if extractor.in_channels == 1 and images.shape[1] == 3 and torch.equal(images[:, :1].expand_as(images), images):
+        return images[:, :1]
+    return images
 
 
 def merge_features(parts: Sequence[Features], extractor: FeatureExtractor) -> Features:
@@ -194,7 +302,7 @@ def score_folders(folders: Sequence[ImageFolder], real: Features, extractor: Fea
                                    "recall": q.recall}
         if q.class_accuracy is not None:
             metrics["class_accuracy"] = q.class_accuracy
-        rows.append(FolderScore(str(folder.path), len(folder.files), folder.source, {**metrics, **means},
+        rows.append(FolderScore(str(folder.path), folder.count, folder.source, {**metrics, **means},
                                 method=folder.method, tau=folder.tau))
     return rows
 
@@ -212,7 +320,9 @@ def reference_features(extractor: FeatureExtractor, *, images_dir: str | os.Path
         return extract_features(extractor, images[:num_real], batch_size=batch_size, progress=progress,
                                 arg="real images"), f"the data set of {model}"
     folder = Path(images_dir)
-    check(folder.is_dir(), f"--reference-images: no such folder {folder}")
+    if folder.suffix.lower() == ".npz" and folder.is_file():  # ADM's reference batch: images as they are
+        return _npz_reference(extractor, NpzImages.open(folder, "--reference-images"), num_real, batch_size, progress)
+    check(folder.is_dir(), f"--reference-images: no such folder or .npz {folder}")
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[:num_real]
     check(len(files) >= 2, f"--reference-images: {folder} holds {len(files)} images; FID needs 2")
     from tqdm.auto import tqdm
@@ -222,6 +332,26 @@ def reference_features(extractor: FeatureExtractor, *, images_dir: str | os.Path
              for lo in tqdm(range(0, len(files), batch_size), desc="features (real images)", dynamic_ncols=True,
                             disable=not progress)]
     return merge_features(parts, extractor), f"{len(files)} images of {folder}"
+
+
+def _npz_reference(extractor: FeatureExtractor, npz: NpzImages, num_real: int, batch_size: int,
+                   progress: bool) -> tuple[Features, str]:
+    """The first ``num_real`` images of an ADM reference batch (already at the samples' size: the
+    evaluator's ``VIRTUAL_imagenet256_labeled.npz`` is 256 x 256), streamed."""
+    from tqdm.auto import tqdm
+
+    from lantern.eval.metrics import extract_features
+
+    count = min(num_real, npz.count)
+    parts = []
+    with tqdm(total=count, desc="features (real images)", unit="img", dynamic_ncols=True, disable=not progress) as bar:
+        for lo, images in npz.batches(batch_size):
+            if lo >= count:
+                break
+            images = grey_as_stored(images[: count - lo], extractor)
+            parts.append(extract_features(extractor, images, arg="real images"))
+            bar.update(min(len(images), count - lo))
+    return merge_features(parts, extractor), f"{count} images of {npz.path}"
 
 
 def ar_spread(ar_rows: Sequence[FolderScore], num_real: int, seeds: Sequence[int]) -> Any:
