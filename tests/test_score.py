@@ -226,4 +226,4 @@ def test_an_adm_sample_batch_scores_as_its_folder_does(tmp_path: Path, capsys: p
         assert main(["score", str(tmp_path / f"{name}.npz"), "--model", "digits", "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"lantern: error: score: {tmp_path / name}.npz") and message in err, err
-        assert err.count("\n") == 1, err
+        assert err.count("\n") == 1 and err.count(f"{name}.npz") == 1, err  # said once

@@ -57,12 +57,16 @@ class NpzImages:
         try:
             with zipfile.ZipFile(path) as zf:
                 names = [n.removesuffix(".npy") for n in zf.namelist()]
-                check(NPZ_IMAGES in names, f"{what}: {path} has no {NPZ_IMAGES} (the images of an ADM sample "
-                                           f"batch); it holds {', '.join(names) or 'nothing'}")
-                with zf.open(f"{NPZ_IMAGES}.npy") as f:
-                    shape, fortran, dtype = _npy_header(f)
+                header = None
+                if NPZ_IMAGES in names:
+                    with zf.open(f"{NPZ_IMAGES}.npy") as f:
+                        header = _npy_header(f)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise LanternError(f"{what}: {path} is not a readable .npz ({e})") from None
+        check(header is not None, f"{what}: {path} has no {NPZ_IMAGES} (the images of an ADM sample batch); it "
+                                  f"holds {', '.join(names) or 'nothing'}")
+        assert header is not None
+        shape, fortran, dtype = header
         grey_or_rgb = len(shape) == 3 or (len(shape) == 4 and shape[3] == 3)
         check(dtype == np.uint8 and not fortran and grey_or_rgb,
               f"{what}: {path}'s {NPZ_IMAGES} is {dtype} {list(shape)}; expected uint8 [N, H, W, 3] (ADM's layout)")
@@ -255,8 +259,8 @@ def folder_features(folder: ImageFolder, extractor: FeatureExtractor, scorers: S
     with tqdm(total=folder.count, desc=f"scoring {folder.path.name}", unit="img", disable=not progress,
               dynamic_ncols=True) as bar:
         for lo, images in folder.batches(batch_size):
-            images = grey_as_stored(images, extractor)
-            parts.append(extract_features(extractor, images, batch_size=batch_size, arg=f"the images of {folder.path}"))
+            parts.append(extract_features(extractor, grey_as_stored(images, extractor), batch_size=batch_size,
+                                          arg=f"the images of {folder.path}"))
             for name, scorer in scorers:
                 assert folder.prompts is not None  # checked by score_folders
                 sums[name] += float(scorer.scores(images, folder.prompts[lo : lo + len(images)]).sum())
