@@ -184,12 +184,13 @@ def test_folders_are_judged_against_ars_spread_as_bench_judges_its_rows(tmp_path
 
 def test_an_adm_sample_batch_scores_as_its_folder_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--save-npz``'s samples.npz (ADM's layout, read a batch at a time from the zip) gives the
-    folder's numbers; an ``arr_1`` of classes gives class accuracy; an ADM reference batch .npz is
-    the real images as they are."""
-    _generate(tmp_path / "run", "--save-npz")
+    folder's numbers, its classes from the run.json beside it; a copy kept apart has none, an
+    ``arr_1`` of classes gives them; an ADM reference batch .npz is the real images as they are."""
+    _generate(tmp_path / "run", "--save-npz", "--method", "sjd-coupled")
     npz = tmp_path / "run" / "samples.npz"
     with np.load(npz) as z:
         images = z["arr_0"]
+    np.savez(tmp_path / "apart.npz", images)  # no run.json beside it: only pixels
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     np.savez_compressed(tmp_path / "labelled.npz", arr_0=images, arr_1=np.array(run["labels"]))  # deflated
     real = ((reference_images("digits")[0][:40] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
@@ -197,15 +198,19 @@ def test_an_adm_sample_batch_scores_as_its_folder_does(tmp_path: Path, capsys: p
     for reference in (["--model", "digits"], ["--reference-images", str(tmp_path / "real.npz"), "--feature-net",
                                               "digits"]):
         out = tmp_path / f"score{len(reference)}.json"
-        assert main(["score", str(tmp_path / "run"), str(npz), str(tmp_path / "labelled.npz"), "--num-real", "40",
-                     "--batch-size", "3", "--out", str(out), "--no-progress", *reference]) == 0
+        assert main(["score", str(tmp_path / "run"), str(npz), str(tmp_path / "apart.npz"),
+                     str(tmp_path / "labelled.npz"), "--num-real", "40", "--batch-size", "3", "--out", str(out),
+                     "--no-progress", *reference]) == 0
         record = json.loads(out.read_text())
-        folder, plain, labelled = record["rows"]
-        assert plain["images"] == labelled["images"] == 10 and plain["source"] == "npz"
-        for key in ("fid", "kid", "precision", "recall"):
-            assert plain["metrics"][key] == pytest.approx(folder["metrics"][key], rel=1e-5, abs=1e-7), key
+        folder, own, plain, labelled = record["rows"]
+        assert own["images"] == plain["images"] == labelled["images"] == 10 and plain["source"] == "npz"
+        assert own["source"] == "lantern generate" and own["method"] == "sjd-coupled" and own["tau"] == folder["tau"]
+        for row in (own, plain, labelled):
+            for key in ("fid", "kid", "precision", "recall"):
+                assert row["metrics"][key] == pytest.approx(folder["metrics"][key], rel=1e-5, abs=1e-7), key
         assert "class_accuracy" not in plain["metrics"]  # ADM's c2i batches carry classes in arr_1; this has none
-        assert labelled["metrics"]["class_accuracy"] == folder["metrics"]["class_accuracy"]
+        assert own["metrics"]["class_accuracy"] == labelled["metrics"]["class_accuracy"] == \
+            folder["metrics"]["class_accuracy"]
     assert record["reference"] == f"40 images of {tmp_path / 'real.npz'}"
     extractor = load_feature_extractor("digits")
     expected = quality_metrics(extract_features(extractor, real.float() / 127.5 - 1),
@@ -217,13 +222,30 @@ def test_an_adm_sample_batch_scores_as_its_folder_does(tmp_path: Path, capsys: p
     np.savez(tmp_path / "other.npz", codes=np.zeros(3))
     np.savez(tmp_path / "strings.npz", arr_0=images, arr_1=np.array(["cat"] * 10))
     (tmp_path / "text.npz").write_text("not a zip")
+    (tmp_path / "other").mkdir()  # a samples.npz beside a run.json of another run
+    np.savez(tmp_path / "other" / "samples.npz", images[:4])
+    (tmp_path / "other" / "run.json").write_text((tmp_path / "run" / "run.json").read_text())
     for name, message in (("floats", "arr_0 is float32 [10, 32, 32, 3]; expected uint8 [N, H, W, 3]"),
                           ("objects", "arr_0 is object [2]; expected uint8 [N, H, W, 3]"),
                           ("other", "has no arr_0 (the images of an ADM sample batch); it holds codes"),
                           ("strings", "arr_1 is <U3 [10]; expected one integer class id per image, [10]"),
-                          ("text", "is not a readable .npz (File is not a zip file)")):
+                          ("text", "is not a readable .npz (File is not a zip file)"),
+                          ("other/samples", "run.json does not describe the 4 images of samples.npz")):
         capsys.readouterr()
         assert main(["score", str(tmp_path / f"{name}.npz"), "--model", "digits", "--no-progress"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"lantern: error: score: {tmp_path / name}.npz") and message in err, err
-        assert err.count("\n") == 1 and err.count(f"{name}.npz") == 1, err  # said once
+        where = tmp_path / (name.split("/")[0] if "/" in name else f"{name}.npz")
+        assert err.startswith(f"lantern: error: score: {where}") and message in err, err
+        assert err.count("\n") == 1 and ("/" in name or err.count(f"{name}.npz") == 1), err  # the file named once
+
+
+def test_a_prompted_runs_npz_takes_each_images_prompt_from_its_run(t2i_stack: Path, tmp_path: Path) -> None:
+    """--save-npz holds the run's images in the order it was asked for (here --indices 3,0), and
+    run.json's prompt_index names each one's prompt in that order."""
+    out = tmp_path / "run"
+    assert main(["generate", "--model", str(t2i_stack), "--prompt", "a red car", "--prompt", "two dogs",
+                 "--num-per-prompt", "2", "--indices", "3,0", "--save-npz", "--out", str(out), "--no-progress"]) == 0
+    npz = ImageFolder.read(out / "samples.npz")
+    assert npz.source == "lantern generate" and npz.count == 2 and npz.labels is None
+    assert npz.prompts == ["two dogs", "a red car"]  # image 3 is prompt 1, image 0 prompt 0
+    assert ImageFolder.read(out).prompts == ["a red car", "two dogs"]  # the folder: file-name order, 0000 first

@@ -26,7 +26,8 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("folders", nargs="+", metavar="FOLDER",
                    help="folders of generated images, one row each, or .npz files in the layout of ADM's sample "
                         "batches (arr_0: uint8 [N, H, W, 3]; arr_1: class ids if any), as lantern generate "
-                        "--save-npz and LlamaGen's sampling scripts write them")
+                        "--save-npz (classes or prompts from the run.json beside it) and LlamaGen's sampling scripts "
+                        "write them")
     p.add_argument("--ar", nargs="+", default=None, metavar="FOLDER",
                    help="AR's images of the same conditions at 2 or more seeds, one folder each: every FOLDER is "
                         "then judged against AR's spread as bench judges its rows (out when a metric is worse than "

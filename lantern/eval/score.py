@@ -15,7 +15,8 @@ them (``prompt_12.png``, ``image_12.png`` or ``12.png``: prompt 12). An ``.npz``
 the guided-diffusion (ADM) evaluator's sample batches, which ``lantern generate --save-npz`` and
 LlamaGen's sampling scripts write (``arr_0``: uint8 [N, H, W, 3]; ``arr_1``: class ids, where
 guided-diffusion's class-conditional sampler writes them), is read as a folder is, image i being
-prompt i of ``--prompts``.
+prompt i of ``--prompts``; ``--save-npz``'s ``samples.npz`` in its run's folder takes each image's
+class or prompt from the run.json beside it.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class ImageFolder:
 
     @classmethod
     def _npz(cls, path: Path, prompts: Sequence[str] | None) -> ImageFolder:
+        from lantern.jobs import NPZ_NAME
+
         check(path.is_file(), f"score: no such file {path}")
         npz = NpzImages.open(path, "score")
         labels = npz.labels("score")
@@ -163,7 +166,30 @@ class ImageFolder:
             check(len(prompts) >= npz.count, f"score: {path} holds {npz.count} images, but --prompts holds "
                                              f"{len(prompts)} prompts")
             prompts = list(prompts[: npz.count])
+        elif labels is None and path.name == NPZ_NAME and (path.parent / "run.json").is_file():
+            return cls._npz_of_run(path, npz)  # lantern generate --save-npz: its run.json names each image
         return cls(path, [], labels=labels, prompts=None if prompts is None else list(prompts), source="npz", npz=npz)
+
+    @classmethod
+    def _npz_of_run(cls, path: Path, npz: NpzImages) -> ImageFolder:
+        """``--save-npz``'s file, in the order of the run's images: run.json's ``labels`` (one per
+        image), or its ``prompts`` with each image's ``prompt_index``."""
+        from lantern.io import read_json_object
+
+        run = read_json_object(path.parent / "run.json", "score: run.json")
+        labels, index, prompts = run.get("labels"), run.get("prompt_index"), run.get("prompts")
+        per_image = labels if labels is not None else index
+        check(isinstance(per_image, list) and len(per_image) == npz.count,
+              f"score: {path.parent}/run.json does not describe the {npz.count} images of {path.name} (a run's own "
+              f"record names each image's class or prompt); score a copy of {path.name} kept apart from it")
+        record = _run_record(run)
+        if labels is not None:
+            return cls(path, [], labels=[int(v) for v in labels], npz=npz, **record)
+        assert isinstance(per_image, list)  # (checked above)
+        check(isinstance(prompts, list) and all(isinstance(j, int) and 0 <= j < len(prompts) for j in per_image),
+              f"score: {path.parent}/run.json does not list the prompts its images number")
+        assert isinstance(prompts, list)  # (checked above)
+        return cls(path, [], prompts=[str(prompts[j]) for j in per_image], npz=npz, **record)
 
     @classmethod
     def _lantern(cls, path: Path, files: list[Path]) -> ImageFolder:
@@ -174,10 +200,7 @@ class ImageFolder:
         kinds = {m[2] for m in names if m is not None}
         check(len(kinds) == 1, f"score: {path} mixes labelled and prompted images")
         values = [int(m[3]) for m in names if m is not None]
-        method, stats = run.get("method"), run.get("stats")
-        record: dict[str, Any] = {"source": "lantern generate",
-                                  "method": method.get("method") if isinstance(method, dict) else None,
-                                  "tau": stats.get("mean_accepted") if isinstance(stats, dict) else None}
+        record = _run_record(run)
         if kinds == {"label"}:
             return cls(path, files, labels=values, **record)
         prompts = run.get("prompts")
@@ -199,6 +222,13 @@ class ImageFolder:
                 check(tuple(image.shape) == shape, f"score: {p} is {_shape(image)}, but the folder's first image is "
                                                    f"{_shape(torch.empty(shape))}: a folder is one model's samples")
             yield lo, torch.stack(chunk)
+
+
+def _run_record(run: dict[str, Any]) -> dict[str, Any]:
+    """What a row says of a lantern generate run: its source, method and tokens per target forward."""
+    method, stats = run.get("method"), run.get("stats")
+    return {"source": "lantern generate", "method": method.get("method") if isinstance(method, dict) else None,
+            "tau": stats.get("mean_accepted") if isinstance(stats, dict) else None}
 
 
 def _number(path: Path, count: int) -> int:
