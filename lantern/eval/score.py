@@ -177,8 +177,8 @@ class ImageFolder:
         from lantern.io import read_json_object
 
         run = read_json_object(path.parent / "run.json", "score: run.json")
-        labels, index, prompts = run.get("labels"), run.get("prompt_index"), run.get("prompts")
-        per_image = labels if labels is not None else index
+        labels = run.get("labels")
+        per_image = labels if labels is not None else run.get("prompt_index")
         check(isinstance(per_image, list) and len(per_image) == npz.count,
               f"score: {path.parent}/run.json does not describe the {npz.count} images of {path.name} (a run's own "
               f"record names each image's class or prompt); score a copy of {path.name} kept apart from it")
@@ -186,10 +186,7 @@ class ImageFolder:
         if labels is not None:
             return cls(path, [], labels=[int(v) for v in labels], npz=npz, **record)
         assert isinstance(per_image, list)  # (checked above)
-        check(isinstance(prompts, list) and all(isinstance(j, int) and 0 <= j < len(prompts) for j in per_image),
-              f"score: {path.parent}/run.json does not list the prompts its images number")
-        assert isinstance(prompts, list)  # (checked above)
-        return cls(path, [], prompts=[str(prompts[j]) for j in per_image], npz=npz, **record)
+        return cls(path, [], prompts=_run_prompts(run, per_image, path.parent), npz=npz, **record)
 
     @classmethod
     def _lantern(cls, path: Path, files: list[Path]) -> ImageFolder:
@@ -203,11 +200,7 @@ class ImageFolder:
         record = _run_record(run)
         if kinds == {"label"}:
             return cls(path, files, labels=values, **record)
-        prompts = run.get("prompts")
-        check(isinstance(prompts, list) and all(0 <= j < len(prompts) for j in values),
-              f"score: {path}/run.json does not list the prompts its file names number")
-        assert isinstance(prompts, list)  # (checked above)
-        return cls(path, files, prompts=[str(prompts[j]) for j in values], **record)
+        return cls(path, files, prompts=_run_prompts(run, values, path), **record)
 
     def batches(self, batch_size: int) -> Iterator[tuple[int, Tensor]]:
         """(first index, images [b, C, H, W] in [-1, 1]) in file order; every image of one size and mode."""
@@ -222,6 +215,15 @@ class ImageFolder:
                 check(tuple(image.shape) == shape, f"score: {p} is {_shape(image)}, but the folder's first image is "
                                                    f"{_shape(torch.empty(shape))}: a folder is one model's samples")
             yield lo, torch.stack(chunk)
+
+
+def _run_prompts(run: dict[str, Any], index: list[Any], folder: Path) -> list[str]:
+    """Each image's prompt: run.json's ``prompts`` at the image's prompt number."""
+    prompts = run.get("prompts")
+    check(isinstance(prompts, list) and all(isinstance(j, int) and 0 <= j < len(prompts) for j in index),
+          f"score: {folder}/run.json does not list the prompts its images number")
+    assert isinstance(prompts, list)  # (checked above)
+    return [str(prompts[j]) for j in index]
 
 
 def _run_record(run: dict[str, Any]) -> dict[str, Any]:
