@@ -137,12 +137,6 @@ def test_python_names_rewrites_flags_of_arguments_only() -> None:
 # ---- other model families through the same call -------------------------------------------------
 
 
-def test_tree_auto_windows_need_class_labels(t2i_stack: Path) -> None:
-    with pytest.raises(LanternError, match="tree auto times sjd's windows on class labels; pass sjd_window / "
-                                           "pjd_window for text-to-image models"):
-        lantern.load(t2i_stack)(prompts=["a red car"], method="sjd", tree="auto")
-
-
 def test_t2i_stack_from_prompts_equals_cli(t2i_stack: Path, tmp_path: Path) -> None:
     out = lantern.load(t2i_stack)(prompts=["a red car", "dog"], seed=2)
     codes, run = _cli(str(t2i_stack), tmp_path / "run", "--prompt", "a red car", "--prompt", "dog", "--seed", "2")

@@ -87,13 +87,7 @@ def test_lantern_sampled_run(folder: Path, tmp_path: Path) -> None:
         (["--vq", "/nonexistent/vqgan.ckpt"], "--vq: no such file"),
         (["--t5", "/tmp"], "--t5 is not used"),
         (["--method", "sd", "--drafter", "/nonexistent"], "--drafter: no such folder /nonexistent"),
-        (["--method", "sjd-coupled", "--sjd-window", "auto"],
-         "--sjd-window auto calibrates on class labels; pass a number for Chameleon-family models"),
-        # --tree auto means the window for the Jacobi methods; the error names the flag typed (old: --sjd-window)
-        (["--method", "sjd-coupled", "--tree", "auto"],
-         "--tree auto chooses sjd-coupled's window by calibrating on class labels; pass --sjd-window N for "
-         "Chameleon-family models"),
-        (["--method", "pjd", "--tree", "auto"], "--tree auto chooses pjd's window by calibrating on class labels"),
+        (["--method", "sd", "--sjd-window", "auto"], "--sjd-window auto needs a --method with that window"),
     ],
 )
 def test_bad_input(folder: Path, tmp_path: Path, extra: list[str], message: str,

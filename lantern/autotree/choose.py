@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from lantern.autotree.calibrate import _method_config, calibrate
 from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATIVE_METHODS
@@ -55,10 +55,10 @@ from lantern.decoding.config import SamplingConfig
 from lantern.errors import check
 from lantern.methods import AR_FALLBACK_TREE, MethodConfig
 from lantern.parts import ModelParts, parts_of
-from lantern.targets.base import FAMILY_NAMES, Stack
+from lantern.targets.base import Stack
 
 if TYPE_CHECKING:
-    from lantern.targets.llamagen_stack import ModelStack
+    pass
 
 # ============================================================================================
 # Acceptance model (pure)
@@ -241,13 +241,8 @@ def choose_auto(
 
     record = METHOD_TABLE.get(method)
     if record is not None and record.window_setting is not None:
-        check(stack.kind == "c2i", f"tree auto times {method}'s windows on class labels; pass sjd_window / "
-                                   f"pjd_window for {FAMILY_NAMES.get(stack.kind, stack.kind)} "
-                                   "models")
         base = resolve_method(method, stack, **settings)
-        # c2i, checked above: a LlamaGen ModelStack (the only family with class labels)
-        window = choose_window(cast("ModelStack", stack), base, sampling, seed=seed, batch_size=batch_size, parts=parts,
-                               compile=compile)
+        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size, parts=parts, compile=compile)
         return with_window(base, window.window), {"auto_window": window.to_dict()}
     check(method in SPECULATIVE_METHODS,
           f"tree auto needs a method with a tree or a window ({', '.join(SPECULATIVE_METHODS)}, sjd*, pjd*), "

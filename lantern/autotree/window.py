@@ -23,7 +23,6 @@ lossless end is the row length.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -34,8 +33,8 @@ from lantern.decoding.config import SamplingConfig, TreeConfig
 from lantern.errors import check
 from lantern.methods import MethodConfig, method_names
 from lantern.parts import ModelParts, parts_of
-from lantern.run import run_generation
-from lantern.targets.llamagen_stack import ModelStack
+from lantern.run import run_conditions
+from lantern.targets.base import Stack
 
 CANDIDATE_WINDOWS = (4, 8, 16, 32)
 PJD_CANDIDATE_WINDOWS = (2, 4, 8)  # a PJD window lives inside one image row
@@ -94,8 +93,16 @@ def with_window(method: MethodConfig, window: int) -> MethodConfig:
     return replace(method, jacobi=replace(method.jacobi, window=window), tree=tree)
 
 
+def calibration_conditions(stack: Stack, images: int) -> list[Any]:
+    """The conditions the windows are timed on: ``images`` labels spread over the classes (0 and
+    evenly spaced ones), or the stack's measurement prompts (``Stack.sample_conditions``)."""
+    if stack.num_classes:
+        return [i * stack.num_classes // images for i in range(images)]
+    return stack.sample_conditions(images)
+
+
 def choose_window(
-    stack: ModelStack,
+    stack: Stack,
     method: MethodConfig,
     sampling: SamplingConfig,
     *,
@@ -118,9 +125,9 @@ def choose_window(
     check(method.jacobi is not None or method.pjd is not None,
           f"--sjd-window / --pjd-window auto needs a Jacobi --method ({', '.join(jacobi_methods)}), "
           f"got {method.method}")
-    n_tokens, n_classes = stack.target.config.block_size, stack.target.config.num_classes
+    n_tokens = stack.num_tokens
     if method.pjd is not None:
-        row = math.isqrt(n_tokens)
+        row = stack.grid_width
         usable = sorted({w for w in windows or PJD_CANDIDATE_WINDOWS if 1 <= w <= row}) or [row]
     else:
         usable = sorted({w for w in windows or CANDIDATE_WINDOWS if 1 <= w < n_tokens}) or [n_tokens - 1]
@@ -128,16 +135,17 @@ def choose_window(
     # the run's rows per call, not fewer: a window's cost per token depends on the rows it verifies
     # beside (and compiled, each batch size is a graph of its own)
     images = max(images, batch_size)
-    labels = [i * n_classes // images for i in range(images)]
     base = seed + CALIBRATION_SEED_OFFSET
     t0 = time.perf_counter()
     parts = parts_of(stack, parts)  # one table read; each run's caches are freed after it, as a run's are
+    # encoded once, before any timing (a text-to-image stack's prompts through the parts' T5, read once)
+    conditions = parts.encode(calibration_conditions(stack, images), batch_size=batch_size)
     # warm-up: eager, one window warms them all; compiled, each window's round is a graph of its own
     for window in usable if mode else usable[:1]:
-        run_generation(stack, labels[:batch_size], base, sampling, with_window(method, window), batch_size,
-                       parts=parts, compile=mode)
+        run_conditions(stack, conditions.rows(0, batch_size), base, sampling, with_window(method, window),
+                       batch_size, parts=parts, compile=mode)
     best_ms, results = time_rotated(
-        [functools.partial(run_generation, stack, labels, base, sampling, with_window(method, window), batch_size,
+        [functools.partial(run_conditions, stack, conditions, base, sampling, with_window(method, window), batch_size,
                            parts=parts, compile=mode) for window in usable], passes)
     # tau is the same every pass (the same seeds)
     trials = tuple(WindowTrial(w, r.stats_dict()["mean_accepted"], ms) for w, ms, r in zip(usable, best_ms, results,

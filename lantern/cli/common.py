@@ -141,7 +141,6 @@ def window_as_tree(args: argparse.Namespace) -> None:
                            f"--{name.replace('_', '-')} {getattr(args, name)}")
     setattr(args, name, "auto")
     args.tree = None
-    args.window_from_tree = True  # errors about the auto window name --tree, the flag the user typed
 
 
 def check_auto_tree(tree: str | None, methods: Sequence[str], profile: str | None) -> bool:
@@ -174,9 +173,9 @@ def choose_auto_tree(
     return choice
 
 
-def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool:
+def check_auto_window(args: argparse.Namespace) -> bool:
     """True for ``--sjd-window auto`` / ``--pjd-window auto``; refuses it for methods without such a
-    window, and for models it cannot calibrate (``unsupported``: what kind of model this is)."""
+    window."""
     from lantern.methods import family_methods
 
     auto = False
@@ -187,11 +186,6 @@ def check_auto_window(args: argparse.Namespace, unsupported: str | None) -> bool
         if args.method not in methods:
             raise LanternError(f"{flag} auto needs a --method with that window ({', '.join(methods)}), "
                                f"got {args.method}")
-        if unsupported is not None and getattr(args, "window_from_tree", False):
-            raise LanternError(f"--tree auto chooses {args.method}'s window by calibrating on class labels; pass "
-                               f"{flag} N for {unsupported} models")
-        if unsupported is not None:
-            raise LanternError(f"{flag} auto calibrates on class labels; pass a number for {unsupported} models")
         auto = True
     return auto
 
@@ -431,14 +425,6 @@ def cache_folder(args: argparse.Namespace, out: Path | None, speed_only: str | N
               f"--cache: {folder} is inside {flag} {read}, whose files key the cache; pass a folder outside it")
     check_location(folder / "entry", "--cache")  # the folder itself when it exists
     return folder
-
-
-def auto_window_refusal(stack: Any) -> str | None:
-    """What kind of model ``--sjd-window auto`` / ``--pjd-window auto`` cannot calibrate (it times
-    class-label runs), or None."""
-    from lantern.targets.base import FAMILY_NAMES
-
-    return None if stack.kind == "c2i" else FAMILY_NAMES.get(stack.kind, stack.kind)
 
 
 def add_trust_checkpoint_arg(p: argparse._ActionsContainer) -> None:

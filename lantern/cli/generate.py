@@ -16,7 +16,6 @@ from lantern.cli.common import (
     add_overwrite_arg,
     add_pjd_args,
     add_threads_arg,
-    auto_window_refusal,
     chameleon_options,
     check_auto_tree,
     check_auto_window,
@@ -231,13 +230,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _refuse_unused_parts(args)
     window_as_tree(args)
     auto = check_auto_tree(args.tree, [args.method], args.profile)
+    auto_window = check_auto_window(args)
     method_from_args(args, None)  # every method setting (a tree's size too) from the flags alone, before loading
-    args.device = ctx.device(args.device)
-    pipe = _load_generate_pipeline(args, prompts)
-    auto_window = check_auto_window(args, auto_window_refusal(pipe.stack))
     if ctx.enabled and (auto or auto_window):
         raise LanternError("--tree auto / --sjd-window auto / --pjd-window auto time this process alone; under "
                            "several processes pass the tree or window to use (e.g. the one a single-process run chose)")
+    args.device = ctx.device(args.device)
+    pipe = _load_generate_pipeline(args, prompts)
     return _generate_job(args, pipe, prompts, out, finished, ctx, auto, auto_window)
 
 
@@ -372,11 +371,9 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
 
     model = resolve_location(args.model, "--model")  # a Hub repo id: its snapshot folder
     for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder), ("Emu3", is_emu3_folder)):
-        if found(model):  # refused before the (large) model is read
-            check_auto_window(args, f"{family}-family" if family == "Chameleon" else family)
-            if prompts is None:
-                raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
-                                   "or --prompts FILE")
+        if found(model) and prompts is None:  # refused before the (large) model is read
+            raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
+                               "or --prompts FILE")
     width = DEFAULT_PROMPT_WIDTH if args.prompt_width is None else args.prompt_width
     prompter = read_prompter(model, args.layout, args.image_size) if prompts is not None and width > 0 else None
     if prompts is not None and prompter is not None:  # a bad width is refused by load, naming the flag

@@ -54,7 +54,6 @@ from lantern.methods import METHOD_TABLE, MethodConfig, resolve_method, setting_
 from lantern.parts import ModelParts, parts_of
 from lantern.run import RunResult, run_conditions
 from lantern.targets.base import Conditions, Stack, labels_for
-from lantern.targets.llamagen_stack import ModelStack
 from lantern.validate import MAX_IMAGES
 from lantern.version import software
 
@@ -564,7 +563,7 @@ class WindowCalibration(TypedDict, total=False):
 
 
 def resolve_auto_windows(
-    stack: ModelStack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
+    stack: Stack, sampling: SamplingConfig, config: BenchConfig, log: Callable[[str], None] = print,
     parts: ModelParts | None = None, **calibration: Unpack[WindowCalibration],
 ) -> tuple[BenchConfig, dict[str, Any]]:
     """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
