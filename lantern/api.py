@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from lantern.targets.chameleon_stack import Prompter
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "cfg_scale")
+ImageSize = tuple[int | None, int | None]  # load's (image_size, image_width): height and width in pixels, as given
 
 
 def resolve_sampling(stack: Any, **overrides: float | int | None) -> SamplingConfig:
@@ -86,7 +87,8 @@ def api_argument_names() -> frozenset[str]:
 DIFFUSERS_NAMES = {"num_images_per_prompt": "num_per_label", "generator": "seed", "guidance_scale": "cfg_scale",
                    "prompt": "prompts", "class_labels": "labels", "show_progress_bar": "progress"}
 # what diffusers' and transformers' from_pretrained call the arguments of load()
-DIFFUSERS_LOAD_NAMES = {"torch_dtype": "dtype", "device_map": "device", "pretrained_model_name_or_path": "model"}
+DIFFUSERS_LOAD_NAMES = {"torch_dtype": "dtype", "device_map": "device", "pretrained_model_name_or_path": "model",
+                        "height": "image_size", "width": "image_width"}
 
 
 @python_errors(api_argument_names)
@@ -128,10 +130,11 @@ def hardware_record(device: str) -> dict[str, str]:
     return record | ({"mkl_instructions": mkl} if mkl else {})  # (run_config copies it: a config is its caller's)
 
 
-def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> Any:
+def chameleon_layout(root: Path, layout: str | None, image_size: int | None, image_width: int | None = None) -> Any:
     """A Chameleon folder's image layout: ``layout``, else "layout" in its ``generation.json``; at
-    ``image_size``, else the file's ``image_size`` (when its layout is the one used: Lumina-mGPT
-    comes as 512, 768 and 1024 models, whose weights do not say which), else the layout's default."""
+    ``image_size`` pixels high and ``image_width`` wide (default: as high), else the file's
+    ``image_size`` / ``image_width`` (when its layout is the one used: Lumina-mGPT comes as 512, 768
+    and 1024 models, whose weights do not say which), else the layout's default."""
     from lantern.models.chameleon import LAYOUTS, layout_by_name
     from lantern.targets.base import read_generation_settings
     from lantern.targets.chameleon_stack import CHAMELEON_GENERATION_KEYS
@@ -143,13 +146,17 @@ def chameleon_layout(root: Path, layout: str | None, image_size: int | None) -> 
             f"--model {root} is a Chameleon-family model: pass --layout {' or '.join(LAYOUTS)} "
             "(how its images are laid out: Anole 32 x 32 codes; Lumina-mGPT rows with new-line tokens)"
         )
-    if image_size is None and name == settings.get("layout") and "image_size" in settings:
+    own = name == settings.get("layout")
+    if image_size is None and image_width is None and own and ("image_size" in settings or "image_width" in settings):
+        size = {k: settings[k] for k in ("image_size", "image_width") if k in settings}
         try:  # named as the file's, not as an --image-size the user never passed
-            return layout_by_name(name, settings["image_size"])
+            return layout_by_name(name, settings.get("image_size"), settings.get("image_width"))
         except LanternError as e:
-            raise LanternError(f"{root / 'generation.json'}: image_size: {settings['image_size']} does not fit the "
-                               f"{name} layout ({e})") from None
-    return layout_by_name(name, image_size)
+            given = ", ".join(f"{k}: {v}" for k, v in size.items())
+            raise LanternError(f"{root / 'generation.json'}: {given} does not fit the {name} layout ({e})") from None
+    if image_size is None and own:  # --image-width alone: the file's height
+        image_size = settings.get("image_size")
+    return layout_by_name(name, image_size, image_width)
 
 
 def _window_as_tree(method: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -544,11 +551,12 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
          dtype: str | torch.dtype = "float32", compile: str | None = "off",
          tokenizer: str | os.PathLike[str] | None = None, t5: str | os.PathLike[str] | None = None,
          vq: str | os.PathLike[str] | None = None, layout: str | None = None, image_size: int | None = None,
-         proximity: str | os.PathLike[str] | None = None, deterministic: bool = False,
-         prompt_width: int | None = None, **unknown: Never) -> Pipeline:
+         image_width: int | None = None, proximity: str | os.PathLike[str] | None = None,
+         deterministic: bool = False, prompt_width: int | None = None, **unknown: Never) -> Pipeline:
     """A :class:`Pipeline` for ``model``: a preset name (``digits``, ``photos``), a LlamaGen stack
     folder (c2i or t2i), an Anole / Lumina-mGPT folder, a Janus / Janus-Pro or Emu3 folder (transformers
-    layout; ``image_size``: an Emu3 image's side in pixels), or a Hugging Face repo id of any of these.
+    layout), or a Hugging Face repo id of any of these. ``image_size`` (Lumina-mGPT, Emu3): the image's
+    height in pixels, and its width unless ``image_width`` is given (a wide or tall image).
     ``drafter``, ``t5`` and ``vq`` take folders or repo ids too. ``dtype``: a name (``float32``,
     ``bfloat16``, ``auto``) or a torch dtype. ``compile``: ``off`` (or None), ``auto`` (a decoding
     round as one compiled graph, CUDA graphs on a GPU) or a ``torch.compile`` mode.
@@ -565,7 +573,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
                  else difflib.get_close_matches(name, own, n=1))
         raise LanternError(f"load() has no argument {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
                            f"it takes {', '.join(own)}", field=name)
-    image_size, prompt_width = plain(image_size), plain(prompt_width)
+    image_size, image_width, prompt_width = plain(image_size), plain(image_width), plain(prompt_width)
     device = str(device) if isinstance(device, torch.device) else device  # torch.device("cuda", 1): "cuda:1"
     for name, value, what in (("model", model, "a preset name, a folder or a Hub repo id"),
                               ("drafter", drafter, "a folder or a Hub repo id"), ("proximity", proximity, "a file")):
@@ -580,7 +588,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
 
     def build() -> Pipeline:
         pipe = _load(model, drafter, device=device, dtype=dtype, compile=compile, tokenizer=tokenizer, t5=t5,
-                     vq=vq, layout=layout, image_size=image_size, proximity=proximity)
+                     vq=vq, layout=layout, size=(image_size, image_width), proximity=proximity)
         if prompt_width is not None:
             check(hasattr(pipe.stack, "prompt_width"), "--prompt-width is only used with Chameleon-family models "
                                                        "(Anole, Lumina-mGPT, Janus, Emu3)", field="prompt_width")
@@ -601,7 +609,7 @@ def load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None =
 def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None, *, device: str,
           dtype: str | torch.dtype, compile: str | None, tokenizer: str | os.PathLike[str] | None,
           t5: str | os.PathLike[str] | None, vq: str | os.PathLike[str] | None, layout: str | None,
-          image_size: int | None, proximity: str | os.PathLike[str] | None) -> Pipeline:
+          size: ImageSize, proximity: str | os.PathLike[str] | None) -> Pipeline:
     from lantern.decoding.compiling import resolve_compile
     from lantern.models.chameleon import is_chameleon_folder, refuse_original_release
     from lantern.models.emu3 import is_emu3_folder
@@ -628,14 +636,15 @@ def _load(model: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
         raise LanternError(f"--proximity: {_missing(prox, 'file')} (a proximity table)", field="proximity")
     refuse_remote_code(root)  # a folder whose config needs its own code, of any family
     if is_janus_folder(root):
-        return _load_janus(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
+        return _load_janus(Path(root), paths, tokenizer, layout, size, vq, torch_dtype, device, compile, prox)
     if is_emu3_folder(root):
-        return _load_emu3(Path(root), paths, tokenizer, layout, image_size, vq, torch_dtype, device, compile, prox)
+        return _load_emu3(Path(root), paths, tokenizer, layout, size, vq, torch_dtype, device, compile, prox)
     if is_chameleon_folder(root):
-        return _load_chameleon(Path(root), paths, tokenizer, layout, image_size, torch_dtype, device, compile, prox)
+        return _load_chameleon(Path(root), paths, tokenizer, layout, size, torch_dtype, device, compile, prox)
     refuse_original_release(root)  # before the flags below would call it no Chameleon-family model
     for name, value, models in (("layout", layout, "Chameleon-family models (Anole, Lumina-mGPT)"),
-                                ("image_size", image_size, "Chameleon-family models (Anole, Lumina-mGPT) and Emu3"),
+                                ("image_size", size[0], "Chameleon-family models (Anole, Lumina-mGPT) and Emu3"),
+                                ("image_width", size[1], "Lumina-mGPT and Emu3 models"),
                                 ("vq", vq, "Chameleon-family models (Anole, Lumina-mGPT)")):
         if value is not None:
             raise LanternError(f"--{name.replace('_', '-')} is only used with {models}")
@@ -666,16 +675,16 @@ def _missing(path: Any, kind: str) -> str:
 
 
 def load_model_stack(model: str | os.PathLike[str], *, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                     layout: str | None = None, image_size: int | None = None,
+                     layout: str | None = None, image_size: int | None = None, image_width: int | None = None,
                      vq: str | os.PathLike[str] | None = None, prompt_width: int | None = None) -> Any:
     """The :class:`~lantern.targets.base.Stack` of any model :func:`load` takes, on ``device``: what
     ``demo``, ``bench`` and ``profile`` run on."""
-    return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, vq=vq,
-                prompt_width=prompt_width).stack
+    return load(model, device=device, dtype=dtype, layout=layout, image_size=image_size, image_width=image_width,
+                vq=vq, prompt_width=prompt_width).stack
 
 
 def read_prompter(model: str | os.PathLike[str], layout: str | None = None,
-                  image_size: int | None = None) -> Prompter | None:
+                  image_size: int | None = None, image_width: int | None = None) -> Prompter | None:
     """A Chameleon-family folder's prompt side (its tokenizer and template), read without its
     weights; None for a model of another family. What ``lantern generate`` measures prompts with
     before it reads a (large) model."""
@@ -690,15 +699,15 @@ def read_prompter(model: str | os.PathLike[str], layout: str | None = None,
     if is_janus_folder(root):
         return read_janus_prompter(root)
     if is_emu3_folder(root):
-        return read_emu3_prompter(root, image_size)
+        return read_emu3_prompter(root, image_size, image_width)
     if is_chameleon_folder(root):
         check_chameleon_folder(root)  # a released drafter's folder is named, not refused for its tokenizer
-        return ChameleonPrompter(load_prompt_tokenizer(root), chameleon_layout(root, layout, image_size))
+        return ChameleonPrompter(load_prompt_tokenizer(root), chameleon_layout(root, layout, image_size, image_width))
     return None
 
 
 def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
-                    image_size: int | None, dtype: torch.dtype, device: str, compile: str | None,
+                    size: ImageSize, dtype: torch.dtype, device: str, compile: str | None,
                     proximity: str | None) -> Pipeline:
     from lantern.targets.chameleon_stack import load_chameleon_stack
 
@@ -706,17 +715,17 @@ def _load_chameleon(root: Path, paths: dict[str, str | None], tokenizer: object,
         if value is not None:
             raise LanternError(f"{flag} is not used by Chameleon-family models (they read prompts with their own "
                                "tokenizer, and decode with --vq)")
-    stack = load_chameleon_stack(root, chameleon_layout(root, layout, image_size), paths["vq"], dtype, device)
+    stack = load_chameleon_stack(root, chameleon_layout(root, layout, *size), paths["vq"], dtype, device)
     return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], proximity))
 
 
 def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
-                image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str | None,
+                size: ImageSize, vq: object, dtype: torch.dtype, device: str, compile: str | None,
                 proximity: str | None) -> Pipeline:
     from lantern.targets.janus import load_janus_stack
 
-    flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--image-size", image_size),
-             ("--vq", vq))
+    flags = (("--t5", paths["t5"]), ("--tokenizer", tokenizer), ("--layout", layout), ("--image-size", size[0]),
+             ("--image-width", size[1]), ("--vq", vq))
     for flag, value in flags:
         if value is not None:
             raise LanternError(f"{flag} is not used by Janus models (they read prompts with their own tokenizer and "
@@ -726,7 +735,7 @@ def _load_janus(root: Path, paths: dict[str, str | None], tokenizer: object, lay
 
 
 def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layout: str | None,
-               image_size: int | None, vq: object, dtype: torch.dtype, device: str, compile: str | None,
+               size: ImageSize, vq: object, dtype: torch.dtype, device: str, compile: str | None,
                proximity: str | None) -> Pipeline:
     from lantern.targets.emu3 import load_emu3_stack
 
@@ -735,5 +744,5 @@ def _load_emu3(root: Path, paths: dict[str, str | None], tokenizer: object, layo
         if value is not None:
             raise LanternError(f"{flag} is not used by Emu3 models (they read prompts with their own tokenizer, "
                                "and decode with their own VQ model)")
-    stack = load_emu3_stack(root, dtype, device, image_size=image_size)
+    stack = load_emu3_stack(root, dtype, device, image_size=size[0], image_width=size[1])
     return Pipeline(stack, device, compile, ModelParts(stack, paths["drafter"], proximity))

@@ -210,9 +210,10 @@ class PreparedMethod:
         if self.method.pac is not None:  # SJD-PAC: SJD's chain plus proactive drafting's subtree
             assert self.method.jacobi is not None
             return target, PACDrafter(self.method.jacobi, self.method.pac, self.sampling, stack.vocab_size,
-                                      stack.num_tokens)
+                                      stack.num_tokens, stack.grid_width)
         if self.method.jacobi is not None:
-            return target, JacobiDrafter(self.method.jacobi, self.sampling, stack.vocab_size, stack.num_tokens)
+            return target, JacobiDrafter(self.method.jacobi, self.sampling, stack.vocab_size, stack.num_tokens,
+                                         stack.grid_width)
         if self.drafter is None:
             return target, None
         head = head if head is not None else self.drafter_head(target.lm_head)

@@ -490,6 +490,13 @@ LUMINA = ImageLayout(name="lumina-mgpt", height=3, width=3, prefix=(8197, 8805, 
                      eol=8803)
 ANOLE = ImageLayout(name="anole", height=3, width=3)
 CHAMELEON_LAYOUTS = {"lumina": LUMINA, "anole": ANOLE}
+# Lumina-mGPT's wide and tall sizes (its prefix names the rows, then the codes per row, in 32-pixel patches)
+NON_SQUARE_LAYOUTS = {
+    "wide": ImageLayout(name="lumina-mgpt", height=2, width=5, prefix=(8197, 8805, 8806), uncond=(8197, 8805, 8806),
+                        eol=8803),
+    "tall": ImageLayout(name="lumina-mgpt", height=5, width=2, prefix=(8197, 8806, 8805), uncond=(8197, 8806, 8805),
+                        eol=8803),
+}
 CHAMELEON_PROMPTS = [[101, 102, 103], [150], [120, 121]]
 
 

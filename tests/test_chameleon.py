@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ANOLE, CHAMELEON_LAYOUTS, CHAMELEON_PROMPTS, LUMINA, chameleon_greedy_ar, chameleon_lm
+from conftest import (
+    ANOLE,
+    CHAMELEON_LAYOUTS,
+    CHAMELEON_PROMPTS,
+    LUMINA,
+    NON_SQUARE_LAYOUTS,
+    chameleon_greedy_ar,
+    chameleon_lm,
+)
 from torch import Tensor
 
 from lantern.decoding.config import SamplingConfig, TreeConfig
@@ -73,11 +81,12 @@ def _greedy_reference(lm: ChameleonLM, layout: ImageLayout, text: list[int], cfg
 # -- cache and tree attention ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", list(CHAMELEON_LAYOUTS))
+@pytest.mark.parametrize("layout", [*CHAMELEON_LAYOUTS, *NON_SQUARE_LAYOUTS])
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 def test_cached_decoding_equals_full_recomputation(layout: str, cfg: float) -> None:
-    """Left-padded batch, cached AR = transformers' forward per prompt (new-line tokens included)."""
-    lay = CHAMELEON_LAYOUTS[layout]
+    """Left-padded batch, cached AR = transformers' forward per prompt (new-line tokens included);
+    Lumina-mGPT's wide and tall grids too."""
+    lay = {**CHAMELEON_LAYOUTS, **NON_SQUARE_LAYOUTS}[layout]
     codes = chameleon_greedy_ar(lay, cfg)
     for row, text in enumerate(CHAMELEON_PROMPTS):
         assert codes[row].tolist() == _greedy_reference(chameleon_lm(), lay, text, cfg)
@@ -99,10 +108,12 @@ def _path(parents: list[int], node: int) -> list[int]:
 
 @pytest.mark.parametrize("start_codes", [0, 1, 2, 4])  # where the tree's row boundaries fall
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
-def test_tree_attention_equals_causal_paths(start_codes: int, cfg: float) -> None:
+@pytest.mark.parametrize("shape", ["square", "wide", "tall"])
+def test_tree_attention_equals_causal_paths(start_codes: int, cfg: float, shape: str) -> None:
     """Every node's verify logits = full recomputation along its root path (Lumina: new-line
-    shadows inserted wherever a path crosses a row end), for two rows at different offsets."""
-    lm, lay = chameleon_lm(), LUMINA
+    shadows inserted wherever a path crosses a row end), for two rows at different offsets, on
+    square, wide and tall grids."""
+    lm, lay = chameleon_lm(), NON_SQUARE_LAYOUTS.get(shape, LUMINA)
     sampling = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=cfg)
     ids, mask = encode_prompts(CHAMELEON_PROMPTS[:2], lay)
     target = ChameleonTarget(lm, lay, sampling, max_tree_nodes=12)

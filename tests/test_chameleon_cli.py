@@ -360,12 +360,30 @@ def test_a_folders_image_size_comes_from_its_generation_json(folder: Path, tmp_p
             chameleon_layout(copy, None, None)
         if why is None:
             assert str(e.value) == (f"{copy / 'generation.json'}: image_size: expected a positive integer (pixels a "
-                                    f"side), got {size!r}")
+                                    f"side, or the height), got {size!r}")
         else:
             assert str(e.value) == f"{copy / 'generation.json'}: image_size: 30 does not fit the lumina-mgpt layout " \
                                    f"({why})"
         if why is not None:  # a size the layout refuses is read only when no --image-size is given
             assert chameleon_layout(copy, None, 64).pixel_size == (64, 64)
+    # a wide image: the file's height and width together; a flag's height alone is square; a flag's
+    # width alone goes with the file's height
+    wide = tmp_path / "wide"
+    shutil.copytree(folder, wide)
+    settings = json.loads((wide / "generation.json").read_text())
+    (wide / "generation.json").write_text(json.dumps({**settings, "image_width": 128}))
+    assert chameleon_layout(wide, None, None).pixel_size == (64, 128)
+    assert (chameleon_layout(wide, None, None).height, chameleon_layout(wide, None, None).width) == (4, 8)
+    assert chameleon_layout(wide, None, 96).pixel_size == (96, 96)
+    assert chameleon_layout(wide, None, None, 32).pixel_size == (64, 32)
+    (wide / "generation.json").write_text(json.dumps({**settings, "image_width": 48}))
+    with pytest.raises(LanternError) as e:
+        chameleon_layout(wide, None, None)
+    assert str(e.value) == (f"{wide / 'generation.json'}: image_size: 64, image_width: 48 does not fit the "
+                            "lumina-mgpt layout (--image-width must be a positive multiple of 32, got 48)")
+    (wide / "generation.json").write_text(json.dumps({**settings, "image_width": "wide"}))
+    with pytest.raises(LanternError, match=r"image_width: expected a positive integer \(pixels\), got 'wide'"):
+        chameleon_layout(wide, None, None)
 
 
 def test_a_default_top_k_too_large_for_the_codebook_names_where_it_came_from(

@@ -73,10 +73,18 @@ def _reference_model(folder: Path) -> Any:
     return Emu3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
-def _processor_inputs(prompt: str, grid: int = G) -> dict[str, Tensor]:
-    out = tiny_emu3_processor()(text=[prompt], return_for_image_generation=True, image_area=(8 * grid) ** 2,
-                                return_tensors="pt")
-    assert out.pop("image_sizes") == [[grid, grid]]
+def _shape(grid: int | tuple[int, int]) -> tuple[int, int]:
+    """(rows, codes per row) of a square side or a (rows, codes per row) grid."""
+    return (grid, grid) if isinstance(grid, int) else grid
+
+
+def _processor_inputs(prompt: str, grid: int | tuple[int, int] = G) -> dict[str, Tensor]:
+    """Emu3Processor's image prompt for ``grid``: a square at its side's area, or another grid as
+    its ratio W:H at an area of 8 x 8 pixels per code, which calculate_generate_size gives back exactly."""
+    rows, columns = _shape(grid)
+    out = tiny_emu3_processor()(text=[prompt], return_for_image_generation=True, ratio=f"{columns}:{rows}",
+                                image_area=64 * rows * columns, return_tensors="pt")
+    assert out.pop("image_sizes") == [[rows, columns]]
     return dict(out)
 
 
@@ -86,16 +94,17 @@ def _negative_inputs(header: bool = False) -> dict[str, Tensor]:
     return dict(tiny_emu3_processor()(text=[NEGATIVE_PROMPT], return_tensors="pt"))
 
 
-def _allowed_tokens(model: Any, grid: int) -> Any:
+def _allowed_tokens(model: Any, grid: int | tuple[int, int]) -> Any:
     """transformers' Emu3 docs' prefix_allowed_tokens_fn: visual tokens, the end-of-line token after
     each row, then end-of-frame, end-of-image, end-of-sequence and padding."""
     tok = tiny_emu3_processor().tokenizer
     visual, eol = model.vocabulary_mapping.image_tokens, model.vocabulary_mapping.eol_token_id
-    end = (grid + 1) * grid
+    rows, columns = _shape(grid)
+    end = (columns + 1) * rows
 
     def allowed(batch_id: int, input_ids: Tensor) -> Any:
         offset = input_ids.shape[0] - int(torch.nonzero(input_ids == tok.image_wrapper_token_id)[0, 0])
-        if offset % (grid + 1) == 0:
+        if offset % (columns + 1) == 0:
             return (eol,)
         forced = {end + 1: tok.eof_token_id, end + 2: tok.eoi_token_id, end + 3: tok.eos_token_id}
         return (forced.get(offset, tok.pad_token_id),) if offset > end else visual
@@ -104,9 +113,9 @@ def _allowed_tokens(model: Any, grid: int) -> Any:
 
 
 @torch.no_grad()
-def _transformers_generate(model: Any, prompt: str, grid: int = G, header: bool = False) -> tuple[Tensor, list[Tensor],
-                                                                                                  Tensor]:
-    """transformers' greedy image generation of one prompt with CFG: codes [grid^2], the guided
+def _transformers_generate(model: Any, prompt: str, grid: int | tuple[int, int] = G,
+                           header: bool = False) -> tuple[Tensor, list[Tensor], Tensor]:
+    """transformers' greedy image generation of one prompt with CFG: codes [rows x codes per row], the guided
     scores of every code step at the visual tokens (in code order; what its processors hand the
     sampler), and the generated BPE sequence (row tokens and the closing tokens included)."""
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -118,15 +127,17 @@ def _transformers_generate(model: Any, prompt: str, grid: int = G, header: bool 
             scores.append(s[0].clone())
             return s
 
+    rows, columns = _shape(grid)
+    end = (columns + 1) * rows
     inputs, negative = _processor_inputs(prompt, grid), _negative_inputs(header)
     out = model.generate(**inputs, prefix_allowed_tokens_fn=_allowed_tokens(model, grid), do_sample=False,
                          guidance_scale=CFG, negative_prompt_ids=negative["input_ids"],
                          negative_prompt_attention_mask=negative["attention_mask"],
-                         max_new_tokens=(grid + 1) * grid + 3, logits_processor=LogitsProcessorList([Record()]))
+                         max_new_tokens=end + 3, logits_processor=LogitsProcessorList([Record()]))
     sequence = out[0, inputs["input_ids"].shape[1]:]
-    codes = model.vocabulary_mapping.convert_bpe2img(sequence[: (grid + 1) * grid].view(grid, grid + 1)).flatten()
+    codes = model.vocabulary_mapping.convert_bpe2img(sequence[:end].view(rows, columns + 1)).flatten()
     ids = torch.tensor([model.vocabulary_mapping.img2bpe[c] for c in range(len(model.vocabulary_mapping.img2bpe))])
-    code_steps = [s[ids] for i, s in enumerate(scores) if (i + 1) % (grid + 1) != 0 and i < (grid + 1) * grid]
+    code_steps = [s[ids] for i, s in enumerate(scores) if (i + 1) % (columns + 1) != 0 and i < end]
     return codes.long(), code_steps, sequence
 
 
@@ -259,6 +270,45 @@ def test_larger_model_equals_transformers(tmp_path: Path) -> None:
     assert torch.equal(pipe.stack.decode(codes), pixels)
     greedy_pjd = pipe(prompts=PROMPTS, method="pjd", temperature=0.0, cfg_scale=CFG, pjd_window=3, pjd_context=grid)
     assert torch.equal(greedy_pjd.codes, out.codes)
+
+
+@pytest.mark.parametrize("grid", [(3, 6), (6, 3)])
+def test_a_wide_or_tall_image_equals_transformers_at_its_ratio(folder: Path, grid: tuple[int, int]) -> None:
+    """``image_size`` (the height) with ``image_width``: the prompt is Emu3Processor's for that ratio
+    (W:H, its size header H*W), and greedy codes with CFG, the guided logits, the decoded pixels and
+    the PNG size equal transformers' generation of that grid (end-of-line token after every row of W);
+    lossless methods whose windows cross the row ends (SJD, PJD at context = row) give AR's codes."""
+    rows, columns = grid
+    pipe = lantern.load(folder, image_size=8 * rows, image_width=8 * columns)
+    assert (pipe.stack.layout.height, pipe.stack.layout.width) == grid
+    for prompt in PROMPTS:
+        assert pipe.stack.tokenize([prompt])[0] == _processor_inputs(prompt, grid)["input_ids"][0].tolist()
+    model = _reference_model(folder)
+    reference = [_transformers_generate(model, p, grid) for p in PROMPTS]
+    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
+    for row, (codes, _, _) in enumerate(reference):
+        assert out.codes[row].tolist() == codes.tolist(), row
+    codes = torch.stack([c for c, _, _ in reference])
+    assert len(set(codes.flatten().tolist())) > 6  # varied codes: the equality has power
+    for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, codes, STEPS, CFG)):
+        for row, (_, ref_logits, _) in enumerate(reference):
+            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        pixels = model.decode_image_tokens(image_tokens=torch.stack([s for _, _, s in reference]), height=rows,
+                                           width=columns)
+    assert torch.equal(pipe.stack.decode(codes), pixels)
+    assert pipe.stack.to_pil(codes[:1])[0].size == (8 * columns, 8 * rows)  # PIL: (width, height)
+    for method, settings in (("sjd-coupled", {"sjd_window": 4}), ("pjd", {"pjd_window": 2, "pjd_context": columns})):
+        same = pipe(prompts=PROMPTS, method=method, temperature=0.0, cfg_scale=CFG, **settings)
+        assert torch.equal(same.codes, out.codes), method
+
+
+def test_a_square_grid_is_not_the_wide_ones(folder: Path) -> None:
+    """Power for the test above: the wide grid's prompt, codes and pixels are not the square's
+    (a stack that ignored ``image_width`` would fail it there)."""
+    wide, square = lantern.load(folder, image_size=24, image_width=48), lantern.load(folder, image_size=24)
+    assert wide.stack.tokenize(PROMPTS[:1]) != square.stack.tokenize(PROMPTS[:1])
+    assert wide.stack.num_tokens == 18 and square.stack.num_tokens == 9
 
 
 LOSSLESS = {"sjd": {"sjd_window": 6}, "sjd-coupled": {"sjd_window": 6}, "sjd-pac": {"sjd_window": 6},
@@ -456,7 +506,7 @@ def test_a_prompt_the_tokenizer_does_not_end_with_the_size_header_is_refused() -
 
     def prompter(cut: int) -> Emu3Prompter:
         return Emu3Prompter(Path("m"), tokenizer(cut), Emu3Prompting(bos="", boi="<boi>", wrapper="<wrap>"),
-                            grid=2, header=(7, 8), negative=(1, 9))
+                            grid=(2, 2), header=(7, 8), negative=(1, 9))
 
     assert prompter(0).context_lengths(["a cat", "mountains"]) == [8, 12]
     with pytest.raises(LanternError, match=r"^--model m: the tokenizer does not end the prompt with the size header "

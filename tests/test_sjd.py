@@ -401,8 +401,10 @@ def test_bad_jacobi_config() -> None:
         MethodConfig(method="sjd", tree=MethodConfig.resolve("sjd").tree)
     with pytest.raises(LanternError, match=r"needs tree chain:16"):
         MethodConfig(method="sjd", tree=MethodConfig.resolve("sjd", sjd_window=4).tree, jacobi=JacobiConfig())
-    with pytest.raises(LanternError, match=r"square token grid"):
-        JacobiDrafter(JacobiConfig(4), SamplingConfig(), 16, 12)
+    with pytest.raises(LanternError, match=r"SJD needs whole image rows, got 12 image tokens in rows of 3"):
+        JacobiDrafter(JacobiConfig(4), SamplingConfig(), 16, 12)  # no width: a square grid
+    with pytest.raises(LanternError, match=r"got 12 image tokens in rows of 5"):
+        JacobiDrafter(JacobiConfig(4), SamplingConfig(), 16, 12, width=5)
 
 
 def test_relaxed_sjd_needs_a_proximity_table(random_stack: Path, tmp_path: Path) -> None:
@@ -443,15 +445,18 @@ def _slot_by_slot_repeat_horizon(canvas: Tensor, n: Tensor, first_new: Tensor, w
         canvas.scatter_(1, pos[:, None], torch.where(i >= first_new, value, current)[:, None])
 
 
-@pytest.mark.parametrize(("grid", "window"), [(4, 3), (4, 4), (4, 9), (8, 16), (16, 16), (16, 5)])
-def test_repeat_horizon_made_at_once_equals_slot_by_slot(grid: int, window: int) -> None:
+@pytest.mark.parametrize(("grid", "window", "height"),
+                         [(4, 3, 4), (4, 4, 4), (4, 9, 4), (8, 16, 8), (16, 16, 16), (16, 5, 16),
+                          (8, 5, 3), (3, 7, 8)])  # non-square: wide and tall images
+def test_repeat_horizon_made_at_once_equals_slot_by_slot(grid: int, window: int, height: int) -> None:
     """The drafter fills every new slot in one gather; the reference fills them in order, so a new
     guess can copy one made just before it. Every row start and every first new slot, windows
-    shorter and longer than an image row (where a row start copies a new slot above it)."""
-    num_tokens, b = grid * grid, 64
+    shorter and longer than an image row (where a row start copies a new slot above it); ``grid``
+    codes per row, ``height`` rows."""
+    num_tokens, b = grid * height, 64
     gen = torch.Generator().manual_seed(7)
     drafter = JacobiDrafter(JacobiConfig(window=window, init="repeat_horizon"), SamplingConfig(temperature=0.0),
-                            1000, num_tokens)
+                            1000, num_tokens, width=None if grid == height else grid)
     drafter.start(torch.zeros(0), torch.zeros(b, dtype=torch.long))
     checked = 0
     for _ in range(8):

@@ -212,8 +212,13 @@ def add_chameleon_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
                    help="the model's image layout (default: \"layout\" in the folder's generation.json)")
     g.add_argument("--image-size", type=int, default=None,
-                   help="lumina-mgpt: image side in pixels, a multiple of 32 (default 768); anole: 512 only; "
-                        "Emu3: a multiple of 8 (default: generation.json's image_size, else 720)")
+                   help="the image's height in pixels, and its width unless --image-width is given. lumina-mgpt: "
+                        "a multiple of 32 (default 768); anole: 512 only; Emu3: a multiple of 8 (default: "
+                        "generation.json's image_size, else 720)")
+    g.add_argument("--image-width", type=int, default=None, metavar="PIXELS",
+                   help="lumina-mgpt and Emu3: the image's width in pixels, for a wide or tall image (default: as "
+                        "high; e.g. Emu3Processor's ratio 16:9 at 720 x 720's area is --image-size 544 "
+                        "--image-width 960)")
     g.add_argument("--vq", default=None, metavar="CKPT",
                    help="the Chameleon VQGAN checkpoint vqgan.ckpt, vqgan.yaml beside it, or a Hub repo id holding "
                         "them (default: vqgan.ckpt or tokenizer/vqgan.ckpt inside --model)")
@@ -229,7 +234,8 @@ def add_prompt_width_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
 
 def chameleon_options(args: argparse.Namespace) -> dict[str, Any]:
     """The Chameleon-family flags of ``add_chameleon_args`` as ``lantern.load`` keywords."""
-    return {"layout": args.layout, "image_size": args.image_size, "vq": args.vq, "prompt_width": args.prompt_width}
+    return {"layout": args.layout, "image_size": args.image_size, "image_width": args.image_width, "vq": args.vq,
+            "prompt_width": args.prompt_width}
 
 
 def load_tool_stack(args: argparse.Namespace, device: str = "cpu") -> Any:

@@ -375,7 +375,8 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
             raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
                                "or --prompts FILE")
     width = DEFAULT_PROMPT_WIDTH if args.prompt_width is None else args.prompt_width
-    prompter = read_prompter(model, args.layout, args.image_size) if prompts is not None and width > 0 else None
+    prompter = (read_prompter(model, args.layout, args.image_size, args.image_width)
+                if prompts is not None and width > 0 else None)
     if prompts is not None and prompter is not None:  # a bad width is refused by load, naming the flag
         prompter.check_fits(prompts, width)
     pipe = load(model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,

@@ -475,7 +475,10 @@ def _add_train_chameleon_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", default=None, choices=["anole", "lumina-mgpt"],
                    help="image layout (default: \"layout\" in the folder's generation.json)")
     p.add_argument("--image-size", type=int, default=None,
-                   help="image side in pixels (lumina-mgpt: 768; emu3: generation.json's, else 720)")
+                   help="image height in pixels, and width unless --image-width is given (lumina-mgpt: 768; emu3: "
+                        "generation.json's, else 720)")
+    p.add_argument("--image-width", type=int, default=None, metavar="PIXELS",
+                   help="lumina-mgpt and emu3: image width in pixels (default: as high)")
     p.add_argument("--vq", default=None, metavar="CKPT", help="vqgan.ckpt, if not inside --model")
     add_prompt_width_arg(p)
     p.add_argument("--prompts", required=True, metavar="FILE", help="UTF-8 text file, one prompt per line")
@@ -520,7 +523,8 @@ def cmd_train_chameleon_drafter(args: argparse.Namespace) -> int:
           f"--eval-prompts must be in [0, {len(prompts)}) for {len(prompts)} prompts, got {args.eval_prompts}")
     check_out_kind(args.out, ChameleonDrafterTask.kind)
     stack = load_model_stack(args.model, device=str(device), dtype=args.dtype, layout=args.layout,
-                             image_size=args.image_size, vq=args.vq, prompt_width=args.prompt_width)
+                             image_size=args.image_size, image_width=args.image_width, vq=args.vq,
+                             prompt_width=args.prompt_width)
     result = train_chameleon_drafter(
         stack, prompts, loop, _run_options(args), sampling=sampling_from(stack, args),
         num_per_prompt=args.num_per_prompt, eval_prompts=args.eval_prompts, recipe=recipe,

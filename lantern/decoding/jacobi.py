@@ -88,12 +88,16 @@ class JacobiDrafter:
 
     forwards = 0  # no drafter model: every prediction comes from the target's verify forward
 
-    def __init__(self, config: JacobiConfig, sampling: SamplingConfig, vocab_size: int, num_tokens: int) -> None:
+    def __init__(self, config: JacobiConfig, sampling: SamplingConfig, vocab_size: int, num_tokens: int,
+                 width: int | None = None) -> None:
+        """``width``: codes per image row, which ``repeat_horizon`` copies across (None: a square
+        grid, as LlamaGen's)."""
         check_window_fits(config, num_tokens)
-        grid = math.isqrt(num_tokens)
-        check(grid * grid == num_tokens, f"SJD needs a square token grid, got {num_tokens} image tokens")
+        grid = math.isqrt(num_tokens) if width is None else width
+        check(grid >= 1 and num_tokens % grid == 0 and (width is not None or grid * grid == num_tokens),
+              f"SJD needs whole image rows, got {num_tokens} image tokens in rows of {grid}")
         self.config, self.sampling = config, sampling
-        self.vocab_size, self.num_tokens, self.grid = vocab_size, num_tokens, grid
+        self.vocab_size, self.num_tokens, self.grid = vocab_size, num_tokens, grid  # grid: codes per image row
         self.canvas: Tensor | None = None  # [B, N + L] known tokens, then guesses; -1 = none yet
         self.n: Tensor | None = None  # [B] known tokens per row
         self.q: Tensor | None = None  # [B, L, V] (sampled decoding only)

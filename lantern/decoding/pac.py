@@ -183,9 +183,10 @@ class PACDrafter(JacobiDrafter):
     ``_last`` [B] (the last accepted node of the last round: whose descendants' p are carried)."""
 
     def __init__(
-        self, config: JacobiConfig, pac: PACConfig, sampling: SamplingConfig, vocab_size: int, num_tokens: int
+        self, config: JacobiConfig, pac: PACConfig, sampling: SamplingConfig, vocab_size: int, num_tokens: int,
+        width: int | None = None,
     ) -> None:
-        super().__init__(config, sampling, vocab_size, num_tokens)
+        super().__init__(config, sampling, vocab_size, num_tokens, width)
         pac.check_window(config.window)
         check(pac.width <= vocab_size, f"--pac-width ({pac.width}) exceeds the {vocab_size} image tokens")
         self.pac = pac

@@ -121,7 +121,9 @@ def anole_layout() -> ImageLayout:
 
 
 def lumina_layout(size: int = 768, width: int | None = None) -> ImageLayout:
-    """Lumina-mGPT at ``size`` x ``width`` pixels (multiples of 32; 768 for Lumina-mGPT-7B-768)."""
+    """Lumina-mGPT at ``size`` pixels high and ``width`` wide (multiples of 32; 768 x 768 for
+    Lumina-mGPT-7B-768). The prefix names the grid's rows, then its columns, in 32-pixel patches,
+    as Lumina-mGPT's item processor writes it; the prompt names the size as width x height."""
     w_px = size if width is None else width
     for name, v in (("--image-size", size), ("--image-width", w_px)):
         check(v >= LUMINA_PATCH and v % LUMINA_PATCH == 0, f"{name} must be a positive multiple of 32, got {v}")
@@ -138,12 +140,15 @@ def lumina_layout(size: int = 768, width: int | None = None) -> ImageLayout:
     )
 
 
-def layout_by_name(name: str, size: int | None = None) -> ImageLayout:
+def layout_by_name(name: str, size: int | None = None, width: int | None = None) -> ImageLayout:
+    """The layout ``name`` at ``size`` pixels high and ``width`` wide (None: ``size``; both None:
+    the layout's default)."""
     if name == "anole":
         check(size in (None, 512), f"Anole generates 512 x 512 images; --image-size {size} is not supported")
+        check(width in (None, 512), f"Anole generates 512 x 512 images; --image-width {width} is not supported")
         return anole_layout()
     if name == "lumina-mgpt":
-        return lumina_layout(768 if size is None else size)
+        return lumina_layout(768 if size is None else size, width)
     raise LanternError(f"--layout must be one of {', '.join(LAYOUTS)}, got {name!r}")
 
 

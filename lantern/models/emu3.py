@@ -60,12 +60,15 @@ PIXELS_PER_CODE = 8
 LOG_PROB_ROWS = 128  # hidden rows per full-vocabulary head product (bounds its [rows, vocab] float32 logits)
 
 
-def grid_for(image_size: int) -> int:
-    """Codes per side of a square ``image_size`` x ``image_size`` image, as Emu3Processor's
-    ``calculate_generate_size`` (ratio 1:1, image_area = image_size ** 2) rounds it."""
+def grid_for(image_size: int, flag: str = "--image-size") -> int:
+    """Codes along a side of ``image_size`` pixels (``flag``: the option that gave it, for the error).
+    A square image is what Emu3Processor's ``calculate_generate_size`` gives for ratio 1:1 and
+    image_area = image_size ** 2; another ratio W:H at an area A gives round(H sqrt(A / (W H)) / 8)
+    rows of round(W sqrt(A / (W H)) / 8) codes, which ``--image-size`` / ``--image-width`` name in
+    pixels (rows x 8, codes x 8)."""
     check(isinstance(image_size, int) and not isinstance(image_size, bool) and image_size >= PIXELS_PER_CODE
           and image_size % PIXELS_PER_CODE == 0,
-          f"--image-size must be a positive multiple of {PIXELS_PER_CODE} for Emu3 models, got {image_size!r}")
+          f"{flag} must be a positive multiple of {PIXELS_PER_CODE} for Emu3 models, got {image_size!r}")
     return image_size // PIXELS_PER_CODE  # round(sqrt(area) / 8), exact for a multiple of 8
 
 
@@ -174,14 +177,14 @@ def read_codebook(directory: Path) -> Tensor:
     return next(iter(tensors.values()))
 
 
-def emu3_layout(model: Emu3LM, header: tuple[int, ...], grid: int) -> ImageLayout:
+def emu3_layout(model: Emu3LM, header: tuple[int, ...], grid: tuple[int, int]) -> ImageLayout:
     """The image's place in the sequence: after the size header ``<|image start|>H*W<|image token|>``
-    (the layout's prefix; the prompt, BOS included, is tokenized whole by the stack), ``grid`` rows of
-    ``grid`` codes, each ended by the end-of-line token."""
-    side = grid * model.pixels_per_code
+    (the layout's prefix; the prompt, BOS included, is tokenized whole by the stack), ``grid`` = (H,
+    W): H rows of W codes, each ended by the end-of-line token."""
+    rows, columns = grid
     # uncond = prefix only to satisfy ImageLayout: Emu3's guidance rows are the stack's negative prompt
-    return ImageLayout(name="emu3", height=grid, width=grid, head=(), tail=(), prefix=header, uncond=header,
-                       eol=model.eol, pixel_size=(side, side))
+    return ImageLayout(name="emu3", height=rows, width=columns, head=(), tail=(), prefix=header, uncond=header,
+                       eol=model.eol, pixel_size=(rows * model.pixels_per_code, columns * model.pixels_per_code))
 
 
 # ----------------------------------------------------------------------------------------------

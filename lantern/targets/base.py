@@ -397,9 +397,10 @@ def read_generation_settings(root: Path, keys: Sequence[str] = COMMON_GENERATION
         _with_source(path, f"trees.{method}: ", functools.partial(TreeConfig.parse, spec))
     if "layout" in raw and not isinstance(raw["layout"], str):
         raise LanternError(f"{path}: layout: expected a layout name string, got {raw['layout']!r}")
-    size = raw.get("image_size", 1)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise LanternError(f"{path}: image_size: expected a positive integer (pixels a side), got {size!r}")
+    for key, what in (("image_size", "pixels a side, or the height"), ("image_width", "pixels")):
+        size = raw.get(key, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise LanternError(f"{path}: {key}: expected a positive integer ({what}), got {size!r}")
     return raw
 
 

@@ -105,7 +105,7 @@ class ChameleonPrompter(Prompter):
 
 
 # A Chameleon folder's generation.json may also name its image layout (instead of --layout).
-CHAMELEON_GENERATION_KEYS = (*COMMON_GENERATION_KEYS, "layout", "image_size")
+CHAMELEON_GENERATION_KEYS = (*COMMON_GENERATION_KEYS, "layout", "image_size", "image_width")
 
 
 @dataclass

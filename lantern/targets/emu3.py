@@ -71,25 +71,26 @@ class Emu3Prompting:
     negative: str = NEGATIVE_PROMPT
     negative_header: bool = False  # True: the negative carries the size header too (BAAI's own script)
 
-    def header(self, grid: int) -> str:
-        """The size header that ends every prompt: ``<|image start|>H*W<|image token|>``."""
-        return f"{self.boi}{grid}*{grid}{self.wrapper}"
+    def header(self, grid: tuple[int, int]) -> str:
+        """The size header that ends every prompt: ``<|image start|>H*W<|image token|>`` (rows, codes per row)."""
+        return f"{self.boi}{grid[0]}*{grid[1]}{self.wrapper}"
 
-    def prompt(self, text: str, grid: int) -> str:
+    def prompt(self, text: str, grid: tuple[int, int]) -> str:
         return f"{self.bos}{text}{self.header(grid)}"
 
-    def negative_prompt(self, grid: int) -> str:
+    def negative_prompt(self, grid: tuple[int, int]) -> str:
         return self.prompt(self.negative, grid) if self.negative_header else f"{self.bos}{self.negative}"
 
 
 @dataclass(frozen=True)
 class Emu3Prompter(EndedPrompter):
-    """An Emu3 folder's prompts: BOS, the text, then the size header of a ``grid`` x ``grid`` image."""
+    """An Emu3 folder's prompts: BOS, the text, then the size header of an image of ``grid`` = (rows,
+    codes per row)."""
 
     root: Path
     tokenizer: Any
     prompting: Emu3Prompting
-    grid: int  # codes per side
+    grid: tuple[int, int]  # (rows, codes per row)
     header: tuple[int, ...]  # the size header's ids: the layout's prefix, which ends every prompt
     negative: tuple[int, ...]  # the negative prompt's ids: the guidance rows, padded to the prompt width too
 
@@ -110,13 +111,14 @@ def check_negative_fits(tokens: int, width: int) -> None:
           field="prompt_width")
 
 
-def read_emu3_prompter(root: Path, image_size: int | None = None) -> Emu3Prompter:
-    """The folder's prompt side, without its weights (``image_size``: as :func:`load_emu3_stack`)."""
+def read_emu3_prompter(root: Path, image_size: int | None = None, image_width: int | None = None) -> Emu3Prompter:
+    """The folder's prompt side, without its weights (``image_size``, ``image_width``: as
+    :func:`load_emu3_stack`)."""
     from lantern.models.emu3 import check_emu3_folder
 
     check_emu3_folder(root)  # before the tokenizer: a remote-code folder is refused first
     settings = read_generation_settings(root, Emu3Stack.GENERATION_KEYS)
-    grid = grid_for(image_size if image_size is not None else folder_image_size(root, settings))
+    grid = image_grid(root, settings, image_size, image_width)
     tokenizer = load_prompt_tokenizer(root, "Emu3")
     prompting = emu3_prompting(root, tokenizer, settings)
     return Emu3Prompter(root, tokenizer, prompting, grid, tuple(tokenize_text(tokenizer, prompting.header(grid))),
@@ -168,7 +170,8 @@ class Emu3Stack(PromptStack):
     which softmax drops."""
 
     # generation.json may also set the image side and the negative prompt (one per model).
-    GENERATION_KEYS: ClassVar[tuple[str, ...]] = (*COMMON_GENERATION_KEYS, "image_size", "negative_prompt",
+    GENERATION_KEYS: ClassVar[tuple[str, ...]] = (*COMMON_GENERATION_KEYS, "image_size", "image_width",
+                                                  "negative_prompt",
                                                   "negative_image_header")
     model: Emu3LM
     tokenizer: Any  # a transformers tokenizer
@@ -187,8 +190,8 @@ class Emu3Stack(PromptStack):
 
     @property
     def prompter(self) -> Emu3Prompter:
-        return Emu3Prompter(self.root, self.tokenizer, self.prompting, self.layout.width, self.layout.prefix,
-                            self.negative_ids)
+        return Emu3Prompter(self.root, self.tokenizer, self.prompting, (self.layout.height, self.layout.width),
+                            self.layout.prefix, self.negative_ids)
 
     def format_prompt(self, prompt: str) -> str:
         return self.prompter.format_prompt(prompt)
@@ -223,36 +226,52 @@ def tokenize_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def load_emu3_stack(model: str | os.PathLike[str], dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu", image_size: int | None = None) -> Emu3Stack:
+                    device: str | torch.device = "cpu", image_size: int | None = None,
+                    image_width: int | None = None) -> Emu3Stack:
     """An Emu3 folder as a stack: the model (safetensors only), tokenizer, size header, negative prompt.
-    ``image_size``: the square image's side in pixels (default: generation.json's ``image_size``, else
-    Emu3Processor's 720)."""
+    ``image_size``: the image's height in pixels, ``image_width`` its width (default: the height); both
+    None: generation.json's ``image_size`` / ``image_width``, else Emu3Processor's 720 x 720."""
     from lantern.models.emu3 import load_emu3
 
     root = Path(model)
-    prompter = read_emu3_prompter(root, image_size)
+    prompter = read_emu3_prompter(root, image_size, image_width)
     tokenizer, grid, header, negative = prompter.tokenizer, prompter.grid, prompter.header, prompter.negative
     lm = load_emu3(root, dtype=dtype, device=device)
     check(bool(header) and max(header + negative) < lm.config.vocab_size,
           f"--model {root}: the size header / negative prompt ids {header} / {negative[:4]}... do not fit the "
           f"vocabulary ({lm.config.vocab_size})")
     max_len = int(lm.config.max_position_embeddings)
-    check(len(negative) + grid * (grid + 1) <= max_len,
-          f"--image-size {grid * lm.pixels_per_code}: {grid} x {grid} codes and their row tokens exceed the "
-          f"model's {max_len} positions")
+    (rows, columns), pixels = grid, lm.pixels_per_code
+    check(len(negative) + rows * (columns + 1) <= max_len,
+          f"--image-size {rows * pixels} (--image-width {columns * pixels}): {rows} x {columns} codes and their row "
+          f"tokens exceed the model's {max_len} positions")
     return Emu3Stack(root=root, model=lm, layout=emu3_layout(lm, header, grid), tokenizer=tokenizer,
                      prompting=prompter.prompting, negative_ids=negative,
                      sampling_defaults=sampling_from_config(read_generation_config(root)))
 
 
-def folder_image_size(root: Path, settings: dict[str, Any]) -> int:
-    """generation.json's ``image_size`` (checked), else Emu3Processor's default side."""
-    value = settings.get("image_size", DEFAULT_IMAGE_SIZE)
+def image_grid(root: Path, settings: dict[str, Any], image_size: int | None,
+               image_width: int | None) -> tuple[int, int]:
+    """(rows, codes per row): ``image_size`` high (else generation.json's ``image_size``, else
+    Emu3Processor's 720) and ``image_width`` wide (else, with no ``image_size`` given, generation.json's
+    ``image_width``; else as high)."""
+    rows = grid_for(image_size) if image_size is not None else folder_grid(root, settings, "image_size")
+    if image_width is not None:
+        return rows, grid_for(image_width, "--image-width")
+    if image_size is None and "image_width" in settings:  # the file's size, not half of it beside a flag
+        return rows, folder_grid(root, settings, "image_width")
+    return rows, rows
+
+
+def folder_grid(root: Path, settings: dict[str, Any], key: str) -> int:
+    """generation.json's ``key`` (``image_size``, ``image_width``: checked) in codes, else
+    Emu3Processor's default side's."""
+    value = settings.get(key, DEFAULT_IMAGE_SIZE)
     check(isinstance(value, int) and not isinstance(value, bool) and value >= PIXELS_PER_CODE
           and value % PIXELS_PER_CODE == 0,
-          f"{root / 'generation.json'}: image_size: expected a positive multiple of {PIXELS_PER_CODE} (pixels), "
+          f"{root / 'generation.json'}: {key}: expected a positive multiple of {PIXELS_PER_CODE} (pixels), "
           f"got {value!r}")
-    return int(value)
+    return int(value) // PIXELS_PER_CODE
 
 
 def emu3_prompting(root: Path, tokenizer: Any, settings: dict[str, Any]) -> Emu3Prompting:
