@@ -1,4 +1,5 @@
-"""PJD's first guesses (``PJDConfig.init``): uniform noise, or the token of the cell above."""
+"""PJD's first guesses (``PJDConfig.init``): uniform noise, or the token of the cell above; and the
+flush bookkeeping of a stand-in root."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def test_random_fill_and_row_above_draw_the_same_numbers() -> None:
 def test_bad_init_is_one_line() -> None:
     with pytest.raises(LanternError, match="--pjd-init must be one of random, row_above, above_mode, got 'above'"):
         PJDConfig(init="above")
+
+
+def test_a_real_stand_in_flushes_row_0_once() -> None:
+    """Row 1 opening on row 0's real, uncached last token caches it (its stand-in root): row 0 is then
+    flushed and no later flush chain caches that token again, although row 0's padding chain sits
+    in the same block (chain rows 1, 0: both mark row 0, the repeated index that once lost the mark)."""
+    d = GridJacobiDrafter(PJDConfig(window=2, context=2), SamplingConfig(temperature=1.0), 50, 16, width=4)
+    d.start(torch.zeros(1, 1, 1), torch.tensor([7]))
+    assert d.chains >= 2
+    d.canvas[0, 0:4] = torch.tensor([7, 11, 12, 13])
+    d.known[0, 0] = 4  # row 0 complete, its last token not cached; row 1 open with nothing known
+    rng = RowRandom.from_seeds([3], torch.device("cpu"))
+    block = d.propose_grid(rng)
+    assert block.chain_row[0, :2].tolist() == [1, 0] and bool(block.standin_real[0, 0])
+    assert not bool(block.decodes[0, 1]) and not bool(block.commit_root[0, 1])  # row 0's chain: padding
+    t = block.tokens.shape[1]
+    logits = torch.randn(1, t, 50, generator=torch.Generator().manual_seed(0))
+    keep, num_keep, _, _, _ = d.commit_grid(block, torch.zeros(1, d.chains, dtype=torch.long),
+                                            torch.zeros(1, d.chains, dtype=torch.long), logits, rng)
+    assert int(num_keep[0]) >= 1 and int(keep[0, 0]) == 0  # the stand-in root (row 0's last token) is cached
+    assert bool(d.flushed[0, 0])
+    _, _, flush = d._schedule()
+    assert not bool(flush.any())  # so no flush chain caches it a second time

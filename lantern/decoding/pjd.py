@@ -347,8 +347,13 @@ class GridJacobiDrafter:
         crossed = block.decodes & (block.first_cell + a >= (block.chain_row + 1) * self.width)
         done = (block.commit_root & ~block.decodes) | crossed
         self.flushed.scatter_(1, block.chain_row, done | self.flushed.gather(1, block.chain_row))
+        # A stand-in that was the row above's real last token cached it: that row is flushed. Rows 0
+        # and 1 both point at row 0 here, and scatter_ keeps one write of a repeated index (row 0's
+        # padding chain's "not flushed" could undo row 1's, caching that token again later), so the
+        # marks are summed, which no order changes.
         above = (block.chain_row - 1).clamp(min=0)
-        self.flushed.scatter_(1, above, block.standin_real | self.flushed.gather(1, above))
+        stood_in = torch.zeros_like(self.known).scatter_add_(1, above, block.standin_real.long())
+        self.flushed |= stood_in > 0
         kept = torch.cat([block.commit_root[:, :, None], block.decodes[:, :, None] & (j[1:] <= a[:, :, None])], dim=2)
         keep, num_keep = kept_offsets(kept.view(b, -1))
         gens = rng if rng is not None else self._own_rng
