@@ -32,7 +32,7 @@ from lantern.methods import MethodConfig
 from lantern.models.chameleon import GRID_TOKEN_BASE, IMAGE_START_ID, lumina_layout
 from lantern.targets.chameleon import encode_prompts
 from lantern.targets.chameleon_stack import init_chameleon_drafter
-from lantern.testing import chameleon_parts, make_tiny_chameleon_folder
+from lantern.testing import chameleon_parts, make_tiny_chameleon_folder, make_tiny_janus_folder
 
 CFG = 3.0
 
@@ -138,5 +138,8 @@ def test_bad_widths_are_refused_in_one_line(folder: Path, tmp_path: Path, capsys
 def test_image_width_is_refused_for_fixed_size_families(tmp_path: Path) -> None:
     with pytest.raises(LanternError, match=r"^image_width is only used with Lumina-mGPT and Emu3 models$"):
         lantern.load("digits", image_width=64)
+    janus = make_tiny_janus_folder(tmp_path / "janus")
+    with pytest.raises(LanternError, match=r"^image_width is not used by Janus models"):
+        lantern.load(janus, image_width=64)
     with pytest.raises(LanternError, match=r"load\(\) has no argument 'width' \(did you mean 'image_width'\?\)"):
         lantern.load("digits", width=64)  # type: ignore[call-arg]
