@@ -28,9 +28,9 @@ sequence (``prompt + cell + row`` on Lumina), and runs ``transformers``' own unc
 Two drivers: a hand-written plan of rounds on the target alone (two batch rows progressing
 differently, several image rows per forward, a window running across a row end, two shadows of
 one cell in two windows, holes, padding), and the real loop (``--method pjd`` with rows open in
-parallel), recorded round by round. Both layouts; with and without guidance. (The real loop can
-cache one cell twice: ``test_loop_caches_each_cell_once``, expected to fail until
-``GridJacobiDrafter.commit_grid`` is fixed; the loop test's seeds avoid that path.)
+parallel), recorded round by round. Both layouts; with and without guidance. The real loop once
+cached one cell twice (``test_loop_caches_each_cell_once``: a stand-in's flush of row 0 lost in
+``GridJacobiDrafter.commit_grid``, fixed).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class _Replay:
             assert sorted(keys) == sorted(t.key for t in cached)  # the committed tokens, in some slot order
             _, kv = _forward(self.lm, *_render(prompt, self.history))
             p = len(prompt)
-            # a key cached twice (see test_loop_caches_each_cell_once): the n-th copy is the n-th committed
+            # a key cached twice (test_loop_caches_each_cell_once fails on it): the n-th copy is the n-th committed
             where: dict[int, list[int]] = {}
             for j, key in enumerate(keys):
                 where.setdefault(key, []).append(width + j)
