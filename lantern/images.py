@@ -70,21 +70,42 @@ def square_image(path: str | os.PathLike[str], size: int, what: str, squaring: s
     the short side is at least twice ``size``, a bicubic resize of the short side to ``size``, then
     the centre crop)."""
     check(squaring in SQUARINGS, f"squaring must be one of {', '.join(SQUARINGS)}, got {squaring!r}")
+    if squaring == "lanczos":
+        return fitted_image(path, (size, size), what)
+    rgb = _read_rgb(path, what)
+    while min(rgb.size) >= 2 * size:
+        rgb = rgb.resize((rgb.width // 2, rgb.height // 2), resample=Image.Resampling.BOX)
+    scale = size / min(rgb.size)
+    rgb = rgb.resize((round(rgb.width * scale), round(rgb.height * scale)), resample=Image.Resampling.BICUBIC)
+    left, top = (rgb.width - size) // 2, (rgb.height - size) // 2
+    return _pixels(rgb.crop((left, top, left + size, top + size)))
+
+
+def fitted_image(path: str | os.PathLike[str], size: tuple[int, int], what: str) -> Tensor:
+    """The image file ``path`` as ``[3, H, W]`` in [-1, 1] for ``size`` = (H, W): the largest centred
+    crop of that aspect, resized with Lanczos (clean-fid's resize; a square ``size`` is the square
+    centre crop), so that real photos meet a wide or tall model's images at their shape rather than
+    squashed from a square."""
+    height, width = size
+    rgb = _read_rgb(path, what)
+    if rgb.width * height > width * rgb.height:  # wider than the target: keep the full height
+        crop_w, crop_h = max(1, round(rgb.height * width / height)), rgb.height
+    else:
+        crop_w, crop_h = rgb.width, max(1, round(rgb.width * height / width))
+    left, top = (rgb.width - crop_w) // 2, (rgb.height - crop_h) // 2
+    return _pixels(rgb.crop((left, top, left + crop_w, top + crop_h)).resize((width, height),
+                                                                             Image.Resampling.LANCZOS))
+
+
+def _read_rgb(path: str | os.PathLike[str], what: str) -> Image.Image:
     try:
         with Image.open(path) as image:
-            rgb = image.convert("RGB")
+            return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise LanternError(f"{what}: {path} is not a readable image ({e})") from None
-    if squaring == "adm":
-        while min(rgb.size) >= 2 * size:
-            rgb = rgb.resize((rgb.width // 2, rgb.height // 2), resample=Image.Resampling.BOX)
-        scale = size / min(rgb.size)
-        rgb = rgb.resize((round(rgb.width * scale), round(rgb.height * scale)), resample=Image.Resampling.BICUBIC)
-        left, top = (rgb.width - size) // 2, (rgb.height - size) // 2
-        square = rgb.crop((left, top, left + size, top + size))
-    else:
-        side = min(rgb.size)
-        left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
-        square = rgb.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.LANCZOS)
-    pixels = torch.frombuffer(bytearray(square.tobytes()), dtype=torch.uint8).view(size, size, 3)
+
+
+def _pixels(rgb: Image.Image) -> Tensor:
+    """[3, H, W] in [-1, 1] of an RGB image."""
+    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3)
     return pixels.permute(2, 0, 1).float() / 127.5 - 1

@@ -929,6 +929,14 @@ def test_real_images_are_centre_cropped_and_resized_as_a_reference(t2i_stack: Pa
     assert torch.equal(images[2], folder_images(real, 16, limit=4)[2])
     with pytest.raises(LanternError, match=r"--reference-images: .* holds 1 images .* FID needs 2"):
         folder_images(real, 16, limit=1)
+    # a wide model's images (8 x 16): the centre 2:1 crop of the 60 x 20 photo (x 10..50) keeps a
+    # black quarter each side of the red half, which a square crop (all red) or a squashed whole
+    # photo (a red third) would not
+    images = folder_images(real, (8, 16), limit=4)
+    assert images.shape == (4, 3, 8, 16)
+    red = images[0, 0].mean(dim=0)  # per column
+    assert bool((red[5:11] > 0.98).all()) and bool((red[:2] < -0.98).all()) and bool((red[-2:] < -0.98).all())
+    assert abs(float((red > 0).float().mean()) - 0.5) < 0.13
 
     clip = tiny_clip(tmp_path / "clip")
     assert main(["bench", "--model", str(t2i_stack), "--methods", "ar", "--num-images", "4", "--speed-images", "2",

@@ -127,9 +127,10 @@ def _score(args: argparse.Namespace, folders: list[Any]) -> tuple[list[Any], lis
         from lantern.eval.hps import HpsScorer
 
         scorers.append(("hps", HpsScorer(args.hps, args.hps_clip, device=args.device)))
-    size = int(next(folders[0].batches(1))[1].shape[-1])  # the generated images' side
+    height, width = next(folders[0].batches(1))[1].shape[-2:]  # the generated images' shape
     real, reference = reference_features(extractor, images_dir=args.reference_images, model=args.model,
-                                         num_real=args.num_real, size=size, batch_size=args.batch_size,
+                                         num_real=args.num_real, size=(int(height), int(width)),
+                                         batch_size=args.batch_size,
                                          progress=progress)
     rows = score_folders(folders, real, extractor, scorers, args.batch_size, progress)
     meta = {"feature_net": extractor.name, "feature_net_spec": str(spec), "reference": reference,

@@ -647,9 +647,10 @@ class QualityScorer:
         spec = spec or default_feature_net(stack.root, speed_only)
         extractor = load_feature_extractor(spec, device=stack.device)
         if reference_dir is not None:
-            with torch.no_grad():  # the size the model's images come at: one decoded grid
-                size = int(stack.decode(torch.zeros(1, stack.num_tokens, dtype=torch.long,
-                                                    device=stack.device)).shape[-1])
+            with torch.no_grad():  # the size the model's images come at (height, width): one decoded grid
+                height, width = stack.decode(torch.zeros(1, stack.num_tokens, dtype=torch.long,
+                                                         device=stack.device)).shape[-2:]
+                size = (int(height), int(width))
             images, reference = folder_images(reference_dir, size, num_real), "images"
         elif (stack.root / DATA_FILE).is_file():
             images, _ = reference_images(stack)

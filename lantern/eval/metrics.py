@@ -378,19 +378,22 @@ class ClipScorer:
         return torch.cat(out).cpu()
 
 
-def folder_images(folder: str | os.PathLike[str], size: int, limit: int, what: str = "--reference-images") -> Tensor:
-    """The first ``limit`` images of ``folder`` (file-name order) as ``[N, 3, size, size]`` in
-    [-1, 1]: each centre-cropped to a square and resized with Lanczos (as clean-fid and LANTERN's
-    evaluation resize), so that real photos of any size meet generated images at their size."""
-    from lantern.images import IMAGE_SUFFIXES, square_image
+def folder_images(folder: str | os.PathLike[str], size: int | tuple[int, int], limit: int,
+                  what: str = "--reference-images") -> Tensor:
+    """The first ``limit`` images of ``folder`` (file-name order) as ``[N, 3, H, W]`` in [-1, 1] for
+    ``size`` = (H, W) (an int: square): each centre-cropped to that aspect and resized with Lanczos
+    (as clean-fid and LANTERN's evaluation resize), so that real photos of any size meet generated
+    images at their size and shape."""
+    from lantern.images import IMAGE_SUFFIXES, fitted_image
 
     folder = Path(folder)
     check(folder.is_dir(), f"{what}: no such folder {folder}")
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[:limit]
     check(len(files) >= 2, f"{what}: {folder} holds {len(files)} images ({', '.join(IMAGE_SUFFIXES)}); FID needs 2")
-    out = torch.empty(len(files), 3, size, size)
+    shape = (size, size) if isinstance(size, int) else size
+    out = torch.empty(len(files), 3, *shape)
     for i, path in enumerate(files):
-        out[i] = square_image(path, size, what)
+        out[i] = fitted_image(path, shape, what)
     return out
 
 

@@ -344,12 +344,14 @@ def score_folders(folders: Sequence[ImageFolder], real: Features, extractor: Fea
 
 
 def reference_features(extractor: FeatureExtractor, *, images_dir: str | os.PathLike[str] | None, model: Any,
-                       num_real: int, size: int, batch_size: int = 100, progress: bool = False) -> tuple[Features, str]:
+                       num_real: int, size: tuple[int, int], batch_size: int = 100,
+                       progress: bool = False) -> tuple[Features, str]:
     """The reference set's features and what it is: a folder of real images (the first ``num_real``,
-    centre-cropped and resized with Lanczos to ``size``, streamed as the samples are), else the data
-    set of ``model`` (a preset or stack folder) that its samples are compared with in ``bench``."""
+    centre-cropped to the aspect of ``size`` = (H, W) and resized with Lanczos to it, streamed as the
+    samples are), else the data set of ``model`` (a preset or stack folder) that its samples are
+    compared with in ``bench``."""
     from lantern.eval.metrics import extract_features, reference_images
-    from lantern.images import IMAGE_SUFFIXES, square_image
+    from lantern.images import IMAGE_SUFFIXES, fitted_image
 
     if images_dir is None:
         images, _ = reference_images(model)
@@ -363,7 +365,7 @@ def reference_features(extractor: FeatureExtractor, *, images_dir: str | os.Path
     check(len(files) >= 2, f"--reference-images: {folder} holds {len(files)} images; FID needs 2")
     from tqdm.auto import tqdm
 
-    parts = [extract_features(extractor, torch.stack([square_image(p, size, "--reference-images")
+    parts = [extract_features(extractor, torch.stack([fitted_image(p, size, "--reference-images")
                                                       for p in files[lo : lo + batch_size]]), arg="real images")
              for lo in tqdm(range(0, len(files), batch_size), desc="features (real images)", dynamic_ncols=True,
                             disable=not progress)]
