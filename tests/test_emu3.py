@@ -254,22 +254,32 @@ def test_larger_model_equals_transformers(tmp_path: Path) -> None:
     rounding stays under 1e-5."""
     grid = 6
     folder = make_tiny_emu3_folder(tmp_path / "model", seed=1, num_layers=4, grid=grid, logit_std=0.025)
-    model, pipe = _reference_model(folder), lantern.load(folder)
+    pipe = lantern.load(folder)
+    out = _assert_equals_transformers(pipe, _reference_model(folder), (grid, grid), min_codes=8)
+    greedy_pjd = pipe(prompts=PROMPTS, method="pjd", temperature=0.0, cfg_scale=CFG, pjd_window=3, pjd_context=grid)
+    assert torch.equal(greedy_pjd.codes, out.codes)
+
+
+def _assert_equals_transformers(pipe: lantern.Pipeline, model: Any, grid: tuple[int, int], min_codes: int) -> Any:
+    """Greedy AR with CFG of PROMPTS (three lengths, decoded together) against transformers' per-prompt
+    generation of ``grid`` = (rows, codes per row): codes, the first STEPS codes' guided logits
+    (within 1e-5, fed transformers' codes), decoded pixels and the PNG size. Returns the output."""
+    rows, columns = grid
     reference = [_transformers_generate(model, p, grid) for p in PROMPTS]
     out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
     for row, (codes, _, _) in enumerate(reference):
         assert out.codes[row].tolist() == codes.tolist(), row
     codes = torch.stack([c for c, _, _ in reference])
-    assert len(set(codes.flatten().tolist())) > 8  # varied codes: the equality has power
+    assert len(set(codes.flatten().tolist())) > min_codes  # varied codes: the equality has power
     for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, codes, STEPS, CFG)):
         for row, (_, ref_logits, _) in enumerate(reference):
             torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
     with torch.no_grad():
-        pixels = model.decode_image_tokens(image_tokens=torch.stack([s for _, _, s in reference]), height=grid,
-                                           width=grid)
+        pixels = model.decode_image_tokens(image_tokens=torch.stack([s for _, _, s in reference]), height=rows,
+                                           width=columns)
     assert torch.equal(pipe.stack.decode(codes), pixels)
-    greedy_pjd = pipe(prompts=PROMPTS, method="pjd", temperature=0.0, cfg_scale=CFG, pjd_window=3, pjd_context=grid)
-    assert torch.equal(greedy_pjd.codes, out.codes)
+    assert pipe.stack.to_pil(codes[:1])[0].size == (8 * columns, 8 * rows)  # PIL: (width, height)
+    return out
 
 
 @pytest.mark.parametrize("grid", [(3, 6), (6, 3)])
@@ -283,21 +293,7 @@ def test_a_wide_or_tall_image_equals_transformers_at_its_ratio(folder: Path, gri
     assert (pipe.stack.layout.height, pipe.stack.layout.width) == grid
     for prompt in PROMPTS:
         assert pipe.stack.tokenize([prompt])[0] == _processor_inputs(prompt, grid)["input_ids"][0].tolist()
-    model = _reference_model(folder)
-    reference = [_transformers_generate(model, p, grid) for p in PROMPTS]
-    out = pipe(prompts=PROMPTS, method="ar", temperature=0.0, cfg_scale=CFG)
-    for row, (codes, _, _) in enumerate(reference):
-        assert out.codes[row].tolist() == codes.tolist(), row
-    codes = torch.stack([c for c, _, _ in reference])
-    assert len(set(codes.flatten().tolist())) > 6  # varied codes: the equality has power
-    for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, codes, STEPS, CFG)):
-        for row, (_, ref_logits, _) in enumerate(reference):
-            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
-    with torch.no_grad():
-        pixels = model.decode_image_tokens(image_tokens=torch.stack([s for _, _, s in reference]), height=rows,
-                                           width=columns)
-    assert torch.equal(pipe.stack.decode(codes), pixels)
-    assert pipe.stack.to_pil(codes[:1])[0].size == (8 * columns, 8 * rows)  # PIL: (width, height)
+    out = _assert_equals_transformers(pipe, _reference_model(folder), grid, min_codes=6)
     for method, settings in (("sjd-coupled", {"sjd_window": 4}), ("pjd", {"pjd_window": 2, "pjd_context": columns})):
         same = pipe(prompts=PROMPTS, method=method, temperature=0.0, cfg_scale=CFG, **settings)
         assert torch.equal(same.codes, out.codes), method
