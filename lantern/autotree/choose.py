@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lantern.autotree.calibrate import _method_config, calibrate
 from lantern.autotree.model import DEFAULT_MAX_DRAFTS, RULE_OF_METHOD, SPECULATIVE_METHODS
@@ -56,9 +56,6 @@ from lantern.errors import check
 from lantern.methods import AR_FALLBACK_TREE, MethodConfig
 from lantern.parts import ModelParts, parts_of
 from lantern.targets.base import Stack
-
-if TYPE_CHECKING:
-    pass
 
 # ============================================================================================
 # Acceptance model (pure)
