@@ -914,7 +914,7 @@ def cli_refusals(family: str) -> list[tuple[list[str], str]]:
         (["--method", "lantern++"], "--method lantern++ needs a drafter: pass --drafter DIR"),
         (["--layout", "anole"], f"--layout is not used by {family} models"),
         (["--t5", "/tmp"], f"--t5 is not used by {family} models"),
-        (["--method", "sjd-coupled", "--sjd-window", "auto"], f"pass a number for {family} models"),
+        (["--method", "ar", "--sjd-window", "auto"], "--sjd-window auto needs a --method with that window"),
     ]
 
 

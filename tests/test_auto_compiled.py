@@ -162,15 +162,15 @@ def test_windows_are_timed_in_the_runs_compile_mode(stack: Any, monkeypatch: pyt
     the rows beside it), also when that exceeds the 2 calibration images: 4 rows timed, not 2."""
     calls: list[tuple[int, str | None, int]] = []
 
-    def fake(stack: Any, labels: list[int], seed: int, sampling: Any, method: MethodConfig, batch_size: int,
+    def fake(stack: Any, conditions: Any, seed: int, sampling: Any, method: MethodConfig, batch_size: int,
              **kwargs: Any) -> Any:
         assert method.jacobi is not None
-        calls.append((method.jacobi.window, kwargs.get("compile"), len(labels)))
-        codes = torch.zeros(len(labels), stack.num_tokens, dtype=torch.long)
-        forwards = torch.full((len(labels),), 8)
+        calls.append((method.jacobi.window, kwargs.get("compile"), len(conditions)))
+        codes = torch.zeros(len(conditions), stack.num_tokens, dtype=torch.long)
+        forwards = torch.full((len(conditions),), 8)
         return lantern.run.RunResult.from_counts(codes, forwards, 0, 0.0, method)
 
-    monkeypatch.setattr(window_module, "run_generation", fake)
+    monkeypatch.setattr(window_module, "run_conditions", fake)
     choice = window_module.choose_window(stack, MethodConfig.resolve("sjd"), SamplingConfig(**stack.default_sampling()),
                                          batch_size=batch_size, compile=compile)
     windows = sorted({w for w, _, _ in calls})

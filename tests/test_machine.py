@@ -469,5 +469,5 @@ def test_load_leaves_the_calling_thread_without_an_openmp_team() -> None:
 
     assert threads_left_by(lambda: api.load("photos", deterministic=True), settle=10.0) == 0
     assert threads_left_by(lambda: api._load("photos", None, device="cpu", dtype="float32", compile="off",
-                                             tokenizer=None, t5=None, vq=None, layout=None, image_size=None,
+                                             tokenizer=None, t5=None, vq=None, layout=None, size=(None, None),
                                              proximity=None), settle=0.0) >= 1  # power

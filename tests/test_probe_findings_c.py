@@ -99,8 +99,8 @@ def test_a_bad_image_size_in_generation_json_names_the_file(folders: dict[str, P
     ("janus", {"image_size": 256}, "unknown key 'image_size' (this model family reads cfg_scale, temperature, "
                                    "top_k, top_p, trees)"),
     ("emu3", {"negativ_prompt": "blurry"}, "unknown key 'negativ_prompt' (this model family reads cfg_scale, "
-                                           "image_size, negative_image_header, negative_prompt, temperature, "
-                                           "top_k, top_p, trees)"),
+                                           "image_size, image_width, negative_image_header, negative_prompt, "
+                                           "temperature, top_k, top_p, trees)"),
 ])
 def test_a_key_the_family_does_not_read_is_refused(folders: dict[str, Path], tmp_path: Path, family: str,
                                                    settings: dict, message: str,
