@@ -874,12 +874,15 @@ def drive_rounds(decode: Any, rounds: int | None = None) -> Tensor:
     return decode.codes[:, :n_total].clone()
 
 
-def dist_codes(folder: Path, prompt: str, method: str, settings: dict[str, Any], rows: int, columns: Any) -> Tensor:
-    """``columns`` of ``rows`` images of ``prompt`` sampled by ``method`` at ``settings`` (seeds 0..)."""
+def dist_codes(folder: Path, prompt: str, method: str, settings: dict[str, Any], rows: int, columns: Any,
+               **load: Any) -> Tensor:
+    """``columns`` of ``rows`` images of ``prompt`` sampled by ``method`` at ``settings`` (seeds 0..);
+    ``load``: more of ``lantern.load``'s keywords (an image size)."""
     from lantern.api import resolve_settings
     from lantern.run import run_conditions
 
-    stack = lantern.load(folder, prompt_width=64).stack  # the tiny prompts and negative prompt fit: fewer columns
+    # the tiny prompts and negative prompt fit: fewer columns
+    stack = lantern.load(folder, prompt_width=64, **load).stack
     method_cfg, sampling = resolve_settings(stack, method, **settings)
     conditions = stack.encode([prompt], repeats=rows)
     return run_conditions(stack, conditions, 0, sampling, method_cfg, batch_size=1000).codes[:, columns]

@@ -422,17 +422,18 @@ DIST_METHODS = {"sjd-coupled": {"sjd_window": 4, "sjd_init": "random"}, "pjd": {
 
 
 @torch.no_grad()
-def _exact_law(folder: Path, cfg_scale: float) -> Tensor:
+def _exact_law(folder: Path, cfg_scale: float, grid: tuple[int, int] = (G, G)) -> Tensor:
     """The law of codes 2..4 [32^3], from transformers' modules by full recomputation of both
     branches (the prompt, and the negative prompt, then the BPE sequence with its end-of-line
-    token), guided by transformers' CFG processor, restricted to the visual tokens, then top-k 4;
-    codes 0 and 1 summed out."""
+    token after every row of ``grid``'s codes per row), guided by transformers' CFG processor,
+    restricted to the visual tokens, then top-k 4; codes 0 and 1 summed out."""
     from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
     from lantern.decoding.sampling import probs_from_logits
 
     model = _reference_model(folder)
-    prompt, negative = _processor_inputs(PROMPTS[0])["input_ids"], _negative_inputs()["input_ids"]
+    prompt, negative = _processor_inputs(PROMPTS[0], grid)["input_ids"], _negative_inputs()["input_ids"]
+    width = grid[1]
     mapping = model.vocabulary_mapping
     visual = torch.tensor([mapping.img2bpe[c] for c in range(32)])
     sampling = SamplingConfig(**{**DIST, "cfg_scale": cfg_scale})
@@ -441,8 +442,8 @@ def _exact_law(folder: Path, cfg_scale: float) -> Tensor:
     def probs(codes: tuple[int, ...]) -> Tensor:
         if codes not in memo:
             bpe = [int(visual[c]) for c in codes]
-            if len(bpe) >= G:  # the row's end-of-line token, before the next row's first code
-                bpe.insert(G, mapping.eol_token_id)
+            if len(bpe) >= width:  # the row's end-of-line token, before the next row's first code
+                bpe.insert(width, mapping.eol_token_id)
             tail = torch.tensor([bpe], dtype=torch.long)
             guide = UnbatchedClassifierFreeGuidanceLogitsProcessor(cfg_scale, model, torch.cat([negative, tail], 1),
                                                                    use_cache=False)
@@ -479,13 +480,35 @@ def test_lossless_methods_keep_the_models_law_across_a_row_end(folder: Path, met
     assert_law(_dist_codes(folder, method), _exact_law(folder, DIST["cfg_scale"]), min_df=20)
 
 
+# slow (~10 s): a tall image, 6 rows of 3 codes: codes 2..4 cross the end-of-line token after code 2, where a
+# square grid's 18 tokens would put none (and a window of 4 crosses it)
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(DIST_METHODS))
+def test_lossless_methods_keep_the_models_law_on_a_tall_image(folder: Path, method: str) -> None:
+    assert_law(_tall_codes(folder, method), _exact_law(folder, DIST["cfg_scale"], TALL), min_df=20)
+
+
+TALL = (6, 3)
+
+
+@cache
+def _tall_codes(folder: Path, method: str) -> Tensor:
+    settings = {**DIST, **DIST_METHODS[method], **({"pjd_context": TALL[1]} if method == "pjd" else {})}
+    rows, columns = TALL
+    return dist_codes(folder, PROMPTS[0], method, settings, DIST_ROWS, list(DIST_CODES), image_size=8 * rows,
+                      image_width=8 * columns)
+
+
 # slow: reuses the sjd-coupled run above
 @pytest.mark.slow
 def test_the_law_test_has_power(folder: Path) -> None:
-    """The same samples are rejected against another guidance scale (2.5 instead of 2)."""
+    """The same samples are rejected against another guidance scale (2.5 instead of 2), and the tall
+    image's against the square grid's law (its size header, and its row end after code 4, not 2)."""
     from lantern.testing import chi_square_pooled, chi_square_threshold
 
     stat, df = chi_square_pooled(_dist_codes(folder, "sjd-coupled"), _exact_law(folder, 2.5), 32)
+    assert stat > chi_square_threshold(df)
+    stat, df = chi_square_pooled(_tall_codes(folder, "sjd-coupled"), _exact_law(folder, DIST["cfg_scale"]), 32)
     assert stat > chi_square_threshold(df)
 
 
