@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lantern.autotree.window import AutoWindowChoice, WindowTrial, choose_window, with_window
 from lantern.cli.main import main
@@ -53,3 +54,35 @@ def test_cli_auto_window_is_recorded(random_stack: Path, tmp_path: Path, capsys:
     assert "--sjd-window auto [gsd]: window " in capsys.readouterr().out
     run = json.loads((out / "run.json").read_text())
     assert run["method"]["jacobi"]["window"] == run["auto_window"]["window"] in (4, 8, 16, 32)
+
+
+def test_the_calibration_shows_its_progress(random_stack: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bar over the calibration's decodes (a 7B model's take minutes): one eager warm-up, then
+    each window once per pass; none without ``progress``."""
+    stack = load_stack(random_stack)
+    method = MethodConfig.resolve("sjd-coupled")
+    choose_window(stack, method, SamplingConfig(top_k=20), images=1, windows=(2, 4), passes=2, progress=True)
+    err = capsys.readouterr().err
+    assert "timing sjd-coupled's windows" in err and "| 0/5 " in err  # 1 + 2 x 2 decodes
+    choose_window(stack, method, SamplingConfig(top_k=20), images=1, windows=(2, 4), passes=1)
+    assert "timing" not in capsys.readouterr().err
+
+
+def test_a_decodes_progress_step_is_not_timed() -> None:
+    """``time_rotated``'s ``done`` runs after the clock stops: a slow step (a bar's redraw) adds
+    nothing to a decode's time."""
+    from types import SimpleNamespace
+
+    from lantern.autotree.timing import time_rotated
+
+    now = [0.0]
+
+    def decode() -> SimpleNamespace:
+        now[0] += 1.0  # one second per decode
+        return SimpleNamespace(codes=torch.zeros(1, 1000))
+
+    def slow_step() -> None:
+        now[0] += 5.0
+
+    best, _ = time_rotated([decode, decode], 2, clock=lambda: now[0], done=slow_step)
+    assert best == [1.0, 1.0]  # ms per token: 1 s over 1000 tokens

@@ -239,7 +239,8 @@ def choose_auto(
     record = METHOD_TABLE.get(method)
     if record is not None and record.window_setting is not None:
         base = resolve_method(method, stack, **settings)
-        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size, parts=parts, compile=compile)
+        window = choose_window(stack, base, sampling, seed=seed, batch_size=batch_size, parts=parts, compile=compile,
+                               progress=progress)
         return with_window(base, window.window), {"auto_window": window.to_dict()}
     check(method in SPECULATIVE_METHODS,
           f"tree auto needs a method with a tree or a window ({', '.join(SPECULATIVE_METHODS)}, sjd*, pjd*), "

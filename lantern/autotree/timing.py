@@ -14,10 +14,12 @@ from typing import Any
 
 
 def time_rotated(decodes: Sequence[Callable[[], Any]], passes: int,
-                 clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[Any]]:
+                 clock: Callable[[], float] = time.perf_counter,
+                 done: Callable[[], Any] | None = None) -> tuple[list[float], list[Any]]:
     """Each decode's least wall time per image token (ms, best of ``passes`` rotated passes) and
     its last result. A decode returns a run result (``codes`` [N, T]); warm-ups are the caller's.
-    ``clock``: seconds (a test's fake clock)."""
+    ``clock``: seconds (a test's fake clock); ``done``: called after each decode, outside its time
+    (a progress bar's step)."""
     n = len(decodes)
     best = [math.inf] * n
     last: list[Any] = [None] * n
@@ -27,4 +29,6 @@ def time_rotated(decodes: Sequence[Callable[[], Any]], passes: int,
             result = decodes[i]()
             best[i] = min(best[i], (clock() - start) * 1000 / result.codes.numel())
             last[i] = result
+            if done is not None:
+                done()
     return best, last

@@ -113,12 +113,15 @@ def choose_window(
     passes: int = CALIBRATION_PASSES,
     parts: ModelParts | None = None,
     compile: str | None = None,
+    progress: bool = False,
 ) -> AutoWindowChoice:
     """Time every candidate window (SJD: those shorter than the image; PJD: those no longer than
     an image row) on ``images`` calibration images (at least ``batch_size``). ``parts``: the
     loaded proximity table a relaxed rule needs (default: the stack's own), read once for every
     window. ``compile``: the run's compile mode (``lantern.decoding.compiling``), which the windows
-    are timed in."""
+    are timed in. ``progress``: a bar over the calibration's decodes (minutes on a 7B model)."""
+    from tqdm.auto import tqdm
+
     from lantern.decoding.compiling import resolve_compile
 
     jacobi_methods = method_names(lambda r: r.window_setting is not None)
@@ -141,12 +144,17 @@ def choose_window(
     # encoded once, before any timing (a text-to-image stack's prompts through the parts' T5, read once)
     conditions = parts.encode(calibration_conditions(stack, images), batch_size=batch_size)
     # warm-up: eager, one window warms them all; compiled, each window's round is a graph of its own
-    for window in usable if mode else usable[:1]:
-        run_conditions(stack, conditions.rows(0, batch_size), base, sampling, with_window(method, window),
-                       batch_size, parts=parts, compile=mode)
-    best_ms, results = time_rotated(
-        [functools.partial(run_conditions, stack, conditions, base, sampling, with_window(method, window), batch_size,
-                           parts=parts, compile=mode) for window in usable], passes)
+    warm = usable if mode else usable[:1]
+    with tqdm(total=len(warm) + passes * len(usable), desc=f"timing {method.method}'s windows", unit="decode",
+              disable=not progress, leave=False) as bar:
+        for window in warm:
+            run_conditions(stack, conditions.rows(0, batch_size), base, sampling, with_window(method, window),
+                           batch_size, parts=parts, compile=mode)
+            bar.update(1)
+        best_ms, results = time_rotated(
+            [functools.partial(run_conditions, stack, conditions, base, sampling, with_window(method, window),
+                               batch_size, parts=parts, compile=mode) for window in usable], passes,
+            done=lambda: bar.update(1))
     # tau is the same every pass (the same seeds)
     trials = tuple(WindowTrial(w, r.stats_dict()["mean_accepted"], ms) for w, ms, r in zip(usable, best_ms, results,
                                                                                             strict=True))

@@ -122,7 +122,7 @@ def cmd_bench(args: Any) -> int:
     parts = ModelParts(stack)  # the drafter and table, read once for every choice and run below
     given = config
     config, auto_trees = resolve_auto_trees(stack, sampling, config, args.profile, log=print, parts=parts)
-    config, auto_windows = resolve_auto_windows(stack, sampling, config, log=print, parts=parts)
+    config, auto_windows = resolve_auto_windows(stack, sampling, config, log=print, parts=parts, progress=progress)
     throughput_methods = {}
     for batch in config.throughput_batch_sizes if auto_trees else ():  # auto trees are chosen per batch size
         at_batch, chosen = resolve_auto_trees(stack, sampling, replace(given, speed_batch_size=batch), None, log=print,

@@ -197,7 +197,8 @@ def choose_auto_window(stack: Any, method: Any, sampling: Any, args: argparse.Na
     from lantern.autotree.window import choose_window
 
     rows = args.batch_size if batch_size is None else batch_size
-    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=rows, parts=parts, compile=compile)
+    choice = choose_window(stack, method, sampling, seed=args.seed, batch_size=rows, parts=parts, compile=compile,
+                           progress=not args.no_progress)
     flag = "--pjd-window" if method.pjd is not None else "--sjd-window"
     print(f"{flag} auto [{choice.method}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
     return choice

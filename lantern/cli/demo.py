@@ -78,7 +78,8 @@ def _demo_windows(stack: Any, sampling: Any, methods: Sequence[str], args: argpa
             window = value
             if value == "auto":
                 choice = choose_window(stack, resolve_method(m, stack), sampling, seed=args.seed,
-                                       batch_size=args.batch_size, parts=parts, compile=args.compile)
+                                       batch_size=args.batch_size, parts=parts, compile=args.compile,
+                                       progress=not args.no_progress)
                 print(f"{flag} auto [{m}]: {choice.explanation} (calibration {choice.seconds:.1f} s)")
                 chosen[m], window = choice.to_dict(), choice.window
             settings[m] = {name: window}

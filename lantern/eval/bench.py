@@ -560,6 +560,7 @@ class WindowCalibration(TypedDict, total=False):
 
     images: int
     passes: int
+    progress: bool
 
 
 def resolve_auto_windows(
@@ -568,8 +569,8 @@ def resolve_auto_windows(
 ) -> tuple[BenchConfig, dict[str, Any]]:
     """Replace ``window="auto"`` (``sjd/window=auto``, ``pjd/window=auto``) by the window
     :func:`lantern.autotree.window.choose_window` times fastest at the speed batch size, in the
-    bench's compile mode (``calibration``:
-    its ``images`` / ``passes``). Returns the new config and each row's choice (``to_dict``)."""
+    bench's compile mode (``calibration``: its ``images`` / ``passes``, and ``progress``, a bar).
+    Returns the new config and each row's choice (``to_dict``)."""
     from lantern.autotree.window import choose_window
 
     chosen: dict[str, Any] = {}
