@@ -83,6 +83,8 @@ def test_lantern_sampled_run(folder: Path, tmp_path: Path) -> None:
         # Lumina-mGPT's grid tokens grow with the size: past the (tiny) model's vocabulary, refused (was an IndexError)
         (["--image-size", "2048"], "--image-size 2048: the layout's token 8868 (its image size and grid) is past this "
                                    "model's vocabulary (8832 tokens)"),
+        (["--image-size", "64", "--image-width", "2048"], "--image-size 64 --image-width 2048: the layout's token 8868 "
+                                                          "(its image size and grid) is past this model's vocabulary"),
         (["--layout", "anole", "--image-size", "768"], "Anole generates 512 x 512"),
         (["--vq", "/nonexistent/vqgan.ckpt"], "--vq: no such file"),
         (["--t5", "/tmp"], "--t5 is not used"),

@@ -290,8 +290,10 @@ def load_chameleon_stack(
     vocab = lm.config.vocab_size
     special = (*layout.prefix, *layout.uncond, *([layout.eol] if layout.eol is not None else []))
     past = [t for t in special if t >= vocab]  # Lumina-mGPT's grid tokens grow with the image size
-    check(not past, f"--image-size {layout.pixel_size[0]}: the layout's token {past[0] if past else 0} (its image size "
-                    f"and grid) is past this model's vocabulary ({vocab} tokens); use a smaller --image-size")
+    height, width = layout.pixel_size
+    size = f"--image-size {height}" + (f" --image-width {width}" if width != height else "")
+    check(not past, f"{size}: the layout's token {past[0] if past else 0} (its image size and grid) is past this "
+                    f"model's vocabulary ({vocab} tokens); use a smaller size")
     return ChameleonStack(root=root, model=lm, layout=layout, vq=vq_model, tokenizer=tokenizer)
 
 
