@@ -329,7 +329,8 @@ class Pipeline:
     def __call__(self, labels: Sequence[int] | np.ndarray | Tensor | None = None,
                  prompts: Sequence[str] | None = None, *, method: str = "ar", seed: int = 0, batch_size: int = 8,
                  num_per_label: int = 1, progress: bool = False, quality: str | None = None,
-                 indices: Sequence[int] | np.ndarray | Tensor | None = None, **settings: Any) -> PipelineOutput:
+                 indices: Sequence[int] | np.ndarray | Tensor | None = None,
+                 negative_prompt: str | Sequence[str] | None = None, **settings: Any) -> PipelineOutput:
         """Generate ``num_per_label`` images per label or prompt with ``method`` (``"ar"``, ``"sd"``,
         ``"lantern"``, ``"lantern++"``, ``"sjd-coupled"``, ...: ``lantern.methods.METHOD_TABLE``, or
         ``"auto"``), ``batch_size`` rows at a time; image ``i`` draws from its own stream of ``seed``
@@ -347,6 +348,10 @@ class Pipeline:
         from its own place's random stream, so ``pipe(labels, seed=s, num_per_label=n,
         indices=[37])`` is image 37 of the whole call, alone (bit for bit with
         ``deterministic=True``; a server response's image ``i`` likewise).
+
+        ``negative_prompt``: what classifier-free guidance steers away from, one for every prompt or
+        a list of one per prompt (Emu3 models, whose unconditional rows are a prompt; None: the
+        model's own, ``generation.json``'s ``negative_prompt`` or BAAI's). Other families refuse it.
 
         ``labels``: a non-empty list or tuple of class ids (Python or numpy integers), or a 1-D
         integer numpy array or tensor (the natural output of a data loader; taken as its list of
@@ -384,6 +389,7 @@ class Pipeline:
         if not isinstance(progress, bool):
             raise LanternError(f"progress must be True or False, got {progress!r}")
         conditions = self._check_conditions(labels, prompts)
+        negatives = self._check_negatives(negative_prompt, conditions)
         check_image_total(len(conditions), num_per_label, "num_per_label")
         chosen = None if indices is None else check_image_indices(indices, len(conditions) * num_per_label)
         check_quality(quality, method)  # only with method="auto"
@@ -402,9 +408,11 @@ class Pipeline:
                 else:
                     (method_cfg, sampling), auto = resolve_settings(self.stack, method, **settings), {}
                 result = self._run(conditions, seed, sampling, method_cfg, batch_size, num_per_label, progress,
-                                   chosen)
+                                   chosen, negatives)
             # the tree or window auto chose, not "auto": sent back, the same codes without measuring again
-            which = {} if chosen is None else {"indices": chosen}
+            which: dict[str, Any] = {} if chosen is None else {"indices": chosen}
+            if negatives is not None:  # as given: one string, or the list
+                which["negative_prompt"] = negative_prompt if isinstance(negative_prompt, str) else negatives
             replay = {"method": result.method.method, "seed": seed, "batch_size": batch_size,
                       "num_per_label": num_per_label, **which, **sampling.to_dict(), **method_settings(result.method)}
             config = {**run_config(seed, batch_size, self.device, sampling, result.method,
@@ -478,14 +486,27 @@ class Pipeline:
             return check_prompts(check_prompt_list(prompts), "prompts")
         return check_label_list(labels)
 
+    def _check_negatives(self, negative: Any, conditions: list[Any]) -> list[str] | None:
+        """``negative_prompt`` as one per condition, checked (and refused by a family without one)
+        before anything is measured or decoded."""
+        from lantern.targets.base import negative_prompts
+
+        negatives = negative_prompts(plain(negative), len(conditions))
+        self.stack.negative_rows(negatives, len(conditions), 1)  # a family without one refuses; Emu3 checks widths
+        return negatives
+
     def _run(self, conditions: list[Any], seed: int, sampling: SamplingConfig, method: MethodConfig,
-             batch_size: int, num_per_label: int, progress: bool, indices: list[int] | None = None) -> RunResult:
-        """Every image of the call, or (``indices``) those images alone, each with its place's stream."""
+             batch_size: int, num_per_label: int, progress: bool, indices: list[int] | None = None,
+             negatives: list[str] | None = None) -> RunResult:
+        """Every image of the call, or (``indices``) those images alone, each with its place's stream;
+        ``negatives``: a negative prompt per condition."""
         from lantern.run import run_conditions
 
         if indices is not None:  # only the chosen images' conditions are encoded (a t2i prompt's T5 pass)
+            if negatives is not None:
+                negatives = [negatives[i // num_per_label] for i in indices]
             conditions, num_per_label = [conditions[i // num_per_label] for i in indices], 1
-        encoded = self.parts.encode(conditions, num_per_label, batch_size)
+        encoded = self.parts.encode(conditions, num_per_label, batch_size, negative=negatives)
         return run_conditions(self.stack, encoded, seed, sampling, method, batch_size, progress,
                               prepared=self.prepare(method, sampling), indices=indices)
 

@@ -64,8 +64,8 @@ GRID_MAX_ROWS = 16  # beyond this many labels or prompts, grid.png is a square, 
 NPZ_NAME = "samples.npz"
 # What must match for --resume to continue a job: these decide every image. run.json records
 # them all, JOB_ONLY_KEYS under "job" (the others are its own top-level fields).
-IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "indices", "t5", "sampling", "method",
-                 "dtype", "device_type")
+IDENTITY_KEYS = ("model", "seed", "labels", "prompts", "prompt_index", "negative_prompt", "indices", "t5", "sampling",
+                 "method", "dtype", "device_type")
 JOB_ONLY_KEYS = ("dtype", "device_type")
 
 

@@ -130,15 +130,17 @@ class ModelParts:
             return self._t5
 
     def encode(self, conditions: list[Any], repeats: int = 1, batch_size: int = 8,
-               progress: bool = False) -> PackedConditions:
+               progress: bool = False, negative: str | list[str] | None = None) -> PackedConditions:
         """The conditions of a request (each ``repeats`` times in a row), packed on the host
         (:class:`~lantern.targets.base.PackedConditions`): ``stack.encode``, with this T5 encoder for
         the prompts of a text-to-image stack, ``batch_size`` prompts at a time (``progress``: a bar),
-        each batch packed before the next is encoded."""
-        from lantern.targets.base import PackedConditions, check_condition_kind
+        each batch packed before the next is encoded. ``negative``: a negative prompt, one for all
+        or one per condition (models that guide with a prompt: Emu3)."""
+        from lantern.targets.base import PackedConditions, check_condition_kind, negative_prompts
 
         if self.stack.kind != "t2i":
-            return PackedConditions.pack([self.stack.encode(conditions, 1, batch_size)], repeats)
+            return PackedConditions.pack([self.stack.encode(conditions, 1, batch_size, negative=negative)], repeats)
+        self.stack.negative_rows(negative_prompts(negative, len(conditions)), len(conditions), 1)  # refused
         prompts = check_condition_kind(conditions, str, self.stack.root)
         return PackedConditions.pack(self._captions(prompts, batch_size, progress), repeats)
 

@@ -170,7 +170,8 @@ def generate_rows(parts: PreparedMethod, conditions: Conditions, seed: int, indi
                   progress: bool = False) -> GenerationOutput:
     """One batch: row ``r`` of ``conditions`` is image ``indices[r]`` of the request, with that image's seed."""
     gens = make_generators([image_seed(seed, i) for i in indices], parts.stack.device)
-    return parts.generate(conditions.cond, gens, progress, cond_mask=conditions.mask)
+    return parts.generate(conditions.cond, gens, progress, cond_mask=conditions.mask,
+                          guidance=conditions.guidance_rows())
 
 
 @dataclass
@@ -238,7 +239,7 @@ class PreparedMethod:
         rng = None if self.sampling.greedy else RowRandom.from_generators(make_generators(list(seeds), device), device)
         with torch.inference_mode():
             return start_decode(target, conditions.cond, rng, drafter, self.acceptance, conditions.mask, parts.compile,
-                                parts._caches)
+                                parts._caches, conditions.guidance_rows())
 
     def generate(
         self,
@@ -246,12 +247,15 @@ class PreparedMethod:
         generators: list[torch.Generator],
         progress: bool = False,
         cond_mask: Tensor | None = None,
+        guidance: tuple[Tensor, Tensor] | None = None,
     ) -> GenerationOutput:
         """cond: one batch of ``Stack.encode``'s conditions (labels [B], captions [B, cls, C] or
-        prompt ids [B, L]); cond_mask: their mask (captions, prompts)."""
+        prompt ids [B, L]); cond_mask: their mask (captions, prompts); guidance: their own
+        unconditional rows (``Conditions.guidance_rows``: Emu3's negative prompts)."""
         target, drafter = self.parts()
         return generate(target, cond, generators=generators, drafter=drafter, acceptance=self.acceptance,
-                        cond_mask=cond_mask, progress=progress, compile=self.compile, caches=self._caches)
+                        cond_mask=cond_mask, progress=progress, compile=self.compile, caches=self._caches,
+                        guidance=guidance)
 
 
 def verify_nodes(method: MethodConfig, stack: Stack) -> int:

@@ -816,15 +816,17 @@ def assert_left_padded(encoded: Any, ids: list[list[int]]) -> None:
         assert encoded.mask[row].sum() == len(own) and bool(encoded.mask[row, width - len(own):].all())
 
 
-def guided_step_logits(stack: Any, prompts: list[str], codes: Tensor, steps: int, cfg_scale: float) -> list[Tensor]:
+def guided_step_logits(stack: Any, prompts: list[str], codes: Tensor, steps: int, cfg_scale: float,
+                       negative: list[str] | None = None) -> list[Tensor]:
     """The target's guided logits [B, V] before each of the first ``steps`` codes of ``prompts``
-    decoded together, fed ``codes`` [B, >= steps] one at a time (a row end is read at its new-line)."""
-    encoded = stack.encode(prompts)
+    decoded together, fed ``codes`` [B, >= steps] one at a time (a row end is read at its new-line);
+    ``negative``: a negative prompt per prompt (Emu3)."""
+    encoded = stack.encode(prompts, negative=negative)
     target = stack.make_target(SamplingConfig(temperature=0.0, top_k=0, cfg_scale=cfg_scale))
     root = tree_from_parents(torch.full((len(prompts), 1), -1))
     out = []
     with torch.no_grad():
-        logits, _ = target.start(encoded.cond, encoded.mask)
+        logits, _ = target.start(encoded.cond, encoded.mask, encoded.guidance_rows())
         for step in range(steps):
             out.append(logits)
             logits = target.verify(codes[:, step : step + 1], root.mask, root.depth)[0][:, 0]

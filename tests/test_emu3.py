@@ -88,10 +88,10 @@ def _processor_inputs(prompt: str, grid: int | tuple[int, int] = G) -> dict[str,
     return dict(out)
 
 
-def _negative_inputs(header: bool = False) -> dict[str, Tensor]:
+def _negative_inputs(header: bool = False, text: str = NEGATIVE_PROMPT) -> dict[str, Tensor]:
     if header:  # BAAI's image_generation.py: the negative prompt written like the prompt
-        return _processor_inputs(NEGATIVE_PROMPT)
-    return dict(tiny_emu3_processor()(text=[NEGATIVE_PROMPT], return_tensors="pt"))
+        return _processor_inputs(text)
+    return dict(tiny_emu3_processor()(text=[text], return_tensors="pt"))
 
 
 def _allowed_tokens(model: Any, grid: int | tuple[int, int]) -> Any:
@@ -113,8 +113,8 @@ def _allowed_tokens(model: Any, grid: int | tuple[int, int]) -> Any:
 
 
 @torch.no_grad()
-def _transformers_generate(model: Any, prompt: str, grid: int | tuple[int, int] = G,
-                           header: bool = False) -> tuple[Tensor, list[Tensor], Tensor]:
+def _transformers_generate(model: Any, prompt: str, grid: int | tuple[int, int] = G, header: bool = False,
+                           negative: str = NEGATIVE_PROMPT) -> tuple[Tensor, list[Tensor], Tensor]:
     """transformers' greedy image generation of one prompt with CFG: codes [rows x codes per row], the guided
     scores of every code step at the visual tokens (in code order; what its processors hand the
     sampler), and the generated BPE sequence (row tokens and the closing tokens included)."""
@@ -129,10 +129,10 @@ def _transformers_generate(model: Any, prompt: str, grid: int | tuple[int, int] 
 
     rows, columns = _shape(grid)
     end = (columns + 1) * rows
-    inputs, negative = _processor_inputs(prompt, grid), _negative_inputs(header)
+    inputs, uncond = _processor_inputs(prompt, grid), _negative_inputs(header, negative)
     out = model.generate(**inputs, prefix_allowed_tokens_fn=_allowed_tokens(model, grid), do_sample=False,
-                         guidance_scale=CFG, negative_prompt_ids=negative["input_ids"],
-                         negative_prompt_attention_mask=negative["attention_mask"],
+                         guidance_scale=CFG, negative_prompt_ids=uncond["input_ids"],
+                         negative_prompt_attention_mask=uncond["attention_mask"],
                          max_new_tokens=end + 3, logits_processor=LogitsProcessorList([Record()]))
     sequence = out[0, inputs["input_ids"].shape[1]:]
     codes = model.vocabulary_mapping.convert_bpe2img(sequence[:end].view(rows, columns + 1)).flatten()
@@ -228,6 +228,45 @@ def test_the_negative_image_header_variant_equals_transformers(folder: Path, tmp
     codes, _, _ = _transformers_generate(_reference_model(folder), PROMPTS[1], header=True)
     assert pipe(prompts=PROMPTS[1:2], method="ar", temperature=0.0, cfg_scale=CFG).codes[0].tolist() == codes.tolist()
     assert codes.tolist() != _reference(folder)[1][0].tolist()
+
+
+NEGATIVES = ["blurry, dark", "", "a photo of a dog, low quality, jpeg artifacts"]  # three lengths, one empty
+
+
+def test_a_negative_prompt_per_row_equals_transformers(folder: Path, pipe: lantern.Pipeline) -> None:
+    """``negative_prompt=`` a list: each prompt's own guidance rows. Decoded together (prompts and
+    negatives of different lengths, left-padded), each row's greedy codes with CFG equal
+    transformers' generation fed that negative's ids (``negative_prompt_ids`` of
+    ``processor(text=[negative])``), and the guided logits of the first 8 codes agree within 1e-5.
+    Power: every row's codes differ from those of the folder's negative prompt."""
+    model = _reference_model(folder)
+    reference = [_transformers_generate(model, p, negative=n) for p, n in zip(PROMPTS, NEGATIVES, strict=True)]
+    out = pipe(prompts=PROMPTS, negative_prompt=NEGATIVES, method="ar", temperature=0.0, cfg_scale=CFG)
+    default = _reference(folder)
+    for row, (codes, _, _) in enumerate(reference):
+        assert out.codes[row].tolist() == codes.tolist(), row
+        assert codes.tolist() != default[row][0].tolist(), row
+    codes = torch.stack([c for c, _, _ in reference])
+    for step, logits in enumerate(guided_step_logits(pipe.stack, PROMPTS, codes, STEPS, CFG, NEGATIVES)):
+        for row, (_, ref_logits, _) in enumerate(reference):
+            torch.testing.assert_close(logits[row], ref_logits[step], atol=1e-5, rtol=0)
+    assert out.settings["negative_prompt"] == NEGATIVES and out.config["negative_prompt"] == NEGATIVES
+    assert torch.equal(pipe(prompts=PROMPTS, **out.settings).codes, out.codes)  # the settings replay it
+
+
+def test_a_negative_prompt_with_the_image_header_equals_transformers(folder: Path, tmp_path: Path) -> None:
+    """With ``negative_image_header: true`` a call's negative prompt is written like the prompt too
+    (BAAI's script's format): the codes equal transformers fed those ids."""
+    variant = copy_with_config(folder, tmp_path / "variant")
+    (variant / "generation.json").unlink()  # a link to the folder's
+    settings = json.loads((folder / "generation.json").read_text()) | {"negative_image_header": True}
+    (variant / "generation.json").write_text(json.dumps(settings))
+    pipe = lantern.load(variant)
+    codes, _, _ = _transformers_generate(_reference_model(folder), PROMPTS[0], header=True, negative=NEGATIVES[0])
+    out = pipe(prompts=PROMPTS[:1], negative_prompt=NEGATIVES[0], method="ar", temperature=0.0, cfg_scale=CFG)
+    assert out.codes[0].tolist() == codes.tolist()
+    assert codes.tolist() != _transformers_generate(_reference_model(folder), PROMPTS[0], negative=NEGATIVES[0])[
+        0].tolist()
 
 
 def test_decoded_pixels_equal_the_vq_decoder(folder: Path, pipe: lantern.Pipeline) -> None:

@@ -464,7 +464,8 @@ def _timed_run(
     gens = make_generators(seeds, cond.cond.device)
     timer = _Timer(cond.cond.device)
     out: list[GenerationOutput] = []
-    ms = timer(lambda: out.append(prepared.generate(cond.cond, gens, cond_mask=cond.mask)))
+    guidance = cond.guidance_rows()
+    ms = timer(lambda: out.append(prepared.generate(cond.cond, gens, cond_mask=cond.mask, guidance=guidance)))
     return ms, out[0]
 
 

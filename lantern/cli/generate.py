@@ -32,7 +32,7 @@ from lantern.cli.common import (
     window_arg,
     window_as_tree,
 )
-from lantern.errors import LanternError
+from lantern.errors import LanternError, check
 from lantern.methods import METHOD_TABLE
 
 if TYPE_CHECKING:
@@ -71,6 +71,11 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "--t5", default=None, metavar="DIR",
         help="text-to-image models: T5 encoder folder or Hub repo id (google/flan-t5-xl; default: t5/ inside "
              "--model)",
+    )
+    p.add_argument(
+        "--negative-prompt", default=None, metavar="TEXT",
+        help="Emu3 models: what guidance steers every image away from (default: the folder's generation.json "
+             "negative_prompt, else BAAI's; Python: negative_prompt=, also one per prompt)",
     )
     add_chameleon_args(p)
     p.add_argument(
@@ -259,7 +264,8 @@ def _generate_job(args: argparse.Namespace, pipe: Pipeline, prompts: list[str] |
         given, repeats = prompts if prompts is not None else args.labels, args.num_per_label
         if args.indices is not None:  # only the chosen images' conditions (a t2i prompt's T5 pass)
             given, repeats = [given[i // repeats] for i in args.indices], 1
-        encoded = pipe.parts.encode(given, repeats, args.batch_size, progress=not args.no_progress and ctx.is_main)
+        encoded = pipe.parts.encode(given, repeats, args.batch_size, progress=not args.no_progress and ctx.is_main,
+                                    negative=args.negative_prompt)
         method, extra = _generate_method(args, pipe, sampling, auto, auto_window)
         names, conditions = _condition_record(stack, args, prompts, t5_dir)
         parts = prepare_run(stack, sampling, method, args.batch_size, encoded,
@@ -368,15 +374,24 @@ def _load_generate_pipeline(args: argparse.Namespace, prompts: list[str] | None)
     from lantern.models.emu3 import is_emu3_folder
     from lantern.models.janus import is_janus_folder
     from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH
+    from lantern.targets.emu3 import Emu3Prompter
+    from lantern.targets.text import check_text
 
     model = resolve_location(args.model, "--model")  # a Hub repo id: its snapshot folder
     for family, found in (("Chameleon", is_chameleon_folder), ("Janus", is_janus_folder), ("Emu3", is_emu3_folder)):
         if found(model) and prompts is None:  # refused before the (large) model is read
             raise LanternError(f"--labels: {args.model} is a text-to-image {family} model; pass --prompt TEXT "
                                "or --prompts FILE")
+    negative = args.negative_prompt
+    if negative is not None:  # before the model is read: only Emu3 guides with a prompt
+        check(is_emu3_folder(model), f"--negative-prompt: {args.model} is not an Emu3 model; only Emu3's "
+                                     "unconditional rows are a prompt (other families guide with none)")
+        check_text(negative, "--negative-prompt")
     width = DEFAULT_PROMPT_WIDTH if args.prompt_width is None else args.prompt_width
     prompter = (read_prompter(model, args.layout, args.image_size, args.image_width)
                 if prompts is not None and width > 0 else None)
+    if isinstance(prompter, Emu3Prompter) and negative is not None:
+        prompter = prompter.with_negative(negative)  # its width is checked with the prompts'
     if prompts is not None and prompter is not None:  # a bad width is refused by load, naming the flag
         prompter.check_fits(prompts, width)
     pipe = load(model, args.drafter, device=args.device, dtype=args.dtype, compile=args.compile,
@@ -411,7 +426,8 @@ def _condition_record(stack: Any, args: argparse.Namespace, prompts: list[str] |
         layout = stack.layout
         info = {"name": layout.name, "height": layout.height, "width": layout.width,
                 "pixel_size": list(layout.pixel_size)}
-        return names, {"layout": info, "prompts": prompts, "prompt_index": index, **which}
+        negative = {} if args.negative_prompt is None else {"negative_prompt": args.negative_prompt}
+        return names, {"layout": info, "prompts": prompts, "prompt_index": index, **negative, **which}
     return names, {"prompts": prompts, "prompt_index": index, "t5": str(t5_dir),
                    "t5_max_length": stack.target.config.cls_token_num, **which}
 

@@ -96,7 +96,10 @@ class Target(Protocol):
     @property
     def lm_head(self) -> CodeHead: ...
 
-    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None,
+              guidance: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill ``cond``; ``guidance``: CFG's unconditional rows (ids, mask) written per row by the
+        caller (a negative prompt each), else the target's own."""
 
     def verify(self, tokens: Tensor, tree_mask: Tensor, depth: Tensor, tree: TreeBuffers | None = None
                ) -> tuple[Tensor, Tensor]: ...
@@ -263,6 +266,7 @@ def generate(
     progress: bool = False,
     compile: str | None = None,
     caches: CachePool | None = None,
+    guidance: tuple[Tensor, Tensor] | None = None,
 ) -> GenerationOutput:
     """Generate ``target.num_tokens`` image tokens for each condition row.
 
@@ -271,14 +275,15 @@ def generate(
     draw. compile: run each round as one compiled region (``lantern.decoding.compiling.round_fn``).
     caches: the pool that keeps the decode's state at fixed addresses from one call to the next
     (``lantern.decoding.resident``; what CUDA graphs replay on), normally the one the target's caches
-    come from; None: the state is allocated per call.
+    come from; None: the state is allocated per call. guidance: each row's own unconditional rows
+    (ids, mask: ``Target.start``'s), None: the target's.
     """
     # inference_mode rather than no_grad: no version counters or view tracking on the many small
     # ops of a decode step (~7% of a CPU verify forward at batch 1). The codes are cloned outside
     # it, so callers get ordinary tensors they may use in autograd (e.g. as training data).
     with torch.inference_mode():
         mode = resolve_compile(compile, target.device)
-        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode, caches)
+        out = _generate(target, cond, generators, drafter, acceptance, cond_mask, progress, mode, caches, guidance)
     return GenerationOutput(codes=out.codes.clone(), stats=out.stats)
 
 
@@ -292,6 +297,7 @@ def _generate(
     progress: bool,
     compile: str | None,
     caches: CachePool | None,
+    guidance: tuple[Tensor, Tensor] | None = None,
 ) -> GenerationOutput:
     sampling = target.sampling
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
@@ -301,7 +307,7 @@ def _generate(
     )
     rng = None if generators is None else RowRandom.from_generators(generators, device)
     # 1. Prefill.
-    decode = start_decode(target, cond, rng, drafter, acceptance, cond_mask, compile, caches)
+    decode = start_decode(target, cond, rng, drafter, acceptance, cond_mask, compile, caches, guidance)
     # Per-round counters stay on the device; one host copy at the end, not one sync per round.
     forwards = torch.ones(b, dtype=torch.long, device=device)
     per_step: list[Tensor] = []
@@ -401,13 +407,15 @@ def start_decode(
     cond_mask: Tensor | None = None,
     compile: str | None = None,
     caches: CachePool | None = None,
+    guidance: tuple[Tensor, Tensor] | None = None,
 ) -> Decode:
     """Prefill the condition (token 0 comes from its last position) and set up the rounds;
     ``compile``: a resolved mode of ``lantern.decoding.compiling`` (None: eager); ``caches``: the
-    pool that keeps the round's state at the previous decode's addresses (see :func:`generate`)."""
+    pool that keeps the round's state at the previous decode's addresses (see :func:`generate`);
+    ``guidance``: the rows' own unconditional rows (``Target.start``'s)."""
     b, n_total, device = cond.shape[0], target.num_tokens, target.device
     with phase("prefill"):
-        logits0, hidden0 = target.start(cond, cond_mask)
+        logits0, hidden0 = target.start(cond, cond_mask, guidance)
         root = _sample(logits0, target.sampling, rng)
     # Codes are written at n + j for every path slot j, active row or not, so the buffer has a
     # padding tail (see _write_codes): static shapes, no boolean-mask indexing; sliced off at the end.

@@ -244,8 +244,7 @@ def measure_throughput(
     """Images/s of every method at ``batch_size`` (interleaved like the latency timing), on
     max(speed_images, batch_size) images, with the speed-up against AR at the same batch size."""
     n = max(config.speed_images, batch_size)
-    index = torch.tensor([i % len(labels) for i in range(n)], device=labels.cond.device)
-    pool = Conditions(labels.cond[index], None if labels.mask is None else labels.mask[index])
+    pool = labels.take([i % len(labels) for i in range(n)])
     chunks: dict[str, list[list[float]]] = {}
     (runner or BenchRunner()).time(stack, sampling, resolved, pool, config.seed, batch_size, config.repeats, progress,
                                    compile=config.compile, chunk_walls=chunks)
@@ -323,7 +322,8 @@ def time_methods(
                     gens = make_generators([image_seed(seed, order[i]) for i in range(lo, hi)], device)
                     t0 = time.perf_counter()
                     chunk = cond.rows(lo, hi)
-                    outputs[name][ci] = prepared[name].generate(chunk.cond, gens, cond_mask=chunk.mask)
+                    outputs[name][ci] = prepared[name].generate(chunk.cond, gens, cond_mask=chunk.mask,
+                                                                            guidance=chunk.guidance_rows())
                     seconds = time.perf_counter() - t0
                     walls[name][rep] += seconds
                     per_chunk[name][rep][ci] = seconds

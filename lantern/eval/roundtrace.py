@@ -131,7 +131,7 @@ def _run(prepared: PreparedMethod, conditions: Conditions, seed: int, batch_size
     for lo in range(0, len(conditions), batch_size):
         chunk = conditions.rows(lo, lo + batch_size)
         gens = make_generators([image_seed(seed, i) for i in range(lo, lo + len(chunk))], prepared.stack.device)
-        outs.append(prepared.generate(chunk.cond, gens, cond_mask=chunk.mask))
+        outs.append(prepared.generate(chunk.cond, gens, cond_mask=chunk.mask, guidance=chunk.guidance_rows()))
     return outs
 
 

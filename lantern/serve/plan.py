@@ -156,10 +156,14 @@ def plan_request(body: GenerationRequest, scheduler: Scheduler, default_method: 
     given = {name: getattr(body, name) for name in SETTINGS if getattr(body, name) is not None}
     preview = body.preview_every if body.preview_every is not None else DEFAULT_PREVIEW_EVERY
     bound = round_bound(pipeline, method, limits.round_nodes.get(method), given)
+    negative = body.negative_prompt
+    if negative is not None and len(negative) > limits.max_prompt_chars:
+        raise RequestError(f"negative_prompt: at most {limits.max_prompt_chars} characters, got {len(negative)}",
+                           "negative_prompt")
     try:
         resolved = scheduler.resolve(condition, body.seed, method, given,
                                      range(body.first_index, body.first_index + body.n),
-                                     preview if body.stream else 0, bound)
+                                     preview if body.stream else 0, bound, negative_prompt=negative)
     except LanternError as e:
         raise setting_error(e) from None
     return resolved if chosen is None else replace(resolved, auto_method=chosen.to_dict())
@@ -198,4 +202,5 @@ def answer_settings(request: Resolved) -> dict[str, Any]:
     ``--method auto`` chose when it chose the method: the answer's ``settings``. Sent back as a
     request, they give the same images."""
     auto = {} if request.auto_method is None else {"auto_method": dict(request.auto_method)}
-    return {**request.sampling.to_dict(), **method_settings(request.prepared.method), **auto}
+    negative = {} if request.negative_prompt is None else {"negative_prompt": request.negative_prompt}
+    return {**request.sampling.to_dict(), **method_settings(request.prepared.method), **negative, **auto}

@@ -64,7 +64,7 @@ from lantern.errors import LanternError
 from lantern.machine import AdaptiveThreads
 from lantern.methods import MethodConfig
 from lantern.run import PreparedMethod, image_seed
-from lantern.targets.base import Conditions, check_condition_kind
+from lantern.targets.base import Conditions, check_condition_kind, negative_prompts
 
 Settings = tuple[tuple[str, Any], ...]
 MethodKey = tuple[MethodConfig, SamplingConfig]  # a prepared method's key (lantern.api.Pipeline.prepare)
@@ -90,6 +90,7 @@ class Resolved:
     prepared: PreparedMethod  # the pipeline's, prepared once per key (drafter, table, compiled round)
     preview_every: int = 0  # rounds between previews of the codes so far (0: none)
     auto_method: Mapping[str, Any] | None = None  # what the server's --method auto chose (None: named)
+    negative_prompt: str | None = None  # the request's own (Emu3; None: the model's), in ``conditions``
 
     @property
     def key(self) -> MethodKey:
@@ -331,7 +332,8 @@ class Lane:
 
 def batch_conditions(rows: Sequence[Conditions]) -> Conditions:
     """Conditions encoded one request at a time, as one batch: prompts of different lengths are
-    left-padded to the longest, as ``Stack.encode`` pads a batch it encodes (mask False there)."""
+    left-padded to the longest, as ``Stack.encode`` pads a batch it encodes (mask False there), and
+    so are their guidance rows (Emu3's negative prompts, which every Emu3 request carries)."""
     if len(rows) == 1:
         return rows[0]
     if rows[0].mask is None:  # labels
@@ -342,8 +344,11 @@ def batch_conditions(rows: Sequence[Conditions]) -> Conditions:
         # F.pad's spec runs from the last dimension: (0, 0) per trailing dim, then dim 1's left pad
         return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (width - int(t.shape[1]), 0))
 
+    guides = [r.guidance for r in rows if r.guidance is not None]
+    assert len(guides) in (0, len(rows)), "a model's requests all carry guidance rows or none do"
     return Conditions(torch.cat([left_pad(r.cond) for r in rows]),
-                      torch.cat([left_pad(r.mask) for r in rows if r.mask is not None]))
+                      torch.cat([left_pad(r.mask) for r in rows if r.mask is not None]),
+                      batch_conditions(guides) if guides else None)
 
 
 def _fail(ticket: Ticket, error: BaseException) -> None:
@@ -383,13 +388,14 @@ class Scheduler:
 
     def resolve(self, condition: int | str, seed: int, method: str, settings: Mapping[str, Any] | None = None,
                 indices: Sequence[int] = (0,), preview_every: int = 0,
-                bound: Callable[[MethodConfig], None] | None = None) -> Resolved:
+                bound: Callable[[MethodConfig], None] | None = None, negative_prompt: str | None = None) -> Resolved:
         """A request resolved once, in the caller's thread (never the decode thread: this may load
         what the method needs and encodes the condition, through T5 for a text-to-image model): its
         settings as configs, checked against the model, its method prepared, its condition encoded.
         ``bound``: the caller's check of the resolved method before anything is prepared (the
         server's bound on a round's size). A refusal is a one-line LanternError whose ``field``
-        names the setting (or the condition) it is about."""
+        names the setting (or the condition) it is about. ``negative_prompt``: the request's
+        (Emu3 models), encoded with the condition."""
         given = dict(settings or {})
         method_cfg, sampling = resolve_settings(self.stack, method, **given)
         if bound is not None:
@@ -399,13 +405,14 @@ class Scheduler:
         eager = self._warmed is not None and (method_cfg, sampling) not in self._warmed
         prepared = self.pipeline.prepare(method_cfg, sampling, eager=eager)
         try:
-            conditions = self.encode([condition])
+            conditions = self.encode([condition], negative_prompt)
         except LanternError as e:
             e.field = e.field or ("prompt" if isinstance(condition, str) else "label")
             raise
         return Resolved(condition=condition, conditions=conditions, seed=seed, indices=tuple(indices),
                         method=method, settings=tuple(sorted(given.items())), method_cfg=method_cfg,
-                        sampling=sampling, prepared=prepared, preview_every=preview_every)
+                        sampling=sampling, prepared=prepared, preview_every=preview_every,
+                        negative_prompt=negative_prompt)
 
     def submit(self, request: Resolved, on_preview: PreviewSink | None = None) -> list[Ticket]:
         """Queue every image of ``request`` (all or none) and return their tickets. ``on_preview``:
@@ -490,12 +497,14 @@ class Scheduler:
         c["mean_tokens_per_forward"] = c["tokens_total"] / c["forwards_total"] if c["forwards_total"] else 0.0
         return c
 
-    def encode(self, conditions: list[Any]) -> Conditions:
-        """Conditions, as ``Stack.encode`` makes them; called where a request is resolved, never on
-        the decode thread. A text-to-image model's T5 encoder stays loaded (the pipeline's, read
-        once): ``Stack.encode`` loads it per call, right for one run, not for a server."""
+    def encode(self, conditions: list[Any], negative: str | None = None) -> Conditions:
+        """Conditions, as ``Stack.encode`` makes them (``negative``: a negative prompt for them all);
+        called where a request is resolved, never on the decode thread. A text-to-image model's T5
+        encoder stays loaded (the pipeline's, read once): ``Stack.encode`` loads it per call, right
+        for one run, not for a server."""
         if self.stack.kind != "t2i":
-            return self.stack.encode(conditions, 1, len(conditions))
+            return self.stack.encode(conditions, 1, len(conditions), negative=negative)
+        self.stack.negative_rows(negative_prompts(negative, len(conditions)), len(conditions), 1)  # refused
         prompts = check_condition_kind(conditions, str, self.stack.root)
         encoder = self.pipeline.t5_encoder()
         with torch.inference_mode():

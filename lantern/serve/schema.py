@@ -45,6 +45,8 @@ class GenerationRequest(Strict):
     seeds image ``i`` of ``--seed seed --num-per-label n``."""
 
     prompt: str | None = Field(None, description="text-to-image and Chameleon-family models: the prompt")
+    negative_prompt: str | None = Field(None, description="Emu3 models: what guidance steers the images away "
+                                                          "from (default: the model's own negative prompt)")
     # no ge=0 here: the plan refuses any label outside the model's classes with one message
     label: int | None = Field(None, description="class-conditional models: the class id")
     n: int = Field(1, ge=1, description="images (at most the server's --max-images-per-request)")

@@ -46,17 +46,30 @@ class Conditions:
 
     cond: Tensor  # [N] labels, [N, cls, C] T5 captions, or [N, L] Chameleon / Janus / Emu3 prompt ids
     mask: Tensor | None = None  # [N, L] True = a real caption / prompt column; None for labels
+    # CFG's unconditional rows where the stack writes one per image (Emu3's negative prompts: ids
+    # [N, L'] with their mask, left-padded); None: the target builds its own from ``cond``.
+    guidance: Conditions | None = None
 
     def __len__(self) -> int:
         return int(self.cond.shape[0])
 
     def rows(self, lo: int, hi: int) -> Conditions:
-        return Conditions(self.cond[lo:hi], None if self.mask is None else self.mask[lo:hi])
+        return Conditions(self.cond[lo:hi], None if self.mask is None else self.mask[lo:hi],
+                          None if self.guidance is None else self.guidance.rows(lo, hi))
 
     def take(self, indices: Sequence[int]) -> Conditions:
         """The rows of images ``indices``, in that order."""
         idx = torch.tensor(list(indices), dtype=torch.long, device=self.cond.device)
-        return Conditions(self.cond[idx], None if self.mask is None else self.mask[idx])
+        return Conditions(self.cond[idx], None if self.mask is None else self.mask[idx],
+                          None if self.guidance is None else self.guidance.take(indices))
+
+    def guidance_rows(self) -> tuple[Tensor, Tensor] | None:
+        """The guidance rows as the target's ``start`` takes them (ids, mask), or None."""
+        g = self.guidance
+        if g is None:
+            return None
+        assert g.mask is not None  # guidance rows are prompt ids
+        return g.cond, g.mask
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class PackedConditions:
     width: int  # columns of a rebuilt masked row (the set's padded width); 0 when unmasked
     repeats: int
     device: torch.device
+    guidance: PackedConditions | None = None  # the conditions' own guidance rows (Conditions.guidance), packed
 
     @staticmethod
     def pack(chunks: Iterable[Conditions], repeats: int = 1) -> PackedConditions:
@@ -83,9 +97,11 @@ class PackedConditions:
         check(repeats >= 1, f"repeats must be >= 1, got {repeats}")
         values: list[Tensor] = []
         lengths: list[int] = []
+        guides: list[Conditions | None] = []
         width, masked, device = 0, None, None
         for chunk in chunks:
             device = chunk.cond.device
+            guides.append(chunk.guidance)
             if masked is None:
                 masked, width = chunk.mask is not None, 0 if chunk.mask is None else int(chunk.mask.shape[1])
             check((chunk.mask is not None) == masked, "packed conditions must all have a mask or all have none")
@@ -103,7 +119,10 @@ class PackedConditions:
         check(device is not None and bool(values), "no conditions to pack")
         assert device is not None
         offsets = tuple(itertools.accumulate(lengths, initial=0)) if masked else None
-        return PackedConditions(torch.cat(values), offsets, width, repeats, device)
+        given = [g for g in guides if g is not None]
+        check(len(given) in (0, len(guides)), "packed conditions must all have guidance rows or all have none")
+        guidance = PackedConditions.pack(given, repeats) if given else None
+        return PackedConditions(torch.cat(values), offsets, width, repeats, device, guidance)
 
     def __len__(self) -> int:
         stored = len(self.offsets) - 1 if self.offsets is not None else int(self.values.shape[0])
@@ -118,15 +137,16 @@ class PackedConditions:
         bad = [i for i in indices if not 0 <= i < n]
         check(not bad, f"image index {bad[:1]} out of range for {n} conditions")
         stored = [i // self.repeats for i in indices]
+        guidance = None if self.guidance is None else self.guidance.take(indices)
         if self.offsets is None:
-            return Conditions(self.values[torch.tensor(stored, dtype=torch.long)].to(self.device))
+            return Conditions(self.values[torch.tensor(stored, dtype=torch.long)].to(self.device), None, guidance)
         cond = self.values.new_zeros((len(stored), self.width, *self.values.shape[1:]))
         mask = torch.zeros(len(stored), self.width, dtype=torch.bool)
         for r, s in enumerate(stored):
             lo, hi = self.offsets[s], self.offsets[s + 1]
             cond[r, self.width - (hi - lo) :] = self.values[lo:hi]
             mask[r, self.width - (hi - lo) :] = True
-        return Conditions(cond.to(self.device), mask.to(self.device))
+        return Conditions(cond.to(self.device), mask.to(self.device), guidance)
 
 
 ConditionSet = Conditions | PackedConditions  # what a run reads its batches from (``rows``, ``take``)
@@ -196,8 +216,15 @@ class Stack(Protocol):
         ...
 
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
-               t5: str | os.PathLike[str] | None = None) -> Conditions:
-        """Labels or prompts, each ``repeats`` times in a row, checked and encoded on the device."""
+               t5: str | os.PathLike[str] | None = None, negative: str | Sequence[str] | None = None) -> Conditions:
+        """Labels or prompts, each ``repeats`` times in a row, checked and encoded on the device;
+        ``negative``: a negative prompt (one for all, or one per prompt: ``negative_rows``)."""
+        ...
+
+    def negative_rows(self, negatives: list[str] | None, count: int, repeats: int) -> Conditions | None:
+        """CFG's unconditional rows of ``count`` conditions with ``negatives`` (a negative prompt each,
+        ``negative_prompts``; None: none given), each ``repeats`` times; None where the target builds
+        its own. Families whose unconditional rows are not a prompt refuse a negative prompt."""
         ...
 
     def sample_conditions(self, n: int) -> list[Any]:
@@ -357,6 +384,24 @@ def check_condition_kind(conditions: Sequence[Any], kind: type, root: Path) -> l
     if kind is Integral:
         raise LanternError(f"prompts: {root} is a class-conditional model; pass labels (integers)")
     raise LanternError(f"labels: {root} is a text-to-image model; pass prompts (strings)")
+
+
+def negative_prompts(negative: str | Sequence[str] | None, count: int) -> list[str] | None:
+    """``negative`` as one negative prompt per condition (a string: the same for all), checked;
+    None when none is given."""
+    if negative is None:
+        return None
+    if isinstance(negative, str):
+        negative = [negative] * count
+    check(isinstance(negative, (list, tuple)) and len(negative) == count,
+          f"negative_prompt: expected a string, or a list of {count} (one per prompt), got "
+          f"{len(negative) if isinstance(negative, (list, tuple)) else type(negative).__name__}",
+          field="negative_prompt")
+    for i, text in enumerate(negative):
+        check(isinstance(text, str), f"negative_prompt: entry {i}: expected a string, got {type(text).__name__}",
+              field="negative_prompt")
+        check_text(text, f"negative_prompt: entry {i}")
+    return list(negative)
 
 
 def existing_path(path: Path, folder: bool) -> Path | None:

@@ -75,12 +75,16 @@ def encode_prompts(token_lists: Sequence[Sequence[int]], layout: ImageLayout,
     rows = [[*layout.head, *map(int, t), *layout.tail, *layout.prefix] for t in token_lists]
     if width is not None:
         check_prompt_widths([len(r) for r in rows], width)
-    rows = [r for r in rows for _ in range(repeats)]
+    return left_padded([r for r in rows for _ in range(repeats)])
+
+
+def left_padded(rows: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    """Token rows as (ids [B, L], mask [B, L] True = real), each at the end of the longest's width."""
     length = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, r in enumerate(rows):
-        ids[i, length - len(r) :] = torch.tensor(r)
+        ids[i, length - len(r) :] = torch.tensor(list(r), dtype=torch.long)
         mask[i, length - len(r) :] = True
     return ids, mask
 
@@ -164,8 +168,11 @@ class ChameleonTarget:
     # -- the three calls of the loop --------------------------------------------------------------
 
     @torch.no_grad()
-    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Prefill. cond: prompt contexts [B, L] (``encode_prompts``); cond_mask [B, L] (True = real).
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None,
+              guidance: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill. cond: prompt contexts [B, L] (``encode_prompts``); cond_mask [B, L] (True = real);
+        ``guidance``: CFG's unconditional rows (ids [B, L'], mask, left-padded: Emu3's negative prompt
+        per row), else :meth:`guidance_rows`'.
 
         Returns (guided logits for code 0 [B, V], hidden of the image prefix [S*B, P, D]).
         """
@@ -183,7 +190,7 @@ class ChameleonTarget:
         cond, mask, length = F.pad(cond, (extra, 0)), F.pad(mask, (extra, 0), value=False), self.prompt_width
         ids, mask = cond, mask
         if self.streams == 2:
-            u_ids, u_mask = self.guidance_rows(cond, mask)
+            u_ids, u_mask = self.guidance_rows(cond, mask) if guidance is None else self._given(guidance, b)
             ids, mask = torch.cat([cond, u_ids]), torch.cat([mask, u_mask])
         n_rows = ids.shape[0]
         cfg = self.model.config
@@ -218,6 +225,17 @@ class ChameleonTarget:
         """hidden [S*B, ..., D] of both streams -> guided code logits [B, ..., V]: CFG of the raw code
         logits. (Emu3 overrides this: transformers guides its log-softmax over the whole vocabulary.)"""
         return apply_cfg(self.model.image_logits(hidden), self.sampling.cfg_scale, self.streams)
+
+    def _given(self, guidance: tuple[Tensor, Tensor], batch: int) -> tuple[Tensor, Tensor]:
+        """Guidance rows given per row, left-padded to the prompt width like the prompts (padding is
+        masked: no position, never attended, so the width changes no value)."""
+        ids, mask = guidance
+        check(ids.dim() == 2 and ids.shape[0] == batch and tuple(mask.shape) == tuple(ids.shape),
+              f"guidance rows: expected ids and a mask of [{batch}, L], got {tuple(ids.shape)} and {tuple(mask.shape)}")
+        check(int(ids.shape[1]) <= self.prompt_width,
+              f"guidance rows of {int(ids.shape[1])} columns are wider than --prompt-width {self.prompt_width}")
+        extra = self.prompt_width - int(ids.shape[1])
+        return F.pad(ids, (extra, 0)), F.pad(mask.bool(), (extra, 0), value=False)
 
     def guidance_rows(self, cond: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """CFG's unconditional rows for prompt contexts cond [B, L] (mask [B, L]): the layout's

@@ -27,6 +27,7 @@ from lantern.targets.base import (
     ConditionSet,
     StackFolder,
     check_condition_kind,
+    negative_prompts,
     prompts_for,
 )
 
@@ -155,11 +156,20 @@ class PromptStack(StackFolder):
         raise NotImplementedError
 
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
-               t5: str | os.PathLike[str] | None = None) -> Conditions:
+               t5: str | os.PathLike[str] | None = None, negative: str | Sequence[str] | None = None) -> Conditions:
         check(t5 is None, f"--t5 is not used by {self.family} models (they read prompts with their own tokenizer)")
         prompts = check_condition_kind(conditions, str, self.root)
+        guidance = self.negative_rows(negative_prompts(negative, len(prompts)), len(prompts), repeats)
         ids, mask = encode_prompts(self.prompt_ids(prompts), self.layout, self.prompt_width, repeats)
-        return Conditions(ids.to(self.device), mask.to(self.device))
+        return Conditions(ids.to(self.device), mask.to(self.device), guidance)
+
+    def negative_rows(self, negatives: list[str] | None, count: int, repeats: int) -> Conditions | None:
+        """CFG's unconditional rows of ``count`` conditions with ``negatives`` (a negative prompt
+        each; None: none given), each ``repeats`` times; None where the target builds its own. Only Emu3 guides with
+        a prompt: the other families refuse one."""
+        check(negatives is None, f"negative_prompt: {self.family} models take no negative prompt (their "
+                                 "unconditional rows are not a prompt; Emu3 models take one)", field="negative_prompt")
+        return None
 
     def codebook(self) -> Tensor | None:
         return self.model.codebook()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -41,11 +41,11 @@ from torch import Tensor
 from lantern.decoding.cache import CachePool
 from lantern.decoding.config import SamplingConfig
 from lantern.decoding.sampling import apply_cfg
-from lantern.errors import check
+from lantern.errors import LanternError, check
 from lantern.models.chameleon import ImageLayout
 from lantern.models.emu3 import DEFAULT_IMAGE_SIZE, PIXELS_PER_CODE, Emu3LM, emu3_layout, grid_for
-from lantern.targets.base import COMMON_GENERATION_KEYS, read_generation_settings
-from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget
+from lantern.targets.base import COMMON_GENERATION_KEYS, Conditions, read_generation_settings
+from lantern.targets.chameleon import DEFAULT_PROMPT_WIDTH, ChameleonTarget, left_padded
 from lantern.targets.chameleon_stack import EndedPrompter, PromptStack, load_prompt_tokenizer
 from lantern.targets.janus import read_generation_config
 
@@ -104,6 +104,12 @@ class Emu3Prompter(EndedPrompter):
     def check_fits(self, prompts: Sequence[str], width: int) -> None:
         super().check_fits(prompts, width)
         check_negative_fits(len(self.negative), width)
+
+    def with_negative(self, text: str) -> Emu3Prompter:
+        """The same prompts with ``text`` as the negative prompt (a call's own, in the folder's format)."""
+        prompting = replace(self.prompting, negative=text)
+        return replace(self, prompting=prompting,
+                       negative=tuple(tokenize_text(self.tokenizer, prompting.negative_prompt(self.grid))))
 
 
 def check_negative_fits(tokens: int, width: int) -> None:
@@ -202,6 +208,27 @@ class Emu3Stack(PromptStack):
     def prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
         p = len(self.layout.prefix)  # the layout's prefix is the size header
         return [ids[:-p] for ids in self.tokenize(prompts)]
+
+    def negative_rows(self, negatives: list[str] | None, count: int, repeats: int) -> Conditions:
+        """The guidance rows of ``count`` conditions: each one's negative prompt in the folder's
+        format (BOS and the text; with ``negative_image_header``, the size header too), or the
+        folder's own negative prompt where none is given, left-padded to the longest, each
+        ``repeats`` times. Always written, so that conditions with and without a given negative
+        prompt batch together (a server's requests)."""
+        if negatives is None:
+            check_negative_fits(len(self.negative_ids), self.prompt_width)
+            rows = [self.negative_ids] * count
+        else:
+            prompter = self.prompter
+            rows = [prompter.with_negative(text).negative for text in negatives]
+            over = [i for i, row in enumerate(rows) if len(row) > self.prompt_width]
+            if over:
+                which = f"entry {over[0]} " if len(set(negatives)) > 1 else ""
+                raise LanternError(f"negative_prompt: {which}takes {len(rows[over[0]])} tokens in the model's format, "
+                                   f"more than the prompt width {self.prompt_width} (--prompt-width): shorten it, or "
+                                   "raise the width", field="negative_prompt")
+        u_ids, u_mask = left_padded([r for r in rows for _ in range(repeats)])
+        return Conditions(u_ids.to(self.device), u_mask.to(self.device))
 
     def make_target(self, sampling: SamplingConfig, max_tree_nodes: int = 1, compile: str | None = None,
                     cache_pool: CachePool | None = None) -> Emu3Target:

@@ -96,11 +96,15 @@ class LlamaGenTarget:
                               self.model.dtype)
 
     @torch.no_grad()
-    def start(self, cond: Tensor, cond_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Prefill the condition. cond: labels [B] or captions [B, cls, C]; cond_mask [B, cls].
+    def start(self, cond: Tensor, cond_mask: Tensor | None = None,
+              guidance: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Prefill the condition. cond: labels [B] or captions [B, cls, C]; cond_mask [B, cls];
+        ``guidance``: none (LlamaGen's unconditional row is the model's null condition).
 
         Returns (guided logits for image token 0 [B, V], hidden [S*B, cls, D]).
         """
+        check(guidance is None, "LlamaGen targets take no guidance rows (their unconditional row is the "
+                                "model's null condition)")
         model, cfg = self.model, self.model.config
         b = cond.shape[0]
         if cfg.model_type == "c2i":

@@ -41,6 +41,7 @@ from lantern.targets.base import (
     check_condition_kind,
     existing_path,
     labels_for,
+    negative_prompts,
     prompts_for,
 )
 
@@ -101,7 +102,8 @@ class ModelStack(StackFolder):
         return {"dim": c.dim, "n_layer": c.n_layer, "block_size": c.block_size, "vocab_size": c.vocab_size}
 
     def encode(self, conditions: Sequence[Any], repeats: int = 1, batch_size: int = 8,
-               t5: str | os.PathLike[str] | None = None) -> Conditions:
+               t5: str | os.PathLike[str] | None = None, negative: str | Sequence[str] | None = None) -> Conditions:
+        self.negative_rows(negative_prompts(negative, len(conditions)), len(conditions), repeats)
         if self.kind == "t2i":
             return self._encode_prompts(check_condition_kind(conditions, str, self.root), repeats, batch_size, t5)
         from lantern.validate import check_label_values
@@ -111,6 +113,13 @@ class ModelStack(StackFolder):
         label_t = torch.tensor(labels, dtype=torch.long, device=self.device)
         self.target.check_labels(label_t)
         return Conditions(label_t)
+
+    def negative_rows(self, negatives: list[str] | None, count: int, repeats: int) -> None:
+        """None: LlamaGen's unconditional row is the model's null condition (a class id or T5's
+        learned null caption), not a prompt, so a negative prompt is refused."""
+        check(negatives is None, f"negative_prompt: LlamaGen {self.kind} models take no negative prompt (their "
+                                 "unconditional row is the model's null condition; Emu3 models take one)",
+              field="negative_prompt")
 
     def _encode_prompts(self, prompts: list[str], repeats: int, batch_size: int,
                         t5: str | os.PathLike[str] | None) -> Conditions:
