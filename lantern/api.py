@@ -85,7 +85,8 @@ def api_argument_names() -> frozenset[str]:
 # A diffusers pipeline's keywords, which its users type first: the suggestion is lantern's name for
 # the same thing (difflib offered "temperature" for generator=, nothing for num_images_per_prompt=).
 DIFFUSERS_NAMES = {"num_images_per_prompt": "num_per_label", "generator": "seed", "guidance_scale": "cfg_scale",
-                   "prompt": "prompts", "class_labels": "labels", "show_progress_bar": "progress"}
+                   "prompt": "prompts", "class_labels": "labels", "show_progress_bar": "progress",
+                   "num_per_prompt": "num_per_label"}  # the last: the CLI's --num-per-prompt (difflib: negative_prompt)
 # what diffusers' and transformers' from_pretrained call the arguments of load()
 DIFFUSERS_LOAD_NAMES = {"torch_dtype": "dtype", "device_map": "device", "pretrained_model_name_or_path": "model",
                         "height": "image_size", "width": "image_width"}

@@ -86,9 +86,10 @@ def test_overrides_match_the_cli_flags(digits: lantern.Pipeline, tmp_path: Path)
 def test_bad_calls_name_the_argument(digits: lantern.Pipeline) -> None:
     with pytest.raises(LanternError, match=r"^unknown setting 'temprature' \(did you mean 'temperature'\?\); a call "
                                            r"takes labels, prompts, method, seed, batch_size, num_per_label, progress, "
-                                           r"quality, indices and the settings tree, "):
+                                           r"quality, indices, negative_prompt and the settings tree, "):
         digits(labels=[1], temprature=0.5)
-    with pytest.raises(LanternError, match=r"^unknown setting 'num_per_prompt'; a call takes .*num_per_label"):
+    with pytest.raises(LanternError,
+                       match=r"^unknown setting 'num_per_prompt' \(did you mean 'num_per_label'\?\); a call takes "):
         digits(labels=[1], num_per_prompt=2)  # the call's own arguments are listed (they were not: an audit)
     with pytest.raises(LanternError, match="class-conditional model; pass labels"):
         digits(prompts=["a cat"])
