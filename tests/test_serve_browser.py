@@ -79,6 +79,7 @@ def test_the_page_generates_side_by_side_with_ar(pipe: lantern.Pipeline, browser
         wait = WebDriverWait(driver, PAGE_TIMEOUT)
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#method option")) > 1)
         assert driver.find_element(By.ID, "label").get_attribute("max") == "9"  # type: ignore[attr-defined]
+        assert not driver.find_element(By.ID, "negative_prompt").is_displayed()  # type: ignore[attr-defined]
         Select(driver.find_element(By.ID, "method")).select_by_value(METHOD)  # type: ignore[attr-defined]
         label = driver.find_element(By.ID, "label")  # type: ignore[attr-defined]
         label.clear()
@@ -154,3 +155,44 @@ def test_the_page_refuses_an_infinite_setting_and_shows_a_plain_text_error(pipe:
         driver.find_element(By.ID, "generate").click()  # type: ignore[attr-defined]
         wait.until(lambda d: status.text not in (status_before, "generating…"))
         assert status.text == "HTTP 500: Internal Server Error" and status.get_attribute("class") == "error"
+
+
+def test_an_emu3_page_sends_its_negative_prompt(browser: object, tmp_path: Path) -> None:
+    """On an Emu3 model the page shows a negative prompt field, the model's own as its placeholder;
+    the typed one goes with the request (and with the side-by-side AR run): the page's images are
+    the API's with that negative prompt, not with the model's."""
+    pytest.importorskip("transformers")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from lantern.targets.emu3 import NEGATIVE_PROMPT
+    from lantern.testing import make_tiny_emu3_folder
+
+    # 6 x 6 codes: longer than sjd-coupled's default window of 16
+    emu3 = lantern.load(make_tiny_emu3_folder(tmp_path / "emu3"), image_size=48, deterministic=True)
+    driver = browser  # a selenium WebDriver
+    scheduler = Scheduler(emu3, max_batch=2, max_queue=8)
+    scheduler.start()
+    app = create_app(scheduler, pipeline=emu3, default_method="ar")
+    prompt, negative = "a red car", "blurry, dark"
+    with served(app) as url:
+        driver.get(url)  # type: ignore[attr-defined]
+        wait = WebDriverWait(driver, PAGE_TIMEOUT)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#method option")) > 1)
+        field = driver.find_element(By.ID, "negative_prompt")  # type: ignore[attr-defined]
+        assert field.is_displayed() and field.get_attribute("placeholder") == NEGATIVE_PROMPT
+        Select(driver.find_element(By.ID, "method")).select_by_value(METHOD)  # type: ignore[attr-defined]
+        driver.find_element(By.ID, "prompt").send_keys(prompt)  # type: ignore[attr-defined]
+        field.send_keys(negative)
+        driver.find_element(By.ID, "compare").click()  # type: ignore[attr-defined]
+        driver.find_element(By.ID, "generate").click()  # type: ignore[attr-defined]
+        wait.until(lambda d: d.find_element(By.ID, "image-main").get_attribute("data-final") == "true"
+                   and not d.find_element(By.ID, "speedup").get_attribute("hidden"))
+        image = _data_url_png(driver.find_element(By.ID, "image-main").get_attribute("src"))  # type: ignore[attr-defined]
+        ar_image = _data_url_png(driver.find_element(By.ID, "image-ar").get_attribute("src"))  # type: ignore[attr-defined]
+    def rgb(method: str, n: str | None) -> bytes:
+        return emu3(prompts=[prompt], seed=SEED, method=method, negative_prompt=n).images[0].convert("RGB").tobytes()
+
+    pixels = {name: [rgb(name, n) for n in (negative, None)] for name in (METHOD, "ar")}
+    assert image.convert("RGB").tobytes() == pixels[METHOD][0] != pixels[METHOD][1]
+    assert ar_image.convert("RGB").tobytes() == pixels["ar"][0] != pixels["ar"][1]

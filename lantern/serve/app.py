@@ -277,7 +277,8 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         stack = state.pipeline.stack
         return {"model": state.model, "kind": state.pipeline.kind, "num_classes": stack.num_classes,
                 "image_tokens": stack.num_tokens, "max_images_per_request": state.limits.max_images_per_request,
-                "max_prompt_chars": state.limits.max_prompt_chars, "deterministic": state.pipeline.deterministic}
+                "max_prompt_chars": state.limits.max_prompt_chars, "deterministic": state.pipeline.deterministic,
+                "negative_prompt": stack.prompting.negative if stack.kind == "emu3" else None}
 
     @app.post(GENERATIONS, response_model=GenerationResponse, responses=ERRORS, openapi_extra=REQUEST_BODY,
               description="Generate images; with stream: true, server-sent events (preview, image, done).")

@@ -160,9 +160,11 @@ class MethodsResponse(BaseModel):
 
 class ModelResponse(BaseModel):
     model: str
-    kind: str  # c2i, t2i or chameleon
+    kind: str  # c2i, t2i, chameleon, janus or emu3
     num_classes: int | None
     image_tokens: int
     max_images_per_request: int
     max_prompt_chars: int
     deterministic: bool  # batch-invariant matmuls (lantern serve --deterministic, the default)
+    # the model's own negative prompt (Emu3), which a request's negative_prompt replaces; None: it takes none
+    negative_prompt: str | None = None

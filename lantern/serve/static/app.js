@@ -32,6 +32,12 @@ async function init() {
   $("label").required = c2i;
   if (c2i) $("label").max = info.num_classes - 1;
   else $("prompt").maxLength = info.max_prompt_chars;
+  // Emu3 guides with a negative prompt: its own shows as the placeholder, and an empty field sends none.
+  $("negative-row").hidden = info.negative_prompt === null;
+  if (info.negative_prompt !== null) {
+    $("negative_prompt").placeholder = info.negative_prompt;
+    $("negative_prompt").maxLength = info.max_prompt_chars;
+  }
   for (const m of methods.methods) {
     const option = new Option(m.name + (m.lossless ? " (lossless)" : ""), m.name, m.default, m.default);
     $("method").add(option);
@@ -43,6 +49,9 @@ function requestBody(method) {
   const body = { method, seed: parseInt($("seed").value || "0", 10), stream: true, preview_every: 2 };
   if (model.kind === "c2i") body.label = parseInt($("label").value, 10);
   else body.prompt = $("prompt").value;
+  if (model.negative_prompt !== null && $("negative_prompt").value.trim() !== "") {
+    body.negative_prompt = $("negative_prompt").value;
+  }
   for (const [id, parse] of [["temperature", parseFloat], ["top_k", (v) => parseInt(v, 10)], ["cfg_scale", parseFloat]]) {
     const value = $(id).value.trim();
     if (value === "") continue;
