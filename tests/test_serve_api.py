@@ -369,7 +369,8 @@ def test_health_and_the_methods_of_this_model(client: TestClient) -> None:
     assert {"ar", "sd", "sjd-coupled"} <= lossless and not {"lantern++", "pjd", "gsd"} & lossless
     assert client.get("/v1/model").json() == {"model": "digits", "kind": "c2i", "num_classes": 10,
                                               "image_tokens": 64, "max_images_per_request": 4,
-                                              "max_prompt_chars": 50, "deterministic": True}
+                                              "max_prompt_chars": 50, "deterministic": True,
+                                              "negative_prompt": None}
 
 
 def test_a_model_without_drafter_or_table_offers_only_what_it_can_run() -> None:
