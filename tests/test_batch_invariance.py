@@ -117,6 +117,42 @@ def test_the_chunk_size_skips_sizes_whose_rows_depend_on_their_position(monkeypa
     assert invariant.invariant_chunks(torch.randn(32, 16))[0] in invariant.CANDIDATE_ROWS
 
 
+def halves_from(rows_at_least: int) -> Callable[..., Tensor]:
+    """A bfloat16 linear kernel that sums a row's products in float32 and rounds once, one row per
+    call; in calls of ``rows_at_least`` rows or more it adds the two halves of the inputs apart (a
+    kernel that blocks the reduction by the call size): float32 sums a few ulps apart."""
+    real = F.linear
+
+    def kernel(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        xf, wf, h = x.float(), w.float(), x.shape[1] // 2
+        split = x.shape[0] >= rows_at_least
+        out = torch.cat([real(row[None, :h], wf[:, :h]) + real(row[None, h:], wf[:, h:]) if split
+                         else real(row[None], wf) for row in xf])
+        return (out if b is None else out + b.float()).to(x.dtype)
+
+    return kernel
+
+
+def test_the_probe_sees_a_summation_order_that_bfloat16_rounding_hides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call size that adds a row's products in another order moves a bfloat16 output only where the
+    float32 sums round apart, about never for random rows: the probe's rows cancel in pairs, so the
+    order shows, and the sizes from 40 rows are refused (on a Xeon with AMX a 704-in layer's 40- to
+    64-row calls were such sizes, and one greedy ``sd`` row on ``digits`` in 4 left greedy AR).
+    Power: random rows see no difference there, the probe's rows most outputs."""
+    kernel = halves_from(40)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 704, generator=gen).bfloat16()
+    x = torch.randn(64, 704, generator=gen).bfloat16()
+    assert torch.equal(kernel(x, weight)[:8], kernel(x[:8], weight))
+    probe = invariant._CancellingSums.like(weight, None, gen)
+    rows = probe.rows(gen, 64)
+    assert (kernel(rows, probe.weight)[:8] != kernel(rows[:8], probe.weight)).float().mean() > 0.3
+    monkeypatch.setattr(invariant, "_probed", {})
+    monkeypatch.setattr(invariant.F, "linear", kernel)
+    assert invariant.invariant_chunks(weight) == (8, 16, 24, 32)
+    assert invariant.invariant_single_calls(weight) == tuple(range(1, 40))
+
+
 def test_a_larger_call_is_kept_only_where_it_gives_a_row_the_smallest_calls_bits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose 32-row calls give every row other bits (a size-driven kernel choice, as

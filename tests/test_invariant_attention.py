@@ -13,6 +13,7 @@ end-to-end, float-level and decoder tests (the planted ones test the probe's log
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +27,8 @@ import lantern
 from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
 from lantern.methods import METHOD_TABLE
-from lantern.models import invariant
-from lantern.models.attention import attend
+from lantern.models import attention, invariant
+from lantern.models.attention import attend, split_tail
 from lantern.models.chameleon import ChameleonLM
 from lantern.models.invariant import AttentionCalls, attention_calls, key_granule, make_batch_invariant, round_up
 
@@ -188,7 +189,112 @@ def test_a_kernel_that_never_agrees_gets_a_warning_and_the_most_careful_calls(mo
 
     with pytest.warns(UserWarning, match="other bits at every key granule"):
         calls = _probe_with(monkeypatch, kernel)
-    assert calls == AttentionCalls((1,), invariant.KEY_GRANULES[-1], False)
+    assert calls == AttentionCalls((1,), invariant.KEY_GRANULES[-1], False, invariant.TAIL_KEYS)
+
+
+def test_split_tail_parts_a_querys_keys_into_its_head_and_its_last_keys_in_order() -> None:
+    """A query's last ``tail`` attended keys, in order and wherever they sit (the last in the last
+    slot), and the rest as its head; a query with fewer keys fills the last slots only."""
+    mask = torch.zeros(1, 3, 10, dtype=torch.bool)
+    mask[0, 0, :4] = True  # side by side (an AR step): head 0-1, tail 2, 3
+    mask[0, 1, [0, 1, 2, 6, 9]] = True  # a tree node: its ancestors 6 and 9 among masked siblings
+    mask[0, 2, 5] = True  # one key: no head
+    head, index, valid = split_tail(mask, 2)
+    assert head[0].nonzero().tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]]
+    assert index[0, :2].tolist() == [[2, 3], [6, 9]] and index[0, 2, 1] == 5
+    assert valid[0].tolist() == [[True, True], [True, True], [False, True]]
+
+
+def _query_in_two_layouts(gen: torch.Generator, dtype: torch.dtype, calls: AttentionCalls, prefix: int, depth: int
+                          ) -> tuple[Tensor, Tensor]:
+    """One query (4 heads of 64) whose keys are a ``prefix`` and ``depth`` more, through ``attend``:
+    an AR step's layout (the keys side by side, the query alone, over the fewest granules that hold
+    them) and a tree's (the last ``depth`` keys among masked random siblings after the prefix, the
+    query at position 17 of a 35-query call over a cache one granule longer)."""
+    keys = prefix + depth
+    q, k, v = (torch.randn(1, 4, n, 64, generator=gen).to(dtype) for n in (1, keys, keys))
+    short = invariant.round_up(keys, calls.keys)
+    mask = torch.zeros(1, 1, short, dtype=torch.bool)
+    mask[..., :keys] = True
+    pad = (0, 0, 0, short - keys)
+    ar = attend(q, F.pad(k, pad), F.pad(v, pad), mask, calls=calls)[0, :, 0]
+    slots = prefix + torch.randperm(40, generator=gen)[:depth].sort().values
+    long = short + calls.keys
+    tk, tv = (torch.randn(1, 4, long, 64, generator=gen).to(dtype) for _ in range(2))
+    tq = torch.randn(1, 4, 35, 64, generator=gen).to(dtype)
+    tmask = torch.rand(1, 35, long, generator=gen) < 0.5
+    tk[:, :, :prefix], tv[:, :, :prefix] = k[:, :, :prefix], v[:, :, :prefix]
+    tk[:, :, slots], tv[:, :, slots] = k[:, :, prefix:], v[:, :, prefix:]
+    tq[:, :, 17], tmask[0, 17] = q[:, :, 0], False
+    tmask[0, 17, :prefix] = tmask[0, 17, slots] = True
+    tree = attend(tq, tk, tv, tmask, calls=calls)[0, :, 17]
+    return ar, tree
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_querys_bits_do_not_depend_on_where_its_last_keys_sit(dtype: torch.dtype) -> None:
+    """This machine's kernel through ``attend`` with its probed calls: a query whose last 1-5 keys
+    sit among masked siblings (a tree node's ancestors) has the bits it has with them side by side
+    (an AR step), 40 cases (on a Xeon with AMX, in bfloat16, one greedy ``sjd-pac`` row on
+    ``digits`` in 8 left greedy AR before the tail was taken out of the kernel call)."""
+    calls = attention_calls(4, 64, dtype, torch.device("cpu"))
+    assert calls.tail == invariant.TAIL_KEYS
+    gen = torch.Generator().manual_seed(7)
+    for case in range(40):
+        prefix, depth = int(torch.randint(1, 400, (1,), generator=gen)), 1 + case % 5
+        ar, tree = _query_in_two_layouts(gen, dtype, calls, prefix, depth)
+        assert torch.equal(ar, tree), (case, prefix, depth)
+
+
+def _slot_planted(kernel: Callable[..., Any], lse: bool) -> Callable[..., Any]:
+    """``kernel`` plus 1e-3 times the slot of each query's last attended key: a kernel whose
+    rounding follows where the keys sit (``attn_mask`` bool, or a float bias with -inf)."""
+
+    def planted(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, **kw: Any) -> Any:
+        result = kernel(q, k, v, attn_mask=attn_mask, **kw)
+        attended = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        last = (attended * torch.arange(k.shape[2])).amax(-1)  # [N, 1, T]
+        if not lse:
+            return result + 1e-3 * last[..., None].to(result.dtype)
+        return result[0] + 1e-3 * last[..., None].to(result[0].dtype), result[1]
+
+    return planted
+
+
+def test_the_tail_keeps_a_query_from_a_kernel_that_rounds_by_key_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power of the test above on any machine: a planted kernel whose result follows the slot of a
+    query's last attended key gives a tree node other bits than its AR step when the kernel sees
+    all of its keys (no tail), and the same bits with the tail taken out."""
+    native = attention_calls(4, 64, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _slot_planted(_SDPA, lse=False))
+    monkeypatch.setattr(attention, "_flash_with_lse", _slot_planted(attention._flash_with_lse, lse=True))
+    for calls, same in ((native, True), (dataclasses.replace(native, tail=0), False)):
+        gen = torch.Generator().manual_seed(3)
+        outcomes = {torch.equal(*_query_in_two_layouts(gen, torch.float32, calls, 100 + 37 * i, 3)) for i in range(4)}
+        assert outcomes == {same}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_a_tail_is_attention(dtype: torch.dtype) -> None:
+    """``attend`` with its head and tail computed apart is softmax attention: against one fused call,
+    in a batch of 3 with 40 queries, some with fewer keys than the tail (no head) and some over
+    masked gaps."""
+    calls = attention_calls(4, 64, dtype, torch.device("cpu"))
+    q, k, v, mask = _random_attention(torch.Generator().manual_seed(4), 3, 40, calls.keys, dtype)
+    mask[0, :5, 20:] = False  # 20 or fewer keys: all tail
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(attend(q, k, v, mask, calls=calls), attend(q, k, v, mask), **tol)
+
+
+@pytest.mark.slow
+def test_a_compiled_attention_with_a_tail_gives_the_eager_bits() -> None:
+    """The tail's arithmetic is one opaque op, so a compiled round runs the eager ops (inductor
+    would fuse its own reductions): the same bits compiled as eager, bfloat16."""
+    calls = attention_calls(4, 64, torch.bfloat16, torch.device("cpu"))
+    q, k, v, mask = _random_attention(torch.Generator().manual_seed(5), 2, 12, calls.keys, torch.bfloat16)
+    compiled = torch.compile(lambda *a: attend(*a, calls=calls), fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(q, k, v, mask), attend(q, k, v, mask, calls=calls))
 
 
 def _chameleon_hidden(lm: ChameleonLM, ids: Tensor, prompt: int, keys: int, one_at_a_time: bool) -> Tensor:

@@ -145,38 +145,81 @@ def _randn(gen: torch.Generator, like: Tensor, *shape: int) -> Tensor:
     return torch.randn(*shape, generator=gen).to(like.device, like.dtype)
 
 
-def _row_in_a_call(weight: Tensor, bias: Tensor | None, rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """A random row and its output at position 0 of a ``rows``-row call among random rows."""
-    k = weight.shape[1]
-    probe = _randn(gen, weight, 1, k)[0]
-    first = _randn(gen, weight, rows, k)
+# A reduced-precision output hides the order of its sums: kernels that add a row's products in
+# other orders give float32 sums a few float32 ulps apart, and rounding to bfloat16 (8 bits) hides
+# that in all but about 1 output in 10^3 to 10^4, so random rows passed a call size that moved the
+# bits of real rows (measured on a Xeon with AMX: a 704-in layer's 64-row call, where 1 greedy
+# row in 8 on `digits` then left greedy AR). The probe's sums cancel instead: a quarter of the
+# inputs are large and sit in pairs (+a, -a) over equal weight columns, so the exact sum is that
+# of the small inputs while a float32 partial sum carries the large ones, whose rounding (which
+# depends on the order) is then a large part of the result: measured there, 8 % of the outputs
+# showed the 64-row call, random rows none.
+_CANCELLING_SCALE = {torch.float16: 2.0**10}  # float16 tops out at 65504; bfloat16 and float32 take 2^16
+_DEFAULT_CANCELLING_SCALE = 2.0**16
+
+
+@dataclass(frozen=True)
+class _CancellingSums:
+    """A probe layer (``weight``, ``bias``) whose columns ``first`` and ``second`` are equal, and
+    :meth:`rows` whose inputs there are large and opposite: every output is a sum of large
+    cancelling products and small ones, so its bits show the order the kernel added them in."""
+
+    weight: Tensor
+    bias: Tensor | None
+    first: Tensor  # [P] input indices
+    second: Tensor  # [P]
+
+    @classmethod
+    def like(cls, weight: Tensor, bias: Tensor | None, gen: torch.Generator) -> _CancellingSums:
+        k = weight.shape[1]
+        order = torch.randperm(k, generator=gen)
+        first, second = order[: k // 4], order[k // 4 : 2 * (k // 4)]
+        w = torch.randn(*weight.shape, generator=gen)
+        w[:, second] = w[:, first]
+        b = None if bias is None else _randn(gen, bias, *bias.shape)
+        return cls(w.to(weight.device, weight.dtype), b, first, second)
+
+    def rows(self, gen: torch.Generator, n: int) -> Tensor:
+        x = torch.randn(n, self.weight.shape[1], generator=gen)
+        scale = _CANCELLING_SCALE.get(self.weight.dtype, _DEFAULT_CANCELLING_SCALE)
+        x[:, self.first] = torch.randn(n, len(self.first), generator=gen) * scale
+        x[:, self.second] = -x[:, self.first]
+        return x.to(self.weight.device, self.weight.dtype)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _row_in_a_call(layer: _CancellingSums, rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """A probe row and its output at position 0 of a ``rows``-row call among other probe rows."""
+    probe = layer.rows(gen, 1)[0]
+    first = layer.rows(gen, rows)
     first[0] = probe
-    return probe, F.linear(first, weight, bias)[0]
+    return probe, layer(first)[0]
 
 
-def _same_at_every_position(weight: Tensor, bias: Tensor | None, rows: int, gen: torch.Generator) -> bool:
+def _same_at_every_position(layer: _CancellingSums, rows: int, gen: torch.Generator) -> bool:
     """Whether a row's output is bit-identical wherever it sits in a ``rows``-row call."""
-    probe, reference = _row_in_a_call(weight, bias, rows, gen)
+    probe, reference = _row_in_a_call(layer, rows, gen)
     for _ in range(_PROBE_TRIALS):
         for position in range(1, rows):
-            chunk = _randn(gen, weight, rows, weight.shape[1])
+            chunk = layer.rows(gen, rows)
             chunk[position] = probe
-            if not torch.equal(F.linear(chunk, weight, bias)[position], reference):
+            if not torch.equal(layer(chunk)[position], reference):
                 return False
     return True
 
 
-def _same_as_in_the_smallest_chunk(weight: Tensor, bias: Tensor | None, smallest: int, rows: int,
-                                   gen: torch.Generator) -> bool:
+def _same_as_in_the_smallest_chunk(layer: _CancellingSums, smallest: int, rows: int, gen: torch.Generator) -> bool:
     """Whether a row's output at every position of a ``rows``-row call is its output in a
     ``smallest``-row call, bit for bit. Each trial puts the row at every other position, among
-    random rows, so the trials cover every position in one call each (a GEMM's code path depends
-    on the shape and the position, never on the values)."""
-    probe, reference = _row_in_a_call(weight, bias, smallest, gen)
+    other probe rows, so the trials cover every position in one call each (a GEMM's code path
+    depends on the shape and the position, never on the values)."""
+    probe, reference = _row_in_a_call(layer, smallest, gen)
     for trial in range(_PROBE_TRIALS):
-        chunk = _randn(gen, weight, rows, weight.shape[1])
+        chunk = layer.rows(gen, rows)
         chunk[trial::_PROBE_TRIALS] = probe
-        out = F.linear(chunk, weight, bias)[trial::_PROBE_TRIALS]
+        out = layer(chunk)[trial::_PROBE_TRIALS]
         if not torch.equal(out, reference.expand_as(out)):
             return False
     return True
@@ -203,13 +246,12 @@ def at_every_thread_count(check: Callable[[], bool]) -> bool:
 
 def _probe(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     gen = torch.Generator().manual_seed(0)
-    w = _randn(gen, weight, *weight.shape)
-    b = None if bias is None else _randn(gen, bias, *bias.shape)
+    layer = _CancellingSums.like(weight, bias, gen)
     smallest = next(r for r in candidate_rows(weight.device)
-                    if r == 1 or at_every_thread_count(functools.partial(_same_at_every_position, w, b, r, gen)))
+                    if r == 1 or at_every_thread_count(functools.partial(_same_at_every_position, layer, r, gen)))
 
     def same(r: int) -> bool:
-        return at_every_thread_count(functools.partial(_same_as_in_the_smallest_chunk, w, b, smallest, r, gen))
+        return at_every_thread_count(functools.partial(_same_as_in_the_smallest_chunk, layer, smallest, r, gen))
 
     larger = [r for r in larger_calls(smallest, largest_call_rows(weight.device)) if same(r)]
     single = [r for r in single_calls(smallest, weight.device) if r in larger or same(r)]
@@ -267,6 +309,14 @@ CUDA_ATTENTION_QUERY_CANDIDATES = (64, 32, 16, 8, 4, 2, 1)
 # their split of the keys by batch x heads (FlashAttention's split-KV heuristic), ATen's CPU one
 # runs each (row, head, query block) alone.
 ATTENTION_ROW_COUNTS = (2, 3, 8)
+# A query's last attended keys computed apart from the rest (``lantern.models.attention``): a tree
+# puts a node's ancestors between its siblings, so the same keys sit at other cache slots than in
+# an AR step, and a kernel that sums keys in tiles rounds them apart (measured: ATen's CPU kernel
+# with AMX, bfloat16, one greedy `sjd-pac` row on `digits` in 8). The tail is the query's last 32
+# keys wherever they sit, so a tree whose branches run fewer than 32 tokens below their first
+# fork is covered (`sjd-pac`'s run 2 deep; EAGLE and LANTERN++ trees about 6). CUDA keeps one
+# kernel call until a device run checks the tail's head-and-merge path there.
+TAIL_KEYS = 32
 
 
 @dataclass(frozen=True)
@@ -277,11 +327,15 @@ class AttentionCalls:
     forward's queries are zero-padded to a multiple of it and cut by :func:`call_sizes`).
     ``keys``: the key-axis granule; a cache holds a multiple of it (:func:`key_granule`), so that
     a cache sized for a larger tree only adds whole blocks of masked keys, which leave a query's
-    bits alone. ``rows_free``: whether a call may hold any number of rows (else one row per call)."""
+    bits alone. ``rows_free``: whether a call may hold any number of rows (else one row per call).
+    ``tail``: how many of a query's last attended keys are computed apart from the kernel, in a
+    layout that does not depend on where they sit in the cache (0: none; :data:`TAIL_KEYS` on a
+    CPU)."""
 
     queries: tuple[int, ...]
     keys: int
     rows_free: bool
+    tail: int = 0
 
 
 def _probe_key_ends(granule: int) -> tuple[int, ...]:
@@ -381,7 +435,7 @@ def _probe_attention(heads: int, head_dim: int, like: Tensor) -> AttentionCalls:
                   f"every key granule up to {KEY_GRANULES[-1]}: batch-invariant mode calls it one query and one "
                   "row at a time, and a cache sized for another tree may still change a query's last bits",
                   stacklevel=2)
-    return AttentionCalls((1,), KEY_GRANULES[-1], False)
+    return AttentionCalls((1,), KEY_GRANULES[-1], False, tail_keys(like.device))
 
 
 def _calls_from(cases: list[_AttentionCase], granule: int, smallest: int, device: torch.device) -> AttentionCalls:
@@ -403,7 +457,12 @@ def _calls_from(cases: list[_AttentionCase], granule: int, smallest: int, device
               if at_every_thread_count(functools.partial(same, r))]
     rows_free = all(alone_in_a_batch(case, rows, row)
                     for case in short for rows in ATTENTION_ROW_COUNTS for row in range(rows))
-    return AttentionCalls((smallest, *larger), granule, rows_free)
+    return AttentionCalls((smallest, *larger), granule, rows_free, tail_keys(device))
+
+
+def tail_keys(device: torch.device) -> int:
+    """:data:`TAIL_KEYS` on a CPU, 0 on CUDA (see there)."""
+    return TAIL_KEYS if device.type == "cpu" else 0
 
 
 # (heads, head dim, dtype, device) -> AttentionCalls, found once per process
