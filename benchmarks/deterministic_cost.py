@@ -3,7 +3,7 @@ a deterministic pipeline, side by side in one process, in rotating order (drift 
 
     python benchmarks/deterministic_cost.py --model photos --methods ar,lantern++,sjd-coupled \
         --batch-sizes 1,8 --images 8 --repeats 3 [--compile default] [--no-single-calls] [--smallest-calls] \
-        [--fused-attention]
+        [--fused-attention] [--no-tail]
 
 Prints, per method and batch size, the median wall seconds per image of each mode and their ratio.
 ``--no-single-calls`` adds a deterministic pipeline whose layers pad every call to a multiple of
@@ -11,18 +11,21 @@ their smallest chunk (how the mode chunked rows before the single-call sizes wer
 CPU), ``--smallest-calls`` one held to its smallest chunk alone (before larger calls were
 probed), ``--fused-attention`` one whose attention is one fused call over the cache the tree
 needs (the mode before its attention was held to probed shapes: batch-invariant, but a query's
-bits then follow the query count and the cache length), to show what each saves.
+bits then follow the query count and the cache length), ``--no-tail`` one whose attention keeps a
+query's last keys in the kernel call (the mode before the tail: a tree node's bits then follow
+where its ancestors sit), to show what each saves.
 Run it alone on the machine: timings on a busy machine lie.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import lantern
-from lantern.models.invariant import RowChunkedLinear
+from lantern.models.invariant import AttentionCalls, RowChunkedLinear
 
 
 def held_to(pipe: lantern.Pipeline, smallest_only: bool) -> lantern.Pipeline:
@@ -48,6 +51,16 @@ def fused_attention(pipe: lantern.Pipeline) -> lantern.Pipeline:
     return pipe
 
 
+def without_tail(pipe: lantern.Pipeline) -> lantern.Pipeline:
+    """``pipe`` with every attention layer's keys all in its kernel calls (no tail)."""
+    for net in (pipe.stack.network(), pipe.drafter):
+        for layer in [] if net is None else net.modules():
+            calls = getattr(layer, "attention_calls", None)
+            if isinstance(calls, AttentionCalls):
+                layer.attention_calls = dataclasses.replace(calls, tail=0)
+    return pipe
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="photos")
@@ -60,9 +73,10 @@ def main() -> None:
     p.add_argument("--no-single-calls", action="store_true")
     p.add_argument("--smallest-calls", action="store_true")
     p.add_argument("--fused-attention", action="store_true")
+    p.add_argument("--no-tail", action="store_true")
     args = p.parse_args()
     variants = {"no single calls": args.no_single_calls, "smallest calls": args.smallest_calls,
-                "fused attention": args.fused_attention}
+                "fused attention": args.fused_attention, "no tail": args.no_tail}
     pipes = {mode: lantern.load(args.model, compile=args.compile, dtype=args.dtype, deterministic=mode != "default")
              for mode in ("default", "deterministic", *(v for v, asked in variants.items() if asked))}
     for v in ("no single calls", "smallest calls"):
@@ -70,6 +84,8 @@ def main() -> None:
             held_to(pipes[v], smallest_only=v == "smallest calls")
     if "fused attention" in pipes:
         fused_attention(pipes["fused attention"])
+    if "no tail" in pipes:
+        without_tail(pipes["no tail"])
     modes = list(pipes)
     labels = [i % (pipes["default"].stack.num_classes or 1) for i in range(args.images)]
     print(f"{'method':<12} {'batch':>5} " + " ".join(f"{m + ' s/img':>20} {'ratio':>6}" for m in modes))

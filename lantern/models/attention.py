@@ -10,13 +10,13 @@ axis is the cache's, whose length is a multiple of the probed granule (the targe
 
 What the probe cannot fix is where a query's keys sit: a tree writes a node's ancestors after the
 committed prefix with its siblings between them, where an AR step finds the same keys side by
-side, and a kernel that sums the keys in tiles (ATen's CPU kernel with AMX: tiles of 32) adds them
-in other groups. So, where ``calls.tail`` is set, a query's last ``tail`` attended keys (all of a
-node's ancestors in any tree branching less deeply than that) are taken out of the kernel call:
-the kernel attends to the rest, which lie side by side from slot 0 in a tree as in an AR step,
-and returns its log-sum-exp; the tail is gathered into ``tail`` slots in sequence order and
-merged with it by :func:`attend_tail`, an opaque op of float32 arithmetic in a fixed order, so a
-query's bits depend on its keys and their order, not on their slots.
+side, and a kernel that sums the keys in tiles (ATen's CPU kernel with AMX) adds them in other
+groups. So, where ``calls.tail`` is set, a query's last ``tail`` attended keys (all of a node's
+ancestors in any tree branching less deeply than that) leave its kernel call: the kernel attends
+to the rest, which lie side by side from slot 0 in a tree as in an AR step; the tail is gathered
+into a row of its own per query, in sequence order, which the kernel attends to at one shape for
+every query; :func:`merge_tail` joins the two by their log-sum-exps. A query's bits then depend on
+its keys and their order, not on their slots.
 """
 
 from __future__ import annotations
@@ -39,11 +39,31 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, dropout_p=dropout_p)
     if not calls.tail or dropout_p:
         return _fixed_calls(q, k, v, mask, scale, calls, dropout_p)[0]
-    head, index, valid = split_tail(mask, calls.tail)
+    head, index, valid, has_head = _split_once(mask, calls.tail)
     out, lse = _fixed_calls(q, k, v, head, scale, calls, with_lse=True)
     assert lse is not None
-    kt, vt = (_gather_keys(x, index) for x in (k, v))
-    return attend_tail(q, kt, vt, valid, out, lse, head.any(-1), q.shape[-1] ** -0.5 if scale is None else scale)
+    tail_out, tail_lse = _attend_tail(q, k, v, index, valid, scale, calls)
+    return merge_tail(out, lse, tail_out, tail_lse, has_head)
+
+
+# A forward hands every layer the same mask, built before its layers and never changed in place:
+# eager, its split is made once, for the last mask seen (held here, so that no other tensor can
+# take its identity).
+_last_split: list[tuple[Tensor, int, tuple[Tensor, Tensor, Tensor, Tensor]]] = []
+
+
+def _split_once(mask: Tensor, tail: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`split_tail` and whether each query has a head [N, T], once per mask in eager code."""
+    if torch.compiler.is_compiling():
+        head, index, valid = split_tail(mask, tail)
+        return head, index, valid, head.any(-1)
+    last = _last_split[0] if _last_split else None
+    if last is not None and last[0] is mask and last[1] == tail:
+        return last[2]
+    head, index, valid = split_tail(mask, tail)
+    parts = (head, index, valid, head.any(-1))
+    _last_split[:] = [(mask, tail, parts)]
+    return parts
 
 
 # ATen's CPU flash kernel, what ``F.scaled_dot_product_attention`` runs on a CPU, called directly for
@@ -102,76 +122,64 @@ def split_tail(mask: Tensor, tail: int) -> tuple[Tensor, Tensor, Tensor]:
     return head, index.clamp(max=mask.shape[-1] - 1), valid
 
 
-def _gather_keys(x: Tensor, index: Tensor) -> Tensor:
-    """x [N, H, S, Dh] at index [N, T, W] -> [N, H, T, W, Dh]."""
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [N, H, S, Dh] at index [N, T, W] -> [N * T, H, W, Dh] (one row per query): whole Dh-rows
+    picked out of x's storage by one ``index_select`` (a cache's keys are a slice of it; ``gather``
+    with an index expanded over Dh took 15x as long)."""
     n, h, _, d = x.shape
     t, w = index.shape[1:]
-    flat = index.reshape(n, 1, t * w, 1).expand(n, h, t * w, d)
-    return x.gather(2, flat).view(n, h, t, w, d)
+    if x.stride(-1) != 1 or x.stride(-2) != d or x.stride(0) % d or x.stride(1) % d:
+        x = x.contiguous()
+    row, head = x.stride(0) // d, x.stride(1) // d  # in Dh-rows
+    first = torch.arange(n, device=x.device)[:, None] * row + torch.arange(h, device=x.device)[None, :] * head
+    rows = first[:, None, :, None] + index[:, :, None, :]  # [N, T, H, W]
+    span = (n - 1) * row + (h - 1) * head + x.shape[2]
+    return x.as_strided((span, d), (d, 1)).index_select(0, rows.reshape(-1)).view(n * t, h, w, d)
 
 
-# The tail's arithmetic is the same float ops for a query whatever the rows beside it, their count
-# and the thread count: products and sums are exactly rounded IEEE ops, the same in a vector lane
-# or a scalar loop, and every sum adds halves elementwise in one fixed order (a reduction kernel
-# would choose its order by shape); the one transcendental op, softmax's exp, runs row by row in
-# ATen (a row never split between threads) over rows 64 wide, whole vectors on AVX2 and AVX-512.
-# Row blocks bound the float32 products held at once.
-_TAIL_BLOCK_ELEMENTS = 1 << 22
-_SOFTMAX_WIDTH = 64
-
-
-def _halving_sum(x: Tensor) -> Tensor:
-    """``x`` summed over its last dim in one fixed order: the dim zero-padded to a power of two,
-    then halves added elementwise (each add exactly rounded, wherever the element sits)."""
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        x = F.pad(x, (0, width - n))
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
-
-
-def _attend_tail_rows(q: Tensor, kt: Tensor, vt: Tensor, valid: Tensor, head_out: Tensor,
-                      head_lse: Tensor, scale: float) -> Tensor:
-    """Rows [R] of float32: q [R, D], kt / vt [R, W, D], valid [R, W], head_out [R, D], head_lse [R]
-    (-inf: no head) -> [R, D]."""
-    r, w = valid.shape
-    scores = _halving_sum(q[:, None, :] * kt) * scale  # [R, W]
-    logits = torch.full((r, _SOFTMAX_WIDTH), float("-inf"), dtype=torch.float32, device=q.device)
-    logits[:, :w] = scores.masked_fill(~valid, float("-inf"))
-    logits[:, w] = head_lse
-    p = torch.softmax(logits, -1)
-    tail = _halving_sum((p[:, :w, None] * vt).transpose(1, 2))  # [R, D]
-    return tail + p[:, w, None] * head_out
-
-
-@torch.library.custom_op("lantern::attend_tail", mutates_args=())
-def attend_tail(q: Tensor, kt: Tensor, vt: Tensor, valid: Tensor, head_out: Tensor, head_lse: Tensor,
-                has_head: Tensor, scale: float) -> Tensor:
-    """Attention of queries q [N, H, T, D] over their head (the kernel's output and log-sum-exp
-    [N, H, T], used where ``has_head`` [N, T]) and their tail keys kt / vt [N, H, T, W, D] (slots
-    where ``valid`` [N, T, W]): softmax over the tail's scores and the head's log-sum-exp, in
-    float32. An opaque op, so that a compiled round runs these very ops (inductor would fuse them
-    in an order of its own)."""
+def _attend_tail(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor, scale: float | None,
+                 calls: AttentionCalls) -> tuple[Tensor, Tensor]:
+    """Each query over its tail alone: one row per query holding its ``W`` tail keys in order, the
+    same shape for every query (its one query padded to the probed smallest call, in a batch the
+    probe found free, else a call of its own). Returns the output and log-sum-exp, [N, H, T, ...]."""
     n, h, t, d = q.shape
-    w = kt.shape[3]
-    if w + 1 > _SOFTMAX_WIDTH:
-        raise ValueError(f"attend_tail takes at most {_SOFTMAX_WIDTH - 1} tail keys, got {w}")
-    lse = head_lse.float().masked_fill(~has_head[:, None], float("-inf"))
-    head_out = head_out.float().masked_fill(~has_head[:, None, :, None], 0.0)  # a keyless query's may be NaN
-    qf, kf, vf = q.float().reshape(-1, d), kt.float().reshape(-1, w, d), vt.float().reshape(-1, w, d)
-    validf = valid[:, None].expand(n, h, t, w).reshape(-1, w)
-    outf, lsef = head_out.reshape(-1, d), lse.reshape(-1)
-    block = max(1, _TAIL_BLOCK_ELEMENTS // (w * d))
-    out = torch.cat([_attend_tail_rows(qf[i : i + block], kf[i : i + block], vf[i : i + block], validf[i : i + block],
-                                       outf[i : i + block], lsef[i : i + block], scale)
-                     for i in range(0, n * h * t, block)])
-    return out.view(n, h, t, d).to(q.dtype)
+    w = index.shape[2]
+    rows = q.transpose(1, 2).reshape(n * t, h, 1, d)
+    out, lse = _fixed_calls(rows, _gather_rows(k, index), _gather_rows(v, index), valid.reshape(n * t, 1, w),
+                            scale, calls, with_lse=True)
+    assert lse is not None
+    return out.view(n, t, h, d).transpose(1, 2), lse.view(n, t, h).transpose(1, 2)
 
 
-@attend_tail.register_fake
-def _(q: Tensor, kt: Tensor, vt: Tensor, valid: Tensor, head_out: Tensor, head_lse: Tensor,
-      has_head: Tensor, scale: float) -> Tensor:
-    return torch.empty_like(q)
+# The merge's weights are a softmax over rows 64 wide (the head's and the tail's log-sum-exp, then
+# -inf): ATen computes a softmax row by row, never splitting one between threads, and a 64-wide
+# float32 row is whole vectors on AVX2 and AVX-512, so a query's weights do not depend on the rows
+# beside it; the rest is exactly rounded products and one sum.
+_MERGE_WIDTH = 64
+
+
+def merge_tail(head_out: Tensor, head_lse: Tensor, tail_out: Tensor, tail_lse: Tensor, has_head: Tensor) -> Tensor:
+    """Attention over a query's head and its tail from the two parts' outputs [N, H, T, D] and
+    log-sum-exps [N, H, T] (the head only where ``has_head`` [N, T]). Compiled, an opaque op
+    (:func:`_merge_tail_op`) runs these very ops (inductor would generate its own exp and sums);
+    eager, they run without the op's dispatch."""
+    if torch.compiler.is_compiling():
+        return _merge_tail_op(head_out, head_lse, tail_out, tail_lse, has_head)
+    return _merge_tail(head_out, head_lse, tail_out, tail_lse, has_head)
+
+
+def _merge_tail(head_out: Tensor, head_lse: Tensor, tail_out: Tensor, tail_lse: Tensor, has_head: Tensor) -> Tensor:
+    no_head = ~has_head[:, None]  # [N, 1, T]
+    logits = torch.stack([head_lse.float().masked_fill(no_head, float("-inf")), tail_lse.float()], -1)
+    weights = torch.softmax(F.pad(logits, (0, _MERGE_WIDTH - 2), value=float("-inf")), -1)
+    head = head_out.float().masked_fill(no_head[..., None], 0.0)  # a keyless query's output may be NaN
+    out = weights[..., 0, None] * head + weights[..., 1, None] * tail_out.float()
+    return out.to(tail_out.dtype).contiguous()
+
+
+_merge_tail_op = torch.library.custom_op("lantern::merge_tail", _merge_tail, mutates_args=())
+
+
+@_merge_tail_op.register_fake
+def _(head_out: Tensor, head_lse: Tensor, tail_out: Tensor, tail_lse: Tensor, has_head: Tensor) -> Tensor:
+    return torch.empty_like(tail_out, memory_format=torch.contiguous_format)

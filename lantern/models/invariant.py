@@ -312,11 +312,11 @@ ATTENTION_ROW_COUNTS = (2, 3, 8)
 # A query's last attended keys computed apart from the rest (``lantern.models.attention``): a tree
 # puts a node's ancestors between its siblings, so the same keys sit at other cache slots than in
 # an AR step, and a kernel that sums keys in tiles rounds them apart (measured: ATen's CPU kernel
-# with AMX, bfloat16, one greedy `sjd-pac` row on `digits` in 8). The tail is the query's last 32
-# keys wherever they sit, so a tree whose branches run fewer than 32 tokens below their first
-# fork is covered (`sjd-pac`'s run 2 deep; EAGLE and LANTERN++ trees about 6). CUDA keeps one
-# kernel call until a device run checks the tail's head-and-merge path there.
-TAIL_KEYS = 32
+# with AMX, bfloat16, one greedy `sjd-pac` row on `digits` in 8). A tree whose branches run fewer
+# than 16 tokens below their first fork is covered (`sjd-pac`'s run 2 deep, EAGLE's default 4).
+# 16, not more: the tail's own calls cost per query (a 16 x 35-query layer: 32 keys 13 ms, 8 keys
+# 10 ms, none 2.5 ms). CUDA keeps one kernel call until a device run checks the tail path there.
+TAIL_KEYS = 16
 
 
 @dataclass(frozen=True)
