@@ -288,6 +288,17 @@ def test_attention_with_a_tail_is_attention(dtype: torch.dtype) -> None:
     torch.testing.assert_close(attend(q, k, v, mask, calls=calls), attend(q, k, v, mask), **tol)
 
 
+def test_a_mask_changed_in_place_gets_its_own_split() -> None:
+    """A forward's layers share one split of its mask, but a mask buffer reused in place (a static
+    buffer) is another mask: the second call attends as over a fresh tensor of its contents."""
+    calls = attention_calls(4, 64, torch.float32, torch.device("cpu"))
+    q, k, v, mask = _random_attention(torch.Generator().manual_seed(6), 2, 6, calls.keys, torch.float32)
+    first = attend(q, k, v, mask, calls=calls)
+    mask[:, :, 100:] = False
+    again = attend(q, k, v, mask, calls=calls)
+    assert torch.equal(again, attend(q, k, v, mask.clone(), calls=calls)) and not torch.equal(again, first)
+
+
 @pytest.mark.slow
 def test_a_compiled_attention_with_a_tail_gives_the_eager_bits() -> None:
     """The merge of head and tail is one opaque op, so a compiled round runs the eager ops (inductor

@@ -46,9 +46,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None
     return merge_tail(out, lse, tail_out, tail_lse, has_head)
 
 
-# A forward hands every layer the same mask, built before its layers and never changed in place:
-# eager, its split is made once, for the last mask seen (held here, so that no other tensor can
-# take its identity).
+# A forward hands every layer the same mask: eager, its split is made once and kept for a mask of
+# the same contents (compared, not trusted by identity: a buffer reused in place is another mask).
 _last_split: list[tuple[Tensor, int, tuple[Tensor, Tensor, Tensor, Tensor]]] = []
 
 
@@ -58,11 +57,12 @@ def _split_once(mask: Tensor, tail: int) -> tuple[Tensor, Tensor, Tensor, Tensor
         head, index, valid = split_tail(mask, tail)
         return head, index, valid, head.any(-1)
     last = _last_split[0] if _last_split else None
-    if last is not None and last[0] is mask and last[1] == tail:
+    if (last is not None and last[1] == tail and last[0].shape == mask.shape and last[0].device == mask.device
+            and torch.equal(last[0], mask)):
         return last[2]
     head, index, valid = split_tail(mask, tail)
     parts = (head, index, valid, head.any(-1))
-    _last_split[:] = [(mask, tail, parts)]
+    _last_split[:] = [(mask.clone(), tail, parts)]
     return parts
 
 
