@@ -288,6 +288,56 @@ def test_attention_with_a_tail_is_attention(dtype: torch.dtype) -> None:
     torch.testing.assert_close(attend(q, k, v, mask, calls=calls), attend(q, k, v, mask), **tol)
 
 
+def _pairwise(values: list[float]) -> float:
+    """The float32 sum of ``values`` in :func:`attention._ordered_sum`'s order: the last half added
+    to the first, an odd middle term carried."""
+    xs = [torch.tensor(x, dtype=torch.float32) for x in values]
+    while len(xs) > 1:
+        half = len(xs) // 2
+        xs = [xs[i] + xs[len(xs) - half + i] for i in range(half)] + (xs[half : half + 1] if len(xs) % 2 else [])
+    return float(xs[0])
+
+
+@pytest.mark.parametrize("size", [64, 16, 13])
+def test_the_tail_sums_in_one_fixed_order(size: int) -> None:
+    """The tail's sums (over a head's 64 dims, over its 16 keys) follow one order, that of
+    :func:`_pairwise` on scalars, for 200 rows in one call; power: ATen's own sum rounds some of
+    the same rows apart (another order), so the check can tell orders apart."""
+    x = torch.randn(200, size, generator=torch.Generator().manual_seed(8)) * torch.logspace(-3, 3, size)
+    ours = attention._ordered_sum(x.clone(), -1)
+    want = torch.tensor([_pairwise(row.tolist()) for row in x])
+    assert torch.equal(ours, want)
+    assert not torch.equal(x.sum(-1), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_querys_tail_does_not_depend_on_the_queries_and_rows_beside_it(dtype: torch.dtype) -> None:
+    """``with_tail`` for one query alone (an AR step) and in a batch of 3 rows x 35 queries at 1 and
+    2 threads: the same bits (its ops are elementwise, a row-by-row softmax and fixed-order sums)."""
+    gen = torch.Generator().manual_seed(9)
+    n, t, h, w, d = 3, 35, 4, invariant.TAIL_KEYS, 64
+    q = torch.randn(n, h, t, d, generator=gen).to(dtype)
+    tail_k, tail_v = (torch.randn(n, t, h, w, d, generator=gen).to(dtype) for _ in range(2))
+    valid = torch.rand(n, t, w, generator=gen) < 0.8
+    valid[..., -1] = True
+    head_out = torch.randn(n, h, t, d, generator=gen).to(dtype)
+    head_lse = torch.randn(n, h, t, generator=gen) * 4
+    has_head = torch.rand(n, t, generator=gen) < 0.7
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            batch = attention.with_tail(q, tail_k, tail_v, valid, head_out, head_lse, has_head, 0.125)
+            for i, j in ((0, 0), (1, 17), (2, 34)):
+                alone = attention.with_tail(q[i : i + 1, :, j : j + 1], tail_k[i : i + 1, j : j + 1],
+                                            tail_v[i : i + 1, j : j + 1], valid[i : i + 1, j : j + 1],
+                                            head_out[i : i + 1, :, j : j + 1], head_lse[i : i + 1, :, j : j + 1],
+                                            has_head[i : i + 1, j : j + 1], 0.125)
+                assert torch.equal(alone[0, :, 0], batch[i, :, j]), (count, i, j)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_mask_changed_in_place_gets_its_own_split() -> None:
     """A forward's layers share one split of its mask, but a mask buffer reused in place (a static
     buffer) is another mask: the second call attends as over a fresh tensor of its contents."""
@@ -301,8 +351,9 @@ def test_a_mask_changed_in_place_gets_its_own_split() -> None:
 
 @pytest.mark.slow
 def test_a_compiled_attention_with_a_tail_gives_the_eager_bits() -> None:
-    """The merge of head and tail is one opaque op, so a compiled round runs the eager ops (inductor
-    would generate its own exp and sums): the same bits compiled as eager, bfloat16."""
+    """The tail's attention and its merge with the head are one opaque op, so a compiled round runs
+    the eager ops (inductor would fuse its own products, exps and sums): the same bits compiled as
+    eager, bfloat16."""
     calls = attention_calls(4, 64, torch.bfloat16, torch.device("cpu"))
     q, k, v, mask = _random_attention(torch.Generator().manual_seed(5), 2, 12, calls.keys, torch.bfloat16)
     compiled = torch.compile(lambda *a: attend(*a, calls=calls), fullgraph=True, dynamic=False)

@@ -13,10 +13,10 @@ committed prefix with its siblings between them, where an AR step finds the same
 side, and a kernel that sums the keys in tiles (ATen's CPU kernel with AMX) adds them in other
 groups. So, where ``calls.tail`` is set, a query's last ``tail`` attended keys (all of a node's
 ancestors in any tree branching less deeply than that) leave its kernel call: the kernel attends
-to the rest, which lie side by side from slot 0 in a tree as in an AR step; the tail is gathered
-into a row of its own per query, in sequence order, which the kernel attends to at one shape for
-every query; :func:`merge_tail` joins the two by their log-sum-exps. A query's bits then depend on
-its keys and their order, not on their slots.
+to the rest, which lie side by side from slot 0 in a tree as in an AR step, and returns their
+log-sum-exp; the tail is gathered in sequence order and :func:`with_tail` attends to it with
+elementwise float32 ops in one fixed order, joined to the kernel's part by one softmax. A query's
+bits then depend on its keys and their order, not on their slots, and its tail costs no kernel call.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None
     head, index, valid, has_head = _split_once(mask, calls.tail)
     out, lse = _fixed_calls(q, k, v, head, scale, calls, with_lse=True)
     assert lse is not None
-    tail_out, tail_lse = _attend_tail(q, k, v, index, valid, scale, calls)
-    return merge_tail(out, lse, tail_out, tail_lse, has_head)
+    n, h, t, d = q.shape
+    tail_k, tail_v = (_gather_rows(x, index).view(n, t, h, -1, d) for x in (k, v))
+    return with_tail(q, tail_k, tail_v, valid, out, lse, has_head, d**-0.5 if scale is None else scale)
 
 
 # A forward hands every layer the same mask: eager, its split is made once and kept for a mask of
@@ -137,49 +138,60 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.as_strided((span, d), (d, 1)).index_select(0, rows.reshape(-1)).view(n * t, h, w, d)
 
 
-def _attend_tail(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor, scale: float | None,
-                 calls: AttentionCalls) -> tuple[Tensor, Tensor]:
-    """Each query over its tail alone: one row per query holding its ``W`` tail keys in order, the
-    same shape for every query (its one query padded to the probed smallest call, in a batch the
-    probe found free, else a call of its own). Returns the output and log-sum-exp, [N, H, T, ...]."""
-    n, h, t, d = q.shape
-    w = index.shape[2]
-    rows = q.transpose(1, 2).reshape(n * t, h, 1, d)
-    out, lse = _fixed_calls(rows, _gather_rows(k, index), _gather_rows(v, index), valid.reshape(n * t, 1, w),
-                            scale, calls, with_lse=True)
-    assert lse is not None
-    return out.view(n, t, h, d).transpose(1, 2), lse.view(n, t, h).transpose(1, 2)
+def _ordered_sum(x: Tensor, dim: int) -> Tensor:
+    """``x`` summed over ``dim`` in place (``x`` is spent), in one fixed order: the first half of
+    the slices gets the last half added (an odd middle slice carried), until one is left. Each step
+    is one rounded add per element, so a sum's bits follow its own terms alone, not a reduction
+    kernel's blocking, vector width or threads (nor the rows beside it)."""
+    n = x.shape[dim]
+    while n > 1:
+        half = n // 2
+        x.narrow(dim, 0, half).add_(x.narrow(dim, n - half, half))
+        n -= half
+    return x.select(dim, 0)
 
 
-# The merge's weights are a softmax over rows 64 wide (the head's and the tail's log-sum-exp, then
+# The softmax over a query's head (its log-sum-exp) and its tail keys runs over rows 64 wide (then
 # -inf): ATen computes a softmax row by row, never splitting one between threads, and a 64-wide
 # float32 row is whole vectors on AVX2 and AVX-512, so a query's weights do not depend on the rows
-# beside it; the rest is exactly rounded products and one sum.
+# beside it (a vector exp and a scalar one may round apart). The rest is exactly rounded products
+# and :func:`_ordered_sum`.
 _MERGE_WIDTH = 64
 
 
-def merge_tail(head_out: Tensor, head_lse: Tensor, tail_out: Tensor, tail_lse: Tensor, has_head: Tensor) -> Tensor:
-    """Attention over a query's head and its tail from the two parts' outputs [N, H, T, D] and
-    log-sum-exps [N, H, T] (the head only where ``has_head`` [N, T]). Compiled, an opaque op
-    (:func:`_merge_tail_op`) runs these very ops (inductor would generate its own exp and sums);
-    eager, they run without the op's dispatch."""
+def with_tail(q: Tensor, tail_k: Tensor, tail_v: Tensor, valid: Tensor, head_out: Tensor, head_lse: Tensor,
+              has_head: Tensor, scale: float) -> Tensor:
+    """Attention over each query's head and tail: the head as the kernel's output and log-sum-exp
+    (head_out [N, H, T, Dh], head_lse [N, H, T]; only where ``has_head`` [N, T]), the tail as its
+    keys and values in order (tail_k / tail_v [N, T, H, W, Dh], slots ``valid`` [N, T, W]), in
+    float32 with no kernel: a query's tail costs a few elementwise ops, not a kernel call of its
+    own. Compiled, an opaque op (:func:`_with_tail_op`) runs these very ops (inductor would fuse
+    its own products, exps and sums); eager, they run without the op's dispatch."""
     if torch.compiler.is_compiling():
-        return _merge_tail_op(head_out, head_lse, tail_out, tail_lse, has_head)
-    return _merge_tail(head_out, head_lse, tail_out, tail_lse, has_head)
+        return _with_tail_op(q, tail_k, tail_v, valid, head_out, head_lse, has_head, scale)
+    return _with_tail(q, tail_k, tail_v, valid, head_out, head_lse, has_head, scale)
 
 
-def _merge_tail(head_out: Tensor, head_lse: Tensor, tail_out: Tensor, tail_lse: Tensor, has_head: Tensor) -> Tensor:
-    no_head = ~has_head[:, None]  # [N, 1, T]
-    logits = torch.stack([head_lse.float().masked_fill(no_head, float("-inf")), tail_lse.float()], -1)
-    weights = torch.softmax(F.pad(logits, (0, _MERGE_WIDTH - 2), value=float("-inf")), -1)
-    head = head_out.float().masked_fill(no_head[..., None], 0.0)  # a keyless query's output may be NaN
-    out = weights[..., 0, None] * head + weights[..., 1, None] * tail_out.float()
-    return out.to(tail_out.dtype).contiguous()
+def _with_tail(q: Tensor, tail_k: Tensor, tail_v: Tensor, valid: Tensor, head_out: Tensor, head_lse: Tensor,
+               has_head: Tensor, scale: float) -> Tensor:
+    w = tail_k.shape[3]
+    assert w < _MERGE_WIDTH, f"a tail of {w} keys does not fit a {_MERGE_WIDTH}-wide softmax row"
+    no_head = ~has_head[..., None]  # [N, T, 1]
+    products = q.transpose(1, 2)[:, :, :, None].float() * tail_k.float()  # [N, T, H, W, Dh]
+    scores = (_ordered_sum(products, -1) * scale).masked_fill(~valid[:, :, None], float("-inf"))
+    head_logit = head_lse.float().transpose(1, 2).masked_fill(no_head, float("-inf"))  # [N, T, H]
+    logits = torch.cat([head_logit[..., None], scores], -1)
+    weights = torch.softmax(F.pad(logits, (0, _MERGE_WIDTH - 1 - w), value=float("-inf")), -1)
+    tail = _ordered_sum(weights[..., 1 : 1 + w, None] * tail_v.float(), -2)  # [N, T, H, Dh]
+    head = head_out.float().transpose(1, 2).masked_fill(no_head[..., None], 0.0)  # a keyless query's may be NaN
+    out = weights[..., :1] * head + tail
+    return out.transpose(1, 2).to(q.dtype).contiguous()
 
 
-_merge_tail_op = torch.library.custom_op("lantern::merge_tail", _merge_tail, mutates_args=())
+_with_tail_op = torch.library.custom_op("lantern::with_tail", _with_tail, mutates_args=())
 
 
-@_merge_tail_op.register_fake
-def _(head_out: Tensor, head_lse: Tensor, tail_out: Tensor, tail_lse: Tensor, has_head: Tensor) -> Tensor:
-    return torch.empty_like(tail_out, memory_format=torch.contiguous_format)
+@_with_tail_op.register_fake
+def _(q: Tensor, tail_k: Tensor, tail_v: Tensor, valid: Tensor, head_out: Tensor, head_lse: Tensor,
+      has_head: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
