@@ -14,7 +14,7 @@ end-to-end, float-level and decoder tests (the planted ones test the probe's log
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ from lantern.decoding.cache import KVCache
 from lantern.decoding.config import SamplingConfig
 from lantern.methods import METHOD_TABLE
 from lantern.models import attention, invariant
-from lantern.models.attention import attend, split_tail
+from lantern.models.attention import attend, side_by_side, split_tail
 from lantern.models.chameleon import ChameleonLM
 from lantern.models.invariant import AttentionCalls, attention_calls, key_granule, make_batch_invariant, round_up
 
@@ -47,14 +47,58 @@ def bf16_ar(bf16_pipe: lantern.Pipeline) -> Tensor:
     return bf16_pipe(labels=LABELS, method="ar", temperature=0, seed=0).codes
 
 
+@pytest.fixture
+def heads_apart(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Every forward's count of queries whose head (the keys the kernel sums) is not one run side
+    by side (:func:`side_by_side`), one entry per split of a mask, while the test runs."""
+    counts: list[int] = []
+
+    def recorded(mask: Tensor, tail: int) -> tuple[Tensor, Tensor, Tensor]:
+        head, index, valid = split_tail(mask, tail)
+        counts.append(int((~side_by_side(head)).sum()))
+        return head, index, valid
+
+    monkeypatch.setattr(attention, "split_tail", recorded)
+    attention._last_split.clear()  # a split kept from before would not be recorded
+    yield counts
+    attention._last_split.clear()
+
+
 @pytest.mark.invariance
 @pytest.mark.parametrize("method", LOSSLESS)
 def test_greedy_lossless_methods_reproduce_greedy_ar_in_bfloat16(bf16_pipe: lantern.Pipeline, bf16_ar: Tensor,
-                                                                  method: str) -> None:
-    """Token for token, every row (before batch-invariant attention, 7 of 8 ``sd`` rows parted)."""
+                                                                  method: str, heads_apart: list[int]) -> None:
+    """Token for token, every row (before batch-invariant attention, 7 of 8 ``sd`` rows parted).
+    And by construction, not only where this machine's kernel sums keys in one order: every query
+    of every forward hands the kernel a head side by side, as in an AR step (on a kernel that tiles
+    keys, ATen's with AMX, a head with a gap rounds apart: one ``sjd-pac`` row in 8 left AR)."""
     codes = bf16_pipe(labels=LABELS, method=method, temperature=0, seed=0).codes
     differ = [i for i in range(len(LABELS)) if not torch.equal(codes[i], bf16_ar[i])]
     assert not differ, f"{method}: rows {differ} left greedy AR"
+    assert heads_apart and sum(heads_apart) == 0, f"{method}: {sum(heads_apart)} queries' heads have gaps"
+
+
+def test_the_head_check_sees_a_branch_that_runs_past_the_tail(bf16_pipe: lantern.Pipeline,
+                                                               heads_apart: list[int]) -> None:
+    """Power of the check above: a fork at the root, then a chain (``[[1], [0], [0, 0], ...]``). A
+    node ``d`` deep has its root and first child side by side, then ``d - 1`` keys past a sibling's
+    slot: the tail of 16 takes them all to ``d`` 17, and at 18 one key stays in the head, past the
+    gap (and every default tree of every lossless method is held to it above)."""
+    assert invariant.TAIL_KEYS == 16
+    for depth, apart in ((17, False), (18, True)):
+        heads_apart.clear()
+        tree = [[1]] + [[0] * d for d in range(1, depth + 1)]
+        bf16_pipe(labels=[1], method="sd", tree=tree, temperature=0, seed=0)
+        assert heads_apart and (sum(heads_apart) > 0) == apart, (depth, sum(heads_apart))
+
+
+def test_side_by_side_is_one_run_of_keys() -> None:
+    heads = torch.tensor([[1, 1, 1, 0, 0],   # an AR step's head: slots 0 .. 2
+                          [0, 1, 1, 1, 0],   # after a prompt's left padding
+                          [1, 1, 0, 1, 0],   # a sibling's slot left out
+                          [0, 0, 0, 0, 0],   # no head (every key in the tail)
+                          [0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert side_by_side(heads[None]).tolist() == [[True, True, False, True, True]]
 
 
 @pytest.mark.invariance

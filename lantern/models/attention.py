@@ -123,6 +123,23 @@ def split_tail(mask: Tensor, tail: int) -> tuple[Tensor, Tensor, Tensor]:
     return head, index.clamp(max=mask.shape[-1] - 1), valid
 
 
+def side_by_side(head: Tensor) -> Tensor:
+    """Whether each query's head [N, T, S] (:func:`split_tail`'s) is one run of keys side by side,
+    no slot between its first and last left out, as every query's is in an AR step (a prompt's
+    left padding only moves where the run starts) [N, T] (bool): then the kernel sums a tree node's
+    head as it sums the AR step's, at the same slots. A node's keys lie side by side up to the
+    first slot that holds another branch's node; the tail must take every key past that gap
+    (``--tree`` ``[[1], [0], [0, 0], ...]``, a fork at the root and a chain below: a node ``d`` deep
+    has ``d - 1`` such keys, so a tail of 16 covers it to ``d`` 17; a chain of any length has none).
+    The tests hold every lossless method's forwards to it, so that greedy = AR rests on the layout
+    on any CPU, not on a kernel that happens not to tile keys."""
+    slots = torch.arange(head.shape[-1], device=head.device)
+    first = torch.where(head, slots, head.shape[-1]).amin(-1)
+    last = torch.where(head, slots, -1).amax(-1)
+    count = head.sum(-1)
+    return (count == 0) | (last - first + 1 == count)
+
+
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     """x [N, H, S, Dh] at index [N, T, W] -> [N * T, H, W, Dh] (one row per query): whole Dh-rows
     picked out of x's storage by one ``index_select`` (a cache's keys are a slice of it; ``gather``

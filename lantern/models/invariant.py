@@ -312,8 +312,9 @@ ATTENTION_ROW_COUNTS = (2, 3, 8)
 # A query's last attended keys computed apart from the rest (``lantern.models.attention``): a tree
 # puts a node's ancestors between its siblings, so the same keys sit at other cache slots than in
 # an AR step, and a kernel that sums keys in tiles rounds them apart (measured: ATen's CPU kernel
-# with AMX, bfloat16, one greedy `sjd-pac` row on `digits` in 8). A tree whose branches run fewer
-# than 16 tokens below their first fork is covered (`sjd-pac`'s run 2 deep, EAGLE's default 4).
+# with AMX, bfloat16, one greedy `sjd-pac` row on `digits` in 8). A node whose keys past the first
+# slot of another branch number at most 16 is covered (`sjd-pac`'s run 2 deep, EAGLE's default 4;
+# `attention.side_by_side`, which the greedy tests hold every lossless method's forwards to).
 # 16, not more: the tail's elementwise ops cost per query and key (a 16 x 35-query float32 layer
 # on photos' 4 x 64 heads: 22 ms with it, 11 ms without). CUDA keeps one kernel call until a
 # device run checks the tail path there.
