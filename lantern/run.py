@@ -292,7 +292,7 @@ def prepare_method(
     compile: None / "off" (eager), "auto" or a torch.compile mode (``lantern.decoding.compiling``): the
     target step, the drafter steps and the acceptance run compiled, AR included.
     """
-    from lantern.drafters.checks import check_tree_fits
+    from lantern.drafters.checks import check_tree_fits, warn_if_the_tail_is_outrun
 
     parts = parts_of(stack, parts)
     check_group_fits(method, stack.vocab_size)
@@ -303,6 +303,7 @@ def prepare_method(
         check_pjd_fits(method.pjd, stack.num_tokens // stack.grid_width, stack.grid_width)
     elif method.tree.kind != "none":
         check_tree_fits(method.tree, stack.num_tokens)
+        warn_if_the_tail_is_outrun(method.tree, stack.network())
         drafter = parts.drafter(method.method)
     acceptance, resolved = load_acceptance(method, parts)
     return PreparedMethod(stack, resolved, sampling, drafter, acceptance, resolve_compile(compile, stack.device))

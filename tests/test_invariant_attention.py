@@ -14,6 +14,7 @@ end-to-end, float-level and decoder tests (the planted ones test the probe's log
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,10 @@ from torch import Tensor
 
 import lantern
 from lantern.decoding.cache import KVCache
-from lantern.decoding.config import SamplingConfig
+from lantern.decoding.config import SamplingConfig, TreeConfig
+from lantern.decoding.trees import keys_past_first_gap, static_tree
+from lantern.drafters.checks import warn_if_the_tail_is_outrun
+from lantern.io import LanternWarning
 from lantern.methods import METHOD_TABLE
 from lantern.models import attention, invariant
 from lantern.models.attention import attend, side_by_side, split_tail
@@ -83,13 +87,24 @@ def test_the_head_check_sees_a_branch_that_runs_past_the_tail(bf16_pipe: lantern
     """Power of the check above: a fork at the root, then a chain (``[[1], [0], [0, 0], ...]``). A
     node ``d`` deep has its root and first child side by side, then ``d - 1`` keys past a sibling's
     slot: the tail of 16 takes them all to ``d`` 17, and at 18 one key stays in the head, past the
-    gap (and every default tree of every lossless method is held to it above)."""
+    gap (and every default tree of every lossless method is held to it above).
+    Such a tree is counted from its shape when a method is prepared (``keys_past_first_gap``), and
+    in deterministic mode the user is warned that greedy = AR no longer holds (the default mode,
+    which promises no such thing, says nothing)."""
     assert invariant.TAIL_KEYS == 16
     for depth, apart in ((17, False), (18, True)):
         heads_apart.clear()
         tree = [[1]] + [[0] * d for d in range(1, depth + 1)]
-        bf16_pipe(labels=[1], method="sd", tree=tree, temperature=0, seed=0)
+        assert keys_past_first_gap(static_tree(tree).buffers.mask) == depth - 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bf16_pipe(labels=[1], method="sd", tree=tree, temperature=0, seed=0)
         assert heads_apart and (sum(heads_apart) > 0) == apart, (depth, sum(heads_apart))
+        warned = [str(w.message) for w in caught if issubclass(w.category, LanternWarning)]
+        assert len(warned) == apart and all(f"a node keeps {depth - 1} keys past" in w for w in warned), warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_the_tail_is_outrun(TreeConfig.from_choices(tree), lantern.load("digits").stack.network())
 
 
 def test_side_by_side_is_one_run_of_keys() -> None:

@@ -335,6 +335,16 @@ def _lexsort_rows(key: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def keys_past_first_gap(mask: Tensor) -> int:
+    """The most keys a node of the trees ``mask`` [B, T, T] (ancestors and self, in node order)
+    attends past its run from the root, i.e. after the first slot that holds another branch's
+    node (a chain: none). Batch-invariant attention's tail must take them all, so that the keys
+    the kernel sums lie side by side as in an AR step (``lantern.models.attention.side_by_side``)."""
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    run = (mask.long().cumsum(-1) == slots + 1).sum(-1)  # j counted while keys 0 .. j are all attended
+    return int((mask.sum(-1) - run).max())
+
+
 @dataclass(frozen=True, eq=False)
 class StaticTree:
     """A named tree with target-side buffers and the drafter's sampling schedule.

@@ -75,6 +75,28 @@ def warn_if_trained_for_another_head(path: str | os.PathLike[str], head: torch.T
                       "accepted", LanternWarning, stacklevel=2)
 
 
+def warn_if_the_tail_is_outrun(tree: TreeConfig, network: torch.nn.Module) -> None:
+    """Deterministic mode on a CPU takes a query's last keys (the tail, 16) out of the attention
+    kernel, so that a tree node's kernel part lies side by side as in an AR step; a static tree
+    with a node that keeps more keys past the first slot of another branch (a fork, then a long
+    branch: a custom ``--tree``) outruns it. It still decodes, and a row's codes still do not depend
+    on its batch, but greedy decoding is no longer sure to give greedy AR's codes: a warning says so."""
+    import warnings
+
+    from lantern.decoding.trees import keys_past_first_gap, static_tree
+    from lantern.io import LanternWarning
+
+    tails = {calls.tail for m in network.modules() if (calls := getattr(m, "attention_calls", None)) is not None}
+    if tree.kind != "static" or not tails or not min(tails):  # chains have no gap; dynamic trees are 4 deep
+        return
+    tail, past = min(tails), keys_past_first_gap(static_tree(tree.fixed_choices()).buffers.mask)
+    if past > tail:
+        warnings.warn(f"--tree {tree.spec}: a node keeps {past} keys past the first slot of another branch, more than "
+                      f"the {tail} that deterministic attention takes out of the kernel: it runs, and a row's codes "
+                      f"do not depend on its batch, but greedy decoding may leave greedy AR's codes (a tree at most "
+                      f"{tail} deep is covered)", LanternWarning, stacklevel=2)
+
+
 def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
     """A tree whose depth reaches the number of image tokens can never be used in full.
 
