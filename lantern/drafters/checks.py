@@ -80,7 +80,9 @@ def warn_if_the_tail_is_outrun(tree: TreeConfig, network: torch.nn.Module) -> No
     kernel, so that a tree node's kernel part lies side by side as in an AR step; a static tree
     with a node that keeps more keys past the first slot of another branch (a fork, then a long
     branch: a custom ``--tree``) outruns it. It still decodes, and a row's codes still do not depend
-    on its batch, but greedy decoding is no longer sure to give greedy AR's codes: a warning says so."""
+    on its batch, but greedy decoding is no longer sure to give greedy AR's codes: a warning says so.
+    The count is the tree's own; a Chameleon-family row end can add a new-line key to a branch,
+    so the depth the warning names as safe is one less than the tail."""
     import warnings
 
     from lantern.decoding.trees import keys_past_first_gap, static_tree
@@ -94,7 +96,7 @@ def warn_if_the_tail_is_outrun(tree: TreeConfig, network: torch.nn.Module) -> No
         warnings.warn(f"--tree {tree.spec}: a node keeps {past} keys past the first slot of another branch, more than "
                       f"the {tail} that deterministic attention takes out of the kernel: it runs, and a row's codes "
                       f"do not depend on its batch, but greedy decoding may leave greedy AR's codes (a tree at most "
-                      f"{tail} deep is covered)", LanternWarning, stacklevel=2)
+                      f"{tail - 1} deep is always covered)", LanternWarning, stacklevel=2)
 
 
 def check_tree_fits(tree: TreeConfig, num_tokens: int) -> None:
